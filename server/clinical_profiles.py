@@ -1,0 +1,230 @@
+"""Clinical profiles (malocclusions), treatment strategies and their staging orders.
+
+A profile turns the ideal arch into an initial configuration by per-tooth
+displacements: a translation in the patient frame (mm) and a rotation vector in
+the crown's local frame (torque about x, tip about y, rotation about z; rad).
+Magnitudes by severity follow the clinical ranges of ENVIRONMENT.md §2
+(Little's irregularity index 1-3 / 4-6 / 7-9 mm; overbite 4-6 mm in deep bite).
+
+Each strategy is a staging order: ``STRATEGY_LEVELS[s][i]`` is the order in which
+tooth ``i`` (TOOTH_IDS order) should start moving, 0 first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from server.dental_constants import IS_UPPER, SIDE, TOOTH_NUMBER, TYPE_INDEX
+
+STRATEGIES: tuple[str, ...] = (
+    "anterior_first",
+    "distal_first",
+    "retraction_first",
+    "intrusion_first",
+    "expansion_first",
+)
+"""The five strategy names a plan may declare (the seed's prompt)."""
+
+PROFILES: tuple[str, ...] = ("crowding", "class_ii", "protrusion_spacing", "deep_bite", "mild_irregularity")
+
+OPTIMAL_STRATEGY: dict[str, str] = {
+    "crowding": "expansion_first",
+    "class_ii": "distal_first",
+    "protrusion_spacing": "retraction_first",
+    "deep_bite": "intrusion_first",
+    "mild_irregularity": "anterior_first",
+}
+NEUTRAL_STRATEGIES: dict[str, tuple[str, ...]] = {
+    "crowding": ("distal_first",),  # distalisation also gains arch length
+    "class_ii": ("expansion_first",),  # transverse expansion helps a Class II a little
+    "protrusion_spacing": ("anterior_first",),
+    "deep_bite": ("anterior_first",),
+    "mild_irregularity": ("retraction_first", "intrusion_first"),
+}
+"""Strategies that are clinically acceptable but not optimal; every other one is wrong."""
+
+# Staging order by FDI last digit 1..7 (same in both arches unless stated).
+_LEVELS_BY_NUMBER: dict[str, tuple[int, ...]] = {
+    "anterior_first": (0, 0, 1, 2, 2, 3, 3),  # align incisors, then canines, then posteriors
+    "expansion_first": (2, 2, 0, 0, 0, 1, 1),  # expand canines/premolars to gain space, then align incisors
+    "distal_first": (4, 4, 3, 2, 2, 1, 0),  # sequential distalisation from the second molars forward
+    "retraction_first": (1, 1, 0, 2, 2, 3, 3),  # retract canines into the spaces, then the incisors
+    "intrusion_first": (0, 0, 2, 1, 1, 3, 3),  # intrude incisors, level the curve of Spee, then the rest
+}
+STRATEGY_LEVELS: dict[str, np.ndarray] = {s: np.array(v)[TYPE_INDEX] for s, v in _LEVELS_BY_NUMBER.items()}
+"""(28,) staging order of each tooth under each strategy (0 starts first)."""
+
+SEVERITIES: tuple[str, ...] = ("mild", "moderate", "severe")
+
+
+@dataclass(frozen=True)
+class Displacement:
+    """Per-tooth malocclusion: translation (28, 3) mm, local rotation vector (28, 3) rad."""
+
+    translation: np.ndarray
+    rotation: np.ndarray
+
+    @classmethod
+    def zero(cls) -> Displacement:
+        return cls(np.zeros((28, 3)), np.zeros((28, 3)))
+
+    def __add__(self, other: Displacement) -> Displacement:
+        return Displacement(self.translation + other.translation, self.rotation + other.rotation)
+
+    def scaled(self, k: float) -> Displacement:
+        return Displacement(self.translation * k, self.rotation * k)
+
+
+def _teeth(numbers: tuple[int, ...], upper: bool | None = None) -> np.ndarray:
+    mask = np.isin(TOOTH_NUMBER, numbers)
+    if upper is not None:
+        mask &= upper == IS_UPPER
+    return mask
+
+
+def _range(rng: np.random.Generator, table: dict[str, tuple[float, float]], severity: str) -> float:
+    lo, hi = table[severity]
+    return float(rng.uniform(lo, hi))
+
+
+LITTLE_INDEX_MM: dict[str, tuple[float, float]] = {
+    "mild": (1.0, 3.0),
+    "moderate": (4.0, 6.0),
+    "severe": (7.0, 9.0),
+}
+"""Lower anterior irregularity (Little 1975) that the crowding profile aims at."""
+CLASS_II_MM: dict[str, tuple[float, float]] = {
+    "mild": (1.5, 2.5),
+    "moderate": (2.5, 3.5),
+    "severe": (3.5, 4.5),
+}
+"""Mesial displacement of the upper buccal segments (a full cusp is ~7 mm)."""
+SPACING_MM: dict[str, tuple[float, float]] = {
+    "mild": (1.0, 2.0),
+    "moderate": (2.0, 4.0),
+    "severe": (4.0, 6.0),
+}
+"""Upper anterior spacing the protrusion profile aims at."""
+OVERBITE_MM: dict[str, tuple[float, float]] = {
+    "mild": (3.5, 4.0),
+    "moderate": (4.0, 5.0),
+    "severe": (5.0, 6.0),
+}
+"""Deep-bite overbite (ideal 2-3 mm)."""
+ROTATION_DEG: dict[str, tuple[float, float]] = {
+    "mild": (4.0, 8.0),
+    "moderate": (8.0, 14.0),
+    "severe": (12.0, 20.0),
+}
+"""Rotations of irregular teeth about their long axes."""
+
+
+def crowding(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Displacement:
+    """Arch-length deficit: constricted buccal segments, blocked-out and rotated incisors."""
+    d = Displacement.zero()
+    labial = frames[:, 1]  # (28, 3) local y in the patient frame
+    arches = (False,) if severity == "mild" else (False, True)
+    for upper in arches:
+        deficit = _range(rng, LITTLE_INDEX_MM, severity) * (0.8 if upper else 1.0)
+        delta = 0.22 * deficit
+        for number, share in ((3, 0.8), (4, 1.0), (5, 1.0), (6, 0.5), (7, 0.3)):
+            m = _teeth((number,), upper)
+            d.translation[m, 0] -= SIDE[m] * delta * share
+        for number, bl, rot in ((1, -0.06, 1.0), (2, 0.2, 1.5), (3, 0.1, 0.6)):
+            m = np.flatnonzero(_teeth((number,), upper))
+            sign = rng.choice([-1.0, 1.0], size=m.size)
+            d.translation[m] += labial[m] * (bl * deficit * rng.uniform(0.8, 1.2, m.size))[:, None]
+            d.rotation[m, 2] += np.radians(rot * deficit) * sign * rng.uniform(0.7, 1.0, m.size)
+    return d
+
+
+def class_ii(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Displacement:
+    """Distal molar relation: upper arch mesial by m mm, proclined upper incisors (overjet)."""
+    d = Displacement.zero()
+    m = _range(rng, CLASS_II_MM, severity)
+    upper = IS_UPPER
+    d.translation[upper, 1] += m
+    incisors = _teeth((1, 2), True)
+    d.translation[incisors, 1] += rng.uniform(0.3, 0.8)
+    d.rotation[incisors, 0] += np.radians(rng.uniform(3.0, 7.0))
+    return d
+
+
+def protrusion_spacing(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Displacement:
+    """Proclined, spaced anteriors: labial flaring of incisors (and canines) opens contacts."""
+    d = Displacement.zero()
+    labial = frames[:, 1]
+    arches = (True,) if severity == "mild" else (True, False)
+    numbers = (1, 2) if severity == "mild" else (1, 2, 3)
+    for upper in arches:
+        spacing = _range(rng, SPACING_MM, severity) * (1.0 if upper else 0.6)
+        for number in numbers:
+            share = {1: 1.0, 2: 0.85, 3: 0.45}[number]
+            m = _teeth((number,), upper)
+            d.translation[m] += labial[m] * 0.45 * spacing * share
+            if number < 3:
+                d.rotation[m, 0] += np.radians(rng.uniform(4.0, 9.0))
+    return d
+
+
+def deep_bite(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Displacement:
+    """Deep overbite: extruded incisors, deep curve of Spee, retroclined upper incisors."""
+    d = Displacement.zero()
+    extra = _range(rng, OVERBITE_MM, severity) - 2.5
+    up_inc = _teeth((1, 2), True)
+    lo_inc = _teeth((1, 2), False)
+    d.translation[up_inc, 2] -= 0.5 * extra
+    d.translation[lo_inc, 2] += 0.5 * extra
+    if severity != "mild":
+        d.translation[_teeth((3,), False), 2] += 0.2 * extra
+        spee = 0.6 * extra
+        d.translation[_teeth((4, 5)), 2] -= spee
+        d.rotation[up_inc, 0] -= np.radians(rng.uniform(3.0, 7.0))
+    return d
+
+
+def mild_irregularity(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Displacement:
+    """Class I with rotations and minor buccolingual misalignment of a few teeth."""
+    d = Displacement.zero()
+    labial = frames[:, 1]
+    pool = np.flatnonzero(_teeth((1, 2, 3)) if severity == "mild" else _teeth((1, 2, 3, 4, 5)))
+    count = {"mild": (2, 5), "moderate": (4, 9), "severe": (6, 11)}[severity]
+    chosen = rng.choice(pool, size=int(rng.integers(*count)), replace=False)
+    lo, hi = ROTATION_DEG[severity]
+    n = chosen.size
+    d.rotation[chosen, 2] += np.radians(rng.uniform(lo, hi, n)) * rng.choice([-1.0, 1.0], n)
+    d.rotation[chosen, 1] += np.radians(rng.uniform(1.0, 4.0, n)) * rng.choice([-1.0, 1.0], n)
+    d.translation[chosen] += labial[chosen] * (rng.uniform(0.2, 0.8, n) * rng.choice([-1.0, 1.0], n))[:, None]
+    return d
+
+
+PROFILE_GENERATORS: dict[str, Callable[[np.random.Generator, str, np.ndarray], Displacement]] = {
+    "crowding": crowding,
+    "class_ii": class_ii,
+    "protrusion_spacing": protrusion_spacing,
+    "deep_bite": deep_bite,
+    "mild_irregularity": mild_irregularity,
+}
+
+SECONDARY_PROFILES: dict[str, tuple[str, ...]] = {
+    "crowding": ("deep_bite", "class_ii", "mild_irregularity"),
+    "class_ii": ("deep_bite", "crowding", "mild_irregularity"),
+    "protrusion_spacing": ("deep_bite", "mild_irregularity"),
+    "deep_bite": ("crowding", "class_ii", "mild_irregularity"),
+    "mild_irregularity": ("deep_bite", "protrusion_spacing"),
+}
+"""Profiles that combine with a primary one on task_hard (the primary sets the strategy)."""
+SECONDARY_SCALE: float = 0.5
+"""A hard case's secondary profile is drawn 'moderate' and applied at this scale."""
+
+
+def strategy_multiplier_class(profile: str, strategy: str | None) -> str:
+    """'optimal', 'neutral' or 'wrong' for a declared strategy (None/unknown: 'neutral')."""
+    if strategy not in STRATEGIES:
+        return "neutral"
+    if strategy == OPTIMAL_STRATEGY[profile]:
+        return "optimal"
+    return "neutral" if strategy in NEUTRAL_STRATEGIES[profile] else "wrong"

@@ -1,0 +1,208 @@
+"""Clinical constants of the aligner-staging simulation — the one place each number lives.
+
+Coordinate frame (one patient frame for every tooth)
+----------------------------------------------------
+* ``x`` points to the patient's **left**, ``y`` **anterior** (towards the lips),
+  ``z`` **occlusal-up** (from the lower towards the upper jaw). Units: mm.
+* The occlusal plane is ``z = 0``: upper crowns sit above it, lower crowns below.
+* A pose is ``[qw, qx, qy, qz, tx, ty, tz]``: a unit quaternion (w first) for the
+  crown orientation and the crown centroid in mm.
+* Each crown has a local frame: local ``x`` = mesiodistal axis (pointing away
+  from the midline along the arch), local ``y`` = buccolingual axis (pointing
+  labially/buccally, out of the arch), local ``z`` = the patient's ``z``
+  rotated by the crown's tip and torque. Rotation errors are decomposed in this
+  frame: about local x = torque (inclination), about local y = tip
+  (angulation), about local z = rotation.
+
+Arrays indexed by tooth follow :data:`TOOTH_IDS` (FDI order 11-17, 21-27,
+31-37, 41-47). Per-type tables are indexed by the FDI last digit minus one
+(1 central incisor … 7 second molar).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+# --- Teeth and stages -------------------------------------------------------
+
+N_STAGES: int = 24
+"""Aligners in a treatment; stage 0 is the initial state, stage 24 the last aligner."""
+
+N_TEETH: int = 28
+POSE_DIM: int = 7
+
+TOOTH_IDS: tuple[int, ...] = (
+    *range(11, 18),
+    *range(21, 28),
+    *range(31, 38),
+    *range(41, 48),
+)
+"""FDI ids in array order; third molars are out of scope."""
+
+TOOTH_INDEX: dict[int, int] = {fdi: i for i, fdi in enumerate(TOOTH_IDS)}
+
+_FDI = np.array(TOOTH_IDS)
+QUADRANT: np.ndarray = _FDI // 10  # 1 upper right, 2 upper left, 3 lower left, 4 lower right
+TOOTH_NUMBER: np.ndarray = _FDI % 10  # 1..7
+TYPE_INDEX: np.ndarray = TOOTH_NUMBER - 1  # 0..6, indexes the per-type tables below
+IS_UPPER: np.ndarray = QUADRANT <= 2
+SIDE: np.ndarray = np.where((QUADRANT == 2) | (QUADRANT == 3), 1.0, -1.0)  # +1 patient's left
+
+TOOTH_CLASSES: tuple[str, ...] = ("incisor", "canine", "premolar", "molar")
+CLASS_OF_NUMBER: tuple[int, ...] = (0, 0, 1, 2, 2, 3, 3)
+"""Tooth class (index into TOOTH_CLASSES) of FDI last digits 1..7."""
+TOOTH_CLASS: np.ndarray = np.array(CLASS_OF_NUMBER)[TYPE_INDEX]
+IS_INCISOR: np.ndarray = TOOTH_CLASS == 0
+IS_MOLAR: np.ndarray = TOOTH_CLASS == 3
+
+# --- Per-stage movement limits ------------------------------------------------
+
+MAX_TRANSLATION_MM: float = 0.25
+"""Translation per tooth per stage (aligner design rule; vendor default, ArchForm)."""
+MAX_ROTATION_DEG: float = 2.0
+"""Rotation per tooth per stage (aligner design rule; vendor default, ArchForm)."""
+LIMIT_TOLERANCE: float = 0.05
+"""Relative slack before an increment counts as a violation (numerical tolerance)."""
+MM_PER_DEG: float = MAX_TRANSLATION_MM / MAX_ROTATION_DEG
+"""Exchange rate between rotation and translation used in combined distances:
+one per-stage rotation limit weighs as much as one per-stage translation limit."""
+
+FEASIBLE_TRANSLATION_MM: float = 5.5
+"""Case generator cap on a tooth's total translation (< 24 x 0.25 = 6 mm), so every
+case is reachable by uniform SLERP within the limits, with margin."""
+FEASIBLE_ROTATION_DEG: float = 44.0
+"""Case generator cap on a tooth's total rotation (< 24 x 2 = 48 deg)."""
+
+# --- Crown dimensions (Wheeler's Dental Anatomy, mean values) -------------------
+
+UPPER_CROWN_WIDTH_MM: np.ndarray = np.array([8.5, 6.5, 7.5, 7.0, 7.0, 10.0, 9.0])
+"""Mesiodistal crown widths, upper teeth 1..7 (Wheeler)."""
+LOWER_CROWN_WIDTH_MM: np.ndarray = np.array([5.0, 5.5, 7.0, 7.0, 7.0, 11.0, 10.5])
+"""Mesiodistal crown widths, lower teeth 1..7 (Wheeler)."""
+UPPER_CROWN_DEPTH_MM: np.ndarray = np.array([3.5, 3.0, 5.5, 8.0, 8.0, 10.0, 9.5])
+"""Buccolingual crown thickness at the contact level, upper 1..7 (mm). Model values:
+Wheeler's buccolingual diameters for premolars and molars; for incisors and canines
+the thinner incisal third, where their contacts are, rather than the cervical 6-8 mm."""
+LOWER_CROWN_DEPTH_MM: np.ndarray = np.array([3.0, 3.0, 5.0, 7.0, 7.5, 9.5, 9.0])
+"""Buccolingual crown thickness at the contact level, lower 1..7 (mm); as above."""
+UPPER_CROWN_HEIGHT_MM: np.ndarray = np.array([10.5, 9.0, 10.0, 8.5, 7.5, 7.5, 7.0])
+"""Crown heights (cervical line to incisal edge / cusp tip), upper 1..7 (Wheeler)."""
+LOWER_CROWN_HEIGHT_MM: np.ndarray = np.array([9.0, 9.5, 11.0, 8.5, 8.0, 7.5, 7.0])
+"""Crown heights, lower 1..7 (Wheeler)."""
+
+BOLTON_OVERALL: float = 0.913
+"""Bolton overall ratio, lower/upper sum of widths of teeth 1-6 (Bolton 1958)."""
+BOLTON_ANTERIOR: float = 0.772
+"""Bolton anterior ratio, lower/upper sum of widths of teeth 1-3 (Bolton 1958)."""
+
+# --- Arch dimensions (Class I norms) -------------------------------------------
+
+INTERCANINE_WIDTH_MM: dict[str, tuple[float, float]] = {"upper": (35.4, 1.5), "lower": (26.9, 1.6)}
+"""Intercanine width, mean and SD (Class I norms)."""
+INTERMOLAR_WIDTH_MM: dict[str, tuple[float, float]] = {"upper": (53.8, 2.8), "lower": (51.7, 2.6)}
+"""Intermolar width, mean and SD (Class I norms)."""
+ARCH_FORM_EXPONENT: float = 0.8
+"""Exponent of the beta-function arch form y = D (1 - (2x/W)^2)^0.8 (Braun 1998)."""
+
+# --- Occlusion ideals (ABO; Andrews 1972) ----------------------------------------
+
+IDEAL_OVERJET_MM: tuple[float, float] = (2.0, 3.0)
+"""Ideal overjet range (ABO)."""
+IDEAL_OVERBITE_MM: tuple[float, float] = (2.0, 3.0)
+"""Ideal overbite range (ABO)."""
+MAX_CURVE_OF_SPEE_MM: float = 1.5
+"""Ideal curve of Spee depth at most (Andrews 1972)."""
+CLASS_I_MOLAR_OFFSET_MM: float = 2.0
+"""Class I: the upper first molar's crown centroid lies this far distal (-y) of the
+lower first molar's, i.e. its mesiobuccal cusp sits in the lower buccal groove
+(Angle 1899; Andrews key I). A model value of the simulation."""
+CUSP_WIDTH_MM: float = 7.0
+"""One premolar width: a full-cusp Class II molar relation (Angle)."""
+
+# Andrews straight-wire prescription: (tip, torque) in degrees, teeth 1..7.
+UPPER_TIP_DEG: np.ndarray = np.array([5.0, 9.0, 11.0, 2.0, 2.0, 5.0, 5.0])
+UPPER_TORQUE_DEG: np.ndarray = np.array([7.0, 3.0, -7.0, -7.0, -7.0, -9.0, -9.0])
+LOWER_TIP_DEG: np.ndarray = np.array([2.0, 2.0, 5.0, 2.0, 2.0, 2.0, 2.0])
+LOWER_TORQUE_DEG: np.ndarray = np.array([-1.0, -1.0, -11.0, -17.0, -22.0, -30.0, -35.0])
+"""Andrews straight-wire tip/torque prescription (Andrews 1972/1976)."""
+
+# --- Periodontal ligament ---------------------------------------------------------
+
+UPPER_ROOT_AREA_MM2: np.ndarray = np.array([204.0, 179.0, 273.0, 234.0, 220.0, 433.0, 431.0])
+LOWER_ROOT_AREA_MM2: np.ndarray = np.array([162.0, 175.0, 266.0, 197.0, 204.0, 431.0, 426.0])
+"""Root surface areas, teeth 1..7 (Jepsen 1963; order of magnitude confirmed by
+Mowry 2002: incisors 160-205, canines ~270, premolars 180-270, molars ~430 mm2)."""
+
+PDL_OPTIMAL_KPA: tuple[float, float] = (2.0, 2.6)
+"""Optimal orthodontic PDL pressure band (Schwarz 1932: ~ capillary pressure)."""
+PDL_CRITICAL_KPA: float = 4.7
+"""PDL pressure above which hyalinisation/root resorption risk is high (Schwarz 1932)."""
+ALIGNER_FORCE_N_PER_MM: float = 1.06
+ALIGNER_FORCE_N_PER_DEG: float = 0.1325
+"""Aligner force per unit of aligner/tooth mismatch (N/mm, N/deg). Calibrated, not
+measured: a mismatch at both per-stage limits (0.25 mm + 2 deg) gives 0.53 N, i.e.
+2.6 kPa on an upper central incisor (204 mm2) - the top of Schwarz's optimal band -
+so the limits are safe for every tooth and twice the limits exceeds 4.7 kPa on
+incisors. Published aligner forces for 0.2-0.25 mm activations are 0.5-2 N."""
+
+# --- Force decay (pharmacokinetic) ------------------------------------------------
+
+# Share of the aligner/tooth gap expressed per stage (first-order lag), by class
+# (incisor, canine, premolar, molar); midpoints of the published ranges.
+EXPRESSION_TRANSLATION: np.ndarray = np.array([0.625, 0.5, 0.6, 0.6])
+"""Buccolingual/mesiodistal translation (Kravitz 2009; Haouili 2020)."""
+EXPRESSION_ROTATION: np.ndarray = np.array([0.6, 0.425, 0.5, 0.75])
+"""Rotation about the long axis (Kravitz 2008; Koletsi 2021)."""
+EXPRESSION_TIP: np.ndarray = np.array([0.6, 0.385, 0.875, 0.85])
+"""Mesiodistal tip; also used for torque, which the table does not list (Lombardo 2017)."""
+EXPRESSION_INTRUSION: np.ndarray = np.array([0.425, 0.4, 0.5, 0.5])
+"""Intrusion (Rossini 2015)."""
+EXPRESSION_EXTRUSION: np.ndarray = np.array([0.325, 0.3, 0.4, 0.4])
+"""Extrusion (Kravitz 2009; Rossini 2015)."""
+FORCE_DECAY_TAU_H: float = 3.0
+FORCE_DECAY_PLATEAU: float = 0.45
+"""F(t) = F0 (f_inf + (1 - f_inf) exp(-t / tau)), tau ~ 2-4 h, f_inf ~ 0.4-0.5 at 24 h
+(Lombardo 2017; Chen 2023). The expression fractions above already integrate this
+decay over one aligner's wear; the curve is kept for reporting mean delivered force."""
+
+# --- Plan semantics ----------------------------------------------------------------
+
+PRIORITY_START_STAGE: dict[str, int] = {"high": 1, "medium": 7, "low": 13}
+"""Stage at which a plan group starts moving, by priority."""
+DEFAULT_PRIORITY: str = "high"
+
+
+def per_tooth(upper: np.ndarray, lower: np.ndarray) -> np.ndarray:
+    """Expand two per-type tables (teeth 1..7) to a (28,) array in TOOTH_IDS order."""
+    return np.where(IS_UPPER, np.asarray(upper)[TYPE_INDEX], np.asarray(lower)[TYPE_INDEX])
+
+
+CROWN_WIDTH_MM: np.ndarray = per_tooth(UPPER_CROWN_WIDTH_MM, LOWER_CROWN_WIDTH_MM)
+CROWN_DEPTH_MM: np.ndarray = per_tooth(UPPER_CROWN_DEPTH_MM, LOWER_CROWN_DEPTH_MM)
+CROWN_HEIGHT_MM: np.ndarray = per_tooth(UPPER_CROWN_HEIGHT_MM, LOWER_CROWN_HEIGHT_MM)
+ROOT_AREA_MM2: np.ndarray = per_tooth(UPPER_ROOT_AREA_MM2, LOWER_ROOT_AREA_MM2)
+TIP_DEG: np.ndarray = per_tooth(UPPER_TIP_DEG, LOWER_TIP_DEG)
+TORQUE_DEG: np.ndarray = per_tooth(UPPER_TORQUE_DEG, LOWER_TORQUE_DEG)
+
+
+def _adjacent_pairs() -> np.ndarray:
+    """Adjacent teeth along each arch, distal to distal: 17-16-...-11-21-...-27, same below."""
+    pairs = []
+    for right, left in ((1, 2), (4, 3)):
+        row = [right * 10 + n for n in range(7, 0, -1)] + [left * 10 + n for n in range(1, 8)]
+        pairs += [(TOOTH_INDEX[a], TOOTH_INDEX[b]) for a, b in itertools.pairwise(row)]
+    return np.array(pairs)
+
+
+ADJACENT_PAIRS: np.ndarray = _adjacent_pairs()
+"""(26, 2) indices of neighbouring teeth (13 contacts per arch)."""
+ANTERIOR_CONTACTS: np.ndarray = np.array(
+    [k for k, (a, b) in enumerate(ADJACENT_PAIRS) if TOOTH_NUMBER[a] <= 3 and TOOTH_NUMBER[b] <= 3]
+)
+"""Indices into ADJACENT_PAIRS of the 5+5 canine-to-canine contacts (Little 1975)."""
+MIRROR_INDEX: np.ndarray = np.array(
+    [TOOTH_INDEX[{1: 2, 2: 1, 3: 4, 4: 3}[q] * 10 + n] for q, n in zip(QUADRANT, TOOTH_NUMBER)]
+)
+"""Index of each tooth's contralateral counterpart."""

@@ -1,0 +1,513 @@
+"""The stepwise aligner-staging environment and its session store.
+
+Contract (Gymnasium-like, keyed by episode):
+
+* ``reset(task_id, seed, force_decay, episode_id) -> observation`` starts an episode
+  at stage 0 (the initial configuration).
+* ``step(episode_id, poses, strategy=None) -> observation`` wears the next aligner:
+  ``poses`` (28 x 7, ``[qw, qx, qy, qz, tx, ty, tz]``, mm) is its shape. Under ideal
+  dynamics the teeth reach it; under force decay they lag (:mod:`server.dynamics`).
+  After stage 24 the episode is done and the observation carries the terminal
+  reward and every scoring component (:mod:`server.scoring`).
+* Tools: ``inspect_tooth``, ``simulate_step`` (no state change), ``check_collisions``,
+  ``commit_stage`` (= step), ``rollback_stage`` (at most 2 per episode; restores the
+  previous stage and its violation counters).
+* Plans: ``score_plan`` / ``score_plans`` score whole treatment plans
+  (:mod:`server.treatment`), vectorised.
+
+Observation (JSON-safe dict): ``episode_id, task_id, seed, force_decay,
+current_stage, stages_remaining, initial_config, current_config, target_config,
+per_tooth_progress {translation, rotation} (28 shares in [0, 1]), case_summary,
+step_reward, reward_breakdown, terminal_reward (None until done), done,
+violations {limits, collisions, pdl}``.
+
+Step reward: the stage's gain in accuracy (share of the required movement
+achieved) minus 0.05 x the share of teeth over the per-stage limits and 0.05 x
+the stage's collision severity. The terminal reward is the episode score.
+
+Sessions live in a thread-safe store bounded by an LRU cap and a TTL; an
+unknown, evicted or expired ``episode_id`` raises :class:`UnknownEpisodeError`.
+Bad poses raise :class:`InvalidActionError` naming the tooth and field, and leave
+the session unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from server.cases import TASK_IDS, Case, generate_case
+from server.clinical_profiles import STRATEGIES
+from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, penetration_mm
+from server.dental_constants import (
+    ADJACENT_PAIRS,
+    CROWN_HEIGHT_MM,
+    LIMIT_TOLERANCE,
+    MM_PER_DEG,
+    N_STAGES,
+    N_TEETH,
+    PDL_CRITICAL_KPA,
+    POSE_DIM,
+    ROOT_AREA_MM2,
+    TOOTH_CLASS,
+    TOOTH_CLASSES,
+    TOOTH_IDS,
+    TOOTH_INDEX,
+)
+from server.dynamics import express_stage
+from server.errors import InvalidActionError, UnknownEpisodeError
+from server.quaternion_utils import quaternion_angle
+from server.scoring import limit_ratio, pdl_stress_kpa, score_episodes
+from server.treatment import score_plans
+
+MAX_ROLLBACKS: int = 2
+POSE_FIELDS: tuple[str, ...] = ("qw", "qx", "qy", "qz", "tx", "ty", "tz")
+STEP_PENALTY: float = 0.05
+_TOOTH_POSITION = {i: fdi for i, fdi in enumerate(TOOTH_IDS)}
+
+
+def validate_poses(poses: object) -> np.ndarray:
+    """A (28, 7) float array from ``poses``, or InvalidActionError naming what is wrong.
+
+    Accepts a nested list/tuple of numbers or a numeric numpy array. Booleans,
+    strings, None, NaN and infinities are refused. Quaternions are normalised; a
+    zero quaternion is refused.
+    """
+    if isinstance(poses, np.ndarray):
+        if poses.dtype.kind not in "fiu":
+            raise InvalidActionError(f"poses must be numbers, got an array of dtype {poses.dtype}")
+        arr = poses.astype(np.float64)
+        if arr.shape != (N_TEETH, POSE_DIM):
+            raise InvalidActionError(
+                f"poses must have shape (28, 7) [teeth x {list(POSE_FIELDS)}], got {arr.shape}"
+            )
+    else:
+        if not isinstance(poses, (list, tuple)) or len(poses) != N_TEETH:
+            n = len(poses) if isinstance(poses, (list, tuple)) else type(poses).__name__
+            raise InvalidActionError(f"poses must be a list of 28 rows (one per tooth, FDI order), got {n}")
+        for i, row in enumerate(poses):
+            if not isinstance(row, (list, tuple)) or len(row) != POSE_DIM:
+                got = len(row) if isinstance(row, (list, tuple)) else type(row).__name__
+                raise InvalidActionError(
+                    f"tooth {_TOOTH_POSITION[i]} (row {i}): a pose has 7 numbers {list(POSE_FIELDS)}, got {got}"
+                )
+            for j, v in enumerate(row):
+                if type(v) not in (float, int) and not isinstance(v, (np.floating, np.integer)):
+                    raise InvalidActionError(
+                        f"tooth {_TOOTH_POSITION[i]} field {POSE_FIELDS[j]}: expected a number, "
+                        f"got {type(v).__name__} {v!r:.40}"
+                    )
+        arr = np.array(poses, dtype=np.float64)
+    finite = np.isfinite(arr)
+    if not finite.all():
+        i, j = np.argwhere(~finite)[0]
+        raise InvalidActionError(
+            f"tooth {_TOOTH_POSITION[int(i)]} field {POSE_FIELDS[j]}: {arr[i, j]} is not a finite number"
+        )
+    norms = np.linalg.norm(arr[:, :4], axis=-1)
+    if (norms < 1e-9).any():
+        i = int(np.argmax(norms < 1e-9))
+        raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
+    if (np.abs(arr) > 1e6).any():
+        i, j = np.argwhere(np.abs(arr) > 1e6)[0]
+        raise InvalidActionError(
+            f"tooth {_TOOTH_POSITION[int(i)]} field {POSE_FIELDS[j]}: |{arr[i, j]}| > 1e6 mm"
+        )
+    arr[:, :4] /= norms[:, None]
+    return arr
+
+
+def _check_strategy(strategy: object) -> str | None:
+    if strategy is None:
+        return None
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise InvalidActionError(
+            f"strategy must be one of {', '.join(STRATEGIES)} or null, got {strategy!r:.60}"
+        )
+    return strategy
+
+
+@dataclass
+class Session:
+    """One episode's state; arrays are (25, 28, 7), rows beyond ``stage`` unused."""
+
+    episode_id: str
+    case: Case
+    planned: np.ndarray
+    achieved: np.ndarray
+    need: np.ndarray  # (28,) mm-equivalent distance initial -> target
+    need_t: np.ndarray
+    need_r: np.ndarray
+    stage: int = 0
+    strategy: str | None = None
+    rollbacks: int = 0
+    limit_violations: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1, dtype=np.int64))
+    collisions: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1, dtype=np.int64))
+    pdl_events: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1, dtype=np.int64))
+    step_rewards: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
+    terminal: dict | None = None
+    last_used: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    initial_list: list = field(default_factory=list)
+    target_list: list = field(default_factory=list)
+
+
+class SessionStore:
+    """Thread-safe episode store bounded by an LRU cap and a time-to-live (seconds)."""
+
+    def __init__(
+        self,
+        max_sessions: int = 1024,
+        ttl_seconds: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_sessions < 1 or not ttl_seconds > 0:
+            raise ValueError("max_sessions must be >= 1 and ttl_seconds > 0")
+        self.max_sessions = max_sessions
+        self.ttl_seconds = ttl_seconds
+        self._clock = clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def put(self, session: Session) -> None:
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            session.last_used = now
+            self._sessions[session.episode_id] = session
+            self._sessions.move_to_end(session.episode_id)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+
+    def get(self, episode_id: object) -> Session:
+        if not isinstance(episode_id, str):
+            raise UnknownEpisodeError(f"episode_id must be a string, got {type(episode_id).__name__}")
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            session = self._sessions.get(episode_id)
+            if session is None:
+                raise UnknownEpisodeError(
+                    f"unknown or expired episode_id {episode_id!r:.80}: call reset() to start an episode "
+                    f"(sessions expire after {self.ttl_seconds:g} s idle; at most {self.max_sessions} are kept)"
+                )
+            session.last_used = now
+            self._sessions.move_to_end(episode_id)
+            return session
+
+    def _expire(self, now: float) -> None:
+        while self._sessions:
+            oldest = next(iter(self._sessions.values()))
+            if now - oldest.last_used <= self.ttl_seconds:
+                break
+            self._sessions.popitem(last=False)
+
+
+class StepwiseDentalEnvironment:
+    """The aligner-staging environment (see the module docstring for the contract)."""
+
+    def __init__(
+        self,
+        max_sessions: int = 1024,
+        ttl_seconds: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sessions = SessionStore(max_sessions, ttl_seconds, clock)
+
+    # --- episode life cycle ---------------------------------------------------
+
+    def reset(
+        self,
+        task_id: str = "task_easy",
+        seed: int | None = None,
+        force_decay: bool | None = None,
+        episode_id: str | None = None,
+    ) -> dict:
+        """Start an episode and return its stage-0 observation.
+
+        ``seed=None`` draws one; ``force_decay=None`` means False; ``episode_id=None``
+        makes a uuid4 (a given id replaces any live episode of that id).
+        """
+        if seed is None:
+            seed = int(np.random.default_rng().integers(2**31))
+        if force_decay is not None and not isinstance(force_decay, (bool, np.bool_)):
+            raise InvalidActionError(f"force_decay must be true, false or null, got {force_decay!r:.40}")
+        if episode_id is None:
+            episode_id = uuid.uuid4().hex
+        elif not isinstance(episode_id, str) or not 0 < len(episode_id) <= 128:
+            raise InvalidActionError("episode_id must be a non-empty string of at most 128 characters")
+        case = generate_case(task_id, seed, bool(force_decay))
+        planned = np.empty((N_STAGES + 1, N_TEETH, POSE_DIM))
+        planned[0] = case.initial
+        achieved = planned.copy()
+        need_t = np.linalg.norm(case.target[:, 4:] - case.initial[:, 4:], axis=-1)
+        need_r = np.degrees(quaternion_angle(case.target[:, :4], case.initial[:, :4]))
+        session = Session(
+            episode_id=episode_id,
+            case=case,
+            planned=planned,
+            achieved=achieved,
+            need=np.hypot(need_t, MM_PER_DEG * need_r),
+            need_t=need_t,
+            need_r=need_r,
+            initial_list=case.initial.tolist(),
+            target_list=case.target.tolist(),
+        )
+        self.sessions.put(session)
+        return self._observation(session, step_reward=0.0, breakdown={})
+
+    def step(self, episode_id: str, poses: object, strategy: str | None = None) -> dict:
+        """Wear the next aligner (poses 28 x 7); returns the new observation."""
+        session = self.sessions.get(episode_id)
+        arr = validate_poses(poses)
+        strategy = _check_strategy(strategy)
+        with session.lock:
+            return self._advance(session, arr, strategy, commit=True)
+
+    commit_stage = step
+
+    def simulate_step(self, episode_id: str, poses: object, strategy: str | None = None) -> dict:
+        """What ``step`` would return, without changing the episode."""
+        session = self.sessions.get(episode_id)
+        arr = validate_poses(poses)
+        strategy = _check_strategy(strategy)
+        with session.lock:
+            return self._advance(session, arr, strategy, commit=False)
+
+    def rollback_stage(self, episode_id: str) -> dict:
+        """Undo the last stage (and its violation counters); at most MAX_ROLLBACKS per episode."""
+        session = self.sessions.get(episode_id)
+        with session.lock:
+            if session.stage == 0:
+                raise InvalidActionError("nothing to roll back: the episode is at stage 0")
+            if session.rollbacks >= MAX_ROLLBACKS:
+                raise InvalidActionError(f"rollback limit reached ({MAX_ROLLBACKS} per episode)")
+            s = session.stage
+            session.limit_violations[s] = session.collisions[s] = session.pdl_events[s] = 0
+            session.step_rewards[s] = 0.0
+            session.stage -= 1
+            session.rollbacks += 1
+            session.terminal = None
+            return self._observation(session, step_reward=0.0, breakdown=self._running_breakdown(session))
+
+    def state(self, episode_id: str) -> dict:
+        """The current observation, without changing anything."""
+        session = self.sessions.get(episode_id)
+        with session.lock:
+            breakdown = (
+                session.terminal["reward_breakdown"] if session.terminal else self._running_breakdown(session)
+            )
+            return self._observation(session, float(session.step_rewards[session.stage]), breakdown)
+
+    # --- tools ------------------------------------------------------------------
+
+    def inspect_tooth(self, episode_id: str, tooth_id: int) -> dict:
+        """One tooth's poses, remaining movement and clinical data."""
+        if isinstance(tooth_id, bool) or tooth_id not in TOOTH_INDEX:
+            raise InvalidActionError(f"unknown tooth_id {tooth_id!r:.20}: use an FDI id of {TOOTH_IDS}")
+        session = self.sessions.get(episode_id)
+        i = TOOTH_INDEX[tooth_id]
+        with session.lock:
+            current = session.achieved[session.stage, i]
+        target = session.case.target[i]
+        return {
+            "tooth_id": tooth_id,
+            "tooth_class": TOOTH_CLASSES[TOOTH_CLASS[i]],
+            "current_stage": session.stage,
+            "initial_pose": session.initial_list[i],
+            "current_pose": current.tolist(),
+            "target_pose": session.target_list[i],
+            "translation_remaining_mm": float(np.linalg.norm(target[4:] - current[4:])),
+            "rotation_remaining_deg": float(np.degrees(quaternion_angle(target[:4], current[:4]))),
+            "crown_width_mm": float(session.case.crown_width_mm[i]),
+            "crown_height_mm": float(CROWN_HEIGHT_MM[i]),
+            "root_area_mm2": float(ROOT_AREA_MM2[i]),
+        }
+
+    def check_collisions(self, episode_id: str, poses: object | None = None) -> dict:
+        """Contacts of the current arch, or of ``poses`` if given (no state change)."""
+        session = self.sessions.get(episode_id)
+        if poses is None:
+            with session.lock:
+                arr = session.achieved[session.stage].copy()
+        else:
+            arr = validate_poses(poses)
+        pen = penetration_mm(arr, session.case.crown_width_mm, session.case.crown_depth_mm)
+        hits = np.flatnonzero(pen > COLLISION_TOLERANCE_MM)
+        return {
+            "collision_free": bool(hits.size == 0),
+            "severity": float(collision_severity(pen)),
+            "pairs": [
+                {
+                    "teeth": [TOOTH_IDS[ADJACENT_PAIRS[k, 0]], TOOTH_IDS[ADJACENT_PAIRS[k, 1]]],
+                    "penetration_mm": float(pen[k]),
+                }
+                for k in hits
+            ],
+        }
+
+    # --- plans ------------------------------------------------------------------
+
+    def score_plan(
+        self, plan: object, task_id: str = "task_easy", seed: int = 0, force_decay: bool = False
+    ) -> dict:
+        """Score one whole treatment plan (a dict, or its JSON text) for a case."""
+        return self.score_plans([plan], [(task_id, seed, force_decay)])[0]
+
+    def score_plans(self, plans: Sequence[object], cases: Sequence[tuple[str, int, bool]]) -> list[dict]:
+        """Score many plans, one case ``(task_id, seed, force_decay)`` each, vectorised."""
+        if len(plans) != len(cases):
+            raise InvalidActionError(f"got {len(plans)} plans for {len(cases)} cases: send one case per plan")
+        decoded = []
+        for p in plans:
+            if isinstance(p, (str, bytes)):
+                try:
+                    p = json.loads(p)
+                except (ValueError, RecursionError):
+                    p = None
+            decoded.append(p)
+        return score_plans(decoded, cases)
+
+    # --- internals ----------------------------------------------------------------
+
+    def _advance(self, session: Session, poses: np.ndarray, strategy: str | None, commit: bool) -> dict:
+        if session.stage >= N_STAGES:
+            raise InvalidActionError("the episode is done (24 aligners worn): call reset() for a new one")
+        s = session.stage + 1
+        case = session.case
+        prev_planned = session.planned[s - 1]
+        prev_achieved = session.achieved[s - 1]
+        achieved = express_stage(poses, prev_achieved, case.target[:, :4]) if case.force_decay else poses
+        inc_t = np.linalg.norm(poses[:, 4:] - prev_planned[:, 4:], axis=-1)
+        inc_r = np.degrees(quaternion_angle(poses[:, :4], prev_planned[:, :4]))
+        over_limit = int(np.count_nonzero(limit_ratio(inc_t, inc_r) > 1.0 + LIMIT_TOLERANCE))
+        mis_t = np.linalg.norm(poses[:, 4:] - prev_achieved[:, 4:], axis=-1)
+        mis_r = np.degrees(quaternion_angle(poses[:, :4], prev_achieved[:, :4]))
+        pdl_events = int(np.count_nonzero(pdl_stress_kpa(mis_t, mis_r) > PDL_CRITICAL_KPA))
+        pen = penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
+        colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
+        acc_before = self._accuracy(session, prev_achieved)
+        acc_after = self._accuracy(session, achieved)
+        reward = (
+            acc_after - acc_before - STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))
+        )
+
+        # commit into the session, or into a scratch copy for simulate_step
+        target = session if commit else _scratch(session)
+        target.planned[s] = poses
+        target.achieved[s] = achieved
+        target.limit_violations[s] = over_limit
+        target.collisions[s] = colliding
+        target.pdl_events[s] = pdl_events
+        target.step_rewards[s] = reward
+        target.stage = s
+        if strategy is not None:
+            target.strategy = strategy
+        breakdown = self._running_breakdown(target, accuracy=acc_after)
+        if s == N_STAGES:
+            target.terminal = self._terminal(target)
+            breakdown = target.terminal["reward_breakdown"]
+        return self._observation(target, step_reward=reward, breakdown=breakdown)
+
+    @staticmethod
+    def _accuracy(session: Session, poses: np.ndarray) -> float:
+        t = np.linalg.norm(poses[:, 4:] - session.case.target[:, 4:], axis=-1)
+        r = np.degrees(quaternion_angle(poses[:, :4], session.case.target[:, :4]))
+        err = np.hypot(t, MM_PER_DEG * r).sum()
+        return float(np.clip(1.0 - err / max(session.need.sum(), 1e-9), 0.0, 1.0))
+
+    def _running_breakdown(self, session: Session, accuracy: float | None = None) -> dict:
+        s = session.stage
+        if accuracy is None:
+            accuracy = self._accuracy(session, session.achieved[s])
+        return {"accuracy": accuracy, "stage": float(s)}
+
+    @staticmethod
+    def _terminal(session: Session) -> dict:
+        case = session.case
+        scores = score_episodes(
+            initial=case.initial[None],
+            target=case.target[None],
+            width_mm=case.crown_width_mm[None],
+            depth_mm=case.crown_depth_mm[None],
+            planned=session.planned[None],
+            achieved=session.achieved[None],
+            profiles=[case.profile],
+            strategies=[session.strategy],
+        )
+        return {"terminal_reward": float(scores.terminal[0]), "reward_breakdown": scores.breakdown(0)}
+
+    def _observation(self, session: Session, step_reward: float, breakdown: dict) -> dict:
+        s = session.stage
+        current = session.achieved[s]
+        case = session.case
+        rem_t = np.linalg.norm(case.target[:, 4:] - current[:, 4:], axis=-1)
+        rem_r = np.degrees(quaternion_angle(case.target[:, :4], current[:, :4]))
+        prog_t = np.where(session.need_t > 1e-9, 1.0 - rem_t / np.maximum(session.need_t, 1e-9), 1.0)
+        prog_r = np.where(session.need_r > 1e-9, 1.0 - rem_r / np.maximum(session.need_r, 1e-9), 1.0)
+        done = s >= N_STAGES
+        terminal = session.terminal["terminal_reward"] if (done and session.terminal) else None
+        for v in breakdown.values():
+            if not math.isfinite(v):  # a non-finite score is a bug: never serialise it as null
+                raise RuntimeError(f"non-finite score in {breakdown}")
+        return {
+            "episode_id": session.episode_id,
+            "task_id": case.task_id,
+            "seed": case.seed,
+            "force_decay": case.force_decay,
+            "current_stage": s,
+            "stages_remaining": N_STAGES - s,
+            "initial_config": session.initial_list,
+            "current_config": current.tolist(),
+            "target_config": session.target_list,
+            "per_tooth_progress": {
+                "translation": np.clip(prog_t, 0.0, 1.0).round(4).tolist(),
+                "rotation": np.clip(prog_r, 0.0, 1.0).round(4).tolist(),
+            },
+            "case_summary": case.summary,
+            "step_reward": float(step_reward),
+            "reward_breakdown": dict(breakdown),
+            "terminal_reward": terminal,
+            "done": done,
+            "violations": {
+                "limits": int(session.limit_violations[: s + 1].sum()),
+                "collisions": int(session.collisions[: s + 1].sum()),
+                "pdl": int(session.pdl_events[: s + 1].sum()),
+            },
+        }
+
+
+def _scratch(session: Session) -> Session:
+    """A throw-away copy of a session for simulate_step (arrays copied)."""
+    return Session(
+        episode_id=session.episode_id,
+        case=session.case,
+        planned=session.planned.copy(),
+        achieved=session.achieved.copy(),
+        need=session.need,
+        need_t=session.need_t,
+        need_r=session.need_r,
+        stage=session.stage,
+        strategy=session.strategy,
+        rollbacks=session.rollbacks,
+        limit_violations=session.limit_violations.copy(),
+        collisions=session.collisions.copy(),
+        pdl_events=session.pdl_events.copy(),
+        step_rewards=session.step_rewards.copy(),
+        initial_list=session.initial_list,
+        target_list=session.target_list,
+    )
+
+
+__all__ = ["MAX_ROLLBACKS", "TASK_IDS", "SessionStore", "StepwiseDentalEnvironment", "validate_poses"]

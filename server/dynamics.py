@@ -1,0 +1,74 @@
+"""Tooth dynamics: how the achieved pose follows the aligner's (planned) shape.
+
+* ideal (``force_decay=False``): achieved = planned.
+* force decay (``force_decay=True``): a first-order lag. At each stage a tooth
+  closes only a share of the gap between the aligner's shape and its actual pose
+  (:data:`server.dental_constants.EXPRESSION_*`, by tooth class and movement type,
+  expressed in the target crown's local frame); the rest carries over to the next
+  aligner. Extrusion and intrusion are told apart by the sign of the vertical gap
+  along the crown's long axis (upper crowns intrude upwards, lower downwards).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.dental_constants import (
+    EXPRESSION_EXTRUSION,
+    EXPRESSION_INTRUSION,
+    EXPRESSION_ROTATION,
+    EXPRESSION_TIP,
+    EXPRESSION_TRANSLATION,
+    IS_UPPER,
+    TOOTH_CLASS,
+)
+from server.quaternion_utils import (
+    quaternion_from_rotvec,
+    quaternion_inverse,
+    quaternion_multiply,
+    quaternion_normalize,
+    quaternion_rotate,
+    quaternion_to_rotvec,
+)
+
+_TRANSLATION_RATE = EXPRESSION_TRANSLATION[TOOTH_CLASS]
+_INTRUSION_RATE = EXPRESSION_INTRUSION[TOOTH_CLASS]
+_EXTRUSION_RATE = EXPRESSION_EXTRUSION[TOOTH_CLASS]
+_ROTATION_RATES = np.stack(
+    (EXPRESSION_TIP[TOOTH_CLASS], EXPRESSION_TIP[TOOTH_CLASS], EXPRESSION_ROTATION[TOOTH_CLASS]), axis=-1
+)  # (28, 3): torque, tip, rotation
+_INTRUSION_SIGN = np.where(IS_UPPER, 1.0, -1.0)
+
+
+def express_stage(planned: np.ndarray, achieved: np.ndarray, frame_q: np.ndarray) -> np.ndarray:
+    """Achieved poses after wearing one aligner under force decay.
+
+    Args:
+        planned: (..., 28, 7) the aligner's shape for this stage.
+        achieved: (..., 28, 7) the teeth before it.
+        frame_q: (..., 28, 4) crown frames (target orientations) for the local decomposition.
+    Returns:
+        (..., 28, 7) achieved poses after the stage.
+    """
+    gap_world = planned[..., 4:] - achieved[..., 4:]
+    inv = quaternion_inverse(frame_q)
+    gap = quaternion_rotate(inv, gap_world)
+    vertical = np.where(gap[..., 2] * _INTRUSION_SIGN > 0.0, _INTRUSION_RATE, _EXTRUSION_RATE)
+    rates = np.stack(np.broadcast_arrays(_TRANSLATION_RATE, _TRANSLATION_RATE, vertical), axis=-1)
+    moved = quaternion_rotate(frame_q, gap * rates)
+    rel = quaternion_to_rotvec(quaternion_multiply(quaternion_inverse(achieved[..., :4]), planned[..., :4]))
+    q = quaternion_normalize(
+        quaternion_multiply(achieved[..., :4], quaternion_from_rotvec(rel * _ROTATION_RATES))
+    )
+    return np.concatenate((q, achieved[..., 4:] + moved), axis=-1)
+
+
+def simulate(planned: np.ndarray, force_decay: bool, frame_q: np.ndarray) -> np.ndarray:
+    """Achieved trajectory (..., 25, 28, 7) from a planned one (stage 0 = initial)."""
+    if not force_decay:
+        return planned
+    achieved = np.empty_like(planned)
+    achieved[..., 0, :, :] = planned[..., 0, :, :]
+    for s in range(1, planned.shape[-3]):
+        achieved[..., s, :, :] = express_stage(planned[..., s, :, :], achieved[..., s - 1, :, :], frame_q)
+    return achieved

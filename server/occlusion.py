@@ -1,0 +1,186 @@
+"""Occlusal measures and Andrews' six keys (+ ABO items) as pure vectorised functions.
+
+Every function takes poses of shape ``(..., 28, 7)`` and broadcasts over the
+leading axes (plans, stages). Distances in mm, angles in degrees.
+
+Measures (definitions of this simulation):
+* overjet: sagittal (y) distance from the lower to the upper central incisal edges;
+* overbite: vertical (z) overlap of those edges;
+* molar relation: ``y(U6) - y(L6) + CLASS_I_MOLAR_OFFSET_MM`` per side, 0 in Class I,
+  positive when the upper molar is mesial (Class II), negative for Class III;
+* curve of Spee: deepest lower canine/premolar/first-molar cusp below the line from
+  the lower central incisal edge to the second molar's cusp, per side;
+* contacts: distance between the facing contact points of neighbours (Little 1975
+  sums it over the five lower canine-to-canine contacts: the irregularity index);
+* rotation errors: the rotation from target to achieved crown, in the target
+  crown's local frame: about x = torque (inclination), y = tip (angulation),
+  z = rotation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.arch import occlusal_points
+from server.collisions import mesiodistal_axis_xy
+from server.dental_constants import (
+    ADJACENT_PAIRS,
+    ANTERIOR_CONTACTS,
+    CLASS_I_MOLAR_OFFSET_MM,
+    IDEAL_OVERBITE_MM,
+    IDEAL_OVERJET_MM,
+    IS_UPPER,
+    MAX_CURVE_OF_SPEE_MM,
+    MIRROR_INDEX,
+    SIDE,
+    TOOTH_NUMBER,
+)
+from server.quaternion_utils import quaternion_inverse, quaternion_multiply, quaternion_to_rotvec
+
+OCCLUSION_WEIGHTS: dict[str, float] = {
+    "molar_relation": 0.20,
+    "overjet": 0.15,
+    "overbite": 0.10,
+    "angulation": 0.10,
+    "inclination": 0.10,
+    "rotations": 0.10,
+    "contacts": 0.10,
+    "curve_of_spee": 0.05,
+    "symmetry": 0.10,
+}
+"""Weights of the occlusion composite (Andrews 1972 six keys + ABO grading items)."""
+
+
+def _index(upper: bool, number: int, side: float) -> int:
+    return int(np.flatnonzero((upper == IS_UPPER) & (number == TOOTH_NUMBER) & (side == SIDE))[0])
+
+
+_U1 = np.array([_index(True, 1, s) for s in (-1.0, 1.0)])
+_L1 = np.array([_index(False, 1, s) for s in (-1.0, 1.0)])  # same sides as _U1
+_U6 = np.array([_index(True, 6, s) for s in (-1.0, 1.0)])
+_L6 = np.array([_index(False, 6, s) for s in (-1.0, 1.0)])
+_L7 = np.array([_index(False, 7, s) for s in (-1.0, 1.0)])
+_L_SPEE = np.array([[_index(False, n, s) for n in (3, 4, 5, 6)] for s in (-1.0, 1.0)])  # (2, 4)
+_UPPER_3 = np.array([_index(True, 3, s) for s in (-1.0, 1.0)])
+_LOWER_3 = np.array([_index(False, 3, s) for s in (-1.0, 1.0)])
+_LOWER_ANTERIOR_CONTACTS = np.array([k for k in ANTERIOR_CONTACTS if not IS_UPPER[ADJACENT_PAIRS[k, 0]]])
+_UPPER_ANTERIOR_CONTACTS = np.array([k for k in ANTERIOR_CONTACTS if IS_UPPER[ADJACENT_PAIRS[k, 0]]])
+
+
+def band_score(value: np.ndarray, lo: float, hi: float, falloff: float) -> np.ndarray:
+    """1 inside [lo, hi], falling linearly to 0 at ``falloff`` outside the band."""
+    outside = np.maximum(lo - value, 0.0) + np.maximum(value - hi, 0.0)
+    return np.clip(1.0 - outside / falloff, 0.0, 1.0)
+
+
+def overjet_mm(poses: np.ndarray) -> np.ndarray:
+    edge = occlusal_points(poses)
+    return np.mean(edge[..., _U1, 1] - edge[..., _L1, 1], axis=-1)
+
+
+def overbite_mm(poses: np.ndarray) -> np.ndarray:
+    edge = occlusal_points(poses)
+    return np.mean(edge[..., _L1, 2] - edge[..., _U1, 2], axis=-1)
+
+
+def molar_relation_mm(poses: np.ndarray) -> np.ndarray:
+    """(..., 2) right and left molar relation, 0 = Class I, > 0 Class II."""
+    return poses[..., _U6, 5] - poses[..., _L6, 5] + CLASS_I_MOLAR_OFFSET_MM
+
+
+def curve_of_spee_mm(poses: np.ndarray) -> np.ndarray:
+    """Mean over sides of the deepest lower cusp below the incisor-molar line."""
+    edge = occlusal_points(poses)
+    y0, z0 = edge[..., _L1, 1], edge[..., _L1, 2]  # (..., 2)
+    y1, z1 = edge[..., _L7, 1], edge[..., _L7, 2]
+    ys, zs = edge[..., _L_SPEE, 1], edge[..., _L_SPEE, 2]  # (..., 2, 4)
+    dy = np.where(np.abs(y1 - y0) < 1e-6, 1e-6, y1 - y0)
+    t = (ys - y0[..., None]) / dy[..., None]
+    line = z0[..., None] + t * (z1 - z0)[..., None]
+    return np.mean(np.max(line - zs, axis=-1), axis=-1)
+
+
+def midline_mm(poses: np.ndarray) -> np.ndarray:
+    """Upper dental midline minus lower (x, mm; + = upper to the patient's left)."""
+    return np.mean(poses[..., _U1, 4], axis=-1) - np.mean(poses[..., _L1, 4], axis=-1)
+
+
+def contact_vectors(poses: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
+    """(..., 26, 2) vectors between the facing contact points of neighbours (xy, mm)."""
+    axis = mesiodistal_axis_xy(poses[..., :4])
+    half = (np.asarray(width_mm) / 2)[..., None]
+    a, b = ADJACENT_PAIRS[:, 0], ADJACENT_PAIRS[:, 1]
+    p_a = poses[..., a, 4:6] + half[..., a, :] * axis[..., a, :]
+    p_b = poses[..., b, 4:6] - half[..., b, :] * axis[..., b, :]
+    return p_b - p_a
+
+
+def contact_distance_mm(poses: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
+    """(..., 26) contact-point displacement of neighbours."""
+    return np.linalg.norm(contact_vectors(poses, width_mm), axis=-1)
+
+
+def arch_irregularity_mm(poses: np.ndarray, width_mm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Little's irregularity index (mm) of the (upper, lower) canine-to-canine segment."""
+    d = contact_distance_mm(poses, width_mm)
+    return np.sum(d[..., _UPPER_ANTERIOR_CONTACTS], axis=-1), np.sum(
+        d[..., _LOWER_ANTERIOR_CONTACTS], axis=-1
+    )
+
+
+def arch_spacing_mm(poses: np.ndarray, width_mm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Summed mesiodistal gaps (mm) between neighbours along the (upper, lower) arch."""
+    vec = contact_vectors(poses, width_mm)
+    axis = mesiodistal_axis_xy(poses[..., :4])
+    tangent = axis[..., ADJACENT_PAIRS[:, 0], :] + axis[..., ADJACENT_PAIRS[:, 1], :]
+    tangent = tangent / np.maximum(np.linalg.norm(tangent, axis=-1, keepdims=True), 1e-12)
+    gap = np.maximum(np.sum(vec * tangent, axis=-1), 0.0)
+    upper = IS_UPPER[ADJACENT_PAIRS[:, 0]]
+    return np.sum(gap[..., upper], axis=-1), np.sum(gap[..., ~upper], axis=-1)
+
+
+def rotation_errors_deg(poses: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """(..., 28, 3) |torque|, |tip|, |rotation| errors of achieved vs target crowns."""
+    rel = quaternion_multiply(quaternion_inverse(target[..., :4]), poses[..., :4])
+    return np.abs(np.degrees(quaternion_to_rotvec(rel)))
+
+
+def asymmetry_mm(poses: np.ndarray) -> np.ndarray:
+    """Mean distance between each crown and the mirror image of its contralateral twin."""
+    mirror = poses[..., MIRROR_INDEX, 4:6] * np.array([-1.0, 1.0])
+    return np.mean(np.linalg.norm(poses[..., 4:6] - mirror, axis=-1), axis=-1)
+
+
+def arch_widths_mm(poses: np.ndarray) -> dict[str, np.ndarray]:
+    """Intercanine and intermolar centroid widths per arch."""
+    return {
+        "upper_intercanine": np.abs(np.diff(poses[..., _UPPER_3, 4], axis=-1))[..., 0],
+        "lower_intercanine": np.abs(np.diff(poses[..., _LOWER_3, 4], axis=-1))[..., 0],
+        "upper_intermolar": np.abs(np.diff(poses[..., _U6, 4], axis=-1))[..., 0],
+        "lower_intermolar": np.abs(np.diff(poses[..., _L6, 4], axis=-1))[..., 0],
+    }
+
+
+def six_keys(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> dict[str, np.ndarray]:
+    """Each occlusion key in [0, 1], shape (...,). Keys as in OCCLUSION_WEIGHTS."""
+    rot = rotation_errors_deg(poses, target)
+    molar = np.mean(band_score(np.abs(molar_relation_mm(poses)), 0.0, 1.0, 3.0), axis=-1)
+    asym = band_score(asymmetry_mm(poses), 0.0, 0.5, 1.5)
+    midline = band_score(np.abs(midline_mm(poses)), 0.0, 1.0, 2.0)
+    return {
+        "molar_relation": molar,
+        "overjet": band_score(overjet_mm(poses), *IDEAL_OVERJET_MM, 3.0),
+        "overbite": band_score(overbite_mm(poses), *IDEAL_OVERBITE_MM, 3.0),
+        "angulation": np.mean(band_score(rot[..., 1], 0.0, 2.0, 6.0), axis=-1),
+        "inclination": np.mean(band_score(rot[..., 0], 0.0, 3.0, 6.0), axis=-1),
+        "rotations": np.mean(band_score(rot[..., 2], 0.0, 2.0, 8.0), axis=-1),
+        "contacts": np.mean(band_score(contact_distance_mm(poses, width_mm), 0.0, 0.5, 1.0), axis=-1),
+        "curve_of_spee": band_score(curve_of_spee_mm(poses), -1.0, MAX_CURVE_OF_SPEE_MM, 2.5),
+        "symmetry": 0.5 * asym + 0.5 * midline,
+    }
+
+
+def occlusion_composite(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
+    """Weighted six-keys composite in [0, 1], shape (...,)."""
+    keys = six_keys(poses, target, width_mm)
+    return sum(OCCLUSION_WEIGHTS[k] * v for k, v in keys.items())

@@ -1,0 +1,141 @@
+"""Treatment plans: what the LLM writes, and the 24 aligner shapes it means.
+
+Plan semantics (the one statement of them; the prompt and README quote it):
+
+* ``priority`` sets when a group starts moving: ``high`` at stage 1, ``medium`` at
+  stage 7, ``low`` at stage 13 (:data:`PRIORITY_START_STAGE`); missing = ``high``.
+* ``fraction`` is the share of each tooth's total planned movement performed per
+  stage once it starts (constant-speed SLERP for rotation, linear for
+  translation) until the tooth reaches its target: planned progress at stage
+  ``s`` is ``clip((s - start + 1) * fraction, 0, 1)``. ``1/24`` from stage 1 is
+  uniform SLERP; ``0`` keeps a tooth where it is.
+* Teeth in no group follow uniform SLERP. A tooth listed twice takes its first
+  group. Unknown FDI ids, non-integer ids (booleans included), fractions outside
+  [0, 1], non-finite or non-numeric fractions and unknown priorities are ignored
+  (a group with a bad fraction is ignored whole) and counted in
+  :class:`PlanFormat`; nothing here raises.
+* ``strategy`` is one of :data:`server.clinical_profiles.STRATEGIES`; it is
+  judged against the case and against the plan's own staging order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from server.clinical_profiles import STRATEGIES
+from server.dental_constants import DEFAULT_PRIORITY, N_STAGES, N_TEETH, PRIORITY_START_STAGE, TOOTH_INDEX
+from server.quaternion_utils import quaternion_slerp
+
+UNIFORM_FRACTION: float = 1.0 / N_STAGES
+MAX_GROUPS: int = 64
+"""Groups beyond this many are ignored (and counted), bounding the work per plan."""
+
+
+@dataclass
+class PlanFormat:
+    """Counts of what a plan got right and wrong (feeds the format score)."""
+
+    is_object: bool = False
+    has_groups: bool = False
+    groups: int = 0
+    valid_groups: int = 0
+    invalid_fractions: int = 0
+    invalid_priorities: int = 0
+    invalid_teeth: int = 0
+    duplicate_teeth: int = 0
+    ignored_groups: int = 0
+    strategy_known: bool = False
+
+    @property
+    def validity(self) -> float:
+        """Share of the plan's groups that were usable (1.0 for a plan with no groups)."""
+        return 1.0 if self.groups == 0 else self.valid_groups / self.groups
+
+
+@dataclass
+class PlanSpec:
+    """A plan reduced to per-tooth arrays: start stage (28,) int, fraction (28,) float."""
+
+    start: np.ndarray
+    fraction: np.ndarray
+    strategy: str | None
+    format: PlanFormat = field(default_factory=PlanFormat)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def normalize_plan(plan: object) -> PlanSpec:
+    """Reduce any JSON-like value to a PlanSpec, applying the semantics above. Never raises."""
+    start = np.ones(N_TEETH, dtype=np.int64)
+    fraction = np.full(N_TEETH, UNIFORM_FRACTION)
+    fmt = PlanFormat()
+    strategy = None
+    if not isinstance(plan, dict):
+        return PlanSpec(start, fraction, None, fmt)
+    fmt.is_object = True
+    raw_strategy = plan.get("strategy")
+    if isinstance(raw_strategy, str) and raw_strategy in STRATEGIES:
+        strategy = raw_strategy
+        fmt.strategy_known = True
+    groups = plan.get("tooth_groups")
+    if not isinstance(groups, list):
+        return PlanSpec(start, fraction, strategy, fmt)
+    fmt.has_groups = True
+    fmt.groups = len(groups)
+    assigned = np.zeros(N_TEETH, dtype=bool)
+    for k, group in enumerate(groups):
+        if k >= MAX_GROUPS:
+            fmt.ignored_groups = len(groups) - MAX_GROUPS
+            break
+        if not isinstance(group, dict):
+            continue
+        f = group.get("fraction")
+        if not _is_number(f) or not math.isfinite(f) or not 0.0 <= f <= 1.0:
+            fmt.invalid_fractions += 1
+            continue
+        priority = group.get("priority", DEFAULT_PRIORITY)
+        if not isinstance(priority, str) or priority not in PRIORITY_START_STAGE:
+            fmt.invalid_priorities += 1
+            priority = DEFAULT_PRIORITY
+        teeth = group.get("teeth")
+        if not isinstance(teeth, list):
+            fmt.invalid_teeth += 1
+            continue
+        fmt.valid_groups += 1
+        for tooth in teeth[: N_TEETH * 4]:
+            index = TOOTH_INDEX.get(tooth) if isinstance(tooth, int) and not isinstance(tooth, bool) else None
+            if index is None:
+                fmt.invalid_teeth += 1
+            elif assigned[index]:
+                fmt.duplicate_teeth += 1
+            else:
+                assigned[index] = True
+                start[index] = PRIORITY_START_STAGE[priority]
+                fraction[index] = float(f)
+    return PlanSpec(start, fraction, strategy, fmt)
+
+
+def planned_progress(start: np.ndarray, fraction: np.ndarray) -> np.ndarray:
+    """(..., 25, 28) planned share of each tooth's movement at stages 0..24."""
+    stages = np.arange(N_STAGES + 1)[:, None]
+    steps = stages - start[..., None, :] + 1
+    return np.clip(steps * fraction[..., None, :], 0.0, 1.0) * (stages >= 1)
+
+
+def interpolate_poses(initial: np.ndarray, target: np.ndarray, progress: np.ndarray) -> np.ndarray:
+    """Poses (..., S, 28, 7) a share ``progress`` (..., S, 28) of the way from initial to target.
+
+    initial, target: (..., 28, 7). Rotation by SLERP, translation linearly.
+    """
+    q0 = initial[..., None, :, :4]
+    q1 = target[..., None, :, :4]
+    t0 = initial[..., None, :, 4:]
+    t1 = target[..., None, :, 4:]
+    q = quaternion_slerp(q0, q1, progress)
+    t = t0 + progress[..., None] * (t1 - t0)
+    return np.concatenate((q, t), axis=-1)

@@ -1,0 +1,103 @@
+"""Vectorised unit-quaternion algebra, w first: ``q = [w, x, y, z]``.
+
+Every function takes arrays of shape ``(..., 4)`` (rotation vectors ``(..., 3)``)
+and broadcasts over the leading axes, so a whole batch of plans x stages x teeth
+is one call. Angles are radians unless a name says ``_deg``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_EPS = 1e-12
+
+
+def quaternion_normalize(q: np.ndarray) -> np.ndarray:
+    """Unit quaternion(s) with a non-negative w (the same rotation, one sign)."""
+    q = np.asarray(q, dtype=np.float64)
+    n = np.linalg.norm(q, axis=-1, keepdims=True)
+    q = q / np.maximum(n, _EPS)
+    return np.where(q[..., :1] < 0.0, -q, q)
+
+
+def quaternion_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Hamilton product ``a * b`` (apply b, then a)."""
+    aw, ax, ay, az = np.moveaxis(np.asarray(a, dtype=np.float64), -1, 0)
+    bw, bx, by, bz = np.moveaxis(np.asarray(b, dtype=np.float64), -1, 0)
+    return np.stack(
+        (
+            aw * bw - ax * bx - ay * by - az * bz,
+            aw * bx + ax * bw + ay * bz - az * by,
+            aw * by - ax * bz + ay * bw + az * bx,
+            aw * bz + ax * by - ay * bx + az * bw,
+        ),
+        axis=-1,
+    )
+
+
+def quaternion_inverse(q: np.ndarray) -> np.ndarray:
+    """Inverse of unit quaternion(s): the conjugate."""
+    q = np.asarray(q, dtype=np.float64)
+    return q * np.array([1.0, -1.0, -1.0, -1.0])
+
+
+def quaternion_angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Rotation angle (rad, in [0, pi]) between unit quaternions a and b."""
+    d = np.abs(np.sum(np.asarray(a) * np.asarray(b), axis=-1))
+    return 2.0 * np.arccos(np.clip(d, 0.0, 1.0))
+
+
+def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> np.ndarray:
+    """Spherical interpolation from q0 (t=0) to q1 (t=1) along the shorter arc.
+
+    ``t`` broadcasts against the leading axes of q0/q1 (``t[..., None]`` is applied).
+    """
+    q0 = np.asarray(q0, dtype=np.float64)
+    q1 = np.asarray(q1, dtype=np.float64)
+    t = np.asarray(t, dtype=np.float64)[..., None]
+    dot = np.sum(q0 * q1, axis=-1, keepdims=True)
+    q1 = np.where(dot < 0.0, -q1, q1)
+    dot = np.clip(np.abs(dot), 0.0, 1.0)
+    theta = np.arccos(dot)
+    sin_theta = np.sin(theta)
+    small = sin_theta < 1e-6
+    safe = np.where(small, 1.0, sin_theta)
+    w0 = np.where(small, 1.0 - t, np.sin((1.0 - t) * theta) / safe)
+    w1 = np.where(small, t, np.sin(t * theta) / safe)
+    return quaternion_normalize(w0 * q0 + w1 * q1)
+
+
+def quaternion_from_rotvec(v: np.ndarray) -> np.ndarray:
+    """Quaternion of rotation vector(s) ``v`` (axis times angle, rad)."""
+    v = np.asarray(v, dtype=np.float64)
+    angle = np.linalg.norm(v, axis=-1, keepdims=True)
+    half = 0.5 * angle
+    # sin(a/2)/a -> 1/2 as a -> 0
+    k = np.where(angle < 1e-8, 0.5 - angle**2 / 48.0, np.sin(half) / np.maximum(angle, _EPS))
+    return np.concatenate((np.cos(half), k * v), axis=-1)
+
+
+def quaternion_to_rotvec(q: np.ndarray) -> np.ndarray:
+    """Rotation vector(s) (axis times angle, rad, angle in [0, pi]) of unit quaternion(s)."""
+    q = quaternion_normalize(q)
+    w = q[..., :1]
+    v = q[..., 1:]
+    s = np.linalg.norm(v, axis=-1, keepdims=True)
+    angle = 2.0 * np.arctan2(s, w)
+    k = np.where(s < 1e-8, 2.0, angle / np.maximum(s, _EPS))
+    return k * v
+
+
+def quaternion_rotate(q: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Rotate vector(s) ``v`` (..., 3) by unit quaternion(s) ``q`` (..., 4)."""
+    q = np.asarray(q, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    w = q[..., :1]
+    u = q[..., 1:]
+    t = 2.0 * np.cross(u, v)
+    return v + w * t + np.cross(u, t)
+
+
+def quaternion_about_axis(axis: np.ndarray, angle: np.ndarray) -> np.ndarray:
+    """Quaternion(s) for a rotation of ``angle`` (rad) about unit ``axis``."""
+    return quaternion_from_rotvec(np.asarray(axis, dtype=np.float64) * np.asarray(angle)[..., None])

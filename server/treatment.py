@@ -1,0 +1,75 @@
+"""The plan API: score whole treatment plans for cases, one or many in one vectorised call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import numpy as np
+
+from server.cases import Case, generate_case
+from server.dynamics import simulate
+from server.plans import PlanSpec, interpolate_poses, normalize_plan, planned_progress
+from server.scoring import score_episodes
+
+BATCH_CHUNK: int = 128
+"""Plans scored per vectorised chunk: bounds memory (~25 MB a chunk) at full speed."""
+
+
+def plan_result(spec: PlanSpec, scores, i: int) -> dict:
+    """JSON-safe result of one scored plan."""
+    return {
+        "terminal_reward": float(scores.terminal[i]),
+        "reward_breakdown": scores.breakdown(i),
+        "diagnostics": {k: float(v[i]) for k, v in scores.diagnostics.items()},
+        "strategy": spec.strategy,
+        "format": asdict(spec.format) | {"validity": spec.format.validity},
+        "start_stage": scores.start_stage[i].tolist(),
+    }
+
+
+def rollout_plans(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> tuple[np.ndarray, np.ndarray]:
+    """Planned and achieved trajectories (B, 25, 28, 7) of plans on their cases."""
+    initial = np.stack([c.initial for c in cases])
+    target = np.stack([c.target for c in cases])
+    progress = planned_progress(np.stack([s.start for s in specs]), np.stack([s.fraction for s in specs]))
+    planned = interpolate_poses(initial, target, progress)
+    achieved = planned
+    decay = np.array([c.force_decay for c in cases])
+    if decay.any():
+        achieved = planned.copy()
+        achieved[decay] = simulate(planned[decay], True, target[decay][..., :4])
+    return planned, achieved
+
+
+def score_plan_specs(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> list[dict]:
+    """Score already-normalised plans on their cases (same length)."""
+    if len(specs) != len(cases):
+        raise ValueError(f"got {len(specs)} plans for {len(cases)} cases: pass one case per plan")
+    out: list[dict] = []
+    for lo in range(0, len(specs), BATCH_CHUNK):
+        s_chunk, c_chunk = specs[lo : lo + BATCH_CHUNK], cases[lo : lo + BATCH_CHUNK]
+        planned, achieved = rollout_plans(s_chunk, c_chunk)
+        scores = score_episodes(
+            initial=planned[:, 0],
+            target=np.stack([c.target for c in c_chunk]),
+            width_mm=np.stack([c.crown_width_mm for c in c_chunk]),
+            depth_mm=np.stack([c.crown_depth_mm for c in c_chunk]),
+            planned=planned,
+            achieved=achieved,
+            profiles=[c.profile for c in c_chunk],
+            strategies=[s.strategy for s in s_chunk],
+            validity=np.array([s.format.validity for s in s_chunk]),
+        )
+        out.extend(plan_result(s, scores, i) for i, s in enumerate(s_chunk))
+    return out
+
+
+def score_plans(plans: Sequence[object], cases: Sequence[tuple[str, int, bool] | Case]) -> list[dict]:
+    """Score B plans (JSON-like values) against B cases ``(task_id, seed, force_decay)``.
+
+    Never raises for a bad plan (it is normalised, see :mod:`server.plans`); raises
+    InvalidActionError for an unknown task or a bad seed.
+    """
+    resolved = [c if isinstance(c, Case) else generate_case(*c) for c in cases]
+    return score_plan_specs([normalize_plan(p) for p in plans], resolved)
