@@ -60,6 +60,10 @@ TASK_DESCRIPTIONS: dict[str, str] = {
 INITIAL_CLEARANCE_MM: float = COLLISION_TOLERANCE_MM / 2
 """Largest penetration allowed between neighbours of an initial configuration."""
 CASE_CACHE_SIZE: int = 4096
+TRAIN_SEED_START: int = 0
+"""Training prompts use seeds from here upwards."""
+HELDOUT_SEED_START: int = 1_000_000
+"""Evaluation and gates use seeds from here upwards, never seen in training."""
 
 
 @dataclass(frozen=True)

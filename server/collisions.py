@@ -25,15 +25,16 @@ _B = ADJACENT_PAIRS[:, 1]
 
 def mesiodistal_axis_xy(q: np.ndarray) -> np.ndarray:
     """Unit local-x axes of crowns (..., 4) projected on the occlusal plane: (..., 2)."""
-    w, x, y, z = np.moveaxis(q, -1, 0)
+    w, x, y, z = q[..., 0], q[..., 1], q[..., 2], q[..., 3]
     ax = np.stack((1.0 - 2.0 * (y * y + z * z), 2.0 * (x * y + w * z)), axis=-1)
-    return ax / np.maximum(np.linalg.norm(ax, axis=-1, keepdims=True), 1e-12)
+    return ax / np.maximum(np.sqrt(np.einsum("...i,...i->...", ax, ax)), 1e-12)[..., None]
 
 
 def _radius(axis: np.ndarray, u: np.ndarray, half_width: np.ndarray, half_depth: np.ndarray) -> np.ndarray:
-    c = np.sum(axis * u, axis=-1)
-    s = axis[..., 0] * u[..., 1] - axis[..., 1] * u[..., 0]
-    return 1.0 / np.sqrt((c / half_width) ** 2 + (s / half_depth) ** 2)
+    ax, ay, ux, uy = axis[..., 0], axis[..., 1], u[..., 0], u[..., 1]
+    c = (ax * ux + ay * uy) / half_width
+    s = (ax * uy - ay * ux) / half_depth
+    return 1.0 / np.sqrt(c * c + s * s)
 
 
 def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
@@ -48,7 +49,7 @@ def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
     axis = mesiodistal_axis_xy(poses[..., :4])
     xy = poses[..., 4:6]
     d = xy[..., _B, :] - xy[..., _A, :]
-    dist = np.linalg.norm(d, axis=-1)
+    dist = np.sqrt(np.einsum("...i,...i->...", d, d))
     u = d / np.maximum(dist, 1e-9)[..., None]
     hw = np.asarray(width_mm) / 2
     hd = np.asarray(depth_mm) / 2

@@ -153,6 +153,8 @@ class Session:
     collisions: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1, dtype=np.int64))
     pdl_events: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1, dtype=np.int64))
     step_rewards: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
+    accuracy: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
+    remaining: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 2, N_TEETH)))
     terminal: dict | None = None
     last_used: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -264,6 +266,7 @@ class StepwiseDentalEnvironment:
             initial_list=case.initial.tolist(),
             target_list=case.target.tolist(),
         )
+        session.remaining[0] = need_t, need_r
         self.sessions.put(session)
         return self._observation(session, step_reward=0.0, breakdown={})
 
@@ -389,19 +392,22 @@ class StepwiseDentalEnvironment:
         prev_planned = session.planned[s - 1]
         prev_achieved = session.achieved[s - 1]
         achieved = express_stage(poses, prev_achieved, case.target[:, :4]) if case.force_decay else poses
-        inc_t = np.linalg.norm(poses[:, 4:] - prev_planned[:, 4:], axis=-1)
+        inc_t = _norm(poses[:, 4:] - prev_planned[:, 4:])
         inc_r = np.degrees(quaternion_angle(poses[:, :4], prev_planned[:, :4]))
         over_limit = int(np.count_nonzero(limit_ratio(inc_t, inc_r) > 1.0 + LIMIT_TOLERANCE))
-        mis_t = np.linalg.norm(poses[:, 4:] - prev_achieved[:, 4:], axis=-1)
-        mis_r = np.degrees(quaternion_angle(poses[:, :4], prev_achieved[:, :4]))
+        if case.force_decay:
+            mis_t = _norm(poses[:, 4:] - prev_achieved[:, 4:])
+            mis_r = np.degrees(quaternion_angle(poses[:, :4], prev_achieved[:, :4]))
+        else:  # the teeth sit exactly in the previous aligner
+            mis_t, mis_r = inc_t, inc_r
         pdl_events = int(np.count_nonzero(pdl_stress_kpa(mis_t, mis_r) > PDL_CRITICAL_KPA))
         pen = penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
         colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
-        acc_before = self._accuracy(session, prev_achieved)
-        acc_after = self._accuracy(session, achieved)
-        reward = (
-            acc_after - acc_before - STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))
-        )
+        rem_t = _norm(case.target[:, 4:] - achieved[:, 4:])
+        rem_r = np.degrees(quaternion_angle(case.target[:, :4], achieved[:, :4]))
+        acc_after = _accuracy(rem_t, rem_r, session.need)
+        penalty = STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))
+        reward = acc_after - session.accuracy[s - 1] - penalty
 
         # commit into the session, or into a scratch copy for simulate_step
         target = session if commit else _scratch(session)
@@ -411,6 +417,8 @@ class StepwiseDentalEnvironment:
         target.collisions[s] = colliding
         target.pdl_events[s] = pdl_events
         target.step_rewards[s] = reward
+        target.accuracy[s] = acc_after
+        target.remaining[s] = rem_t, rem_r
         target.stage = s
         if strategy is not None:
             target.strategy = strategy
@@ -421,17 +429,9 @@ class StepwiseDentalEnvironment:
         return self._observation(target, step_reward=reward, breakdown=breakdown)
 
     @staticmethod
-    def _accuracy(session: Session, poses: np.ndarray) -> float:
-        t = np.linalg.norm(poses[:, 4:] - session.case.target[:, 4:], axis=-1)
-        r = np.degrees(quaternion_angle(poses[:, :4], session.case.target[:, :4]))
-        err = np.hypot(t, MM_PER_DEG * r).sum()
-        return float(np.clip(1.0 - err / max(session.need.sum(), 1e-9), 0.0, 1.0))
-
-    def _running_breakdown(self, session: Session, accuracy: float | None = None) -> dict:
+    def _running_breakdown(session: Session, accuracy: float | None = None) -> dict:
         s = session.stage
-        if accuracy is None:
-            accuracy = self._accuracy(session, session.achieved[s])
-        return {"accuracy": accuracy, "stage": float(s)}
+        return {"accuracy": float(session.accuracy[s] if accuracy is None else accuracy), "stage": float(s)}
 
     @staticmethod
     def _terminal(session: Session) -> dict:
@@ -452,8 +452,7 @@ class StepwiseDentalEnvironment:
         s = session.stage
         current = session.achieved[s]
         case = session.case
-        rem_t = np.linalg.norm(case.target[:, 4:] - current[:, 4:], axis=-1)
-        rem_r = np.degrees(quaternion_angle(case.target[:, :4], current[:, :4]))
+        rem_t, rem_r = session.remaining[s]
         prog_t = np.where(session.need_t > 1e-9, 1.0 - rem_t / np.maximum(session.need_t, 1e-9), 1.0)
         prog_r = np.where(session.need_r > 1e-9, 1.0 - rem_r / np.maximum(session.need_r, 1e-9), 1.0)
         done = s >= N_STAGES
@@ -488,6 +487,16 @@ class StepwiseDentalEnvironment:
         }
 
 
+def _norm(v: np.ndarray) -> np.ndarray:
+    return np.sqrt(np.einsum("...i,...i->...", v, v))
+
+
+def _accuracy(rem_t: np.ndarray, rem_r: np.ndarray, need: np.ndarray) -> float:
+    """Share of the required movement achieved (as server.scoring's accuracy)."""
+    err = np.sqrt(rem_t * rem_t + (MM_PER_DEG * rem_r) ** 2).sum()
+    return float(min(max(1.0 - err / max(need.sum(), 1e-9), 0.0), 1.0))
+
+
 def _scratch(session: Session) -> Session:
     """A throw-away copy of a session for simulate_step (arrays copied)."""
     return Session(
@@ -505,6 +514,8 @@ def _scratch(session: Session) -> Session:
         collisions=session.collisions.copy(),
         pdl_events=session.pdl_events.copy(),
         step_rewards=session.step_rewards.copy(),
+        accuracy=session.accuracy.copy(),
+        remaining=session.remaining.copy(),
         initial_list=session.initial_list,
         target_list=session.target_list,
     )

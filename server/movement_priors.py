@@ -289,7 +289,10 @@ class RealismPrior:
 
     def tooth_scores(self, initial: np.ndarray, final: np.ndarray) -> np.ndarray:
         """``(..., 28)`` per-tooth realism in [0, 1] (0.5 for teeth that did not move)."""
-        m = tooth_movement_mm(initial, final)
+        return self.tooth_scores_from_movement(tooth_movement_mm(initial, final))
+
+    def tooth_scores_from_movement(self, m: np.ndarray) -> np.ndarray:
+        """Per-tooth realism of movements ``m`` (..., 28) mm-equivalent (see tooth_movement_mm)."""
         moved = m >= MIN_MOVEMENT_MM
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             z = (np.log(np.where(moved, m, 1.0)) - self._mu) / self._sigma
@@ -315,7 +318,11 @@ class AnchoragePrior:
 
     def molar_scores(self, initial: np.ndarray, final: np.ndarray) -> np.ndarray:
         """``(..., 8)`` per-molar score ``exp(-max(0, m - p90) / p90)`` in [0, 1]."""
-        m = tooth_movement_mm(initial, final)[..., IS_MOLAR]
+        return self.molar_scores_from_movement(tooth_movement_mm(initial, final))
+
+    def molar_scores_from_movement(self, m: np.ndarray) -> np.ndarray:
+        """Per-molar score of movements ``m`` (..., 28) mm-equivalent."""
+        m = m[..., IS_MOLAR]
         with np.errstate(over="ignore", invalid="ignore"):
             return np.exp(-np.maximum(0.0, m - self.p90_mm) / self.p90_mm)
 
@@ -347,11 +354,15 @@ class CombinedPrior:
 
     def score(self, initial: np.ndarray, final: np.ndarray) -> float | np.ndarray:
         """Combined prior in [0, 1], always finite: float for ``(28, 7)``, ``(B,)`` for batches."""
-        r = np.asarray(self.realism.score(initial, final))
-        a = np.asarray(self.anchorage.score(initial, final))
+        return _as_output(self.parts(initial, final)[2])
+
+    def parts(self, initial: np.ndarray, final: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(realism, anchorage, combined)`` arrays from one movement computation."""
+        m = tooth_movement_mm(initial, final)
+        r = np.mean(self.realism.tooth_scores_from_movement(m), axis=-1)
+        a = np.mean(self.anchorage.molar_scores_from_movement(m), axis=-1)
         s = self.weight_realism * r + (1.0 - self.weight_realism) * a
-        s = np.clip(np.where(np.isfinite(s), s, 0.0), 0.0, 1.0)
-        return _as_output(s)
+        return r, a, np.clip(np.where(np.isfinite(s), s, 0.0), 0.0, 1.0)
 
 
 # --- Fitting ------------------------------------------------------------------------------

@@ -73,13 +73,13 @@ def band_score(value: np.ndarray, lo: float, hi: float, falloff: float) -> np.nd
     return np.clip(1.0 - outside / falloff, 0.0, 1.0)
 
 
-def overjet_mm(poses: np.ndarray) -> np.ndarray:
-    edge = occlusal_points(poses)
+def overjet_mm(poses: np.ndarray, edge: np.ndarray | None = None) -> np.ndarray:
+    edge = occlusal_points(poses) if edge is None else edge
     return np.mean(edge[..., _U1, 1] - edge[..., _L1, 1], axis=-1)
 
 
-def overbite_mm(poses: np.ndarray) -> np.ndarray:
-    edge = occlusal_points(poses)
+def overbite_mm(poses: np.ndarray, edge: np.ndarray | None = None) -> np.ndarray:
+    edge = occlusal_points(poses) if edge is None else edge
     return np.mean(edge[..., _L1, 2] - edge[..., _U1, 2], axis=-1)
 
 
@@ -88,9 +88,9 @@ def molar_relation_mm(poses: np.ndarray) -> np.ndarray:
     return poses[..., _U6, 5] - poses[..., _L6, 5] + CLASS_I_MOLAR_OFFSET_MM
 
 
-def curve_of_spee_mm(poses: np.ndarray) -> np.ndarray:
+def curve_of_spee_mm(poses: np.ndarray, edge: np.ndarray | None = None) -> np.ndarray:
     """Mean over sides of the deepest lower cusp below the incisor-molar line."""
-    edge = occlusal_points(poses)
+    edge = occlusal_points(poses) if edge is None else edge
     y0, z0 = edge[..., _L1, 1], edge[..., _L1, 2]  # (..., 2)
     y1, z1 = edge[..., _L7, 1], edge[..., _L7, 2]
     ys, zs = edge[..., _L_SPEE, 1], edge[..., _L_SPEE, 2]  # (..., 2, 4)
@@ -164,18 +164,19 @@ def arch_widths_mm(poses: np.ndarray) -> dict[str, np.ndarray]:
 def six_keys(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> dict[str, np.ndarray]:
     """Each occlusion key in [0, 1], shape (...,). Keys as in OCCLUSION_WEIGHTS."""
     rot = rotation_errors_deg(poses, target)
+    edge = occlusal_points(poses)
     molar = np.mean(band_score(np.abs(molar_relation_mm(poses)), 0.0, 1.0, 3.0), axis=-1)
     asym = band_score(asymmetry_mm(poses), 0.0, 0.5, 1.5)
     midline = band_score(np.abs(midline_mm(poses)), 0.0, 1.0, 2.0)
     return {
         "molar_relation": molar,
-        "overjet": band_score(overjet_mm(poses), *IDEAL_OVERJET_MM, 3.0),
-        "overbite": band_score(overbite_mm(poses), *IDEAL_OVERBITE_MM, 3.0),
+        "overjet": band_score(overjet_mm(poses, edge), *IDEAL_OVERJET_MM, 3.0),
+        "overbite": band_score(overbite_mm(poses, edge), *IDEAL_OVERBITE_MM, 3.0),
         "angulation": np.mean(band_score(rot[..., 1], 0.0, 2.0, 6.0), axis=-1),
         "inclination": np.mean(band_score(rot[..., 0], 0.0, 3.0, 6.0), axis=-1),
         "rotations": np.mean(band_score(rot[..., 2], 0.0, 2.0, 8.0), axis=-1),
         "contacts": np.mean(band_score(contact_distance_mm(poses, width_mm), 0.0, 0.5, 1.0), axis=-1),
-        "curve_of_spee": band_score(curve_of_spee_mm(poses), -1.0, MAX_CURVE_OF_SPEE_MM, 2.5),
+        "curve_of_spee": band_score(curve_of_spee_mm(poses, edge), -1.0, MAX_CURVE_OF_SPEE_MM, 2.5),
         "symmetry": 0.5 * asym + 0.5 * midline,
     }
 

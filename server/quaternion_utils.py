@@ -22,8 +22,10 @@ def quaternion_normalize(q: np.ndarray) -> np.ndarray:
 
 def quaternion_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Hamilton product ``a * b`` (apply b, then a)."""
-    aw, ax, ay, az = np.moveaxis(np.asarray(a, dtype=np.float64), -1, 0)
-    bw, bx, by, bz = np.moveaxis(np.asarray(b, dtype=np.float64), -1, 0)
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    aw, ax, ay, az = a[..., 0], a[..., 1], a[..., 2], a[..., 3]
+    bw, bx, by, bz = b[..., 0], b[..., 1], b[..., 2], b[..., 3]
     return np.stack(
         (
             aw * bw - ax * bx - ay * by - az * bz,
@@ -43,8 +45,8 @@ def quaternion_inverse(q: np.ndarray) -> np.ndarray:
 
 def quaternion_angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Rotation angle (rad, in [0, pi]) between unit quaternions a and b."""
-    d = np.abs(np.sum(np.asarray(a) * np.asarray(b), axis=-1))
-    return 2.0 * np.arccos(np.clip(d, 0.0, 1.0))
+    d = np.abs(np.einsum("...i,...i->...", np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)))
+    return 2.0 * np.arccos(np.minimum(d, 1.0))
 
 
 def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> np.ndarray:
@@ -94,8 +96,15 @@ def quaternion_rotate(q: np.ndarray, v: np.ndarray) -> np.ndarray:
     v = np.asarray(v, dtype=np.float64)
     w = q[..., :1]
     u = q[..., 1:]
-    t = 2.0 * np.cross(u, v)
-    return v + w * t + np.cross(u, t)
+    t = 2.0 * _cross(u, v)
+    return v + w * t + _cross(u, t)
+
+
+def _cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """np.cross for (..., 3) arrays without its axis bookkeeping (hot path)."""
+    a0, a1, a2 = a[..., 0], a[..., 1], a[..., 2]
+    b0, b1, b2 = b[..., 0], b[..., 1], b[..., 2]
+    return np.stack((a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0), axis=-1)
 
 
 def quaternion_about_axis(axis: np.ndarray, angle: np.ndarray) -> np.ndarray:

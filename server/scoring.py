@@ -82,9 +82,7 @@ MAX_MULTIPLIER: float = STRATEGY_MULTIPLIERS["optimal"]
 STAGING_AGAINST_RHO: float = -0.2
 STAGING_FOLLOWS_RHO: float = 0.3
 
-_REALISM = RealismPrior()
-_ANCHORAGE = AnchoragePrior()
-_COMBINED = CombinedPrior(_REALISM, _ANCHORAGE)
+_PRIOR = CombinedPrior(RealismPrior(), AnchoragePrior())
 
 
 def movement_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -231,9 +229,7 @@ def score_episodes(
     ]
     multiplier = np.array([STRATEGY_MULTIPLIERS[c] for c in classes])
 
-    realism = np.asarray(_REALISM.score(initial, final), dtype=float).reshape(b)
-    anchorage = np.asarray(_ANCHORAGE.score(initial, final), dtype=float).reshape(b)
-    prior = np.asarray(_COMBINED.score(initial, final), dtype=float).reshape(b)
+    realism, anchorage, prior = (np.asarray(x, dtype=float).reshape(b) for x in _PRIOR.parts(initial, final))
 
     components = {
         "accuracy": accuracy,

@@ -1,0 +1,31 @@
+# Two entry points (see README): `make run` (the main job on embedded defaults) and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export OMP_NUM_THREADS := 1
+export PYTHONHASHSEED := 0
+
+.PHONY: install run test lint bench
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# the CPU build of torch first: anything that pulls torch later would fetch a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[train,dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+run: install
+	$(BIN)/orthojob evaluate --baselines
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python bench/env_throughput.py

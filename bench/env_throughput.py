@@ -1,0 +1,119 @@
+"""Environment throughput benchmark (not a test): single process, OMP_NUM_THREADS=1.
+
+Prints
+* stepwise episodes/s (reset + 24 steps), cold (every case generated) and warm
+  (cases from the case cache, as in GRPO where G completions share a seed);
+* batch plan scoring episodes/s for 64 and for 1,024 plans (cases cached);
+* milliseconds to score one plan;
+* RSS growth over N stepwise episodes (default 100,000) with the default session cap.
+
+    OMP_NUM_THREADS=1 python bench/env_throughput.py [--episodes 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+from server.cases import _generate, generate_case  # noqa: E402
+from server.dental_constants import TOOTH_IDS  # noqa: E402
+from server.dental_environment import StepwiseDentalEnvironment  # noqa: E402
+from server.oracle import oracle_plan  # noqa: E402
+from server.plans import interpolate_poses, planned_progress  # noqa: E402
+from server.treatment import score_plans  # noqa: E402
+
+TASK = "task_medium"
+UNIFORM = {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 1 / 24, "priority": "high"}]}
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def slerp_trajectory(seed: int) -> np.ndarray:
+    case = generate_case(TASK, seed)
+    return interpolate_poses(
+        case.initial, case.target, planned_progress(np.ones(28, int), np.full(28, 1 / 24))
+    )
+
+
+def stepwise(env: StepwiseDentalEnvironment, seeds: list[int], trajectories: dict[int, np.ndarray]) -> float:
+    t0 = time.perf_counter()
+    for seed in seeds:
+        eid = env.reset(TASK, seed)["episode_id"]
+        traj = trajectories[seed]
+        for s in range(1, 25):
+            obs = env.step(eid, traj[s])
+    assert obs["done"]
+    return len(seeds) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=100_000, help="episodes for the RSS measurement")
+    parser.add_argument("--stepwise", type=int, default=400, help="episodes per stepwise timing")
+    args = parser.parse_args()
+    env = StepwiseDentalEnvironment()
+
+    seeds = list(range(args.stepwise))
+    trajectories = {s: slerp_trajectory(s) for s in seeds}
+    stepwise(env, seeds[:20], trajectories)  # warm-up
+    _generate.cache_clear()
+    cold = stepwise(env, seeds, trajectories)
+    warm = stepwise(env, seeds, trajectories)
+    print(f"stepwise episodes/s (reset + 24 steps, {TASK}): cold cases {cold:.0f}, cached cases {warm:.0f}")
+
+    t0 = time.perf_counter()
+    _generate.cache_clear()
+    for s in range(200):
+        generate_case(TASK, 10_000 + s)
+    print(f"case generation: {(time.perf_counter() - t0) / 200 * 1e3:.2f} ms per case (cold)")
+
+    pool = [(TASK, 20_000 + s, s % 2 == 1) for s in range(1024)]
+    for c in pool:
+        generate_case(*c)
+    obs0 = env.reset(TASK, 20_000)
+    plans = [oracle_plan(obs0) if i % 2 == 0 else UNIFORM for i in range(1024)]
+    for n in (64, 1024):
+        score_plans(plans[:n], pool[:n])
+        reps = max(1, 4096 // n)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            score_plans(plans[:n], pool[:n])
+        rate = n * reps / (time.perf_counter() - t0)
+        print(f"batch plan scoring, {n} plans (half force decay): {rate:.0f} episodes/s")
+    t0 = time.perf_counter()
+    for i in range(200):
+        score_plans([plans[i]], [pool[i]])
+    print(f"one plan: {(time.perf_counter() - t0) / 200 * 1e3:.2f} ms")
+
+    before = rss_mb()
+    t0 = time.perf_counter()
+    rng_seeds = np.arange(args.episodes) % 2048  # cases stay within the case cache
+    traj_cache: dict[int, np.ndarray] = {}
+    for k, seed in enumerate(rng_seeds):
+        seed = int(seed)
+        if seed not in traj_cache:
+            traj_cache[seed] = slerp_trajectory(seed)
+        eid = env.reset(TASK, seed)["episode_id"]
+        for s in range(1, 25):
+            env.step(eid, traj_cache[seed][s])
+        if k == 2047:
+            before = rss_mb()  # after the caches (cases, trajectories, sessions) are full
+    elapsed = time.perf_counter() - t0
+    after = rss_mb()
+    print(
+        f"RSS growth over {args.episodes} stepwise episodes (after caches fill): {after - before:+.1f} MB "
+        f"({before:.0f} -> {after:.0f} MB, {len(env.sessions)} live sessions, {args.episodes / elapsed:.0f} eps/s)"
+    )
+
+
+if __name__ == "__main__":
+    main()
