@@ -19,14 +19,14 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from server.cases import _generate, generate_case  # noqa: E402
-from server.dental_constants import TOOTH_IDS  # noqa: E402
-from server.dental_environment import StepwiseDentalEnvironment  # noqa: E402
-from server.oracle import oracle_plan  # noqa: E402
-from server.plans import interpolate_poses, planned_progress  # noqa: E402
-from server.treatment import score_plans  # noqa: E402
+from server.cases import _generate, generate_case
+from server.dental_constants import TOOTH_IDS
+from server.dental_environment import StepwiseDentalEnvironment
+from server.oracle import oracle_plan
+from server.plans import interpolate_poses, planned_progress
+from server.treatment import score_plans
 
 TASK = "task_medium"
 UNIFORM = {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 1 / 24, "priority": "high"}]}
