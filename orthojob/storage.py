@@ -1,0 +1,272 @@
+"""Checkpoint and artifact storage on local paths or S3 (any S3-compatible store).
+
+``s3://bucket/prefix`` URIs go through boto3 with bounded retries and backoff
+(botocore's ``standard`` mode plus an outer retry for connection-level outages);
+every other path is a local folder. Credentials come from the usual AWS
+variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``
+for S3-compatible stores) and are never logged.
+
+A folder is uploaded file by file and then its manifest ``MANIFEST.json`` (sha256
+and size of every file) is written last: a folder without a manifest is
+incomplete and is never used. Downloads check every file's sha256 against the
+manifest and fail loudly on a mismatch, so nothing half-uploaded or corrupt is
+ever loaded, gated or promoted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+RETRY_ATTEMPTS: int = int(os.environ.get("ORTHORL_S3_RETRIES", "5"))
+RETRY_BASE_DELAY_S: float = float(os.environ.get("ORTHORL_S3_RETRY_DELAY", "0.5"))
+_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)$")
+T = TypeVar("T")
+
+
+class StorageError(RuntimeError):
+    """A storage operation failed for good (after retries); the message says what to check."""
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str  # no leading or trailing slash
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def key(self, relative: str) -> str:
+        return f"{self.prefix}/{relative}" if self.prefix else relative
+
+    def child(self, name: str) -> S3Location:
+        return S3Location(self.bucket, self.key(name))
+
+
+def is_s3_uri(path: str | os.PathLike) -> bool:
+    return str(path).startswith("s3://")
+
+
+def parse_s3_uri(uri: str) -> S3Location:
+    """``s3://bucket/prefix`` -> S3Location; ValueError with the expected form otherwise."""
+    m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(.*))?", uri)
+    if not m:
+        raise ValueError(
+            f"not an S3 URI: {uri!r}; expected s3://bucket/prefix (bucket: 3-63 lowercase chars)"
+        )
+    return S3Location(m.group(1), (m.group(2) or "").strip("/"))
+
+
+def s3_client() -> Any:
+    """A boto3 S3 client with bounded retries and timeouts; endpoint from AWS_ENDPOINT_URL."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        retries={"max_attempts": RETRY_ATTEMPTS, "mode": "standard"},
+        connect_timeout=5,
+        read_timeout=60,
+        s3={"addressing_style": "path"},
+    )
+    # a fresh session reads the credentials now (the default session caches them)
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None,
+        region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+        config=config,
+    )
+
+
+_AUTH_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket")
+
+
+def _is_auth_error(exc: BaseException | None) -> bool:
+    """Credential/permission errors, also when wrapped (boto's transfer manager re-raises them)."""
+    while exc is not None:
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+        if code in _AUTH_CODES or code == "403" or any(c in str(exc) for c in _AUTH_CODES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def with_retries(action: str, fn: Callable[[], T], attempts: int | None = None) -> T:
+    """Run ``fn`` with exponential backoff on transient failures; StorageError when exhausted.
+
+    Credential and permission errors are not retried: they will not heal.
+    """
+    attempts = RETRY_ATTEMPTS if attempts is None else attempts
+    delay = RETRY_BASE_DELAY_S
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except Exception as exc:  # boto raises many types; classify below
+            if _is_auth_error(exc):
+                raise StorageError(
+                    f"{action}: S3 refused the credentials or access ({exc}). Check AWS_ACCESS_KEY_ID / "
+                    "AWS_SECRET_ACCESS_KEY (the Secret), the bucket name and the endpoint (AWS_ENDPOINT_URL)."
+                ) from exc
+            if attempt == attempts:
+                raise StorageError(
+                    f"{action}: failed after {attempts} attempts ({type(exc).__name__}: {exc}). "
+                    "Check that the S3 endpoint is reachable (AWS_ENDPOINT_URL) and retry."
+                ) from exc
+            log.warning(
+                "%s: attempt %d/%d failed (%s); retrying in %.1f s",
+                action,
+                attempt,
+                attempts,
+                type(exc).__name__,
+                delay,
+            )
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_manifest(folder: Path) -> dict:
+    """``{"files": {relative path: {"sha256", "size"}}}`` of every file below ``folder``."""
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[p.relative_to(folder).as_posix()] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+    return {"files": files}
+
+
+def upload_dir(local: str | Path, uri: str, client: Any | None = None) -> dict:
+    """Upload a folder to ``uri`` (files first, manifest last); returns the manifest."""
+    local = Path(local)
+    loc = parse_s3_uri(uri)
+    client = client or s3_client()
+    manifest = build_manifest(local)
+    for rel in manifest["files"]:
+        path = local / rel
+        with_retries(
+            f"upload {rel} to {loc.uri}",
+            lambda p=path, r=rel: client.upload_file(str(p), loc.bucket, loc.key(r)),
+        )
+    body = json.dumps(manifest, indent=1).encode()
+    with_retries(
+        f"write manifest to {loc.uri}",
+        lambda: client.put_object(Bucket=loc.bucket, Key=loc.key(MANIFEST), Body=body),
+    )
+    log.info("uploaded %d files to %s", len(manifest["files"]), loc.uri)
+    return manifest
+
+
+def read_manifest(uri: str, client: Any | None = None) -> dict | None:
+    """The manifest of an uploaded folder, or None when the folder is absent or incomplete."""
+    loc = parse_s3_uri(uri)
+    client = client or s3_client()
+
+    def fetch() -> dict | None:
+        try:
+            obj = client.get_object(Bucket=loc.bucket, Key=loc.key(MANIFEST))
+        except Exception as exc:
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+            if code in {"NoSuchKey", "404"}:
+                return None
+            raise
+        return json.loads(obj["Body"].read())
+
+    return with_retries(f"read manifest of {loc.uri}", fetch)
+
+
+def download_dir(uri: str, local: str | Path, client: Any | None = None) -> Path:
+    """Download an uploaded folder and verify every file's sha256 against its manifest."""
+    loc = parse_s3_uri(uri)
+    client = client or s3_client()
+    manifest = read_manifest(uri, client)
+    if manifest is None:
+        raise StorageError(
+            f"{loc.uri} has no {MANIFEST}: nothing was uploaded there, or the upload did not "
+            "finish. Check the URI, or re-run the stage that writes it."
+        )
+    local = Path(local)
+    tmp = local.with_name(local.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for rel, meta in manifest["files"].items():
+        dest = tmp / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with_retries(
+            f"download {rel} from {loc.uri}",
+            lambda d=dest, r=rel: client.download_file(loc.bucket, loc.key(r), str(d)),
+        )
+        digest = sha256_file(dest)
+        if digest != meta["sha256"]:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise StorageError(
+                f"{loc.uri}/{rel}: sha256 {digest[:12]}… does not match the manifest's "
+                f"{meta['sha256'][:12]}…; the object is corrupt or was changed after upload"
+            )
+    shutil.rmtree(local, ignore_errors=True)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(local)
+    log.info("downloaded and verified %d files from %s", len(manifest["files"]), loc.uri)
+    return local
+
+
+def latest_checkpoint(uri: str, client: Any | None = None) -> tuple[int, str] | None:
+    """``(step, uri)`` of the highest complete ``checkpoint-N`` below ``uri``, or None."""
+    loc = parse_s3_uri(uri)
+    client = client or s3_client()
+    prefix = loc.key("")
+
+    def list_steps() -> list[int]:
+        steps = []
+        for page in client.get_paginator("list_objects_v2").paginate(
+            Bucket=loc.bucket, Prefix=prefix, Delimiter="/"
+        ):
+            for cp in page.get("CommonPrefixes", []):
+                m = _CHECKPOINT_RE.search(cp["Prefix"].rstrip("/"))
+                if m:
+                    steps.append(int(m.group(1)))
+        return steps
+
+    for step in sorted(with_retries(f"list checkpoints in {loc.uri}", list_steps), reverse=True):
+        child = loc.child(f"checkpoint-{step}").uri
+        if read_manifest(child, client) is not None:
+            return step, child
+    return None
+
+
+def materialize(path_or_uri: str, cache_dir: str | Path) -> Path:
+    """A local folder for ``path_or_uri``: itself if local, else a verified download into cache_dir."""
+    if not is_s3_uri(path_or_uri):
+        p = Path(path_or_uri)
+        if not p.exists():
+            raise StorageError(f"{p} does not exist: pass an existing folder or an s3:// URI")
+        return p
+    loc = parse_s3_uri(path_or_uri)
+    return download_dir(path_or_uri, Path(cache_dir) / loc.bucket / (loc.prefix or "_root"))
+
+
+def publish(local: str | Path, path_or_uri: str) -> str:
+    """Copy a finished local folder to its destination (S3 upload, or a local copy); returns it."""
+    local = Path(local)
+    if is_s3_uri(path_or_uri):
+        upload_dir(local, path_or_uri)
+    elif Path(path_or_uri).resolve() != local.resolve():
+        shutil.copytree(local, path_or_uri, dirs_exist_ok=True)
+    return path_or_uri

