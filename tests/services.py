@@ -141,9 +141,11 @@ def _wait_for_bucket(service: S3Service, bucket: str, proc: subprocess.Popen, lo
         try:
             client.head_bucket(Bucket=bucket)
             return
-        except Exception:
+        except Exception as exc:
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"SeaweedFS bucket {bucket} never became ready: {log.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"SeaweedFS bucket {bucket} never became ready: {log.read_text()[-2000:]}"
+                ) from exc
             time.sleep(0.3)
 
 

@@ -57,7 +57,7 @@ def test_corrupt_object_is_refused(s3_env, tmp_path):
 def test_incomplete_upload_is_not_used(s3_env, tmp_path):
     client = storage.s3_client()
     client.put_object(Bucket="orthorl", Key="runs/partial/config.json", Body=b"{}")
-    with pytest.raises(storage.StorageError, match="no MANIFEST.json"):
+    with pytest.raises(storage.StorageError, match=r"no MANIFEST\.json"):
         storage.download_dir("s3://orthorl/runs/partial", tmp_path / "dst")
 
 
