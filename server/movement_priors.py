@@ -9,7 +9,9 @@ Three scorers compare an initial configuration with the final (achieved) one:
   (``m < 0.05`` mm-equivalent) scores 0.5 (no movement is uninformative).
 * :class:`AnchoragePrior` - molars are the anchorage units; each molar scores
   ``exp(-max(0, m - p90) / p90)`` against the reference 90th percentile ``p90``
-  of molar movement.
+  of molar movement. Given the achieved trajectory it also scores the staging's
+  anchorage demand (moving vs resting root area per stage, Jepsen 1963) and
+  averages the two: moving every tooth at once strains anchorage.
 * :class:`CombinedPrior` - the weighted mean of the two, clamped to [0, 1].
 
 Movement of a tooth
@@ -78,9 +80,11 @@ import numpy as np
 
 from server.dental_constants import (
     IS_MOLAR,
+    IS_UPPER,
     MM_PER_DEG,
     N_TEETH,
     POSE_DIM,
+    ROOT_AREA_MM2,
     TOOTH_CLASS,
     TOOTH_CLASSES,
     TOOTH_IDS,
@@ -140,6 +144,10 @@ REFERENCE_SOURCES: tuple[str, ...] = (
 )
 
 _IDENTITY_POSE = np.array([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+MOVING_EPS_MM: float = 0.01
+"""A tooth moving less than this in a stage (mm-equivalent) counts as anchorage."""
+LOAD_WEIGHT: float = 0.5
+"""Share of the anchorage score given to the staging load (with a trajectory)."""
 
 
 # --- Movement ------------------------------------------------------------------------------
@@ -326,9 +334,35 @@ class AnchoragePrior:
         with np.errstate(over="ignore", invalid="ignore"):
             return np.exp(-np.maximum(0.0, m - self.p90_mm) / self.p90_mm)
 
-    def score(self, initial: np.ndarray, final: np.ndarray) -> float | np.ndarray:
-        """Mean over the 8 molars: float for ``(28, 7)`` inputs, ``(B,)`` for batches."""
-        return _as_output(np.mean(self.molar_scores(initial, final), axis=-1))
+    def load_scores(self, trajectory: np.ndarray) -> np.ndarray:
+        """Anchorage demand of an achieved trajectory ``(..., S, 28, 7)`` -> ``(...,)`` in [0, 1].
+
+        At each stage the teeth that move (achieved increment > MOVING_EPS_MM) react
+        against the teeth at rest, the anchorage unit. Per arch and stage the score is
+        the share of the arch's root area (Jepsen 1963) at rest; averaged over all
+        stages and both arches. 1 when nothing moves; moving every tooth at every
+        stage scores 0; staging, and finishing a movement sooner, score higher.
+        """
+        traj = np.asarray(trajectory, dtype=np.float64)
+        moving = tooth_movement_mm(traj[..., :-1, :, :], traj[..., 1:, :, :]) > MOVING_EPS_MM
+        per_arch = []
+        for arch in (IS_UPPER, ~IS_UPPER):
+            resting = np.sum(np.where(~moving & arch, ROOT_AREA_MM2, 0.0), axis=-1)
+            per_arch.append(np.mean(resting / ROOT_AREA_MM2[arch].sum(), axis=-1))
+        return 0.5 * (per_arch[0] + per_arch[1])
+
+    def score(
+        self, initial: np.ndarray, final: np.ndarray, trajectory: np.ndarray | None = None
+    ) -> float | np.ndarray:
+        """Mean over the 8 molars; with an achieved ``trajectory`` (..., S, 28, 7), the mean of
+        that and :meth:`load_scores`. Float for ``(28, 7)`` inputs, ``(B,)`` for batches."""
+        return _as_output(self._score_from_movement(tooth_movement_mm(initial, final), trajectory))
+
+    def _score_from_movement(self, m: np.ndarray, trajectory: np.ndarray | None) -> np.ndarray:
+        molar = np.mean(self.molar_scores_from_movement(m), axis=-1)
+        if trajectory is None:
+            return molar
+        return (1.0 - LOAD_WEIGHT) * molar + LOAD_WEIGHT * self.load_scores(trajectory)
 
 
 class CombinedPrior:
@@ -352,15 +386,19 @@ class CombinedPrior:
         ref = load_reference(path)
         return cls(RealismPrior(ref), AnchoragePrior(ref), weight_realism)
 
-    def score(self, initial: np.ndarray, final: np.ndarray) -> float | np.ndarray:
+    def score(
+        self, initial: np.ndarray, final: np.ndarray, trajectory: np.ndarray | None = None
+    ) -> float | np.ndarray:
         """Combined prior in [0, 1], always finite: float for ``(28, 7)``, ``(B,)`` for batches."""
-        return _as_output(self.parts(initial, final)[2])
+        return _as_output(self.parts(initial, final, trajectory)[2])
 
-    def parts(self, initial: np.ndarray, final: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def parts(
+        self, initial: np.ndarray, final: np.ndarray, trajectory: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(realism, anchorage, combined)`` arrays from one movement computation."""
         m = tooth_movement_mm(initial, final)
         r = np.mean(self.realism.tooth_scores_from_movement(m), axis=-1)
-        a = np.mean(self.anchorage.molar_scores_from_movement(m), axis=-1)
+        a = self.anchorage._score_from_movement(m, trajectory)
         s = self.weight_realism * r + (1.0 - self.weight_realism) * a
         return r, a, np.clip(np.where(np.isfinite(s), s, 0.0), 0.0, 1.0)
 

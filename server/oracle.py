@@ -46,6 +46,7 @@ from server.quaternion_utils import (
     quaternion_rotate,
     quaternion_to_rotvec,
 )
+from server.reward_scaler import scale_rewards
 
 _PRIORITIES = ("high", "medium", "low")
 FEATURE_SCALE: dict[str, float] = {
@@ -156,6 +157,7 @@ def candidate_plans(initial: np.ndarray, target: np.ndarray, force_decay: bool) 
         stage_plan(initial, target, strategy, last, brisk=0.8, offsets=(1, 9, 15)),
         stage_plan(initial, target, strategy, last, brisk=0.6, offsets=(1, 5, 11)),
         stage_plan(initial, target, strategy, last, brisk=0.0),
+        stage_plan(initial, target, strategy, last, brisk=0.95, offsets=(1, 11, 15)),
     ]
 
 
@@ -169,5 +171,11 @@ def oracle_plan(observation: dict) -> dict:
     plans = candidate_plans(initial, target, force_decay)
     case = (observation["task_id"], int(observation["seed"]), force_decay)
     results = score_plans(plans, [case] * len(plans))
-    best = int(np.argmax([r["terminal_reward"] for r in results]))
+    # choose as training does: the scaled reward, whose hard-fail overrides punish collisions and PDL stress
+    scaled = scale_rewards(
+        np.array([r["terminal_reward"] for r in results]),
+        np.array([r["reward_breakdown"]["collision_free"] for r in results]),
+        np.array([r["reward_breakdown"]["pdl_feasibility"] for r in results]),
+    )
+    best = int(np.argmax(scaled))
     return plans[best]

@@ -95,7 +95,7 @@ def normalize_plan(plan: object) -> PlanSpec:
         if not isinstance(group, dict):
             continue
         f = group.get("fraction")
-        if not _is_number(f) or not math.isfinite(f) or not 0.0 <= f <= 1.0:
+        if not _is_number(f) or not 0 <= f <= 1 or (isinstance(f, float) and not math.isfinite(f)):
             fmt.invalid_fractions += 1
             continue
         priority = group.get("priority", DEFAULT_PRIORITY)

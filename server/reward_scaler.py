@@ -47,7 +47,7 @@ def scale_reward(raw: float, collision: bool = False, pdl_stress_exceeded: bool 
 
 def scale_rewards(raw: np.ndarray, collision_free: np.ndarray, pdl_feasibility: np.ndarray) -> np.ndarray:
     """Vectorised :func:`scale_reward` over arrays of equal shape."""
-    raw = np.nan_to_num(np.asarray(raw, dtype=np.float64), nan=-np.inf)
+    raw = np.nan_to_num(np.asarray(raw, dtype=np.float64), nan=-np.inf, posinf=-np.inf)
     scaled = np.where(
         np.isfinite(raw), REWARD_MIN + (REWARD_MAX - REWARD_MIN) * np.clip(raw, 0.0, 1.0), REWARD_MIN
     )

@@ -28,7 +28,7 @@ Components (ENVIRONMENT.md §5):
   the staging contradicts (rho < -0.2) counts as wrong, and the optimal one is only
   paid 1.2 when the staging follows it (rho >= 0.3).
 * ``realism``, ``anchorage``, ``movement_prior`` - :mod:`server.movement_priors` on
-  (initial, final achieved).
+  (initial, final achieved) and, for anchorage, the achieved trajectory's staging load.
 
 Terminal reward (documented composite):
 ``(multiplier / 1.2) * (0.30 accuracy + accuracy * (0.20 occlusion + 0.15 collision_free
@@ -208,7 +208,7 @@ def score_episodes(
 
     mean_d = inc_mm.mean(axis=-2)
     mean_d2 = (inc_mm**2).mean(axis=-2)
-    tooth_smooth = np.where(mean_d2 > 0, mean_d**2 / np.maximum(mean_d2, 1e-30), 1.0)
+    tooth_smooth = np.clip(np.where(mean_d2 > 0, mean_d**2 / np.maximum(mean_d2, 1e-30), 1.0), 0.0, 1.0)
     smoothness = _masked_mean(tooth_smooth, moved, 1.0)
 
     starts = start_stages(inc_mm)
@@ -229,7 +229,9 @@ def score_episodes(
     ]
     multiplier = np.array([STRATEGY_MULTIPLIERS[c] for c in classes])
 
-    realism, anchorage, prior = (np.asarray(x, dtype=float).reshape(b) for x in _PRIOR.parts(initial, final))
+    realism, anchorage, prior = (
+        np.asarray(x, dtype=float).reshape(b) for x in _PRIOR.parts(initial, final, achieved)
+    )
 
     components = {
         "accuracy": accuracy,

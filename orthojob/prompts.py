@@ -1,0 +1,227 @@
+"""Prompts: one builder for SFT, GRPO and evaluation alike.
+
+A prompt is built from a reset observation of the environment (stage 0): the case's top-12
+most displaced teeth (as the seed's prompt), its clinical summary, the per-stage limits, and
+the plan format with its semantics (:data:`PLAN_SEMANTICS`, the statement of
+:mod:`server.plans`, built from the server's constants so no number is restated by hand).
+
+Seeds: training prompts use seeds from :data:`TRAIN_SEED_START`, held-out evaluation seeds
+from :data:`HELDOUT_SEED_START`; the two ranges never meet for any realistic dataset size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import numpy as np
+
+from server.clinical_profiles import STRATEGIES, STRATEGY_LEVELS
+from server.dental_constants import (
+    DEFAULT_PRIORITY,
+    MAX_ROTATION_DEG,
+    MAX_TRANSLATION_MM,
+    MM_PER_DEG,
+    N_STAGES,
+    N_TEETH,
+    PRIORITY_START_STAGE,
+    TOOTH_IDS,
+    TOOTH_NUMBER,
+)
+from server.dental_environment import StepwiseDentalEnvironment
+from server.quaternion_utils import quaternion_angle
+
+TRAIN_SEED_START: int = 0
+HELDOUT_SEED_START: int = 1_000_000
+TOP_TEETH: int = 12
+"""Teeth listed in a prompt, most displaced first (the seed's top-12)."""
+
+SYSTEM_PROMPT: str = (
+    "You are an orthodontic treatment planner for clear aligner therapy. You read a case and "
+    "write its whole staging plan as a single JSON object, with no prose and no code fence."
+)
+
+_PRIORITIES = sorted(PRIORITY_START_STAGE, key=PRIORITY_START_STAGE.get)
+
+
+def _fmt(x: float, digits: int = 4) -> str:
+    return f"{x:.{digits}f}".rstrip("0").rstrip(".")
+
+
+def _strategy_order(strategy: str) -> str:
+    """'x1-x2, then x3, ...': the FDI last digits of each level of a strategy's staging order."""
+    levels = STRATEGY_LEVELS[strategy]
+    steps = []
+    for level in np.unique(levels):
+        numbers = sorted({int(n) for n in TOOTH_NUMBER[levels == level]})
+        runs, run = [], [numbers[0]]
+        for n in numbers[1:]:
+            if n == run[-1] + 1:
+                run.append(n)
+            else:
+                runs.append(run)
+                run = [n]
+        runs.append(run)
+        steps.append(" and ".join(f"x{r[0]}" if len(r) == 1 else f"x{r[0]}-x{r[-1]}" for r in runs))
+    return ", then ".join(steps)
+
+
+def _plan_semantics() -> str:
+    starts = ", ".join(f"{p} at stage {PRIORITY_START_STAGE[p]}" for p in _PRIORITIES)
+    uniform = 1.0 / N_STAGES
+    strategy_alts = " | ".join(f'"{s}"' for s in STRATEGIES)
+    priority_alts = " | ".join(f'"{p}"' for p in _PRIORITIES)
+    orders = "\n".join(f"  {s}: {_strategy_order(s)}" for s in STRATEGIES)
+    quadrants = ", ".join(f"{q}1-{q}7" for q in (1, 2, 3, 4))
+    return f"""\
+Return ONLY one JSON object of this shape:
+{{"strategy": {strategy_alts},
+ "tooth_groups": [{{"teeth": [<FDI ids>], "fraction": <number in [0, 1]>, "priority": {priority_alts}}}, ...]}}
+
+Plan semantics:
+- Teeth are FDI ids {quadrants} (xN = tooth number N in any quadrant: 1-2 incisors, 3 canine, \
+4-5 premolars, 6-7 molars).
+- priority sets the stage at which a group starts moving: {starts}; missing = {DEFAULT_PRIORITY}.
+- fraction is the share of each tooth's total movement performed per stage once it starts, at \
+constant speed, until the tooth reaches its target: planned progress at stage s is \
+clip((s - start + 1) * fraction, 0, 1). fraction 1/{N_STAGES} = {_fmt(uniform)} from stage 1 is \
+uniform SLERP over all {N_STAGES} aligners; fraction 0 keeps a tooth where it is. A group starting at \
+stage start reaches its target by stage {N_STAGES} only if fraction >= 1 / ({N_STAGES} - start + 1).
+- A tooth stays within the per-stage limits ({_fmt(MAX_TRANSLATION_MM)} mm, \
+{_fmt(MAX_ROTATION_DEG)} deg) when fraction <= 1 / min_stages.
+- Teeth in no group follow uniform SLERP. A tooth listed twice takes its first group. Unknown FDI \
+ids, non-integer ids, fractions outside [0, 1] or not numbers, and unknown priorities are ignored \
+(a group with a bad fraction is ignored whole) and lower the score.
+- strategy is one of {", ".join(STRATEGIES)}. It is judged against the case and against the \
+plan's own staging order (which teeth start first); each strategy starts the teeth in this order:
+{orders}"""
+
+
+PLAN_SEMANTICS: str = _plan_semantics()
+"""The plan format and semantics of :mod:`server.plans`, as the prompt states them."""
+
+
+def _tooth_rows(observation: dict) -> list[str]:
+    """The TOP_TEETH most displaced teeth (mm-equivalent distance, as the server scores it)."""
+    initial = np.asarray(observation.get("current_config") or observation["initial_config"], dtype=np.float64)
+    target = np.asarray(observation["target_config"], dtype=np.float64)
+    delta = target[:, 4:] - initial[:, 4:]
+    dist = np.linalg.norm(delta, axis=-1)
+    rot = np.degrees(quaternion_angle(initial[:, :4], target[:, :4]))
+    need = np.hypot(dist, MM_PER_DEG * rot)
+    stages = np.maximum(dist / MAX_TRANSLATION_MM, rot / MAX_ROTATION_DEG)
+    order = sorted(range(N_TEETH), key=lambda i: (-need[i], i))[:TOP_TEETH]
+    rows = []
+    for i in order:
+        dx, dy, dz = delta[i] + 0.0  # + 0.0 turns -0.0 into 0.0
+        min_stages = max(1, math.ceil(stages[i] - 1e-9))
+        rows.append(
+            f"  FDI {TOOTH_IDS[i]}: dist={dist[i]:.2f}mm  d=({dx:+.2f},{dy:+.2f},{dz:+.2f})  "
+            f"rot={rot[i]:.1f}deg  min_stages={min_stages}"
+        )
+    return rows
+
+
+def _summary_rows(summary: dict) -> list[str]:
+    rows = []
+    for key, value in summary.items():
+        if isinstance(value, float):
+            value = f"{value + 0.0:.2f}"
+        rows.append(f"  {key}: {value}")
+    return rows
+
+
+def build_prompt(observation: dict) -> str:
+    """The user message for a reset observation of the environment."""
+    decay = bool(observation.get("force_decay"))
+    lines = [
+        f"Plan a clear-aligner treatment of {N_STAGES} aligners (stages 1-{N_STAGES}; stage 0 is the "
+        "initial state).",
+        f"Task: {observation.get('task_id')}  force_decay: {'on' if decay else 'off'}"
+        + (
+            " (each aligner expresses only part of its movement; the rest carries over to the next)"
+            if decay
+            else ""
+        ),
+        "",
+        "Case summary (initial casts, mm):",
+        *_summary_rows(observation.get("case_summary") or {}),
+        "",
+        f"Teeth furthest from target (top {TOP_TEETH} of {N_TEETH}; dist = translation mm, d = target - "
+        "current in mm (x patient's left, y anterior, z occlusal-up), rot = rotation deg, min_stages = "
+        "fewest stages within the per-stage limits):",
+        *_tooth_rows(observation),
+        "",
+        f"Constraints: at most {_fmt(MAX_TRANSLATION_MM)} mm translation and {_fmt(MAX_ROTATION_DEG)} deg "
+        "rotation per tooth per stage.",
+        "",
+        PLAN_SEMANTICS,
+    ]
+    return "\n".join(lines)
+
+
+def build_messages(observation: dict) -> list[dict]:
+    """Chat messages (system + user) for a reset observation."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": build_prompt(observation)},
+    ]
+
+
+_ENV = StepwiseDentalEnvironment(max_sessions=8)
+_ENV_LOCK = threading.Lock()
+
+
+def reset_observation(seed: int, task_id: str, force_decay: bool) -> dict:
+    """The stage-0 observation of a case (from the module's environment, a small session store)."""
+    with _ENV_LOCK:
+        return _ENV.reset(task_id=task_id, seed=seed, force_decay=bool(force_decay))
+
+
+def prompt_rows(n: int, seed_start: int, task_id: str, force_decay: bool) -> list[dict]:
+    """``n`` dataset rows ``{"prompt": messages, "seed", "task_id", "force_decay"}``, seeds from seed_start.
+
+    The extra columns reach the reward functions through TRL. A bad task id or seed raises the
+    environment's InvalidActionError (no row is silently dropped).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    rows = []
+    for seed in range(seed_start, seed_start + n):
+        obs = reset_observation(seed, task_id, force_decay)
+        rows.append(
+            {
+                "prompt": build_messages(obs),
+                "seed": seed,
+                "task_id": task_id,
+                "force_decay": bool(force_decay),
+            }
+        )
+    return rows
+
+
+def plan_to_completion(plan: dict) -> str:
+    """Canonical one-line JSON text of a plan (the SFT target): ``strategy`` then ``tooth_groups``,
+    each group ``teeth``, ``fraction``, ``priority``; other keys of plan and groups are dropped."""
+    groups = []
+    for g in plan.get("tooth_groups") or []:
+        if not isinstance(g, dict):
+            continue
+        out = {k: g[k] for k in ("teeth", "fraction", "priority") if k in g}
+        groups.append(out)
+    return json.dumps({"strategy": plan.get("strategy"), "tooth_groups": groups}, allow_nan=False)
+
+
+__all__ = [
+    "HELDOUT_SEED_START",
+    "PLAN_SEMANTICS",
+    "SYSTEM_PROMPT",
+    "TOP_TEETH",
+    "TRAIN_SEED_START",
+    "build_messages",
+    "build_prompt",
+    "plan_to_completion",
+    "prompt_rows",
+    "reset_observation",
+]

@@ -1,0 +1,367 @@
+"""Tests of orthojob.parsing: the first balanced JSON object, caps, hostile input, format checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orthojob.parsing import (
+    FORMAT_CHECKS,
+    MAX_COMPLETION_CHARS,
+    MAX_JSON_DEPTH,
+    completion_text,
+    extract_plan,
+    format_checks,
+)
+from server.clinical_profiles import STRATEGIES
+from server.dental_constants import TOOTH_IDS
+from server.plans import MAX_GROUPS
+
+PLAN = {
+    "strategy": "expansion_first",
+    "tooth_groups": [
+        {"teeth": [14, 15, 24, 25], "fraction": 0.08, "priority": "high"},
+        {"teeth": [11, 12, 21, 22], "fraction": 0.06, "priority": "medium"},
+    ],
+}
+PARSE_BOUND_S = 0.5
+"""Time bound for parsing one completion, however hostile (the scan is capped)."""
+
+
+def _all_finite(value: object) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_all_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_all_finite(v) for v in value)
+    return True
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+def _timed_extract(text: object) -> dict | None:
+    t = time.perf_counter()
+    out = extract_plan(text)
+    assert time.perf_counter() - t < PARSE_BOUND_S
+    return out
+
+
+# --- examples -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (json.dumps(PLAN), PLAN),
+        ("Here is the plan:\n```json\n" + json.dumps(PLAN, indent=2) + "\n```\nDone.", PLAN),
+        ('{"a": 1} and then {"b": 2}', {"a": 1}),  # first object wins (the seed took {..} to the last })
+        ('{"s": "}{"} {"b": 2}', {"s": "}{"}),  # braces inside strings do not count
+        ('{"s": "a\\"}b", "t": 1}', {"s": 'a"}b', "t": 1}),  # escaped quotes inside strings
+        ('{"s": "\\\\"} tail}', {"s": "\\"}),  # an escaped backslash ends the string
+        ('{not json} {"ok": true}', {"ok": True}),  # a broken candidate is skipped whole
+        ('{"a": {"b": [1, {"c": 2}]}}', {"a": {"b": [1, {"c": 2}]}}),
+        ('[1, 2] {"a": 1}', {"a": 1}),  # a top-level array is not an object
+        ("{}", {}),
+        ('{"a": 1', None),  # never closes
+        ('{"a": "unterminated}', None),
+        ("no braces at all", None),
+        ("", None),
+        ("}{", None),
+        ('{"strategy": "x",}', None),  # trailing comma: invalid JSON
+    ],
+)
+def test_extract_plan_examples(text: str, expected: dict | None) -> None:
+    assert extract_plan(text) == expected
+
+
+def test_braces_inside_strings_do_not_end_the_object() -> None:
+    plan = {"strategy": "anterior_first", "note": 'use { and } and \\" freely', "tooth_groups": []}
+    assert extract_plan("x " + json.dumps(plan) + " }}}") == plan
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999", "-1e400", "1" * 400])
+def test_non_finite_numbers_are_rejected(literal: str) -> None:
+    text = '{"tooth_groups": [{"teeth": [11], "fraction": ' + literal + "}]}"
+    assert json.loads(text) is not None  # Python's json accepts all of these
+    assert extract_plan(text) is None
+    # ... and the scan goes on to a later valid object
+    assert extract_plan(text + ' {"ok": 1}') == {"ok": 1}
+
+
+def test_depth_cap() -> None:
+    def nested(depth: int) -> str:  # an object `depth` levels deep
+        return '{"a": ' * depth + "1" + "}" * depth
+
+    assert _depth(extract_plan(nested(MAX_JSON_DEPTH))) == MAX_JSON_DEPTH
+    assert extract_plan(nested(MAX_JSON_DEPTH + 1)) is None
+    assert extract_plan(nested(MAX_JSON_DEPTH + 1) + ' {"b": 2}') == {"b": 2}
+    mixed = '{"a": ' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "}"
+    assert extract_plan(mixed) is None
+
+
+@pytest.mark.parametrize("depth", [10_000, 100_000])
+def test_ten_thousand_deep_nesting(depth: int) -> None:
+    assert _timed_extract("{" * depth) is None
+    assert _timed_extract("[" * depth + "]" * depth) is None
+    assert _timed_extract('{"a":' * depth + "1" + "}" * depth) is None
+    assert _timed_extract("{" * depth + "}" * depth) is None
+
+
+def test_size_cap() -> None:
+    plan_text = json.dumps(PLAN)
+    # found when it lies within the cap, even after a long preamble
+    pre = "x" * (MAX_COMPLETION_CHARS - len(plan_text))
+    assert extract_plan(pre + plan_text) == PLAN
+    # not found when it crosses the cap
+    assert extract_plan(pre + "xx" + plan_text) is None
+    # a 1 MB completion is cut, not scanned whole
+    assert _timed_extract(plan_text + "y" * 1_000_000) == PLAN
+    assert _timed_extract("y" * 1_000_000 + plan_text) is None
+    assert _timed_extract("{" + " " * 1_000_000 + "}") is None
+    assert _timed_extract('{"a": "' + "z" * 1_000_000 + '"}') is None
+
+
+def test_many_candidates_are_bounded() -> None:
+    assert _timed_extract("{x}" * 300_000) is None
+    assert _timed_extract('{"a": 1e999}' * 100_000) is None
+    assert _timed_extract('"' * 1_000_000) is None
+    assert _timed_extract("{" + '\\"' * 500_000) is None
+
+
+@pytest.mark.parametrize("value", [None, 12, 1.5, b'{"a": 1}', ["{}"], {"a": 1}, object()])
+def test_non_string_input_gives_none(value: object) -> None:
+    assert extract_plan(value) is None
+
+
+def test_unicode_and_surrogates() -> None:
+    assert extract_plan('Plan ✓ → {"strategy": "ñ😀", "x": "\\ud800"}') == {"strategy": "ñ😀", "x": "\ud800"}
+    assert extract_plan("\ud800{\udfff}") is None
+    assert extract_plan('\x00{"a": 1}\x00') == {"a": 1}
+
+
+# --- properties -----------------------------------------------------------------------
+
+_json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**20), 10**20),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=20),
+)
+_json_values = st.recursive(
+    _json_scalars,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+_prose = st.text(alphabet=st.characters(blacklist_characters="{"), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    obj=st.dictionaries(st.text(max_size=8), _json_values, max_size=5),
+    before=_prose,
+    after=st.text(max_size=60),
+    indent=st.sampled_from([None, 2]),
+)
+def test_finds_any_embedded_object(obj: dict, before: str, after: str, indent: int | None) -> None:
+    """Any finite JSON object, with prose around it, is found exactly (when within the depth cap)."""
+    text = before + json.dumps(obj, indent=indent) + after
+    found = extract_plan(text)
+    if _depth(obj) <= MAX_JSON_DEPTH:
+        assert found == obj
+    else:
+        assert found is None or found != obj
+
+
+_hostile_fragments = st.sampled_from(
+    [
+        "{",
+        "}",
+        "[",
+        "]",
+        '"',
+        "\\",
+        ":",
+        ",",
+        "NaN",
+        "Infinity",
+        "-Infinity",
+        "1e999",
+        "true",
+        "null",
+        '"teeth"',
+        '"fraction"',
+        '"tooth_groups"',
+        "0.5",
+        '"0.5"',
+        "11",
+        "😀",
+        "\ud800",
+        "\x00",
+        "\n",
+    ]
+)
+_hostile_text = st.one_of(
+    st.text(max_size=200),
+    st.lists(_hostile_fragments, max_size=200).map("".join),
+    st.tuples(_hostile_fragments, st.integers(1, 200_000)).map(lambda t: t[0] * t[1]),
+    st.builds(
+        lambda d, s: "{" * d + s + "}" * d, st.integers(0, 20_000), st.sampled_from(["", "1", '"a"', "NaN"])
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_hostile_text)
+def test_extract_plan_never_raises(text: str) -> None:
+    plan = _timed_extract(text)
+    assert plan is None or isinstance(plan, dict)
+    if plan is not None:
+        assert _all_finite(plan)
+        assert _depth(plan) <= MAX_JSON_DEPTH
+
+
+# --- completion_text ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("plain", "plain"),
+        ([{"role": "assistant", "content": "conv"}], "conv"),
+        ({"role": "assistant", "content": "one"}, "one"),
+        ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], "a"),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": "p1"}, {"type": "text", "text": "p2"}],
+                }
+            ],
+            "p1p2",
+        ),
+        (b"bytes \xff", "bytes \ufffd"),
+        (None, ""),
+        (42, ""),
+        ([], ""),
+        ([{"role": "assistant"}], ""),
+        ([[[[[["deep"]]]]]], ""),
+        ({"content": None}, ""),
+    ],
+)
+def test_completion_text(completion: object, expected: str) -> None:
+    assert completion_text(completion) == expected
+
+
+def test_completion_text_survives_hostile_objects() -> None:
+    class Evil(dict):
+        def get(self, *a):
+            raise RuntimeError("boom")
+
+    assert completion_text([Evil(role="assistant", content="x")]) == ""
+
+
+# --- format checks ------------------------------------------------------------------------
+
+
+def _variant(**group_changes: object) -> dict:
+    g = dict(PLAN["tooth_groups"][0], **group_changes)
+    return {"strategy": PLAN["strategy"], "tooth_groups": [g, PLAN["tooth_groups"][1]]}
+
+
+def test_format_checks_of_a_valid_plan() -> None:
+    assert format_checks(PLAN) == dict.fromkeys((*FORMAT_CHECKS, "total"), 1.0)
+
+
+def test_format_checks_of_nothing() -> None:
+    assert format_checks(None) == dict.fromkeys((*FORMAT_CHECKS, "total"), 0.0)
+    assert format_checks({}) == {**dict.fromkeys(FORMAT_CHECKS, 0.0), "parse": 1.0, "total": 0.2}
+
+
+@pytest.mark.parametrize(
+    ("plan", "failed"),
+    [
+        ({"strategy": "nonsense", "tooth_groups": PLAN["tooth_groups"]}, "strategy_ok"),
+        ({"strategy": ["anterior_first"], "tooth_groups": PLAN["tooth_groups"]}, "strategy_ok"),
+        (_variant(teeth=[True, 15]), "teeth_ints"),  # booleans are not teeth
+        (_variant(teeth=[14, 14]), "teeth_ints"),  # duplicate
+        (_variant(teeth=[11, 15]), "teeth_ints"),  # 11 is also in the second group
+        (_variant(teeth=[18, 15]), "teeth_ints"),  # third molars are not in the 28
+        (_variant(teeth=[14.0, 15]), "teeth_ints"),
+        (_variant(teeth=["14", 15]), "teeth_ints"),
+        (_variant(fraction="0.08"), "fraction_ok"),  # strings are not fractions
+        (_variant(fraction=1.5), "fraction_ok"),
+        (_variant(fraction=-0.1), "fraction_ok"),
+        (_variant(fraction=True), "fraction_ok"),
+        (_variant(fraction=None), "fraction_ok"),
+        (_variant(fraction=float("nan")), "fraction_ok"),
+        (_variant(fraction=10**400), "fraction_ok"),
+        (_variant(priority="urgent"), "shape"),
+        ({"strategy": PLAN["strategy"], "tooth_groups": []}, "shape"),
+    ],
+)
+def test_each_format_check_fails_alone(plan: dict, failed: str) -> None:
+    checks = format_checks(plan)
+    assert checks[failed] == 0.0
+    assert checks["total"] < 1.0
+    if failed in ("strategy_ok", "teeth_ints", "fraction_ok"):
+        assert all(checks[k] == 1.0 for k in FORMAT_CHECKS if k != failed)
+
+
+def test_format_shape_bounds_the_group_count() -> None:
+    groups = [{"teeth": [], "fraction": 0.1}] * (MAX_GROUPS + 1)
+    assert format_checks({"strategy": STRATEGIES[0], "tooth_groups": groups})["shape"] == 0.0
+
+
+_plans = st.fixed_dictionaries(
+    {},
+    optional={
+        "strategy": st.one_of(st.sampled_from(STRATEGIES), _json_scalars),
+        "tooth_groups": st.one_of(
+            _json_values,
+            st.lists(
+                st.one_of(
+                    _json_values,
+                    st.fixed_dictionaries(
+                        {},
+                        optional={
+                            "teeth": st.one_of(
+                                st.lists(st.one_of(st.sampled_from(TOOTH_IDS), _json_scalars), max_size=30),
+                                _json_scalars,
+                            ),
+                            "fraction": st.one_of(
+                                st.floats(), st.integers(), st.text(max_size=5), st.booleans(), st.none()
+                            ),
+                            "priority": st.one_of(st.sampled_from(["high", "medium", "low"]), _json_scalars),
+                        },
+                    ),
+                ),
+                max_size=8,
+            ),
+        ),
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plan=st.one_of(_plans, _json_values))
+def test_format_checks_never_raise(plan: object) -> None:
+    checks = format_checks(plan)
+    assert set(checks) == {*FORMAT_CHECKS, "total"}
+    assert all(v in (0.0, 1.0) for k, v in checks.items() if k != "total")
+    assert checks["total"] == pytest.approx(sum(checks[k] for k in FORMAT_CHECKS) / 5)
+    assert 0.0 <= checks["total"] <= 1.0

@@ -1,0 +1,166 @@
+"""Tests of orthojob.prompts: content drawn from the observation and the server's constants, rows, SFT text."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from orthojob import prompts
+from orthojob.parsing import extract_plan, format_checks
+from orthojob.prompts import (
+    HELDOUT_SEED_START,
+    PLAN_SEMANTICS,
+    SYSTEM_PROMPT,
+    TOP_TEETH,
+    TRAIN_SEED_START,
+    build_messages,
+    build_prompt,
+    plan_to_completion,
+    prompt_rows,
+    reset_observation,
+)
+from server.clinical_profiles import STRATEGIES
+from server.dental_constants import (
+    DEFAULT_PRIORITY,
+    MAX_ROTATION_DEG,
+    MAX_TRANSLATION_MM,
+    MM_PER_DEG,
+    N_STAGES,
+    PRIORITY_START_STAGE,
+    TOOTH_IDS,
+)
+from server.errors import InvalidActionError
+from server.oracle import oracle_plan
+from server.quaternion_utils import quaternion_angle
+
+_LINE = re.compile(
+    r"^  FDI (\d\d): dist=(\d+\.\d\d)mm  d=\(([+-]\d+\.\d\d),([+-]\d+\.\d\d),([+-]\d+\.\d\d)\)  "
+    r"rot=(\d+\.\d)deg  min_stages=(\d+)$"
+)
+
+
+@pytest.fixture(scope="module")
+def obs() -> dict:
+    return reset_observation(7, "task_medium", False)
+
+
+def test_plan_semantics_states_the_server_constants() -> None:
+    for priority, stage in PRIORITY_START_STAGE.items():
+        assert f"{priority} at stage {stage}" in PLAN_SEMANTICS
+    assert f"missing = {DEFAULT_PRIORITY}" in PLAN_SEMANTICS
+    for s in STRATEGIES:
+        assert f'"{s}"' in PLAN_SEMANTICS and f"  {s}: x" in PLAN_SEMANTICS
+    assert f"1/{N_STAGES} = {1 / N_STAGES:.4f}" in PLAN_SEMANTICS
+    assert "clip((s - start + 1) * fraction, 0, 1)" in PLAN_SEMANTICS
+    assert f"by stage {N_STAGES}" in PLAN_SEMANTICS
+    assert "A tooth listed twice takes its first group" in PLAN_SEMANTICS
+    assert "Teeth in no group follow uniform SLERP" in PLAN_SEMANTICS
+    assert f"({MAX_TRANSLATION_MM:g} mm, {MAX_ROTATION_DEG:g} deg)" in PLAN_SEMANTICS
+    # the staging orders come from STRATEGY_LEVELS: spot-check two of them
+    assert "anterior_first: x1-x2, then x3, then x4-x5, then x6-x7" in PLAN_SEMANTICS
+    assert "distal_first: x7, then x6" in PLAN_SEMANTICS
+
+
+def test_prompt_lists_the_top_teeth_of_the_observation(obs: dict) -> None:
+    text = build_prompt(obs)
+    rows = [m for m in map(_LINE.match, text.splitlines()) if m]
+    assert len(rows) == TOP_TEETH
+    initial = np.asarray(obs["initial_config"])
+    target = np.asarray(obs["target_config"])
+    t = np.linalg.norm(target[:, 4:] - initial[:, 4:], axis=-1)
+    r = np.degrees(quaternion_angle(initial[:, :4], target[:, :4]))
+    need = np.hypot(t, MM_PER_DEG * r)
+    listed = [int(m.group(1)) for m in rows]
+    expected = [TOOTH_IDS[i] for i in np.argsort(-need, kind="stable")[:TOP_TEETH]]
+    assert listed == expected
+    for m in rows:
+        i = TOOTH_IDS.index(int(m.group(1)))
+        assert float(m.group(2)) == pytest.approx(t[i], abs=0.006)
+        d = target[i, 4:] - initial[i, 4:]
+        assert [float(m.group(k)) for k in (3, 4, 5)] == pytest.approx(d, abs=0.006)
+        assert float(m.group(6)) == pytest.approx(r[i], abs=0.06)
+        min_stages = int(m.group(7))
+        assert min_stages >= max(t[i] / MAX_TRANSLATION_MM, r[i] / MAX_ROTATION_DEG) - 1e-6
+        assert min_stages - 1 < max(1.0, t[i] / MAX_TRANSLATION_MM, r[i] / MAX_ROTATION_DEG)
+
+
+def test_prompt_carries_the_case_summary_constraints_and_semantics(obs: dict) -> None:
+    text = build_prompt(obs)
+    for key, value in obs["case_summary"].items():
+        shown = f"{value + 0.0:.2f}" if isinstance(value, float) else str(value)
+        assert f"  {key}: {shown}\n" in text
+    assert f"at most {MAX_TRANSLATION_MM:g} mm translation and {MAX_ROTATION_DEG:g} deg rotation" in text
+    assert text.endswith(PLAN_SEMANTICS)
+    assert "task_medium" in text and "force_decay: off" in text
+    assert "-0.00" not in text
+    # no hidden answers: the profile and optimal strategy are not in the prompt
+    assert "profile" not in text.lower()
+
+
+def test_force_decay_is_stated() -> None:
+    text = build_prompt(reset_observation(7, "task_medium", True))
+    assert "force_decay: on" in text and "carries over" in text
+
+
+def test_build_messages(obs: dict) -> None:
+    messages = build_messages(obs)
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert messages[0]["content"] == SYSTEM_PROMPT
+    assert messages[1]["content"] == build_prompt(obs)
+
+
+def test_prompt_rows() -> None:
+    rows = prompt_rows(3, 40, "task_hard", True)
+    assert [r["seed"] for r in rows] == [40, 41, 42]
+    for r in rows:
+        assert set(r) == {"prompt", "seed", "task_id", "force_decay"}
+        assert r["task_id"] == "task_hard" and r["force_decay"] is True
+        assert r["prompt"] == build_messages(reset_observation(r["seed"], "task_hard", True))
+    assert rows[0]["prompt"] != rows[1]["prompt"]
+    assert prompt_rows(3, 40, "task_hard", True) == rows  # deterministic
+    assert prompt_rows(0, 0, "task_easy", False) == []
+    json.dumps(rows)  # a datasets-friendly, JSON-safe row
+
+
+def test_prompt_rows_refuse_bad_input() -> None:
+    with pytest.raises(InvalidActionError, match="unknown task_id"):
+        prompt_rows(1, 0, "task_impossible", False)
+    with pytest.raises(ValueError, match="non-negative"):
+        prompt_rows(-1, 0, "task_easy", False)
+
+
+def test_prompt_environment_stays_small() -> None:
+    prompt_rows(30, 100, "task_easy", False)
+    assert len(prompts._ENV.sessions) <= prompts._ENV.sessions.max_sessions <= 16
+
+
+def test_seed_ranges_are_disjoint() -> None:
+    assert TRAIN_SEED_START == 0 and HELDOUT_SEED_START == 1_000_000
+    assert TRAIN_SEED_START + 100_000 < HELDOUT_SEED_START
+
+
+@pytest.mark.parametrize(("task", "seed"), [("task_easy", 0), ("task_medium", 5), ("task_hard", 9)])
+def test_plan_to_completion_round_trips(task: str, seed: int) -> None:
+    plan = oracle_plan(reset_observation(seed, task, False))
+    text = plan_to_completion(plan)
+    assert "\n" not in text
+    assert extract_plan(text) == plan
+    assert format_checks(extract_plan(text))["total"] == 1.0
+    assert text.startswith('{"strategy": ')
+    # canonical: key order fixed, extra keys dropped
+    shuffled = {
+        "note": "x",
+        "tooth_groups": [dict(reversed(list(g.items())), extra=1) for g in plan["tooth_groups"]],
+        "strategy": plan["strategy"],
+    }
+    assert plan_to_completion(shuffled) == text
+
+
+def test_plan_to_completion_refuses_non_finite() -> None:
+    with pytest.raises(ValueError):
+        plan_to_completion(
+            {"strategy": "anterior_first", "tooth_groups": [{"teeth": [11], "fraction": float("nan")}]}
+        )
