@@ -17,6 +17,7 @@ import threading
 
 import numpy as np
 
+from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START
 from server.clinical_profiles import STRATEGIES, STRATEGY_LEVELS
 from server.dental_constants import (
     DEFAULT_PRIORITY,
@@ -32,8 +33,6 @@ from server.dental_constants import (
 from server.dental_environment import StepwiseDentalEnvironment
 from server.quaternion_utils import quaternion_angle
 
-TRAIN_SEED_START: int = 0
-HELDOUT_SEED_START: int = 1_000_000
 TOP_TEETH: int = 12
 """Teeth listed in a prompt, most displaced first (the seed's top-12)."""
 
