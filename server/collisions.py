@@ -34,7 +34,7 @@ def _radius(axis: np.ndarray, u: np.ndarray, half_width: np.ndarray, half_depth:
     ax, ay, ux, uy = axis[..., 0], axis[..., 1], u[..., 0], u[..., 1]
     c = (ax * ux + ay * uy) / half_width
     s = (ax * uy - ay * ux) / half_depth
-    return 1.0 / np.sqrt(c * c + s * s)
+    return 1.0 / np.sqrt(np.maximum(c * c + s * s, 1e-12))
 
 
 def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
@@ -50,7 +50,8 @@ def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
     xy = poses[..., 4:6]
     d = xy[..., _B, :] - xy[..., _A, :]
     dist = np.sqrt(np.einsum("...i,...i->...", d, d))
-    u = d / np.maximum(dist, 1e-9)[..., None]
+    # coinciding centroids have no line between them: use the first crown's own axis
+    u = np.where((dist > 1e-9)[..., None], d / np.maximum(dist, 1e-9)[..., None], axis[..., _A, :])
     hw = np.asarray(width_mm) / 2
     hd = np.asarray(depth_mm) / 2
     r_a = _radius(axis[..., _A, :], u, hw[..., _A], hd[..., _A])

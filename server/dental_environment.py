@@ -112,15 +112,15 @@ def validate_poses(poses: object) -> np.ndarray:
         raise InvalidActionError(
             f"tooth {_TOOTH_POSITION[int(i)]} field {POSE_FIELDS[j]}: {arr[i, j]} is not a finite number"
         )
-    norms = np.linalg.norm(arr[:, :4], axis=-1)
-    if (norms < 1e-9).any():
-        i = int(np.argmax(norms < 1e-9))
-        raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
     if (np.abs(arr) > 1e6).any():
         i, j = np.argwhere(np.abs(arr) > 1e6)[0]
         raise InvalidActionError(
             f"tooth {_TOOTH_POSITION[int(i)]} field {POSE_FIELDS[j]}: |{arr[i, j]}| > 1e6 mm"
         )
+    norms = np.linalg.norm(arr[:, :4], axis=-1)
+    if (norms < 1e-9).any():
+        i = int(np.argmax(norms < 1e-9))
+        raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
     arr[:, :4] /= norms[:, None]
     return arr
 
@@ -207,6 +207,11 @@ class SessionStore:
             session.last_used = now
             self._sessions.move_to_end(episode_id)
             return session
+
+    def remove(self, episode_id: str) -> bool:
+        """Forget an episode now; True if it was live."""
+        with self._lock:
+            return self._sessions.pop(episode_id, None) is not None
 
     def _expire(self, now: float) -> None:
         while self._sessions:
@@ -303,6 +308,11 @@ class StepwiseDentalEnvironment:
             session.rollbacks += 1
             session.terminal = None
             return self._observation(session, step_reward=0.0, breakdown=self._running_breakdown(session))
+
+    def close_episode(self, episode_id: str) -> None:
+        """Release an episode's session (e.g. when its client disconnects); unknown ids are ignored."""
+        if isinstance(episode_id, str):
+            self.sessions.remove(episode_id)
 
     def state(self, episode_id: str) -> dict:
         """The current observation, without changing anything."""

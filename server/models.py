@@ -1,0 +1,216 @@
+"""Wire types of the HTTP/WebSocket app (pydantic v2).
+
+The constraints live in the types, not in validators that raise ``ValueError``: a
+validator's exception object ends up in ``ValidationError.errors()`` (``ctx``) and is not
+JSON-serialisable, which turned bad input into HTTP 500s and closed WebSocket sessions
+in openenv-core 0.3.0. Here every check is a declarative constraint:
+
+* numbers in actions are *strict* floats (``true`` and ``"1.0"`` are refused, integers
+  are accepted), finite (``NaN``, ``Infinity`` and ``1e400`` are refused) and within
+  +-1e6 (the environment's bound, so schema-driven fuzzers reach the environment);
+* a strategy is one of :data:`server.clinical_profiles.STRATEGIES`, a task one of
+  ``task_easy``/``task_medium``/``task_hard``, a seed a strict integer in [0, 2**63);
+* a pose has exactly 7 numbers ``[qw, qx, qy, qz, tx, ty, tz]`` and an action exactly
+  28 poses, in :data:`server.dental_constants.TOOTH_IDS` order;
+* unknown fields are refused.
+
+Outputs use non-strict finite floats: a non-finite number in an observation is a bug of
+the environment and is reported as such instead of being serialised as ``null``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from openenv.core.env_server.types import Action, Observation, State
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.clinical_profiles import STRATEGIES
+from server.dental_constants import N_TEETH, POSE_DIM
+
+TASK_ID_VALUES: tuple[str, ...] = ("task_easy", "task_medium", "task_hard")
+TaskId = Literal["task_easy", "task_medium", "task_hard"]
+
+MAX_SEED: int = 2**63 - 1
+MAX_EPISODE_ID_CHARS: int = 128
+MAX_PLAN_TEXT_CHARS: int = 100_000
+
+# --- Inputs -------------------------------------------------------------------------
+
+MAX_ABS_POSE_VALUE: float = 1e6
+FiniteNumber = Annotated[
+    float, Field(strict=True, allow_inf_nan=False, ge=-MAX_ABS_POSE_VALUE, le=MAX_ABS_POSE_VALUE)
+]
+"""A finite JSON number within +-1e6 (the environment's bound); booleans and strings are refused."""
+
+Pose = Annotated[
+    list[FiniteNumber],
+    Field(
+        min_length=POSE_DIM,
+        max_length=POSE_DIM,
+        description="[qw, qx, qy, qz, tx, ty, tz]: unit quaternion (w first), crown centroid in mm",
+    ),
+]
+Poses = Annotated[
+    list[Pose],
+    Field(
+        min_length=N_TEETH,
+        max_length=N_TEETH,
+        description="28 poses in FDI order 11-17, 21-27, 31-37, 41-47",
+    ),
+]
+Strategy = Literal[STRATEGIES]  # type: ignore[valid-type]
+"""A declared staging strategy (:data:`server.clinical_profiles.STRATEGIES`)."""
+Seed = Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)]
+EpisodeId = Annotated[str, Field(min_length=1, max_length=MAX_EPISODE_ID_CHARS)]
+
+
+class DentalAction(Action):
+    """The poses of the next stage (one aligner), optionally with the declared strategy.
+
+    Used by OpenEnv's ``step`` (WebSocket ``/ws`` and HTTP ``/step``) and by
+    ``POST /episodes/{episode_id}/step``.
+    """
+
+    poses: Poses
+    strategy: Strategy | None = None
+
+
+class PosesRequest(BaseModel):
+    """Body of ``POST /episodes/{episode_id}/simulate``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    poses: Poses
+
+
+class CollisionsRequest(BaseModel):
+    """Body of ``POST /episodes/{episode_id}/collisions``; no poses: the current stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    poses: Poses | None = None
+
+
+class EpisodeResetRequest(BaseModel):
+    """Body of ``POST /episodes``: the case ``(task_id, seed, force_decay)``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task_id: TaskId = "task_easy"
+    seed: Seed | None = Field(default=None, description="case seed; omitted or null: the server draws one")
+    force_decay: Annotated[bool, Field(strict=True)] = False
+
+
+class ResetParams(EpisodeResetRequest):
+    """Reset parameters accepted over OpenEnv's ``reset`` (WebSocket or HTTP ``/reset``)."""
+
+    episode_id: EpisodeId | None = None
+
+
+class PlanScoreRequest(BaseModel):
+    """Body of ``POST /plans/score``: a whole treatment plan scored as one episode.
+
+    The plan is deliberately lax (an object or the model's raw text): malformed groups
+    are ignored and counted by the format score, never refused.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    plan: dict[str, Any] | Annotated[str, Field(max_length=MAX_PLAN_TEXT_CHARS)]
+    task_id: TaskId
+    seed: Seed
+    force_decay: Annotated[bool, Field(strict=True)] = False
+
+
+# --- Outputs ------------------------------------------------------------------------
+
+OutFloat = Annotated[float, Field(allow_inf_nan=False)]
+Config = list[list[OutFloat]]
+
+
+class EpisodeObservation(BaseModel):
+    """An observation as returned by the episode routes (the environment's dict)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    episode_id: str
+    task_id: str
+    seed: int
+    force_decay: bool
+    current_stage: int
+    stages_remaining: int
+    initial_config: Config
+    current_config: Config
+    target_config: Config
+    per_tooth_progress: dict[str, list[OutFloat]]
+    case_summary: dict[str, Any]
+    step_reward: OutFloat
+    reward_breakdown: dict[str, OutFloat]
+    terminal_reward: OutFloat | None = None
+    done: bool
+    violations: dict[str, int]
+
+
+class DentalObservation(Observation, EpisodeObservation):
+    """OpenEnv observation: the episode observation plus OpenEnv's ``reward``/``metadata``.
+
+    ``reward`` is the step's reward (``step_reward``) and, on the last stage, the
+    terminal reward added to it.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=False, arbitrary_types_allowed=False)
+
+    done: bool = False
+    reward: OutFloat | None = None
+
+
+class DentalState(State):
+    """OpenEnv state of one WebSocket session (its current episode)."""
+
+    task_id: str | None = None
+    seed: int | None = None
+    force_decay: bool | None = None
+    current_stage: int = 0
+    done: bool = False
+
+
+class TaskInfo(BaseModel):
+    task_id: str
+    description: str
+
+
+class TasksResponse(BaseModel):
+    tasks: list[TaskInfo]
+    n_stages: int
+    n_teeth: int
+    tooth_ids: list[int]
+
+
+class CollisionPair(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    teeth: list[int]
+    penetration_mm: OutFloat
+
+
+class CollisionReport(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    collision_free: bool
+    severity: OutFloat | None = None
+    pairs: list[CollisionPair]
+
+
+class PlanScore(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    terminal_reward: OutFloat
+    reward_breakdown: dict[str, OutFloat]
+    format: dict[str, Any]
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body of the app's own routes: ``detail`` names the problem."""
+
+    detail: Any
