@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from orthojob.k8s import add_k8s_arguments
 from server.cases import TASK_IDS
 
 EXIT_USAGE = 2
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     tm = sub.add_parser("tiny-model", help="build a tiny Qwen2-architecture model offline", add_help=False)
     tm.add_argument("rest", nargs=argparse.REMAINDER)
     tm.set_defaults(func=cmd_tiny_model)
+
+    add_k8s_arguments(sub)  # k8s render|submit|logs|status (orthojob/k8s.py)
     return parser
 
 

@@ -1,0 +1,621 @@
+"""``orthojob k8s render|submit|logs|status``: the GRPO Job on a cluster, from k8s/grpo-job.yaml.
+
+* :func:`render` reads the same manifest that ``kubectl apply -f k8s/grpo-job.yaml`` applies
+  (ServiceAccount, ConfigMap, NetworkPolicy, Job) and applies :class:`Overrides`: image (and the
+  IMAGE_DIGEST env that MLflow runs are tagged with), the ConfigMap's run parameters (steps, task,
+  model, preset, checkpoint and output URIs, MLflow tracking URI and experiment), namespace, and a
+  name suffix (Job and ConfigMap both get it, so concurrent runs never share parameters).
+* :func:`submit` creates those objects with the kubernetes client: shared ones (ServiceAccount,
+  NetworkPolicy) only if missing, the ConfigMap, the Job, then makes the Job the ConfigMap's
+  owner so that ``ttlSecondsAfterFinished`` collects both. Api objects can be injected (tests
+  pass ones built on a recording ApiClient: the request bodies are the API boundary).
+* :func:`follow_logs` streams the newest pod's log; :func:`job_status` reports the Job's final
+  condition, the pod's exit code and what it means (the CLI's documented codes), and the MLflow
+  run id found in the log.
+
+Nothing here needs a cluster until submit/logs/status; ``render`` is pure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+import secrets
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MANIFEST = ROOT / "k8s" / "grpo-job.yaml"
+CONTAINER = "grpo"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+LEGACY_JOB_NAME_LABEL = "job-name"
+
+# the CLI's documented exit codes (see k8s/grpo-job.yaml's podFailurePolicy)
+EXIT_MEANINGS = {
+    0: "success",
+    1: "failure (retried up to backoffLimit; a retry resumes from the newest checkpoint in S3)",
+    2: "usage or configuration error",
+    3: "GRPO quality gate not passed",
+    10: "SFT gate file missing",
+    11: "SFT gate file unparseable",
+    12: "SFT gate failed",
+    13: "SFT gate digest mismatch",
+    137: "killed (out of memory, or evicted)",
+}
+FAIL_FAST_CODES = (2, 3, 10, 11, 12, 13)
+
+# status exit codes of `orthojob k8s status`
+STATUS_COMPLETE, STATUS_FAILED, STATUS_RUNNING = 0, 1, 4
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_RUN_ID = re.compile(r"(?:run[_ ]id[\"']?\s*[=:]\s*[\"']?|/runs/)([0-9a-f]{32})\b", re.IGNORECASE)
+_RUN_URL = re.compile(r"(https?://\S+?/#/experiments/[^/\s]+/runs/[0-9a-f]{32})")
+
+# ConfigMap keys that overrides may set (Overrides field -> key)
+CONFIG_KEYS = {
+    "steps": "STEPS",
+    "task_id": "TASK_ID",
+    "model": "MODEL",
+    "preset": "PRESET",
+    "checkpoint_uri": "CHECKPOINT_URI",
+    "output_uri": "OUTPUT_URI",
+    "tracking_uri": "MLFLOW_TRACKING_URI",
+    "experiment": "MLFLOW_EXPERIMENT_NAME",
+}
+
+
+class K8sError(RuntimeError):
+    """A manifest or override problem; the CLI prints it and exits 2."""
+
+
+@dataclass
+class Overrides:
+    image: str | None = None
+    steps: int | None = None
+    task_id: str | None = None
+    model: str | None = None
+    preset: str | None = None
+    checkpoint_uri: str | None = None
+    output_uri: str | None = None
+    tracking_uri: str | None = None
+    experiment: str | None = None
+    namespace: str | None = None
+    name_suffix: str | None = None
+
+
+@dataclass
+class Rendered:
+    """The objects to create, in creation order."""
+
+    objects: list[dict[str, Any]] = field(default_factory=list)
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def one(self, kind: str) -> dict[str, Any]:
+        found = self.of_kind(kind)
+        if len(found) != 1:
+            raise K8sError(f"expected one {kind} in the manifest, found {len(found)}")
+        return found[0]
+
+    @property
+    def job(self) -> dict[str, Any]:
+        return self.one("Job")
+
+    @property
+    def config_map(self) -> dict[str, Any]:
+        return self.one("ConfigMap")
+
+    @property
+    def namespace(self) -> str:
+        return self.job["metadata"]["namespace"]
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump_all(self.objects, sort_keys=False)
+
+
+def load_manifest(path: str | Path = DEFAULT_MANIFEST) -> list[dict[str, Any]]:
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        raise K8sError(f"manifest {path} not found (run from the repository root, or pass --manifest)")
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def container(job: dict[str, Any], name: str = CONTAINER) -> dict[str, Any]:
+    for c in job["spec"]["template"]["spec"]["containers"]:
+        if c["name"] == name:
+            return c
+    raise K8sError(f"Job {job['metadata']['name']} has no container {name!r}")
+
+
+def _check_name(name: str, what: str) -> str:
+    # a Job's name becomes a label value on its pods: at most 63 characters
+    if len(name) > 63 or not _DNS_LABEL.match(name):
+        raise K8sError(f"{what} {name!r} is not a DNS-1123 label (lowercase a-z, 0-9, '-', at most 63)")
+    return name
+
+
+def _validate(ov: Overrides) -> None:
+    if ov.steps is not None and (isinstance(ov.steps, bool) or int(ov.steps) != ov.steps or ov.steps < 1):
+        raise K8sError(f"steps must be a positive integer, got {ov.steps!r}")
+    if ov.task_id is not None:
+        from server.cases import TASK_IDS
+
+        if ov.task_id not in TASK_IDS:
+            raise K8sError(f"unknown task {ov.task_id!r}: one of {', '.join(TASK_IDS)}")
+    if ov.image is not None and (not ov.image.strip() or any(ch.isspace() for ch in ov.image)):
+        raise K8sError(f"image must be a non-empty reference without spaces, got {ov.image!r}")
+    for uri_field in ("checkpoint_uri", "output_uri"):
+        value = getattr(ov, uri_field)
+        if value is not None and not value.strip():
+            raise K8sError(f"{uri_field} must not be empty")
+    if ov.namespace is not None:
+        _check_name(ov.namespace, "namespace")
+    if ov.name_suffix is not None:
+        _check_name(ov.name_suffix, "name suffix")
+
+
+def render(overrides: Overrides | None = None, manifest: str | Path = DEFAULT_MANIFEST) -> Rendered:
+    """The manifest's objects with ``overrides`` applied (the input file is not changed)."""
+    ov = overrides or Overrides()
+    _validate(ov)
+    objects = copy.deepcopy(load_manifest(manifest))
+    rendered = Rendered(objects)
+    job, cm = rendered.job, rendered.config_map
+    main = container(job)
+
+    if ov.namespace:
+        for obj in objects:
+            obj["metadata"]["namespace"] = ov.namespace
+
+    if ov.name_suffix:
+        old_cm = cm["metadata"]["name"]
+        cm["metadata"]["name"] = _check_name(f"{old_cm}-{ov.name_suffix}", "ConfigMap name")
+        job["metadata"]["name"] = _check_name(f"{job['metadata']['name']}-{ov.name_suffix}", "Job name")
+        for source in main.get("envFrom", []):
+            ref = source.get("configMapRef")
+            if ref and ref.get("name") == old_cm:
+                ref["name"] = cm["metadata"]["name"]
+
+    data = cm.setdefault("data", {})
+    for attr, key in CONFIG_KEYS.items():
+        value = getattr(ov, attr)
+        if value is not None:
+            data[key] = str(value)
+
+    if ov.image:
+        main["image"] = ov.image
+    # the env var MLflow runs are tagged with always names the image actually deployed
+    for env in main.setdefault("env", []):
+        if env["name"] == "IMAGE_DIGEST":
+            env["value"] = main["image"]
+            break
+    else:
+        main["env"].append({"name": "IMAGE_DIGEST", "value": main["image"]})
+    return rendered
+
+
+def new_suffix() -> str:
+    """A short, sortable, unique Job name suffix: MMDDHHMMSS-xxxx (UTC)."""
+    return f"{datetime.now(UTC):%m%d%H%M%S}-{secrets.token_hex(2)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# cluster side
+
+
+@dataclass
+class Apis:
+    core: Any
+    batch: Any
+    networking: Any
+
+
+def load_apis(context: str | None = None) -> Apis:
+    """Api objects from the kubeconfig (``--context``), else the in-cluster config."""
+    try:
+        from kubernetes import client, config
+        from kubernetes.config.config_exception import ConfigException
+    except ImportError as exc:
+        raise K8sError("the kubernetes client is not installed: pip install kubernetes") from exc
+    try:
+        config.load_kube_config(context=context)
+    except (OSError, ConfigException) as kube_exc:
+        try:
+            config.load_incluster_config()
+        except ConfigException as exc:
+            raise K8sError(
+                f"no cluster to talk to: no usable kubeconfig ({kube_exc}) and not running in a pod ({exc}); "
+                "set KUBECONFIG or pass --context"
+            ) from exc
+    return Apis(client.CoreV1Api(), client.BatchV1Api(), client.NetworkingV1Api())
+
+
+def _status_code(exc: BaseException) -> int | None:
+    return getattr(exc, "status", None)
+
+
+@dataclass
+class Submitted:
+    namespace: str
+    job_name: str
+    job_uid: str | None
+    config_map: str
+    created: list[str]
+
+
+def submit(rendered: Rendered, apis: Apis) -> Submitted:
+    """Create the rendered objects: shared ones if missing, then ConfigMap, Job, owner link."""
+    ns = rendered.namespace
+    created: list[str] = []
+    creators: dict[str, Callable[..., Any]] = {
+        "ServiceAccount": apis.core.create_namespaced_service_account,
+        "NetworkPolicy": apis.networking.create_namespaced_network_policy,
+    }
+    for obj in rendered.objects:
+        kind = obj["kind"]
+        if kind in ("Job", "ConfigMap"):
+            continue
+        if kind not in creators:
+            raise K8sError(f"submit does not know how to create a {kind}")
+        try:
+            creators[kind](namespace=ns, body=obj)
+            created.append(f"{kind}/{obj['metadata']['name']}")
+        except Exception as exc:
+            if _status_code(exc) != 409:  # already exists: shared, leave it as it is
+                raise
+    cm = rendered.config_map
+    apis.core.create_namespaced_config_map(namespace=ns, body=cm)
+    created.append(f"ConfigMap/{cm['metadata']['name']}")
+    job = apis.batch.create_namespaced_job(namespace=ns, body=rendered.job)
+    name = rendered.job["metadata"]["name"]
+    created.append(f"Job/{name}")
+    uid = getattr(getattr(job, "metadata", None), "uid", None)
+    if uid:
+        owner = {
+            "metadata": {
+                "ownerReferences": [
+                    {
+                        "apiVersion": "batch/v1",
+                        "kind": "Job",
+                        "name": name,
+                        "uid": uid,
+                        "blockOwnerDeletion": False,
+                    }
+                ]
+            }
+        }
+        apis.core.patch_namespaced_config_map(name=cm["metadata"]["name"], namespace=ns, body=owner)
+    return Submitted(ns, name, uid, cm["metadata"]["name"], created)
+
+
+def _pods_of(apis: Apis, namespace: str, job_name: str) -> list[Any]:
+    for label in (JOB_NAME_LABEL, LEGACY_JOB_NAME_LABEL):
+        pods = apis.core.list_namespaced_pod(namespace=namespace, label_selector=f"{label}={job_name}").items
+        if pods:
+            return sorted(
+                pods, key=lambda p: p.metadata.creation_timestamp or datetime.min.replace(tzinfo=UTC)
+            )
+    return []
+
+
+def latest_pod(apis: Apis, namespace: str, job_name: str, wait_s: float = 0.0, poll_s: float = 2.0) -> Any:
+    """The newest pod of the Job, waiting up to ``wait_s`` for it to start (not Pending)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pods = _pods_of(apis, namespace, job_name)
+        if pods and pods[-1].status.phase != "Pending":
+            return pods[-1]
+        if time.monotonic() >= deadline:
+            return pods[-1] if pods else None
+        time.sleep(poll_s)
+
+
+def follow_logs(
+    apis: Apis,
+    namespace: str,
+    job_name: str,
+    follow: bool = True,
+    wait_s: float = 600.0,
+    out: Callable[[str], Any] = print,
+) -> str:
+    """Stream the newest pod's log (until it ends, with ``follow``); returns the text seen."""
+    pod = latest_pod(apis, namespace, job_name, wait_s=wait_s)
+    if pod is None:
+        raise K8sError(f"no pod of Job {namespace}/{job_name} yet")
+    lines: list[str] = []
+    for line in _log_lines(apis, namespace, pod.metadata.name, follow):
+        lines.append(line)
+        out(line)
+    return "\n".join(lines)
+
+
+def _log_lines(apis: Apis, namespace: str, pod: str, follow: bool) -> Iterator[str]:
+    if follow:
+        resp = apis.core.read_namespaced_pod_log(
+            name=pod, namespace=namespace, container=CONTAINER, follow=True, _preload_content=False
+        )
+        buffer = b""
+        for chunk in resp.stream(4096) if hasattr(resp, "stream") else resp:
+            buffer += chunk if isinstance(chunk, bytes) else str(chunk).encode()
+            *complete, buffer = buffer.split(b"\n")
+            for raw in complete:
+                yield raw.decode("utf-8", "replace")
+        if buffer:
+            yield buffer.decode("utf-8", "replace")
+    else:
+        text = apis.core.read_namespaced_pod_log(name=pod, namespace=namespace, container=CONTAINER)
+        yield from (text or "").splitlines()
+
+
+def find_run_id(log_text: str) -> str | None:
+    """The last MLflow run id printed in a log (``run_id=...`` or a ``.../runs/<id>`` link)."""
+    found = _RUN_ID.findall(log_text or "")
+    return found[-1] if found else None
+
+
+def find_run_url(log_text: str) -> str | None:
+    """The last MLflow UI link to a run in a log (MLflow prints one when a run ends)."""
+    found = _RUN_URL.findall(log_text or "")
+    return found[-1] if found else None
+
+
+@dataclass
+class JobStatus:
+    name: str
+    namespace: str
+    state: str  # Complete | Failed | Running | Pending
+    reason: str | None = None
+    message: str | None = None
+    succeeded: int = 0
+    failed: int = 0
+    active: int = 0
+    pod: str | None = None
+    exit_code: int | None = None
+    run_id: str | None = None
+    run_url: str | None = None
+    tracking_uri: str | None = None
+
+    @property
+    def exit_meaning(self) -> str | None:
+        if self.exit_code is None:
+            return None
+        return EXIT_MEANINGS.get(self.exit_code, "failure")
+
+    def summary(self) -> str:
+        parts = [f"Job {self.namespace}/{self.name}: {self.state}"]
+        if self.reason:
+            parts.append(f"reason {self.reason}" + (f" ({self.message})" if self.message else ""))
+        parts.append(f"pods succeeded {self.succeeded}, failed {self.failed}, active {self.active}")
+        if self.pod:
+            parts.append(f"latest pod {self.pod}")
+        if self.exit_code is not None:
+            parts.append(f"exit code {self.exit_code}: {self.exit_meaning}")
+        if self.run_id:
+            where = self.run_url or (f"tracking server {self.tracking_uri}" if self.tracking_uri else None)
+            parts.append(f"MLflow run {self.run_id}" + (f" ({where})" if where else ""))
+        else:
+            parts.append("MLflow run: not found in the pod's log")
+        return "\n".join(parts)
+
+
+def _terminated_exit_code(pod: Any) -> int | None:
+    for cs in getattr(pod.status, "container_statuses", None) or []:
+        if cs.name == CONTAINER and cs.state is not None and cs.state.terminated is not None:
+            return cs.state.terminated.exit_code
+    return None
+
+
+def _tracking_uri(apis: Apis, namespace: str, job: Any) -> str | None:
+    try:
+        c = next(c for c in job.spec.template.spec.containers if c.name == CONTAINER)
+        for src in c.env_from or []:
+            if src.config_map_ref is not None:
+                cm = apis.core.read_namespaced_config_map(name=src.config_map_ref.name, namespace=namespace)
+                return (cm.data or {}).get("MLFLOW_TRACKING_URI")
+    except Exception:
+        return None
+    return None
+
+
+def job_status(apis: Apis, namespace: str, job_name: str, log_tail: int = 5000) -> JobStatus:
+    """The Job's state, its latest pod's exit code, and the MLflow run id from that pod's log."""
+    job = apis.batch.read_namespaced_job_status(name=job_name, namespace=namespace)
+    st = job.status
+    status = JobStatus(
+        job_name,
+        namespace,
+        "Pending",
+        succeeded=st.succeeded or 0,
+        failed=st.failed or 0,
+        active=st.active or 0,
+    )
+    for cond in st.conditions or []:
+        if cond.status == "True" and cond.type in ("Complete", "Failed"):
+            status.state, status.reason, status.message = cond.type, cond.reason, cond.message
+    if status.state == "Pending" and (status.active or status.failed or st.start_time is not None):
+        status.state = "Running"
+    pod = latest_pod(apis, namespace, job_name)
+    if pod is not None:
+        status.pod = pod.metadata.name
+        status.exit_code = _terminated_exit_code(pod)
+        try:
+            text = apis.core.read_namespaced_pod_log(
+                name=pod.metadata.name, namespace=namespace, container=CONTAINER, tail_lines=log_tail
+            )
+            status.run_id, status.run_url = find_run_id(text), find_run_url(text)
+        except Exception:  # no log yet (pod pending) or already garbage-collected
+            status.run_id = None
+    status.tracking_uri = _tracking_uri(apis, namespace, job)
+    return status
+
+
+def wait_for_job(
+    apis: Apis, namespace: str, job_name: str, timeout_s: float, poll_s: float = 10.0
+) -> JobStatus:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = job_status(apis, namespace, job_name)
+        if status.state in ("Complete", "Failed") or time.monotonic() >= deadline:
+            return status
+        time.sleep(poll_s)
+
+
+def status_exit_code(status: JobStatus) -> int:
+    return {"Complete": STATUS_COMPLETE, "Failed": STATUS_FAILED}.get(status.state, STATUS_RUNNING)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _add_render_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--manifest", default=str(DEFAULT_MANIFEST), help="the Job manifest (default k8s/grpo-job.yaml)"
+    )
+    p.add_argument("--image", help="image reference, ideally REPO@sha256:DIGEST")
+    p.add_argument("--steps", type=int, help="GRPO steps (ConfigMap STEPS)")
+    p.add_argument("--task-id", help="task (ConfigMap TASK_ID)")
+    p.add_argument("--model", help="model id (ConfigMap MODEL)")
+    p.add_argument("--preset", help="training preset (ConfigMap PRESET)")
+    p.add_argument("--from-checkpoint", dest="checkpoint_uri", help="SFT checkpoint URI (CHECKPOINT_URI)")
+    p.add_argument("--out", dest="output_uri", help="output URI, where retries resume from (OUTPUT_URI)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI as seen from the cluster")
+    p.add_argument("--experiment", help="MLflow experiment name")
+    p.add_argument("--namespace", help="namespace of every object (default: the manifest's)")
+
+
+def _overrides(args: argparse.Namespace, suffix: str | None) -> Overrides:
+    return Overrides(
+        image=args.image,
+        steps=args.steps,
+        task_id=args.task_id,
+        model=args.model,
+        preset=args.preset,
+        checkpoint_uri=args.checkpoint_uri,
+        output_uri=args.output_uri,
+        tracking_uri=args.tracking_uri,
+        experiment=args.experiment,
+        namespace=args.namespace,
+        name_suffix=suffix,
+    )
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    try:
+        rendered = render(_overrides(args, args.name_suffix), args.manifest)
+    except K8sError as exc:
+        print(f"orthojob k8s render: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(rendered.to_yaml())
+    return 0
+
+
+def _guarded(name: str, fn: Callable[[], int]) -> int:
+    """Run a cluster-side command: manifest/override/config problems exit 2, API errors exit 1."""
+    try:
+        return fn()
+    except K8sError as exc:
+        print(f"orthojob k8s {name}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        status = _status_code(exc)
+        if status is None:
+            raise
+        reason = getattr(exc, "reason", "")
+        body = getattr(exc, "body", "") or ""
+        print(f"orthojob k8s {name}: Kubernetes API error {status} {reason} {body}".rstrip(), file=sys.stderr)
+        return 1
+
+
+def cmd_submit(args: argparse.Namespace, apis: Apis | None = None) -> int:
+    return _guarded("submit", lambda: _submit(args, apis))
+
+
+def _submit(args: argparse.Namespace, apis: Apis | None) -> int:
+    suffix = args.name_suffix if args.name_suffix is not None else new_suffix()
+    rendered = render(_overrides(args, suffix or None), args.manifest)
+    apis = apis or load_apis(args.context)
+    done = submit(rendered, apis)
+    print(f"submitted Job {done.namespace}/{done.job_name} (created: {', '.join(done.created)})")
+    if not args.follow:
+        print(f"follow with: orthojob k8s logs {done.job_name} -n {done.namespace}")
+        return 0
+    follow_logs(apis, done.namespace, done.job_name)
+    status = wait_for_job(apis, done.namespace, done.job_name, timeout_s=args.timeout)
+    print(status.summary())
+    return status_exit_code(status)
+
+
+def _namespace(args: argparse.Namespace) -> str:
+    if args.namespace:
+        return args.namespace
+    return Rendered(load_manifest(DEFAULT_MANIFEST)).namespace
+
+
+def cmd_logs(args: argparse.Namespace, apis: Apis | None = None) -> int:
+    def body() -> int:
+        follow_logs(apis or load_apis(args.context), _namespace(args), args.job, follow=not args.no_follow)
+        return 0
+
+    return _guarded("logs", body)
+
+
+def cmd_status(args: argparse.Namespace, apis: Apis | None = None) -> int:
+    return _guarded("status", lambda: _status(args, apis))
+
+
+def _status(args: argparse.Namespace, apis: Apis | None) -> int:
+    apis = apis or load_apis(args.context)
+    ns = _namespace(args)
+    if args.wait:
+        status = wait_for_job(apis, ns, args.job, timeout_s=args.timeout)
+    else:
+        status = job_status(apis, ns, args.job)
+    print(status.summary())
+    return status_exit_code(status)
+
+
+def add_k8s_arguments(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``k8s render|submit|logs|status`` to the CLI's subparsers."""
+    k8s = subparsers.add_parser("k8s", help="render/submit the GRPO Job on Kubernetes, follow it, report it")
+    sub = k8s.add_subparsers(dest="k8s_command", required=True)
+
+    r = sub.add_parser("render", help="print the Job's objects with overrides applied (YAML)")
+    _add_render_arguments(r)
+    r.add_argument("--name-suffix", help="append -SUFFIX to the Job and ConfigMap names")
+    r.set_defaults(func=cmd_render)
+
+    s = sub.add_parser("submit", help="create the Job (unique name) and, with --follow, watch it")
+    _add_render_arguments(s)
+    s.add_argument("--name-suffix", help="append -SUFFIX (default: a timestamp; '' for none)")
+    s.add_argument("--context", help="kubeconfig context (default: current, else in-cluster)")
+    s.add_argument("--follow", action="store_true", help="stream the pod's log, then report the final status")
+    s.add_argument("--timeout", type=float, default=86400.0, help="seconds to wait with --follow")
+    s.set_defaults(func=cmd_submit)
+
+    for name, helptext, fn in (
+        ("logs", "stream the newest pod's log", cmd_logs),
+        ("status", "the Job's final status, exit code and MLflow run", cmd_status),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("job", help="Job name (as printed by submit)")
+        p.add_argument("-n", "--namespace", help="namespace (default: the manifest's)")
+        p.add_argument("--context", help="kubeconfig context")
+        if name == "logs":
+            p.add_argument("--no-follow", action="store_true", help="print the log so far and exit")
+        else:
+            p.add_argument("--wait", action="store_true", help="wait until the Job completes or fails")
+            p.add_argument("--timeout", type=float, default=86400.0, help="seconds to wait with --wait")
+        p.set_defaults(func=fn)
+    return k8s

