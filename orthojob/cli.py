@@ -1,7 +1,17 @@
 """``orthojob`` command line: one subcommand per pipeline stage.
 
+orthojob pipeline --preset tiny-cpu      # tiny-model -> sft0 -> gate -> grpo -> gate -> evaluate (CPU, offline)
+orthojob sft --preset tiny-cpu --out DIR # SFT stage 0 on oracle demonstrations
+orthojob gate --checkpoint DIR           # held-out gate evaluation -> DIR/gate_passed.json
+orthojob gate --check DIR                # only the pre-flight check (exit 10-13 on refusal)
+orthojob train --from-checkpoint DIR     # GRPO (refuses without a passed, matching gate file)
+orthojob evaluate --checkpoint DIR [--baselines]   # a checkpoint and/or the baselines on held-out seeds
 orthojob evaluate --baselines            # oracle, uniform SLERP, do-nothing on held-out seeds
 orthojob tiny-model --out DIR            # a tiny offline Qwen2-architecture model + tokenizer
+
+Gate refusals (orthojob train's pre-flight, orthojob gate --check) exit with: 10 gate file missing,
+11 gate file unreadable or inconsistent, 12 gate says failed, 13 checkpoint changed since its gate
+(digest mismatch). orthojob gate, train and pipeline exit 12 too when the checkpoint they evaluated fails its gate.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from orthojob.k8s import add_k8s_arguments
 from server.cases import TASK_IDS
 
 EXIT_USAGE = 2
+EXIT_GATE_FAILED = 12
+"""orthojob gate / train / pipeline: a checkpoint was evaluated and failed its gate (= orthojob.gate.EXIT_GATE_FAILED)."""
 
 
 def _tasks(value: str) -> list[str]:
@@ -39,26 +51,135 @@ def _positive(value: str) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from orthojob.evaluation import evaluate_baselines, format_table
+    from orthojob.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
 
-    if not args.baselines:
-        print("orthojob evaluate: nothing to evaluate; pass --baselines", file=sys.stderr)
+    if not args.baselines and not args.checkpoint:
+        print(
+            "orthojob evaluate: nothing to evaluate; pass --checkpoint DIR and/or --baselines",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
-    report = evaluate_baselines(args.task_id, args.seeds, force_decay=args.force_decay)
+    if args.checkpoint:
+        if not Path(args.checkpoint).is_dir():
+            print(f"orthojob evaluate: checkpoint folder {args.checkpoint} does not exist", file=sys.stderr)
+            return EXIT_USAGE
+        report = evaluate_checkpoint(
+            args.checkpoint,
+            args.task_id,
+            args.seeds,
+            force_decay=args.force_decay,
+            baselines=args.baselines,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+        )
+    else:
+        report = evaluate_baselines(args.task_id, args.seeds, force_decay=args.force_decay)
     print(format_table(report, args.seeds, args.force_decay))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(
-            json.dumps({"n_seeds": args.seeds, "force_decay": args.force_decay, "results": report}, indent=2)
+            json.dumps(
+                {
+                    "checkpoint": args.checkpoint,
+                    "n_seeds": args.seeds,
+                    "force_decay": args.force_decay,
+                    "results": report,
+                },
+                indent=2,
+            )
         )
         print(f"wrote {args.out}")
     return 0
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    from orthojob.sft import run_sft_cli
+
+    return run_sft_cli(args)
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from orthojob import gate
+
+    if args.check:
+        try:
+            gate.check_gate(args.check)
+        except gate.GateError as exc:
+            print(f"orthojob gate --check: {exc.message}", file=sys.stderr)
+            return exc.exit_code
+        print(f"gate of {args.check}: passed, digest matches")
+        return 0
+    if not args.checkpoint:
+        print(
+            "orthojob gate: pass --checkpoint DIR (evaluate and write its gate) or --check DIR",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if not Path(args.checkpoint).is_dir():
+        print(f"orthojob gate: checkpoint folder {args.checkpoint} does not exist", file=sys.stderr)
+        return EXIT_USAGE
+    limits = gate.thresholds_for(args.stage)
+    changes = {
+        name: getattr(args, name)
+        for name in ("min_parse_rate", "min_format_reward", "min_margin_over_slerp", "min_strategy_accuracy")
+        if getattr(args, name) is not None
+    }
+    limits = limits.replace(**changes)
+    report = gate.evaluate_checkpoint(
+        args.checkpoint,
+        n_seeds=args.seeds,
+        task_id=args.task_id,
+        force_decay=args.force_decay,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        stage=args.stage,
+        thresholds=limits,
+    )
+    content = gate.write_gate(args.checkpoint, report)
+    print(gate.format_gate(content))
+    print(f"wrote {gate.gate_path(args.checkpoint)}")
+    return 0 if content["passed"] else EXIT_GATE_FAILED
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from orthojob.grpo import run_train
+
+    values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "verbose")}
+    return run_train(argparse.Namespace(**values))
+
+
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from orthojob.pipeline import run_pipeline_cli
+
+    return run_pipeline_cli(args)
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
+    """orthojob/tiny_model.py's CLI; unless ``--builtin-corpus`` is given, its tokenizer also learns the
+    project's prompts and oracle plans (vocab 1024, as the pipeline's tiny model): a prompt is then
+    ~1,450 tokens instead of ~2,200 (over the default 2,048-token context)."""
+    import tempfile
+
     from orthojob.tiny_model import main as tiny_main
 
-    return tiny_main(args.rest)
+    rest = list(args.rest)
+    if "--builtin-corpus" in rest or any(a in ("-h", "--help") for a in rest):
+        return tiny_main([a for a in rest if a != "--builtin-corpus"])
+    from orthojob.models import tiny_corpus
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.txt"
+        corpus.write_text("\n".join(tiny_corpus(list(TASK_IDS), force_decay=True)), encoding="utf-8")
+        extra = ["--corpus", str(corpus)]
+        if not any(a.startswith("--vocab-size") for a in rest):
+            extra += ["--vocab-size", "1024"]
+        return tiny_main(rest + extra)
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from orthojob.mlops import run_promote
+
+    return run_promote(args.run_id, args.model_name, args.force)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,12 +188,78 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     ev = sub.add_parser("evaluate", help="evaluate baselines (and checkpoints) on held-out seeds")
+    ev.add_argument("--checkpoint", help="a checkpoint folder (full model or LoRA adapter) to evaluate")
     ev.add_argument("--baselines", action="store_true", help="oracle, uniform SLERP and do-nothing")
+    ev.add_argument("--max-new-tokens", type=_positive, default=512, help="completion budget (default 512)")
+    ev.add_argument("--batch-size", type=_positive, default=16, help="prompts per generate call (default 16)")
     ev.add_argument("--task-id", type=_tasks, default=list(TASK_IDS), help="'all' or a comma list of tasks")
     ev.add_argument("--seeds", type=_positive, default=200, help="held-out seeds per task (default 200)")
     ev.add_argument("--force-decay", action="store_true", help="pharmacokinetic force-decay dynamics")
     ev.add_argument("--out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_evaluate)
+
+    from orthojob.gate import EXIT_CODES
+    from orthojob.pipeline import add_pipeline_arguments
+    from orthojob.sft import add_sft_arguments
+
+    refusals = "; ".join(f"{code} {what}" for code, what in EXIT_CODES.items())
+    sf = sub.add_parser("sft", help="SFT stage 0 on oracle demonstrations")
+    add_sft_arguments(sf)
+    sf.set_defaults(func=cmd_sft)
+
+    ga = sub.add_parser(
+        "gate",
+        help="evaluate a checkpoint on held-out seeds and write its gate_passed.json",
+        epilog=f"exit codes: 0 passed; {EXIT_GATE_FAILED} evaluated and failed; with --check: {refusals}",
+    )
+    ga.add_argument("--checkpoint", help="checkpoint folder to evaluate")
+    ga.add_argument("--check", metavar="DIR", help="only check DIR's gate file (GRPO's pre-flight)")
+    ga.add_argument("--stage", default="sft0", help="sft0 (format gate, default) or grpo (quality gate)")
+    ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
+    ga.add_argument("--seeds", type=_positive, default=50, help="held-out seeds per task (default 50)")
+    ga.add_argument("--force-decay", action="store_true")
+    ga.add_argument("--max-new-tokens", type=_positive, default=512, help="(default 512)")
+    ga.add_argument("--batch-size", type=_positive, default=16, help="(default 16)")
+    for name, what in (
+        ("min-parse-rate", "share of completions holding a JSON plan"),
+        ("min-format-reward", "mean format score"),
+        ("min-margin-over-slerp", "terminal mean minus uniform SLERP's"),
+        ("min-strategy-accuracy", "share declaring the case's optimal strategy"),
+    ):
+        ga.add_argument(
+            f"--{name}", type=float, default=None, help=f"threshold: {what} (default: the stage's)"
+        )
+    ga.set_defaults(func=cmd_gate)
+
+    # orthojob train: GRPO (orthojob/grpo.py owns the flags)
+    from orthojob.grpo import add_train_arguments
+
+    tr = sub.add_parser(
+        "train",
+        help="GRPO training (stage 3); refuses without a passed SFT gate",
+        epilog=f"exit codes: 0 trained and its gate passed; 2 bad configuration; 12 its GRPO gate failed; "
+        f"pre-flight refusals: {refusals}",
+    )
+    add_train_arguments(tr)
+    tr.set_defaults(func=cmd_train)
+
+    pl = sub.add_parser("pipeline", help="tiny-model -> sft0 -> gate -> grpo -> gate -> evaluate")
+    add_pipeline_arguments(pl)
+    pl.set_defaults(func=cmd_pipeline)
+
+    from orthojob.registry import DEFAULT_MODEL_NAME
+
+    pr = sub.add_parser(
+        "promote",
+        help="register a training run's model: alias candidate; champion if its gate passed and it beats the champion",
+        epilog="exit codes: 0 registered; 20 no gate file; 21 gate file unparseable; 22 no model; 31 MLflow unreachable",
+    )
+    pr.add_argument("--run-id", required=True, help="the MLflow run of the training stage")
+    pr.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help=f"(default {DEFAULT_MODEL_NAME})")
+    pr.add_argument(
+        "--force", action="store_true", help="manual promotion to champion (a failed gate never is)"
+    )
+    pr.set_defaults(func=cmd_promote)
 
     tm = sub.add_parser("tiny-model", help="build a tiny Qwen2-architecture model offline", add_help=False)
     tm.add_argument("rest", nargs=argparse.REMAINDER)
@@ -84,7 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if args.command != "tiny-model":
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # argparse leaves leading options (--out DIR) out of a REMAINDER positional
+        args.rest = unknown + list(args.rest)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,9 +1,17 @@
-"""Held-out evaluation: baselines (and, with a model, checkpoints) on unseen seeds.
+"""Held-out evaluation: baselines and checkpoints on unseen seeds.
 
 Baselines (ENVIRONMENT.md §5):
 * ``oracle`` - the rule-based clinical stager (:mod:`server.oracle`), the upper baseline;
 * ``uniform_slerp`` - every tooth moves 1/24 of its way per stage from stage 1;
 * ``do_nothing`` - every fraction 0.
+
+A checkpoint (:func:`evaluate_checkpoint`, ``orthojob evaluate --checkpoint DIR``) writes one plan
+per held-out case by greedy decoding of the same prompt the policy trains on
+(:func:`orthojob.prompts.build_messages`); each completion is parsed and scored exactly as the GRPO
+rewards score it (:func:`orthojob.rollouts.score_texts`): a completion without a JSON plan is a
+failed episode and scores 0 on the terminal reward and on every component. Its row adds the parse
+rate, the mean format score (:func:`orthojob.parsing.format_checks`), the strategy accuracy (declared
+strategy == the case's optimal strategy) and the share of completions cut at ``max_new_tokens``.
 
 Seeds come from :data:`server.cases.HELDOUT_SEED_START` upwards, never used for training.
 """
@@ -11,11 +19,13 @@ Seeds come from :data:`server.cases.HELDOUT_SEED_START` upwards, never used for 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from server.cases import HELDOUT_SEED_START, TASK_IDS
+from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
 from server.oracle import oracle_plan
@@ -98,7 +108,8 @@ def evaluate_baselines(
 
 
 def format_table(report: dict, n_seeds: int, force_decay: bool = False) -> str:
-    """A plain-text table: one row per task and planner, mean ± sd of each summary key."""
+    """A plain-text table: one row per task and planner, mean ± sd of each summary key; a checkpoint's
+    row is followed by its parse rate, format score, strategy accuracy and margins over the baselines."""
     short = {
         "terminal_reward": "terminal",
         "accuracy": "accuracy",
@@ -128,4 +139,191 @@ def format_table(report: dict, n_seeds: int, force_decay: bool = False) -> str:
                 - planners["uniform_slerp"]["terminal_reward"]["mean"]
             )
             lines.append(f"{'':<12}oracle margin over uniform SLERP: {margin:+.3f}")
+        for name, summary in planners.items():
+            model = summary.get("model_metrics")
+            if not model:
+                continue
+            extra = (
+                f"{'':<12}{name}: parse_rate {model['parse_rate']:.3f}  format {model['format_reward']:.3f}  "
+                f"strategy_accuracy {model['strategy_accuracy']:.3f}  truncated {model['truncated_rate']:.3f}  "
+                f"tokens {model['mean_completion_tokens']:.0f}"
+            )
+            for base in ("uniform_slerp", "oracle"):
+                if base in planners:
+                    diff = summary["terminal_reward"]["mean"] - planners[base]["terminal_reward"]["mean"]
+                    extra += f"  vs {base} {diff:+.3f}"
+            lines.append(extra)
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointEpisodes:
+    """A checkpoint's greedy plans for held-out cases, one entry per case, and their scores."""
+
+    task_ids: list[str]
+    seeds: list[int]
+    force_decay: bool
+    texts: list[str]
+    n_tokens: list[int]
+    terminated: list[bool]
+    rollouts: list = field(default_factory=list)
+    optimal_strategies: list[str] = field(default_factory=list)
+    generate_seconds: float = 0.0
+
+    def select(self, task_id: str) -> list[int]:
+        return [i for i, t in enumerate(self.task_ids) if t == task_id]
+
+
+def generate_completions(
+    model, tokenizer, observations: Sequence[dict], max_new_tokens: int = 256, batch_size: int = 16
+) -> tuple[list[str], list[int], list[bool]]:
+    """Greedy completions for the observations' prompts, in batches (left padding).
+
+    Returns (texts, completion token counts, whether each ended with an end-of-turn token before
+    ``max_new_tokens``). Texts are decoded without special tokens, as TRL gives them to the rewards.
+    """
+    import torch
+
+    from orthojob.prompts import build_messages
+
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    texts: list[str] = []
+    counts: list[int] = []
+    ended: list[bool] = []
+    prompts = [
+        tokenizer.apply_chat_template(build_messages(o), add_generation_prompt=True, tokenize=False)
+        for o in observations
+    ]
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    try:
+        for lo in range(0, len(prompts), batch_size):
+            batch = tokenizer(
+                prompts[lo : lo + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(device)
+            with torch.inference_mode():
+                out = model.generate(
+                    **batch,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=sorted(eos_ids),
+                    pad_token_id=pad_id,
+                )
+            for seq in out[:, batch["input_ids"].shape[1] :].tolist():
+                n = len(seq)
+                stop = next((k for k, t in enumerate(seq) if t in eos_ids), None)
+                if stop is not None:
+                    n = stop + 1
+                counts.append(n)
+                ended.append(stop is not None)
+                texts.append(tokenizer.decode(seq[:n], skip_special_tokens=True))
+    finally:
+        tokenizer.padding_side = side
+    return texts, counts, ended
+
+
+def run_checkpoint(
+    model,
+    tokenizer,
+    task_ids: Sequence[str],
+    n_seeds: int,
+    seed_start: int = HELDOUT_SEED_START,
+    force_decay: bool = False,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+) -> CheckpointEpisodes:
+    """Generate and score a model's plans for ``n_seeds`` held-out cases of each task."""
+    from orthojob.rollouts import score_texts
+
+    obs = [o for task_id in task_ids for o in observations(task_id, n_seeds, seed_start, force_decay)]
+    t0 = time.perf_counter()
+    texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size)
+    seconds = time.perf_counter() - t0
+    cases = [(int(o["seed"]), o["task_id"], bool(force_decay)) for o in obs]
+    return CheckpointEpisodes(
+        task_ids=[o["task_id"] for o in obs],
+        seeds=[int(o["seed"]) for o in obs],
+        force_decay=bool(force_decay),
+        texts=texts,
+        n_tokens=counts,
+        terminated=ended,
+        rollouts=score_texts(texts, cases),
+        optimal_strategies=[generate_case(t, s, d).optimal_strategy for s, t, d in cases],
+        generate_seconds=seconds,
+    )
+
+
+def episode_metrics(ep: CheckpointEpisodes, index: Sequence[int] | None = None) -> dict:
+    """Parse rate, format score (mean and per check), terminal mean/sd, strategy accuracy, lengths."""
+    from orthojob.parsing import FORMAT_CHECKS
+
+    idx = list(range(len(ep.texts))) if index is None else list(index)
+    if not idx:
+        raise ValueError("no episodes to summarise")
+    rolls = [ep.rollouts[i] for i in idx]
+    terminal = np.array([r.terminal_reward for r in rolls], dtype=float)
+    return {
+        "n": len(idx),
+        "parse_rate": float(np.mean([r.plan is not None for r in rolls])),
+        "format_reward": float(np.mean([r.format["total"] for r in rolls])),
+        "format_checks": {k: float(np.mean([r.format[k] for r in rolls])) for k in FORMAT_CHECKS},
+        "terminal_mean": float(terminal.mean()),
+        "terminal_sd": float(terminal.std(ddof=1)) if len(idx) > 1 else 0.0,
+        "strategy_accuracy": float(
+            np.mean([rolls[k].strategy == ep.optimal_strategies[i] for k, i in enumerate(idx)])
+        ),
+        "mean_completion_tokens": float(np.mean([ep.n_tokens[i] for i in idx])),
+        "truncated_rate": float(np.mean([not ep.terminated[i] for i in idx])),
+    }
+
+
+def episode_summary(ep: CheckpointEpisodes, index: Sequence[int]) -> dict[str, dict[str, float]]:
+    """:func:`summarize` of a checkpoint's episodes; a failed episode scores 0 on every component."""
+    results = [
+        {
+            "terminal_reward": ep.rollouts[i].terminal_reward,
+            "reward_breakdown": {k: ep.rollouts[i].reward_breakdown.get(k, 0.0) for k in SUMMARY_KEYS},
+        }
+        for i in index
+    ]
+    return summarize(results)
+
+
+def evaluate_checkpoint(
+    path: str,
+    task_ids: Sequence[str] = TASK_IDS,
+    n_seeds: int = 200,
+    seed_start: int = HELDOUT_SEED_START,
+    force_decay: bool = False,
+    baselines: bool = True,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    name: str = "checkpoint",
+) -> dict:
+    """A checkpoint (and, with ``baselines``, the three baselines) on the same held-out cases.
+
+    Returns ``{task: {planner: summary}}`` like :func:`evaluate_baselines`; the checkpoint's summary
+    also holds ``model_metrics`` (:func:`episode_metrics`).
+    """
+    from orthojob.models import load_for_inference
+
+    model, tokenizer = load_for_inference(path)
+    ep = run_checkpoint(
+        model, tokenizer, task_ids, n_seeds, seed_start, force_decay, max_new_tokens, batch_size
+    )
+    report = evaluate_baselines(task_ids, n_seeds, seed_start, force_decay) if baselines else {}
+    for task_id in task_ids:
+        index = ep.select(task_id)
+        summary = episode_summary(ep, index) | {"model_metrics": episode_metrics(ep, index)}
+        report[task_id] = {name: summary, **report.get(task_id, {})}
+    return report

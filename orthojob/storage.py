@@ -90,14 +90,26 @@ def s3_client() -> Any:
     )
 
 
-_AUTH_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket")
+_AUTH_CODES = (
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "NoSuchBucket",
+    "NoCredentialsError",
+    "Unable to locate credentials",
+)
 
 
 def _is_auth_error(exc: BaseException | None) -> bool:
     """Credential/permission errors, also when wrapped (boto's transfer manager re-raises them)."""
     while exc is not None:
         code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
-        if code in _AUTH_CODES or code == "403" or any(c in str(exc) for c in _AUTH_CODES):
+        if (
+            code in _AUTH_CODES
+            or code == "403"
+            or type(exc).__name__ in _AUTH_CODES
+            or any(c in str(exc) for c in _AUTH_CODES)
+        ):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

@@ -37,7 +37,6 @@ SECRET_ENV_VARS: tuple[str, ...] = (
     "AWS_SESSION_TOKEN",
     "MLFLOW_TRACKING_PASSWORD",
     "MLFLOW_TRACKING_TOKEN",
-    "MLFLOW_TRACKING_USERNAME",
     "HF_TOKEN",
 )
 PARAM_VALUE_LIMIT = 6000
@@ -55,8 +54,9 @@ def tracking_uri() -> str:
 
 
 def secret_values() -> list[str]:
-    """Values of the secret environment variables that are set (longer than 3 chars)."""
-    return [v for k in SECRET_ENV_VARS if (v := os.environ.get(k)) and len(v) > 3]
+    """Values of the secret environment variables that are set (8+ characters: shorter values
+    would blank ordinary words, and real keys and tokens are longer)."""
+    return [v for k in SECRET_ENV_VARS if (v := os.environ.get(k)) and len(v) >= 8]
 
 
 def redact(text: str) -> str:

@@ -986,6 +986,13 @@ def test_mlflow_run_pipeline_tiny_cpu(tmp_path):
         "pipeline",
         "-P",
         "preset=tiny-cpu",
+        "-P",
+        # this test checks the MLflow plumbing, so the stages are shortened and the gates opened (they still
+        # evaluate); reaching the SFT gate's parse rate is tests/test_pipeline.py's job
+        "overrides=sft.steps=20,sft.examples=80,sft_gate.n_seeds=4,sft_gate.thresholds.min_parse_rate=0,"
+        "sft_gate.thresholds.min_format_reward=0,grpo.steps=2,grpo.gate_seeds=4,"
+        "grpo_gate.thresholds.min_parse_rate=0,grpo_gate.thresholds.min_format_reward=0,"
+        "grpo_gate.thresholds.min_margin_over_slerp=-10,evaluate.n_seeds=4,base_eval=false",
         "--env-manager",
         "local",
     ]

@@ -1,0 +1,441 @@
+"""Gates: a checkpoint's held-out evaluation, the gate file that records it, and the pre-flight check.
+
+Every pipeline stage ends in a gate (ARCHITECTURE.md): :func:`evaluate_checkpoint` greedy-decodes a
+plan for each held-out case (seeds from :data:`server.cases.HELDOUT_SEED_START`), parses and scores it
+as the GRPO rewards do, and compares it with uniform SLERP and the oracle on the same cases;
+:func:`write_gate` writes ``<checkpoint>/gate_passed.json``::
+
+    {"passed": true | false, "stage": "sft0" | "grpo" | ..., "metrics": {...}, "thresholds": {...},
+     "checks": {"parse_rate": true, ...}, "checkpoint_digest": "<sha256>", "digest_files": [...],
+     "created_at": "...", "format_version": 1}
+
+``passed`` is computed from the metrics and the thresholds (every check true), never set by hand,
+and a gate file exists only where such an evaluation ran. The digest is
+:func:`orthojob.models.checkpoint_digest` (sha256 over the weight and config files).
+
+:func:`check_gate` is the pre-flight of ``orthojob train --from-checkpoint DIR``. It raises
+:class:`GateError` with a distinct exit code, and a message that says how to fix it:
+
+====  =================================================================================
+code  refusal
+====  =================================================================================
+10    :data:`EXIT_GATE_MISSING`: no ``gate_passed.json`` in the checkpoint (or no checkpoint)
+11    :data:`EXIT_GATE_UNREADABLE`: the gate file is not JSON, lacks fields, or its ``passed``
+      does not follow from its own metrics and thresholds (edited by hand)
+12    :data:`EXIT_GATE_FAILED`: the gate file says the checkpoint failed its gate
+13    :data:`EXIT_GATE_DIGEST_MISMATCH`: the checkpoint's weights or config changed since the gate
+====  =================================================================================
+
+Thresholds (:class:`GateThresholds`, defaults per stage in :data:`DEFAULT_THRESHOLDS`):
+the format gate after SFT stage 0 asks for parse rate >= 0.9 and mean format score >= 0.8; the
+GRPO gate asks the same and, in addition, a mean terminal reward no lower than uniform SLERP's on the
+same cases (margin >= 0). A threshold set to None is not checked (and is recorded as null).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.cases import HELDOUT_SEED_START, TASK_IDS
+
+log = logging.getLogger(__name__)
+
+GATE_FILE = "gate_passed.json"
+FORMAT_VERSION = 1
+EXIT_GATE_MISSING = 10
+EXIT_GATE_UNREADABLE = 11
+EXIT_GATE_FAILED = 12
+EXIT_GATE_DIGEST_MISMATCH = 13
+EXIT_CODES: dict[int, str] = {
+    EXIT_GATE_MISSING: "gate file missing",
+    EXIT_GATE_UNREADABLE: "gate file unreadable or inconsistent",
+    EXIT_GATE_FAILED: "gate file says failed",
+    EXIT_GATE_DIGEST_MISMATCH: "checkpoint changed since its gate (digest mismatch)",
+}
+
+
+class GateError(Exception):
+    """A refused pre-flight: ``exit_code`` (10-13, see the module docstring) and a fix-it ``message``."""
+
+    def __init__(self, exit_code: int, message: str):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class GateThresholds:
+    """What a checkpoint must reach on held-out cases; None = not checked.
+
+    Attributes:
+        min_parse_rate: share of completions holding a JSON plan.
+        min_format_reward: mean of the five format checks (:func:`orthojob.parsing.format_checks`).
+        min_margin_over_slerp: terminal mean minus uniform SLERP's terminal mean on the same cases.
+        min_margin_over_oracle: terminal mean minus the oracle's (usually negative or None).
+        min_strategy_accuracy: share of plans declaring the case's optimal strategy.
+    """
+
+    min_parse_rate: float | None = 0.9
+    min_format_reward: float | None = 0.8
+    min_margin_over_slerp: float | None = None
+    min_margin_over_oracle: float | None = None
+    min_strategy_accuracy: float | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> GateThresholds:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - names
+        if unknown:
+            raise ValueError(f"unknown gate thresholds {sorted(unknown)}; known: {sorted(names)}")
+        for key, value in values.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"threshold {key} must be a number or null, got {value!r}")
+        return cls(**values)
+
+    def replace(self, **changes) -> GateThresholds:
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
+    "sft0": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
+    "grpo": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8, min_margin_over_slerp=0.0),
+}
+"""Per stage: the format gate after SFT stage 0, the quality gate after GRPO."""
+
+_METRIC_OF: dict[str, str] = {
+    "min_parse_rate": "parse_rate",
+    "min_format_reward": "format_reward",
+    "min_margin_over_slerp": "margin_over_slerp",
+    "min_margin_over_oracle": "margin_over_oracle",
+    "min_strategy_accuracy": "strategy_accuracy",
+}
+
+
+def thresholds_for(stage: str | None) -> GateThresholds:
+    """The default thresholds of a stage (``sft*`` stages share the format gate's)."""
+    if stage in DEFAULT_THRESHOLDS:
+        return DEFAULT_THRESHOLDS[stage]
+    if stage and stage.startswith("grpo"):
+        return DEFAULT_THRESHOLDS["grpo"]
+    return DEFAULT_THRESHOLDS["sft0"]
+
+
+def gate_checks(metrics: dict, thresholds: GateThresholds | dict) -> dict[str, bool]:
+    """One boolean per threshold that is set: the metric is finite and at least the threshold."""
+    values = thresholds.to_dict() if isinstance(thresholds, GateThresholds) else dict(thresholds)
+    checks: dict[str, bool] = {}
+    for name, limit in values.items():
+        if limit is None:
+            continue
+        metric = metrics.get(_METRIC_OF.get(name, ""))
+        ok = (
+            isinstance(metric, (int, float))
+            and not isinstance(metric, bool)
+            and math.isfinite(metric)
+            and metric >= limit
+        )
+        checks[_METRIC_OF.get(name, name)] = bool(ok)
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def _task_list(task_id: str | Sequence[str]) -> list[str]:
+    if isinstance(task_id, str):
+        return list(TASK_IDS) if task_id == "all" else [task_id]
+    return list(task_id)
+
+
+def evaluate_checkpoint(
+    path: str,
+    n_seeds: int = 50,
+    task_id: str | Sequence[str] = "task_easy",
+    force_decay: bool = False,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    seed_start: int = HELDOUT_SEED_START,
+    stage: str | None = None,
+    thresholds: GateThresholds | None = None,
+    model=None,
+    tokenizer=None,
+) -> dict:
+    """Held-out gate evaluation of the checkpoint at ``path`` (or of an already loaded model).
+
+    Returns the gate report ``{"stage", "checkpoint", "metrics", "thresholds", "checks", "passed",
+    "samples"}``; nothing is written (see :func:`write_gate`). ``metrics``: parse_rate,
+    format_reward (mean and ``format_checks``), terminal_mean/sd, uniform_slerp_terminal_mean,
+    oracle_terminal_mean, margin_over_slerp, margin_over_oracle, strategy_accuracy (and the oracle's),
+    mean_completion_tokens, truncated_rate, per-task terminal means, timings.
+    """
+    from orthojob.evaluation import BASELINES, episode_metrics, observations, run_checkpoint
+    from server.treatment import score_plans
+
+    t0 = time.perf_counter()
+    tasks = _task_list(task_id)
+    if model is None or tokenizer is None:
+        from orthojob.models import load_for_inference
+
+        model, tokenizer = load_for_inference(path)
+    ep = run_checkpoint(model, tokenizer, tasks, n_seeds, seed_start, force_decay, max_new_tokens, batch_size)
+    metrics = episode_metrics(ep)
+    metrics["generate_seconds"] = ep.generate_seconds
+
+    # the baselines on the very same cases
+    obs = [o for t in tasks for o in observations(t, n_seeds, seed_start, force_decay)]
+    cases = [(o["task_id"], int(o["seed"]), bool(force_decay)) for o in obs]
+    baseline = {
+        name: score_plans([BASELINES[name](o) for o in obs], cases) for name in ("uniform_slerp", "oracle")
+    }
+    slerp = float(sum(r["terminal_reward"] for r in baseline["uniform_slerp"]) / len(obs))
+    oracle = float(sum(r["terminal_reward"] for r in baseline["oracle"]) / len(obs))
+    metrics.update(
+        {
+            "uniform_slerp_terminal_mean": slerp,
+            "oracle_terminal_mean": oracle,
+            "margin_over_slerp": metrics["terminal_mean"] - slerp,
+            "margin_over_oracle": metrics["terminal_mean"] - oracle,
+            "oracle_strategy_accuracy": float(
+                sum(r["strategy"] == opt for r, opt in zip(baseline["oracle"], ep.optimal_strategies))
+                / len(obs)
+            ),
+            "per_task_terminal_mean": {
+                t: float(sum(ep.rollouts[i].terminal_reward for i in ep.select(t)) / len(ep.select(t)))
+                for t in tasks
+            },
+            "eval_seconds": time.perf_counter() - t0,
+        }
+    )
+    limits = thresholds or thresholds_for(stage)
+    checks = gate_checks(metrics, limits)
+    return {
+        "stage": stage,
+        "checkpoint": str(path),
+        "task_ids": tasks,
+        "n_seeds": n_seeds,
+        "seed_start": seed_start,
+        "force_decay": bool(force_decay),
+        "max_new_tokens": max_new_tokens,
+        "metrics": metrics,
+        "thresholds": limits.to_dict(),
+        "checks": checks,
+        "passed": bool(checks) and all(checks.values()),
+        "samples": [
+            {"task_id": ep.task_ids[i], "seed": ep.seeds[i], "completion": ep.texts[i][:2000]}
+            for i in range(min(3, len(ep.texts)))
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The gate file
+# ---------------------------------------------------------------------------------------------
+
+
+def gate_path(checkpoint: str | Path) -> Path:
+    return Path(checkpoint) / GATE_FILE
+
+
+def write_gate(
+    path: str | Path,
+    metrics: dict,
+    thresholds: GateThresholds | dict | None = None,
+    stage: str | None = None,
+) -> dict:
+    """Write ``<path>/gate_passed.json`` and return its content.
+
+    ``metrics``: the metrics dict of an evaluation, or a whole report of :func:`evaluate_checkpoint`
+    (its metrics, thresholds, stage and context are then used unless given here). ``passed`` is
+    recomputed here from the metrics and the thresholds; a ``passed`` in the input is ignored.
+    """
+    report: dict = {}
+    if isinstance(metrics, dict) and isinstance(metrics.get("metrics"), dict):
+        report, metrics = metrics, metrics["metrics"]
+    if not isinstance(metrics, dict) or not metrics:
+        raise ValueError("write_gate needs the metrics of an evaluation (orthojob.gate.evaluate_checkpoint)")
+    stage = stage or report.get("stage") or "sft0"
+    if thresholds is None:
+        thresholds = report.get("thresholds") or thresholds_for(stage)
+    if isinstance(thresholds, dict):
+        thresholds = GateThresholds.from_dict(thresholds)
+    from orthojob.models import checkpoint_digest, checkpoint_files
+
+    checks = gate_checks(metrics, thresholds)
+    content = {
+        "passed": bool(checks) and all(checks.values()),
+        "stage": stage,
+        "metrics": _json_safe(metrics),
+        "thresholds": thresholds.to_dict(),
+        "checks": checks,
+        "checkpoint_digest": checkpoint_digest(path),
+        "digest_files": [p.name for p in checkpoint_files(path)],
+        "evaluation": {
+            k: report[k]
+            for k in ("task_ids", "n_seeds", "seed_start", "force_decay", "max_new_tokens")
+            if k in report
+        },
+        "samples": report.get("samples", []),
+        "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "format_version": FORMAT_VERSION,
+    }
+    target = gate_path(path)
+    tmp = target.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(content, indent=2, allow_nan=False))
+    tmp.replace(target)
+    log.info("gate %s: %s -> %s", stage, "passed" if content["passed"] else "FAILED", target)
+    return content
+
+
+def _json_safe(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def read_gate(checkpoint: str | Path) -> dict:
+    """The parsed gate file; raises GateError 10 (missing) or 11 (unreadable / inconsistent)."""
+    target = gate_path(checkpoint)
+    redo = (
+        f"Re-run the gate: orthojob gate --checkpoint {checkpoint} --stage sft0 (after orthojob sft --out "
+        f"{checkpoint})."
+    )
+    if not target.is_file():
+        where = "" if Path(checkpoint).is_dir() else f" (the folder {checkpoint} does not exist)"
+        raise GateError(
+            EXIT_GATE_MISSING,
+            f"gate file {target} missing{where}: this checkpoint was never evaluated. Train it with "
+            f"orthojob sft --out {checkpoint}, then evaluate it with orthojob gate --checkpoint {checkpoint} "
+            "(or run orthojob pipeline). --skip-sft-gate bypasses the check (NOT recommended).",
+        )
+    try:
+        content = json.loads(target.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise GateError(
+            EXIT_GATE_UNREADABLE, f"gate file {target} is not readable JSON ({exc}). {redo}"
+        ) from None
+    problems = []
+    if not isinstance(content, dict):
+        problems.append("not a JSON object")
+    else:
+        if not isinstance(content.get("passed"), bool):
+            problems.append("'passed' is not true/false")
+        if not isinstance(content.get("checkpoint_digest"), str):
+            problems.append("no 'checkpoint_digest'")
+        if not isinstance(content.get("metrics"), dict):
+            problems.append("no 'metrics'")
+        if not isinstance(content.get("thresholds"), dict):
+            problems.append("no 'thresholds'")
+    if problems:
+        raise GateError(
+            EXIT_GATE_UNREADABLE, f"gate file {target} is malformed: {'; '.join(problems)}. {redo}"
+        )
+    try:
+        thresholds = GateThresholds.from_dict(content["thresholds"])
+    except (TypeError, ValueError) as exc:
+        raise GateError(
+            EXIT_GATE_UNREADABLE, f"gate file {target} has bad thresholds ({exc}). {redo}"
+        ) from None
+    checks = gate_checks(content["metrics"], thresholds)
+    if content["passed"] != (bool(checks) and all(checks.values())):
+        raise GateError(
+            EXIT_GATE_UNREADABLE,
+            f"gate file {target} says passed={content['passed']}, but its own metrics and thresholds give "
+            f"{checks}: the file was edited, not written by an evaluation. {redo}",
+        )
+    return content
+
+
+def check_gate(checkpoint: str | Path) -> None:
+    """GRPO's pre-flight: return if ``checkpoint`` has a passed gate whose digest still matches;
+    else raise :class:`GateError` (exit codes 10-13, see the module docstring)."""
+    from orthojob.models import ModelError, checkpoint_digest
+
+    content = read_gate(checkpoint)
+    if not content["passed"]:
+        failed = [k for k, ok in (content.get("checks") or {}).items() if not ok]
+        metrics = content["metrics"]
+        shown = ", ".join(
+            f"{k}={metrics.get(k):.3f}"
+            if isinstance(metrics.get(k), (int, float))
+            else f"{k}={metrics.get(k)}"
+            for k in failed
+        )
+        raise GateError(
+            EXIT_GATE_FAILED,
+            f"checkpoint {checkpoint} failed its {content.get('stage')} gate ({shown or 'no checks'}; thresholds "
+            f"{content['thresholds']}). Train it further (orthojob sft with more --steps / --examples, or a higher "
+            f"--lr), then re-run orthojob gate --checkpoint {checkpoint}.",
+        )
+    try:
+        digest = checkpoint_digest(checkpoint)
+    except ModelError as exc:
+        digest = f"unavailable ({exc})"
+    if digest != content["checkpoint_digest"]:
+        raise GateError(
+            EXIT_GATE_DIGEST_MISMATCH,
+            f"checkpoint {checkpoint} changed since its gate: sha256 of its weight and config files is "
+            f"{digest}, the gate recorded {content['checkpoint_digest']} (files {content.get('digest_files')}). "
+            f"Re-run orthojob gate --checkpoint {checkpoint} to evaluate the checkpoint as it is now.",
+        )
+
+
+def _num(value, spec: str = ".3f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "n/a"
+
+
+def format_gate(content: dict) -> str:
+    """A few lines: stage, verdict, every check with its metric and threshold, the baselines."""
+    m = content["metrics"]
+    lines = [f"gate {content.get('stage')}: {'PASSED' if content['passed'] else 'FAILED'}"]
+    for name, limit in content["thresholds"].items():
+        if limit is None:
+            continue
+        metric = _METRIC_OF.get(name, name)
+        ok = content["checks"].get(metric)
+        lines.append(f"  {metric:<22} {_num(m.get(metric)):>8}  >= {limit:<6}  {'ok' if ok else 'FAIL'}")
+    lines.append(
+        f"  terminal {_num(m.get('terminal_mean'))}  uniform SLERP {_num(m.get('uniform_slerp_terminal_mean'))}  "
+        f"oracle {_num(m.get('oracle_terminal_mean'))}  strategy accuracy {_num(m.get('strategy_accuracy'))} "
+        f"(oracle {_num(m.get('oracle_strategy_accuracy'))})"
+    )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "DEFAULT_THRESHOLDS",
+    "EXIT_CODES",
+    "EXIT_GATE_DIGEST_MISMATCH",
+    "EXIT_GATE_FAILED",
+    "EXIT_GATE_MISSING",
+    "EXIT_GATE_UNREADABLE",
+    "GATE_FILE",
+    "GateError",
+    "GateThresholds",
+    "check_gate",
+    "evaluate_checkpoint",
+    "format_gate",
+    "gate_checks",
+    "read_gate",
+    "thresholds_for",
+    "write_gate",
+]

@@ -1,0 +1,283 @@
+"""Training-side MLOps glue: environment diagnostics, S3 checkpoint sync and resume, MLflow artifacts.
+
+* :func:`env_diagnostics` — per-batch environment metrics from the rollouts (``env/parse_rate``,
+  ``env/terminal_raw_mean``, ``env/collision_failure_rate``, ``env/pdl_failure_rate``,
+  ``env/strategy_accuracy``), logged per step next to TRL's reward metrics.
+* :func:`checkpoint_sync_callback` — a TrainerCallback that uploads every ``checkpoint-N`` the
+  trainer saves to ``<out>/checkpoint-N`` (manifest last), so a restarted pod resumes from it.
+* :func:`resume_checkpoint` — the newest complete checkpoint of ``--out`` (S3 or local), downloaded
+  and verified, for ``trainer.train(resume_from_checkpoint=...)``.
+* :func:`log_training_artifacts` — the model (MLflow transformers flavour, base model recorded),
+  ``gate_passed.json``, the resolved config, the completions (file and a sample table) and plots.
+* :func:`sigterm_as_exit` — SIGTERM becomes ``SystemExit(143)`` so the stage's MLflow run is ended
+  (FAILED, tagged ``orthorl.terminated``) instead of staying RUNNING.
+
+Only rank 0 calls any of this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import re
+import signal
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from orthojob import storage
+
+log = logging.getLogger(__name__)
+
+COLLISION_FAIL_BELOW = 0.9
+PDL_FAIL_BELOW = 0.5
+COMPLETIONS_SAMPLE = 64
+EXIT_STORAGE = 30
+"""Exit code: S3 failed for good (credentials, outage after retries, corrupt download)."""
+EXIT_TRACKING = 31
+"""Exit code: the MLflow tracking server stayed unreachable."""
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+@functools.lru_cache(maxsize=4096)
+def optimal_strategy(task_id: str, seed: int, force_decay: bool) -> str:
+    from server.cases import generate_case
+
+    return generate_case(task_id, int(seed), bool(force_decay)).optimal_strategy
+
+
+def env_diagnostics(texts: Sequence[str], cases: Sequence[tuple]) -> dict[str, float]:
+    """Environment metrics of one batch of completions on their cases ``(seed, task_id, force_decay)``."""
+    from orthojob.rollouts import DEFAULT_CACHE, NO_PLAN
+
+    if not texts:
+        return {}
+    seeds = [c[0] for c in cases]
+    tasks = [c[1] for c in cases]
+    decays = [bool(c[2]) for c in cases]
+    rollouts = DEFAULT_CACHE.get_many(
+        list(texts), seeds, tasks, decays
+    )  # cache hits: the rewards scored them
+    n = len(rollouts)
+    parsed = [r for r in rollouts if r.error != NO_PLAN and r.plan is not None]
+    scored = [r for r in rollouts if r.error is None]
+    breakdown = [r.reward_breakdown for r in scored]
+    correct = sum(
+        1
+        for r, (seed, task, decay) in zip(rollouts, cases)
+        if r.strategy is not None and r.strategy == optimal_strategy(str(task), int(seed), bool(decay))
+    )
+    return {
+        "env/parse_rate": len(parsed) / n,
+        "env/terminal_raw_mean": sum(r.terminal_reward for r in rollouts) / n,
+        "env/collision_failure_rate": (
+            sum(1 for b in breakdown if b.get("collision_free", 1.0) < COLLISION_FAIL_BELOW)
+            + (n - len(scored))
+        )
+        / n,
+        "env/pdl_failure_rate": (
+            sum(1 for b in breakdown if b.get("pdl_feasibility", 1.0) < PDL_FAIL_BELOW) + (n - len(scored))
+        )
+        / n,
+        "env/strategy_accuracy": correct / n,
+    }
+
+
+def local_work_dir(out: str) -> Path:
+    """Where a job whose ``--out`` is ``s3://...`` trains locally (``ORTHORL_WORK_DIR`` or ./.orthorl-work)."""
+    loc = storage.parse_s3_uri(out)
+    root = Path(os.environ.get("ORTHORL_WORK_DIR") or ".orthorl-work")
+    return root / loc.bucket / (loc.prefix or "_root")
+
+
+def checkpoint_sync_callback(out_uri: str) -> Any:
+    """TrainerCallback: after each save, upload ``<output_dir>/checkpoint-<step>`` to ``<out_uri>/checkpoint-<step>``."""
+    from transformers import TrainerCallback
+
+    class CheckpointSync(TrainerCallback):
+        def __init__(self) -> None:
+            self.uploaded: list[str] = []
+
+        def on_save(self, args, state, control, **kwargs):
+            if not state.is_world_process_zero:
+                return
+            name = f"checkpoint-{state.global_step}"
+            folder = Path(args.output_dir) / name
+            if folder.is_dir():
+                uri = f"{out_uri.rstrip('/')}/{name}"
+                storage.upload_dir(folder, uri)
+                self.uploaded.append(uri)
+                log.info("synced %s to %s", name, uri)
+
+    return CheckpointSync()
+
+
+def resume_checkpoint(out: str, work_dir: Path) -> tuple[int, Path] | None:
+    """``(step, local folder)`` of the newest complete checkpoint of ``out`` (downloaded if on S3)."""
+    if storage.is_s3_uri(out):
+        found = storage.latest_checkpoint(out)
+        if found is None:
+            return None
+        step, uri = found
+        return step, storage.download_dir(uri, work_dir / f"checkpoint-{step}")
+    folder = Path(out)
+    steps = sorted(
+        (int(m.group(1)), p)
+        for p in (folder.iterdir() if folder.is_dir() else [])
+        if (m := _CHECKPOINT_RE.match(p.name)) and (p / "trainer_state.json").is_file()
+    )
+    return steps[-1] if steps else None
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit(143) (main thread only), restoring the handler afterwards."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        with contextlib.suppress(Exception):
+            import mlflow
+
+            if mlflow.active_run() is not None:
+                mlflow.set_tag("orthorl.terminated", "SIGTERM")
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _pip_requirements(peft_model: bool) -> list[str]:
+    from importlib.metadata import version
+
+    reqs = []
+    for pkg in ("torch", "transformers", "accelerate", "safetensors", "tokenizers") + (
+        ("peft",) if peft_model else ()
+    ):
+        with contextlib.suppress(Exception):
+            reqs.append(f"{pkg}=={version(pkg)}")
+    return reqs
+
+
+def log_model(model: Any, tokenizer: Any, base_model: str) -> Any:
+    """Log the trained model (a PEFT adapter or a full model) with MLflow's transformers flavour."""
+    import mlflow
+
+    peft_model = hasattr(model, "peft_config")
+    return mlflow.transformers.log_model(
+        transformers_model={"model": model, "tokenizer": tokenizer},
+        name="model",
+        task="text-generation",
+        pip_requirements=_pip_requirements(peft_model),
+        metadata={"base_model": base_model, "adapter": str(peft_model).lower()},
+    )
+
+
+def log_training_artifacts(
+    out: Path,
+    config: dict,
+    model: Any,
+    tokenizer: Any,
+    base_model: str,
+    log_history: Sequence[dict],
+    task_id: str,
+    force_decay: bool,
+    completions_file: str = "completions.jsonl",
+    gate_file: str = "gate_passed.json",
+) -> None:
+    """Everything a training stage leaves in its MLflow run (rank 0, active run)."""
+    import mlflow
+
+    from orthojob.tracking import redact
+
+    with tempfile.TemporaryDirectory() as tmp:
+        resolved = Path(tmp) / "resolved_config.json"
+        resolved.write_text(redact(json.dumps(config, indent=2, default=str)))
+        mlflow.log_artifact(str(resolved))
+        plot_dir = Path(tmp) / "plots"
+        try:
+            from orthojob.plots import training_plots
+            from orthojob.prompts import TRAIN_SEED_START
+
+            for png in training_plots(log_history, plot_dir, task_id, TRAIN_SEED_START, force_decay):
+                mlflow.log_artifact(str(png), artifact_path="plots")
+        except Exception as exc:  # plots are diagnostics: never fail a finished training for them
+            log.warning("plots skipped: %s", exc)
+    completions = out / completions_file
+    if completions.is_file():
+        mlflow.log_artifact(str(completions))
+        rows = [
+            json.loads(line) for line in completions.read_text().splitlines()[:COMPLETIONS_SAMPLE] if line
+        ]
+        if rows:
+            table = {
+                "step": [r["step"] for r in rows],
+                "seed": [r["seed"] for r in rows],
+                "completion": [r["completion"][:2000] for r in rows],
+                "reward_total": [sum(v or 0.0 for v in r["rewards"].values()) for r in rows],
+                "advantage": [r["advantage"] for r in rows],
+            }
+            mlflow.log_table(table, artifact_file="completions_sample.json")
+    log_model(model, tokenizer, base_model)
+    gate = out / gate_file
+    if gate.is_file():  # last: a run with a gate file is a finished run (promote reads it)
+        mlflow.log_artifact(str(gate))
+        content = json.loads(gate.read_text())
+        mlflow.set_tag("orthorl.gate_passed", str(bool(content.get("passed"))).lower())
+        from orthojob.tracking import log_metrics
+
+        log_metrics({f"gate/{k}": v for k, v in (content.get("metrics") or {}).items()})
+
+
+def publish_output(local: Path, uri: str) -> dict:
+    """Upload a finished output folder to ``uri`` without its ``checkpoint-N`` folders (already synced).
+
+    Files are staged as hard links (copies where links fail); the manifest is written last, so a
+    reader never sees a half-uploaded result.
+    """
+    import shutil
+
+    local = Path(local)
+    with tempfile.TemporaryDirectory(dir=local.parent) as tmp:
+        stage = Path(tmp) / local.name
+        for src in local.rglob("*"):
+            rel = src.relative_to(local)
+            if not src.is_file() or _CHECKPOINT_RE.match(rel.parts[0]) or rel.name == storage.MANIFEST:
+                continue
+            dest = stage / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dest)
+            except OSError:
+                shutil.copy2(src, dest)
+        return storage.upload_dir(stage, uri)
+
+
+def run_promote(run_id: str, model_name: str, force: bool) -> int:
+    """``orthojob promote``: register the run's model (aliases per :mod:`orthojob.registry`); exit code."""
+    import sys
+
+    from orthojob import registry, tracking
+
+    try:
+        tracking.configure()
+        result = registry.promote(run_id, model_name, force=force)
+    except tracking.TrackingError as exc:
+        print(f"orthojob promote: {exc}", file=sys.stderr)
+        return EXIT_TRACKING
+    except registry.PromotionError as exc:
+        print(f"orthojob promote: {tracking.redact(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    aliases = "candidate" + (", champion" if result.champion else "")
+    print(f"{result.model_name} version {result.version}: {aliases} ({result.reason})")
+    return 0

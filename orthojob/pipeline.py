@@ -1,0 +1,558 @@
+"""The whole chain in one command: ``orthojob pipeline --preset tiny-cpu | qwen2.5-3b``.
+
+Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
+
+1. ``tiny-model`` (only when the preset's model is ``"tiny"``): the offline tiny Qwen2 model, its
+   tokenizer trained on the project's prompts (:func:`orthojob.models.build_tiny`); then ``base``
+   (``base_eval``): the untrained model's held-out parse rate, format and terminal reward, for
+   comparison (no gate file);
+2. ``sft0``: format SFT on oracle demonstrations (:func:`orthojob.sft.run_sft`) -> ``<out>/sft0``;
+3. ``gate_sft0``: held-out format gate (:mod:`orthojob.gate`) -> ``<out>/sft0/gate_passed.json``;
+   a failed gate stops the pipeline (GRPO would refuse it) with exit code 12;
+4. ``grpo``: ``orthojob train --from-checkpoint <out>/sft0`` (:func:`orthojob.grpo.run_train`, whose
+   pre-flight checks the SFT gate) -> ``<out>/grpo``;
+5. ``gate_grpo``: GRPO's own gate, the same held-out evaluation after training, written by
+   ``orthojob train`` -> ``<out>/grpo/gate_passed.json``;
+6. ``evaluate``: both checkpoints and the baselines on held-out seeds -> ``<out>/evaluation.json``.
+
+Exit code: 0 when every stage ran and both gates passed; 12 (a gate says failed) when the SFT gate
+failed (GRPO is not run) or when GRPO trained but its gate failed (the evaluation still runs and
+everything is written; the summary says which gate); otherwise the failing stage's exit code. The summary reports GRPO's mean reward per step, strategy accuracy and every
+gate metric as measured, whether they rise or not.
+
+:data:`PRESETS` holds every hyper-parameter. ``overrides`` (CLI ``--set section.key=value``,
+value parsed as JSON) change single values, e.g. ``{"sft.steps": 100, "grpo.steps": 2}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "pipeline_summary.json"
+EVALUATION_FILE = "evaluation.json"
+EXIT_USAGE = 2
+EXIT_GATE_FAILED = 12
+"""A gate says failed (:data:`orthojob.gate.EXIT_GATE_FAILED`; ``orthojob train`` exits with it too)."""
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-cpu": {
+        "description": (
+            "offline, CPU, 2 cores, < 10 min: a ~0.2M-parameter Qwen2 built here, fully fine-tuned "
+            "(SFT reaches >= 0.9 greedy parse rate); GRPO proves the loop, it does not make a planner"
+        ),
+        "model": "tiny",
+        "tiny_arch": {
+            "hidden_size": 64,
+            "layers": 2,
+            "heads": 4,
+            "kv_heads": 2,
+            "intermediate": 128,
+            "vocab_size": 1024,
+            "max_position_embeddings": 2048,
+            "seed": 0,
+        },
+        "task_id": "task_easy",
+        "force_decay": False,
+        "base_eval": True,
+        "sft": {
+            "task_ids": ["task_easy"],
+            "examples": 2400,
+            "steps": 600,
+            "batch_size": 4,
+            "grad_accum": 1,
+            "lr": 5e-3,
+            "lr_scheduler": "cosine",
+            "warmup_steps": 10,
+            "weight_decay": 0.0,
+            "lora_r": 0,
+            "lora_alpha": None,
+            "max_length": 2048,
+            "gradient_checkpointing": False,
+            "logging_steps": 20,
+            "seed": 0,
+        },
+        "sft_gate": {
+            "n_seeds": 32,
+            "max_new_tokens": 256,
+            "batch_size": 16,
+            "thresholds": {"min_parse_rate": 0.9, "min_format_reward": 0.8},
+        },
+        "grpo": {
+            "steps": 20,
+            "num_generations": 4,
+            "batch_size": 4,
+            "grad_accum": 1,
+            "lr": 1e-4,
+            "lora_r": 0,
+            "max_prompt_length": 1760,
+            "max_completion_length": 256,
+            "max_seq_length": 2048,
+            "temperature": 1.0,
+            "beta": 0.0,
+            "gradient_checkpointing": False,
+            "save_steps": 0,
+            "seed": 0,
+            "gate_seeds": 32,
+            "use_vllm": False,
+        },
+        "grpo_gate": {
+            "thresholds": {"min_parse_rate": 0.9, "min_format_reward": 0.8, "min_margin_over_slerp": 0.0},
+        },
+        "evaluate": {"n_seeds": 32, "baselines": True, "max_new_tokens": 256, "batch_size": 16},
+    },
+    "qwen2.5-3b": {
+        "description": "one GPU: Qwen2.5-3B-Instruct, LoRA r 16 (Unsloth 4-bit when it imports), SFT then GRPO",
+        "model": "Qwen/Qwen2.5-3B-Instruct",
+        "tiny_arch": {},
+        "task_id": "task_easy",
+        "force_decay": False,
+        "base_eval": True,
+        "sft": {
+            "task_ids": ["task_easy", "task_medium", "task_hard"],
+            "examples": 3000,
+            "steps": 375,
+            "batch_size": 4,
+            "grad_accum": 2,
+            "lr": 2e-4,
+            "lr_scheduler": "cosine",
+            "warmup_steps": 20,
+            "weight_decay": 0.0,
+            "lora_r": 16,
+            "lora_alpha": 32,
+            "max_length": 2048,
+            "gradient_checkpointing": True,
+            "logging_steps": 10,
+            "seed": 0,
+        },
+        "sft_gate": {
+            "n_seeds": 50,
+            "max_new_tokens": 512,
+            "batch_size": 16,
+            "thresholds": {"min_parse_rate": 0.9, "min_format_reward": 0.8},
+        },
+        "grpo": {
+            "steps": 300,
+            "num_generations": 8,
+            "batch_size": 8,
+            "grad_accum": 1,
+            "lr": 5e-6,
+            "lora_r": 16,
+            "max_prompt_length": 1536,
+            "max_completion_length": 512,
+            "max_seq_length": 2048,
+            "temperature": 1.0,
+            "beta": 0.0,
+            "gradient_checkpointing": True,
+            "save_steps": 60,
+            "seed": 0,
+            "gate_seeds": 50,
+            "use_vllm": False,
+        },
+        "grpo_gate": {
+            "thresholds": {"min_parse_rate": 0.9, "min_format_reward": 0.8, "min_margin_over_slerp": 0.0},
+        },
+        "evaluate": {"n_seeds": 200, "baselines": True, "max_new_tokens": 512, "batch_size": 32},
+    },
+}
+"""Every hyper-parameter of each preset; see the module docstring for the stages."""
+
+
+def apply_overrides(preset: dict, overrides: dict[str, Any] | None) -> dict:
+    """A deep copy of ``preset`` with dotted keys (``"sft.steps"``) set; unknown keys raise KeyError."""
+    out = copy.deepcopy(preset)
+    for dotted, value in (overrides or {}).items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                raise KeyError(f"unknown preset section {key!r} in {dotted!r}")
+            node = node[key]
+        if leaf not in node and not (parents and parents[-1] in ("tiny_arch", "thresholds")):
+            raise KeyError(f"unknown preset key {dotted!r}")
+        node[leaf] = value
+    return out
+
+
+def sft_config(preset: dict, out: str | Path, model: str | None = None):
+    """The :class:`orthojob.sft.SFTJobConfig` of a preset's SFT stage."""
+    from orthojob.sft import SFTJobConfig
+
+    return SFTJobConfig(
+        model=model or preset["model"],
+        out=str(out),
+        force_decay=bool(preset["force_decay"]),
+        tiny_arch=dict(preset.get("tiny_arch") or {}),
+        **preset["sft"],
+    )
+
+
+def grpo_argv(preset: dict, model: str, sft_dir: str | Path, out: str | Path) -> list[str]:
+    """``orthojob train`` flags of a preset's GRPO stage (every value explicit)."""
+    g = preset["grpo"]
+    argv = [
+        "--model", model, "--from-checkpoint", str(sft_dir), "--out", str(out), "--task-id", preset["task_id"],
+        "--steps", str(g["steps"]), "--num-generations", str(g["num_generations"]),
+        "--batch-size", str(g["batch_size"]), "--grad-accum", str(g["grad_accum"]), "--lr", str(g["lr"]),
+        "--lora-r", str(g["lora_r"]), "--max-prompt-length", str(g["max_prompt_length"]),
+        "--max-completion-length", str(g["max_completion_length"]), "--max-seq-length", str(g["max_seq_length"]),
+        "--temperature", str(g["temperature"]), "--beta", str(g["beta"]), "--save-steps", str(g["save_steps"]),
+        "--seed", str(g["seed"]), "--gate-seeds", str(g["gate_seeds"]),
+        "--gradient-checkpointing" if g["gradient_checkpointing"] else "--no-gradient-checkpointing",
+    ]  # fmt: skip
+    if preset["force_decay"]:
+        argv.append("--force-decay")
+    if g.get("use_vllm"):
+        argv.append("--use-vllm")
+    return argv
+
+
+def _grpo_rewards(train_log: Path) -> dict:
+    """GRPO's reward per step (TRL's ``reward`` = weighted sum) and each reward's mean, as logged."""
+    if not train_log.is_file():
+        return {}
+    rows = [r for r in json.loads(train_log.read_text()) if "reward" in r]
+    if not rows:
+        return {}
+    rewards = [r["reward"] for r in rows]
+    per_func = sorted(
+        {
+            k[len("rewards/") : -len("/mean")]
+            for r in rows
+            for k in r
+            if k.endswith("/mean") and k.startswith("rewards/")
+        }
+    )
+    half = max(1, len(rewards) // 2)
+    return {
+        "steps": len(rows),
+        "reward_per_step": rewards,
+        "reward_mean": sum(rewards) / len(rewards),
+        "reward_first_half_mean": sum(rewards[:half]) / half,
+        "reward_second_half_mean": sum(rewards[half:]) / max(1, len(rewards) - half),
+        "per_reward_first_last": {
+            name: [rows[0].get(f"rewards/{name}/mean"), rows[-1].get(f"rewards/{name}/mean")]
+            for name in per_func
+        },
+        "step_time_mean": sum(r.get("step_time", 0.0) for r in rows) / len(rows),
+    }
+
+
+def _gate_view(content: dict) -> dict:
+    keys = ("parse_rate", "format_reward", "terminal_mean", "uniform_slerp_terminal_mean", "oracle_terminal_mean",
+            "margin_over_slerp", "strategy_accuracy", "truncated_rate", "mean_completion_tokens", "eval_seconds")  # fmt: skip
+    m = content.get("metrics", {})
+    return {"passed": content.get("passed"), "checks": content.get("checks")} | {k: m.get(k) for k in keys}
+
+
+def run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any] | None = None) -> dict:
+    """Run every stage (module docstring) inside the MLflow run ``pipeline`` (each stage a nested run);
+    returns the summary (also written to ``<out>/pipeline_summary.json``) with ``exit_code``.
+
+    ``out`` may be ``s3://bucket/prefix``: the stages run in a local work folder
+    (:func:`orthojob.mlops.local_work_dir`), the gated SFT checkpoint is published to ``<out>/sft0``
+    and GRPO pulls it from there (digests checked) and pushes its result to ``<out>/grpo``."""
+    import mlflow
+
+    from orthojob import tracking
+
+    name = preset if isinstance(preset, str) else preset.get("name", "custom")
+    params = {"preset": name, "out": str(out), "overrides": overrides or {}}
+    with tracking.stage_run("pipeline", params=params) as run:
+        summary = _run_pipeline(preset, out, overrides)
+        summary["mlflow_run_id"] = run.info.run_id
+        mlflow.log_dict(json.loads(json.dumps(summary, default=str)), SUMMARY_FILE)
+        mlflow.set_tag("orthorl.exit_code", str(summary["exit_code"]))
+    return summary
+
+
+def _stage_run(stage: str, params: dict | None = None):
+    from orthojob import tracking
+
+    return tracking.stage_run(stage, params=params)
+
+
+def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any] | None = None) -> dict:
+    import mlflow
+
+    from orthojob import gate, storage
+    from orthojob.models import TINY_MODEL, build_tiny
+    from orthojob.tracking import log_metrics
+
+    name = preset if isinstance(preset, str) else preset.get("name", "custom")
+    cfg = apply_overrides(PRESETS[preset] if isinstance(preset, str) else preset, overrides)
+    out_uri = str(out) if storage.is_s3_uri(out) else None
+    if out_uri:
+        from orthojob.mlops import local_work_dir
+
+        out = local_work_dir(out_uri)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    summary: dict[str, Any] = {"preset": name, "overrides": overrides or {}, "config": cfg, "stages": {}}
+    stages = summary["stages"]
+
+    def save() -> None:
+        summary["wall_seconds"] = time.perf_counter() - t_start
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
+
+    def finish(code: int) -> dict:
+        summary["exit_code"] = code
+        save()
+        print(format_summary(summary))
+        return summary
+
+    # 1. tiny model
+    model = cfg["model"]
+    if model == TINY_MODEL:
+        t = time.perf_counter()
+        tasks = sorted({cfg["task_id"], *cfg["sft"]["task_ids"]})
+        model = str(build_tiny(out / "tiny-model", tasks, cfg["force_decay"], **cfg["tiny_arch"]))
+        stages["tiny-model"] = {"seconds": time.perf_counter() - t, "path": model}
+        save()
+
+    # 1b. the base model's held-out parse rate and format, before any training (no gate file)
+    if cfg.get("base_eval", True):
+        t = time.perf_counter()
+        g = cfg["sft_gate"]
+        base = gate.evaluate_checkpoint(
+            model, n_seeds=g["n_seeds"], task_id=cfg["task_id"], force_decay=cfg["force_decay"],
+            max_new_tokens=g["max_new_tokens"], batch_size=g["batch_size"], stage="base",
+            thresholds=gate.GateThresholds.from_dict(g["thresholds"]),
+        )  # fmt: skip
+        stages["base"] = {"seconds": time.perf_counter() - t, **_gate_view(base)}
+        save()
+
+    # 2. SFT stage 0
+    sft_dir = out / "sft0"
+    t = time.perf_counter()
+    from orthojob.sft import run_sft
+
+    with _stage_run("sft0", params={"sft": cfg["sft"], "model": model, "force_decay": cfg["force_decay"]}):
+        sft_summary = run_sft(sft_config(cfg, sft_dir, model=model))
+        log_metrics({k: v for k, v in sft_summary.items() if isinstance(v, (int, float))})
+    stages["sft0"] = {"seconds": time.perf_counter() - t, **sft_summary}
+    save()
+
+    # 3. SFT gate
+    t = time.perf_counter()
+    g = cfg["sft_gate"]
+    with _stage_run("gate_sft0", params={"sft_gate": g}):
+        report = gate.evaluate_checkpoint(
+            str(sft_dir), n_seeds=g["n_seeds"], task_id=cfg["task_id"], force_decay=cfg["force_decay"],
+            max_new_tokens=g["max_new_tokens"], batch_size=g["batch_size"], stage="sft0",
+            thresholds=gate.GateThresholds.from_dict(g["thresholds"]),
+        )  # fmt: skip
+        content = gate.write_gate(sft_dir, report)
+        log_metrics({f"gate/{k}": v for k, v in content["metrics"].items()})
+        mlflow.log_artifact(str(gate.gate_path(sft_dir)))
+        mlflow.set_tag("orthorl.gate_passed", str(content["passed"]).lower())
+    stages["gate_sft0"] = {"seconds": time.perf_counter() - t, **_gate_view(content)}
+    print(gate.format_gate(content))
+    if not content["passed"]:
+        stages["grpo"] = {"skipped": "the SFT gate failed: GRPO refuses an ungated checkpoint (exit 12)"}
+        return finish(EXIT_GATE_FAILED)
+
+    # 4. GRPO (its own gate runs at the end of orthojob train)
+    from orthojob.grpo import add_train_arguments, run_train
+
+    grpo_dir = out / "grpo"
+    parser = add_train_arguments(argparse.ArgumentParser(prog="orthojob train"))
+    t = time.perf_counter()
+    sft_source, grpo_target = str(sft_dir), str(grpo_dir)
+    if out_uri:  # GRPO pulls the gated SFT checkpoint from S3 and pushes its result there
+        sft_source = storage.publish(sft_dir, f"{out_uri.rstrip('/')}/sft0")
+        grpo_target = f"{out_uri.rstrip('/')}/grpo"
+    rc = run_train(parser.parse_args(grpo_argv(cfg, model, sft_source, grpo_target)))
+    last = mlflow.last_active_run()
+    stages["grpo"] = {
+        "seconds": time.perf_counter() - t,
+        "exit_code": rc,
+        "mlflow_run_id": last.info.run_id if last is not None else None,
+        "out": grpo_target,
+        **_grpo_rewards(grpo_dir / "train_log.json"),
+    }
+    save()
+    if rc not in (0, EXIT_GATE_FAILED) or not gate.gate_path(grpo_dir).is_file():
+        stages["grpo"]["error"] = f"orthojob train exited {rc}"
+        return finish(rc or 1)
+
+    # 5. GRPO gate: written by orthojob train from its held-out evaluation; the preset's thresholds
+    # are applied to those same metrics when they differ from the defaults.
+    content = gate.read_gate(grpo_dir)
+    limits = gate.GateThresholds.from_dict(cfg["grpo_gate"]["thresholds"])
+    if limits.to_dict() != content["thresholds"]:
+        evaluated = {
+            "metrics": content["metrics"],
+            "samples": content.get("samples", []),
+            **content.get("evaluation", {}),
+        }
+        content = gate.write_gate(grpo_dir, evaluated, limits, stage="grpo")
+        print(gate.format_gate(content))  # orthojob train printed the default thresholds' verdict
+    stages["gate_grpo"] = {"seconds": content["metrics"].get("eval_seconds"), **_gate_view(content)}
+
+    # 6. evaluate both checkpoints and the baselines
+    from orthojob.evaluation import evaluate_checkpoint, format_table
+
+    t = time.perf_counter()
+    e = cfg["evaluate"]
+    with _stage_run("evaluate", params={"evaluate": e}):
+        tasks = [cfg["task_id"]]
+        kw = {"n_seeds": e["n_seeds"], "force_decay": cfg["force_decay"], "max_new_tokens": e["max_new_tokens"],
+              "batch_size": e["batch_size"]}  # fmt: skip
+        report = evaluate_checkpoint(str(grpo_dir), tasks, baselines=e["baselines"], name="grpo", **kw)
+        sft_report = evaluate_checkpoint(str(sft_dir), tasks, baselines=False, name="sft0", **kw)
+        for task in tasks:
+            report[task] = {
+                "grpo": report[task].pop("grpo"),
+                "sft0": sft_report[task]["sft0"],
+                **report[task],
+            }
+        (out / EVALUATION_FILE).write_text(
+            json.dumps(
+                {"n_seeds": e["n_seeds"], "force_decay": cfg["force_decay"], "results": report}, indent=2
+            )
+        )
+        table = format_table(report, e["n_seeds"], cfg["force_decay"])
+        print(table)
+        stages["evaluate"] = {
+            "seconds": time.perf_counter() - t,
+            "file": str(out / EVALUATION_FILE),
+            "terminal_mean": {p: s["terminal_reward"]["mean"] for p, s in report[tasks[0]].items()},
+            "model_metrics": {
+                p: s["model_metrics"] for p, s in report[tasks[0]].items() if "model_metrics" in s
+            },
+        }
+        log_metrics({f"terminal_mean/{p}": v for p, v in stages["evaluate"]["terminal_mean"].items()})
+        mlflow.log_artifact(str(out / EVALUATION_FILE))
+    return finish(0 if content["passed"] else EXIT_GATE_FAILED)
+
+
+def _fmt(x: Any, spec: str = ".3f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+
+
+def format_summary(summary: dict) -> str:
+    """The pipeline's table: one row per stage with its wall time and key numbers."""
+    s = summary["stages"]
+    lines = [f"Pipeline {summary['preset']}: {_fmt(summary.get('wall_seconds'), '.0f')} s, exit {summary.get('exit_code')}",
+             f"{'stage':<12}{'seconds':>9}  result", "-" * 100]  # fmt: skip
+    if "tiny-model" in s:
+        lines.append(
+            f"{'tiny-model':<12}{_fmt(s['tiny-model']['seconds'], '9.1f')}  {s['tiny-model']['path']}"
+        )
+    if "base" in s:
+        x = s["base"]
+        lines.append(
+            f"{'base':<12}{_fmt(x['seconds'], '9.1f')}  before training: parse {_fmt(x['parse_rate'])}, format "
+            f"{_fmt(x['format_reward'])}, terminal {_fmt(x['terminal_mean'])}"
+        )
+    if "sft0" in s:
+        x = s["sft0"]
+        lines.append(
+            f"{'sft0':<12}{_fmt(x['seconds'], '9.1f')}  {x['steps']} steps, {x['examples']} demos, loss "
+            f"{_fmt(x['first_loss'])} -> {_fmt(x['final_loss'])}, token acc {_fmt(x['final_token_accuracy'])}, "
+            f"{x['parameters']['trainable']:,} trainable params"
+        )
+    for key in ("gate_sft0", "gate_grpo"):
+        if key in s:
+            x = s[key]
+            lines.append(
+                f"{key:<12}{_fmt(x['seconds'], '9.1f')}  {'PASSED' if x['passed'] else 'FAILED'}: parse "
+                f"{_fmt(x['parse_rate'])}, format {_fmt(x['format_reward'])}, terminal {_fmt(x['terminal_mean'])} "
+                f"(SLERP {_fmt(x['uniform_slerp_terminal_mean'])}, oracle {_fmt(x['oracle_terminal_mean'])}), "
+                f"strategy acc {_fmt(x['strategy_accuracy'])}"
+            )
+        if key == "gate_sft0" and "grpo" in s:
+            x = s["grpo"]
+            if "skipped" in x:
+                lines.append(f"{'grpo':<12}{'':>9}  skipped: {x['skipped']}")
+            else:
+                lines.append(
+                    f"{'grpo':<12}{_fmt(x['seconds'], '9.1f')}  exit {x['exit_code']}, {x.get('steps', 0)} steps, "
+                    f"reward mean {_fmt(x.get('reward_mean'))} (first half {_fmt(x.get('reward_first_half_mean'))}, "
+                    f"second half {_fmt(x.get('reward_second_half_mean'))}), {_fmt(x.get('step_time_mean'), '.2f')} s/step"
+                )
+    if "evaluate" in s:
+        x = s["evaluate"]
+        terms = ", ".join(f"{p} {_fmt(v)}" for p, v in x["terminal_mean"].items())
+        lines.append(f"{'evaluate':<12}{_fmt(x['seconds'], '9.1f')}  terminal: {terms}")
+    return "\n".join(lines)
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _assignment(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected SECTION.KEY=VALUE (e.g. sft.steps=100), got {text!r}")
+    return key.strip(), _value(value.strip())
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-cpu", help="(default tiny-cpu)")
+    parser.add_argument("--out", default="./runs/pipeline", help="output folder (default ./runs/pipeline)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        type=_assignment,
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one preset value (JSON), e.g. --set sft.steps=100 --set grpo.steps=2 (repeatable)",
+    )
+    parser.add_argument(
+        "--overrides",
+        dest="overrides_list",
+        default="",
+        metavar="K=V[,K=V...]",
+        help="the same as --set, comma-separated in one value (for MLproject -P overrides=...); '' = none",
+    )
+    parser.add_argument("--show", action="store_true", help="print the preset (after --set) as JSON and exit")
+    return parser
+
+
+def run_pipeline_cli(args: argparse.Namespace) -> int:
+    try:
+        listed = [_assignment(item) for item in args.overrides_list.split(",") if item.strip()]
+    except argparse.ArgumentTypeError as exc:
+        print(f"orthojob pipeline: --overrides: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    overrides = dict(args.overrides) | dict(listed)
+    try:
+        cfg = apply_overrides(PRESETS[args.preset], overrides)
+    except KeyError as exc:
+        print(f"orthojob pipeline: {exc.args[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.show:
+        print(json.dumps(cfg, indent=2))
+        return 0
+    summary = run_pipeline(args.preset, args.out, overrides)
+    print(f"wrote {Path(args.out) / SUMMARY_FILE}")
+    return int(summary["exit_code"])
+
+
+__all__ = [
+    "EXIT_GATE_FAILED",
+    "PRESETS",
+    "add_pipeline_arguments",
+    "apply_overrides",
+    "format_summary",
+    "grpo_argv",
+    "run_pipeline",
+    "run_pipeline_cli",
+    "sft_config",
+]

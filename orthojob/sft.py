@@ -1,0 +1,300 @@
+"""SFT stage 0 (format SFT): ``orthojob sft``.
+
+Demonstrations are written by the environment's rule-based oracle (:func:`server.oracle.oracle_plan`)
+for *training* seeds (from :data:`orthojob.prompts.TRAIN_SEED_START`): each example is the policy's
+own prompt (:func:`orthojob.prompts.prompt_rows`, conversational) and, as the completion, the
+oracle's plan as canonical JSON (:func:`orthojob.prompts.plan_to_completion`). TRL's SFTTrainer
+trains on the completion only (prompt tokens are masked).
+
+Models (:func:`orthojob.models.load_policy`): LoRA on real models (Unsloth 4-bit on a GPU when it
+imports, QLoRA with bitsandbytes on a GPU, plain LoRA on CPU), full fine-tuning with ``lora_r 0``.
+The tiny preset fine-tunes fully: LoRA on a randomly initialised base never learns the format.
+bf16 only where the GPU supports it.
+
+``--out`` receives the model (or adapter) and tokenizer, ``sft_log.json`` (TRL's log history) and
+``sft_config.json``. The gate (:mod:`orthojob.gate`) is a separate step: ``orthojob gate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from server.cases import TASK_IDS
+
+log = logging.getLogger(__name__)
+
+SFT_LOG_FILE = "sft_log.json"
+SFT_CONFIG_FILE = "sft_config.json"
+EXIT_USAGE = 2
+
+
+@dataclass
+class SFTJobConfig:
+    """Every ``orthojob sft`` flag (field ``x_y`` is flag ``--x-y``).
+
+    ``model``: hub id or folder, or ``"tiny"`` (build the offline tiny model into ``<out>/base-model``
+    with ``tiny_arch``). ``examples`` demonstrations are spread evenly over ``task_ids``; ``steps``
+    optimizer steps of ``batch_size x grad_accum`` examples each (epochs repeat as needed).
+    """
+
+    model: str = "Qwen/Qwen2.5-3B-Instruct"
+    out: str = "./checkpoints/sft0"
+    task_ids: list[str] = field(default_factory=lambda: ["task_easy"])
+    force_decay: bool = False
+    examples: int = 2000
+    steps: int = 500
+    batch_size: int = 4
+    grad_accum: int = 1
+    lr: float = 2e-4
+    lr_scheduler: str = "cosine"
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    lora_r: int = 16
+    lora_alpha: int | None = None
+    max_length: int = 2048
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    logging_steps: int = 10
+    tiny_arch: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def demonstrations(
+    n: int, task_ids: Sequence[str], force_decay: bool = False, seed_start: int | None = None
+) -> list[dict]:
+    """``n`` SFT examples ``{"prompt": messages, "completion": [assistant message], "seed", "task_id"}``.
+
+    Seeds run from TRAIN_SEED_START within each task; tasks take turns (``n`` split evenly).
+    """
+    from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, prompt_rows, reset_observation
+    from server.oracle import oracle_plan
+
+    start = TRAIN_SEED_START if seed_start is None else seed_start
+    tasks = list(task_ids)
+    per_task = [n // len(tasks) + (1 if k < n % len(tasks) else 0) for k in range(len(tasks))]
+    by_task = []
+    for task_id, count in zip(tasks, per_task):
+        rows = []
+        for row in prompt_rows(count, start, task_id, force_decay):
+            plan = oracle_plan(reset_observation(row["seed"], task_id, force_decay))
+            rows.append(
+                {
+                    "prompt": row["prompt"],
+                    "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
+                    "seed": row["seed"],
+                    "task_id": task_id,
+                }
+            )
+        by_task.append(rows)
+    out = []
+    for k in range(max(per_task, default=0)):
+        out.extend(rows[k] for rows in by_task if k < len(rows))
+    return out
+
+
+def resolve_model(config: SFTJobConfig) -> str:
+    """The base model path: ``config.model``, or the tiny model built into ``<out>/base-model``."""
+    from orthojob.models import TINY_MODEL, build_tiny
+
+    if config.model != TINY_MODEL:
+        return config.model
+    path = Path(config.out) / "base-model"
+    if not (path / "config.json").is_file():
+        build_tiny(path, config.task_ids, config.force_decay, **config.tiny_arch)
+    return str(path)
+
+
+def run_sft(config: SFTJobConfig) -> dict:
+    """Train SFT stage 0 and save model + tokenizer to ``config.out``; returns a summary dict
+    (examples, steps, losses, token accuracy, wall times, parameters)."""
+    from orthojob import models
+
+    devices = models.device_info()  # imports Unsloth (on a GPU) before TRL and transformers
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    t0 = time.perf_counter()
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = resolve_model(config)
+    model, tokenizer = models.load_policy(base, lora_r=config.lora_r, lora_alpha=config.lora_alpha,
+                                          max_seq_length=config.max_length)  # fmt: skip
+    t_data = time.perf_counter()
+    rows = demonstrations(config.examples, config.task_ids, config.force_decay)
+    dataset = Dataset.from_dict(
+        {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
+    )
+    data_seconds = time.perf_counter() - t_data
+    args = SFTConfig(
+        output_dir=str(out),
+        max_steps=config.steps,
+        per_device_train_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.lr,
+        lr_scheduler_type=config.lr_scheduler,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        max_length=config.max_length,
+        seed=config.seed,
+        logging_steps=max(1, min(config.logging_steps, config.steps // 2)),
+        save_strategy="no",
+        report_to="none",
+        bf16=devices["bf16"],
+        fp16=False,
+        use_cpu=not devices["cuda"],
+        gradient_checkpointing=config.gradient_checkpointing,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    t_train = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - t_train
+    trainer.save_model(str(out))
+    tokenizer.save_pretrained(str(out))
+    (out / "training_args.bin").unlink(missing_ok=True)  # Trainer state, not part of the checkpoint
+    history = trainer.state.log_history
+    losses = [row["loss"] for row in history if "loss" in row]
+    accuracy = [row["mean_token_accuracy"] for row in history if "mean_token_accuracy" in row]
+    summary = {
+        "examples": len(rows),
+        "steps": trainer.state.global_step,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "final_token_accuracy": accuracy[-1] if accuracy else None,
+        "parameters": models.count_parameters(model),
+        "base_model": base,
+        "data_seconds": data_seconds,
+        "train_seconds": train_seconds,
+        "seconds_per_step": train_seconds / max(1, trainer.state.global_step),
+        "wall_seconds": time.perf_counter() - t0,
+        "device": "cuda" if devices["cuda"] else "cpu",
+        "bf16": devices["bf16"],
+    }
+    (out / SFT_LOG_FILE).write_text(json.dumps({"summary": summary, "log_history": history}, indent=1))
+    (out / SFT_CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2))
+    log.info("SFT stage 0: %d steps in %.0f s, loss %s -> %s", summary["steps"], train_seconds,
+             summary["first_loss"], summary["final_loss"])  # fmt: skip
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def _tasks(value: str) -> list[str]:
+    if value == "all":
+        return list(TASK_IDS)
+    tasks = [t for t in value.split(",") if t]
+    unknown = [t for t in tasks if t not in TASK_IDS]
+    if unknown or not tasks:
+        raise argparse.ArgumentTypeError(
+            f"unknown task(s) {unknown}: use 'all' or a comma list of {TASK_IDS}"
+        )
+    return tasks
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _non_negative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def add_sft_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``orthojob sft`` flags (defaults: :class:`SFTJobConfig`, or ``--preset``'s SFT stage)."""
+    d = SFTJobConfig()
+    s = argparse.SUPPRESS
+    p = parser.add_argument
+    p("--preset", default=s, help="take the SFT settings of a pipeline preset (tiny-cpu, qwen2.5-3b)")
+    p("--model", default=s, help=f"model id or folder, or 'tiny' (default {d.model})")
+    p("--out", default=s, help=f"output folder (default {d.out})")
+    p("--task-id", dest="task_ids", type=_tasks, default=s, help="'all' or a comma list (default task_easy)")
+    p("--force-decay", action="store_true", default=s, help="demonstrations for force-decay cases")
+    p("--examples", type=_positive, default=s, help=f"oracle demonstrations (default {d.examples})")
+    p("--steps", type=_positive, default=s, help=f"optimizer steps (default {d.steps})")
+    p(
+        "--batch-size",
+        type=_positive,
+        default=s,
+        help=f"examples per device per step (default {d.batch_size})",
+    )
+    p("--grad-accum", type=_positive, default=s, help=f"(default {d.grad_accum})")
+    p("--lr", type=float, default=s, help=f"peak learning rate (default {d.lr})")
+    p("--lr-scheduler", default=s, help=f"transformers scheduler name (default {d.lr_scheduler})")
+    p("--warmup-steps", type=_non_negative, default=s, help=f"(default {d.warmup_steps})")
+    p("--lora-r", type=_non_negative, default=s, help=f"LoRA rank; 0 = full fine-tuning (default {d.lora_r})")
+    p("--lora-alpha", type=_positive, default=s, help="LoRA alpha (default 2 x rank)")
+    p("--max-length", type=_positive, default=s, help=f"longest example in tokens (default {d.max_length})")
+    p("--seed", type=int, default=s, help=f"(default {d.seed})")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace | dict) -> SFTJobConfig:
+    """Dataclass defaults < the preset's SFT settings < the flags given."""
+    given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+    values: dict[str, Any] = {}
+    preset = given.pop("preset", None)
+    if preset is not None:
+        from orthojob.pipeline import PRESETS, sft_config
+
+        if preset not in PRESETS:
+            raise ValueError(f"unknown --preset {preset!r}: use one of {', '.join(sorted(PRESETS))}")
+        values.update(sft_config(PRESETS[preset], given.get("out") or "./checkpoints/sft0").to_dict())
+    names = {f.name for f in dataclasses.fields(SFTJobConfig)}
+    values.update({k: v for k, v in given.items() if k in names})
+    return SFTJobConfig(**values)
+
+
+def run_sft_cli(args: argparse.Namespace) -> int:
+    """``orthojob sft``: 0 on success, 2 on a bad configuration."""
+    try:
+        config = config_from_args(args)
+    except (TypeError, ValueError) as exc:
+        print(f"orthojob sft: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if config.model == "tiny" and config.lora_r > 0:
+        print(
+            "orthojob sft: --model tiny needs --lora-r 0 (full fine-tuning): LoRA on a randomly initialised "
+            "base never learns the plan format",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    summary = run_sft(config)
+    print(
+        f"[sft] {summary['steps']} steps on {summary['examples']} oracle demonstrations in "
+        f"{summary['train_seconds']:.0f} s ({summary['seconds_per_step']:.2f} s/step); loss "
+        f"{summary['first_loss']} -> {summary['final_loss']}; saved to {config.out}\n"
+        f"[sft] next: orthojob gate --checkpoint {config.out} --stage sft0"
+    )
+    return 0
+
+
+__all__ = [
+    "SFTJobConfig",
+    "add_sft_arguments",
+    "config_from_args",
+    "demonstrations",
+    "resolve_model",
+    "run_sft",
+    "run_sft_cli",
+]

@@ -1,0 +1,446 @@
+"""End to end against real services on 127.0.0.1: SeaweedFS (S3) and ``mlflow server`` (SQLite backend,
+artifacts proxied into ``s3://orthorl/mlflow``).
+
+* the tiny pipeline with ``--out s3://...``: GRPO pulls the gated SFT checkpoint from S3 and pushes its
+  result there; read back through MlflowClient and boto3 (params, per-reward metric histories, the
+  adapter and gate file in the bucket, the logged model loading back), then ``orthojob promote``;
+* resume: ``orthojob train --out s3://...`` stopped by SIGTERM after a checkpoint, restarted, continues;
+* faults: MLflow down, wrong S3 keys, an S3 outage during upload, missing / unparseable / failed gates;
+* secrets (S3 keys, MLflow password) never appear in params, tags, artifacts or output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+mlflow = pytest.importorskip("mlflow")
+pytest.importorskip("boto3")
+
+from orthojob import storage, tracking  # noqa: E402
+from tests.services import free_port, mlflow_server, seaweedfs  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = "orthorl"
+MLFLOW_PASSWORD = "mlflow-pw-e2e-5c1a9d"
+IMAGE_DIGEST = "sha256:0123456789abcdef"
+REWARDS = ("reward_terminal", "reward_occlusion", "reward_strategy", "reward_format", "reward_anchorage")
+PIPELINE_OVERRIDES = {
+    "sft.steps": 30,
+    "sft.examples": 60,
+    "sft.logging_steps": 10,
+    "sft_gate.n_seeds": 4,
+    "sft_gate.max_new_tokens": 64,
+    "sft_gate.thresholds.min_parse_rate": 0.0,  # a 30-step SFT does not learn the format: let GRPO run
+    "sft_gate.thresholds.min_format_reward": 0.0,
+    "grpo.steps": 2,
+    "grpo.max_completion_length": 48,
+    "grpo.gate_seeds": 2,
+    "grpo.lora_r": 4,  # an adapter: what the registry holds for real models
+    "evaluate.n_seeds": 2,
+    "evaluate.max_new_tokens": 48,
+}
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    root = tmp_path_factory.mktemp("services")
+    with seaweedfs(root / "s3") as s3:
+        extra = {**s3.env(), "MLFLOW_S3_ENDPOINT_URL": s3.endpoint}
+        with mlflow_server(root / "mlflow", f"s3://{BUCKET}/mlflow", extra_env=extra) as server:
+            yield s3, server
+
+
+@pytest.fixture
+def env(services, tmp_path, monkeypatch):
+    """The job's environment: S3 keys, the tracking server (with a password), a work folder."""
+    s3, server = services
+    values = {
+        **s3.env(),
+        "MLFLOW_TRACKING_URI": server.uri,
+        "MLFLOW_TRACKING_USERNAME": "e2e-user-b7",
+        "MLFLOW_TRACKING_PASSWORD": MLFLOW_PASSWORD,
+        "MLFLOW_EXPERIMENT_NAME": "e2e",
+        "ORTHORL_WORK_DIR": str(tmp_path / "work"),
+        "IMAGE_DIGEST": IMAGE_DIGEST,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "ORTHORL_S3_RETRY_DELAY": "0.05",
+    }
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    yield {**os.environ}
+    while mlflow.active_run():
+        mlflow.end_run()
+
+
+def s3_client(s3):
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint,
+        aws_access_key_id=s3.access_key,
+        aws_secret_access_key=s3.secret_key,
+        region_name="us-east-1",
+    )
+
+
+def keys_under(s3, prefix: str) -> set[str]:
+    pages = s3_client(s3).get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {o["Key"][len(prefix) :] for page in pages for o in page.get("Contents", [])}
+
+
+def orthojob(args: list[str], env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "orthojob.cli", *args],
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_by_stage(client, experiment: str, stage: str, parent: str | None = None):
+    exp = client.get_experiment_by_name(experiment)
+    query = f"tags.`orthorl.stage` = '{stage}'"
+    if parent:
+        query += f" and tags.`mlflow.parentRunId` = '{parent}'"
+    return client.search_runs([exp.experiment_id], query, order_by=["attributes.start_time DESC"])
+
+
+def assert_no_secrets(texts: list[str], secrets: list[str]) -> None:
+    for secret in secrets:
+        for text in texts:
+            assert secret not in text
+
+
+# --- the pipeline, end to end ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(services, tmp_path_factory):
+    """`orthojob pipeline --out s3://orthorl/e2e/run1` in a subprocess; (result, env, seconds)."""
+    s3, server = services
+    tmp = tmp_path_factory.mktemp("pipeline")
+    env = {
+        **os.environ,
+        **s3.env(),
+        "MLFLOW_TRACKING_URI": server.uri,
+        "MLFLOW_TRACKING_USERNAME": "e2e-user-b7",
+        "MLFLOW_TRACKING_PASSWORD": MLFLOW_PASSWORD,
+        "MLFLOW_EXPERIMENT_NAME": "e2e",
+        "ORTHORL_WORK_DIR": str(tmp / "work"),
+        "IMAGE_DIGEST": IMAGE_DIGEST,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    sets = [x for k, v in PIPELINE_OVERRIDES.items() for x in ("--set", f"{k}={json.dumps(v)}")]
+    t = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "orthojob.cli", "-v", "pipeline", "--preset", "tiny-cpu",
+         "--out", f"s3://{BUCKET}/e2e/run1", *sets],
+        env={**env, "PYTHONPATH": str(REPO)}, cwd=tmp, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    return result, env, time.perf_counter() - t
+
+
+def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_path):
+    s3, server = services
+    result, env, seconds = pipeline_run
+    print(f"pipeline wall time {seconds:.1f} s")
+    assert result.returncode in (0, 12), result.stdout[-3000:] + result.stderr[-3000:]
+    mlflow.set_tracking_uri(server.uri)
+    client = mlflow.tracking.MlflowClient(server.uri)
+
+    # every stage is a run nested under the pipeline's parent run
+    (parent,) = run_by_stage(client, "e2e", "pipeline")
+    assert parent.data.tags["orthorl.exit_code"] == str(result.returncode)
+    children = {
+        r.data.tags["orthorl.stage"]: r for r in client.search_runs(
+            [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    }  # fmt: skip
+    assert set(children) == {"sft0", "gate_sft0", "grpo", "evaluate"}
+    grpo = children["grpo"]
+    assert grpo.info.status == "FINISHED"
+
+    # params: CLI arguments, GRPO config, LoRA, environment, git commit, image digest
+    p = grpo.data.params
+    assert p["cli.from_checkpoint"] == f"s3://{BUCKET}/e2e/run1/sft0"
+    assert p["cli.out"] == f"s3://{BUCKET}/e2e/run1/grpo"
+    assert p["grpo.steps"] == "2" and p["lora.r"] == "4" and p["env.task_id"] == "task_easy"
+    assert p["image_digest"] == IMAGE_DIGEST and p["git_commit"]
+    assert grpo.data.tags["image_digest"] == IMAGE_DIGEST
+    assert children["sft0"].data.params["sft.steps"] == "30"
+
+    # per-step metric histories: one point per step for each reward, plus environment diagnostics
+    run_id = grpo.info.run_id
+    for name in REWARDS:
+        for stat in ("mean", "std"):
+            history = client.get_metric_history(run_id, f"rewards/{name}/{stat}")
+            assert [m.step for m in history] == [1, 2], (name, stat)
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                "env/parse_rate", "env/terminal_raw_mean", "env/collision_failure_rate",
+                "env/pdl_failure_rate", "env/strategy_accuracy"):  # fmt: skip
+        assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2], key
+    assert not any(k.startswith("profiling/") for k in grpo.data.metrics)
+
+    # run artifacts (stored by the server in S3)
+    top = {a.path for a in client.list_artifacts(run_id)}
+    assert {"gate_passed.json", "completions.jsonl", "completions_sample.json", "resolved_config.json"} <= top
+    plots = {a.path for a in client.list_artifacts(run_id, "plots")}
+    assert plots == {
+        "plots/reward_components.png",
+        "plots/tooth_trajectories.png",
+        "plots/arch_before_after.png",
+    }
+    assert keys_under(s3, "mlflow/"), "the server stores artifacts in s3://orthorl/mlflow"
+
+    # the bucket: SFT checkpoint (pulled by GRPO) and GRPO's adapter + gate file, each with a manifest
+    sft_keys = keys_under(s3, "e2e/run1/sft0/")
+    assert {"MANIFEST.json", "gate_passed.json", "config.json"} <= sft_keys
+    grpo_keys = keys_under(s3, "e2e/run1/grpo/")
+    assert {
+        "MANIFEST.json",
+        "gate_passed.json",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    } <= grpo_keys
+    assert not any(k.startswith("checkpoint-") for k in grpo_keys)
+    downloaded = storage.download_dir(f"s3://{BUCKET}/e2e/run1/grpo", tmp_path / "grpo")  # digests checked
+    gate = json.loads((downloaded / "gate_passed.json").read_text())
+    assert grpo.data.tags["orthorl.gate_passed"] == str(gate["passed"]).lower()
+
+    # the model loads back with its flavour and records its base model
+    (logged,) = [m for m in client.search_logged_models([grpo.info.experiment_id],
+                 filter_string=f"source_run_id = '{run_id}'")]  # fmt: skip
+    info = mlflow.models.get_model_info(f"models:/{logged.model_id}")
+    assert "transformers" in info.flavors and info.metadata["adapter"] == "true"
+    assert info.metadata["base_model"]
+    components = mlflow.transformers.load_model(f"models:/{logged.model_id}", return_type="components")
+    assert components["model"] is not None and components["tokenizer"] is not None
+
+    # promote: candidate always; champion exactly when the gate passed
+    promoted = orthojob(["promote", "--run-id", run_id, "--model-name", "orthorl-e2e"], env)
+    assert promoted.returncode == 0, promoted.stderr
+    version = client.get_model_version_by_alias("orthorl-e2e", "candidate")
+    assert version.run_id == run_id or version.tags["run_id"] == run_id
+    aliases = client.get_registered_model("orthorl-e2e").aliases
+    assert ("champion" in aliases and aliases["champion"] == version.version) is gate["passed"]
+    forced = orthojob(["promote", "--run-id", run_id, "--model-name", "orthorl-e2e", "--force"], env)
+    assert forced.returncode == 0
+    aliases = client.get_registered_model("orthorl-e2e").aliases
+    assert ("champion" in aliases) is gate["passed"]  # a failed gate is never promoted, even forced
+
+    # secrets: never in params, tags, artifacts or the job's output
+    secrets = [s3.access_key, s3.secret_key, MLFLOW_PASSWORD]
+    texts = [result.stdout, result.stderr, promoted.stdout, promoted.stderr]
+    for run in [parent, *children.values()]:
+        texts.append(json.dumps(run.data.params) + json.dumps(run.data.tags))
+        for name in ("gate_passed.json", "resolved_config.json", "completions_sample.json", SUMMARY):
+            if name in {a.path for a in client.list_artifacts(run.info.run_id)}:
+                path = mlflow.artifacts.download_artifacts(
+                    run_id=run.info.run_id, artifact_path=name, dst_path=str(tmp_path / run.info.run_id)
+                )
+                texts.append(Path(path).read_text())
+    assert len(texts) > 8
+    assert_no_secrets(texts, secrets)
+
+
+SUMMARY = "pipeline_summary.json"
+
+
+# --- resume after SIGTERM ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from orthojob.models import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny") / "tiny", ["task_easy"], max_position_embeddings=4096)
+
+
+def train_args(tiny: Path, out: str, steps: int = 2, *extra: str) -> list[str]:
+    return ["train", "--preset", "tiny-cpu", "--model", str(tiny), "--steps", str(steps),
+            "--max-completion-length", "64", "--gate-seeds", "2", "--out", out, *extra]  # fmt: skip
+
+
+def test_resume_after_sigterm(services, env, tiny, tmp_path):
+    s3, server = services
+    out = f"s3://{BUCKET}/resume/grpo"
+    argv = [sys.executable, "-m", "orthojob.cli",
+            *train_args(tiny, out, 8, "--save-steps", "1", "--skip-sft-gate")]  # fmt: skip
+    first_env = {**env, "PYTHONPATH": str(REPO), "ORTHORL_WORK_DIR": str(tmp_path / "pod1")}
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(argv, env=first_env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while storage.latest_checkpoint(out) is None:
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    step, _ = storage.latest_checkpoint(out)
+    assert 1 <= step < 8
+    assert "MANIFEST.json" not in keys_under(s3, "resume/grpo/")  # no final result from the killed pod
+
+    # a new pod (empty work folder) with the same --out resumes from the latest synced checkpoint
+    second = orthojob(train_args(tiny, out, 8, "--save-steps", "1", "--skip-sft-gate"),
+                      {**env, "ORTHORL_WORK_DIR": str(tmp_path / "pod2")})  # fmt: skip
+    assert second.returncode in (0, 12), second.stdout[-3000:] + second.stderr[-3000:]
+    resumed_step = max(s for s, _ in [storage.latest_checkpoint(out)])
+    assert resumed_step == 8
+    assert (
+        f"resuming from checkpoint-{step}" in second.stdout
+        or f"resuming from checkpoint-{step}" in second.stderr
+    )
+
+    client = mlflow.tracking.MlflowClient(server.uri)
+    killed, resumed = sorted(
+        [r for r in run_by_stage(client, "e2e", "grpo") if r.data.params.get("cli.out") == out],
+        key=lambda r: r.info.start_time,
+    )
+    assert killed.info.status == "FAILED" and killed.data.tags["orthorl.terminated"] == "SIGTERM"
+    assert (
+        resumed.info.status == "FINISHED"
+        and resumed.data.tags["orthorl.resumed_from"] == f"checkpoint-{step}"
+    )
+    history = client.get_metric_history(resumed.info.run_id, "rewards/reward_terminal/mean")
+    assert [m.step for m in history] == list(range(step + 1, 9))
+    train_log = storage.download_dir(out, tmp_path / "result") / "train_log.json"
+    assert [r["step"] for r in json.loads(train_log.read_text()) if "reward" in r] == list(range(1, 9))
+
+
+# --- faults ----------------------------------------------------------------------------------------
+
+
+def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(services, env, tiny, tmp_path, monkeypatch):
+    s3, _ = services
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("ORTHORL_MLFLOW_RETRIES", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    t = time.perf_counter()
+    res = orthojob(train_args(tiny, f"s3://{BUCKET}/down/grpo", 2, "--skip-sft-gate"), {**os.environ})
+    assert res.returncode == 31, res.stderr[-2000:]
+    assert "unreachable after 2 attempts" in res.stderr and time.perf_counter() - t < 120
+    assert keys_under(s3, "down/") == set()
+    assert not (tmp_path / "work").exists()
+
+
+def _gated_checkpoint(tiny: Path, folder: Path, passed: bool) -> Path:
+    import shutil
+
+    from orthojob import gate
+
+    shutil.copytree(tiny, folder)
+    good = {"parse_rate": 1.0, "format_reward": 1.0, "margin_over_slerp": 0.1, "terminal_mean": 0.9}
+    bad = {"parse_rate": 0.0, "format_reward": 0.0, "margin_over_slerp": -1.0, "terminal_mean": 0.0}
+    gate.write_gate(folder, good if passed else bad, stage="sft0")
+    return folder
+
+
+def test_wrong_s3_keys_are_a_clear_error(services, env, tiny, tmp_path, monkeypatch):
+    s3, server = services
+    storage.upload_dir(_gated_checkpoint(tiny, tmp_path / "sft", True), f"s3://{BUCKET}/keys/sft0")
+    wrong = "wrong-secret-key-7e1f0a"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
+    res = orthojob(train_args(tiny, f"s3://{BUCKET}/keys/grpo", 2, "--from-checkpoint",
+                              f"s3://{BUCKET}/keys/sft0"), {**os.environ})  # fmt: skip
+    assert res.returncode == 30, res.stderr[-2000:]
+    assert "refused the credentials" in res.stderr and "AWS_SECRET_ACCESS_KEY" in res.stderr
+    assert wrong not in res.stdout + res.stderr
+    assert keys_under(s3, "keys/grpo/") == set()
+    (run,) = [r for r in run_by_stage(mlflow.tracking.MlflowClient(server.uri), "e2e", "grpo")
+              if r.data.params.get("cli.out") == f"s3://{BUCKET}/keys/grpo"]  # fmt: skip
+    assert run.info.status == "FAILED" and "StorageError" in run.data.tags["orthorl.error"]
+
+
+@pytest.mark.parametrize(("case", "code"), [("missing", 10), ("unparseable", 11), ("failed", 12)])
+def test_bad_gate_of_an_s3_checkpoint_is_refused(services, env, tiny, tmp_path, case, code):
+    s3, _ = services
+    folder = _gated_checkpoint(tiny, tmp_path / "sft", case != "failed")
+    if case == "missing":
+        (folder / "gate_passed.json").unlink()
+    elif case == "unparseable":
+        (folder / "gate_passed.json").write_text("{not json")
+    storage.upload_dir(folder, f"s3://{BUCKET}/gate-{case}/sft0")
+    res = orthojob(train_args(tiny, f"s3://{BUCKET}/gate-{case}/grpo", 2, "--from-checkpoint",
+                              f"s3://{BUCKET}/gate-{case}/sft0"), {**os.environ})  # fmt: skip
+    assert res.returncode == code, res.stderr[-2000:]
+    assert "gate" in res.stderr
+    assert keys_under(s3, f"gate-{case}/grpo/") == set()
+
+
+def test_corrupt_s3_checkpoint_is_refused(services, env, tiny, tmp_path):
+    s3, _ = services
+    storage.upload_dir(_gated_checkpoint(tiny, tmp_path / "sft", True), f"s3://{BUCKET}/corrupt/sft0")
+    s3_client(s3).put_object(Bucket=BUCKET, Key="corrupt/sft0/config.json", Body=b"{}")
+    res = orthojob(train_args(tiny, f"s3://{BUCKET}/corrupt/grpo", 2, "--from-checkpoint",
+                              f"s3://{BUCKET}/corrupt/sft0"), {**os.environ})  # fmt: skip
+    assert res.returncode == 30 and "does not match the manifest" in res.stderr, res.stderr[-2000:]
+
+
+class _FlakyClient:
+    """An S3 client whose uploads fail (connection outage) ``failures`` times, then work."""
+
+    def __init__(self, real, failures: int):
+        self.real, self.failures = real, failures
+
+    def upload_file(self, *args, **kwargs):
+        from botocore.exceptions import EndpointConnectionError
+
+        if self.failures > 0:
+            self.failures -= 1
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+        return self.real.upload_file(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("failures", [3, 10_000])
+def test_s3_outage_during_upload(services, env, tiny, tmp_path, monkeypatch, capsys, failures):
+    """A short outage is retried and the result is complete; a lasting one fails the job with nothing
+    half-made: no manifest (so no reader uses the folder), no gate file in the run, nothing promoted."""
+    import argparse
+
+    from orthojob import grpo, registry
+
+    s3, server = services
+    real = storage.s3_client
+    flaky = _FlakyClient(real(), failures)
+    monkeypatch.setattr(storage, "s3_client", lambda: flaky)
+    monkeypatch.setattr(storage, "RETRY_ATTEMPTS", 4)
+    out = f"s3://{BUCKET}/outage-{failures}/grpo"
+    parser = grpo.add_train_arguments(argparse.ArgumentParser())
+    rc = grpo.run_train(parser.parse_args(train_args(tiny, out, 2, "--skip-sft-gate")[1:]))
+    err = capsys.readouterr().err
+    run = mlflow.last_active_run()
+    assert run.data.params["cli.out"] == out
+    if failures == 3:
+        assert rc in (0, 12), err[-2000:]
+        assert "MANIFEST.json" in keys_under(s3, f"outage-{failures}/grpo/")
+        storage.download_dir(out, tmp_path / "ok")  # complete and verified
+        assert "gate_passed.json" in {
+            a.path for a in mlflow.tracking.MlflowClient().list_artifacts(run.info.run_id)
+        }
+    else:
+        assert rc == 30 and "failed after 4 attempts" in err, err[-2000:]
+        assert "MANIFEST.json" not in keys_under(s3, f"outage-{failures}/grpo/")
+        assert run.info.status == "FAILED"
+        with pytest.raises(registry.PromotionError) as refused:
+            registry.promote(run.info.run_id, "orthorl-outage")
+        assert refused.value.exit_code == registry.EXIT_NO_GATE
+    assert tracking.tracking_uri() == server.uri

@@ -1,0 +1,328 @@
+"""GRPO stage: flags and presets, validation before any model load, --test, --analyze, and
+integration runs in which TRL's GRPOTrainer itself calls the five project rewards (tiny model,
+CPU): one process for 2 steps, and 2 processes (torchrun, gloo) for 2 steps with identical
+weights on both ranks afterwards."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orthojob import grpo
+from orthojob.analysis import analyze, plan_metrics
+from orthojob.grpo import (
+    EXIT_USAGE,
+    PRESETS,
+    ConfigError,
+    GRPOJobConfig,
+    add_train_arguments,
+    config_from_args,
+    run_train,
+    validate,
+)
+from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, prompt_rows, reset_observation
+from orthojob.rewards import REWARD_FUNCS
+
+REPO = Path(__file__).resolve().parents[1]
+FIVE = tuple(REWARD_FUNCS)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return add_train_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """The tiny Qwen2 model, its tokenizer also trained on real prompts (shorter prompts)."""
+    from orthojob.tiny_model import build_tiny_model
+
+    rows = prompt_rows(4, TRAIN_SEED_START, "task_easy", False) + prompt_rows(2, 0, "task_hard", True)
+    corpus = [m["content"] for r in rows for m in r["prompt"]]
+    path = tmp_path_factory.mktemp("tiny") / "tiny"
+    return build_tiny_model(path, vocab_size=1024, max_position_embeddings=4096, corpus=corpus)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if anything tries to load a model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(grpo, "_load_policy", refuse)
+    monkeypatch.setattr(grpo, "train", refuse)
+
+
+# --- flags, presets, validation -------------------------------------------------------------
+
+
+def test_seed_flags_and_preset_overrides():
+    args = parse(["--preset", "tiny-cpu", "--steps", "3", "--force-decay", "--reward-weight", "format=2"])
+    config = config_from_args(args)
+    assert config.steps == 3  # explicit flag beats the preset
+    assert config.model == PRESETS["tiny-cpu"]["model"] and config.lora_r == 0  # from the preset
+    assert config.force_decay and config.reward_weights == {"format": 2.0}
+    assert config_from_args(parse([])) == GRPOJobConfig()
+    qwen = config_from_args(parse(["--preset", "qwen2.5-3b"]))
+    assert qwen.lora_r == 16 and qwen.num_generations == 8
+    seed_flags = ["--model", "m", "--steps", "1", "--num-generations", "2", "--batch-size", "2", "--lr", "1e-5",
+                  "--lora-r", "8", "--max-prompt-length", "10", "--max-completion-length", "10",
+                  "--max-seq-length", "20", "--out", "o", "--task-id", "task_hard", "--force-decay", "--use-vllm",
+                  "--from-checkpoint", "c", "--skip-sft-gate", "--test", "--analyze"]  # fmt: skip
+    config = config_from_args(parse(seed_flags))
+    assert (config.model, config.steps, config.lora_r, config.task_id) == ("m", 1, 8, "task_hard")
+    assert config.use_vllm and config.skip_sft_gate and config.test and config.analyze
+    for preset in PRESETS:
+        validate(config_from_args({"preset": preset}), n_processes=1, cuda=False)
+
+
+def test_seed_batch_arithmetic_is_refused_before_any_model_load(no_model_load, capsys):
+    rc = run_train(parse(["--batch-size", "2", "--num-generations", "4", "--skip-sft-gate"]))
+    err = capsys.readouterr().err
+    assert rc == EXIT_USAGE
+    assert "--batch-size (2)" in err and "--num-generations (4)" in err and "--grad-accum" in err
+
+
+def test_divisibility_counts_grad_accum_and_processes():
+    config = GRPOJobConfig(batch_size=2, num_generations=4, grad_accum=2)
+    validate(config, n_processes=1, cuda=False)  # 2 x 2 = 4
+    validate(GRPOJobConfig(batch_size=2, num_generations=4), n_processes=2, cuda=False)  # 2 x 2 procs
+    with pytest.raises(ConfigError, match="processes \\(3\\)"):
+        validate(GRPOJobConfig(batch_size=2, num_generations=4), n_processes=3, cuda=False)
+    with pytest.raises(ConfigError, match="--num-generations must be >= 2"):
+        validate(GRPOJobConfig(batch_size=4, num_generations=1), n_processes=1, cuda=False)
+
+
+def test_other_bad_configs_are_named():
+    with pytest.raises(ConfigError, match="--max-seq-length"):
+        validate(
+            GRPOJobConfig(max_prompt_length=2000, max_completion_length=512, max_seq_length=2048), 1, False
+        )
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        validate(GRPOJobConfig(use_vllm=True), 1, cuda=False)
+    with pytest.raises(ConfigError, match="reward"):
+        validate(GRPOJobConfig(reward_weights={"nonsense": 1.0}), 1, False)
+    with pytest.raises(ConfigError, match="reward"):
+        validate(GRPOJobConfig(rewards=["format"], reward_weights={"terminal": 1.0}), 1, False)
+
+
+def test_cpu_training_arguments_have_no_bf16(tmp_path):
+    config = config_from_args({"preset": "tiny-cpu", "out": str(tmp_path)})
+    args, funcs = grpo.build_grpo_args(config, {"cuda": False, "bf16": False}, 1)
+    assert not args.bf16 and not args.fp16 and args.use_cpu
+    assert [f.__name__ for f in funcs] == list(FIVE) and args.reward_weights == [1.0] * 5
+    assert args.report_to in ("none", [], ["none"]) and args.logging_steps == 1 and not args.use_vllm
+    info = grpo.device_info()
+    assert info["bf16"] is False or info["cuda"]  # bf16 only where a GPU has it
+
+
+# --- --test and the SFT gate pre-flight ------------------------------------------------------
+
+
+def test_smoke_runs_every_reward_on_real_plans_without_a_model(no_model_load, capsys):
+    rc = run_train(parse(["--test", "--skip-sft-gate", "--task-id", "task_medium"]))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "TEST OK" in out and "oracle@" in out and "garbage@" in out
+    for name in FIVE:
+        assert name in out
+    assert "active reward funcs" in out
+
+
+def test_missing_sft_gate_refuses_to_start(no_model_load, tmp_path, capsys):
+    from orthojob.gate import GateError, check_gate
+
+    with pytest.raises(GateError) as info:
+        check_gate(str(tmp_path))
+    rc = run_train(parse(["--test", "--from-checkpoint", str(tmp_path)]))
+    assert rc == info.value.exit_code != 0
+    assert capsys.readouterr().err.strip()
+
+
+def test_sft_gate_preflight_passes_and_fails_on_the_gate_file(no_model_load, tiny_model, tmp_path, capsys):
+    import shutil
+
+    from orthojob.gate import EXIT_GATE_FAILED, write_gate
+
+    checkpoint = tmp_path / "sft0"
+    shutil.copytree(tiny_model, checkpoint)
+    good = {"parse_rate": 1.0, "format_reward": 1.0}  # stands in for an evaluation's metrics
+    write_gate(checkpoint, good, stage="sft0")
+    assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == 0
+    assert "SFT gate of" in capsys.readouterr().out
+    write_gate(checkpoint, {"parse_rate": 0.1, "format_reward": 0.2}, stage="sft0")
+    assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == EXIT_GATE_FAILED
+    assert "failed its sft0 gate" in capsys.readouterr().err
+    # --skip-sft-gate bypasses the pre-flight (with a warning)
+    assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint), "--skip-sft-gate"])) == 0
+    assert "WARNING" in capsys.readouterr().out
+
+
+# --- --analyze --------------------------------------------------------------------------------
+
+
+def _record(step: int, seed: int, plan: dict | str, decay: bool = False) -> dict:
+    text = plan if isinstance(plan, str) else plan_to_completion(plan)
+    return {"step": step, "seed": seed, "task_id": "task_medium", "force_decay": decay, "completion": text,
+            "rewards": {"reward_format": 1.0 if step > 5 else 0.5}, "advantage": 0.0}  # fmt: skip
+
+
+def test_analyze_reports_the_four_metrics_early_vs_late(tmp_path, capsys):
+    from server.oracle import oracle_plan
+
+    fast_front = {"strategy": "anterior_first", "tooth_groups": [
+        {"teeth": [11, 12, 13, 21, 22, 23, 31, 32, 33, 41, 42, 43], "fraction": 0.5, "priority": "high"},
+        {"teeth": [16, 17, 26, 27, 36, 37, 46, 47], "fraction": 0.1, "priority": "low"}]}  # fmt: skip
+    records = []
+    for step in range(1, 11):
+        for seed in (0, 1):
+            plan = (
+                fast_front
+                if step <= 5
+                else oracle_plan(reset_observation(seed, "task_medium", step % 2 == 0))
+            )
+            records.append(_record(step, seed, plan, decay=step % 2 == 0))
+        records.append(_record(step, 0, "no plan here"))
+    path = tmp_path / "completions.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+
+    result = analyze(path)
+    early, late = result["early"], result["late"]
+    assert early["steps"] == [1, 2] and late["steps"] == [9, 10]
+    assert (early["completions"], early["parsed"]) == (6, 4)
+    assert early["molar_start_stage"] == 13.0  # all eight molars in the low-priority group
+    assert early["staging_correlation"] == pytest.approx(1.0)
+    assert early["max_stage_delta_mm"] > late["max_stage_delta_mm"]  # fraction 0.5 vs the oracle
+    for window in (early, late):
+        for metric in (
+            "staging_correlation",
+            "max_stage_delta_mm",
+            "molar_start_stage",
+            "anterior_recovery_speed",
+        ):
+            assert math.isfinite(window[metric]), metric
+    table = capsys.readouterr().out
+    assert "anterior_recovery_speed" in table and "mean reward_format" in table
+
+    capsys.readouterr()
+    assert run_train(parse(["--analyze", "--out", str(tmp_path)])) == 0
+    assert "staging_correlation" in capsys.readouterr().out
+    assert run_train(parse(["--analyze", "--out", str(tmp_path / "nowhere")])) == EXIT_USAGE
+
+
+def test_analysis_metric_definitions_on_a_known_plan():
+    # Anteriors at fraction 0.5 close in 2 stages (speed 1/2); the rest follow uniform SLERP and are
+    # within 5 % of their target at stage 23 (speed 1/23): ratio 11.5 without force decay.
+    plan = {"strategy": "anterior_first", "tooth_groups": [
+        {"teeth": [11, 12, 13, 21, 22, 23, 31, 32, 33, 41, 42, 43], "fraction": 0.5, "priority": "high"},
+        {"teeth": [16, 17], "fraction": 0.0, "priority": "medium"},
+        {"teeth": [26, 27], "fraction": 0.2, "priority": "low"}]}  # fmt: skip
+    (m,) = plan_metrics([plan], [("task_hard", 3, False)])
+    assert m["molar_start_stage"] == pytest.approx((2 * 25 + 2 * 13 + 4 * 1) / 8)
+    assert 0.0 < m["staging_correlation"] < 1.0  # fraction 0 leaves the medium group unmoved: after low
+    assert m["max_stage_delta_mm"] > 0.25
+    # 16/17 never move and 26/27 move faster than SLERP, so compare with a plan without them
+    (u,) = plan_metrics([{"tooth_groups": plan["tooth_groups"][:1]}], [("task_hard", 3, False)])
+    assert u["anterior_recovery_speed"] == pytest.approx(11.5, rel=1e-6)
+    assert math.isnan(u["staging_correlation"])  # a single priority level: undefined
+
+
+# --- TRL integration ---------------------------------------------------------------------------
+
+
+def _tiny_config(model: Path, out: Path, **overrides) -> GRPOJobConfig:
+    values = {"preset": "tiny-cpu", "model": str(model), "steps": 2, "max_completion_length": 32,
+              "out": str(out), "gate_seeds": 2, "skip_sft_gate": True} | overrides  # fmt: skip
+    return config_from_args(values)
+
+
+def test_grpo_trainer_calls_the_five_rewards(tiny_model, tmp_path):
+    config = _tiny_config(tiny_model, tmp_path / "grpo")
+    validate(config)
+    result = grpo.train(config)
+
+    steps = [row for row in result.trainer.state.log_history if "reward" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    for row in steps:
+        for name in FIVE:
+            for stat in ("mean", "std"):
+                value = row[f"rewards/{name}/{stat}"]
+                assert value is not None and math.isfinite(value), (name, stat, value)
+        assert math.isfinite(row["loss"]) and math.isfinite(row["reward"])
+
+    out = Path(config.out)
+    records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * config.batch_size and {r["step"] for r in records} == {1, 2}
+    # The logged rewards are what the project's functions give for the logged completions and cases.
+    columns = {k: [r[k] for r in records] for k in ("seed", "task_id", "force_decay")}
+    for name, func in REWARD_FUNCS.items():
+        expected = func([r["completion"] for r in records], **columns)
+        assert [r["rewards"][name] for r in records] == pytest.approx(expected), name
+    assert json.loads((out / "train_log.json").read_text())[0]["step"] == 1
+    assert (out / "config.json").exists() or (out / "adapter_config.json").exists()
+    # The GRPO gate: written by the held-out evaluation of the saved checkpoint, passed computed.
+    from orthojob.gate import GATE_FILE, gate_checks
+
+    gate = json.loads((out / GATE_FILE).read_text())
+    assert gate["stage"] == "grpo" and gate["evaluation"]["n_seeds"] == config.gate_seeds
+    assert (
+        gate["passed"]
+        is result.gate_passed
+        is (all(gate_checks(gate["metrics"], gate["thresholds"]).values()))
+    )
+    assert "margin_over_slerp" in gate["checks"]
+
+
+def test_ddp_two_processes(tiny_model, tmp_path):
+    import shutil
+
+    shutil.copytree(tiny_model, tmp_path / "tiny")
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "tests" / "ddp_grpo_worker.py"), str(tmp_path)]  # fmt: skip
+    # A new session, so that a hung run's workers (torchrun's children) can be killed as a group.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"2-process GRPO hung (killed after 240 s):\n{stdout[-3000:]}{stderr[-5000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in reports] == [0, 1]
+    for r in reports:
+        assert r["world_size"] == 2 and r["accelerate_processes"] == 2 and r["global_step"] == 2
+        assert "MULTI_CPU" in r["distributed_type"]
+    assert reports[0]["digest"] == reports[1]["digest"]
+    assert reports[0]["digest"] != reports[0]["initial_digest"]  # the weights did move
+    assert reports[0]["reward_names"][:5] == list(FIVE)
+    # Rank 0 recorded the gathered batch of both ranks: 2 prompt groups per step.
+    records = [json.loads(x) for x in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 8
+    for step in (1, 2):
+        assert len({r["seed"] for r in records if r["step"] == step}) == 2
+    assert not (tmp_path / "out" / "completions.jsonl.1").exists()
+
+
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (bf16 and Unsloth/QLoRA paths)"
+)
+def test_gpu_training_uses_bf16_where_supported(tiny_model, tmp_path):
+    config = _tiny_config(tiny_model, tmp_path / "gpu")
+    args, _ = grpo.build_grpo_args(config, grpo.device_info(), 1)
+    import torch
+
+    assert args.bf16 == torch.cuda.is_bf16_supported() and not args.use_cpu
+    result = grpo.train(config)
+    assert result.trainer.state.global_step == 2

@@ -1,0 +1,282 @@
+"""SFT stage 0 and gates: TRL's SFTTrainer on the tiny model (full fine-tuning and LoRA), the gate
+file (metrics, thresholds, digest over weight and config files, passed computed never assumed),
+the pre-flight's refusal exit codes through the real CLI in a subprocess, and `orthojob gate` /
+`orthojob evaluate --checkpoint` end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orthojob import gate, models
+from orthojob.cli import main as cli_main
+from orthojob.gate import GateError, GateThresholds, check_gate, gate_checks, read_gate, write_gate
+from orthojob.parsing import extract_plan, format_checks
+from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
+from orthojob.sft import SFTJobConfig, demonstrations, run_sft
+from server.oracle import oracle_plan
+
+REPO = Path(__file__).resolve().parents[1]
+PASSING = {"parse_rate": 1.0, "format_reward": 0.95, "terminal_mean": 0.5, "margin_over_slerp": 0.1}
+FAILING = {"parse_rate": 0.2, "format_reward": 0.3, "terminal_mean": 0.1, "margin_over_slerp": -0.7}
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory) -> Path:
+    """The pipeline's tiny model (tokenizer trained on the project's prompts)."""
+    return models.build_tiny(
+        tmp_path_factory.mktemp("tiny") / "base", ["task_easy"], max_position_embeddings=2048
+    )
+
+
+def fake_checkpoint(folder: Path) -> Path:
+    """A checkpoint-shaped folder (weights + config) for gate-file tests that need no model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "qwen2"}')
+    (folder / "model.safetensors").write_bytes(b"\x00weights\x01" * 100)
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "orthojob.cli", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+# --- demonstrations and SFTTrainer ------------------------------------------------------------
+
+
+def test_demonstrations_are_the_oracles_plans_for_training_prompts():
+    rows = demonstrations(6, ["task_easy", "task_hard"])
+    assert [r["task_id"] for r in rows] == ["task_easy", "task_hard"] * 3
+    assert [r["seed"] for r in rows[::2]] == [TRAIN_SEED_START + k for k in range(3)]
+    for r in rows:
+        obs = reset_observation(r["seed"], r["task_id"], False)
+        assert r["prompt"] == build_messages(obs)
+        (message,) = r["completion"]
+        assert message["role"] == "assistant"
+        assert message["content"] == plan_to_completion(oracle_plan(obs))
+        assert format_checks(extract_plan(message["content"]))["total"] == 1.0
+
+
+def test_sft_trainer_full_fine_tuning_on_the_tiny_model(tiny_base, tmp_path):
+    out = tmp_path / "sft0"
+    config = SFTJobConfig(model=str(tiny_base), out=str(out), examples=8, steps=3, batch_size=2, lr=5e-3,
+                          lora_r=0, logging_steps=1)  # fmt: skip
+    summary = run_sft(config)
+    assert summary["steps"] == 3 and summary["examples"] == 8
+    assert math.isfinite(summary["first_loss"]) and math.isfinite(summary["final_loss"])
+    assert summary["parameters"]["trainable"] == summary["parameters"]["total"] > 100_000
+    assert summary["device"] == "cpu" and summary["bf16"] is False
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "sft_log.json", "sft_config.json"):
+        assert (out / name).is_file(), name
+    assert not (out / "training_args.bin").exists()
+    history = json.loads((out / "sft_log.json").read_text())["log_history"]
+    assert [row["step"] for row in history if "loss" in row] == [1, 2, 3]
+    # the trained weights differ from the base and the folder reloads for generation
+    assert models.checkpoint_digest(out) != models.checkpoint_digest(tiny_base)
+    model, tok = models.load_for_inference(out)
+    assert not model.training and next(model.parameters()).device.type == "cpu"
+    assert tok.apply_chat_template(build_messages(reset_observation(0, "task_easy", False)), tokenize=False)
+
+
+def test_sft_trainer_lora_saves_an_adapter_that_reloads(tiny_base, tmp_path):
+    out = tmp_path / "lora"
+    run_sft(SFTJobConfig(model=str(tiny_base), out=str(out), examples=4, steps=2, batch_size=2, lora_r=4))
+    assert (out / "adapter_config.json").is_file() and models.is_adapter(out)
+    assert models.adapter_base(out) == str(tiny_base)
+    model, _ = models.load_for_inference(out)  # merged onto its base
+    assert not hasattr(model, "peft_config")
+    policy, _ = models.load_policy(
+        str(tiny_base), checkpoint=str(out), lora_r=4
+    )  # GRPO continues the adapter
+    assert models.count_parameters(policy)["trainable"] < models.count_parameters(policy)["total"]
+
+
+# --- gate file ---------------------------------------------------------------------------------
+
+
+def test_digest_covers_weights_and_config_only(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "c")
+    digest = models.checkpoint_digest(ckpt)
+    assert [p.name for p in models.checkpoint_files(ckpt)] == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    for name in ("gate_passed.json", "train_log.json", "training_args.bin", "MANIFEST.json"):
+        (ckpt / name).write_text("x")
+    assert models.checkpoint_digest(ckpt) == digest
+    (ckpt / "config.json").write_text('{"model_type": "qwen2", "x": 1}')
+    assert models.checkpoint_digest(ckpt) != digest
+    empty = fake_checkpoint(tmp_path / "d")
+    (empty / "model.safetensors").unlink()
+    with pytest.raises(models.ModelError, match="no weight files"):
+        models.checkpoint_digest(empty)
+
+
+def test_gate_file_contents_and_digest(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "c")
+    content = write_gate(ckpt, PASSING, GateThresholds(min_margin_over_slerp=0.0), stage="grpo")
+    on_disk = json.loads((ckpt / gate.GATE_FILE).read_text())
+    assert on_disk == content
+    assert content["passed"] is True and content["stage"] == "grpo"
+    assert content["metrics"] == PASSING
+    assert content["thresholds"] == {"min_parse_rate": 0.9, "min_format_reward": 0.8, "min_margin_over_slerp": 0.0,
+                                     "min_margin_over_oracle": None, "min_strategy_accuracy": None}  # fmt: skip
+    assert content["checks"] == {"parse_rate": True, "format_reward": True, "margin_over_slerp": True}
+    assert content["checkpoint_digest"] == models.checkpoint_digest(ckpt)
+    assert content["digest_files"] == ["config.json", "model.safetensors", "tokenizer.json"]
+    check_gate(ckpt)  # passes
+    assert read_gate(ckpt)["passed"] is True
+
+
+def test_a_failed_gate_never_says_passed(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "c")
+    # a report claiming passed is recomputed from its metrics
+    report = {"stage": "sft0", "metrics": FAILING, "passed": True, "checks": {"parse_rate": True}}
+    content = write_gate(ckpt, report)
+    assert content["passed"] is False
+    assert content["checks"] == {"parse_rate": False, "format_reward": False}
+    # NaN metrics fail, and no thresholds at all is no evidence of passing
+    assert write_gate(ckpt, PASSING | {"parse_rate": float("nan")})["passed"] is False
+    assert write_gate(ckpt, PASSING, GateThresholds(None, None))["passed"] is False
+    with pytest.raises(ValueError):
+        write_gate(ckpt, {})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    parse=st.floats(0, 1),
+    fmt=st.floats(0, 1),
+    margin=st.floats(-1, 1),
+    limits=st.tuples(st.floats(0, 1) | st.none(), st.floats(0, 1) | st.none(), st.floats(-1, 1) | st.none()),
+)
+def test_passed_is_exactly_every_threshold_met(tmp_path_factory, parse, fmt, margin, limits):
+    metrics = {"parse_rate": parse, "format_reward": fmt, "margin_over_slerp": margin}
+    thresholds = GateThresholds(*limits)
+    expected = [v >= lim for v, lim in zip((parse, fmt, margin), limits) if lim is not None]
+    checks = gate_checks(metrics, thresholds)
+    assert list(checks.values()) == expected
+    ckpt = fake_checkpoint(tmp_path_factory.mktemp("c"))
+    assert write_gate(ckpt, metrics, thresholds)["passed"] is (bool(expected) and all(expected))
+
+
+def test_check_gate_refusals_in_process(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "c")
+    with pytest.raises(GateError) as e:
+        check_gate(ckpt)
+    assert e.value.exit_code == gate.EXIT_GATE_MISSING == 10
+    with pytest.raises(GateError) as e:
+        check_gate(tmp_path / "nowhere")
+    assert e.value.exit_code == 10 and "does not exist" in e.value.message
+    write_gate(ckpt, FAILING)
+    with pytest.raises(GateError) as e:
+        check_gate(ckpt)
+    assert e.value.exit_code == gate.EXIT_GATE_FAILED == 12 and "parse_rate=0.200" in e.value.message
+    write_gate(ckpt, PASSING)
+    (ckpt / "model.safetensors").write_bytes(b"retrained")
+    with pytest.raises(GateError) as e:
+        check_gate(ckpt)
+    assert e.value.exit_code == gate.EXIT_GATE_DIGEST_MISMATCH == 13
+
+
+def _prepare(tmp_path: Path, case: str) -> Path:
+    """A checkpoint whose gate triggers one refusal (or none)."""
+    ckpt = fake_checkpoint(tmp_path / case)
+    if case == "unparseable":
+        (ckpt / gate.GATE_FILE).write_text('{"passed": tru')
+    elif case == "edited":  # a failed gate whose "passed" was flipped by hand
+        content = write_gate(ckpt, FAILING)
+        (ckpt / gate.GATE_FILE).write_text(json.dumps(content | {"passed": True}))
+    elif case == "failed":
+        write_gate(ckpt, FAILING)
+    elif case == "changed":
+        write_gate(ckpt, PASSING)
+        (ckpt / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 9}')
+    elif case == "passed":
+        write_gate(ckpt, PASSING)
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "hint"),
+    [
+        ("missing", 10, "orthojob gate --checkpoint"),
+        ("unparseable", 11, "orthojob gate --checkpoint"),
+        ("edited", 11, "edited"),
+        ("failed", 12, "orthojob sft"),
+        ("changed", 13, "orthojob gate --checkpoint"),
+    ],
+)
+def test_grpo_preflight_refusal_exit_codes_via_cli(tmp_path, case, code, hint):
+    ckpt = _prepare(tmp_path, case)
+    proc = run_cli("train", "--from-checkpoint", str(ckpt), "--test")
+    assert proc.returncode == code, proc.stderr
+    assert hint in proc.stderr and str(ckpt) in proc.stderr
+    assert "TEST OK" not in proc.stdout  # refused before anything ran
+    check = run_cli("gate", "--check", str(ckpt))
+    assert check.returncode == code and hint in check.stderr
+
+
+def test_grpo_preflight_accepts_a_passed_matching_gate_via_cli(tmp_path):
+    ckpt = _prepare(tmp_path, "passed")
+    proc = run_cli("train", "--from-checkpoint", str(ckpt), "--test")
+    assert proc.returncode == 0, proc.stderr
+    assert "SFT gate" in proc.stdout and "passed" in proc.stdout and "TEST OK" in proc.stdout
+    assert run_cli("gate", "--check", str(ckpt)).returncode == 0
+
+
+# --- evaluation of a real (tiny) checkpoint --------------------------------------------------
+
+
+def test_gate_cli_evaluates_and_records_a_failing_untrained_model(tiny_base, tmp_path, capsys):
+    import shutil
+
+    ckpt = Path(shutil.copytree(tiny_base, tmp_path / "untrained"))
+    rc = cli_main(["gate", "--checkpoint", str(ckpt), "--seeds", "3", "--max-new-tokens", "24"])
+    assert rc == gate.EXIT_GATE_FAILED
+    content = json.loads((ckpt / gate.GATE_FILE).read_text())
+    assert content["passed"] is False and content["stage"] == "sft0"
+    m = content["metrics"]
+    assert m["n"] == 3 and m["parse_rate"] == 0.0 and m["terminal_mean"] == 0.0
+    assert m["truncated_rate"] == 1.0 and m["mean_completion_tokens"] == 24
+    assert 0 < m["uniform_slerp_terminal_mean"] < m["oracle_terminal_mean"] <= 1
+    assert m["margin_over_slerp"] == pytest.approx(-m["uniform_slerp_terminal_mean"])
+    assert content["evaluation"]["n_seeds"] == 3 and content["evaluation"]["seed_start"] == 1_000_000
+    assert "FAILED" in capsys.readouterr().out
+    with pytest.raises(GateError) as e:
+        check_gate(ckpt)
+    assert e.value.exit_code == 12
+
+
+def test_evaluate_checkpoint_cli_table_and_json(tiny_base, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    rc = cli_main(["evaluate", "--checkpoint", str(tiny_base), "--baselines", "--task-id", "task_easy",
+                   "--seeds", "2", "--max-new-tokens", "16", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "checkpoint" in text and "uniform_slerp" in text and "parse_rate 0.000" in text
+    report = json.loads(out.read_text())
+    assert report["checkpoint"] == str(tiny_base)
+    rows = report["results"]["task_easy"]
+    assert set(rows) == {"checkpoint", "oracle", "uniform_slerp", "do_nothing"}
+    assert rows["checkpoint"]["terminal_reward"]["mean"] == 0.0  # no plan: a failed episode
+    assert rows["checkpoint"]["model_metrics"]["parse_rate"] == 0.0
+    assert rows["oracle"]["terminal_reward"]["mean"] > rows["uniform_slerp"]["terminal_reward"]["mean"]
+    assert cli_main(["evaluate"]) == 2

@@ -1,0 +1,41 @@
+"""The embedded default: no MLFLOW_TRACKING_URI -> sqlite:///mlflow.db and ./mlartifacts in the cwd, no
+server. A GRPO stage run there logs its metrics, model, gate file and plots, and promote registers it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+mlflow = pytest.importorskip("mlflow")
+
+from orthojob import grpo, mlops  # noqa: E402
+from orthojob.models import build_tiny  # noqa: E402
+
+SECRET = "aws-secret-default-3d9e71"
+
+
+def test_embedded_default_store(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.chdir(tmp_path)
+    tiny = build_tiny(tmp_path / "tiny", ["task_easy"], max_position_embeddings=4096)
+    argv = ["--preset", "tiny-cpu", "--model", str(tiny), "--steps", "1", "--max-completion-length", "32",
+            "--gate-seeds", "2", "--out", str(tmp_path / "out"), "--skip-sft-gate"]  # fmt: skip
+    rc = grpo.run_train(grpo.add_train_arguments(argparse.ArgumentParser()).parse_args(argv))
+    assert rc in (0, grpo.EXIT_GATE_FAILED)
+    assert (tmp_path / "mlflow.db").is_file() and (tmp_path / "mlartifacts").is_dir()
+    run = mlflow.last_active_run()
+    assert mlflow.get_tracking_uri() == "sqlite:///mlflow.db"
+    client = mlflow.tracking.MlflowClient()
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "rewards/reward_format/mean")] == [1]
+    assert "gate_passed.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert mlops.run_promote(run.info.run_id, "orthorl-default", force=False) == 0
+    version = client.get_model_version_by_alias("orthorl-default", "candidate")
+    gate = json.loads((tmp_path / "out" / "gate_passed.json").read_text())
+    assert ("champion" in client.get_registered_model("orthorl-default").aliases) is gate["passed"]
+    assert version.tags["gate_passed"] == str(gate["passed"]).lower()
+    out = capsys.readouterr()
+    assert SECRET not in out.out + out.err + json.dumps(run.data.params) + json.dumps(run.data.tags)
