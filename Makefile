@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 run: install
-	$(BIN)/orthojob evaluate --baselines
+	$(BIN)/orthojob pipeline --preset tiny-cpu
 
 lint: install
 	$(BIN)/ruff check .

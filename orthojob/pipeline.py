@@ -30,6 +30,7 @@ import argparse
 import copy
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -265,6 +266,10 @@ def run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any] 
     from orthojob import tracking
 
     name = preset if isinstance(preset, str) else preset.get("name", "custom")
+    cfg_model = (PRESETS.get(preset, {}) if isinstance(preset, str) else preset).get("model")
+    if cfg_model == "tiny":  # a local model: never wait on the (unreachable) model hub
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     params = {"preset": name, "out": str(out), "overrides": overrides or {}}
     with tracking.stage_run("pipeline", params=params) as run:
         summary = _run_pipeline(preset, out, overrides)
