@@ -281,7 +281,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return int(args.func(args) or 0)
+    stage = TRACKED_STAGES.get(args.command)
+    if stage is None or getattr(args, "check", None) or getattr(args, "show", False):
+        return int(args.func(args) or 0)
+    return _tracked(stage, args)
+
+
+TRACKED_STAGES: dict[str, str] = {"sft": "sft0", "gate": "gate", "evaluate": "evaluate"}
+"""Stand-alone stage commands that get an MLflow run of their own (train opens its own; the
+pipeline nests these stages under its parent run)."""
+EXIT_TRACKING = 31
+
+
+def _tracked(stage: str, args: argparse.Namespace) -> int:
+    """Run a stage command inside its MLflow run (attached to MLFLOW_RUN_ID under `mlflow run`)."""
+    from orthojob import tracking
+
+    params = {k: v for k, v in vars(args).items() if k not in ("func", "verbose") and not callable(v)}
+    try:
+        with tracking.stage_run(stage, params={"cli": params}):
+            import mlflow
+
+            code = int(args.func(args) or 0)
+            mlflow.set_tag("orthorl.exit_code", str(code))
+            return code
+    except tracking.TrackingError as exc:
+        print(f"orthojob {args.command}: {exc}", file=sys.stderr)
+        return EXIT_TRACKING
 
 
 if __name__ == "__main__":
