@@ -344,7 +344,12 @@ class AnchoragePrior:
         stage scores 0; staging, and finishing a movement sooner, score higher.
         """
         traj = np.asarray(trajectory, dtype=np.float64)
-        moving = tooth_movement_mm(traj[..., :-1, :, :], traj[..., 1:, :, :]) > MOVING_EPS_MM
+        return self.load_scores_from_moving(
+            tooth_movement_mm(traj[..., :-1, :, :], traj[..., 1:, :, :]) > MOVING_EPS_MM
+        )
+
+    def load_scores_from_moving(self, moving: np.ndarray) -> np.ndarray:
+        """:meth:`load_scores` from a ``(..., S, 28)`` mask of the teeth moving at each stage."""
         per_arch = []
         for arch in (IS_UPPER, ~IS_UPPER):
             resting = np.sum(np.where(~moving & arch, ROOT_AREA_MM2, 0.0), axis=-1)
@@ -358,8 +363,12 @@ class AnchoragePrior:
         that and :meth:`load_scores`. Float for ``(28, 7)`` inputs, ``(B,)`` for batches."""
         return _as_output(self._score_from_movement(tooth_movement_mm(initial, final), trajectory))
 
-    def _score_from_movement(self, m: np.ndarray, trajectory: np.ndarray | None) -> np.ndarray:
+    def _score_from_movement(
+        self, m: np.ndarray, trajectory: np.ndarray | None, moving: np.ndarray | None = None
+    ) -> np.ndarray:
         molar = np.mean(self.molar_scores_from_movement(m), axis=-1)
+        if moving is not None:
+            return (1.0 - LOAD_WEIGHT) * molar + LOAD_WEIGHT * self.load_scores_from_moving(moving)
         if trajectory is None:
             return molar
         return (1.0 - LOAD_WEIGHT) * molar + LOAD_WEIGHT * self.load_scores(trajectory)
@@ -393,12 +402,17 @@ class CombinedPrior:
         return _as_output(self.parts(initial, final, trajectory)[2])
 
     def parts(
-        self, initial: np.ndarray, final: np.ndarray, trajectory: np.ndarray | None = None
+        self,
+        initial: np.ndarray,
+        final: np.ndarray,
+        trajectory: np.ndarray | None = None,
+        moving: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(realism, anchorage, combined)`` arrays from one movement computation."""
+        """``(realism, anchorage, combined)`` arrays from one movement computation; ``moving``
+        (..., S, 28), when the caller has it, replaces the trajectory for the anchorage load."""
         m = tooth_movement_mm(initial, final)
         r = np.mean(self.realism.tooth_scores_from_movement(m), axis=-1)
-        a = self.anchorage._score_from_movement(m, trajectory)
+        a = self.anchorage._score_from_movement(m, trajectory, moving)
         s = self.weight_realism * r + (1.0 - self.weight_realism) * a
         return r, a, np.clip(np.where(np.isfinite(s), s, 0.0), 0.0, 1.0)
 

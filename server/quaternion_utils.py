@@ -46,17 +46,14 @@ def quaternion_inverse(q: np.ndarray) -> np.ndarray:
 def quaternion_angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Rotation angle (rad, in [0, pi]) between unit quaternions a and b.
 
-    Uses ``4 atan2(|a - b|, |a + b|)`` (b sign-aligned with a), exact near 0 where
-    ``2 arccos(|a.b|)`` loses half the digits.
+    Uses ``4 arcsin(|a - b| / 2)`` (b sign-aligned with a; ``|a - b| = 2 sin(angle / 4)``),
+    exact near 0 where ``2 arccos(|a.b|)`` loses half the digits.
     """
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     sign = np.where(np.einsum("...i,...i->...", a, b) < 0.0, -1.0, 1.0)[..., None]
     d = a - sign * b
-    s = a + sign * b
-    return 4.0 * np.arctan2(
-        np.sqrt(np.einsum("...i,...i->...", d, d)), np.sqrt(np.einsum("...i,...i->...", s, s))
-    )
+    return 4.0 * np.arcsin(np.minimum(0.5 * np.sqrt(np.einsum("...i,...i->...", d, d)), 1.0))
 
 
 def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> np.ndarray:

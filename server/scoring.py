@@ -59,7 +59,7 @@ from server.dental_constants import (
     PDL_OPTIMAL_KPA,
     ROOT_AREA_MM2,
 )
-from server.movement_priors import AnchoragePrior, CombinedPrior, RealismPrior
+from server.movement_priors import MOVING_EPS_MM, AnchoragePrior, CombinedPrior, RealismPrior
 from server.occlusion import occlusion_composite
 from server.quaternion_utils import quaternion_angle
 
@@ -229,8 +229,14 @@ def score_episodes(
     ]
     multiplier = np.array([STRATEGY_MULTIPLIERS[c] for c in classes])
 
+    if achieved is planned:
+        achieved_mm = inc_mm
+    else:
+        a_t, a_r = increments(achieved)
+        achieved_mm = np.hypot(a_t, MM_PER_DEG * a_r)
     realism, anchorage, prior = (
-        np.asarray(x, dtype=float).reshape(b) for x in _PRIOR.parts(initial, final, achieved)
+        np.asarray(x, dtype=float).reshape(b)
+        for x in _PRIOR.parts(initial, final, moving=achieved_mm > MOVING_EPS_MM)
     )
 
     components = {
