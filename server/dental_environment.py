@@ -402,8 +402,11 @@ class StepwiseDentalEnvironment:
         prev_planned = session.planned[s - 1]
         prev_achieved = session.achieved[s - 1]
         achieved = express_stage(poses, prev_achieved, case.target[:, :4]) if case.force_decay else poses
-        inc_t = _norm(poses[:, 4:] - prev_planned[:, 4:])
-        inc_r = np.degrees(quaternion_angle(poses[:, :4], prev_planned[:, :4]))
+        # one vectorised pass for the aligner increment and the remaining distance to target
+        pairs_a = np.stack((poses, case.target))
+        pairs_b = np.stack((prev_planned, achieved))
+        (inc_t, rem_t) = _norm(pairs_a[..., 4:] - pairs_b[..., 4:])
+        (inc_r, rem_r) = np.degrees(quaternion_angle(pairs_a[..., :4], pairs_b[..., :4]))
         over_limit = int(np.count_nonzero(limit_ratio(inc_t, inc_r) > 1.0 + LIMIT_TOLERANCE))
         if case.force_decay:
             mis_t = _norm(poses[:, 4:] - prev_achieved[:, 4:])
@@ -413,8 +416,6 @@ class StepwiseDentalEnvironment:
         pdl_events = int(np.count_nonzero(pdl_stress_kpa(mis_t, mis_r) > PDL_CRITICAL_KPA))
         pen = penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
         colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
-        rem_t = _norm(case.target[:, 4:] - achieved[:, 4:])
-        rem_r = np.degrees(quaternion_angle(case.target[:, :4], achieved[:, :4]))
         acc_after = _accuracy(rem_t, rem_r, session.need)
         penalty = STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))
         reward = acc_after - session.accuracy[s - 1] - penalty
