@@ -155,6 +155,7 @@ class Session:
     step_rewards: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
     accuracy: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
     remaining: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 2, N_TEETH)))
+    inv_need: np.ndarray = field(default_factory=lambda: np.zeros((2, N_TEETH)))  # 1/need, 0 if none
     terminal: dict | None = None
     last_used: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -272,6 +273,8 @@ class StepwiseDentalEnvironment:
             target_list=case.target.tolist(),
         )
         session.remaining[0] = need_t, need_r
+        need = np.stack((need_t, need_r))
+        session.inv_need = np.where(need > 1e-9, 1.0 / np.maximum(need, 1e-9), 0.0)
         self.sessions.put(session)
         return self._observation(session, step_reward=0.0, breakdown={})
 
@@ -463,9 +466,8 @@ class StepwiseDentalEnvironment:
         s = session.stage
         current = session.achieved[s]
         case = session.case
-        rem_t, rem_r = session.remaining[s]
-        prog_t = np.where(session.need_t > 1e-9, 1.0 - rem_t / np.maximum(session.need_t, 1e-9), 1.0)
-        prog_r = np.where(session.need_r > 1e-9, 1.0 - rem_r / np.maximum(session.need_r, 1e-9), 1.0)
+        # (2, 28) shares of the translation and rotation done; teeth with nothing to do count as done
+        progress = np.clip(1.0 - session.remaining[s] * session.inv_need, 0.0, 1.0).round(4).tolist()
         done = s >= N_STAGES
         terminal = session.terminal["terminal_reward"] if (done and session.terminal) else None
         for v in breakdown.values():
@@ -482,8 +484,8 @@ class StepwiseDentalEnvironment:
             "current_config": current.tolist(),
             "target_config": [row[:] for row in session.target_list],
             "per_tooth_progress": {
-                "translation": np.clip(prog_t, 0.0, 1.0).round(4).tolist(),
-                "rotation": np.clip(prog_r, 0.0, 1.0).round(4).tolist(),
+                "translation": progress[0],
+                "rotation": progress[1],
             },
             "case_summary": dict(case.summary),
             "step_reward": float(step_reward),
@@ -527,6 +529,7 @@ def _scratch(session: Session) -> Session:
         step_rewards=session.step_rewards.copy(),
         accuracy=session.accuracy.copy(),
         remaining=session.remaining.copy(),
+        inv_need=session.inv_need,
         initial_list=session.initial_list,
         target_list=session.target_list,
     )
