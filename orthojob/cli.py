@@ -31,19 +31,19 @@ EXIT_GATE_FAILED = 12
 """orthojob gate / train / pipeline: a checkpoint was evaluated and failed its gate (= orthojob.gate.EXIT_GATE_FAILED)."""
 
 
-def _tasks(value: str) -> list[str]:
+def task_list(value: str) -> list[str]:
     if value == "all":
         return list(TASK_IDS)
-    tasks = value.split(",")
+    tasks = [t for t in value.split(",") if t]
     unknown = [t for t in tasks if t not in TASK_IDS]
-    if unknown:
+    if unknown or not tasks:
         raise argparse.ArgumentTypeError(
             f"unknown task(s) {unknown}: use 'all' or a comma list of {TASK_IDS}"
         )
     return tasks
 
 
-def _positive(value: str) -> int:
+def positive_int(value: str) -> int:
     n = int(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
@@ -190,10 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="evaluate baselines (and checkpoints) on held-out seeds")
     ev.add_argument("--checkpoint", help="a checkpoint folder (full model or LoRA adapter) to evaluate")
     ev.add_argument("--baselines", action="store_true", help="oracle, uniform SLERP and do-nothing")
-    ev.add_argument("--max-new-tokens", type=_positive, default=512, help="completion budget (default 512)")
-    ev.add_argument("--batch-size", type=_positive, default=16, help="prompts per generate call (default 16)")
-    ev.add_argument("--task-id", type=_tasks, default=list(TASK_IDS), help="'all' or a comma list of tasks")
-    ev.add_argument("--seeds", type=_positive, default=200, help="held-out seeds per task (default 200)")
+    ev.add_argument(
+        "--max-new-tokens", type=positive_int, default=512, help="completion budget (default 512)"
+    )
+    ev.add_argument(
+        "--batch-size", type=positive_int, default=16, help="prompts per generate call (default 16)"
+    )
+    ev.add_argument(
+        "--task-id", type=task_list, default=list(TASK_IDS), help="'all' or a comma list of tasks"
+    )
+    ev.add_argument("--seeds", type=positive_int, default=200, help="held-out seeds per task (default 200)")
     ev.add_argument("--force-decay", action="store_true", help="pharmacokinetic force-decay dynamics")
     ev.add_argument("--out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_evaluate)
@@ -216,10 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument("--check", metavar="DIR", help="only check DIR's gate file (GRPO's pre-flight)")
     ga.add_argument("--stage", default="sft0", help="sft0 (format gate, default) or grpo (quality gate)")
     ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
-    ga.add_argument("--seeds", type=_positive, default=50, help="held-out seeds per task (default 50)")
+    ga.add_argument("--seeds", type=positive_int, default=50, help="held-out seeds per task (default 50)")
     ga.add_argument("--force-decay", action="store_true")
-    ga.add_argument("--max-new-tokens", type=_positive, default=512, help="(default 512)")
-    ga.add_argument("--batch-size", type=_positive, default=16, help="(default 16)")
+    ga.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default 512)")
+    ga.add_argument("--batch-size", type=positive_int, default=16, help="(default 16)")
     for name, what in (
         ("min-parse-rate", "share of completions holding a JSON plan"),
         ("min-format-reward", "mean format score"),

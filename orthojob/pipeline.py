@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orthojob.grpo import PRESETS as GRPO_PRESETS
+
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "pipeline_summary.json"
@@ -140,22 +142,12 @@ PRESETS: dict[str, dict[str, Any]] = {
             "batch_size": 16,
             "thresholds": {"min_parse_rate": 0.9, "min_format_reward": 0.8},
         },
+        # the GRPO recipe itself lives in orthojob.grpo.PRESETS (one source of truth)
         "grpo": {
-            "steps": 300,
-            "num_generations": 8,
-            "batch_size": 8,
-            "grad_accum": 1,
-            "lr": 5e-6,
-            "lora_r": 16,
-            "max_prompt_length": 1536,
-            "max_completion_length": 512,
-            "max_seq_length": 2048,
+            **{k: v for k, v in GRPO_PRESETS["qwen2.5-3b"].items() if k != "model"},
             "temperature": 1.0,
             "beta": 0.0,
-            "gradient_checkpointing": True,
-            "save_steps": 60,
             "seed": 0,
-            "gate_seeds": 50,
             "use_vllm": False,
         },
         "grpo_gate": {

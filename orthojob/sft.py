@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.cases import TASK_IDS
+from orthojob.cli import positive_int, task_list
 
 log = logging.getLogger(__name__)
 
@@ -194,25 +194,6 @@ def run_sft(config: SFTJobConfig) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _tasks(value: str) -> list[str]:
-    if value == "all":
-        return list(TASK_IDS)
-    tasks = [t for t in value.split(",") if t]
-    unknown = [t for t in tasks if t not in TASK_IDS]
-    if unknown or not tasks:
-        raise argparse.ArgumentTypeError(
-            f"unknown task(s) {unknown}: use 'all' or a comma list of {TASK_IDS}"
-        )
-    return tasks
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 def _non_negative(value: str) -> int:
     n = int(value)
     if n < 0:
@@ -228,23 +209,34 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     p("--preset", default=s, help="take the SFT settings of a pipeline preset (tiny-cpu, qwen2.5-3b)")
     p("--model", default=s, help=f"model id or folder, or 'tiny' (default {d.model})")
     p("--out", default=s, help=f"output folder (default {d.out})")
-    p("--task-id", dest="task_ids", type=_tasks, default=s, help="'all' or a comma list (default task_easy)")
+    p(
+        "--task-id",
+        dest="task_ids",
+        type=task_list,
+        default=s,
+        help="'all' or a comma list (default task_easy)",
+    )
     p("--force-decay", action="store_true", default=s, help="demonstrations for force-decay cases")
-    p("--examples", type=_positive, default=s, help=f"oracle demonstrations (default {d.examples})")
-    p("--steps", type=_positive, default=s, help=f"optimizer steps (default {d.steps})")
+    p("--examples", type=positive_int, default=s, help=f"oracle demonstrations (default {d.examples})")
+    p("--steps", type=positive_int, default=s, help=f"optimizer steps (default {d.steps})")
     p(
         "--batch-size",
-        type=_positive,
+        type=positive_int,
         default=s,
         help=f"examples per device per step (default {d.batch_size})",
     )
-    p("--grad-accum", type=_positive, default=s, help=f"(default {d.grad_accum})")
+    p("--grad-accum", type=positive_int, default=s, help=f"(default {d.grad_accum})")
     p("--lr", type=float, default=s, help=f"peak learning rate (default {d.lr})")
     p("--lr-scheduler", default=s, help=f"transformers scheduler name (default {d.lr_scheduler})")
     p("--warmup-steps", type=_non_negative, default=s, help=f"(default {d.warmup_steps})")
     p("--lora-r", type=_non_negative, default=s, help=f"LoRA rank; 0 = full fine-tuning (default {d.lora_r})")
-    p("--lora-alpha", type=_positive, default=s, help="LoRA alpha (default 2 x rank)")
-    p("--max-length", type=_positive, default=s, help=f"longest example in tokens (default {d.max_length})")
+    p("--lora-alpha", type=positive_int, default=s, help="LoRA alpha (default 2 x rank)")
+    p(
+        "--max-length",
+        type=positive_int,
+        default=s,
+        help=f"longest example in tokens (default {d.max_length})",
+    )
     p("--seed", type=int, default=s, help=f"(default {d.seed})")
     return parser
 
