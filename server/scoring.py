@@ -59,7 +59,7 @@ from server.dental_constants import (
     PDL_OPTIMAL_KPA,
     ROOT_AREA_MM2,
 )
-from server.movement_priors import MOVING_EPS_MM, AnchoragePrior, CombinedPrior, RealismPrior
+from server.movement_priors import MOVING_EPS_MM, CombinedPrior
 from server.occlusion import occlusion_composite
 from server.quaternion_utils import quaternion_angle
 
@@ -82,7 +82,7 @@ MAX_MULTIPLIER: float = STRATEGY_MULTIPLIERS["optimal"]
 STAGING_AGAINST_RHO: float = -0.2
 STAGING_FOLLOWS_RHO: float = 0.3
 
-_PRIOR = CombinedPrior(RealismPrior(), AnchoragePrior())
+_PRIOR = CombinedPrior()
 
 
 def movement_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
