@@ -39,7 +39,6 @@ from server.quaternion_utils import quaternion_about_axis, quaternion_multiply, 
 
 _X = np.array([1.0, 0.0, 0.0])
 _Y = np.array([0.0, 1.0, 0.0])
-_Z = np.array([0.0, 0.0, 1.0])
 
 TIP_SIGN: np.ndarray = np.where(IS_UPPER, SIDE, -SIDE)
 """Sign turning a prescribed (mesial-crown) tip into a rotation about local y."""
@@ -126,19 +125,45 @@ class ArchParameters:
         )
 
 
-def crown_frames(yaw: np.ndarray, tip_deg: np.ndarray, torque_deg: np.ndarray) -> np.ndarray:
-    """Crown orientations (..., 4): yaw about z, then tip about local y, then torque about local x."""
-    q_yaw = quaternion_about_axis(_Z, yaw)
-    q_tip = quaternion_about_axis(_Y, np.radians(tip_deg) * TIP_SIGN)
-    q_torque = quaternion_about_axis(_X, np.radians(torque_deg) * TORQUE_SIGN)
-    return quaternion_multiply(q_yaw, quaternion_multiply(q_tip, q_torque))
+_PRESCRIPTION_Q: np.ndarray = quaternion_multiply(
+    quaternion_about_axis(_Y, np.radians(TIP_DEG) * TIP_SIGN),
+    quaternion_about_axis(_X, np.radians(TORQUE_DEG) * TORQUE_SIGN),
+)
+"""(28, 4) each crown's prescription: tip about local y, then torque about local x
+(a crown's orientation is its yaw about z along the arch, then this)."""
 
 
 def occlusal_points(poses: np.ndarray) -> np.ndarray:
     """Incisal edge / cusp tip of each crown (..., 28, 3) from poses (..., 28, 7)."""
-    offset = np.zeros((*poses.shape[:-1], 3))
-    offset[..., 2] = OCCLUSAL_END * CROWN_HEIGHT_MM / 2
-    return poses[..., 4:7] + quaternion_rotate(poses[..., :4], offset)
+    return poses[..., 4:7] + quaternion_rotate(poses[..., :4], _OCCLUSAL_OFFSET)
+
+
+_OCCLUSAL_OFFSET: np.ndarray = np.zeros((N_TEETH, 3))
+_OCCLUSAL_OFFSET[:, 2] = OCCLUSAL_END * CROWN_HEIGHT_MM / 2
+"""(28, 3) centroid -> incisal edge / cusp tip in each crown's local frame (mm)."""
+
+
+def _teeth(upper: bool, number: int) -> np.ndarray:
+    """Indices of the (right, left) teeth of one number in one arch."""
+    return np.flatnonzero((upper == IS_UPPER) & (number == TOOTH_NUMBER))
+
+
+_U1, _L1, _U6, _L6, _L7 = (
+    _teeth(True, 1),
+    _teeth(False, 1),
+    _teeth(True, 6),
+    _teeth(False, 6),
+    _teeth(False, 7),
+)
+
+
+def _pair_mean(a: np.ndarray, pair: np.ndarray) -> np.ndarray:
+    """Mean of ``a`` over the right/left teeth ``pair`` (as np.mean, without its overhead)."""
+    return (a[pair[0]] + a[pair[1]]) / 2
+
+
+_LOWER_BY_NUMBER: np.ndarray = np.stack([_teeth(False, n) for n in range(1, 8)])
+"""(7, 2) indices of the lower teeth numbered 1..7."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +188,9 @@ def build_ideal_arch(params: ArchParameters) -> IdealArch:
     s_lower = params.size * params.lower_size
 
     overjet = float(np.mean(IDEAL_OVERJET_MM))
+    base = NOMINAL_XY[:, 1] * s_lower
+    a1 = _pair_mean(base, _L1)
+    a6 = _pair_mean(base, _L6)
     lower_sagittal = 1.0
     for _ in range(2):  # yaw depends weakly on the lower sagittal scale: iterate once
         sy = np.where(upper, sy_upper, s_lower * lower_sagittal)
@@ -170,27 +198,27 @@ def build_ideal_arch(params: ArchParameters) -> IdealArch:
         y = NOMINAL_XY[:, 1] * sy
         # tangent pointing towards the patient's left: (1, slope) on the left, (1, -slope) on the right
         slope = NOMINAL_SLOPE * sy / sx * SIDE
-        yaw = np.arctan2(slope, 1.0)
-        q = crown_frames(yaw, TIP_DEG, TORQUE_DEG)
-        poses = np.concatenate((q, np.stack((x, y, np.zeros(N_TEETH)), axis=-1)), axis=-1)
-        levels = _occlusal_levels(y, params.curve_of_spee_mm)
-        edge = occlusal_points(poses)
+        half_yaw = 0.5 * np.arctan2(slope, 1.0)
+        # crown orientation: the yaw about z, then the prescription (its Hamilton product written out)
+        cy, sz = np.cos(half_yaw), np.sin(half_yaw)
+        pw, px, py, pz = _PRESCRIPTION_Q.T
+        qw, qx, qy, qz = cy * pw - sz * pz, cy * px - sz * py, cy * py + sz * px, cy * pz + sz * pw
+        # the occlusal offset is along local z: height x the rotation matrix's third column
+        height = _OCCLUSAL_OFFSET[:, 2]
+        offset_y = height * 2.0 * (qy * qz - qw * qx)
+        offset_z = height * (1.0 - 2.0 * (qx * qx + qy * qy))
         # z: put each crown's occlusal point at its level
-        poses[:, 6] = levels - (edge[:, 2] - poses[:, 6])
-        edge = occlusal_points(poses)
+        z = _occlusal_levels(y, params.curve_of_spee_mm) - offset_z
+        poses = np.stack((qw, qx, qy, qz, x, y, z), axis=-1)
+        edge_y = y + offset_y
         # lower sagittal scale for Class I given an overjet of exactly `overjet`:
         # y_U6 - (y_L6 + dy) = -C with dy = ey_U1 - overjet - ey_L1, ey = edge y; y_L = k * base
-        u1 = (TOOTH_NUMBER == 1) & upper
-        l1 = (TOOTH_NUMBER == 1) & ~upper
-        u6 = (TOOTH_NUMBER == 6) & upper
-        l6 = (TOOTH_NUMBER == 6) & ~upper
-        base = NOMINAL_XY[:, 1] * s_lower
-        edge_offset_l1 = np.mean(edge[l1, 1] - y[l1])
-        a1 = np.mean(base[l1])
-        a6 = np.mean(base[l6])
-        rhs = -CLASS_I_MOLAR_OFFSET_MM - np.mean(y[u6]) + np.mean(edge[u1, 1]) - overjet - edge_offset_l1
+        edge_offset_l1 = _pair_mean(edge_y - y, _L1)
+        rhs = (
+            -CLASS_I_MOLAR_OFFSET_MM - _pair_mean(y, _U6) + _pair_mean(edge_y, _U1) - overjet - edge_offset_l1
+        )
         lower_sagittal = rhs / (a1 - a6)
-    dy = np.mean(edge[u1, 1]) - overjet - np.mean(edge[l1, 1])
+    dy = _pair_mean(edge_y, _U1) - overjet - _pair_mean(edge_y, _L1)
     poses[~upper, 5] += dy
     width = _widths_from_contacts(poses[:, 4:6])
     depth = CROWN_DEPTH_MM * params.size
@@ -205,17 +233,20 @@ def _occlusal_levels(y: np.ndarray, spee_mm: float) -> np.ndarray:
     dipped by ``spee_mm`` x SPEE_PROFILE (so the curve of Spee measures spee_mm);
     upper buccal cusps meet the lower ones.
     """
-    incisal = INCISAL_LEVEL_MM[TYPE_INDEX]
-    lower = ~IS_UPPER
-    y1 = np.mean(y[lower & (TOOTH_NUMBER == 1)])
-    y7 = np.mean(y[lower & (TOOTH_NUMBER == 7)])
-    line = incisal[TOOTH_NUMBER == 1][0] * (y - y7) / (y1 - y7)
-    lower_level = np.where(TOOTH_NUMBER <= 2, incisal, line - spee_mm * SPEE_PROFILE[TYPE_INDEX])
+    incisal = _INCISAL_LEVEL
+    y1 = _pair_mean(y, _L1)
+    y7 = _pair_mean(y, _L7)
+    line = INCISAL_LEVEL_MM[0] * (y - y7) / (y1 - y7)
+    lower_level = np.where(TOOTH_NUMBER <= 2, incisal, line - spee_mm * _SPEE)
     lower_level = np.where(TOOTH_NUMBER == 3, np.maximum(lower_level, incisal), lower_level)
     # an upper buccal crown meets the lower crown of the same number
-    by_number = np.array([np.mean(lower_level[lower & (n == TOOTH_NUMBER)]) for n in range(1, 8)])
+    by_number = _pair_mean(lower_level, _LOWER_BY_NUMBER.T)
     upper_level = np.where(TOOTH_NUMBER <= 3, -incisal, by_number[TYPE_INDEX])
     return np.where(IS_UPPER, upper_level, lower_level)
+
+
+_INCISAL_LEVEL: np.ndarray = INCISAL_LEVEL_MM[TYPE_INDEX]
+_SPEE: np.ndarray = SPEE_PROFILE[TYPE_INDEX]
 
 
 def _widths_from_contacts(xy: np.ndarray) -> np.ndarray:
@@ -225,14 +256,24 @@ def _widths_from_contacts(xy: np.ndarray) -> np.ndarray:
     centroid distance to its mesial neighbour minus that neighbour's width.
     """
     width = np.zeros(N_TEETH)
-    for arch_upper in (True, False):
-        for side in (-1.0, 1.0):
-            idx = [
-                int(np.flatnonzero((arch_upper == IS_UPPER) & (side == SIDE) & (n == TOOTH_NUMBER))[0])
-                for n in range(1, 8)
-            ]
-            mirror = int(np.flatnonzero((arch_upper == IS_UPPER) & (-side == SIDE) & (TOOTH_NUMBER == 1))[0])
-            width[idx[0]] = np.linalg.norm(xy[idx[0]] - xy[mirror])
-            for k in range(1, 7):
-                width[idx[k]] = 2 * np.linalg.norm(xy[idx[k]] - xy[idx[k - 1]]) - width[idx[k - 1]]
+    dist = np.sqrt(np.sum((xy[_CONTACT_B] - xy[_CONTACT_A]) ** 2, axis=-1))  # (4, 7)
+    width[_CONTACT_B[:, 0]] = dist[:, 0]
+    for k in range(1, 7):
+        width[_CONTACT_B[:, k]] = 2 * dist[:, k] - width[_CONTACT_B[:, k - 1]]
     return width
+
+
+def _half_arch(upper: bool, side: float) -> np.ndarray:
+    return np.array(
+        [np.flatnonzero((upper == IS_UPPER) & (side == SIDE) & (n == TOOTH_NUMBER))[0] for n in range(1, 8)]
+    )
+
+
+_HALF_ARCHES: np.ndarray = np.stack([_half_arch(u, s) for u in (True, False) for s in (-1.0, 1.0)])
+"""(4, 7) tooth indices of each half arch, central incisor first."""
+_CONTACT_B: np.ndarray = _HALF_ARCHES
+_CONTACT_A: np.ndarray = np.concatenate(
+    (np.stack([_half_arch(u, -s)[:1] for u in (True, False) for s in (-1.0, 1.0)]), _HALF_ARCHES[:, :-1]),
+    axis=1,
+)
+"""(4, 7) the mesial neighbour of each tooth in _CONTACT_B (the other central for a central)."""

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from server.arch import ArchParameters, build_ideal_arch
+from server.arch import ArchParameters, build_ideal_arch, occlusal_points
 from server.clinical_profiles import (
     OPTIMAL_STRATEGY,
     PROFILE_GENERATORS,
@@ -25,7 +25,7 @@ from server.clinical_profiles import (
     SECONDARY_SCALE,
     Displacement,
 )
-from server.collisions import COLLISION_TOLERANCE_MM, penetration_mm
+from server.collisions import COLLISION_TOLERANCE_MM, mesiodistal_axis_xy, penetration_mm
 from server.dental_constants import (
     ADJACENT_PAIRS,
     FEASIBLE_ROTATION_DEG,
@@ -37,6 +37,7 @@ from server.occlusion import (
     arch_irregularity_mm,
     arch_spacing_mm,
     arch_widths_mm,
+    contact_vectors,
     curve_of_spee_mm,
     midline_mm,
     molar_relation_mm,
@@ -98,28 +99,35 @@ def _local_frames(target: np.ndarray) -> np.ndarray:
 
 def _resolve_penetration(
     d: Displacement, target: np.ndarray, width: np.ndarray, depth: np.ndarray, labial: np.ndarray
-) -> Displacement:
-    """Push overlapping neighbours buccolingually until every contact clears."""
+) -> np.ndarray:
+    """Poses (28, 7) of ``d`` applied to ``target``, with overlapping neighbours pushed
+    buccolingually until every contact clears."""
     t = d.translation.copy()
+    poses = _apply(target, d)  # the rotations stay; only translations change below
     for _ in range(40):
-        poses = _apply(target, Displacement(t, d.rotation))
         pen = penetration_mm(poses, width, depth)
         over = np.flatnonzero(pen > INITIAL_CLEARANCE_MM)
         if over.size == 0:
             break
         push = np.zeros(28)
-        for k in over:
-            a, b = ADJACENT_PAIRS[k]
-            # move the more anterior tooth (incisors and canines get blocked out)
-            tooth = a if TOOTH_NUMBER[a] < TOOTH_NUMBER[b] else b
-            push[tooth] = max(push[tooth], pen[k] + 0.05)
+        np.maximum.at(push, _BLOCKED_OUT[over], pen[over] + 0.05)
         moved = np.flatnonzero(push)
         bl = np.einsum("ij,ij->i", t[moved], labial[moved])
         # keep the side a tooth was already displaced to; else block it out labially (on a
         # convex arch a lingual push first moves a crown towards its neighbours)
         sign = np.where(bl < -0.5, -1.0, 1.0)
         t[moved] += labial[moved] * (sign * push[moved])[:, None]
-    return Displacement(t, d.rotation)
+        poses[:, 4:7] = target[:, 4:7] + t
+    return poses
+
+
+_BLOCKED_OUT: np.ndarray = np.where(
+    TOOTH_NUMBER[ADJACENT_PAIRS[:, 0]] < TOOTH_NUMBER[ADJACENT_PAIRS[:, 1]],
+    ADJACENT_PAIRS[:, 0],
+    ADJACENT_PAIRS[:, 1],
+)
+"""(26,) the tooth of each contact that a penetration pushes: the more anterior one
+(incisors and canines get blocked out)."""
 
 
 def _within_caps(initial: np.ndarray, target: np.ndarray) -> bool:
@@ -130,23 +138,26 @@ def _within_caps(initial: np.ndarray, target: np.ndarray) -> bool:
 
 def case_summary(initial: np.ndarray, width: np.ndarray) -> dict:
     """What a clinician measures on the initial casts (mm). No strategy, no diagnosis."""
-    irr_u, irr_l = arch_irregularity_mm(initial, width)
-    sp_u, sp_l = arch_spacing_mm(initial, width)
+    axis = mesiodistal_axis_xy(initial[:, :4])
+    vec = contact_vectors(initial, width, axis)
+    irr_u, irr_l = arch_irregularity_mm(initial, width, vec)
+    sp_u, sp_l = arch_spacing_mm(initial, width, vec, axis)
     molar = molar_relation_mm(initial)
     widths = arch_widths_mm(initial)
     mean_molar = float(np.mean(molar))
+    edge = occlusal_points(initial)
     return {
         "upper_irregularity_mm": round(float(irr_u), 2),
         "lower_irregularity_mm": round(float(irr_l), 2),
         "upper_spacing_mm": round(float(sp_u), 2),
         "lower_spacing_mm": round(float(sp_l), 2),
-        "overjet_mm": round(float(overjet_mm(initial)), 2),
-        "overbite_mm": round(float(overbite_mm(initial)), 2),
+        "overjet_mm": round(float(overjet_mm(initial, edge)), 2),
+        "overbite_mm": round(float(overbite_mm(initial, edge)), 2),
         "molar_relation_right_mm": round(float(molar[0]), 2),
         "molar_relation_left_mm": round(float(molar[1]), 2),
         "molar_class": "II" if mean_molar > 1.0 else ("III" if mean_molar < -1.0 else "I"),
         "midline_mm": round(float(midline_mm(initial)), 2),
-        "curve_of_spee_mm": round(float(curve_of_spee_mm(initial)), 2),
+        "curve_of_spee_mm": round(float(curve_of_spee_mm(initial, edge)), 2),
         **{f"{k}_width_mm": round(float(v), 2) for k, v in widths.items()},
     }
 
@@ -173,8 +184,7 @@ def _generate(task_id: str, seed: int, force_decay: bool) -> Case:
         d = d + PROFILE_GENERATORS[secondary](rng, "moderate", frames).scaled(SECONDARY_SCALE)
     labial = frames[:, 1]
     for _ in range(8):
-        resolved = _resolve_penetration(d, target, arch.crown_width_mm, arch.crown_depth_mm, labial)
-        initial = _apply(target, resolved)
+        initial = _resolve_penetration(d, target, arch.crown_width_mm, arch.crown_depth_mm, labial)
         if _within_caps(initial, target):
             break
         d = d.scaled(0.8)  # too much movement for 24 aligners: a milder instance of the same case

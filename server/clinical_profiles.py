@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -78,11 +79,22 @@ class Displacement:
         return Displacement(self.translation * k, self.rotation * k)
 
 
+@cache
 def _teeth(numbers: tuple[int, ...], upper: bool | None = None) -> np.ndarray:
+    """(28,) read-only mask of the teeth numbered ``numbers`` (FDI last digit), in one arch or both."""
     mask = np.isin(TOOTH_NUMBER, numbers)
     if upper is not None:
         mask &= upper == IS_UPPER
+    mask.setflags(write=False)
     return mask
+
+
+def _signs(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n random signs +-1 (the draws of ``rng.choice([-1.0, 1.0], n)``, without its overhead)."""
+    return _SIGNS[rng.integers(0, 2, size=n)]
+
+
+_SIGNS = np.array([-1.0, 1.0])
 
 
 def _range(rng: np.random.Generator, table: dict[str, tuple[float, float]], severity: str) -> float:
@@ -135,7 +147,7 @@ def crowding(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Dis
             d.translation[m, 0] -= SIDE[m] * delta * share
         for number, bl, rot in ((1, -0.06, 1.0), (2, 0.2, 1.5), (3, 0.1, 0.6)):
             m = np.flatnonzero(_teeth((number,), upper))
-            sign = rng.choice([-1.0, 1.0], size=m.size)
+            sign = _signs(rng, m.size)
             d.translation[m] += labial[m] * (bl * deficit * rng.uniform(0.8, 1.2, m.size))[:, None]
             d.rotation[m, 2] += np.radians(rot * deficit) * sign * rng.uniform(0.7, 1.0, m.size)
     return d
@@ -195,9 +207,9 @@ def mild_irregularity(rng: np.random.Generator, severity: str, frames: np.ndarra
     chosen = rng.choice(pool, size=int(rng.integers(*count)), replace=False)
     lo, hi = ROTATION_DEG[severity]
     n = chosen.size
-    d.rotation[chosen, 2] += np.radians(rng.uniform(lo, hi, n)) * rng.choice([-1.0, 1.0], n)
-    d.rotation[chosen, 1] += np.radians(rng.uniform(1.0, 4.0, n)) * rng.choice([-1.0, 1.0], n)
-    d.translation[chosen] += labial[chosen] * (rng.uniform(0.2, 0.8, n) * rng.choice([-1.0, 1.0], n))[:, None]
+    d.rotation[chosen, 2] += np.radians(rng.uniform(lo, hi, n)) * _signs(rng, n)
+    d.rotation[chosen, 1] += np.radians(rng.uniform(1.0, 4.0, n)) * _signs(rng, n)
+    d.translation[chosen] += labial[chosen] * (rng.uniform(0.2, 0.8, n) * _signs(rng, n))[:, None]
     return d
 
 

@@ -30,13 +30,6 @@ def mesiodistal_axis_xy(q: np.ndarray) -> np.ndarray:
     return ax / np.maximum(np.sqrt(np.einsum("...i,...i->...", ax, ax)), 1e-12)[..., None]
 
 
-def _radius(axis: np.ndarray, u: np.ndarray, half_width: np.ndarray, half_depth: np.ndarray) -> np.ndarray:
-    ax, ay, ux, uy = axis[..., 0], axis[..., 1], u[..., 0], u[..., 1]
-    c = (ax * ux + ay * uy) / half_width
-    s = (ax * uy - ay * ux) / half_depth
-    return 1.0 / np.sqrt(np.maximum(c * c + s * s, 1e-12))
-
-
 def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
     """Penetration depth (mm, negative = clearance) of the 26 adjacent pairs.
 
@@ -45,17 +38,39 @@ def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
         width_mm, depth_mm: (28,) or (..., 28) crown mesiodistal widths and buccolingual depths.
     Returns:
         (..., 26) array in ADJACENT_PAIRS order.
+
+    With ``c`` the cosine between a crown's mesiodistal axis and ``u``, the ellipse
+    radius is ``1 / sqrt(c^2 / a^2 + (1 - c^2) / b^2)`` (semi-axes a, b), so only
+    ``c^2`` is needed: this is the training loop's hot path.
     """
-    axis = mesiodistal_axis_xy(poses[..., :4])
-    xy = poses[..., 4:6]
-    d = xy[..., _B, :] - xy[..., _A, :]
-    dist = np.sqrt(np.einsum("...i,...i->...", d, d))
+    w, x, y, z = poses[..., 0], poses[..., 1], poses[..., 2], poses[..., 3]
+    ax = 1.0 - 2.0 * (y * y + z * z)  # (..., 28) local x axis in the occlusal plane, unnormalised
+    ay = 2.0 * (x * y + w * z)
+    n2 = ax * ax + ay * ay
+    ax_a, ay_a, n2_a, ax_b, ay_b, n2_b = (
+        ax[..., _A],
+        ay[..., _A],
+        n2[..., _A],
+        ax[..., _B],
+        ay[..., _B],
+        n2[..., _B],
+    )
+    dx = poses[..., _B, 4] - poses[..., _A, 4]
+    dy = poses[..., _B, 5] - poses[..., _A, 5]
+    dist2 = dx * dx + dy * dy
+    dist = np.sqrt(dist2)
     # coinciding centroids have no line between them: use the first crown's own axis
-    u = np.where((dist > 1e-9)[..., None], d / np.maximum(dist, 1e-9)[..., None], axis[..., _A, :])
-    hw = np.asarray(width_mm) / 2
-    hd = np.asarray(depth_mm) / 2
-    r_a = _radius(axis[..., _A, :], u, hw[..., _A], hd[..., _A])
-    r_b = _radius(axis[..., _B, :], u, hw[..., _B], hd[..., _B])
+    same = dist <= 1e-9
+    if same.any():
+        dx, dy, dist2 = np.where(same, ax_a, dx), np.where(same, ay_a, dy), np.where(same, n2_a, dist2)
+    dot_a = ax_a * dx + ay_a * dy
+    dot_b = ax_b * dx + ay_b * dy
+    c2_a = np.minimum(dot_a * dot_a / np.maximum(n2_a * dist2, 1e-300), 1.0)
+    c2_b = np.minimum(dot_b * dot_b / np.maximum(n2_b * dist2, 1e-300), 1.0)
+    inv_d2 = 4.0 / np.square(depth_mm)  # 1 / (half depth)^2
+    k2 = 4.0 / np.square(width_mm) - inv_d2
+    r_a = 1.0 / np.sqrt(inv_d2[..., _A] + c2_a * k2[..., _A])
+    r_b = 1.0 / np.sqrt(inv_d2[..., _B] + c2_b * k2[..., _B])
     return r_a + r_b - dist
 
 

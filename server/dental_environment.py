@@ -65,7 +65,7 @@ from server.dental_constants import (
 from server.dynamics import express_stage
 from server.errors import InvalidActionError, UnknownEpisodeError
 from server.quaternion_utils import quaternion_angle
-from server.scoring import limit_ratio, pdl_stress_kpa, score_episodes
+from server.scoring import StageMeasures, limit_ratio, pdl_stress_kpa, score_episodes
 from server.treatment import score_plans
 
 MAX_ROLLBACKS: int = 2
@@ -155,6 +155,11 @@ class Session:
     step_rewards: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
     accuracy: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
     remaining: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 2, N_TEETH)))
+    # per-stage measures the terminal score reuses (server.scoring.StageMeasures), row s = stage s
+    increment: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 2, N_TEETH)))
+    mismatch: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 2, N_TEETH)))
+    achieved_mm: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, N_TEETH)))
+    penetration: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, len(ADJACENT_PAIRS))))
     inv_need: np.ndarray = field(default_factory=lambda: np.zeros((2, N_TEETH)))  # 1/need, 0 if none
     terminal: dict | None = None
     last_used: float = 0.0
@@ -405,17 +410,23 @@ class StepwiseDentalEnvironment:
         prev_planned = session.planned[s - 1]
         prev_achieved = session.achieved[s - 1]
         achieved = express_stage(poses, prev_achieved, case.target[:, :4]) if case.force_decay else poses
-        # one vectorised pass for the aligner increment and the remaining distance to target
-        pairs_a = np.stack((poses, case.target))
-        pairs_b = np.stack((prev_planned, achieved))
-        (inc_t, rem_t) = _norm(pairs_a[..., 4:] - pairs_b[..., 4:])
-        (inc_r, rem_r) = np.degrees(quaternion_angle(pairs_a[..., :4], pairs_b[..., :4]))
-        over_limit = int(np.count_nonzero(limit_ratio(inc_t, inc_r) > 1.0 + LIMIT_TOLERANCE))
+        # one vectorised pass for the aligner increment, the remaining distance to target and,
+        # under force decay, the insertion mismatch and the achieved increment
         if case.force_decay:
-            mis_t = _norm(poses[:, 4:] - prev_achieved[:, 4:])
-            mis_r = np.degrees(quaternion_angle(poses[:, :4], prev_achieved[:, :4]))
-        else:  # the teeth sit exactly in the previous aligner
-            mis_t, mis_r = inc_t, inc_r
+            pairs_a = np.stack((poses, case.target, poses, achieved))
+            pairs_b = np.stack((prev_planned, achieved, prev_achieved, prev_achieved))
+        else:  # the teeth sit exactly in the previous aligner: mismatch = achieved increment = increment
+            pairs_a = np.stack((poses, case.target))
+            pairs_b = np.stack((prev_planned, achieved))
+        dist_t = _norm(pairs_a[..., 4:] - pairs_b[..., 4:])
+        dist_r = np.degrees(quaternion_angle(pairs_a[..., :4], pairs_b[..., :4]))
+        inc_t, rem_t, mis_t, ach_t = (
+            dist_t if case.force_decay else (dist_t[0], dist_t[1], dist_t[0], dist_t[0])
+        )
+        inc_r, rem_r, mis_r, ach_r = (
+            dist_r if case.force_decay else (dist_r[0], dist_r[1], dist_r[0], dist_r[0])
+        )
+        over_limit = int(np.count_nonzero(limit_ratio(inc_t, inc_r) > 1.0 + LIMIT_TOLERANCE))
         pdl_events = int(np.count_nonzero(pdl_stress_kpa(mis_t, mis_r) > PDL_CRITICAL_KPA))
         pen = penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
         colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
@@ -433,6 +444,10 @@ class StepwiseDentalEnvironment:
         target.step_rewards[s] = reward
         target.accuracy[s] = acc_after
         target.remaining[s] = rem_t, rem_r
+        target.increment[s] = inc_t, inc_r
+        target.mismatch[s] = mis_t, mis_r
+        target.achieved_mm[s] = np.hypot(ach_t, MM_PER_DEG * ach_r)
+        target.penetration[s] = pen
         target.stage = s
         if strategy is not None:
             target.strategy = strategy
@@ -459,6 +474,14 @@ class StepwiseDentalEnvironment:
             achieved=session.achieved[None],
             profiles=[case.profile],
             strategies=[session.strategy],
+            measures=StageMeasures(
+                inc_t=session.increment[None, 1:, 0],
+                inc_r=session.increment[None, 1:, 1],
+                mis_t=session.mismatch[None, 1:, 0],
+                mis_r=session.mismatch[None, 1:, 1],
+                achieved_mm=session.achieved_mm[None, 1:],
+                penetration=session.penetration[None, 1:],
+            ),
         )
         return {"terminal_reward": float(scores.terminal[0]), "reward_breakdown": scores.breakdown(0)}
 
@@ -529,6 +552,10 @@ def _scratch(session: Session) -> Session:
         step_rewards=session.step_rewards.copy(),
         accuracy=session.accuracy.copy(),
         remaining=session.remaining.copy(),
+        increment=session.increment.copy(),
+        mismatch=session.mismatch.copy(),
+        achieved_mm=session.achieved_mm.copy(),
+        penetration=session.penetration.copy(),
         inv_need=session.inv_need,
         initial_list=session.initial_list,
         target_list=session.target_list,

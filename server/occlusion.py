@@ -105,9 +105,12 @@ def midline_mm(poses: np.ndarray) -> np.ndarray:
     return np.mean(poses[..., _U1, 4], axis=-1) - np.mean(poses[..., _L1, 4], axis=-1)
 
 
-def contact_vectors(poses: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
-    """(..., 26, 2) vectors between the facing contact points of neighbours (xy, mm)."""
-    axis = mesiodistal_axis_xy(poses[..., :4])
+def contact_vectors(poses: np.ndarray, width_mm: np.ndarray, axis: np.ndarray | None = None) -> np.ndarray:
+    """(..., 26, 2) vectors between the facing contact points of neighbours (xy, mm).
+
+    ``axis``: the crowns' mesiodistal_axis_xy when already at hand.
+    """
+    axis = mesiodistal_axis_xy(poses[..., :4]) if axis is None else axis
     half = (np.asarray(width_mm) / 2)[..., None]
     a, b = ADJACENT_PAIRS[:, 0], ADJACENT_PAIRS[:, 1]
     p_a = poses[..., a, 4:6] + half[..., a, :] * axis[..., a, :]
@@ -120,23 +123,36 @@ def contact_distance_mm(poses: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
     return np.linalg.norm(contact_vectors(poses, width_mm), axis=-1)
 
 
-def arch_irregularity_mm(poses: np.ndarray, width_mm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Little's irregularity index (mm) of the (upper, lower) canine-to-canine segment."""
-    d = contact_distance_mm(poses, width_mm)
+def arch_irregularity_mm(
+    poses: np.ndarray, width_mm: np.ndarray, vec: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Little's irregularity index (mm) of the (upper, lower) canine-to-canine segment.
+
+    ``vec``: the contact_vectors when already at hand.
+    """
+    vec = contact_vectors(poses, width_mm) if vec is None else vec
+    d = np.linalg.norm(vec, axis=-1)
     return np.sum(d[..., _UPPER_ANTERIOR_CONTACTS], axis=-1), np.sum(
         d[..., _LOWER_ANTERIOR_CONTACTS], axis=-1
     )
 
 
-def arch_spacing_mm(poses: np.ndarray, width_mm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Summed mesiodistal gaps (mm) between neighbours along the (upper, lower) arch."""
-    vec = contact_vectors(poses, width_mm)
-    axis = mesiodistal_axis_xy(poses[..., :4])
+def arch_spacing_mm(
+    poses: np.ndarray, width_mm: np.ndarray, vec: np.ndarray | None = None, axis: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Summed mesiodistal gaps (mm) between neighbours along the (upper, lower) arch.
+
+    ``vec``, ``axis``: the contact_vectors and mesiodistal_axis_xy when already at hand.
+    """
+    axis = mesiodistal_axis_xy(poses[..., :4]) if axis is None else axis
+    vec = contact_vectors(poses, width_mm, axis) if vec is None else vec
     tangent = axis[..., ADJACENT_PAIRS[:, 0], :] + axis[..., ADJACENT_PAIRS[:, 1], :]
     tangent = tangent / np.maximum(np.linalg.norm(tangent, axis=-1, keepdims=True), 1e-12)
     gap = np.maximum(np.sum(vec * tangent, axis=-1), 0.0)
-    upper = IS_UPPER[ADJACENT_PAIRS[:, 0]]
-    return np.sum(gap[..., upper], axis=-1), np.sum(gap[..., ~upper], axis=-1)
+    return np.sum(gap[..., _UPPER_CONTACTS], axis=-1), np.sum(gap[..., ~_UPPER_CONTACTS], axis=-1)
+
+
+_UPPER_CONTACTS = IS_UPPER[ADJACENT_PAIRS[:, 0]]
 
 
 def rotation_errors_deg(poses: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -153,12 +169,13 @@ def asymmetry_mm(poses: np.ndarray) -> np.ndarray:
 
 def arch_widths_mm(poses: np.ndarray) -> dict[str, np.ndarray]:
     """Intercanine and intermolar centroid widths per arch."""
-    return {
-        "upper_intercanine": np.abs(np.diff(poses[..., _UPPER_3, 4], axis=-1))[..., 0],
-        "lower_intercanine": np.abs(np.diff(poses[..., _LOWER_3, 4], axis=-1))[..., 0],
-        "upper_intermolar": np.abs(np.diff(poses[..., _U6, 4], axis=-1))[..., 0],
-        "lower_intermolar": np.abs(np.diff(poses[..., _L6, 4], axis=-1))[..., 0],
-    }
+    x = poses[..., _WIDTH_PAIRS, 4]  # (..., 4, 2)
+    width = np.abs(x[..., 1] - x[..., 0])
+    return {name: width[..., k] for k, name in enumerate(_WIDTH_NAMES)}
+
+
+_WIDTH_NAMES = ("upper_intercanine", "lower_intercanine", "upper_intermolar", "lower_intermolar")
+_WIDTH_PAIRS = np.stack((_UPPER_3, _LOWER_3, _U6, _L6))
 
 
 def six_keys(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> dict[str, np.ndarray]:

@@ -138,6 +138,42 @@ def staging_concordance(levels: np.ndarray, starts: np.ndarray, mask: np.ndarray
     return np.where(n > 0, agree / np.maximum(n, 1), 1.0)
 
 
+@dataclass(frozen=True)
+class StageMeasures:
+    """Per-stage quantities of B trajectories; axis -2 is stage 1..24.
+
+    inc_t, inc_r: (B, 24, 28) planned increments, aligner s vs aligner s-1 (mm, deg).
+    mis_t, mis_r: (B, 24, 28) insertion mismatch, aligner s vs the poses achieved at s-1.
+    achieved_mm: (B, 24, 28) achieved increments (mm-equivalent).
+    penetration: (B, 24, 26) adjacent-crown penetration of the achieved arch (mm).
+    """
+
+    inc_t: np.ndarray
+    inc_r: np.ndarray
+    mis_t: np.ndarray
+    mis_r: np.ndarray
+    achieved_mm: np.ndarray
+    penetration: np.ndarray
+
+
+def stage_measures(
+    planned: np.ndarray, achieved: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
+) -> StageMeasures:
+    """StageMeasures of (B, 25, 28, 7) planned and achieved trajectories; ``achieved is
+    planned`` (ideal dynamics) skips the second pass."""
+    inc_t, inc_r = increments(planned)
+    if achieved is planned:  # the teeth sit exactly in the previous aligner
+        mis_t, mis_r = inc_t, inc_r
+        achieved_mm = np.hypot(inc_t, MM_PER_DEG * inc_r)
+    else:
+        mis_t = np.linalg.norm(planned[:, 1:, :, 4:] - achieved[:, :-1, :, 4:], axis=-1)
+        mis_r = np.degrees(quaternion_angle(planned[:, 1:, :, :4], achieved[:, :-1, :, :4]))
+        a_t, a_r = increments(achieved)
+        achieved_mm = np.hypot(a_t, MM_PER_DEG * a_r)
+    pen = penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None])
+    return StageMeasures(inc_t, inc_r, mis_t, mis_r, achieved_mm, pen)
+
+
 @dataclass
 class EpisodeScores:
     """Per-episode components (B,) and diagnostics (B,) of a scored batch."""
@@ -169,6 +205,7 @@ def score_episodes(
     profiles: list[str],
     strategies: list[str | None],
     validity: np.ndarray | None = None,
+    measures: StageMeasures | None = None,
 ) -> EpisodeScores:
     """Score B episodes.
 
@@ -179,13 +216,16 @@ def score_episodes(
         profiles: B primary clinical profiles (they set the optimal strategy).
         strategies: B declared strategies (None when none was declared).
         validity: (B,) share of a plan's usable groups (1 for stepwise episodes).
+        measures: the trajectories' StageMeasures when already at hand (the stepwise
+            environment collects them step by step); computed here otherwise.
     """
     b = initial.shape[0]
     final = achieved[:, -1]
     need = movement_mm(initial, target)  # (B, 28)
     treated = need > MOVEMENT_EPS_MM
 
-    inc_t, inc_r = increments(planned)  # (B, 24, 28)
+    m = stage_measures(planned, achieved, width_mm, depth_mm) if measures is None else measures
+    inc_t, inc_r = m.inc_t, m.inc_r  # (B, 24, 28)
     inc_mm = np.hypot(inc_t, MM_PER_DEG * inc_r)
     moved = (inc_mm > INCREMENT_EPS_MM).any(axis=-2)
     judged = treated | moved
@@ -194,13 +234,11 @@ def score_episodes(
     violations = ratio > 1.0 + LIMIT_TOLERANCE
     limits = _masked_mean(np.clip(1.0 - (ratio.max(axis=-2) - 1.0 - LIMIT_TOLERANCE), 0.0, 1.0), judged, 1.0)
 
-    mis_t = np.linalg.norm(planned[:, 1:, :, 4:] - achieved[:, :-1, :, 4:], axis=-1)
-    mis_r = np.degrees(quaternion_angle(planned[:, 1:, :, :4], achieved[:, :-1, :, :4]))
-    stress = pdl_stress_kpa(mis_t, mis_r)  # (B, 24, 28)
+    stress = pdl_stress_kpa(m.mis_t, m.mis_r)  # (B, 24, 28)
     peak = stress.max(axis=-2)
     pdl = _masked_mean(pdl_tooth_score(peak), judged, 1.0)
 
-    pen = penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None])  # (B, 24, 26)
+    pen = m.penetration  # (B, 24, 26)
     collision_free = 1.0 - collision_severity(pen).mean(axis=-1)
 
     accuracy = np.clip(1.0 - movement_mm(final, target).sum(-1) / np.maximum(need.sum(-1), 1e-9), 0.0, 1.0)
@@ -229,14 +267,9 @@ def score_episodes(
     ]
     multiplier = np.array([STRATEGY_MULTIPLIERS[c] for c in classes])
 
-    if achieved is planned:
-        achieved_mm = inc_mm
-    else:
-        a_t, a_r = increments(achieved)
-        achieved_mm = np.hypot(a_t, MM_PER_DEG * a_r)
     realism, anchorage, prior = (
         np.asarray(x, dtype=float).reshape(b)
-        for x in _PRIOR.parts(initial, final, moving=achieved_mm > MOVING_EPS_MM)
+        for x in _PRIOR.parts(initial, final, moving=m.achieved_mm > MOVING_EPS_MM)
     )
 
     components = {
