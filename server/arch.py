@@ -35,7 +35,7 @@ from server.dental_constants import (
     TYPE_INDEX,
     UPPER_CROWN_WIDTH_MM,
 )
-from server.quaternion_utils import quaternion_about_axis, quaternion_multiply, quaternion_rotate
+from server.quaternion_utils import quaternion_about_axis, quaternion_multiply
 
 _X = np.array([1.0, 0.0, 0.0])
 _Y = np.array([0.0, 1.0, 0.0])
@@ -99,6 +99,11 @@ NOMINAL_SLOPE: np.ndarray = np.where(
 """(28,) dy/dx of the nominal arch form at each crown (for x >= 0)."""
 
 
+def _clip(x: float, lo: float, hi: float) -> float:
+    """np.clip for one finite number, as a float."""
+    return float(min(max(x, lo), hi))
+
+
 @dataclass(frozen=True)
 class ArchParameters:
     """Per-case randomisation of the ideal arch (dimensionless scale factors)."""
@@ -113,14 +118,14 @@ class ArchParameters:
     @classmethod
     def sample(cls, rng: np.random.Generator) -> ArchParameters:
         """Draw one patient's arch: about 1 SD of the Class I norms in each dimension."""
-        size = float(np.clip(rng.normal(1.0, 0.03), 0.92, 1.08))
-        transverse = float(np.clip(rng.normal(1.0, 0.03), 0.93, 1.07))
+        size = _clip(rng.normal(1.0, 0.03), 0.92, 1.08)
+        transverse = _clip(rng.normal(1.0, 0.03), 0.93, 1.07)
         return cls(
             size=size,
             upper_transverse=transverse,
-            upper_sagittal=float(np.clip(rng.normal(1.0, 0.03), 0.93, 1.07)),
-            lower_size=float(np.clip(rng.normal(1.0, 0.01), 0.97, 1.03)),
-            lower_transverse=float(np.clip(transverse * rng.normal(1.0, 0.01), 0.92, 1.08)),
+            upper_sagittal=_clip(rng.normal(1.0, 0.03), 0.93, 1.07),
+            lower_size=_clip(rng.normal(1.0, 0.01), 0.97, 1.03),
+            lower_transverse=_clip(transverse * rng.normal(1.0, 0.01), 0.92, 1.08),
             curve_of_spee_mm=float(rng.uniform(0.3, 1.2)),
         )
 
@@ -135,7 +140,10 @@ _PRESCRIPTION_Q: np.ndarray = quaternion_multiply(
 
 def occlusal_points(poses: np.ndarray) -> np.ndarray:
     """Incisal edge / cusp tip of each crown (..., 28, 3) from poses (..., 28, 7)."""
-    return poses[..., 4:7] + quaternion_rotate(poses[..., :4], _OCCLUSAL_OFFSET)
+    w, x, y, z = poses[..., 0], poses[..., 1], poses[..., 2], poses[..., 3]
+    # the offset is along local z: its length times the rotation matrix's third column
+    local_z = np.stack((2.0 * (x * z + w * y), 2.0 * (y * z - w * x), 1.0 - 2.0 * (x * x + y * y)), axis=-1)
+    return poses[..., 4:7] + _OCCLUSAL_OFFSET[:, 2:] * local_z
 
 
 _OCCLUSAL_OFFSET: np.ndarray = np.zeros((N_TEETH, 3))

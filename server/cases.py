@@ -48,7 +48,7 @@ from server.quaternion_utils import (
     quaternion_angle,
     quaternion_from_rotvec,
     quaternion_multiply,
-    quaternion_rotate,
+    quaternion_to_axes,
 )
 
 TASK_IDS: tuple[str, ...] = ("task_easy", "task_medium", "task_hard")
@@ -93,8 +93,7 @@ def _apply(target: np.ndarray, d: Displacement) -> np.ndarray:
 
 def _local_frames(target: np.ndarray) -> np.ndarray:
     """(28, 3, 3): local x, y, z axes of each target crown in the patient frame."""
-    eye = np.broadcast_to(np.eye(3), (28, 3, 3))
-    return quaternion_rotate(target[:, None, :4], eye)
+    return quaternion_to_axes(target[:, :4])
 
 
 def _resolve_penetration(

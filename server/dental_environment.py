@@ -40,7 +40,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -106,23 +106,28 @@ def validate_poses(poses: object) -> np.ndarray:
                         f"got {type(v).__name__} {v!r:.40}"
                     )
         arr = np.array(poses, dtype=np.float64)
+    if not np.abs(arr).max() <= 1e6:  # also false for NaN
+        _raise_out_of_range(arr)
+    norms = np.sqrt(np.einsum("ij,ij->i", arr[:, :4], arr[:, :4]))
+    if norms.min() < 1e-9:
+        i = int(np.argmax(norms < 1e-9))
+        raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
+    arr[:, :4] /= norms[:, None]
+    return arr
+
+
+def _raise_out_of_range(arr: np.ndarray) -> None:
+    """The InvalidActionError for the first non-finite or implausibly large number of ``arr``."""
     finite = np.isfinite(arr)
     if not finite.all():
         i, j = np.argwhere(~finite)[0]
         raise InvalidActionError(
             f"tooth {_TOOTH_POSITION[int(i)]} field {POSE_FIELDS[j]}: {arr[i, j]} is not a finite number"
         )
-    if (np.abs(arr) > 1e6).any():
-        i, j = np.argwhere(np.abs(arr) > 1e6)[0]
-        raise InvalidActionError(
-            f"tooth {_TOOTH_POSITION[int(i)]} field {POSE_FIELDS[j]}: |{arr[i, j]}| > 1e6 mm"
-        )
-    norms = np.linalg.norm(arr[:, :4], axis=-1)
-    if (norms < 1e-9).any():
-        i = int(np.argmax(norms < 1e-9))
-        raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
-    arr[:, :4] /= norms[:, None]
-    return arr
+    i, j = np.argwhere(np.abs(arr) > 1e6)[0]
+    raise InvalidActionError(
+        f"tooth {_TOOTH_POSITION[int(i)]} field {POSE_FIELDS[j]}: |{arr[i, j]}| > 1e6 mm"
+    )
 
 
 def _check_strategy(strategy: object) -> str | None:
@@ -135,37 +140,66 @@ def _check_strategy(strategy: object) -> str | None:
     return strategy
 
 
+PAIR_INCREMENT, PAIR_REMAINING, PAIR_MISMATCH, PAIR_ACHIEVED = range(4)
+"""Rows of Session.distances: aligner s vs aligner s-1; achieved s vs target; aligner s vs
+achieved s-1 (insertion mismatch); achieved s vs achieved s-1. Under ideal dynamics only
+the first two are measured (the others equal the increment)."""
+
+
 @dataclass
 class Session:
-    """One episode's state; arrays are (25, 28, 7), rows beyond ``stage`` unused."""
+    """One episode's state; per-stage arrays have 25 rows (stage 0 = initial), rows beyond
+    ``stage`` unused, so a rollback is a step back of ``stage``."""
 
     episode_id: str
     case: Case
-    planned: np.ndarray
-    achieved: np.ndarray
+    planned: np.ndarray  # (25, 28, 7) aligner shapes
+    achieved: np.ndarray  # (25, 28, 7) achieved poses
     need: np.ndarray  # (28,) mm-equivalent distance initial -> target
-    need_t: np.ndarray
-    need_r: np.ndarray
+    inv_need: np.ndarray  # (2, 28) 1 / (translation, rotation) to do; 0 for none
     stage: int = 0
     strategy: str | None = None
     rollbacks: int = 0
-    limit_violations: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1, dtype=np.int64))
-    collisions: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1, dtype=np.int64))
-    pdl_events: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1, dtype=np.int64))
+    # (25, 2, 4, 28): [translation mm | rotation deg, PAIR_*, tooth]
+    distances: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 2, 4, N_TEETH)))
+    penetration: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, len(ADJACENT_PAIRS))))
+    # (25, 3) running totals of limit violations, colliding contacts and PDL events up to each stage
+    violations: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 3), dtype=np.int64))
     step_rewards: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
     accuracy: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
-    remaining: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 2, N_TEETH)))
-    # per-stage measures the terminal score reuses (server.scoring.StageMeasures), row s = stage s
-    increment: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 2, N_TEETH)))
-    mismatch: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 2, N_TEETH)))
-    achieved_mm: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, N_TEETH)))
-    penetration: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, len(ADJACENT_PAIRS))))
-    inv_need: np.ndarray = field(default_factory=lambda: np.zeros((2, N_TEETH)))  # 1/need, 0 if none
     terminal: dict | None = None
     last_used: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
     initial_list: list = field(default_factory=list)
     target_list: list = field(default_factory=list)
+
+    def stage_measures(self) -> StageMeasures:
+        """The StageMeasures of stages 1..24 as a batch of one (for server.scoring)."""
+        d = self.distances[None, 1:]
+        mis = d[:, :, :, PAIR_MISMATCH] if self.case.force_decay else d[:, :, :, PAIR_INCREMENT]
+        ach = d[:, :, :, PAIR_ACHIEVED] if self.case.force_decay else d[:, :, :, PAIR_INCREMENT]
+        return StageMeasures(
+            inc_t=d[:, :, 0, PAIR_INCREMENT],
+            inc_r=d[:, :, 1, PAIR_INCREMENT],
+            mis_t=mis[:, :, 0],
+            mis_r=mis[:, :, 1],
+            achieved_mm=np.hypot(ach[:, :, 0], MM_PER_DEG * ach[:, :, 1]),
+            penetration=self.penetration[None, 1:],
+        )
+
+    def scratch(self) -> Session:
+        """A throw-away copy for simulate_step (per-stage arrays copied)."""
+        return replace(
+            self,
+            planned=self.planned.copy(),
+            achieved=self.achieved.copy(),
+            distances=self.distances.copy(),
+            penetration=self.penetration.copy(),
+            violations=self.violations.copy(),
+            step_rewards=self.step_rewards.copy(),
+            accuracy=self.accuracy.copy(),
+            lock=threading.Lock(),
+        )
 
 
 class SessionStore:
@@ -264,22 +298,20 @@ class StepwiseDentalEnvironment:
         planned = np.empty((N_STAGES + 1, N_TEETH, POSE_DIM))
         planned[0] = case.initial
         achieved = planned.copy()
-        need_t = np.linalg.norm(case.target[:, 4:] - case.initial[:, 4:], axis=-1)
+        need_t = _norm(case.target[:, 4:] - case.initial[:, 4:])
         need_r = np.degrees(quaternion_angle(case.target[:, :4], case.initial[:, :4]))
+        need = np.stack((need_t, need_r))
         session = Session(
             episode_id=episode_id,
             case=case,
             planned=planned,
             achieved=achieved,
             need=np.hypot(need_t, MM_PER_DEG * need_r),
-            need_t=need_t,
-            need_r=need_r,
+            inv_need=np.where(need > 1e-9, 1.0 / np.maximum(need, 1e-9), 0.0),
             initial_list=case.initial.tolist(),
             target_list=case.target.tolist(),
         )
-        session.remaining[0] = need_t, need_r
-        need = np.stack((need_t, need_r))
-        session.inv_need = np.where(need > 1e-9, 1.0 / np.maximum(need, 1e-9), 0.0)
+        session.distances[0, :, PAIR_REMAINING] = need
         self.sessions.put(session)
         return self._observation(session, step_reward=0.0, breakdown={})
 
@@ -309,9 +341,7 @@ class StepwiseDentalEnvironment:
                 raise InvalidActionError("nothing to roll back: the episode is at stage 0")
             if session.rollbacks >= MAX_ROLLBACKS:
                 raise InvalidActionError(f"rollback limit reached ({MAX_ROLLBACKS} per episode)")
-            s = session.stage
-            session.limit_violations[s] = session.collisions[s] = session.pdl_events[s] = 0
-            session.step_rewards[s] = 0.0
+            session.step_rewards[session.stage] = 0.0
             session.stage -= 1
             session.rollbacks += 1
             session.terminal = None
@@ -407,47 +437,44 @@ class StepwiseDentalEnvironment:
             raise InvalidActionError("the episode is done (24 aligners worn): call reset() for a new one")
         s = session.stage + 1
         case = session.case
-        prev_planned = session.planned[s - 1]
         prev_achieved = session.achieved[s - 1]
-        achieved = express_stage(poses, prev_achieved, case.target[:, :4]) if case.force_decay else poses
-        # one vectorised pass for the aligner increment, the remaining distance to target and,
-        # under force decay, the insertion mismatch and the achieved increment
+        # one vectorised pass over this stage's pose pairs (the PAIR_* rows)
         if case.force_decay:
+            achieved = express_stage(poses, prev_achieved, case.target[:, :4])
             pairs_a = np.stack((poses, case.target, poses, achieved))
-            pairs_b = np.stack((prev_planned, achieved, prev_achieved, prev_achieved))
-        else:  # the teeth sit exactly in the previous aligner: mismatch = achieved increment = increment
+            pairs_b = np.stack((session.planned[s - 1], achieved, prev_achieved, prev_achieved))
+            mismatch = PAIR_MISMATCH
+        else:  # the teeth sit exactly in the aligner: mismatch = achieved increment = increment
+            achieved = poses
             pairs_a = np.stack((poses, case.target))
-            pairs_b = np.stack((prev_planned, achieved))
-        dist_t = _norm(pairs_a[..., 4:] - pairs_b[..., 4:])
-        dist_r = np.degrees(quaternion_angle(pairs_a[..., :4], pairs_b[..., :4]))
-        inc_t, rem_t, mis_t, ach_t = (
-            dist_t if case.force_decay else (dist_t[0], dist_t[1], dist_t[0], dist_t[0])
+            pairs_b = np.stack((session.planned[s - 1], achieved))
+            mismatch = PAIR_INCREMENT
+        dist = np.stack(
+            (
+                _norm(pairs_a[..., 4:] - pairs_b[..., 4:]),
+                np.degrees(quaternion_angle(pairs_a[..., :4], pairs_b[..., :4])),
+            )
+        )  # (2, pairs, 28)
+        inc = dist[:, PAIR_INCREMENT]
+        over_limit = int(np.count_nonzero(limit_ratio(inc[0], inc[1]) > 1.0 + LIMIT_TOLERANCE))
+        pdl_events = int(
+            np.count_nonzero(pdl_stress_kpa(dist[0, mismatch], dist[1, mismatch]) > PDL_CRITICAL_KPA)
         )
-        inc_r, rem_r, mis_r, ach_r = (
-            dist_r if case.force_decay else (dist_r[0], dist_r[1], dist_r[0], dist_r[0])
-        )
-        over_limit = int(np.count_nonzero(limit_ratio(inc_t, inc_r) > 1.0 + LIMIT_TOLERANCE))
-        pdl_events = int(np.count_nonzero(pdl_stress_kpa(mis_t, mis_r) > PDL_CRITICAL_KPA))
         pen = penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
         colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
-        acc_after = _accuracy(rem_t, rem_r, session.need)
+        acc_after = _accuracy(dist[:, PAIR_REMAINING], session.need)
         penalty = STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))
-        reward = acc_after - session.accuracy[s - 1] - penalty
+        reward = acc_after - float(session.accuracy[s - 1]) - penalty
 
         # commit into the session, or into a scratch copy for simulate_step
-        target = session if commit else _scratch(session)
+        target = session if commit else session.scratch()
         target.planned[s] = poses
         target.achieved[s] = achieved
-        target.limit_violations[s] = over_limit
-        target.collisions[s] = colliding
-        target.pdl_events[s] = pdl_events
+        target.distances[s, :, : dist.shape[1]] = dist
+        target.penetration[s] = pen
+        target.violations[s] = target.violations[s - 1] + (over_limit, colliding, pdl_events)
         target.step_rewards[s] = reward
         target.accuracy[s] = acc_after
-        target.remaining[s] = rem_t, rem_r
-        target.increment[s] = inc_t, inc_r
-        target.mismatch[s] = mis_t, mis_r
-        target.achieved_mm[s] = np.hypot(ach_t, MM_PER_DEG * ach_r)
-        target.penetration[s] = pen
         target.stage = s
         if strategy is not None:
             target.strategy = strategy
@@ -474,14 +501,7 @@ class StepwiseDentalEnvironment:
             achieved=session.achieved[None],
             profiles=[case.profile],
             strategies=[session.strategy],
-            measures=StageMeasures(
-                inc_t=session.increment[None, 1:, 0],
-                inc_r=session.increment[None, 1:, 1],
-                mis_t=session.mismatch[None, 1:, 0],
-                mis_r=session.mismatch[None, 1:, 1],
-                achieved_mm=session.achieved_mm[None, 1:],
-                penetration=session.penetration[None, 1:],
-            ),
+            measures=session.stage_measures(),
         )
         return {"terminal_reward": float(scores.terminal[0]), "reward_breakdown": scores.breakdown(0)}
 
@@ -490,7 +510,9 @@ class StepwiseDentalEnvironment:
         current = session.achieved[s]
         case = session.case
         # (2, 28) shares of the translation and rotation done; teeth with nothing to do count as done
-        progress = np.clip(1.0 - session.remaining[s] * session.inv_need, 0.0, 1.0).round(4).tolist()
+        remaining = session.distances[s, :, PAIR_REMAINING]
+        progress = np.clip(1.0 - remaining * session.inv_need, 0.0, 1.0).round(4).tolist()
+        limits, collisions, pdl = session.violations[s].tolist()
         done = s >= N_STAGES
         terminal = session.terminal["terminal_reward"] if (done and session.terminal) else None
         for v in breakdown.values():
@@ -516,9 +538,9 @@ class StepwiseDentalEnvironment:
             "terminal_reward": terminal,
             "done": done,
             "violations": {
-                "limits": int(session.limit_violations[: s + 1].sum()),
-                "collisions": int(session.collisions[: s + 1].sum()),
-                "pdl": int(session.pdl_events[: s + 1].sum()),
+                "limits": limits,
+                "collisions": collisions,
+                "pdl": pdl,
             },
         }
 
@@ -527,39 +549,11 @@ def _norm(v: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("...i,...i->...", v, v))
 
 
-def _accuracy(rem_t: np.ndarray, rem_r: np.ndarray, need: np.ndarray) -> float:
-    """Share of the required movement achieved (as server.scoring's accuracy)."""
-    err = np.sqrt(rem_t * rem_t + (MM_PER_DEG * rem_r) ** 2).sum()
+def _accuracy(remaining: np.ndarray, need: np.ndarray) -> float:
+    """Share of the required movement achieved (as server.scoring's accuracy), from the
+    (2, 28) translation (mm) and rotation (deg) still to do."""
+    err = np.sqrt(remaining[0] * remaining[0] + (MM_PER_DEG * remaining[1]) ** 2).sum()
     return float(min(max(1.0 - err / max(need.sum(), 1e-9), 0.0), 1.0))
-
-
-def _scratch(session: Session) -> Session:
-    """A throw-away copy of a session for simulate_step (arrays copied)."""
-    return Session(
-        episode_id=session.episode_id,
-        case=session.case,
-        planned=session.planned.copy(),
-        achieved=session.achieved.copy(),
-        need=session.need,
-        need_t=session.need_t,
-        need_r=session.need_r,
-        stage=session.stage,
-        strategy=session.strategy,
-        rollbacks=session.rollbacks,
-        limit_violations=session.limit_violations.copy(),
-        collisions=session.collisions.copy(),
-        pdl_events=session.pdl_events.copy(),
-        step_rewards=session.step_rewards.copy(),
-        accuracy=session.accuracy.copy(),
-        remaining=session.remaining.copy(),
-        increment=session.increment.copy(),
-        mismatch=session.mismatch.copy(),
-        achieved_mm=session.achieved_mm.copy(),
-        penetration=session.penetration.copy(),
-        inv_need=session.inv_need,
-        initial_list=session.initial_list,
-        target_list=session.target_list,
-    )
 
 
 __all__ = ["MAX_ROLLBACKS", "TASK_IDS", "SessionStore", "StepwiseDentalEnvironment", "validate_poses"]

@@ -410,7 +410,13 @@ class CombinedPrior:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(realism, anchorage, combined)`` arrays from one movement computation; ``moving``
         (..., S, 28), when the caller has it, replaces the trajectory for the anchorage load."""
-        m = tooth_movement_mm(initial, final)
+        return self.parts_from_movement(tooth_movement_mm(initial, final), trajectory, moving)
+
+    def parts_from_movement(
+        self, m: np.ndarray, trajectory: np.ndarray | None = None, moving: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`parts` from per-tooth movements ``m`` (..., 28) mm-equivalent, for callers
+        that have them from finite, unit-quaternion poses (see tooth_movement_mm)."""
         r = np.mean(self.realism.tooth_scores_from_movement(m), axis=-1)
         a = self.anchorage._score_from_movement(m, trajectory, moving)
         s = self.weight_realism * r + (1.0 - self.weight_realism) * a

@@ -35,7 +35,7 @@ from server.dental_constants import (
     SIDE,
     TOOTH_NUMBER,
 )
-from server.quaternion_utils import quaternion_inverse, quaternion_multiply, quaternion_to_rotvec
+from server.quaternion_utils import quaternion_inverse, quaternion_multiply
 
 OCCLUSION_WEIGHTS: dict[str, float] = {
     "molar_relation": 0.20,
@@ -156,9 +156,13 @@ _UPPER_CONTACTS = IS_UPPER[ADJACENT_PAIRS[:, 0]]
 
 
 def rotation_errors_deg(poses: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """(..., 28, 3) |torque|, |tip|, |rotation| errors of achieved vs target crowns."""
+    """(..., 28, 3) |torque|, |tip|, |rotation| errors of achieved vs target crowns (unit quaternions)."""
     rel = quaternion_multiply(quaternion_inverse(target[..., :4]), poses[..., :4])
-    return np.abs(np.degrees(quaternion_to_rotvec(rel)))
+    # |rotation vector| per axis: |v| x angle / sin(angle / 2), angle = 2 atan2(|v|, |w|)
+    v = np.abs(rel[..., 1:])
+    s = np.sqrt(np.einsum("...i,...i->...", v, v))
+    k = np.where(s < 1e-8, 2.0, 2.0 * np.arctan2(s, np.abs(rel[..., 0])) / np.maximum(s, 1e-12))
+    return np.degrees(v * k[..., None])
 
 
 def asymmetry_mm(poses: np.ndarray) -> np.ndarray:
@@ -179,23 +183,62 @@ _WIDTH_PAIRS = np.stack((_UPPER_3, _LOWER_3, _U6, _L6))
 
 
 def six_keys(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> dict[str, np.ndarray]:
-    """Each occlusion key in [0, 1], shape (...,). Keys as in OCCLUSION_WEIGHTS."""
-    rot = rotation_errors_deg(poses, target)
+    """Each occlusion key in [0, 1], shape (...,). Keys as in OCCLUSION_WEIGHTS.
+
+    Each key is a band_score of its measure (bands below); the per-tooth keys average
+    over teeth, the molar relation over sides.
+    """
     edge = occlusal_points(poses)
-    molar = np.mean(band_score(np.abs(molar_relation_mm(poses)), 0.0, 1.0, 3.0), axis=-1)
-    asym = band_score(asymmetry_mm(poses), 0.0, 0.5, 1.5)
-    midline = band_score(np.abs(midline_mm(poses)), 0.0, 1.0, 2.0)
+    measures = np.concatenate(
+        (
+            np.abs(molar_relation_mm(poses)),
+            np.stack(
+                (
+                    overjet_mm(poses, edge),
+                    overbite_mm(poses, edge),
+                    curve_of_spee_mm(poses, edge),
+                    asymmetry_mm(poses),
+                    np.abs(midline_mm(poses)),
+                ),
+                axis=-1,
+            ),
+        ),
+        axis=-1,
+    )  # (..., 7) in _ARCH_BANDS order
+    arch = band_score(measures, *_ARCH_BANDS)
+    # (..., 3): |torque|, |tip|, |rotation| errors scored per tooth, averaged over teeth
+    teeth = np.mean(band_score(rotation_errors_deg(poses, target), *_ROTATION_BANDS), axis=-2)
     return {
-        "molar_relation": molar,
-        "overjet": band_score(overjet_mm(poses, edge), *IDEAL_OVERJET_MM, 3.0),
-        "overbite": band_score(overbite_mm(poses, edge), *IDEAL_OVERBITE_MM, 3.0),
-        "angulation": np.mean(band_score(rot[..., 1], 0.0, 2.0, 6.0), axis=-1),
-        "inclination": np.mean(band_score(rot[..., 0], 0.0, 3.0, 6.0), axis=-1),
-        "rotations": np.mean(band_score(rot[..., 2], 0.0, 2.0, 8.0), axis=-1),
+        "molar_relation": 0.5 * (arch[..., 0] + arch[..., 1]),
+        "overjet": arch[..., 2],
+        "overbite": arch[..., 3],
+        "angulation": teeth[..., 1],
+        "inclination": teeth[..., 0],
+        "rotations": teeth[..., 2],
         "contacts": np.mean(band_score(contact_distance_mm(poses, width_mm), 0.0, 0.5, 1.0), axis=-1),
-        "curve_of_spee": band_score(curve_of_spee_mm(poses, edge), -1.0, MAX_CURVE_OF_SPEE_MM, 2.5),
-        "symmetry": 0.5 * asym + 0.5 * midline,
+        "curve_of_spee": arch[..., 4],
+        "symmetry": 0.5 * arch[..., 5] + 0.5 * arch[..., 6],
     }
+
+
+_ARCH_BANDS: tuple[np.ndarray, np.ndarray, np.ndarray] = tuple(
+    np.array(column)
+    for column in zip(
+        (0.0, 1.0, 3.0),  # |molar relation| right, mm
+        (0.0, 1.0, 3.0),  # |molar relation| left
+        (*IDEAL_OVERJET_MM, 3.0),  # overjet
+        (*IDEAL_OVERBITE_MM, 3.0),  # overbite
+        (-1.0, MAX_CURVE_OF_SPEE_MM, 2.5),  # curve of Spee
+        (0.0, 0.5, 1.5),  # asymmetry
+        (0.0, 1.0, 2.0),  # |midline|
+    )
+)
+"""(lo, hi, falloff) of band_score for each arch measure of six_keys, (7,) each."""
+_ROTATION_BANDS: tuple[np.ndarray, np.ndarray, np.ndarray] = (
+    np.zeros(3),
+    np.array([3.0, 2.0, 2.0]),  # torque (inclination), tip (angulation), rotation; deg
+    np.array([6.0, 6.0, 8.0]),
+)
 
 
 def occlusion_composite(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> np.ndarray:

@@ -107,6 +107,20 @@ def quaternion_rotate(q: np.ndarray, v: np.ndarray) -> np.ndarray:
     return v + w * t + _cross(u, t)
 
 
+def quaternion_to_axes(q: np.ndarray) -> np.ndarray:
+    """(..., 3, 3) the rotated x, y, z axes (rows) of unit quaternion(s) ``q`` (..., 4):
+    the transposed rotation matrix."""
+    q = np.asarray(q, dtype=np.float64)
+    w, x, y, z = q[..., 0], q[..., 1], q[..., 2], q[..., 3]
+    xx, yy, zz, xy, xz, yz, wx, wy, wz = x * x, y * y, z * z, x * y, x * z, y * z, w * x, w * y, w * z
+    rows = (
+        (1.0 - 2.0 * (yy + zz), 2.0 * (xy + wz), 2.0 * (xz - wy)),
+        (2.0 * (xy - wz), 1.0 - 2.0 * (xx + zz), 2.0 * (yz + wx)),
+        (2.0 * (xz + wy), 2.0 * (yz - wx), 1.0 - 2.0 * (xx + yy)),
+    )
+    return np.stack([np.stack(r, axis=-1) for r in rows], axis=-2)
+
+
 def _cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """np.cross for (..., 3) arrays without its axis bookkeeping (hot path)."""
     a0, a1, a2 = a[..., 0], a[..., 1], a[..., 2]

@@ -269,7 +269,7 @@ def score_episodes(
 
     realism, anchorage, prior = (
         np.asarray(x, dtype=float).reshape(b)
-        for x in _PRIOR.parts(initial, final, moving=m.achieved_mm > MOVING_EPS_MM)
+        for x in _PRIOR.parts_from_movement(movement_mm(initial, final), moving=m.achieved_mm > MOVING_EPS_MM)
     )
 
     components = {
