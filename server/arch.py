@@ -170,6 +170,8 @@ def _pair_mean(a: np.ndarray, pair: np.ndarray) -> np.ndarray:
     return (a[pair[0]] + a[pair[1]]) / 2
 
 
+_INCISORS: np.ndarray = np.concatenate((_U1, _L1))
+"""The upper then the lower central incisors."""
 _LOWER_BY_NUMBER: np.ndarray = np.stack([_teeth(False, n) for n in range(1, 8)])
 """(7, 2) indices of the lower teeth numbered 1..7."""
 
@@ -194,43 +196,56 @@ def build_ideal_arch(params: ArchParameters) -> IdealArch:
     )
     sy_upper = params.size * params.upper_sagittal
     s_lower = params.size * params.lower_size
-
     overjet = float(np.mean(IDEAL_OVERJET_MM))
+
+    # The lower sagittal scale k gives Class I at an overjet of exactly `overjet`:
+    # y_U6 - (y_L6 + dy) = -C with dy = ey_U1 - overjet - ey_L1 (ey: incisal edge y) and
+    # y_L = k * base. The edges depend weakly on the crowns' yaw, hence on k: take them at k = 1.
     base = NOMINAL_XY[:, 1] * s_lower
-    a1 = _pair_mean(base, _L1)
-    a6 = _pair_mean(base, _L6)
-    lower_sagittal = 1.0
-    for _ in range(2):  # yaw depends weakly on the lower sagittal scale: iterate once
-        sy = np.where(upper, sy_upper, s_lower * lower_sagittal)
-        x = SIDE * NOMINAL_XY[:, 0] * sx
-        y = NOMINAL_XY[:, 1] * sy
-        # tangent pointing towards the patient's left: (1, slope) on the left, (1, -slope) on the right
-        slope = NOMINAL_SLOPE * sy / sx * SIDE
-        half_yaw = 0.5 * np.arctan2(slope, 1.0)
-        # crown orientation: the yaw about z, then the prescription (its Hamilton product written out)
-        cy, sz = np.cos(half_yaw), np.sin(half_yaw)
-        pw, px, py, pz = _PRESCRIPTION_Q.T
-        qw, qx, qy, qz = cy * pw - sz * pz, cy * px - sz * py, cy * py + sz * px, cy * pz + sz * pw
-        # the occlusal offset is along local z: height x the rotation matrix's third column
-        height = _OCCLUSAL_OFFSET[:, 2]
-        offset_y = height * 2.0 * (qy * qz - qw * qx)
-        offset_z = height * (1.0 - 2.0 * (qx * qx + qy * qy))
-        # z: put each crown's occlusal point at its level
-        z = _occlusal_levels(y, params.curve_of_spee_mm) - offset_z
-        poses = np.stack((qw, qx, qy, qz, x, y, z), axis=-1)
-        edge_y = y + offset_y
-        # lower sagittal scale for Class I given an overjet of exactly `overjet`:
-        # y_U6 - (y_L6 + dy) = -C with dy = ey_U1 - overjet - ey_L1, ey = edge y; y_L = k * base
-        edge_offset_l1 = _pair_mean(edge_y - y, _L1)
-        rhs = (
-            -CLASS_I_MOLAR_OFFSET_MM - _pair_mean(y, _U6) + _pair_mean(edge_y, _U1) - overjet - edge_offset_l1
-        )
-        lower_sagittal = rhs / (a1 - a6)
+    sy = np.where(upper, sy_upper, s_lower)
+    inc = _INCISORS
+    y_inc = NOMINAL_XY[inc, 1] * sy[inc]
+    edge_y_inc = y_inc + _orient(sx[inc], sy[inc], inc)[4]
+    u1, l1 = slice(0, 2), slice(2, 4)  # _INCISORS = (_U1, _L1)
+    rhs = (
+        -CLASS_I_MOLAR_OFFSET_MM
+        - _pair_mean(NOMINAL_XY[:, 1] * sy, _U6)
+        + _pair_mean(edge_y_inc[u1], (0, 1))
+        - overjet
+        - _pair_mean(edge_y_inc[l1] - y_inc[l1], (0, 1))
+    )
+    lower_sagittal = rhs / (_pair_mean(base, _L1) - _pair_mean(base, _L6))
+
+    sy = np.where(upper, sy_upper, s_lower * lower_sagittal)
+    x = SIDE * NOMINAL_XY[:, 0] * sx
+    y = NOMINAL_XY[:, 1] * sy
+    qw, qx, qy, qz, offset_y, offset_z = _orient(sx, sy, slice(None))
+    # z: put each crown's occlusal point at its level
+    z = _occlusal_levels(y, params.curve_of_spee_mm) - offset_z
+    poses = np.stack((qw, qx, qy, qz, x, y, z), axis=-1)
+    edge_y = y + offset_y
     dy = _pair_mean(edge_y, _U1) - overjet - _pair_mean(edge_y, _L1)
     poses[~upper, 5] += dy
     width = _widths_from_contacts(poses[:, 4:6])
     depth = CROWN_DEPTH_MM * params.size
     return IdealArch(poses=poses, crown_width_mm=width, crown_depth_mm=depth, params=params)
+
+
+def _orient(sx: np.ndarray, sy: np.ndarray, teeth: slice | np.ndarray) -> tuple[np.ndarray, ...]:
+    """Orientation (qw, qx, qy, qz) and occlusal offset (y, z; mm) of the crowns ``teeth``
+    on the arch form scaled by ``sx``, ``sy`` (their values for those teeth)."""
+    # tangent pointing towards the patient's left: (1, slope) on the left, (1, -slope) on the right
+    slope = NOMINAL_SLOPE[teeth] * sy / sx * SIDE[teeth]
+    half_yaw = 0.5 * np.arctan2(slope, 1.0)
+    # the yaw about z, then the prescription (their Hamilton product written out)
+    cy, sz = np.cos(half_yaw), np.sin(half_yaw)
+    pw, px, py, pz = _PRESCRIPTION_Q[teeth].T
+    qw, qx, qy, qz = cy * pw - sz * pz, cy * px - sz * py, cy * py + sz * px, cy * pz + sz * pw
+    # the occlusal offset is along local z: its length times the rotation matrix's third column
+    height = _OCCLUSAL_OFFSET[teeth, 2]
+    offset_y = height * 2.0 * (qy * qz - qw * qx)
+    offset_z = height * (1.0 - 2.0 * (qx * qx + qy * qy))
+    return qw, qx, qy, qz, offset_y, offset_z
 
 
 def _occlusal_levels(y: np.ndarray, spee_mm: float) -> np.ndarray:

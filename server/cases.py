@@ -46,9 +46,9 @@ from server.occlusion import (
 )
 from server.quaternion_utils import (
     quaternion_angle,
+    quaternion_axis,
     quaternion_from_rotvec,
     quaternion_multiply,
-    quaternion_to_axes,
 )
 
 TASK_IDS: tuple[str, ...] = ("task_easy", "task_medium", "task_hard")
@@ -89,11 +89,6 @@ def _apply(target: np.ndarray, d: Displacement) -> np.ndarray:
     poses[:, :4] = quaternion_multiply(target[:, :4], quaternion_from_rotvec(d.rotation))
     poses[:, 4:7] += d.translation
     return poses
-
-
-def _local_frames(target: np.ndarray) -> np.ndarray:
-    """(28, 3, 3): local x, y, z axes of each target crown in the patient frame."""
-    return quaternion_to_axes(target[:, :4])
 
 
 def _resolve_penetration(
@@ -172,16 +167,15 @@ def _generate(task_id: str, seed: int, force_decay: bool) -> Case:
     rng = np.random.default_rng([seed, _task_index(task_id)])
     arch = build_ideal_arch(ArchParameters.sample(rng))
     target = arch.poses
-    frames = _local_frames(target)
+    labial = quaternion_axis(target[:, :4], 1)  # (28, 3) each crown's local y in the patient frame
     severity = TASK_SEVERITY[task_id]
     profile = PROFILES[int(rng.integers(len(PROFILES)))]
-    d = PROFILE_GENERATORS[profile](rng, severity, frames)
+    d = PROFILE_GENERATORS[profile](rng, severity, labial)
     secondary = None
     if task_id == "task_hard":
         options = SECONDARY_PROFILES[profile]
         secondary = options[int(rng.integers(len(options)))]
-        d = d + PROFILE_GENERATORS[secondary](rng, "moderate", frames).scaled(SECONDARY_SCALE)
-    labial = frames[:, 1]
+        d = d + PROFILE_GENERATORS[secondary](rng, "moderate", labial).scaled(SECONDARY_SCALE)
     for _ in range(8):
         initial = _resolve_penetration(d, target, arch.crown_width_mm, arch.crown_depth_mm, labial)
         if _within_caps(initial, target):

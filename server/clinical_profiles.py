@@ -134,10 +134,9 @@ ROTATION_DEG: dict[str, tuple[float, float]] = {
 """Rotations of irregular teeth about their long axes."""
 
 
-def crowding(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Displacement:
+def crowding(rng: np.random.Generator, severity: str, labial: np.ndarray) -> Displacement:
     """Arch-length deficit: constricted buccal segments, blocked-out and rotated incisors."""
     d = Displacement.zero()
-    labial = frames[:, 1]  # (28, 3) local y in the patient frame
     arches = (False,) if severity == "mild" else (False, True)
     for upper in arches:
         deficit = _range(rng, LITTLE_INDEX_MM, severity) * (0.8 if upper else 1.0)
@@ -153,7 +152,7 @@ def crowding(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Dis
     return d
 
 
-def class_ii(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Displacement:
+def class_ii(rng: np.random.Generator, severity: str, labial: np.ndarray) -> Displacement:
     """Distal molar relation: upper arch mesial by m mm, proclined upper incisors (overjet)."""
     d = Displacement.zero()
     m = _range(rng, CLASS_II_MM, severity)
@@ -165,10 +164,9 @@ def class_ii(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Dis
     return d
 
 
-def protrusion_spacing(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Displacement:
+def protrusion_spacing(rng: np.random.Generator, severity: str, labial: np.ndarray) -> Displacement:
     """Proclined, spaced anteriors: labial flaring of incisors (and canines) opens contacts."""
     d = Displacement.zero()
-    labial = frames[:, 1]
     arches = (True,) if severity == "mild" else (True, False)
     numbers = (1, 2) if severity == "mild" else (1, 2, 3)
     for upper in arches:
@@ -182,7 +180,7 @@ def protrusion_spacing(rng: np.random.Generator, severity: str, frames: np.ndarr
     return d
 
 
-def deep_bite(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Displacement:
+def deep_bite(rng: np.random.Generator, severity: str, labial: np.ndarray) -> Displacement:
     """Deep overbite: extruded incisors, deep curve of Spee, retroclined upper incisors."""
     d = Displacement.zero()
     extra = _range(rng, OVERBITE_MM, severity) - 2.5
@@ -198,10 +196,9 @@ def deep_bite(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Di
     return d
 
 
-def mild_irregularity(rng: np.random.Generator, severity: str, frames: np.ndarray) -> Displacement:
+def mild_irregularity(rng: np.random.Generator, severity: str, labial: np.ndarray) -> Displacement:
     """Class I with rotations and minor buccolingual misalignment of a few teeth."""
     d = Displacement.zero()
-    labial = frames[:, 1]
     pool = np.flatnonzero(_teeth((1, 2, 3)) if severity == "mild" else _teeth((1, 2, 3, 4, 5)))
     count = {"mild": (2, 5), "moderate": (4, 9), "severe": (6, 11)}[severity]
     chosen = rng.choice(pool, size=int(rng.integers(*count)), replace=False)
@@ -220,6 +217,8 @@ PROFILE_GENERATORS: dict[str, Callable[[np.random.Generator, str, np.ndarray], D
     "deep_bite": deep_bite,
     "mild_irregularity": mild_irregularity,
 }
+"""Each profile's generator ``(rng, severity, labial) -> Displacement``; ``labial`` (28, 3) is
+each target crown's local y axis (labial / buccal) in the patient frame."""
 
 SECONDARY_PROFILES: dict[str, tuple[str, ...]] = {
     "crowding": ("deep_bite", "class_ii", "mild_irregularity"),

@@ -67,6 +67,11 @@ _LOWER_ANTERIOR_CONTACTS = np.array([k for k in ANTERIOR_CONTACTS if not IS_UPPE
 _UPPER_ANTERIOR_CONTACTS = np.array([k for k in ANTERIOR_CONTACTS if IS_UPPER[ADJACENT_PAIRS[k, 0]]])
 
 
+def _side_mean(a: np.ndarray) -> np.ndarray:
+    """Mean over the last axis of (..., 2) right/left values (np.mean without its overhead)."""
+    return (a[..., 0] + a[..., 1]) / 2
+
+
 def band_score(value: np.ndarray, lo: float, hi: float, falloff: float) -> np.ndarray:
     """1 inside [lo, hi], falling linearly to 0 at ``falloff`` outside the band."""
     outside = np.maximum(lo - value, 0.0) + np.maximum(value - hi, 0.0)
@@ -75,12 +80,12 @@ def band_score(value: np.ndarray, lo: float, hi: float, falloff: float) -> np.nd
 
 def overjet_mm(poses: np.ndarray, edge: np.ndarray | None = None) -> np.ndarray:
     edge = occlusal_points(poses) if edge is None else edge
-    return np.mean(edge[..., _U1, 1] - edge[..., _L1, 1], axis=-1)
+    return _side_mean(edge[..., _U1, 1] - edge[..., _L1, 1])
 
 
 def overbite_mm(poses: np.ndarray, edge: np.ndarray | None = None) -> np.ndarray:
     edge = occlusal_points(poses) if edge is None else edge
-    return np.mean(edge[..., _L1, 2] - edge[..., _U1, 2], axis=-1)
+    return _side_mean(edge[..., _L1, 2] - edge[..., _U1, 2])
 
 
 def molar_relation_mm(poses: np.ndarray) -> np.ndarray:
@@ -97,12 +102,12 @@ def curve_of_spee_mm(poses: np.ndarray, edge: np.ndarray | None = None) -> np.nd
     dy = np.where(np.abs(y1 - y0) < 1e-6, 1e-6, y1 - y0)
     t = (ys - y0[..., None]) / dy[..., None]
     line = z0[..., None] + t * (z1 - z0)[..., None]
-    return np.mean(np.max(line - zs, axis=-1), axis=-1)
+    return _side_mean(np.max(line - zs, axis=-1))
 
 
 def midline_mm(poses: np.ndarray) -> np.ndarray:
     """Upper dental midline minus lower (x, mm; + = upper to the patient's left)."""
-    return np.mean(poses[..., _U1, 4], axis=-1) - np.mean(poses[..., _L1, 4], axis=-1)
+    return _side_mean(poses[..., _U1, 4]) - _side_mean(poses[..., _L1, 4])
 
 
 def contact_vectors(poses: np.ndarray, width_mm: np.ndarray, axis: np.ndarray | None = None) -> np.ndarray:

@@ -46,14 +46,16 @@ def quaternion_inverse(q: np.ndarray) -> np.ndarray:
 def quaternion_angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Rotation angle (rad, in [0, pi]) between unit quaternions a and b.
 
-    Uses ``4 arcsin(|a - b| / 2)`` (b sign-aligned with a; ``|a - b| = 2 sin(angle / 4)``),
-    exact near 0 where ``2 arccos(|a.b|)`` loses half the digits.
+    Uses ``4 arcsin(|a - b| / 2)`` with b sign-aligned with a (``|a - b| = 2 sin(angle / 4)``),
+    exact near 0 where ``2 arccos(|a.b|)`` loses half the digits. The aligned sign is the one
+    giving the smaller of ``|a - b|`` and ``|a + b|``, so no dot product is needed.
     """
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
-    sign = np.where(np.einsum("...i,...i->...", a, b) < 0.0, -1.0, 1.0)[..., None]
-    d = a - sign * b
-    return 4.0 * np.arcsin(np.minimum(0.5 * np.sqrt(np.einsum("...i,...i->...", d, d)), 1.0))
+    d = a - b
+    s = a + b
+    chord2 = np.minimum(np.einsum("...i,...i->...", d, d), np.einsum("...i,...i->...", s, s))
+    return 4.0 * np.arcsin(np.minimum(0.5 * np.sqrt(chord2), 1.0))
 
 
 def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> np.ndarray:
@@ -107,18 +109,17 @@ def quaternion_rotate(q: np.ndarray, v: np.ndarray) -> np.ndarray:
     return v + w * t + _cross(u, t)
 
 
-def quaternion_to_axes(q: np.ndarray) -> np.ndarray:
-    """(..., 3, 3) the rotated x, y, z axes (rows) of unit quaternion(s) ``q`` (..., 4):
-    the transposed rotation matrix."""
+def quaternion_axis(q: np.ndarray, k: int) -> np.ndarray:
+    """(..., 3) the rotated unit axis ``k`` (0 = x, 1 = y, 2 = z) of unit quaternion(s) ``q``."""
     q = np.asarray(q, dtype=np.float64)
     w, x, y, z = q[..., 0], q[..., 1], q[..., 2], q[..., 3]
-    xx, yy, zz, xy, xz, yz, wx, wy, wz = x * x, y * y, z * z, x * y, x * z, y * z, w * x, w * y, w * z
-    rows = (
-        (1.0 - 2.0 * (yy + zz), 2.0 * (xy + wz), 2.0 * (xz - wy)),
-        (2.0 * (xy - wz), 1.0 - 2.0 * (xx + zz), 2.0 * (yz + wx)),
-        (2.0 * (xz + wy), 2.0 * (yz - wx), 1.0 - 2.0 * (xx + yy)),
-    )
-    return np.stack([np.stack(r, axis=-1) for r in rows], axis=-2)
+    if k == 0:
+        row = (1.0 - 2.0 * (y * y + z * z), 2.0 * (x * y + w * z), 2.0 * (x * z - w * y))
+    elif k == 1:
+        row = (2.0 * (x * y - w * z), 1.0 - 2.0 * (x * x + z * z), 2.0 * (y * z + w * x))
+    else:
+        row = (2.0 * (x * z + w * y), 2.0 * (y * z - w * x), 1.0 - 2.0 * (x * x + y * y))
+    return np.stack(row, axis=-1)
 
 
 def _cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
