@@ -49,6 +49,7 @@ from server.quaternion_utils import (
     quaternion_axis,
     quaternion_from_rotvec,
     quaternion_multiply,
+    vector_norm,
 )
 
 TASK_IDS: tuple[str, ...] = ("task_easy", "task_medium", "task_hard")
@@ -125,7 +126,7 @@ _BLOCKED_OUT: np.ndarray = np.where(
 
 
 def _within_caps(initial: np.ndarray, target: np.ndarray) -> bool:
-    trans = np.linalg.norm(initial[:, 4:7] - target[:, 4:7], axis=-1)
+    trans = vector_norm(initial[:, 4:7] - target[:, 4:7])
     rot = np.degrees(quaternion_angle(initial[:, :4], target[:, :4]))
     return bool(np.all(trans <= FEASIBLE_TRANSLATION_MM) and np.all(rot <= FEASIBLE_ROTATION_DEG))
 

@@ -64,7 +64,7 @@ from server.dental_constants import (
 )
 from server.dynamics import express_stage
 from server.errors import InvalidActionError, UnknownEpisodeError
-from server.quaternion_utils import quaternion_angle
+from server.quaternion_utils import quaternion_angle, vector_norm
 from server.scoring import StageMeasures, limit_ratio, pdl_stress_kpa, score_episodes
 from server.treatment import score_plans
 
@@ -298,7 +298,7 @@ class StepwiseDentalEnvironment:
         planned = np.empty((N_STAGES + 1, N_TEETH, POSE_DIM))
         planned[0] = case.initial
         achieved = planned.copy()
-        need_t = _norm(case.target[:, 4:] - case.initial[:, 4:])
+        need_t = vector_norm(case.target[:, 4:] - case.initial[:, 4:])
         need_r = np.degrees(quaternion_angle(case.target[:, :4], case.initial[:, :4]))
         need = np.stack((need_t, need_r))
         session = Session(
@@ -451,7 +451,7 @@ class StepwiseDentalEnvironment:
             mismatch = PAIR_INCREMENT
         dist = np.stack(
             (
-                _norm(pairs_a[..., 4:] - pairs_b[..., 4:]),
+                vector_norm(pairs_a[..., 4:] - pairs_b[..., 4:]),
                 np.degrees(quaternion_angle(pairs_a[..., :4], pairs_b[..., :4])),
             )
         )  # (2, pairs, 28)
@@ -543,10 +543,6 @@ class StepwiseDentalEnvironment:
                 "pdl": pdl,
             },
         }
-
-
-def _norm(v: np.ndarray) -> np.ndarray:
-    return np.sqrt(np.einsum("...i,...i->...", v, v))
 
 
 def _accuracy(remaining: np.ndarray, need: np.ndarray) -> float:

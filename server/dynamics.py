@@ -23,11 +23,11 @@ from server.dental_constants import (
     TOOTH_CLASS,
 )
 from server.quaternion_utils import (
+    quaternion_axis,
     quaternion_from_rotvec,
     quaternion_inverse,
     quaternion_multiply,
     quaternion_normalize,
-    quaternion_rotate,
     quaternion_to_rotvec,
 )
 
@@ -50,12 +50,13 @@ def express_stage(planned: np.ndarray, achieved: np.ndarray, frame_q: np.ndarray
     Returns:
         (..., 28, 7) achieved poses after the stage.
     """
-    gap_world = planned[..., 4:] - achieved[..., 4:]
-    inv = quaternion_inverse(frame_q)
-    gap = quaternion_rotate(inv, gap_world)
-    vertical = np.where(gap[..., 2] * _INTRUSION_SIGN > 0.0, _INTRUSION_RATE, _EXTRUSION_RATE)
-    rates = np.stack(np.broadcast_arrays(_TRANSLATION_RATE, _TRANSLATION_RATE, vertical), axis=-1)
-    moved = quaternion_rotate(frame_q, gap * rates)
+    # translation: R diag(t, t, v) R^T gap with R the crown frame, t the bodily rate and v the
+    # vertical rate along the long axis z: t gap + (v - t) (gap . z) z
+    gap = planned[..., 4:] - achieved[..., 4:]
+    long_axis = quaternion_axis(frame_q, 2)
+    along = np.einsum("...i,...i->...", gap, long_axis)
+    vertical = np.where(along * _INTRUSION_SIGN > 0.0, _INTRUSION_RATE, _EXTRUSION_RATE)
+    moved = _TRANSLATION_RATE[:, None] * gap + ((vertical - _TRANSLATION_RATE) * along)[..., None] * long_axis
     rel = quaternion_to_rotvec(quaternion_multiply(quaternion_inverse(achieved[..., :4]), planned[..., :4]))
     q = quaternion_normalize(
         quaternion_multiply(achieved[..., :4], quaternion_from_rotvec(rel * _ROTATION_RATES))

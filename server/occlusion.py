@@ -35,7 +35,7 @@ from server.dental_constants import (
     SIDE,
     TOOTH_NUMBER,
 )
-from server.quaternion_utils import quaternion_inverse, quaternion_multiply
+from server.quaternion_utils import quaternion_inverse, quaternion_multiply, vector_norm
 
 OCCLUSION_WEIGHTS: dict[str, float] = {
     "molar_relation": 0.20,
@@ -125,7 +125,7 @@ def contact_vectors(poses: np.ndarray, width_mm: np.ndarray, axis: np.ndarray | 
 
 def contact_distance_mm(poses: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
     """(..., 26) contact-point displacement of neighbours."""
-    return np.linalg.norm(contact_vectors(poses, width_mm), axis=-1)
+    return vector_norm(contact_vectors(poses, width_mm))
 
 
 def arch_irregularity_mm(
@@ -136,7 +136,7 @@ def arch_irregularity_mm(
     ``vec``: the contact_vectors when already at hand.
     """
     vec = contact_vectors(poses, width_mm) if vec is None else vec
-    d = np.linalg.norm(vec, axis=-1)
+    d = vector_norm(vec)
     return np.sum(d[..., _UPPER_ANTERIOR_CONTACTS], axis=-1), np.sum(
         d[..., _LOWER_ANTERIOR_CONTACTS], axis=-1
     )
@@ -152,7 +152,7 @@ def arch_spacing_mm(
     axis = mesiodistal_axis_xy(poses[..., :4]) if axis is None else axis
     vec = contact_vectors(poses, width_mm, axis) if vec is None else vec
     tangent = axis[..., ADJACENT_PAIRS[:, 0], :] + axis[..., ADJACENT_PAIRS[:, 1], :]
-    tangent = tangent / np.maximum(np.linalg.norm(tangent, axis=-1, keepdims=True), 1e-12)
+    tangent = tangent / np.maximum(vector_norm(tangent), 1e-12)[..., None]
     gap = np.maximum(np.sum(vec * tangent, axis=-1), 0.0)
     return np.sum(gap[..., _UPPER_CONTACTS], axis=-1), np.sum(gap[..., ~_UPPER_CONTACTS], axis=-1)
 
@@ -173,7 +173,7 @@ def rotation_errors_deg(poses: np.ndarray, target: np.ndarray) -> np.ndarray:
 def asymmetry_mm(poses: np.ndarray) -> np.ndarray:
     """Mean distance between each crown and the mirror image of its contralateral twin."""
     mirror = poses[..., MIRROR_INDEX, 4:6] * np.array([-1.0, 1.0])
-    return np.mean(np.linalg.norm(poses[..., 4:6] - mirror, axis=-1), axis=-1)
+    return np.mean(vector_norm(poses[..., 4:6] - mirror), axis=-1)
 
 
 def arch_widths_mm(poses: np.ndarray) -> dict[str, np.ndarray]:

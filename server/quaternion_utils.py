@@ -12,10 +12,16 @@ import numpy as np
 _EPS = 1e-12
 
 
+def vector_norm(v: np.ndarray) -> np.ndarray:
+    """Euclidean norm over the last axis, (..., n) -> (...) (np.linalg.norm's overhead is
+    most of its cost on the small arrays of the hot path)."""
+    return np.sqrt(np.einsum("...i,...i->...", v, v))
+
+
 def quaternion_normalize(q: np.ndarray) -> np.ndarray:
     """Unit quaternion(s) with a non-negative w (the same rotation, one sign)."""
     q = np.asarray(q, dtype=np.float64)
-    n = np.linalg.norm(q, axis=-1, keepdims=True)
+    n = vector_norm(q)[..., None]
     q = q / np.maximum(n, _EPS)
     return np.where(q[..., :1] < 0.0, -q, q)
 
@@ -81,7 +87,7 @@ def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> n
 def quaternion_from_rotvec(v: np.ndarray) -> np.ndarray:
     """Quaternion of rotation vector(s) ``v`` (axis times angle, rad)."""
     v = np.asarray(v, dtype=np.float64)
-    angle = np.linalg.norm(v, axis=-1, keepdims=True)
+    angle = vector_norm(v)[..., None]
     half = 0.5 * angle
     # sin(a/2)/a -> 1/2 as a -> 0
     k = np.where(angle < 1e-8, 0.5 - angle**2 / 48.0, np.sin(half) / np.maximum(angle, _EPS))
@@ -93,7 +99,7 @@ def quaternion_to_rotvec(q: np.ndarray) -> np.ndarray:
     q = quaternion_normalize(q)
     w = q[..., :1]
     v = q[..., 1:]
-    s = np.linalg.norm(v, axis=-1, keepdims=True)
+    s = vector_norm(v)[..., None]
     angle = 2.0 * np.arctan2(s, w)
     k = np.where(s < 1e-8, 2.0, angle / np.maximum(s, _EPS))
     return k * v

@@ -61,7 +61,7 @@ from server.dental_constants import (
 )
 from server.movement_priors import MOVING_EPS_MM, CombinedPrior
 from server.occlusion import occlusion_composite
-from server.quaternion_utils import quaternion_angle
+from server.quaternion_utils import quaternion_angle, vector_norm
 
 MOVEMENT_EPS_MM: float = 0.05
 """A tooth whose target is closer than this (mm-equivalent) needs no treatment."""
@@ -87,14 +87,14 @@ _PRIOR = CombinedPrior()
 
 def movement_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per-tooth mm-equivalent distance between poses (..., 28, 7) a and b."""
-    t = np.linalg.norm(a[..., 4:] - b[..., 4:], axis=-1)
+    t = vector_norm(a[..., 4:] - b[..., 4:])
     r = np.degrees(quaternion_angle(a[..., :4], b[..., :4]))
     return np.hypot(t, MM_PER_DEG * r)
 
 
 def increments(poses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Translation (mm) and rotation (deg) from each stage to the next: (..., S-1, 28) each."""
-    t = np.linalg.norm(np.diff(poses[..., 4:], axis=-3), axis=-1)
+    t = vector_norm(np.diff(poses[..., 4:], axis=-3))
     r = np.degrees(quaternion_angle(poses[..., 1:, :, :4], poses[..., :-1, :, :4]))
     return t, r
 
@@ -166,7 +166,7 @@ def stage_measures(
         mis_t, mis_r = inc_t, inc_r
         achieved_mm = np.hypot(inc_t, MM_PER_DEG * inc_r)
     else:
-        mis_t = np.linalg.norm(planned[:, 1:, :, 4:] - achieved[:, :-1, :, 4:], axis=-1)
+        mis_t = vector_norm(planned[:, 1:, :, 4:] - achieved[:, :-1, :, 4:])
         mis_r = np.degrees(quaternion_angle(planned[:, 1:, :, :4], achieved[:, :-1, :, :4]))
         a_t, a_r = increments(achieved)
         achieved_mm = np.hypot(a_t, MM_PER_DEG * a_r)
