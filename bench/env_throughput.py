@@ -1,8 +1,10 @@
 """Environment throughput benchmark (not a test): single process, OMP_NUM_THREADS=1.
 
 Prints
-* stepwise episodes/s (reset + 24 steps), cold (every case generated) and warm
-  (cases from the case cache, as in GRPO where G completions share a seed);
+* stepwise episodes/s (reset + 24 steps) per task level and dynamics, cold (every case
+  generated at reset) and warm (cases from the case cache, as in GRPO where G completions
+  share a seed);
+* milliseconds to generate a case, per task level;
 * batch plan scoring episodes/s for 64 and for 1,024 plans (cases cached);
 * milliseconds to score one plan;
 * RSS growth over N stepwise episodes (default 100,000) with the default session cap.
@@ -21,7 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 
-from server.cases import _generate, generate_case
+from server.cases import TASK_IDS, _generate, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
 from server.oracle import oracle_plan
@@ -37,22 +39,40 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def slerp_trajectory(seed: int) -> np.ndarray:
-    case = generate_case(TASK, seed)
+def slerp_trajectory(seed: int, task: str = TASK, force_decay: bool = False) -> np.ndarray:
+    case = generate_case(task, seed, force_decay)
     return interpolate_poses(
         case.initial, case.target, planned_progress(np.ones(28, int), np.full(28, 1 / 24))
     )
 
 
-def stepwise(env: StepwiseDentalEnvironment, seeds: list[int], trajectories: dict[int, np.ndarray]) -> float:
+def stepwise(
+    env: StepwiseDentalEnvironment,
+    seeds: list[int],
+    trajectories: dict[int, np.ndarray],
+    task: str = TASK,
+    force_decay: bool = False,
+) -> float:
     t0 = time.perf_counter()
     for seed in seeds:
-        eid = env.reset(TASK, seed)["episode_id"]
+        eid = env.reset(task, seed, force_decay)["episode_id"]
         traj = trajectories[seed]
         for s in range(1, 25):
             obs = env.step(eid, traj[s])
     assert obs["done"]
     return len(seeds) / (time.perf_counter() - t0)
+
+
+def cold_and_cached(
+    env: StepwiseDentalEnvironment, n: int, task: str, force_decay: bool
+) -> tuple[float, float]:
+    """Stepwise episodes/s with every case generated at reset, then with the cases cached."""
+    seeds = list(range(n))
+    trajectories = {s: slerp_trajectory(s, task, force_decay) for s in seeds}
+    stepwise(env, seeds[:20], trajectories, task, force_decay)  # warm-up
+    _generate.cache_clear()
+    cold = stepwise(env, seeds, trajectories, task, force_decay)
+    return cold, stepwise(env, seeds, trajectories, task, force_decay)
 
 
 def main() -> None:
@@ -62,19 +82,19 @@ def main() -> None:
     args = parser.parse_args()
     env = StepwiseDentalEnvironment()
 
-    seeds = list(range(args.stepwise))
-    trajectories = {s: slerp_trajectory(s) for s in seeds}
-    stepwise(env, seeds[:20], trajectories)  # warm-up
-    _generate.cache_clear()
-    cold = stepwise(env, seeds, trajectories)
-    warm = stepwise(env, seeds, trajectories)
-    print(f"stepwise episodes/s (reset + 24 steps, {TASK}): cold cases {cold:.0f}, cached cases {warm:.0f}")
+    print("stepwise episodes/s (reset + 24 uniform-SLERP steps; cold: every case generated at reset):")
+    for task in TASK_IDS:
+        for decay in (False, True):
+            cold, warm = cold_and_cached(env, args.stepwise, task, decay)
+            dynamics = "force decay" if decay else "ideal"
+            print(f"  {task:<12} {dynamics:<12} cold cases {cold:4.0f}, cached cases {warm:4.0f}")
 
-    t0 = time.perf_counter()
-    _generate.cache_clear()
-    for s in range(200):
-        generate_case(TASK, 10_000 + s)
-    print(f"case generation: {(time.perf_counter() - t0) / 200 * 1e3:.2f} ms per case (cold)")
+    for task in TASK_IDS:
+        _generate.cache_clear()
+        t0 = time.perf_counter()
+        for s in range(200):
+            generate_case(task, 10_000 + s)
+        print(f"case generation, {task}: {(time.perf_counter() - t0) / 200 * 1e3:.2f} ms per case (cold)")
 
     pool = [(TASK, 20_000 + s, s % 2 == 1) for s in range(1024)]
     for c in pool:

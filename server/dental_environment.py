@@ -155,7 +155,7 @@ class Session:
     case: Case
     planned: np.ndarray  # (25, 28, 7) aligner shapes
     achieved: np.ndarray  # (25, 28, 7) achieved poses
-    need: np.ndarray  # (28,) mm-equivalent distance initial -> target
+    need_mm: float  # summed mm-equivalent distance initial -> target
     inv_need: np.ndarray  # (2, 28) 1 / (translation, rotation) to do; 0 for none
     stage: int = 0
     strategy: str | None = None
@@ -306,7 +306,7 @@ class StepwiseDentalEnvironment:
             case=case,
             planned=planned,
             achieved=achieved,
-            need=np.hypot(need_t, MM_PER_DEG * need_r),
+            need_mm=float(np.hypot(need_t, MM_PER_DEG * need_r).sum()),
             inv_need=np.where(need > 1e-9, 1.0 / np.maximum(need, 1e-9), 0.0),
             initial_list=case.initial.tolist(),
             target_list=case.target.tolist(),
@@ -462,7 +462,7 @@ class StepwiseDentalEnvironment:
         )
         pen = penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
         colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
-        acc_after = _accuracy(dist[:, PAIR_REMAINING], session.need)
+        acc_after = _accuracy(dist[:, PAIR_REMAINING], session.need_mm)
         penalty = STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))
         reward = acc_after - float(session.accuracy[s - 1]) - penalty
 
@@ -511,7 +511,9 @@ class StepwiseDentalEnvironment:
         case = session.case
         # (2, 28) shares of the translation and rotation done; teeth with nothing to do count as done
         remaining = session.distances[s, :, PAIR_REMAINING]
-        progress = np.clip(1.0 - remaining * session.inv_need, 0.0, 1.0).round(4).tolist()
+        progress = (
+            np.maximum(1.0 - remaining * session.inv_need, 0.0).round(4).tolist()
+        )  # <= 1 by construction
         limits, collisions, pdl = session.violations[s].tolist()
         done = s >= N_STAGES
         terminal = session.terminal["terminal_reward"] if (done and session.terminal) else None
@@ -545,11 +547,11 @@ class StepwiseDentalEnvironment:
         }
 
 
-def _accuracy(remaining: np.ndarray, need: np.ndarray) -> float:
+def _accuracy(remaining: np.ndarray, need_mm: float) -> float:
     """Share of the required movement achieved (as server.scoring's accuracy), from the
-    (2, 28) translation (mm) and rotation (deg) still to do."""
-    err = np.sqrt(remaining[0] * remaining[0] + (MM_PER_DEG * remaining[1]) ** 2).sum()
-    return float(min(max(1.0 - err / max(need.sum(), 1e-9), 0.0), 1.0))
+    (2, 28) translation (mm) and rotation (deg) still to do and the summed need (mm-equivalent)."""
+    err = float(np.hypot(remaining[0], MM_PER_DEG * remaining[1]).sum())
+    return min(max(1.0 - err / max(need_mm, 1e-9), 0.0), 1.0)
 
 
 __all__ = ["MAX_ROLLBACKS", "TASK_IDS", "SessionStore", "StepwiseDentalEnvironment", "validate_poses"]

@@ -249,4 +249,7 @@ _ROTATION_BANDS: tuple[np.ndarray, np.ndarray, np.ndarray] = (
 def occlusion_composite(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
     """Weighted six-keys composite in [0, 1], shape (...,)."""
     keys = six_keys(poses, target, width_mm)
-    return sum(OCCLUSION_WEIGHTS[k] * v for k, v in keys.items())
+    return np.stack([keys[k] for k in OCCLUSION_WEIGHTS], axis=-1) @ _WEIGHT_VECTOR
+
+
+_WEIGHT_VECTOR = np.array(list(OCCLUSION_WEIGHTS.values()))
