@@ -278,11 +278,10 @@ def _widths_from_contacts(xy: np.ndarray) -> np.ndarray:
     Central incisors span the midline contact; each next tooth takes twice the
     centroid distance to its mesial neighbour minus that neighbour's width.
     """
-    width = np.zeros(N_TEETH)
+    width = np.empty(N_TEETH)
     dist = np.sqrt(np.sum((xy[_CONTACT_B] - xy[_CONTACT_A]) ** 2, axis=-1))  # (4, 7)
-    width[_CONTACT_B[:, 0]] = dist[:, 0]
-    for k in range(1, 7):
-        width[_CONTACT_B[:, k]] = 2 * dist[:, k] - width[_CONTACT_B[:, k - 1]]
+    # w_0 = d_0, w_k = 2 d_k - w_(k-1): an alternating sum, one product per half arch
+    width[_CONTACT_B] = dist @ _ALTERNATING.T
     return width
 
 
@@ -300,3 +299,7 @@ _CONTACT_A: np.ndarray = np.concatenate(
     axis=1,
 )
 """(4, 7) the mesial neighbour of each tooth in _CONTACT_B (the other central for a central)."""
+_ALTERNATING: np.ndarray = (
+    np.tril((-1.0) ** np.subtract.outer(np.arange(7), np.arange(7))) * np.r_[1.0, np.full(6, 2.0)]
+)
+"""(7, 7) w = _ALTERNATING @ d solves w_0 = d_0, w_k = 2 d_k - w_(k-1)."""
