@@ -19,7 +19,9 @@ rewards (:mod:`orthojob.rewards`) called by TRL itself:
   :func:`orthojob.gate.write_gate` records. No gate file is written any other way.
 * Data parallel: launch with ``torchrun --nproc_per_node N -m orthojob.cli train ...`` (on CPU
   ``accelerate launch --cpu --num_processes 2`` silently runs one process). Only rank 0 writes
-  files; every rank ends with ``destroy_process_group``.
+  files; every rank ends with ``destroy_process_group``. A resumed run resumes on every rank
+  from the same checkpoint (with ``--out s3://...`` the first rank of each node downloads it,
+  the others reuse the verified copy).
 
 Files in ``--out``: the adapter (or model) and tokenizer, ``completions.jsonl`` (every completion
 with its step, case and rewards: the input of ``--analyze``), ``train_log.json`` (TRL's
@@ -931,10 +933,12 @@ def _tracked_train(args, config: GRPOJobConfig, main_rank: bool, say) -> int:
             sync_to = out_uri
             config.out = str(mlops.local_work_dir(out_uri))
             say(f"[grpo] training in {config.out}; checkpoints and the result go to {out_uri}")
-        resume = mlops.resume_checkpoint(out_uri, Path(config.out)) if main_rank else None
+        # every rank resumes from the same checkpoint: the first rank of each node downloads
+        # it, the others find the verified copy (storage.download_dir takes turns on a lock)
+        resume = mlops.resume_checkpoint(out_uri, Path(config.out))
         if resume is not None:
             step, _folder = resume
-            say(f"[grpo] resuming from checkpoint-{step} of {out_uri}")
+            print(f"[grpo] rank {os.environ.get('RANK', '0')}: resuming from checkpoint-{step} of {out_uri}")
             _tag("orthorl.resumed_from", f"checkpoint-{step}")
         try:
             result = train(config, sync_to=sync_to, resume_from=str(resume[1]) if resume else None)

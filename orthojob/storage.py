@@ -15,6 +15,7 @@ ever loaded, gated or promoted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -206,7 +207,12 @@ def read_manifest(uri: str, client: Any | None = None) -> dict | None:
 
 
 def download_dir(uri: str, local: str | Path, client: Any | None = None) -> Path:
-    """Download an uploaded folder and verify every file's sha256 against its manifest."""
+    """Download an uploaded folder and verify every file's sha256 against its manifest.
+
+    Processes downloading into the same folder at once (the ranks of one node) take turns
+    on a lock file beside it, and a folder already there whose files all match the
+    manifest is kept as it is: the first process downloads, the others verify and reuse.
+    """
     loc = parse_s3_uri(uri)
     client = client or s3_client()
     manifest = read_manifest(uri, client)
@@ -216,27 +222,57 @@ def download_dir(uri: str, local: str | Path, client: Any | None = None) -> Path
             "finish. Check the URI, or re-run the stage that writes it."
         )
     local = Path(local)
-    tmp = local.with_name(local.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    for rel, meta in manifest["files"].items():
-        dest = tmp / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with_retries(
-            f"download {rel} from {loc.uri}",
-            lambda d=dest, r=rel: client.download_file(loc.bucket, loc.key(r), str(d)),
-        )
-        digest = sha256_file(dest)
-        if digest != meta["sha256"]:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise StorageError(
-                f"{loc.uri}/{rel}: sha256 {digest[:12]}… does not match the manifest's "
-                f"{meta['sha256'][:12]}…; the object is corrupt or was changed after upload"
-            )
-    shutil.rmtree(local, ignore_errors=True)
     local.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(local)
+    with _folder_lock(local):
+        if _matches_manifest(local, manifest):
+            log.info("%s already holds %s (digests match): not downloading again", local, loc.uri)
+            return local
+        tmp = local.with_name(local.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        for rel, meta in manifest["files"].items():
+            dest = tmp / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with_retries(
+                f"download {rel} from {loc.uri}",
+                lambda d=dest, r=rel: client.download_file(loc.bucket, loc.key(r), str(d)),
+            )
+            digest = sha256_file(dest)
+            if digest != meta["sha256"]:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise StorageError(
+                    f"{loc.uri}/{rel}: sha256 {digest[:12]}… does not match the manifest's "
+                    f"{meta['sha256'][:12]}…; the object is corrupt or was changed after upload"
+                )
+        shutil.rmtree(local, ignore_errors=True)
+        tmp.rename(local)
     log.info("downloaded and verified %d files from %s", len(manifest["files"]), loc.uri)
     return local
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock held while ``folder`` is filled: flock on a file in the temporary
+    directory named by the folder's absolute path (not beside it, where it would be published)."""
+    import fcntl
+    import tempfile
+
+    locks = Path(tempfile.gettempdir()) / "orthorl-locks"
+    locks.mkdir(exist_ok=True)
+    name = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:32]
+    with open(locks / f"{name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _matches_manifest(folder: Path, manifest: dict) -> bool:
+    """Whether every file of ``manifest`` is in ``folder`` with its sha256."""
+    return folder.is_dir() and all(
+        (folder / rel).is_file() and sha256_file(folder / rel) == meta["sha256"]
+        for rel, meta in manifest["files"].items()
+    )
 
 
 def latest_checkpoint(uri: str, client: Any | None = None) -> tuple[int, str] | None:

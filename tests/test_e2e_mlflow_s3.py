@@ -322,6 +322,56 @@ def test_resume_after_sigterm(services, env, tiny, tmp_path):
     assert [r["step"] for r in json.loads(train_log.read_text()) if "reward" in r] == list(range(1, 9))
 
 
+def test_two_ranks_resume_from_s3_on_every_rank(services, env, tiny, tmp_path):
+    """Data parallel (torchrun, 2 ranks): a rerun with the same --out resumes on both ranks from
+    the synced checkpoint; one rank downloads it, the other reuses the verified copy."""
+    _, server = services
+    out = f"s3://{BUCKET}/ddp-resume/grpo"
+    pythonpath = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+
+    def torchrun(steps: int, pod: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "orthojob.cli", *train_args(tiny, out, steps, "--save-steps", "1", "--skip-sft-gate")]  # fmt: skip
+        run_env = {**env, "PYTHONPATH": pythonpath, "ORTHORL_WORK_DIR": str(tmp_path / pod),
+                   "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+        proc = subprocess.Popen(cmd, env=run_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)  # fmt: skip
+        try:
+            stdout, _ = proc.communicate(timeout=400)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, _ = proc.communicate()
+            pytest.fail(f"2-rank training hung (killed after 400 s):\n{stdout[-5000:]}")
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, "")
+
+    def trained(run: subprocess.CompletedProcess) -> bool:
+        """Finished: exit 0, or only rank 0 exiting 12 because the random tiny model fails the
+        GRPO gate (torchrun then exits 1)."""
+        gate_failed = "GRPO gate: FAILED" in run.stdout and run.stdout.count("exitcode  :") == 1
+        return run.returncode == 0 or (gate_failed and "exitcode  : 12" in run.stdout)
+
+    first = torchrun(2, "pod1")
+    assert trained(first), first.stdout[-5000:]
+    assert storage.latest_checkpoint(out)[0] == 2
+    second = torchrun(3, "pod2")  # a new pod: nothing local, everything from the bucket
+    assert trained(second), second.stdout[-5000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: resuming from checkpoint-2 of {out}" in second.stdout, second.stdout[-5000:]
+    assert storage.latest_checkpoint(out)[0] == 3
+    local = tmp_path / "pod2" / BUCKET / "ddp-resume" / "grpo"
+    assert sorted(p.name for p in local.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert not list(local.glob("*.partial")) and not list(local.glob("*.lock"))
+
+    client = mlflow.tracking.MlflowClient(server.uri)
+    runs = [r for r in run_by_stage(client, "e2e", "grpo") if r.data.params.get("cli.out") == out]
+    resumed = max(runs, key=lambda r: r.info.start_time)
+    assert resumed.data.tags["orthorl.resumed_from"] == "checkpoint-2"
+    history = client.get_metric_history(resumed.info.run_id, "rewards/reward_terminal/mean")
+    assert [m.step for m in history] == [3]  # one step on top of the two already done
+    state = json.loads((local / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+
+
 # --- faults ----------------------------------------------------------------------------------------
 
 
