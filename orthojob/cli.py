@@ -9,6 +9,10 @@ orthojob evaluate --checkpoint DIR [--baselines]   # a checkpoint and/or the bas
 orthojob evaluate --baselines            # oracle, uniform SLERP, do-nothing on held-out seeds
 orthojob tiny-model --out DIR            # a tiny offline Qwen2-architecture model + tokenizer
 
+Every DIR may be an ``s3://bucket/prefix`` URI: inputs are downloaded and verified against their
+manifest, outputs (sft --out, a gated s3:// checkpoint) are published with a new manifest. A storage
+failure exits 30.
+
 Gate refusals (orthojob train's pre-flight, orthojob gate --check) exit with: 10 gate file missing,
 11 gate file unreadable or inconsistent, 12 gate says failed, 13 checkpoint changed since its gate
 (digest mismatch). orthojob gate, train and pipeline exit 12 too when the checkpoint they evaluated fails its gate.
@@ -23,10 +27,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from orthojob import storage
 from orthojob.k8s import add_k8s_arguments
 from server.cases import TASK_IDS
 
 EXIT_USAGE = 2
+EXIT_STORAGE = 30
+"""An s3:// input or output failed for good (= orthojob.mlops.EXIT_STORAGE)."""
 EXIT_GATE_FAILED = 12
 """orthojob gate / train / pipeline: a checkpoint was evaluated and failed its gate (= orthojob.gate.EXIT_GATE_FAILED)."""
 
@@ -60,11 +67,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     if args.checkpoint:
-        if not Path(args.checkpoint).is_dir():
-            print(f"orthojob evaluate: checkpoint folder {args.checkpoint} does not exist", file=sys.stderr)
+        checkpoint = _input_folder(args.checkpoint, "evaluate")
+        if checkpoint is None:
             return EXIT_USAGE
         report = evaluate_checkpoint(
-            args.checkpoint,
+            str(checkpoint),
             args.task_id,
             args.seeds,
             force_decay=args.force_decay,
@@ -103,7 +110,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
     if args.check:
         try:
-            gate.check_gate(args.check)
+            checked = _input_folder(args.check, "gate --check", must_exist=False)
+            gate.check_gate(checked)
         except gate.GateError as exc:
             print(f"orthojob gate --check: {exc.message}", file=sys.stderr)
             return exc.exit_code
@@ -115,8 +123,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    if not Path(args.checkpoint).is_dir():
-        print(f"orthojob gate: checkpoint folder {args.checkpoint} does not exist", file=sys.stderr)
+    checkpoint = _input_folder(args.checkpoint, "gate")
+    if checkpoint is None:
         return EXIT_USAGE
     limits = gate.thresholds_for(args.stage)
     changes = {
@@ -126,7 +134,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     }
     limits = limits.replace(**changes)
     report = gate.evaluate_checkpoint(
-        args.checkpoint,
+        str(checkpoint),
         n_seeds=args.seeds,
         task_id=args.task_id,
         force_decay=args.force_decay,
@@ -135,10 +143,26 @@ def cmd_gate(args: argparse.Namespace) -> int:
         stage=args.stage,
         thresholds=limits,
     )
-    content = gate.write_gate(args.checkpoint, report)
+    content = gate.write_gate(str(checkpoint), report)
     print(gate.format_gate(content))
-    print(f"wrote {gate.gate_path(args.checkpoint)}")
+    print(f"wrote {gate.gate_path(checkpoint)}")
+    if storage.is_s3_uri(args.checkpoint):  # the gate file lives with the checkpoint: publish both again
+        storage.publish(checkpoint, args.checkpoint)
+        print(f"published {args.checkpoint} with its gate file")
     return 0 if content["passed"] else EXIT_GATE_FAILED
+
+
+def _input_folder(path_or_uri: str, command: str, must_exist: bool = True) -> Path | None:
+    """A stage's input folder (an ``s3://`` URI is downloaded and verified); None, with the
+    reason printed, when a local folder does not exist and ``must_exist``."""
+    from orthojob.mlops import local_input
+
+    if storage.is_s3_uri(path_or_uri):
+        return local_input(path_or_uri, lambda m: print(f"[{command.split()[0]}] {m}"))
+    if must_exist and not Path(path_or_uri).is_dir():
+        print(f"orthojob {command}: checkpoint folder {path_or_uri} does not exist", file=sys.stderr)
+        return None
+    return Path(path_or_uri)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -188,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     ev = sub.add_parser("evaluate", help="evaluate baselines (and checkpoints) on held-out seeds")
-    ev.add_argument("--checkpoint", help="a checkpoint folder (full model or LoRA adapter) to evaluate")
+    ev.add_argument(
+        "--checkpoint", help="a checkpoint folder or s3:// URI (full model or LoRA adapter) to evaluate"
+    )
     ev.add_argument("--baselines", action="store_true", help="oracle, uniform SLERP and do-nothing")
     ev.add_argument(
         "--max-new-tokens", type=positive_int, default=512, help="completion budget (default 512)"
@@ -218,8 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="evaluate a checkpoint on held-out seeds and write its gate_passed.json",
         epilog=f"exit codes: 0 passed; {EXIT_GATE_FAILED} evaluated and failed; with --check: {refusals}",
     )
-    ga.add_argument("--checkpoint", help="checkpoint folder to evaluate")
-    ga.add_argument("--check", metavar="DIR", help="only check DIR's gate file (GRPO's pre-flight)")
+    ga.add_argument(
+        "--checkpoint",
+        help="checkpoint folder or s3:// URI to evaluate (an s3:// one is published again with its gate)",
+    )
+    ga.add_argument(
+        "--check", metavar="DIR", help="only check DIR's (or an s3:// URI's) gate file (GRPO's pre-flight)"
+    )
     ga.add_argument("--stage", default="sft0", help="sft0 (format gate, default) or grpo (quality gate)")
     ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
     ga.add_argument("--seeds", type=positive_int, default=50, help="held-out seeds per task (default 50)")
@@ -288,9 +319,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     stage = TRACKED_STAGES.get(args.command)
-    if stage is None or getattr(args, "check", None) or getattr(args, "show", False):
-        return int(args.func(args) or 0)
-    return _tracked(stage, args)
+    try:
+        if stage is None or getattr(args, "check", None) or getattr(args, "show", False):
+            return int(args.func(args) or 0)
+        return _tracked(stage, args)
+    except storage.StorageError as exc:
+        from orthojob.tracking import redact
+
+        print(f"orthojob {args.command}: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_STORAGE
 
 
 TRACKED_STAGES: dict[str, str] = {"sft": "sft0", "gate": "gate", "evaluate": "evaluate"}

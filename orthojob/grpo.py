@@ -919,10 +919,10 @@ def _tracked_train(args, config: GRPOJobConfig, main_rank: bool, say) -> int:
             mlflow.enable_system_metrics_logging()
         run_ctx = tracking.stage_run("grpo", params=params)
     with run_ctx, mlops.sigterm_as_exit():
-        cache = Path(os.environ.get("ORTHORL_WORK_DIR") or ".orthorl-work") / ".downloads"
         if config.from_checkpoint and storage.is_s3_uri(config.from_checkpoint):
-            say(f"[grpo] downloading {config.from_checkpoint} (digests checked)")
-            config.from_checkpoint = str(storage.materialize(config.from_checkpoint, cache))
+            config.from_checkpoint = str(
+                mlops.local_input(config.from_checkpoint, lambda m: say(f"[grpo] {m}"))
+            )
         code = _check_sft_gate(config, say)
         if code is not None:
             _tag("orthorl.refused", f"SFT gate exit {code}")

@@ -25,7 +25,7 @@ import os
 import re
 import signal
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,19 @@ def local_work_dir(out: str) -> Path:
     loc = storage.parse_s3_uri(out)
     root = Path(os.environ.get("ORTHORL_WORK_DIR") or ".orthorl-work")
     return root / loc.bucket / (loc.prefix or "_root")
+
+
+def download_cache() -> Path:
+    """Where ``s3://`` inputs (checkpoints, base models) are downloaded and verified."""
+    return Path(os.environ.get("ORTHORL_WORK_DIR") or ".orthorl-work") / ".downloads"
+
+
+def local_input(path_or_uri: str, say: Callable[[str], Any] = print) -> Path:
+    """A local folder for a stage's input: the folder itself, or a verified download of an
+    ``s3://`` URI into :func:`download_cache` (reused when its digests still match)."""
+    if storage.is_s3_uri(path_or_uri):
+        say(f"downloading {path_or_uri} (digests checked)")
+    return storage.materialize(path_or_uri, download_cache())
 
 
 def checkpoint_sync_callback(out_uri: str) -> Any:

@@ -207,8 +207,8 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     s = argparse.SUPPRESS
     p = parser.add_argument
     p("--preset", default=s, help="take the SFT settings of a pipeline preset (tiny-cpu, qwen2.5-3b)")
-    p("--model", default=s, help=f"model id or folder, or 'tiny' (default {d.model})")
-    p("--out", default=s, help=f"output folder (default {d.out})")
+    p("--model", default=s, help=f"model id, folder or s3:// URI, or 'tiny' (default {d.model})")
+    p("--out", default=s, help=f"output folder or s3:// URI (default {d.out})")
     p(
         "--task-id",
         dest="task_ids",
@@ -271,12 +271,24 @@ def run_sft_cli(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    from orthojob import mlops, storage
+
+    destination = config.out
+    if storage.is_s3_uri(config.out):  # train in a local work folder, publish when done
+        storage.parse_s3_uri(config.out)
+        config = dataclasses.replace(config, out=str(mlops.local_work_dir(config.out)))
+    if storage.is_s3_uri(config.model):
+        config = dataclasses.replace(
+            config, model=str(mlops.local_input(config.model, lambda m: print(f"[sft] {m}")))
+        )
     summary = run_sft(config)
+    if destination != config.out:
+        storage.publish(config.out, destination)
     print(
         f"[sft] {summary['steps']} steps on {summary['examples']} oracle demonstrations in "
         f"{summary['train_seconds']:.0f} s ({summary['seconds_per_step']:.2f} s/step); loss "
-        f"{summary['first_loss']} -> {summary['final_loss']}; saved to {config.out}\n"
-        f"[sft] next: orthojob gate --checkpoint {config.out} --stage sft0"
+        f"{summary['first_loss']} -> {summary['final_loss']}; saved to {destination}\n"
+        f"[sft] next: orthojob gate --checkpoint {destination} --stage sft0"
     )
     return 0
 

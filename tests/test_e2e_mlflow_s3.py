@@ -442,6 +442,45 @@ def test_corrupt_s3_checkpoint_is_refused(services, env, tiny, tmp_path):
     assert res.returncode == 30 and "does not match the manifest" in res.stderr, res.stderr[-2000:]
 
 
+def test_standalone_stages_read_and_write_s3(services, env, tiny, tmp_path):
+    """sft --out, gate --checkpoint / --check and evaluate --checkpoint take s3:// URIs."""
+    s3, _ = services
+    uri = f"s3://{BUCKET}/solo/sft0"
+    sft = orthojob(["sft", "--model", str(tiny), "--lora-r", "0", "--steps", "2", "--examples", "8",
+                    "--out", uri], env)  # fmt: skip
+    assert sft.returncode == 0, sft.stdout[-2000:] + sft.stderr[-2000:]
+    published = keys_under(s3, "solo/sft0/")
+    assert {"MANIFEST.json", "config.json", "model.safetensors", "sft_log.json"} <= published
+    assert not any(k.startswith("checkpoint-") for k in published)
+
+    refused = orthojob(["gate", "--check", uri], env)  # no gate file yet
+    assert refused.returncode == 10, refused.stderr[-2000:]
+    gate = orthojob(["gate", "--checkpoint", uri, "--seeds", "2", "--max-new-tokens", "16",
+                     "--min-parse-rate", "0", "--min-format-reward", "0"], env)  # fmt: skip
+    assert gate.returncode == 0, gate.stdout[-2000:] + gate.stderr[-2000:]
+    manifest = json.loads(
+        s3_client(s3).get_object(Bucket=BUCKET, Key="solo/sft0/MANIFEST.json")["Body"].read()
+    )
+    assert "gate_passed.json" in manifest["files"]  # published again, with the gate in the manifest
+    fresh = {**env, "ORTHORL_WORK_DIR": str(tmp_path / "other-pod")}  # nothing cached: a download
+    checked = orthojob(["gate", "--check", uri], fresh)
+    assert checked.returncode == 0 and "passed, digest matches" in checked.stdout, checked.stderr[-2000:]
+
+    report = tmp_path / "eval.json"
+    evaluated = orthojob(["evaluate", "--checkpoint", uri, "--task-id", "task_easy", "--seeds", "1",
+                          "--max-new-tokens", "16", "--out", str(report)], fresh)  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert json.loads(report.read_text())["checkpoint"] == uri
+
+    s3_client(s3).put_object(Bucket=BUCKET, Key="solo/sft0/config.json", Body=b"{}")
+    corrupt = orthojob(["gate", "--check", uri], {**env, "ORTHORL_WORK_DIR": str(tmp_path / "third-pod")})
+    assert corrupt.returncode == 30 and "does not match the manifest" in corrupt.stderr, corrupt.stderr[
+        -2000:
+    ]
+    missing = orthojob(["evaluate", "--checkpoint", f"s3://{BUCKET}/solo/nothing-here"], env)
+    assert missing.returncode == 30 and "has no MANIFEST.json" in missing.stderr, missing.stderr[-2000:]
+
+
 class _FlakyClient:
     """An S3 client whose uploads fail (connection outage) ``failures`` times, then work."""
 
