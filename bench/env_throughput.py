@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 
-from server.cases import TASK_IDS, _generate, generate_case
+from server.cases import TASK_IDS, clear_case_cache, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
 from server.oracle import oracle_plan
@@ -70,7 +70,7 @@ def cold_and_cached(
     seeds = list(range(n))
     trajectories = {s: slerp_trajectory(s, task, force_decay) for s in seeds}
     stepwise(env, seeds[:20], trajectories, task, force_decay)  # warm-up
-    _generate.cache_clear()
+    clear_case_cache()
     cold = stepwise(env, seeds, trajectories, task, force_decay)
     return cold, stepwise(env, seeds, trajectories, task, force_decay)
 
@@ -90,7 +90,7 @@ def main() -> None:
             print(f"  {task:<12} {dynamics:<12} cold cases {cold:4.0f}, cached cases {warm:4.0f}")
 
     for task in TASK_IDS:
-        _generate.cache_clear()
+        clear_case_cache()
         t0 = time.perf_counter()
         for s in range(200):
             generate_case(task, 10_000 + s)

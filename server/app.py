@@ -19,14 +19,14 @@ From openenv-core (kept as they are; the first matching route wins, so none is r
 The project's own routes, keyed by ``episode_id``:
 
 * ``GET /tasks``
-* ``POST /episodes`` (body ``task_id``, ``seed``, ``force_decay``) -> observation
+* ``POST /episodes`` (body ``task_id``, ``seed``, ``force_decay``, ``non_compliance``) -> observation
 * ``GET /episodes/{episode_id}`` -> current observation, no change
 * ``POST /episodes/{episode_id}/step`` (body ``poses`` 28x7, optional ``strategy``)
 * ``POST /episodes/{episode_id}/simulate`` (body ``poses``) -> observation, no change
 * ``POST /episodes/{episode_id}/rollback`` -> observation (at most 2 per episode)
 * ``POST /episodes/{episode_id}/collisions`` (optional body ``poses``; default the current stage)
 * ``GET /episodes/{episode_id}/teeth/{tooth_id}`` (FDI id)
-* ``POST /plans/score`` (body ``plan``, ``task_id``, ``seed``, ``force_decay``)
+* ``POST /plans/score`` (body ``plan``, ``task_id``, ``seed``, ``force_decay``, ``non_compliance``)
 
 Errors are JSON ``{"detail": ...}`` naming the problem: validation and refused actions 422,
 unknown or expired episodes 404, a step without an episode 409, oversized bodies 413.
@@ -294,7 +294,7 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
             raise RequestRejectedError(
                 "invalid reset parameters: "
                 + describe_validation_errors(exc.errors())
-                + " (accepted: task_id, seed, force_decay, episode_id)"
+                + " (accepted: task_id, seed, force_decay, non_compliance, episode_id)"
             ) from None
         if params.episode_id is not None and params.episode_id != self._episode_id:
             self._refuse_live_episode_id(params.episode_id)
@@ -303,6 +303,7 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
             seed=params.seed,
             force_decay=params.force_decay,
             episode_id=params.episode_id,
+            non_compliance=params.non_compliance,
         )
         self._release()
         self._episode_id = obs["episode_id"]
@@ -333,6 +334,7 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
             task_id=obs["task_id"],
             seed=int(obs["seed"]),
             force_decay=bool(obs["force_decay"]),
+            non_compliance=bool(obs["non_compliance"]),
             current_stage=int(obs["current_stage"]),
             done=bool(obs["done"]),
         )
@@ -613,7 +615,12 @@ def build_app(
         request: Annotated[EpisodeResetRequest, Body(default_factory=EpisodeResetRequest)],
     ) -> JSONResponse:
         return respond(
-            store.reset(task_id=request.task_id, seed=request.seed, force_decay=request.force_decay)
+            store.reset(
+                task_id=request.task_id,
+                seed=request.seed,
+                force_decay=request.force_decay,
+                non_compliance=request.non_compliance,
+            )
         )
 
     @app.get(
@@ -692,7 +699,11 @@ def build_app(
     def score_plan(request: PlanScoreRequest) -> JSONResponse:
         return respond(
             store.score_plan(
-                request.plan, task_id=request.task_id, seed=request.seed, force_decay=request.force_decay
+                request.plan,
+                task_id=request.task_id,
+                seed=request.seed,
+                force_decay=request.force_decay,
+                non_compliance=request.non_compliance,
             )
         )
 

@@ -1,7 +1,8 @@
-"""Cases: ``(task_id, seed, force_decay)`` -> initial and target configurations.
+"""Cases: ``(task_id, seed, force_decay, non_compliance)`` -> initial and target configurations.
 
-Seeded with ``numpy.random.default_rng([seed, task_index])`` (PCG64), so a triple gives
-bit-identical arrays in every process. The target is an ideal Class I arch
+Seeded with ``numpy.random.default_rng([seed, task_index])`` (PCG64), so ``(task_id, seed)``
+gives bit-identical arrays in every process, whatever the dynamics and compliance options (the
+non-compliance schedule has a stream of its own, :mod:`server.compliance`). The target is an ideal Class I arch
 (:mod:`server.arch`); the initial is the target with the malocclusion of one
 clinical profile (two on ``task_hard``), made penetration-free (crowded teeth are
 pushed buccolingually, never overlapped) and feasible (every tooth within
@@ -11,7 +12,7 @@ uniform SLERP over 24 stages respects the per-stage limits).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -26,6 +27,7 @@ from server.clinical_profiles import (
     Displacement,
 )
 from server.collisions import COLLISION_TOLERANCE_MM, mesiodistal_axis_xy, penetration_mm
+from server.compliance import COMPLIANCE_TASKS, compliance_schedule
 from server.dental_constants import (
     ADJACENT_PAIRS,
     FEASIBLE_ROTATION_DEG,
@@ -83,6 +85,17 @@ class Case:
     crown_width_mm: np.ndarray
     crown_depth_mm: np.ndarray
     summary: dict = field(repr=False)
+    wear: np.ndarray | None = field(default=None, repr=False)
+    """(24, 28) compliance schedule (:mod:`server.compliance`) when non-compliance is on."""
+
+    @property
+    def non_compliance(self) -> bool:
+        return self.wear is not None
+
+    @property
+    def follows_plan(self) -> bool:
+        """Whether the achieved poses are the aligners' (ideal dynamics, full wear)."""
+        return not self.force_decay and self.wear is None
 
 
 def _apply(target: np.ndarray, d: Displacement) -> np.ndarray:
@@ -164,7 +177,17 @@ def _task_index(task_id: str) -> int:
 
 
 @lru_cache(maxsize=CASE_CACHE_SIZE)
-def _generate(task_id: str, seed: int, force_decay: bool) -> Case:
+def _generate(task_id: str, seed: int, force_decay: bool, non_compliance: bool) -> Case:
+    case = _geometry(task_id, seed)
+    if not force_decay and not non_compliance:
+        return case
+    wear = compliance_schedule(seed, _task_index(task_id)) if non_compliance else None
+    return replace(case, force_decay=force_decay, wear=wear)
+
+
+@lru_cache(maxsize=CASE_CACHE_SIZE)
+def _geometry(task_id: str, seed: int) -> Case:
+    """The case with ideal dynamics and full wear (the other options share its geometry)."""
     rng = np.random.default_rng([seed, _task_index(task_id)])
     arch = build_ideal_arch(ArchParameters.sample(rng))
     target = arch.poses
@@ -189,7 +212,7 @@ def _generate(task_id: str, seed: int, force_decay: bool) -> Case:
     return Case(
         task_id=task_id,
         seed=seed,
-        force_decay=force_decay,
+        force_decay=False,
         profile=profile,
         secondary_profile=secondary,
         optimal_strategy=OPTIMAL_STRATEGY[profile],
@@ -201,10 +224,23 @@ def _generate(task_id: str, seed: int, force_decay: bool) -> Case:
     )
 
 
-def generate_case(task_id: str, seed: int, force_decay: bool = False) -> Case:
-    """The case of ``(task_id, seed, force_decay)``; cached (LRU, CASE_CACHE_SIZE), read-only arrays."""
+def generate_case(task_id: str, seed: int, force_decay: bool = False, non_compliance: bool = False) -> Case:
+    """The case of ``(task_id, seed, force_decay, non_compliance)``; cached (LRU, CASE_CACHE_SIZE),
+    read-only arrays. ``non_compliance`` (missed and partial wear, a lost attachment) is an option
+    of task_hard only (:mod:`server.compliance`)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise InvalidActionError(f"seed must be an integer, got {seed!r}")
     if not 0 <= int(seed) < 2**63:
         raise InvalidActionError(f"seed must be in [0, 2**63), got {seed}")
-    return _generate(task_id, int(seed), bool(force_decay))
+    if non_compliance and task_id not in COMPLIANCE_TASKS:
+        raise InvalidActionError(
+            f"non_compliance is an option of {', '.join(COMPLIANCE_TASKS)} only, not of {task_id!r}: "
+            "drop it or use task_hard"
+        )
+    return _generate(task_id, int(seed), bool(force_decay), bool(non_compliance))
+
+
+def clear_case_cache() -> None:
+    """Forget every cached case (benchmarks of the cold path; tests that corrupt one)."""
+    _generate.cache_clear()
+    _geometry.cache_clear()

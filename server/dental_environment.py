@@ -2,11 +2,13 @@
 
 Contract (Gymnasium-like, keyed by episode):
 
-* ``reset(task_id, seed, force_decay, episode_id) -> observation`` starts an episode
+* ``reset(task_id, seed, force_decay, episode_id, non_compliance) -> observation`` starts an episode
   at stage 0 (the initial configuration).
 * ``step(episode_id, poses, strategy=None) -> observation`` wears the next aligner:
   ``poses`` (28 x 7, ``[qw, qx, qy, qz, tx, ty, tz]``, mm) is its shape. Under ideal
-  dynamics the teeth reach it; under force decay they lag (:mod:`server.dynamics`).
+  dynamics the teeth reach it; under force decay they lag (:mod:`server.dynamics`); with
+  non-compliance (task_hard) a stage may be worn only in part (:mod:`server.compliance`,
+  seeded with the case, so a rollback never re-rolls it).
   After stage 24 the episode is done and the observation carries the terminal
   reward and every scoring component (:mod:`server.scoring`).
 * Tools: ``inspect_tooth``, ``simulate_step`` (no state change), ``check_collisions``,
@@ -15,7 +17,7 @@ Contract (Gymnasium-like, keyed by episode):
 * Plans: ``score_plan`` / ``score_plans`` score whole treatment plans
   (:mod:`server.treatment`), vectorised.
 
-Observation (JSON-safe dict): ``episode_id, task_id, seed, force_decay,
+Observation (JSON-safe dict): ``episode_id, task_id, seed, force_decay, non_compliance,
 current_stage, stages_remaining, initial_config, current_config, target_config,
 per_tooth_progress {translation, rotation} (28 shares in [0, 1]), case_summary,
 step_reward, reward_breakdown, terminal_reward (None until done), done,
@@ -62,7 +64,7 @@ from server.dental_constants import (
     TOOTH_IDS,
     TOOTH_INDEX,
 )
-from server.dynamics import express_stage
+from server.dynamics import apply_wear, express_stage
 from server.errors import InvalidActionError, UnknownEpisodeError
 from server.quaternion_utils import quaternion_angle, vector_norm
 from server.scoring import StageMeasures, limit_ratio, pdl_stress_kpa, score_episodes
@@ -142,8 +144,8 @@ def _check_strategy(strategy: object) -> str | None:
 
 PAIR_INCREMENT, PAIR_REMAINING, PAIR_MISMATCH, PAIR_ACHIEVED = range(4)
 """Rows of Session.distances: aligner s vs aligner s-1; achieved s vs target; aligner s vs
-achieved s-1 (insertion mismatch); achieved s vs achieved s-1. Under ideal dynamics only
-the first two are measured (the others equal the increment)."""
+achieved s-1 (insertion mismatch); achieved s vs achieved s-1. When the teeth follow the plan
+(ideal dynamics, full wear) only the first two are measured (the others equal the increment)."""
 
 
 @dataclass
@@ -176,8 +178,9 @@ class Session:
     def stage_measures(self) -> StageMeasures:
         """The StageMeasures of stages 1..24 as a batch of one (for server.scoring)."""
         d = self.distances[None, 1:]
-        mis = d[:, :, :, PAIR_MISMATCH] if self.case.force_decay else d[:, :, :, PAIR_INCREMENT]
-        ach = d[:, :, :, PAIR_ACHIEVED] if self.case.force_decay else d[:, :, :, PAIR_INCREMENT]
+        lag = not self.case.follows_plan
+        mis = d[:, :, :, PAIR_MISMATCH] if lag else d[:, :, :, PAIR_INCREMENT]
+        ach = d[:, :, :, PAIR_ACHIEVED] if lag else d[:, :, :, PAIR_INCREMENT]
         return StageMeasures(
             inc_t=d[:, :, 0, PAIR_INCREMENT],
             inc_r=d[:, :, 1, PAIR_INCREMENT],
@@ -280,21 +283,27 @@ class StepwiseDentalEnvironment:
         seed: int | None = None,
         force_decay: bool | None = None,
         episode_id: str | None = None,
+        non_compliance: bool | None = None,
     ) -> dict:
         """Start an episode and return its stage-0 observation.
 
-        ``seed=None`` draws one; ``force_decay=None`` means False; ``episode_id=None``
+        ``seed=None`` draws one; ``force_decay=None`` and ``non_compliance=None`` mean False
+        (non-compliance is a task_hard option, :mod:`server.compliance`); ``episode_id=None``
         makes a uuid4 (a given id replaces any live episode of that id).
         """
         if seed is None:
             seed = int(np.random.default_rng().integers(2**31))
         if force_decay is not None and not isinstance(force_decay, (bool, np.bool_)):
             raise InvalidActionError(f"force_decay must be true, false or null, got {force_decay!r:.40}")
+        if non_compliance is not None and not isinstance(non_compliance, (bool, np.bool_)):
+            raise InvalidActionError(
+                f"non_compliance must be true, false or null, got {non_compliance!r:.40}"
+            )
         if episode_id is None:
             episode_id = uuid.uuid4().hex
         elif not isinstance(episode_id, str) or not 0 < len(episode_id) <= 128:
             raise InvalidActionError("episode_id must be a non-empty string of at most 128 characters")
-        case = generate_case(task_id, seed, bool(force_decay))
+        case = generate_case(task_id, seed, bool(force_decay), bool(non_compliance))
         planned = np.empty((N_STAGES + 1, N_TEETH, POSE_DIM))
         planned[0] = case.initial
         achieved = planned.copy()
@@ -411,13 +420,18 @@ class StepwiseDentalEnvironment:
     # --- plans ------------------------------------------------------------------
 
     def score_plan(
-        self, plan: object, task_id: str = "task_easy", seed: int = 0, force_decay: bool = False
+        self,
+        plan: object,
+        task_id: str = "task_easy",
+        seed: int = 0,
+        force_decay: bool = False,
+        non_compliance: bool = False,
     ) -> dict:
         """Score one whole treatment plan (a dict, or its JSON text) for a case."""
-        return self.score_plans([plan], [(task_id, seed, force_decay)])[0]
+        return self.score_plans([plan], [(task_id, seed, force_decay, non_compliance)])[0]
 
-    def score_plans(self, plans: Sequence[object], cases: Sequence[tuple[str, int, bool]]) -> list[dict]:
-        """Score many plans, one case ``(task_id, seed, force_decay)`` each, vectorised."""
+    def score_plans(self, plans: Sequence[object], cases: Sequence[tuple]) -> list[dict]:
+        """Score many plans, one case ``(task_id, seed, force_decay[, non_compliance])`` each, vectorised."""
         if len(plans) != len(cases):
             raise InvalidActionError(f"got {len(plans)} plans for {len(cases)} cases: send one case per plan")
         decoded = []
@@ -439,8 +453,10 @@ class StepwiseDentalEnvironment:
         case = session.case
         prev_achieved = session.achieved[s - 1]
         # one vectorised pass over this stage's pose pairs (the PAIR_* rows)
-        if case.force_decay:
-            achieved = express_stage(poses, prev_achieved, case.target[:, :4])
+        if not case.follows_plan:
+            achieved = express_stage(poses, prev_achieved, case.target[:, :4]) if case.force_decay else poses
+            if case.wear is not None:
+                achieved = apply_wear(prev_achieved, achieved, case.wear[s - 1])
             pairs_a = np.stack((poses, case.target, poses, achieved))
             pairs_b = np.stack((session.planned[s - 1], achieved, prev_achieved, prev_achieved))
             mismatch = PAIR_MISMATCH
@@ -525,6 +541,7 @@ class StepwiseDentalEnvironment:
             "task_id": case.task_id,
             "seed": case.seed,
             "force_decay": case.force_decay,
+            "non_compliance": case.non_compliance,
             "current_stage": s,
             "stages_remaining": N_STAGES - s,
             "initial_config": [row[:] for row in session.initial_list],

@@ -7,6 +7,8 @@
   expressed in the target crown's local frame); the rest carries over to the next
   aligner. Extrusion and intrusion are told apart by the sign of the vertical gap
   along the crown's long axis (upper crowns intrude upwards, lower downwards).
+* non-compliance (an option of ``task_hard``, :mod:`server.compliance`): after the above,
+  a tooth makes only its stage's wear factor of the movement (:func:`apply_wear`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from server.quaternion_utils import (
     quaternion_inverse,
     quaternion_multiply,
     quaternion_normalize,
+    quaternion_slerp,
     quaternion_to_rotvec,
 )
 
@@ -64,12 +67,37 @@ def express_stage(planned: np.ndarray, achieved: np.ndarray, frame_q: np.ndarray
     return np.concatenate((q, achieved[..., 4:] + moved), axis=-1)
 
 
-def simulate(planned: np.ndarray, force_decay: bool, frame_q: np.ndarray) -> np.ndarray:
-    """Achieved trajectory (..., 25, 28, 7) from a planned one (stage 0 = initial)."""
-    if not force_decay:
+def apply_wear(previous: np.ndarray, expressed: np.ndarray, wear: np.ndarray) -> np.ndarray:
+    """Poses after a stage worn only part of the prescribed time (:mod:`server.compliance`).
+
+    Args:
+        previous: (..., 28, 7) the teeth before the stage.
+        expressed: (..., 28, 7) where the dynamics would take them with full wear.
+        wear: (..., 28) share of that movement made, in [0, 1] (translation linearly,
+            rotation along the shorter arc).
+    """
+    t = previous[..., 4:] + wear[..., None] * (expressed[..., 4:] - previous[..., 4:])
+    q = quaternion_slerp(previous[..., :4], expressed[..., :4], wear)
+    return np.concatenate((q, t), axis=-1)
+
+
+def simulate(
+    planned: np.ndarray, force_decay: bool, frame_q: np.ndarray, wear: np.ndarray | None = None
+) -> np.ndarray:
+    """Achieved trajectory (..., 25, 28, 7) from a planned one (stage 0 = initial).
+
+    ``wear``: (..., 24, 28) compliance schedule of the cases, None for full wear.
+    """
+    if not force_decay and wear is None:
         return planned
     achieved = np.empty_like(planned)
     achieved[..., 0, :, :] = planned[..., 0, :, :]
     for s in range(1, planned.shape[-3]):
-        achieved[..., s, :, :] = express_stage(planned[..., s, :, :], achieved[..., s - 1, :, :], frame_q)
+        previous = achieved[..., s - 1, :, :]
+        stage = planned[..., s, :, :]
+        if force_decay:
+            stage = express_stage(stage, previous, frame_q)
+        if wear is not None:
+            stage = apply_wear(previous, stage, wear[..., s - 1, :])
+        achieved[..., s, :, :] = stage
     return achieved

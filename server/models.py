@@ -63,6 +63,13 @@ Strategy = Literal[STRATEGIES]  # type: ignore[valid-type]
 """A declared staging strategy (:data:`server.clinical_profiles.STRATEGIES`)."""
 Seed = Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)]
 EpisodeId = Annotated[str, Field(min_length=1, max_length=MAX_EPISODE_ID_CHARS)]
+NonCompliance = Annotated[
+    bool,
+    Field(
+        strict=True,
+        description="missed and partial wear, a lost attachment (task_hard only); seeded by the case",
+    ),
+]
 
 
 class DentalAction(Action):
@@ -93,13 +100,14 @@ class CollisionsRequest(BaseModel):
 
 
 class EpisodeResetRequest(BaseModel):
-    """Body of ``POST /episodes``: the case ``(task_id, seed, force_decay)``."""
+    """Body of ``POST /episodes``: the case ``(task_id, seed, force_decay, non_compliance)``."""
 
     model_config = ConfigDict(extra="forbid")
 
     task_id: TaskId = "task_easy"
     seed: Seed | None = Field(default=None, description="case seed; omitted or null: the server draws one")
     force_decay: Annotated[bool, Field(strict=True)] = False
+    non_compliance: NonCompliance = False
 
 
 class ResetParams(EpisodeResetRequest):
@@ -121,6 +129,7 @@ class PlanScoreRequest(BaseModel):
     task_id: TaskId
     seed: Seed
     force_decay: Annotated[bool, Field(strict=True)] = False
+    non_compliance: NonCompliance = False
 
 
 # --- Outputs ------------------------------------------------------------------------
@@ -138,6 +147,7 @@ class EpisodeObservation(BaseModel):
     task_id: str
     seed: int
     force_decay: bool
+    non_compliance: bool = False
     current_stage: int
     stages_remaining: int
     initial_config: Config
@@ -171,6 +181,7 @@ class DentalState(State):
     task_id: str | None = None
     seed: int | None = None
     force_decay: bool | None = None
+    non_compliance: bool | None = None
     current_stage: int = 0
     done: bool = False
 

@@ -36,9 +36,13 @@ def rollout_plans(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> tuple[np.
     planned = interpolate_poses(initial, target, progress)
     achieved = planned
     decay = np.array([c.force_decay for c in cases])
-    if decay.any():
-        achieved = planned.copy()
-        achieved[decay] = simulate(planned[decay], True, target[decay][..., :4])
+    worn = np.array([c.non_compliance for c in cases])
+    for force_decay, non_compliance in {(d, w) for d, w in zip(decay, worn) if d or w}:
+        if achieved is planned:
+            achieved = planned.copy()
+        rows = (decay == force_decay) & (worn == non_compliance)
+        wear = np.stack([c.wear for c, r in zip(cases, rows) if r]) if non_compliance else None
+        achieved[rows] = simulate(planned[rows], bool(force_decay), target[rows][..., :4], wear)
     return planned, achieved
 
 
@@ -65,8 +69,9 @@ def score_plan_specs(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> list[d
     return out
 
 
-def score_plans(plans: Sequence[object], cases: Sequence[tuple[str, int, bool] | Case]) -> list[dict]:
-    """Score B plans (JSON-like values) against B cases ``(task_id, seed, force_decay)``.
+def score_plans(plans: Sequence[object], cases: Sequence[tuple | Case]) -> list[dict]:
+    """Score B plans (JSON-like values) against B cases ``(task_id, seed, force_decay)`` or
+    ``(task_id, seed, force_decay, non_compliance)`` (or Case objects).
 
     Never raises for a bad plan (it is normalised, see :mod:`server.plans`); raises
     InvalidActionError for an unknown task or a bad seed.

@@ -533,7 +533,7 @@ def isolated_episode():
     eid = env.reset("task_medium", 777_777)["episode_id"]
     env.step(eid, traj[1].tolist())
     yield env, eid
-    cases_module._generate.cache_clear()
+    cases_module.clear_case_cache()
 
 
 @pytest.mark.parametrize(

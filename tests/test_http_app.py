@@ -426,6 +426,29 @@ def test_collisions_of_coinciding_teeth_are_finite(http: httpx.Client) -> None:
     assert response.json()["collision_free"] is False
 
 
+def test_non_compliance_option(http: httpx.Client, uvicorn_server: str) -> None:
+    """task_hard's non-compliance over the episode routes, the plan route and OpenEnv's client."""
+    obs = new_episode(http, task_id="task_hard", seed=9, non_compliance=True)
+    assert obs["non_compliance"] is True and obs["task_id"] == "task_hard"
+    assert new_episode(http, task_id="task_hard", seed=9)["non_compliance"] is False
+    refused = http.post("/episodes", json={"task_id": "task_easy", "seed": 9, "non_compliance": True})
+    assert refused.status_code == 422 and "task_hard" in refused.json()["detail"], refused.text
+    uniform = {"tooth_groups": [{"teeth": [], "fraction": 1 / 24, "priority": "high"}]}
+    scored = [
+        http.post(
+            "/plans/score", json={"plan": uniform, "task_id": "task_hard", "seed": 9, "non_compliance": flag}
+        )
+        for flag in (False, True)
+    ]
+    assert all(r.status_code == 200 for r in scored), [r.text for r in scored]
+    assert scored[0].json()["reward_breakdown"] != scored[1].json()["reward_breakdown"]
+    client = GenericEnvClient(base_url=uvicorn_server, message_timeout_s=120).sync()
+    with client:
+        first = client.reset(task_id="task_hard", seed=9, non_compliance=True).observation
+        assert first["non_compliance"] is True
+        assert client.state()["non_compliance"] is True
+
+
 def test_bad_reset_bodies(http: httpx.Client) -> None:
     for body in (
         {"task_id": "task_x"},
@@ -436,6 +459,8 @@ def test_bad_reset_bodies(http: httpx.Client) -> None:
         {"seed": 1.5},
         {"seed": 2**63},
         {"force_decay": "yes"},
+        {"non_compliance": 1},
+        {"task_id": "task_medium", "non_compliance": True},
         {"episode_id": "mine"},
     ):
         response = http.post("/episodes", json=body)
