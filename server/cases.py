@@ -13,7 +13,7 @@ uniform SLERP over 24 stages respects the per-stage limits).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -91,6 +91,11 @@ class Case:
     @property
     def non_compliance(self) -> bool:
         return self.wear is not None
+
+    @cached_property
+    def long_axis(self) -> np.ndarray:
+        """(28, 3) each target crown's local z (long) axis in the patient frame (force decay)."""
+        return quaternion_axis(self.target[:, :4], 2)
 
     @property
     def follows_plan(self) -> bool:

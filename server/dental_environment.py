@@ -454,7 +454,11 @@ class StepwiseDentalEnvironment:
         prev_achieved = session.achieved[s - 1]
         # one vectorised pass over this stage's pose pairs (the PAIR_* rows)
         if not case.follows_plan:
-            achieved = express_stage(poses, prev_achieved, case.target[:, :4]) if case.force_decay else poses
+            achieved = (
+                express_stage(poses, prev_achieved, case.target[:, :4], case.long_axis)
+                if case.force_decay
+                else poses
+            )
             if case.wear is not None:
                 achieved = apply_wear(prev_achieved, achieved, case.wear[s - 1])
             pairs_a = np.stack((poses, case.target, poses, achieved))

@@ -43,20 +43,23 @@ _ROTATION_RATES = np.stack(
 _INTRUSION_SIGN = np.where(IS_UPPER, 1.0, -1.0)
 
 
-def express_stage(planned: np.ndarray, achieved: np.ndarray, frame_q: np.ndarray) -> np.ndarray:
+def express_stage(
+    planned: np.ndarray, achieved: np.ndarray, frame_q: np.ndarray, long_axis: np.ndarray | None = None
+) -> np.ndarray:
     """Achieved poses after wearing one aligner under force decay.
 
     Args:
         planned: (..., 28, 7) the aligner's shape for this stage.
         achieved: (..., 28, 7) the teeth before it.
         frame_q: (..., 28, 4) crown frames (target orientations) for the local decomposition.
+        long_axis: (..., 28, 3) their local z axes (``quaternion_axis(frame_q, 2)``) when at hand.
     Returns:
         (..., 28, 7) achieved poses after the stage.
     """
     # translation: R diag(t, t, v) R^T gap with R the crown frame, t the bodily rate and v the
     # vertical rate along the long axis z: t gap + (v - t) (gap . z) z
     gap = planned[..., 4:] - achieved[..., 4:]
-    long_axis = quaternion_axis(frame_q, 2)
+    long_axis = quaternion_axis(frame_q, 2) if long_axis is None else long_axis
     along = np.einsum("...i,...i->...", gap, long_axis)
     vertical = np.where(along * _INTRUSION_SIGN > 0.0, _INTRUSION_RATE, _EXTRUSION_RATE)
     moved = _TRANSLATION_RATE[:, None] * gap + ((vertical - _TRANSLATION_RATE) * along)[..., None] * long_axis
@@ -92,11 +95,12 @@ def simulate(
         return planned
     achieved = np.empty_like(planned)
     achieved[..., 0, :, :] = planned[..., 0, :, :]
+    long_axis = quaternion_axis(frame_q, 2)
     for s in range(1, planned.shape[-3]):
         previous = achieved[..., s - 1, :, :]
         stage = planned[..., s, :, :]
         if force_decay:
-            stage = express_stage(stage, previous, frame_q)
+            stage = express_stage(stage, previous, frame_q, long_axis)
         if wear is not None:
             stage = apply_wear(previous, stage, wear[..., s - 1, :])
         achieved[..., s, :, :] = stage

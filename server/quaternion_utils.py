@@ -104,20 +104,25 @@ def quaternion_from_rotvec(v: np.ndarray) -> np.ndarray:
     v = np.asarray(v, dtype=np.float64)
     angle = vector_norm(v)[..., None]
     half = 0.5 * angle
-    # sin(a/2)/a -> 1/2 as a -> 0
-    k = np.where(angle < 1e-8, 0.5 - angle**2 / 48.0, np.sin(half) / np.maximum(angle, _EPS))
+    # sin(a/2)/a -> 1/2 as a -> 0 (the next term, a^2/48, is below double precision for a < 1e-8)
+    k = np.where(angle < 1e-8, 0.5, np.sin(half) / np.maximum(angle, _EPS))
     return np.concatenate((np.cos(half), k * v), axis=-1)
 
 
 def quaternion_to_rotvec(q: np.ndarray) -> np.ndarray:
-    """Rotation vector(s) (axis times angle, rad, angle in [0, pi]) of unit quaternion(s)."""
-    q = quaternion_normalize(q)
-    w = q[..., :1]
+    """Rotation vector(s) (axis times angle, rad, angle in [0, pi]) of quaternion(s) ``q``.
+
+    Scale-free (``atan2(|v|, |w|)`` and ``v / |v|`` do not depend on ``|q|``), so ``q`` need
+    not be normalised first; a zero quaternion gives the zero vector.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    w = q[..., 0]
     v = q[..., 1:]
-    s = vector_norm(v)[..., None]
-    angle = 2.0 * np.arctan2(s, w)
-    k = np.where(s < 1e-8, 2.0, angle / np.maximum(s, _EPS))
-    return k * v
+    s = vector_norm(v)
+    aw = np.abs(w)
+    # small angles: angle / |v| -> 2 / |w|; q and -q are one rotation, so v takes w's sign
+    k = np.where(s < 1e-8 * aw, 2.0 / np.maximum(aw, _EPS), 2.0 * np.arctan2(s, aw) / np.maximum(s, _EPS))
+    return np.copysign(k, w)[..., None] * v
 
 
 def quaternion_rotate(q: np.ndarray, v: np.ndarray) -> np.ndarray:
