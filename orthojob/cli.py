@@ -66,6 +66,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    if args.non_compliance and (args.checkpoint or args.task_id != ["task_hard"]):
+        print(
+            "orthojob evaluate: --non-compliance is for --baselines on --task-id task_hard only",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     if args.checkpoint:
         checkpoint = _input_folder(args.checkpoint, "evaluate")
         if checkpoint is None:
@@ -80,8 +86,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
         )
     else:
-        report = evaluate_baselines(args.task_id, args.seeds, force_decay=args.force_decay)
-    print(format_table(report, args.seeds, args.force_decay))
+        report = evaluate_baselines(
+            args.task_id, args.seeds, force_decay=args.force_decay, non_compliance=args.non_compliance
+        )
+    print(format_table(report, args.seeds, args.force_decay, args.non_compliance))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(
@@ -90,6 +98,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                     "checkpoint": args.checkpoint,
                     "n_seeds": args.seeds,
                     "force_decay": args.force_decay,
+                    "non_compliance": args.non_compliance,
                     "results": report,
                 },
                 indent=2,
@@ -227,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--seeds", type=positive_int, default=200, help="held-out seeds per task (default 200)")
     ev.add_argument("--force-decay", action="store_true", help="pharmacokinetic force-decay dynamics")
+    ev.add_argument(
+        "--non-compliance",
+        action="store_true",
+        help="task_hard's seeded missed/partial wear and lost attachment (baselines only)",
+    )
     ev.add_argument("--out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_evaluate)
 

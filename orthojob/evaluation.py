@@ -56,11 +56,17 @@ SUMMARY_KEYS: tuple[str, ...] = (
 
 
 def observations(
-    task_id: str, n_seeds: int, seed_start: int = HELDOUT_SEED_START, force_decay: bool = False
+    task_id: str,
+    n_seeds: int,
+    seed_start: int = HELDOUT_SEED_START,
+    force_decay: bool = False,
+    non_compliance: bool = False,
 ) -> list[dict]:
     """Reset observations of ``n_seeds`` consecutive seeds (what a planner sees)."""
     env = StepwiseDentalEnvironment(max_sessions=max(1, n_seeds))
-    return [env.reset(task_id, seed_start + i, force_decay) for i in range(n_seeds)]
+    return [
+        env.reset(task_id, seed_start + i, force_decay, non_compliance=non_compliance) for i in range(n_seeds)
+    ]
 
 
 def summarize(results: Sequence[dict]) -> dict[str, dict[str, float]]:
@@ -83,12 +89,14 @@ def evaluate_planners(
     n_seeds: int = 200,
     seed_start: int = HELDOUT_SEED_START,
     force_decay: bool = False,
+    non_compliance: bool = False,
 ) -> dict:
-    """Score each planner on the same held-out cases: ``{task: {planner: summary}}``."""
+    """Score each planner on the same held-out cases: ``{task: {planner: summary}}``.
+    ``non_compliance`` (task_hard only) scores the plans under the cases' compliance schedules."""
     report: dict = {}
     for task_id in task_ids:
-        obs = observations(task_id, n_seeds, seed_start, force_decay)
-        cases = [(task_id, o["seed"], force_decay) for o in obs]
+        obs = observations(task_id, n_seeds, seed_start, force_decay, non_compliance)
+        cases = [(task_id, o["seed"], force_decay, non_compliance) for o in obs]
         report[task_id] = {}
         for name, planner in planners.items():
             results = score_plans([planner(o) for o in obs], cases)
@@ -102,12 +110,13 @@ def evaluate_baselines(
     n_seeds: int = 200,
     seed_start: int = HELDOUT_SEED_START,
     force_decay: bool = False,
+    non_compliance: bool = False,
 ) -> dict:
     """The three baselines on held-out seeds (see module docstring)."""
-    return evaluate_planners(BASELINES, task_ids, n_seeds, seed_start, force_decay)
+    return evaluate_planners(BASELINES, task_ids, n_seeds, seed_start, force_decay, non_compliance)
 
 
-def format_table(report: dict, n_seeds: int, force_decay: bool = False) -> str:
+def format_table(report: dict, n_seeds: int, force_decay: bool = False, non_compliance: bool = False) -> str:
     """A plain-text table: one row per task and planner, mean ± sd of each summary key; a checkpoint's
     row is followed by its parse rate, format score, strategy accuracy and margins over the baselines."""
     short = {
@@ -124,7 +133,9 @@ def format_table(report: dict, n_seeds: int, force_decay: bool = False) -> str:
     }
     header = f"{'task':<12}{'planner':<15}" + "".join(f"{short[k]:>14}" for k in SUMMARY_KEYS)
     lines = [
-        f"Held-out evaluation: {n_seeds} seeds per task from {HELDOUT_SEED_START}, force_decay={force_decay}; "
+        f"Held-out evaluation: {n_seeds} seeds per task from {HELDOUT_SEED_START}, force_decay={force_decay}"
+        + (", non_compliance=True" if non_compliance else "")
+        + "; "
         "mean ± sd",
         header,
         "-" * len(header),

@@ -81,3 +81,23 @@ def test_oracle_diagnosis_mostly_matches_the_hidden_profile():
         ]
         print(f"{task}: oracle diagnosis accuracy {np.mean(hits):.1%}")
         assert np.mean(hits) >= 0.8, (task, np.mean(hits))
+
+
+def test_baselines_under_non_compliance_from_the_cli(capsys):
+    """``orthojob evaluate --baselines --task-id task_hard --non-compliance``: the ordering holds
+    under the compliance schedules, and the flag is refused where it does not apply."""
+    from orthojob.cli import main
+
+    assert (
+        main(["evaluate", "--baselines", "--task-id", "task_hard", "--seeds", "40", "--non-compliance"]) == 0
+    )
+    table = capsys.readouterr().out
+    assert "non_compliance=True" in table
+    rows = {
+        line.split()[1]: float(line.split()[2].split("±")[0])
+        for line in table.splitlines()
+        if line.startswith("task_hard")
+    }
+    assert rows["oracle"] > rows["uniform_slerp"] > rows["do_nothing"]
+    assert main(["evaluate", "--baselines", "--task-id", "task_easy", "--non-compliance"]) == 2
+    assert "task_hard only" in capsys.readouterr().err
