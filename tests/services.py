@@ -54,6 +54,22 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
+def run_process_group(
+    cmd: list[str], env: dict[str, str], cwd: Path, timeout: float, what: str
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a new session (so a hung launcher's workers, e.g. torchrun's, die as a
+    group); stdout and stderr are captured separately; a run past ``timeout`` fails the test."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{what} hung (killed after {timeout:g} s):\n{stdout[-3000:]}{stderr[-5000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 @dataclass
 class S3Service:
     endpoint: str

@@ -25,7 +25,7 @@ mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("boto3")
 
 from orthojob import storage, tracking  # noqa: E402
-from tests.services import free_port, mlflow_server, seaweedfs  # noqa: E402
+from tests.services import free_port, mlflow_server, run_process_group, seaweedfs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "orthorl"
@@ -59,23 +59,27 @@ def services(tmp_path_factory):
             yield s3, server
 
 
-@pytest.fixture
-def env(services, tmp_path, monkeypatch):
-    """The job's environment: S3 keys, the tracking server (with a password), a work folder."""
-    s3, server = services
-    values = {
+def job_env(s3, server, work: Path) -> dict[str, str]:
+    """What a job's pod gets: S3 keys, the tracking server (with a password), a work folder, offline hubs."""
+    return {
         **s3.env(),
         "MLFLOW_TRACKING_URI": server.uri,
         "MLFLOW_TRACKING_USERNAME": "e2e-user-b7",
         "MLFLOW_TRACKING_PASSWORD": MLFLOW_PASSWORD,
         "MLFLOW_EXPERIMENT_NAME": "e2e",
-        "ORTHORL_WORK_DIR": str(tmp_path / "work"),
+        "ORTHORL_WORK_DIR": str(work),
         "IMAGE_DIGEST": IMAGE_DIGEST,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",
-        "ORTHORL_S3_RETRY_DELAY": "0.05",
     }
+
+
+@pytest.fixture
+def env(services, tmp_path, monkeypatch):
+    """The job's environment: S3 keys, the tracking server (with a password), a work folder."""
+    s3, server = services
+    values = {**job_env(s3, server, tmp_path / "work"), "ORTHORL_S3_RETRY_DELAY": "0.05"}
     for key, value in values.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
@@ -133,19 +137,7 @@ def pipeline_run(services, tmp_path_factory):
     """`orthojob pipeline --out s3://orthorl/e2e/run1` in a subprocess; (result, env, seconds)."""
     s3, server = services
     tmp = tmp_path_factory.mktemp("pipeline")
-    env = {
-        **os.environ,
-        **s3.env(),
-        "MLFLOW_TRACKING_URI": server.uri,
-        "MLFLOW_TRACKING_USERNAME": "e2e-user-b7",
-        "MLFLOW_TRACKING_PASSWORD": MLFLOW_PASSWORD,
-        "MLFLOW_EXPERIMENT_NAME": "e2e",
-        "ORTHORL_WORK_DIR": str(tmp / "work"),
-        "IMAGE_DIGEST": IMAGE_DIGEST,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = {**os.environ, **job_env(s3, server, tmp / "work")}
     sets = [x for k, v in PIPELINE_OVERRIDES.items() for x in ("--set", f"{k}={json.dumps(v)}")]
     t = time.perf_counter()
     result = subprocess.run(
@@ -334,15 +326,8 @@ def test_two_ranks_resume_from_s3_on_every_rank(services, env, tiny, tmp_path):
                "-m", "orthojob.cli", *train_args(tiny, out, steps, "--save-steps", "1", "--skip-sft-gate")]  # fmt: skip
         run_env = {**env, "PYTHONPATH": pythonpath, "ORTHORL_WORK_DIR": str(tmp_path / pod),
                    "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-        proc = subprocess.Popen(cmd, env=run_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)  # fmt: skip
-        try:
-            stdout, _ = proc.communicate(timeout=400)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, _ = proc.communicate()
-            pytest.fail(f"2-rank training hung (killed after 400 s):\n{stdout[-5000:]}")
-        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, "")
+        run = run_process_group(cmd, run_env, tmp_path, 400, "2-rank training")
+        return subprocess.CompletedProcess(cmd, run.returncode, run.stdout + run.stderr, "")
 
     def trained(run: subprocess.CompletedProcess) -> bool:
         """Finished: exit 0, or only rank 0 exiting 12 because the random tiny model fails the

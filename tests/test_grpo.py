@@ -9,8 +9,6 @@ import argparse
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from orthojob.grpo import (
 )
 from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, prompt_rows, reset_observation
 from orthojob.rewards import REWARD_FUNCS
+from tests.services import run_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 FIVE = tuple(REWARD_FUNCS)
@@ -289,16 +288,8 @@ def test_ddp_two_processes(tiny_model, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "tests" / "ddp_grpo_worker.py"), str(tmp_path)]  # fmt: skip
-    # A new session, so that a hung run's workers (torchrun's children) can be killed as a group.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"2-process GRPO hung (killed after 240 s):\n{stdout[-3000:]}{stderr[-5000:]}")
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    run = run_process_group(cmd, env, REPO, 240, "2-process GRPO")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in reports] == [0, 1]
     for r in reports:
