@@ -28,14 +28,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from orthojob import storage
+from orthojob.gate import EXIT_GATE_FAILED
 from orthojob.k8s import add_k8s_arguments
+from orthojob.mlops import EXIT_STORAGE, EXIT_TRACKING, EXIT_USAGE
 from server.cases import TASK_IDS
-
-EXIT_USAGE = 2
-EXIT_STORAGE = 30
-"""An s3:// input or output failed for good (= orthojob.mlops.EXIT_STORAGE)."""
-EXIT_GATE_FAILED = 12
-"""orthojob gate / train / pipeline: a checkpoint was evaluated and failed its gate (= orthojob.gate.EXIT_GATE_FAILED)."""
 
 
 def task_list(value: str) -> list[str]:
@@ -54,6 +50,13 @@ def positive_int(value: str) -> int:
     n = int(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def non_negative_int(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
     return n
 
 
@@ -347,7 +350,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 TRACKED_STAGES: dict[str, str] = {"sft": "sft0", "gate": "gate", "evaluate": "evaluate"}
 """Stand-alone stage commands that get an MLflow run of their own (train opens its own; the
 pipeline nests these stages under its parent run)."""
-EXIT_TRACKING = 31
 
 
 def _tracked(stage: str, args: argparse.Namespace) -> int:

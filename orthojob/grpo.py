@@ -44,18 +44,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orthojob.cli import non_negative_int, positive_int
+from orthojob.gate import EXIT_GATE_FAILED  # also a finished training whose GRPO gate failed
+from orthojob.mlops import EXIT_USAGE
+from orthojob.models import TINY_MODEL  # --model tiny: built into <out>/tiny-model
 from server.cases import TASK_IDS
 
 log = logging.getLogger(__name__)
 
-EXIT_USAGE = 2
-"""Exit code of a bad configuration (argparse's own code for usage errors)."""
 EXIT_SMOKE_FAILED = 1
-EXIT_GATE_FAILED = 12
-"""Exit code of a finished training whose GRPO gate did not pass (the adapter is saved); the same
-code as :data:`orthojob.gate.EXIT_GATE_FAILED`, the pre-flight's "gate file says failed"."""
-TINY_MODEL = "tiny"
-"""``--model tiny``: build the offline tiny Qwen2 model (:func:`orthojob.models.build_tiny`) into ``<out>/tiny-model``."""
 COMPLETIONS_FILE = "completions.jsonl"
 TRAIN_LOG_FILE = "train_log.json"
 VLLM_MODES: tuple[str, ...] = ("colocate", "server")
@@ -148,20 +145,6 @@ _FIELDS = {f.name: f for f in dataclasses.fields(GRPOJobConfig)}
 _DEFAULTS = GRPOJobConfig()
 
 
-def _positive_int(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-def _non_negative_int(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
 def _finite_float(value: str) -> float:
     x = float(value)
     if not math.isfinite(x):
@@ -199,42 +182,42 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     p = parser.add_argument
     p("--preset", choices=sorted(PRESETS), default=s, help="named defaults; explicit flags override them")
     p("--model", default=s, help=f"model id or path, or '{TINY_MODEL}' (default {d.model})")
-    p("--steps", type=_positive_int, default=s, help=f"GRPO optimizer steps (default {d.steps})")
+    p("--steps", type=positive_int, default=s, help=f"GRPO optimizer steps (default {d.steps})")
     p(
         "--num-generations",
-        type=_positive_int,
+        type=positive_int,
         default=s,
         help=f"completions per prompt (default {d.num_generations})",
     )
     p(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=s,
         help=f"completions per device per step (default {d.batch_size})",
     )
     p(
         "--grad-accum",
-        type=_positive_int,
+        type=positive_int,
         default=s,
         help=f"gradient accumulation steps (default {d.grad_accum})",
     )
     p("--lr", type=_finite_float, default=s, help=f"learning rate (default {d.lr})")
     p(
         "--lora-r",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=s,
         help=f"LoRA rank; 0 = full fine-tuning (default {d.lora_r})",
     )
     p(
         "--max-prompt-length",
-        type=_positive_int,
+        type=positive_int,
         default=s,
         help=f"longest prompt in tokens (default {d.max_prompt_length})",
     )
-    p("--max-completion-length", type=_positive_int, default=s, help=f"(default {d.max_completion_length})")
+    p("--max-completion-length", type=positive_int, default=s, help=f"(default {d.max_completion_length})")
     p(
         "--max-seq-length",
-        type=_positive_int,
+        type=positive_int,
         default=s,
         help=f"prompt + completion budget (default {d.max_seq_length})",
     )
@@ -272,7 +255,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     p("--seed", type=int, default=s, help=f"training seed (default {d.seed})")
     p(
         "--num-prompts",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=s,
         help="training prompts; 0 = one per prompt group of every step",
     )
@@ -284,7 +267,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     p("--temperature", type=_finite_float, default=s, help=f"sampling temperature (default {d.temperature})")
     p("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=s, help="(default: on)")
-    p("--save-steps", type=_non_negative_int, default=s, help="checkpoint every N steps; 0 = only at the end")
+    p("--save-steps", type=non_negative_int, default=s, help="checkpoint every N steps; 0 = only at the end")
     p("--rewards", type=_names, default=s, help="comma list of reward functions (default: all five)")
     p(
         "--reward-weight",
@@ -297,7 +280,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     p(
         "--gate-seeds",
-        type=_positive_int,
+        type=positive_int,
         default=s,
         help=f"held-out seeds of the GRPO gate (default {d.gate_seeds})",
     )

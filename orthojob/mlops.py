@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 COLLISION_FAIL_BELOW = 0.9
 PDL_FAIL_BELOW = 0.5
 COMPLETIONS_SAMPLE = 64
+EXIT_USAGE = 2
+"""Exit code of a bad configuration (argparse's own code for usage errors)."""
 EXIT_STORAGE = 30
 """Exit code: S3 failed for good (credentials, outage after retries, corrupt download)."""
 EXIT_TRACKING = 31

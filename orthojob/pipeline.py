@@ -36,15 +36,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orthojob.gate import EXIT_GATE_FAILED
 from orthojob.grpo import PRESETS as GRPO_PRESETS
+from orthojob.mlops import EXIT_USAGE
 
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "pipeline_summary.json"
 EVALUATION_FILE = "evaluation.json"
-EXIT_USAGE = 2
-EXIT_GATE_FAILED = 12
-"""A gate says failed (:data:`orthojob.gate.EXIT_GATE_FAILED`; ``orthojob train`` exits with it too)."""
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-cpu": {

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orthojob.cli import positive_int, task_list
+from orthojob.cli import non_negative_int, positive_int, task_list
+from orthojob.mlops import EXIT_USAGE
 
 log = logging.getLogger(__name__)
 
 SFT_LOG_FILE = "sft_log.json"
 SFT_CONFIG_FILE = "sft_config.json"
-EXIT_USAGE = 2
 
 
 @dataclass
@@ -194,13 +194,6 @@ def run_sft(config: SFTJobConfig) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _non_negative(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
 def add_sft_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``orthojob sft`` flags (defaults: :class:`SFTJobConfig`, or ``--preset``'s SFT stage)."""
     d = SFTJobConfig()
@@ -228,8 +221,13 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     p("--grad-accum", type=positive_int, default=s, help=f"(default {d.grad_accum})")
     p("--lr", type=float, default=s, help=f"peak learning rate (default {d.lr})")
     p("--lr-scheduler", default=s, help=f"transformers scheduler name (default {d.lr_scheduler})")
-    p("--warmup-steps", type=_non_negative, default=s, help=f"(default {d.warmup_steps})")
-    p("--lora-r", type=_non_negative, default=s, help=f"LoRA rank; 0 = full fine-tuning (default {d.lora_r})")
+    p("--warmup-steps", type=non_negative_int, default=s, help=f"(default {d.warmup_steps})")
+    p(
+        "--lora-r",
+        type=non_negative_int,
+        default=s,
+        help=f"LoRA rank; 0 = full fine-tuning (default {d.lora_r})",
+    )
     p("--lora-alpha", type=positive_int, default=s, help="LoRA alpha (default 2 x rank)")
     p(
         "--max-length",
