@@ -1,8 +1,8 @@
 """Emergent-behaviour analysis of GRPO completions (``orthojob train --analyze``): early vs late.
 
 Training writes one JSON line per completion to ``<out>/completions.jsonl``
-(:class:`orthojob.grpo.CompletionRecorder`): ``step``, ``seed``, ``task_id``, ``force_decay``,
-``completion`` (text), ``rewards`` (by function) and ``advantage``. :func:`analyze` re-reads the
+(``RecordingGRPOTrainer``, built by :func:`orthojob.grpo._make_trainer_class`): ``step``, ``seed``,
+``task_id``, ``force_decay``, ``completion`` (text), ``rewards`` (by function) and ``advantage``. :func:`analyze` re-reads the
 plans in them, replays each on its case (:func:`server.treatment.rollout_plans`, the simulator the
 rewards used) and compares four metrics between the **first 20 %** and the **last 20 %** of the
 logged steps (by distinct step number; with a single step both windows are that step).

@@ -174,7 +174,8 @@ def format_table(report: dict, n_seeds: int, force_decay: bool = False, non_comp
 
 @dataclass
 class CheckpointEpisodes:
-    """A checkpoint's greedy plans for held-out cases, one entry per case, and their scores."""
+    """A checkpoint's greedy plans for held-out cases, one entry per case, and their scores
+    (``observations``: the cases' reset observations the prompts were built from)."""
 
     task_ids: list[str]
     seeds: list[int]
@@ -185,6 +186,7 @@ class CheckpointEpisodes:
     rollouts: list = field(default_factory=list)
     optimal_strategies: list[str] = field(default_factory=list)
     generate_seconds: float = 0.0
+    observations: list[dict] = field(default_factory=list)
 
     def select(self, task_id: str) -> list[int]:
         return [i for i, t in enumerate(self.task_ids) if t == task_id]
@@ -271,6 +273,7 @@ def run_checkpoint(
         rollouts=score_texts(texts, cases),
         optimal_strategies=[generate_case(t, s, d).optimal_strategy for s, t, d in cases],
         generate_seconds=seconds,
+        observations=obs,
     )
 
 

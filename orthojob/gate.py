@@ -184,7 +184,7 @@ def evaluate_checkpoint(
     oracle_terminal_mean, margin_over_slerp, margin_over_oracle, strategy_accuracy (and the oracle's),
     mean_completion_tokens, truncated_rate, per-task terminal means, timings.
     """
-    from orthojob.evaluation import BASELINES, episode_metrics, observations, run_checkpoint
+    from orthojob.evaluation import BASELINES, episode_metrics, run_checkpoint
     from server.treatment import score_plans
 
     t0 = time.perf_counter()
@@ -198,7 +198,7 @@ def evaluate_checkpoint(
     metrics["generate_seconds"] = ep.generate_seconds
 
     # the baselines on the very same cases
-    obs = [o for t in tasks for o in observations(t, n_seeds, seed_start, force_decay)]
+    obs = ep.observations
     cases = [(o["task_id"], int(o["seed"]), bool(force_decay)) for o in obs]
     baseline = {
         name: score_plans([BASELINES[name](o) for o in obs], cases) for name in ("uniform_slerp", "oracle")
@@ -215,10 +215,7 @@ def evaluate_checkpoint(
                 sum(r["strategy"] == opt for r, opt in zip(baseline["oracle"], ep.optimal_strategies))
                 / len(obs)
             ),
-            "per_task_terminal_mean": {
-                t: float(sum(ep.rollouts[i].terminal_reward for i in ep.select(t)) / len(ep.select(t)))
-                for t in tasks
-            },
+            "per_task_terminal_mean": {t: _terminal_mean(ep, ep.select(t)) for t in tasks},
             "eval_seconds": time.perf_counter() - t0,
         }
     )
@@ -241,6 +238,10 @@ def evaluate_checkpoint(
             for i in range(min(3, len(ep.texts)))
         ],
     }
+
+
+def _terminal_mean(ep, index: list[int]) -> float:
+    return float(sum(ep.rollouts[i].terminal_reward for i in index) / len(index))
 
 
 # ---------------------------------------------------------------------------------------------

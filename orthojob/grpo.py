@@ -47,7 +47,7 @@ from typing import Any
 from orthojob.cli import non_negative_int, positive_int
 from orthojob.gate import EXIT_GATE_FAILED  # also a finished training whose GRPO gate failed
 from orthojob.mlops import EXIT_USAGE
-from orthojob.models import TINY_MODEL  # --model tiny: built into <out>/tiny-model
+from orthojob.models import TINY_MODEL, device_info  # --model tiny: built into <out>/tiny-model
 from server.cases import TASK_IDS
 
 log = logging.getLogger(__name__)
@@ -412,28 +412,26 @@ def smoke_test(config: GRPOJobConfig, n_prompts: int = 4) -> int:
     active set. Returns 0 when every value is finite and the oracle's plan beats garbage on
     reward_terminal, else EXIT_SMOKE_FAILED. Loads no model.
     """
-    from orthojob.prompts import TRAIN_SEED_START, prompt_rows, reset_observation
+    from orthojob.prompts import TRAIN_SEED_START, prompt_cases
     from orthojob.rewards import REWARD_FUNCS, active_reward_funcs, reward_weights
 
     print("=== TEST MODE: no model load, no training step ===")
-    rows = prompt_rows(n_prompts, TRAIN_SEED_START, config.task_id, config.force_decay)
+    cases = list(prompt_cases(n_prompts, TRAIN_SEED_START, config.task_id, config.force_decay))
+    rows = [row for row, _obs in cases]
     user = rows[0]["prompt"][-1]["content"]
     print(
         f"[grpo] {len(rows)} prompts ({config.task_id}, force_decay={config.force_decay}); "
         f"first prompt: {len(user)} chars, seed {rows[0]['seed']}"
     )
-    seeds = [r["seed"] for r in rows[:2]]
-    completions, columns = [], {"seed": [], "task_id": [], "force_decay": []}
-    for seed in seeds:
-        obs = reset_observation(seed, config.task_id, config.force_decay)
-        for text in _smoke_plans(obs).values():
+    seeds = [row["seed"] for row, _obs in cases[:2]]
+    completions, labels, columns = [], [], {"seed": [], "task_id": [], "force_decay": []}
+    for row, obs in cases[:2]:
+        for name, text in _smoke_plans(obs).items():
             completions.append([{"role": "assistant", "content": text}])
-            columns["seed"].append(seed)
+            labels.append(f"{name}@{row['seed']}")
+            columns["seed"].append(row["seed"])
             columns["task_id"].append(config.task_id)
             columns["force_decay"].append(config.force_decay)
-    labels = [
-        f"{name}@{seed}" for seed in seeds for name in ("oracle", "uniform_slerp", "do_nothing", "garbage")
-    ]
     print(f"[grpo] completions: {', '.join(labels)}")
     ok = True
     values_of = {}
@@ -512,6 +510,7 @@ def _make_trainer_class():
                     self._record_warned = True
                 return
             step = self.state.global_step + 1  # the first optimizer step that trains on this batch
+            texts = [completion_text(t) for t in texts]
             with open(self.completions_path, "a", encoding="utf-8") as fh:
                 for i, (seed, task_id, decay) in enumerate(cases):
                     rec = {
@@ -519,19 +518,20 @@ def _make_trainer_class():
                         "seed": _json_value(seed),
                         "task_id": task_id,
                         "force_decay": decay,
-                        "completion": completion_text(texts[i]),
+                        "completion": texts[i],
                         "rewards": {k: _json_value(float(v[i])) for k, v in rewards.items()},
                         "advantage": _json_value(float(advantages[i])),
                     }
                     fh.write(json.dumps(rec) + "\n")
             self._log_env_diagnostics(texts, cases)
 
-        def _log_env_diagnostics(self, texts: list, cases: list) -> None:
-            """env/* metrics of this batch, averaged by TRL with its own metrics at the next log (rank 0)."""
+        def _log_env_diagnostics(self, texts: list[str], cases: list) -> None:
+            """env/* metrics of this batch (``texts``: completion texts, already normalised), averaged
+            by TRL with its own metrics at the next log (rank 0)."""
             from orthojob.mlops import env_diagnostics
 
             try:
-                metrics = env_diagnostics([completion_text(t) for t in texts], cases)
+                metrics = env_diagnostics(texts, cases)
             except Exception as exc:  # diagnostics never stop training
                 log.warning("env diagnostics skipped: %s", exc)
                 return
@@ -562,22 +562,15 @@ def trainable_digest(model) -> str:
     return h.hexdigest()
 
 
-def device_info() -> dict:
-    """Whether a GPU is usable, whether it has bf16, whether Unsloth imports (:func:`orthojob.models.device_info`)."""
-    from orthojob.models import device_info as info
-
-    return info()
-
-
 def _resolve_model(config: GRPOJobConfig, is_main: bool, wait) -> str:
     """The base model to load: ``--model tiny`` builds the offline tiny model once, on rank 0."""
     if config.model != TINY_MODEL or config.from_checkpoint:  # a checkpoint brings its own model
         return config.model
-    from orthojob.models import build_tiny
+    from orthojob.models import ensure_tiny
 
     path = Path(config.out) / "tiny-model"
-    if is_main and not (path / "config.json").exists():
-        build_tiny(path, [config.task_id], config.force_decay, max_position_embeddings=config.max_seq_length)
+    if is_main:
+        ensure_tiny(path, [config.task_id], config.force_decay, max_position_embeddings=config.max_seq_length)
     wait()
     return str(path)
 
@@ -713,9 +706,7 @@ def train(config: GRPOJobConfig, sync_to: str | None = None, resume_from: str | 
     )
 
     model_path = _resolve_model(config, is_main, state.wait_for_everyone)
-    model, tokenizer = _load_policy(config, model_path, devices)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    model, tokenizer = _load_policy(config, model_path, devices)  # the tokenizer has a pad token
 
     prompts_per_step = generation_batch(config, n_processes) // config.num_generations
     n_prompts = config.num_prompts or max(8, config.steps * prompts_per_step)
@@ -912,23 +903,24 @@ def _tracked_train(args, config: GRPOJobConfig, main_rank: bool, say) -> int:
             return code
         sync_to = None
         if storage.is_s3_uri(out_uri):
-            storage.parse_s3_uri(out_uri)
             sync_to = out_uri
             config.out = str(mlops.local_work_dir(out_uri))
             say(f"[grpo] training in {config.out}; checkpoints and the result go to {out_uri}")
         # every rank resumes from the same checkpoint: the first rank of each node downloads
         # it, the others find the verified copy (storage.download_dir takes turns on a lock)
         resume = mlops.resume_checkpoint(out_uri, Path(config.out))
+        resume_from = None
         if resume is not None:
-            step, _folder = resume
+            step, folder = resume
+            resume_from = str(folder)
             print(f"[grpo] rank {os.environ.get('RANK', '0')}: resuming from checkpoint-{step} of {out_uri}")
             _tag("orthorl.resumed_from", f"checkpoint-{step}")
         try:
-            result = train(config, sync_to=sync_to, resume_from=str(resume[1]) if resume else None)
+            result = train(config, sync_to=sync_to, resume_from=resume_from)
         except ConfigError as exc:
             print(f"orthojob train: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        if result.gate_passed is None:  # not rank 0
+        if result.gate_passed is None:  # not rank 0; from here on this is the main rank
             return 0
         times = result.step_times
         if times:
@@ -938,22 +930,21 @@ def _tracked_train(args, config: GRPOJobConfig, main_rank: bool, say) -> int:
 
             publish_output(result.out, out_uri)
             say(f"[grpo] published to {out_uri}")
-        if main_rank:
-            trainer = result.trainer
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            base = _base_model_name(config)
-            resolved = config.to_dict() | {"out": out_uri, "work_dir": str(result.out)}
-            mlops.log_training_artifacts(
-                result.out,
-                resolved,
-                model,
-                trainer.processing_class,
-                base,
-                trainer.state.log_history,
-                config.task_id,
-                config.force_decay,
-                COMPLETIONS_FILE,
-            )
+        trainer = result.trainer
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        base = _base_model_name(config)
+        resolved = config.to_dict() | {"out": out_uri, "work_dir": str(result.out)}
+        mlops.log_training_artifacts(
+            result.out,
+            resolved,
+            model,
+            trainer.processing_class,
+            base,
+            trainer.state.log_history,
+            config.task_id,
+            config.force_decay,
+            COMPLETIONS_FILE,
+        )
         print(f"[grpo] GRPO gate: {'passed' if result.gate_passed else 'FAILED'}")
         return 0 if result.gate_passed else EXIT_GATE_FAILED
 

@@ -171,21 +171,15 @@ def tiny_corpus(task_ids: Sequence[str], force_decay: bool = False, n_per_task: 
     With it the BPE learns the prompt's wording (a 1k vocabulary cuts a prompt from ~2,200 to
     ~1,450 tokens); held-out seeds are never used.
     """
-    from orthojob.prompts import (
-        SYSTEM_PROMPT,
-        TRAIN_SEED_START,
-        plan_to_completion,
-        prompt_rows,
-        reset_observation,
-    )
+    from orthojob.prompts import SYSTEM_PROMPT, TRAIN_SEED_START, plan_to_completion, prompt_cases
     from server.oracle import oracle_plan
 
     corpus = [SYSTEM_PROMPT]
     for task_id in task_ids:
         for decay in sorted({False, bool(force_decay)}):
-            for row in prompt_rows(n_per_task, TRAIN_SEED_START, task_id, decay):
+            for row, obs in prompt_cases(n_per_task, TRAIN_SEED_START, task_id, decay):
                 corpus.append(row["prompt"][-1]["content"])
-                corpus.append(plan_to_completion(oracle_plan(reset_observation(row["seed"], task_id, decay))))
+                corpus.append(plan_to_completion(oracle_plan(obs)))
     return corpus
 
 
@@ -199,6 +193,14 @@ def build_tiny(out_dir: str | Path, task_ids: Sequence[str], force_decay: bool =
 
     arch = {"vocab_size": 1024, **arch}
     return build_tiny_model(out_dir, corpus=tiny_corpus(task_ids, force_decay), **arch)
+
+
+def ensure_tiny(out_dir: str | Path, task_ids: Sequence[str], force_decay: bool = False, **arch: Any) -> Path:
+    """``out_dir`` holding the tiny model: :func:`build_tiny` unless ``out_dir/config.json`` exists."""
+    path = Path(out_dir)
+    if not (path / "config.json").is_file():
+        build_tiny(path, task_ids, force_decay, **arch)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +268,6 @@ def load_policy(
     max_seq_length: int = 2048,
     use_vllm: bool = False,
     lora_alpha: int | None = None,
-    quantize: bool | None = None,
 ):
     """(model, tokenizer) ready to train; see the module docstring for which loader is used.
 
@@ -277,7 +278,6 @@ def load_policy(
         max_seq_length: prompt + completion budget (Unsloth sizes its kernels with it).
         use_vllm: Unsloth's fast_inference (vLLM colocated), GPU only.
         lora_alpha: LoRA alpha (default 2 x rank).
-        quantize: 4-bit QLoRA on the PEFT path: None = when a GPU and bitsandbytes are present.
     """
     devices = device_info()  # imports Unsloth (on a GPU) before transformers
     from transformers import AutoModelForCausalLM
@@ -290,9 +290,7 @@ def load_policy(
     tok = _tokenizer(checkpoint or model_path)
     adapter = bool(checkpoint and is_adapter(checkpoint))
     base = adapter_base(checkpoint) if adapter else (checkpoint or model_path)
-    qlora = (
-        bool(lora_r > 0 or adapter) and devices["cuda"] and (quantize is None or quantize) and _bitsandbytes()
-    )
+    qlora = bool(lora_r > 0 or adapter) and devices["cuda"] and _bitsandbytes()
     kwargs: dict[str, Any] = {"dtype": dtype}
     if qlora:
         import torch
@@ -374,6 +372,7 @@ __all__ = [
     "checkpoint_files",
     "count_parameters",
     "device_info",
+    "ensure_tiny",
     "is_adapter",
     "load_for_inference",
     "load_policy",

@@ -36,14 +36,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orthojob.gate import EXIT_GATE_FAILED
+from orthojob.gate import DEFAULT_THRESHOLDS, EXIT_GATE_FAILED
 from orthojob.grpo import PRESETS as GRPO_PRESETS
 from orthojob.mlops import EXIT_USAGE
+from orthojob.models import TINY_MODEL
 
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "pipeline_summary.json"
 EVALUATION_FILE = "evaluation.json"
+
+
+def _thresholds(stage: str) -> dict:
+    """The stage's default gate thresholds (:data:`orthojob.gate.DEFAULT_THRESHOLDS`), those set only."""
+    return {k: v for k, v in DEFAULT_THRESHOLDS[stage].to_dict().items() if v is not None}
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-cpu": {
@@ -51,7 +58,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "offline, CPU, 2 cores, < 10 min: a ~0.2M-parameter Qwen2 built here, fully fine-tuned "
             "(SFT reaches >= 0.9 greedy parse rate); GRPO proves the loop, it does not make a planner"
         ),
-        "model": "tiny",
+        "model": TINY_MODEL,
         "tiny_arch": {
             "hidden_size": 64,
             "layers": 2,
@@ -86,7 +93,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "n_seeds": 32,
             "max_new_tokens": 256,
             "batch_size": 16,
-            "thresholds": {"min_parse_rate": 0.9, "min_format_reward": 0.8},
+            "thresholds": _thresholds("sft0"),
         },
         "grpo": {
             "steps": 20,
@@ -107,7 +114,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "use_vllm": False,
         },
         "grpo_gate": {
-            "thresholds": {"min_parse_rate": 0.9, "min_format_reward": 0.8, "min_margin_over_slerp": 0.0},
+            "thresholds": _thresholds("grpo"),
         },
         "evaluate": {"n_seeds": 32, "baselines": True, "max_new_tokens": 256, "batch_size": 16},
     },
@@ -139,7 +146,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "n_seeds": 50,
             "max_new_tokens": 512,
             "batch_size": 16,
-            "thresholds": {"min_parse_rate": 0.9, "min_format_reward": 0.8},
+            "thresholds": _thresholds("sft0"),
         },
         # the GRPO recipe itself lives in orthojob.grpo.PRESETS (one source of truth)
         "grpo": {
@@ -150,7 +157,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "use_vllm": False,
         },
         "grpo_gate": {
-            "thresholds": {"min_parse_rate": 0.9, "min_format_reward": 0.8, "min_margin_over_slerp": 0.0},
+            "thresholds": _thresholds("grpo"),
         },
         "evaluate": {"n_seeds": 200, "baselines": True, "max_new_tokens": 512, "batch_size": 32},
     },
@@ -258,7 +265,7 @@ def run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any] 
 
     name = preset if isinstance(preset, str) else preset.get("name", "custom")
     cfg_model = (PRESETS.get(preset, {}) if isinstance(preset, str) else preset).get("model")
-    if cfg_model == "tiny":  # a local model: never wait on the (unreachable) model hub
+    if cfg_model == TINY_MODEL:  # a local model: never wait on the (unreachable) model hub
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     params = {"preset": name, "out": str(out), "overrides": overrides or {}}
@@ -270,17 +277,11 @@ def run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any] 
     return summary
 
 
-def _stage_run(stage: str, params: dict | None = None):
-    from orthojob import tracking
-
-    return tracking.stage_run(stage, params=params)
-
-
 def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any] | None = None) -> dict:
     import mlflow
 
-    from orthojob import gate, storage
-    from orthojob.models import TINY_MODEL, build_tiny
+    from orthojob import gate, storage, tracking
+    from orthojob.models import build_tiny
     from orthojob.tracking import log_metrics
 
     name = preset if isinstance(preset, str) else preset.get("name", "custom")
@@ -315,15 +316,19 @@ def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any]
         stages["tiny-model"] = {"seconds": time.perf_counter() - t, "path": model}
         save()
 
+    def gate_evaluation(path: str, stage: str) -> dict:
+        """The held-out gate evaluation with the preset's ``sft_gate`` settings."""
+        g = cfg["sft_gate"]
+        return gate.evaluate_checkpoint(
+            path, n_seeds=g["n_seeds"], task_id=cfg["task_id"], force_decay=cfg["force_decay"],
+            max_new_tokens=g["max_new_tokens"], batch_size=g["batch_size"], stage=stage,
+            thresholds=gate.GateThresholds.from_dict(g["thresholds"]),
+        )  # fmt: skip
+
     # 1b. the base model's held-out parse rate and format, before any training (no gate file)
     if cfg.get("base_eval", True):
         t = time.perf_counter()
-        g = cfg["sft_gate"]
-        base = gate.evaluate_checkpoint(
-            model, n_seeds=g["n_seeds"], task_id=cfg["task_id"], force_decay=cfg["force_decay"],
-            max_new_tokens=g["max_new_tokens"], batch_size=g["batch_size"], stage="base",
-            thresholds=gate.GateThresholds.from_dict(g["thresholds"]),
-        )  # fmt: skip
+        base = gate_evaluation(model, "base")
         stages["base"] = {"seconds": time.perf_counter() - t, **_gate_view(base)}
         save()
 
@@ -332,7 +337,9 @@ def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any]
     t = time.perf_counter()
     from orthojob.sft import run_sft
 
-    with _stage_run("sft0", params={"sft": cfg["sft"], "model": model, "force_decay": cfg["force_decay"]}):
+    with tracking.stage_run(
+        "sft0", params={"sft": cfg["sft"], "model": model, "force_decay": cfg["force_decay"]}
+    ):
         sft_summary = run_sft(sft_config(cfg, sft_dir, model=model))
         log_metrics({k: v for k, v in sft_summary.items() if isinstance(v, (int, float))})
     stages["sft0"] = {"seconds": time.perf_counter() - t, **sft_summary}
@@ -341,12 +348,8 @@ def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any]
     # 3. SFT gate
     t = time.perf_counter()
     g = cfg["sft_gate"]
-    with _stage_run("gate_sft0", params={"sft_gate": g}):
-        report = gate.evaluate_checkpoint(
-            str(sft_dir), n_seeds=g["n_seeds"], task_id=cfg["task_id"], force_decay=cfg["force_decay"],
-            max_new_tokens=g["max_new_tokens"], batch_size=g["batch_size"], stage="sft0",
-            thresholds=gate.GateThresholds.from_dict(g["thresholds"]),
-        )  # fmt: skip
+    with tracking.stage_run("gate_sft0", params={"sft_gate": g}):
+        report = gate_evaluation(str(sft_dir), "sft0")
         content = gate.write_gate(sft_dir, report)
         log_metrics({f"gate/{k}": v for k, v in content["metrics"].items()})
         mlflow.log_artifact(str(gate.gate_path(sft_dir)))
@@ -400,7 +403,7 @@ def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any]
 
     t = time.perf_counter()
     e = cfg["evaluate"]
-    with _stage_run("evaluate", params={"evaluate": e}):
+    with tracking.stage_run("evaluate", params={"evaluate": e}):
         tasks = [cfg["task_id"]]
         kw = {"n_seeds": e["n_seeds"], "force_decay": cfg["force_decay"], "max_new_tokens": e["max_new_tokens"],
               "batch_size": e["batch_size"]}  # fmt: skip

@@ -48,22 +48,14 @@ def reward_components(log_history: Sequence[dict], path: str | Path) -> Path:
 
 def case_plan(task_id: str, seed: int, force_decay: bool = False) -> dict:
     """The oracle's plan for a case (a plan dict, as a completion would hold)."""
-    from server.cases import generate_case
+    from orthojob.prompts import reset_observation
     from server.oracle import oracle_plan
 
-    case = generate_case(task_id, seed, force_decay)
-    return oracle_plan(
-        {
-            "initial_config": case.initial.tolist(),
-            "target_config": case.target.tolist(),
-            "force_decay": force_decay,
-            "task_id": task_id,
-            "seed": seed,
-        }
-    )
+    return oracle_plan(reset_observation(seed, task_id, force_decay))
 
 
 def _rollout(plan: dict, task_id: str, seed: int, force_decay: bool):
+    """(case, planned progress per stage and tooth, achieved poses per stage) of a plan on a case."""
     from server.cases import generate_case
     from server.plans import normalize_plan, planned_progress
     from server.treatment import rollout_plans
@@ -79,8 +71,12 @@ def tooth_trajectories(
     plan: dict, task_id: str, seed: int, path: str | Path, force_decay: bool = False
 ) -> Path:
     """Planned share of each tooth's movement per stage (one line per tooth)."""
+    return _draw_trajectories(_rollout(plan, task_id, seed, force_decay), plan, task_id, seed, path)
+
+
+def _draw_trajectories(rolled: tuple, plan: dict, task_id: str, seed: int, path: str | Path) -> Path:
     plt = _plt()
-    _case, progress, _ = _rollout(plan, task_id, seed, force_decay)
+    _case, progress, _ = rolled
     fig, ax = plt.subplots(figsize=(8, 4.5))
     cmap = plt.get_cmap("viridis")
     n_teeth = progress.shape[-1]
@@ -97,8 +93,12 @@ def arch_before_after(
     plan: dict, task_id: str, seed: int, path: str | Path, force_decay: bool = False
 ) -> Path:
     """Top view of crown positions: initial, after the plan's last stage, and the target."""
+    return _draw_arch(_rollout(plan, task_id, seed, force_decay), task_id, seed, path)
+
+
+def _draw_arch(rolled: tuple, task_id: str, seed: int, path: str | Path) -> Path:
     plt = _plt()
-    case, _, achieved = _rollout(plan, task_id, seed, force_decay)
+    case, _, achieved = rolled
     fig, ax = plt.subplots(figsize=(6, 6))
     for poses, style, label in (
         (case.initial, "o", "before (initial)"),
@@ -129,8 +129,9 @@ def training_plots(
     """All three plots into ``folder``; returns their paths."""
     folder = Path(folder)
     plan = case_plan(task_id, seed, force_decay)
+    rolled = _rollout(plan, task_id, seed, force_decay)  # one simulation for both case plots
     return [
         reward_components(log_history, folder / "reward_components.png"),
-        tooth_trajectories(plan, task_id, seed, folder / "tooth_trajectories.png", force_decay),
-        arch_before_after(plan, task_id, seed, folder / "arch_before_after.png", force_decay),
+        _draw_trajectories(rolled, plan, task_id, seed, folder / "tooth_trajectories.png"),
+        _draw_arch(rolled, task_id, seed, folder / "arch_before_after.png"),
     ]

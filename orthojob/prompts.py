@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -178,26 +179,27 @@ def reset_observation(seed: int, task_id: str, force_decay: bool) -> dict:
         return _ENV.reset(task_id=task_id, seed=seed, force_decay=bool(force_decay))
 
 
+def prompt_cases(n: int, seed_start: int, task_id: str, force_decay: bool) -> Iterator[tuple[dict, dict]]:
+    """``(row, observation)`` for ``n`` seeds from seed_start: each case is reset once, and its
+    :func:`prompt_rows` row comes with the observation it was built from (e.g. for the oracle)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    return (_case_row(seed, task_id, force_decay) for seed in range(seed_start, seed_start + n))
+
+
+def _case_row(seed: int, task_id: str, force_decay: bool) -> tuple[dict, dict]:
+    obs = reset_observation(seed, task_id, force_decay)
+    row = {"prompt": build_messages(obs), "seed": seed, "task_id": task_id, "force_decay": bool(force_decay)}
+    return row, obs
+
+
 def prompt_rows(n: int, seed_start: int, task_id: str, force_decay: bool) -> list[dict]:
     """``n`` dataset rows ``{"prompt": messages, "seed", "task_id", "force_decay"}``, seeds from seed_start.
 
     The extra columns reach the reward functions through TRL. A bad task id or seed raises the
     environment's InvalidActionError (no row is silently dropped).
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative integer, got {n!r}")
-    rows = []
-    for seed in range(seed_start, seed_start + n):
-        obs = reset_observation(seed, task_id, force_decay)
-        rows.append(
-            {
-                "prompt": build_messages(obs),
-                "seed": seed,
-                "task_id": task_id,
-                "force_decay": bool(force_decay),
-            }
-        )
-    return rows
+    return [row for row, _obs in prompt_cases(n, seed_start, task_id, force_decay)]
 
 
 def plan_to_completion(plan: dict) -> str:
@@ -221,6 +223,7 @@ __all__ = [
     "build_messages",
     "build_prompt",
     "plan_to_completion",
+    "prompt_cases",
     "prompt_rows",
     "reset_observation",
 ]

@@ -30,6 +30,7 @@ from typing import Any
 
 from orthojob.cli import non_negative_int, positive_int, task_list
 from orthojob.mlops import EXIT_USAGE
+from orthojob.models import TINY_MODEL, ensure_tiny
 
 log = logging.getLogger(__name__)
 
@@ -70,24 +71,21 @@ class SFTJobConfig:
         return dataclasses.asdict(self)
 
 
-def demonstrations(
-    n: int, task_ids: Sequence[str], force_decay: bool = False, seed_start: int | None = None
-) -> list[dict]:
+def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -> list[dict]:
     """``n`` SFT examples ``{"prompt": messages, "completion": [assistant message], "seed", "task_id"}``.
 
     Seeds run from TRAIN_SEED_START within each task; tasks take turns (``n`` split evenly).
     """
-    from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, prompt_rows, reset_observation
+    from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, prompt_cases
     from server.oracle import oracle_plan
 
-    start = TRAIN_SEED_START if seed_start is None else seed_start
     tasks = list(task_ids)
     per_task = [n // len(tasks) + (1 if k < n % len(tasks) else 0) for k in range(len(tasks))]
     by_task = []
     for task_id, count in zip(tasks, per_task):
         rows = []
-        for row in prompt_rows(count, start, task_id, force_decay):
-            plan = oracle_plan(reset_observation(row["seed"], task_id, force_decay))
+        for row, obs in prompt_cases(count, TRAIN_SEED_START, task_id, force_decay):
+            plan = oracle_plan(obs)
             rows.append(
                 {
                     "prompt": row["prompt"],
@@ -105,14 +103,11 @@ def demonstrations(
 
 def resolve_model(config: SFTJobConfig) -> str:
     """The base model path: ``config.model``, or the tiny model built into ``<out>/base-model``."""
-    from orthojob.models import TINY_MODEL, build_tiny
-
     if config.model != TINY_MODEL:
         return config.model
-    path = Path(config.out) / "base-model"
-    if not (path / "config.json").is_file():
-        build_tiny(path, config.task_ids, config.force_decay, **config.tiny_arch)
-    return str(path)
+    return str(
+        ensure_tiny(Path(config.out) / "base-model", config.task_ids, config.force_decay, **config.tiny_arch)
+    )
 
 
 def run_sft(config: SFTJobConfig) -> dict:
@@ -262,7 +257,7 @@ def run_sft_cli(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         print(f"orthojob sft: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if config.model == "tiny" and config.lora_r > 0:
+    if config.model == TINY_MODEL and config.lora_r > 0:
         print(
             "orthojob sft: --model tiny needs --lora-r 0 (full fine-tuning): LoRA on a randomly initialised "
             "base never learns the plan format",
@@ -273,7 +268,6 @@ def run_sft_cli(args: argparse.Namespace) -> int:
 
     destination = config.out
     if storage.is_s3_uri(config.out):  # train in a local work folder, publish when done
-        storage.parse_s3_uri(config.out)
         config = dataclasses.replace(config, out=str(mlops.local_work_dir(config.out)))
     if storage.is_s3_uri(config.model):
         config = dataclasses.replace(
