@@ -45,7 +45,6 @@ Run: ``python -m server.app [--host H] [--port P]`` or ``uvicorn server.app:app`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import logging
@@ -64,12 +63,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.cases import TASK_DESCRIPTIONS
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
-from server.dental_environment import TASK_IDS, StepwiseDentalEnvironment
+from server.dental_environment import POSE_FIELDS, TASK_IDS, StepwiseDentalEnvironment
 from server.errors import InvalidActionError, UnknownEpisodeError
 from server.models import (
     MAX_EPISODE_ID_CHARS,
-    TASK_ID_VALUES,
     CollisionReport,
     CollisionsRequest,
     DentalAction,
@@ -87,8 +86,6 @@ from server.models import (
 
 logger = logging.getLogger(__name__)
 
-assert tuple(TASK_IDS) == TASK_ID_VALUES, "server.models.TaskId is out of sync with TASK_IDS"
-
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_SESSIONS = 64
@@ -96,12 +93,6 @@ DEFAULT_MAX_EPISODES = 1024
 DEFAULT_EPISODE_TTL_S = 3600.0
 DEFAULT_MAX_BODY_BYTES = 1_000_000
 
-POSE_FIELDS = ("qw", "qx", "qy", "qz", "tx", "ty", "tz")
-TASK_DESCRIPTIONS = {
-    "task_easy": "one mild clinical profile, few teeth to move",
-    "task_medium": "one clinical profile, moderate magnitudes",
-    "task_hard": "two severe profiles combined (one documented optimal strategy)",
-}
 _MAX_REPORTED_ERRORS = 10
 _MAX_INPUT_REPR = 200
 
@@ -227,6 +218,58 @@ def to_jsonable(obj: Any, path: str = "") -> Any:
 
     Raises :class:`NonFiniteOutputError` naming the path of the first NaN/inf.
     """
+    try:
+        return _plain(obj)
+    except _RefusedValueError:  # a non-finite or non-JSON value: walk again, naming its path
+        return _to_jsonable_at(obj, path)
+
+
+class _RefusedValueError(Exception):
+    """_plain met a value that to_jsonable refuses."""
+
+
+def _plain(obj: Any) -> Any:
+    """to_jsonable without paths (one walk, exact types first); _RefusedValueError on a refusal."""
+    t = type(obj)
+    if t is float:
+        if obj - obj == 0.0:  # false for NaN and +-inf
+            return obj
+        raise _RefusedValueError
+    if t is str or t is int or t is bool or obj is None:
+        return obj
+    if t is dict:
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if t is list or t is tuple:
+        return [_plain(v) for v in obj]
+    if t is np.ndarray:
+        kind = obj.dtype.kind
+        if kind in "biu" or (kind == "f" and np.isfinite(obj).all()):
+            return obj.tolist()
+        return _plain(obj.tolist())
+    # subclasses and numpy scalars: the checks of _to_jsonable_at, in its order
+    if isinstance(obj, (bool, str, int)):
+        return obj
+    if isinstance(obj, float):
+        return _plain(float(obj))
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _plain(obj.tolist())
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return _plain(float(obj))
+    if hasattr(obj, "model_dump"):
+        return _plain(obj.model_dump())
+    raise _RefusedValueError
+
+
+def _to_jsonable_at(obj: Any, path: str) -> Any:
+    """to_jsonable that tracks the path of each value, for the error message."""
     if isinstance(obj, bool) or obj is None or isinstance(obj, str):
         return obj
     if isinstance(obj, int):
@@ -238,19 +281,19 @@ def to_jsonable(obj: Any, path: str = "") -> Any:
             )
         return float(obj)
     if isinstance(obj, dict):
-        return {str(k): to_jsonable(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
+        return {str(k): _to_jsonable_at(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return [_to_jsonable_at(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, np.ndarray):
-        return to_jsonable(obj.tolist(), path)
+        return _to_jsonable_at(obj.tolist(), path)
     if isinstance(obj, np.bool_):
         return bool(obj)
     if isinstance(obj, np.integer):
         return int(obj)
     if isinstance(obj, np.floating):
-        return to_jsonable(float(obj), path)
+        return _to_jsonable_at(float(obj), path)
     if hasattr(obj, "model_dump"):
-        return to_jsonable(obj.model_dump(), path)
+        return _to_jsonable_at(obj.model_dump(), path)
     raise NonFiniteOutputError(
         f"the environment produced a non-JSON value of type {type(obj).__name__} at {path}"
     )
@@ -357,10 +400,7 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
         episode_id, self._episode_id = self._episode_id, None
         if episode_id is None:
             return
-        release = getattr(self._store, "close_episode", None)
-        if callable(release):
-            with contextlib.suppress(UnknownEpisodeError):
-                release(episode_id)
+        self._store.close_episode(episode_id)
 
     def close(self) -> None:
         self._release()
@@ -597,7 +637,7 @@ def build_app(
         def list_tasks() -> JSONResponse:
             return respond(
                 {
-                    "tasks": [{"task_id": t, "description": TASK_DESCRIPTIONS.get(t, t)} for t in TASK_IDS],
+                    "tasks": [{"task_id": t, "description": TASK_DESCRIPTIONS[t]} for t in TASK_IDS],
                     "n_stages": N_STAGES,
                     "n_teeth": N_TEETH,
                     "tooth_ids": list(TOOTH_IDS),

@@ -27,6 +27,7 @@ from server.dental_constants import (
     INTERMOLAR_WIDTH_MM,
     IS_UPPER,
     LOWER_CROWN_WIDTH_MM,
+    LOWER_PAIRS,
     N_TEETH,
     SIDE,
     TIP_DEG,
@@ -34,8 +35,10 @@ from server.dental_constants import (
     TORQUE_DEG,
     TYPE_INDEX,
     UPPER_CROWN_WIDTH_MM,
+    UPPER_PAIRS,
+    side_mean,
 )
-from server.quaternion_utils import quaternion_about_axis, quaternion_multiply
+from server.quaternion_utils import quaternion_about_axis, quaternion_axis, quaternion_multiply, vector_norm
 
 _X = np.array([1.0, 0.0, 0.0])
 _Y = np.array([0.0, 1.0, 0.0])
@@ -140,40 +143,13 @@ _PRESCRIPTION_Q: np.ndarray = quaternion_multiply(
 
 def occlusal_points(poses: np.ndarray) -> np.ndarray:
     """Incisal edge / cusp tip of each crown (..., 28, 3) from poses (..., 28, 7)."""
-    w, x, y, z = poses[..., 0], poses[..., 1], poses[..., 2], poses[..., 3]
     # the offset is along local z: its length times the rotation matrix's third column
-    local_z = np.stack((2.0 * (x * z + w * y), 2.0 * (y * z - w * x), 1.0 - 2.0 * (x * x + y * y)), axis=-1)
-    return poses[..., 4:7] + _OCCLUSAL_OFFSET[:, 2:] * local_z
+    return poses[..., 4:7] + _OCCLUSAL_HEIGHT[:, None] * quaternion_axis(poses[..., :4], 2)
 
 
-_OCCLUSAL_OFFSET: np.ndarray = np.zeros((N_TEETH, 3))
-_OCCLUSAL_OFFSET[:, 2] = OCCLUSAL_END * CROWN_HEIGHT_MM / 2
-"""(28, 3) centroid -> incisal edge / cusp tip in each crown's local frame (mm)."""
-
-
-def _teeth(upper: bool, number: int) -> np.ndarray:
-    """Indices of the (right, left) teeth of one number in one arch."""
-    return np.flatnonzero((upper == IS_UPPER) & (number == TOOTH_NUMBER))
-
-
-_U1, _L1, _U6, _L6, _L7 = (
-    _teeth(True, 1),
-    _teeth(False, 1),
-    _teeth(True, 6),
-    _teeth(False, 6),
-    _teeth(False, 7),
-)
-
-
-def _pair_mean(a: np.ndarray, pair: np.ndarray) -> np.ndarray:
-    """Mean of ``a`` over the right/left teeth ``pair`` (as np.mean, without its overhead)."""
-    return (a[pair[0]] + a[pair[1]]) / 2
-
-
-_INCISORS: np.ndarray = np.concatenate((_U1, _L1))
-"""The upper then the lower central incisors."""
-_LOWER_BY_NUMBER: np.ndarray = np.stack([_teeth(False, n) for n in range(1, 8)])
-"""(7, 2) indices of the lower teeth numbered 1..7."""
+_OCCLUSAL_HEIGHT: np.ndarray = OCCLUSAL_END * CROWN_HEIGHT_MM / 2
+"""(28,) centroid -> incisal edge / cusp tip along each crown's local z (mm)."""
+_U1, _L1, _U6, _L6, _L7 = UPPER_PAIRS[0], LOWER_PAIRS[0], UPPER_PAIRS[5], LOWER_PAIRS[5], LOWER_PAIRS[6]
 
 
 @dataclass(frozen=True)
@@ -203,46 +179,44 @@ def build_ideal_arch(params: ArchParameters) -> IdealArch:
     # y_L = k * base. The edges depend weakly on the crowns' yaw, hence on k: take them at k = 1.
     base = NOMINAL_XY[:, 1] * s_lower
     sy = np.where(upper, sy_upper, s_lower)
-    inc = _INCISORS
-    y_inc = NOMINAL_XY[inc, 1] * sy[inc]
-    edge_y_inc = y_inc + _orient(sx[inc], sy[inc], inc)[4]
-    u1, l1 = slice(0, 2), slice(2, 4)  # _INCISORS = (_U1, _L1)
+    y_1 = NOMINAL_XY[:, 1] * sy
+    edge_y_1 = y_1 + _orient(sx, sy)[4]
     rhs = (
         -CLASS_I_MOLAR_OFFSET_MM
-        - _pair_mean(NOMINAL_XY[:, 1] * sy, _U6)
-        + _pair_mean(edge_y_inc[u1], (0, 1))
+        - side_mean(y_1[_U6])
+        + side_mean(edge_y_1[_U1])
         - overjet
-        - _pair_mean(edge_y_inc[l1] - y_inc[l1], (0, 1))
+        - side_mean(edge_y_1[_L1] - y_1[_L1])
     )
-    lower_sagittal = rhs / (_pair_mean(base, _L1) - _pair_mean(base, _L6))
+    lower_sagittal = rhs / (side_mean(base[_L1]) - side_mean(base[_L6]))
 
     sy = np.where(upper, sy_upper, s_lower * lower_sagittal)
     x = SIDE * NOMINAL_XY[:, 0] * sx
     y = NOMINAL_XY[:, 1] * sy
-    qw, qx, qy, qz, offset_y, offset_z = _orient(sx, sy, slice(None))
+    qw, qx, qy, qz, offset_y, offset_z = _orient(sx, sy)
     # z: put each crown's occlusal point at its level
     z = _occlusal_levels(y, params.curve_of_spee_mm) - offset_z
     poses = np.stack((qw, qx, qy, qz, x, y, z), axis=-1)
     edge_y = y + offset_y
-    dy = _pair_mean(edge_y, _U1) - overjet - _pair_mean(edge_y, _L1)
+    dy = side_mean(edge_y[_U1]) - overjet - side_mean(edge_y[_L1])
     poses[~upper, 5] += dy
     width = _widths_from_contacts(poses[:, 4:6])
     depth = CROWN_DEPTH_MM * params.size
     return IdealArch(poses=poses, crown_width_mm=width, crown_depth_mm=depth, params=params)
 
 
-def _orient(sx: np.ndarray, sy: np.ndarray, teeth: slice | np.ndarray) -> tuple[np.ndarray, ...]:
-    """Orientation (qw, qx, qy, qz) and occlusal offset (y, z; mm) of the crowns ``teeth``
-    on the arch form scaled by ``sx``, ``sy`` (their values for those teeth)."""
+def _orient(sx: np.ndarray, sy: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Orientation (qw, qx, qy, qz) and occlusal offset (y, z; mm) of the 28 crowns on the
+    arch form scaled by ``sx``, ``sy`` (28,)."""
     # tangent pointing towards the patient's left: (1, slope) on the left, (1, -slope) on the right
-    slope = NOMINAL_SLOPE[teeth] * sy / sx * SIDE[teeth]
+    slope = NOMINAL_SLOPE * sy / sx * SIDE
     half_yaw = 0.5 * np.arctan2(slope, 1.0)
     # the yaw about z, then the prescription (their Hamilton product written out)
     cy, sz = np.cos(half_yaw), np.sin(half_yaw)
-    pw, px, py, pz = _PRESCRIPTION_Q[teeth].T
+    pw, px, py, pz = _PRESCRIPTION_Q.T
     qw, qx, qy, qz = cy * pw - sz * pz, cy * px - sz * py, cy * py + sz * px, cy * pz + sz * pw
     # the occlusal offset is along local z: its length times the rotation matrix's third column
-    height = _OCCLUSAL_OFFSET[teeth, 2]
+    height = _OCCLUSAL_HEIGHT
     offset_y = height * 2.0 * (qy * qz - qw * qx)
     offset_z = height * (1.0 - 2.0 * (qx * qx + qy * qy))
     return qw, qx, qy, qz, offset_y, offset_z
@@ -257,13 +231,13 @@ def _occlusal_levels(y: np.ndarray, spee_mm: float) -> np.ndarray:
     upper buccal cusps meet the lower ones.
     """
     incisal = _INCISAL_LEVEL
-    y1 = _pair_mean(y, _L1)
-    y7 = _pair_mean(y, _L7)
+    y1 = side_mean(y[_L1])
+    y7 = side_mean(y[_L7])
     line = INCISAL_LEVEL_MM[0] * (y - y7) / (y1 - y7)
     lower_level = np.where(TOOTH_NUMBER <= 2, incisal, line - spee_mm * _SPEE)
     lower_level = np.where(TOOTH_NUMBER == 3, np.maximum(lower_level, incisal), lower_level)
     # an upper buccal crown meets the lower crown of the same number
-    by_number = _pair_mean(lower_level, _LOWER_BY_NUMBER.T)
+    by_number = side_mean(lower_level[LOWER_PAIRS])
     upper_level = np.where(TOOTH_NUMBER <= 3, -incisal, by_number[TYPE_INDEX])
     return np.where(IS_UPPER, upper_level, lower_level)
 
@@ -279,26 +253,19 @@ def _widths_from_contacts(xy: np.ndarray) -> np.ndarray:
     centroid distance to its mesial neighbour minus that neighbour's width.
     """
     width = np.empty(N_TEETH)
-    dist = np.sqrt(np.sum((xy[_CONTACT_B] - xy[_CONTACT_A]) ** 2, axis=-1))  # (4, 7)
+    dist = vector_norm(xy[_HALF_ARCHES] - xy[_CONTACT_A])  # (4, 7)
     # w_0 = d_0, w_k = 2 d_k - w_(k-1): an alternating sum, one product per half arch
-    width[_CONTACT_B] = dist @ _ALTERNATING.T
+    width[_HALF_ARCHES] = dist @ _ALTERNATING.T
     return width
 
 
-def _half_arch(upper: bool, side: float) -> np.ndarray:
-    return np.array(
-        [np.flatnonzero((upper == IS_UPPER) & (side == SIDE) & (n == TOOTH_NUMBER))[0] for n in range(1, 8)]
-    )
-
-
-_HALF_ARCHES: np.ndarray = np.stack([_half_arch(u, s) for u in (True, False) for s in (-1.0, 1.0)])
-"""(4, 7) tooth indices of each half arch, central incisor first."""
-_CONTACT_B: np.ndarray = _HALF_ARCHES
+_HALF_ARCHES: np.ndarray = np.concatenate((UPPER_PAIRS.T, LOWER_PAIRS.T))
+"""(4, 7) tooth indices of each half arch (upper right, upper left, lower right, lower left),
+central incisor first."""
 _CONTACT_A: np.ndarray = np.concatenate(
-    (np.stack([_half_arch(u, -s)[:1] for u in (True, False) for s in (-1.0, 1.0)]), _HALF_ARCHES[:, :-1]),
-    axis=1,
+    (np.concatenate((UPPER_PAIRS.T[::-1], LOWER_PAIRS.T[::-1]))[:, :1], _HALF_ARCHES[:, :-1]), axis=1
 )
-"""(4, 7) the mesial neighbour of each tooth in _CONTACT_B (the other central for a central)."""
+"""(4, 7) the mesial neighbour of each tooth in _HALF_ARCHES (the other central for a central)."""
 _ALTERNATING: np.ndarray = (
     np.tril((-1.0) ** np.subtract.outer(np.arange(7), np.arange(7))) * np.r_[1.0, np.full(6, 2.0)]
 )

@@ -26,20 +26,19 @@ from server.clinical_profiles import (
     SECONDARY_SCALE,
     Displacement,
 )
-from server.collisions import COLLISION_TOLERANCE_MM, mesiodistal_axis_xy, penetration_mm
+from server.collisions import COLLISION_TOLERANCE_MM, penetration_mm
 from server.compliance import COMPLIANCE_TASKS, compliance_schedule
 from server.dental_constants import (
     ADJACENT_PAIRS,
     FEASIBLE_ROTATION_DEG,
     FEASIBLE_TRANSLATION_MM,
+    MM_PER_DEG,
     TOOTH_NUMBER,
 )
 from server.errors import InvalidActionError
 from server.occlusion import (
-    arch_irregularity_mm,
-    arch_spacing_mm,
+    arch_contacts,
     arch_widths_mm,
-    contact_vectors,
     curve_of_spee_mm,
     midline_mm,
     molar_relation_mm,
@@ -97,6 +96,40 @@ class Case:
         """(28, 3) each target crown's local z (long) axis in the patient frame (force decay)."""
         return quaternion_axis(self.target[:, :4], 2)
 
+    @cached_property
+    def need(self) -> np.ndarray:
+        """(2, 28) translation (mm) and rotation (deg) of each tooth from initial to target."""
+        need = np.stack(
+            (
+                vector_norm(self.target[:, 4:] - self.initial[:, 4:]),
+                np.degrees(quaternion_angle(self.target[:, :4], self.initial[:, :4])),
+            )
+        )
+        need.setflags(write=False)
+        return need
+
+    @cached_property
+    def need_mm(self) -> float:
+        """The summed mm-equivalent movement initial -> target (MM_PER_DEG per degree)."""
+        return float(np.hypot(self.need[0], MM_PER_DEG * self.need[1]).sum())
+
+    @cached_property
+    def inv_need(self) -> np.ndarray:
+        """(2, 28) 1 / need; 0 for a tooth with (almost) nothing to do."""
+        inv = np.where(self.need > 1e-9, 1.0 / np.maximum(self.need, 1e-9), 0.0)
+        inv.setflags(write=False)
+        return inv
+
+    @cached_property
+    def initial_list(self) -> list:
+        """``initial.tolist()``, shared: copy it before handing it out."""
+        return self.initial.tolist()
+
+    @cached_property
+    def target_list(self) -> list:
+        """``target.tolist()``, shared: copy it before handing it out."""
+        return self.target.tolist()
+
     @property
     def follows_plan(self) -> bool:
         """Whether the achieved poses are the aligners' (ideal dynamics, full wear)."""
@@ -151,10 +184,7 @@ def _within_caps(initial: np.ndarray, target: np.ndarray) -> bool:
 
 def case_summary(initial: np.ndarray, width: np.ndarray) -> dict:
     """What a clinician measures on the initial casts (mm). No strategy, no diagnosis."""
-    axis = mesiodistal_axis_xy(initial[:, :4])
-    vec = contact_vectors(initial, width, axis)
-    irr_u, irr_l = arch_irregularity_mm(initial, width, vec)
-    sp_u, sp_l = arch_spacing_mm(initial, width, vec, axis)
+    irr_u, irr_l, sp_u, sp_l = arch_contacts(initial, width)
     molar = molar_relation_mm(initial)
     widths = arch_widths_mm(initial)
     mean_molar = float(np.mean(molar))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from server.dental_constants import ADJACENT_PAIRS
+from server.quaternion_utils import vector_norm
 
 COLLISION_TOLERANCE_MM: float = 0.1
 """Penetration below this is interproximal contact, not a collision (model resolution)."""
@@ -27,7 +28,7 @@ def mesiodistal_axis_xy(q: np.ndarray) -> np.ndarray:
     """Unit local-x axes of crowns (..., 4) projected on the occlusal plane: (..., 2)."""
     w, x, y, z = q[..., 0], q[..., 1], q[..., 2], q[..., 3]
     ax = np.stack((1.0 - 2.0 * (y * y + z * z), 2.0 * (x * y + w * z)), axis=-1)
-    return ax / np.maximum(np.sqrt(np.einsum("...i,...i->...", ax, ax)), 1e-12)[..., None]
+    return ax / np.maximum(vector_norm(ax), 1e-12)[..., None]
 
 
 def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:

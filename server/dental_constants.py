@@ -206,3 +206,19 @@ MIRROR_INDEX: np.ndarray = np.array(
     [TOOTH_INDEX[{1: 2, 2: 1, 3: 4, 4: 3}[q] * 10 + n] for q, n in zip(QUADRANT, TOOTH_NUMBER)]
 )
 """Index of each tooth's contralateral counterpart."""
+
+
+def tooth_pair(number: int, upper: bool) -> np.ndarray:
+    """(2,) indices of the (right, left) teeth numbered ``number`` (FDI last digit 1..7) in one arch."""
+    return np.array([TOOTH_INDEX[quadrant * 10 + number] for quadrant in ((1, 2) if upper else (4, 3))])
+
+
+UPPER_PAIRS: np.ndarray = np.stack([tooth_pair(n, True) for n in range(1, 8)])
+"""(7, 2) indices of the (right, left) upper teeth numbered 1..7 (row n - 1)."""
+LOWER_PAIRS: np.ndarray = np.stack([tooth_pair(n, False) for n in range(1, 8)])
+"""(7, 2) indices of the (right, left) lower teeth numbered 1..7 (row n - 1)."""
+
+
+def side_mean(a: np.ndarray) -> np.ndarray:
+    """Mean over the last axis of (..., 2) right/left values (np.mean without its overhead)."""
+    return (a[..., 0] + a[..., 1]) / 2

@@ -110,7 +110,7 @@ def validate_poses(poses: object) -> np.ndarray:
         arr = np.array(poses, dtype=np.float64)
     if not np.abs(arr).max() <= 1e6:  # also false for NaN
         _raise_out_of_range(arr)
-    norms = np.sqrt(np.einsum("ij,ij->i", arr[:, :4], arr[:, :4]))
+    norms = vector_norm(arr[:, :4])
     if norms.min() < 1e-9:
         i = int(np.argmax(norms < 1e-9))
         raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
@@ -148,6 +148,16 @@ achieved s-1 (insertion mismatch); achieved s vs achieved s-1. When the teeth fo
 (ideal dynamics, full wear) only the first two are measured (the others equal the increment)."""
 
 
+def _lag_pairs(case: Case) -> tuple[int, int]:
+    """The PAIR_* rows holding a stage's (insertion mismatch, achieved increment): their own
+    rows when the teeth may lag the plan, else PAIR_INCREMENT (they equal the increment)."""
+    return _FOLLOWS_PAIRS if case.follows_plan else _LAG_PAIRS
+
+
+_LAG_PAIRS: tuple[int, int] = (PAIR_MISMATCH, PAIR_ACHIEVED)
+_FOLLOWS_PAIRS: tuple[int, int] = (PAIR_INCREMENT, PAIR_INCREMENT)
+
+
 @dataclass
 class Session:
     """One episode's state; per-stage arrays have 25 rows (stage 0 = initial), rows beyond
@@ -178,9 +188,9 @@ class Session:
     def stage_measures(self) -> StageMeasures:
         """The StageMeasures of stages 1..24 as a batch of one (for server.scoring)."""
         d = self.distances[None, 1:]
-        lag = not self.case.follows_plan
-        mis = d[:, :, :, PAIR_MISMATCH] if lag else d[:, :, :, PAIR_INCREMENT]
-        ach = d[:, :, :, PAIR_ACHIEVED] if lag else d[:, :, :, PAIR_INCREMENT]
+        mismatch, moved = _lag_pairs(self.case)
+        mis = d[:, :, :, mismatch]
+        ach = d[:, :, :, moved]
         return StageMeasures(
             inc_t=d[:, :, 0, PAIR_INCREMENT],
             inc_r=d[:, :, 1, PAIR_INCREMENT],
@@ -307,20 +317,17 @@ class StepwiseDentalEnvironment:
         planned = np.empty((N_STAGES + 1, N_TEETH, POSE_DIM))
         planned[0] = case.initial
         achieved = planned.copy()
-        need_t = vector_norm(case.target[:, 4:] - case.initial[:, 4:])
-        need_r = np.degrees(quaternion_angle(case.target[:, :4], case.initial[:, :4]))
-        need = np.stack((need_t, need_r))
         session = Session(
             episode_id=episode_id,
             case=case,
             planned=planned,
             achieved=achieved,
-            need_mm=float(np.hypot(need_t, MM_PER_DEG * need_r).sum()),
-            inv_need=np.where(need > 1e-9, 1.0 / np.maximum(need, 1e-9), 0.0),
-            initial_list=case.initial.tolist(),
-            target_list=case.target.tolist(),
+            need_mm=case.need_mm,
+            inv_need=case.inv_need,
+            initial_list=case.initial_list,
+            target_list=case.target_list,
         )
-        session.distances[0, :, PAIR_REMAINING] = need
+        session.distances[0, :, PAIR_REMAINING] = case.need
         self.sessions.put(session)
         return self._observation(session, step_reward=0.0, breakdown={})
 
@@ -388,7 +395,7 @@ class StepwiseDentalEnvironment:
             "initial_pose": list(session.initial_list[i]),
             "current_pose": current.tolist(),
             "target_pose": list(session.target_list[i]),
-            "translation_remaining_mm": float(np.linalg.norm(target[4:] - current[4:])),
+            "translation_remaining_mm": float(vector_norm(target[4:] - current[4:])),
             "rotation_remaining_deg": float(np.degrees(quaternion_angle(target[:4], current[:4]))),
             "crown_width_mm": float(session.case.crown_width_mm[i]),
             "crown_height_mm": float(CROWN_HEIGHT_MM[i]),
@@ -454,21 +461,16 @@ class StepwiseDentalEnvironment:
         prev_achieved = session.achieved[s - 1]
         # one vectorised pass over this stage's pose pairs (the PAIR_* rows)
         if not case.follows_plan:
-            achieved = (
-                express_stage(poses, prev_achieved, case.target[:, :4], case.long_axis)
-                if case.force_decay
-                else poses
-            )
+            achieved = express_stage(poses, prev_achieved, case.long_axis) if case.force_decay else poses
             if case.wear is not None:
                 achieved = apply_wear(prev_achieved, achieved, case.wear[s - 1])
             pairs_a = np.stack((poses, case.target, poses, achieved))
             pairs_b = np.stack((session.planned[s - 1], achieved, prev_achieved, prev_achieved))
-            mismatch = PAIR_MISMATCH
         else:  # the teeth sit exactly in the aligner: mismatch = achieved increment = increment
             achieved = poses
             pairs_a = np.stack((poses, case.target))
             pairs_b = np.stack((session.planned[s - 1], achieved))
-            mismatch = PAIR_INCREMENT
+        mismatch = _lag_pairs(case)[0]
         dist = np.stack(
             (
                 vector_norm(pairs_a[..., 4:] - pairs_b[..., 4:]),

@@ -25,7 +25,6 @@ from server.dental_constants import (
     TOOTH_CLASS,
 )
 from server.quaternion_utils import (
-    quaternion_axis,
     quaternion_from_rotvec,
     quaternion_inverse,
     quaternion_multiply,
@@ -43,23 +42,20 @@ _ROTATION_RATES = np.stack(
 _INTRUSION_SIGN = np.where(IS_UPPER, 1.0, -1.0)
 
 
-def express_stage(
-    planned: np.ndarray, achieved: np.ndarray, frame_q: np.ndarray, long_axis: np.ndarray | None = None
-) -> np.ndarray:
+def express_stage(planned: np.ndarray, achieved: np.ndarray, long_axis: np.ndarray) -> np.ndarray:
     """Achieved poses after wearing one aligner under force decay.
 
     Args:
         planned: (..., 28, 7) the aligner's shape for this stage.
         achieved: (..., 28, 7) the teeth before it.
-        frame_q: (..., 28, 4) crown frames (target orientations) for the local decomposition.
-        long_axis: (..., 28, 3) their local z axes (``quaternion_axis(frame_q, 2)``) when at hand.
+        long_axis: (..., 28, 3) the crown frames' (target crowns') local z axes in the patient
+            frame (:attr:`server.cases.Case.long_axis`), along which the vertical rate applies.
     Returns:
         (..., 28, 7) achieved poses after the stage.
     """
     # translation: R diag(t, t, v) R^T gap with R the crown frame, t the bodily rate and v the
     # vertical rate along the long axis z: t gap + (v - t) (gap . z) z
     gap = planned[..., 4:] - achieved[..., 4:]
-    long_axis = quaternion_axis(frame_q, 2) if long_axis is None else long_axis
     along = np.einsum("...i,...i->...", gap, long_axis)
     vertical = np.where(along * _INTRUSION_SIGN > 0.0, _INTRUSION_RATE, _EXTRUSION_RATE)
     moved = _TRANSLATION_RATE[:, None] * gap + ((vertical - _TRANSLATION_RATE) * along)[..., None] * long_axis
@@ -85,22 +81,23 @@ def apply_wear(previous: np.ndarray, expressed: np.ndarray, wear: np.ndarray) ->
 
 
 def simulate(
-    planned: np.ndarray, force_decay: bool, frame_q: np.ndarray, wear: np.ndarray | None = None
+    planned: np.ndarray, force_decay: bool, long_axis: np.ndarray | None, wear: np.ndarray | None = None
 ) -> np.ndarray:
     """Achieved trajectory (..., 25, 28, 7) from a planned one (stage 0 = initial).
 
-    ``wear``: (..., 24, 28) compliance schedule of the cases, None for full wear.
+    ``long_axis``: (..., 28, 3) the target crowns' long axes (:attr:`server.cases.Case.long_axis`),
+    needed (not None) under force decay only. ``wear``: (..., 24, 28) compliance schedule of the cases, None for
+    full wear.
     """
     if not force_decay and wear is None:
         return planned
     achieved = np.empty_like(planned)
     achieved[..., 0, :, :] = planned[..., 0, :, :]
-    long_axis = quaternion_axis(frame_q, 2)
     for s in range(1, planned.shape[-3]):
         previous = achieved[..., s - 1, :, :]
         stage = planned[..., s, :, :]
         if force_decay:
-            stage = express_stage(stage, previous, frame_q, long_axis)
+            stage = express_stage(stage, previous, long_axis)
         if wear is not None:
             stage = apply_wear(previous, stage, wear[..., s - 1, :])
         achieved[..., s, :, :] = stage

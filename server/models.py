@@ -25,11 +25,12 @@ from typing import Annotated, Any, Literal
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.cases import TASK_IDS
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import N_TEETH, POSE_DIM
 
-TASK_ID_VALUES: tuple[str, ...] = ("task_easy", "task_medium", "task_hard")
-TaskId = Literal["task_easy", "task_medium", "task_hard"]
+TaskId = Literal[TASK_IDS]  # type: ignore[valid-type]
+"""A task level (:data:`server.cases.TASK_IDS`)."""
 
 MAX_SEED: int = 2**63 - 1
 MAX_EPISODE_ID_CHARS: int = 128
@@ -70,6 +71,8 @@ NonCompliance = Annotated[
         description="missed and partial wear, a lost attachment (task_hard only); seeded by the case",
     ),
 ]
+ForceDecay = Annotated[bool, Field(strict=True)]
+"""Whether the force-decay dynamics is on (a JSON boolean)."""
 
 
 class DentalAction(Action):
@@ -106,7 +109,7 @@ class EpisodeResetRequest(BaseModel):
 
     task_id: TaskId = "task_easy"
     seed: Seed | None = Field(default=None, description="case seed; omitted or null: the server draws one")
-    force_decay: Annotated[bool, Field(strict=True)] = False
+    force_decay: ForceDecay = False
     non_compliance: NonCompliance = False
 
 
@@ -128,7 +131,7 @@ class PlanScoreRequest(BaseModel):
     plan: dict[str, Any] | Annotated[str, Field(max_length=MAX_PLAN_TEXT_CHARS)]
     task_id: TaskId
     seed: Seed
-    force_decay: Annotated[bool, Field(strict=True)] = False
+    force_decay: ForceDecay = False
     non_compliance: NonCompliance = False
 
 

@@ -343,10 +343,7 @@ class AnchoragePrior:
         stages and both arches. 1 when nothing moves; moving every tooth at every
         stage scores 0; staging, and finishing a movement sooner, score higher.
         """
-        traj = np.asarray(trajectory, dtype=np.float64)
-        return self.load_scores_from_moving(
-            tooth_movement_mm(traj[..., :-1, :, :], traj[..., 1:, :, :]) > MOVING_EPS_MM
-        )
+        return self.load_scores_from_moving(_moving_mask(trajectory))
 
     def load_scores_from_moving(self, moving: np.ndarray) -> np.ndarray:
         """:meth:`load_scores` from a ``(..., S, 28)`` mask of the teeth moving at each stage."""
@@ -361,17 +358,22 @@ class AnchoragePrior:
     ) -> float | np.ndarray:
         """Mean over the 8 molars; with an achieved ``trajectory`` (..., S, 28, 7), the mean of
         that and :meth:`load_scores`. Float for ``(28, 7)`` inputs, ``(B,)`` for batches."""
-        return _as_output(self._score_from_movement(tooth_movement_mm(initial, final), trajectory))
+        moving = None if trajectory is None else _moving_mask(trajectory)
+        return _as_output(self._score_from_movement(tooth_movement_mm(initial, final), moving))
 
-    def _score_from_movement(
-        self, m: np.ndarray, trajectory: np.ndarray | None, moving: np.ndarray | None = None
-    ) -> np.ndarray:
+    def _score_from_movement(self, m: np.ndarray, moving: np.ndarray | None) -> np.ndarray:
+        """:meth:`score` from movements ``m`` (..., 28) and, when scored, the mask ``moving``
+        (..., S, 28) of :meth:`load_scores_from_moving`."""
         molar = np.mean(self.molar_scores_from_movement(m), axis=-1)
-        if moving is not None:
-            return (1.0 - LOAD_WEIGHT) * molar + LOAD_WEIGHT * self.load_scores_from_moving(moving)
-        if trajectory is None:
+        if moving is None:
             return molar
-        return (1.0 - LOAD_WEIGHT) * molar + LOAD_WEIGHT * self.load_scores(trajectory)
+        return (1.0 - LOAD_WEIGHT) * molar + LOAD_WEIGHT * self.load_scores_from_moving(moving)
+
+
+def _moving_mask(trajectory: np.ndarray) -> np.ndarray:
+    """(..., S, 28) the teeth of an achieved trajectory (..., S + 1, 28, 7) moving at each stage."""
+    traj = np.asarray(trajectory, dtype=np.float64)
+    return tooth_movement_mm(traj[..., :-1, :, :], traj[..., 1:, :, :]) > MOVING_EPS_MM
 
 
 class CombinedPrior:
@@ -402,23 +404,21 @@ class CombinedPrior:
         return _as_output(self.parts(initial, final, trajectory)[2])
 
     def parts(
-        self,
-        initial: np.ndarray,
-        final: np.ndarray,
-        trajectory: np.ndarray | None = None,
-        moving: np.ndarray | None = None,
+        self, initial: np.ndarray, final: np.ndarray, trajectory: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(realism, anchorage, combined)`` arrays from one movement computation; ``moving``
-        (..., S, 28), when the caller has it, replaces the trajectory for the anchorage load."""
-        return self.parts_from_movement(tooth_movement_mm(initial, final), trajectory, moving)
+        """``(realism, anchorage, combined)`` arrays from one movement computation."""
+        moving = None if trajectory is None else _moving_mask(trajectory)
+        return self.parts_from_movement(tooth_movement_mm(initial, final), moving=moving)
 
     def parts_from_movement(
-        self, m: np.ndarray, trajectory: np.ndarray | None = None, moving: np.ndarray | None = None
+        self, m: np.ndarray, *, moving: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`parts` from per-tooth movements ``m`` (..., 28) mm-equivalent, for callers
-        that have them from finite, unit-quaternion poses (see tooth_movement_mm)."""
+        that have them from finite, unit-quaternion poses (see tooth_movement_mm), and the
+        mask ``moving`` (..., S, 28) of the teeth moving at each stage (None: no anchorage load;
+        see :meth:`AnchoragePrior.load_scores_from_moving`)."""
         r = np.mean(self.realism.tooth_scores_from_movement(m), axis=-1)
-        a = self.anchorage._score_from_movement(m, trajectory, moving)
+        a = self.anchorage._score_from_movement(m, moving)
         s = self.weight_realism * r + (1.0 - self.weight_realism) * a
         return r, a, np.clip(np.where(np.isfinite(s), s, 0.0), 0.0, 1.0)
 

@@ -30,12 +30,13 @@ from server.dental_constants import (
     IDEAL_OVERBITE_MM,
     IDEAL_OVERJET_MM,
     IS_UPPER,
+    LOWER_PAIRS,
     MAX_CURVE_OF_SPEE_MM,
     MIRROR_INDEX,
-    SIDE,
-    TOOTH_NUMBER,
+    UPPER_PAIRS,
+    side_mean,
 )
-from server.quaternion_utils import quaternion_inverse, quaternion_multiply, vector_norm
+from server.quaternion_utils import quaternion_inverse, quaternion_multiply, quaternion_to_rotvec, vector_norm
 
 OCCLUSION_WEIGHTS: dict[str, float] = {
     "molar_relation": 0.20,
@@ -51,25 +52,11 @@ OCCLUSION_WEIGHTS: dict[str, float] = {
 """Weights of the occlusion composite (Andrews 1972 six keys + ABO grading items)."""
 
 
-def _index(upper: bool, number: int, side: float) -> int:
-    return int(np.flatnonzero((upper == IS_UPPER) & (number == TOOTH_NUMBER) & (side == SIDE))[0])
-
-
-_U1 = np.array([_index(True, 1, s) for s in (-1.0, 1.0)])
-_L1 = np.array([_index(False, 1, s) for s in (-1.0, 1.0)])  # same sides as _U1
-_U6 = np.array([_index(True, 6, s) for s in (-1.0, 1.0)])
-_L6 = np.array([_index(False, 6, s) for s in (-1.0, 1.0)])
-_L7 = np.array([_index(False, 7, s) for s in (-1.0, 1.0)])
-_L_SPEE = np.array([[_index(False, n, s) for n in (3, 4, 5, 6)] for s in (-1.0, 1.0)])  # (2, 4)
-_UPPER_3 = np.array([_index(True, 3, s) for s in (-1.0, 1.0)])
-_LOWER_3 = np.array([_index(False, 3, s) for s in (-1.0, 1.0)])
+_U1, _U3, _U6 = UPPER_PAIRS[[0, 2, 5]]  # (right, left) indices
+_L1, _L3, _L6, _L7 = LOWER_PAIRS[[0, 2, 5, 6]]
+_L_SPEE = LOWER_PAIRS[2:6].T  # (2, 4): (right, left) x lower teeth 3..6
 _LOWER_ANTERIOR_CONTACTS = np.array([k for k in ANTERIOR_CONTACTS if not IS_UPPER[ADJACENT_PAIRS[k, 0]]])
 _UPPER_ANTERIOR_CONTACTS = np.array([k for k in ANTERIOR_CONTACTS if IS_UPPER[ADJACENT_PAIRS[k, 0]]])
-
-
-def _side_mean(a: np.ndarray) -> np.ndarray:
-    """Mean over the last axis of (..., 2) right/left values (np.mean without its overhead)."""
-    return (a[..., 0] + a[..., 1]) / 2
 
 
 def band_score(value: np.ndarray, lo: float, hi: float, falloff: float) -> np.ndarray:
@@ -80,12 +67,12 @@ def band_score(value: np.ndarray, lo: float, hi: float, falloff: float) -> np.nd
 
 def overjet_mm(poses: np.ndarray, edge: np.ndarray | None = None) -> np.ndarray:
     edge = occlusal_points(poses) if edge is None else edge
-    return _side_mean(edge[..., _U1, 1] - edge[..., _L1, 1])
+    return side_mean(edge[..., _U1, 1] - edge[..., _L1, 1])
 
 
 def overbite_mm(poses: np.ndarray, edge: np.ndarray | None = None) -> np.ndarray:
     edge = occlusal_points(poses) if edge is None else edge
-    return _side_mean(edge[..., _L1, 2] - edge[..., _U1, 2])
+    return side_mean(edge[..., _L1, 2] - edge[..., _U1, 2])
 
 
 def molar_relation_mm(poses: np.ndarray) -> np.ndarray:
@@ -102,20 +89,21 @@ def curve_of_spee_mm(poses: np.ndarray, edge: np.ndarray | None = None) -> np.nd
     dy = np.where(np.abs(y1 - y0) < 1e-6, 1e-6, y1 - y0)
     t = (ys - y0[..., None]) / dy[..., None]
     line = z0[..., None] + t * (z1 - z0)[..., None]
-    return _side_mean(np.max(line - zs, axis=-1))
+    return side_mean(np.max(line - zs, axis=-1))
 
 
 def midline_mm(poses: np.ndarray) -> np.ndarray:
     """Upper dental midline minus lower (x, mm; + = upper to the patient's left)."""
-    return _side_mean(poses[..., _U1, 4]) - _side_mean(poses[..., _L1, 4])
+    return side_mean(poses[..., _U1, 4]) - side_mean(poses[..., _L1, 4])
 
 
-def contact_vectors(poses: np.ndarray, width_mm: np.ndarray, axis: np.ndarray | None = None) -> np.ndarray:
-    """(..., 26, 2) vectors between the facing contact points of neighbours (xy, mm).
+def contact_vectors(poses: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
+    """(..., 26, 2) vectors between the facing contact points of neighbours (xy, mm)."""
+    return _contact_vectors(poses, width_mm, mesiodistal_axis_xy(poses[..., :4]))
 
-    ``axis``: the crowns' mesiodistal_axis_xy when already at hand.
-    """
-    axis = mesiodistal_axis_xy(poses[..., :4]) if axis is None else axis
+
+def _contact_vectors(poses: np.ndarray, width_mm: np.ndarray, axis: np.ndarray) -> np.ndarray:
+    """contact_vectors given the crowns' mesiodistal_axis_xy ``axis``."""
     half = (np.asarray(width_mm) / 2)[..., None]
     a, b = ADJACENT_PAIRS[:, 0], ADJACENT_PAIRS[:, 1]
     p_a = poses[..., a, 4:6] + half[..., a, :] * axis[..., a, :]
@@ -128,33 +116,39 @@ def contact_distance_mm(poses: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
     return vector_norm(contact_vectors(poses, width_mm))
 
 
-def arch_irregularity_mm(
-    poses: np.ndarray, width_mm: np.ndarray, vec: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Little's irregularity index (mm) of the (upper, lower) canine-to-canine segment.
+def arch_irregularity_mm(poses: np.ndarray, width_mm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Little's irregularity index (mm) of the (upper, lower) canine-to-canine segment."""
+    return _irregularity(contact_vectors(poses, width_mm))
 
-    ``vec``: the contact_vectors when already at hand.
-    """
-    vec = contact_vectors(poses, width_mm) if vec is None else vec
+
+def _irregularity(vec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = vector_norm(vec)
     return np.sum(d[..., _UPPER_ANTERIOR_CONTACTS], axis=-1), np.sum(
         d[..., _LOWER_ANTERIOR_CONTACTS], axis=-1
     )
 
 
-def arch_spacing_mm(
-    poses: np.ndarray, width_mm: np.ndarray, vec: np.ndarray | None = None, axis: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Summed mesiodistal gaps (mm) between neighbours along the (upper, lower) arch.
+def arch_spacing_mm(poses: np.ndarray, width_mm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Summed mesiodistal gaps (mm) between neighbours along the (upper, lower) arch."""
+    axis = mesiodistal_axis_xy(poses[..., :4])
+    return _spacing(_contact_vectors(poses, width_mm, axis), axis)
 
-    ``vec``, ``axis``: the contact_vectors and mesiodistal_axis_xy when already at hand.
-    """
-    axis = mesiodistal_axis_xy(poses[..., :4]) if axis is None else axis
-    vec = contact_vectors(poses, width_mm, axis) if vec is None else vec
+
+def _spacing(vec: np.ndarray, axis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     tangent = axis[..., ADJACENT_PAIRS[:, 0], :] + axis[..., ADJACENT_PAIRS[:, 1], :]
     tangent = tangent / np.maximum(vector_norm(tangent), 1e-12)[..., None]
     gap = np.maximum(np.sum(vec * tangent, axis=-1), 0.0)
     return np.sum(gap[..., _UPPER_CONTACTS], axis=-1), np.sum(gap[..., ~_UPPER_CONTACTS], axis=-1)
+
+
+def arch_contacts(
+    poses: np.ndarray, width_mm: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(*arch_irregularity_mm, *arch_spacing_mm)``: (upper, lower) irregularity, then (upper,
+    lower) spacing, from one computation of the crowns' axes and contact vectors."""
+    axis = mesiodistal_axis_xy(poses[..., :4])
+    vec = _contact_vectors(poses, width_mm, axis)
+    return (*_irregularity(vec), *_spacing(vec, axis))
 
 
 _UPPER_CONTACTS = IS_UPPER[ADJACENT_PAIRS[:, 0]]
@@ -163,11 +157,7 @@ _UPPER_CONTACTS = IS_UPPER[ADJACENT_PAIRS[:, 0]]
 def rotation_errors_deg(poses: np.ndarray, target: np.ndarray) -> np.ndarray:
     """(..., 28, 3) |torque|, |tip|, |rotation| errors of achieved vs target crowns (unit quaternions)."""
     rel = quaternion_multiply(quaternion_inverse(target[..., :4]), poses[..., :4])
-    # |rotation vector| per axis: |v| x angle / sin(angle / 2), angle = 2 atan2(|v|, |w|)
-    v = np.abs(rel[..., 1:])
-    s = np.sqrt(np.einsum("...i,...i->...", v, v))
-    k = np.where(s < 1e-8, 2.0, 2.0 * np.arctan2(s, np.abs(rel[..., 0])) / np.maximum(s, 1e-12))
-    return np.degrees(v * k[..., None])
+    return np.abs(np.degrees(quaternion_to_rotvec(rel)))
 
 
 def asymmetry_mm(poses: np.ndarray) -> np.ndarray:
@@ -184,7 +174,7 @@ def arch_widths_mm(poses: np.ndarray) -> dict[str, np.ndarray]:
 
 
 _WIDTH_NAMES = ("upper_intercanine", "lower_intercanine", "upper_intermolar", "lower_intermolar")
-_WIDTH_PAIRS = np.stack((_UPPER_3, _LOWER_3, _U6, _L6))
+_WIDTH_PAIRS = np.stack((_U3, _L3, _U6, _L6))
 
 
 def six_keys(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> dict[str, np.ndarray]:

@@ -42,7 +42,8 @@ def rollout_plans(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> tuple[np.
             achieved = planned.copy()
         rows = (decay == force_decay) & (worn == non_compliance)
         wear = np.stack([c.wear for c, r in zip(cases, rows) if r]) if non_compliance else None
-        achieved[rows] = simulate(planned[rows], bool(force_decay), target[rows][..., :4], wear)
+        long_axis = np.stack([c.long_axis for c, r in zip(cases, rows) if r]) if force_decay else None
+        achieved[rows] = simulate(planned[rows], bool(force_decay), long_axis, wear)
     return planned, achieved
 
 
