@@ -67,7 +67,6 @@ TINY: dict = QWEN25_3B | {
     "max_position_embeddings": 4096,
 }
 RESULT_TAG = "BENCH_RESULT "
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def build_tokenizer(work: Path, vocab_size: int) -> Path:
@@ -132,10 +131,10 @@ def run_one(args: argparse.Namespace) -> dict:
     """One benchmark configuration (in its own process); returns the measurements."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     from orthojob.grpo import build_grpo_args, config_from_args
+    from orthojob.models import lora_config
     from orthojob.prompts import prompt_rows
 
     cuda = torch.cuda.is_available() and not args.cpu_smoke
@@ -170,11 +169,7 @@ def run_one(args: argparse.Namespace) -> dict:
     if use_vllm:
         grpo_args.vllm_max_model_length = prompt_tokens + args.max_completion_length + 64
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
-    peft_config = None
-    if args.lora_r:
-        peft_config = LoraConfig(
-            r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
-        )
+    peft_config = lora_config(args.lora_r) if args.lora_r else None
 
     from trl import GRPOTrainer
 

@@ -30,8 +30,20 @@ from pathlib import Path
 from orthojob import storage
 from orthojob.gate import EXIT_GATE_FAILED
 from orthojob.k8s import add_k8s_arguments
-from orthojob.mlops import EXIT_STORAGE, EXIT_TRACKING, EXIT_USAGE
+from orthojob.mlops import EXIT_USAGE, report_job_error
 from server.cases import TASK_IDS
+
+TRACKED_STAGES: dict[str, str] = {"sft": "sft0", "gate": "gate", "evaluate": "evaluate"}
+"""Stand-alone stage commands that get an MLflow run of their own (train opens its own; the
+pipeline nests these stages under its parent run)."""
+
+GATE_THRESHOLD_FLAGS: tuple[tuple[str, str], ...] = (
+    ("min_parse_rate", "share of completions holding a JSON plan"),
+    ("min_format_reward", "mean format score"),
+    ("min_margin_over_slerp", "terminal mean minus uniform SLERP's"),
+    ("min_strategy_accuracy", "share declaring the case's optimal strategy"),
+)
+"""``orthojob gate``'s threshold overrides: (argparse dest and Thresholds field, what it bounds)."""
 
 
 def task_list(value: str) -> list[str]:
@@ -140,9 +152,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     limits = gate.thresholds_for(args.stage)
     changes = {
-        name: getattr(args, name)
-        for name in ("min_parse_rate", "min_format_reward", "min_margin_over_slerp", "min_strategy_accuracy")
-        if getattr(args, name) is not None
+        name: getattr(args, name) for name, _ in GATE_THRESHOLD_FLAGS if getattr(args, name) is not None
     }
     limits = limits.replace(**changes)
     report = gate.evaluate_checkpoint(
@@ -274,14 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument("--force-decay", action="store_true")
     ga.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default 512)")
     ga.add_argument("--batch-size", type=positive_int, default=16, help="(default 16)")
-    for name, what in (
-        ("min-parse-rate", "share of completions holding a JSON plan"),
-        ("min-format-reward", "mean format score"),
-        ("min-margin-over-slerp", "terminal mean minus uniform SLERP's"),
-        ("min-strategy-accuracy", "share declaring the case's optimal strategy"),
-    ):
+    for name, what in GATE_THRESHOLD_FLAGS:
         ga.add_argument(
-            f"--{name}", type=float, default=None, help=f"threshold: {what} (default: the stage's)"
+            f"--{name.replace('_', '-')}",
+            type=float,
+            default=None,
+            help=f"threshold: {what} (default: the stage's)",
         )
     ga.set_defaults(func=cmd_gate)
 
@@ -337,26 +345,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     stage = TRACKED_STAGES.get(args.command)
     try:
-        if stage is None or getattr(args, "check", None) or getattr(args, "show", False):
+        if stage is None or getattr(args, "check", None):
             return int(args.func(args) or 0)
         return _tracked(stage, args)
     except storage.StorageError as exc:
-        from orthojob.tracking import redact
-
-        print(f"orthojob {args.command}: {redact(str(exc))}", file=sys.stderr)
-        return EXIT_STORAGE
-
-
-TRACKED_STAGES: dict[str, str] = {"sft": "sft0", "gate": "gate", "evaluate": "evaluate"}
-"""Stand-alone stage commands that get an MLflow run of their own (train opens its own; the
-pipeline nests these stages under its parent run)."""
+        return report_job_error(args.command, exc)
 
 
 def _tracked(stage: str, args: argparse.Namespace) -> int:
     """Run a stage command inside its MLflow run (attached to MLFLOW_RUN_ID under `mlflow run`)."""
     from orthojob import tracking
 
-    params = {k: v for k, v in vars(args).items() if k not in ("func", "verbose") and not callable(v)}
+    params = {k: v for k, v in vars(args).items() if k != "verbose" and not callable(v)}
     try:
         with tracking.stage_run(stage, params={"cli": params}):
             import mlflow
@@ -365,8 +365,7 @@ def _tracked(stage: str, args: argparse.Namespace) -> int:
             mlflow.set_tag("orthorl.exit_code", str(code))
             return code
     except tracking.TrackingError as exc:
-        print(f"orthojob {args.command}: {exc}", file=sys.stderr)
-        return EXIT_TRACKING
+        return report_job_error(args.command, exc)
 
 
 if __name__ == "__main__":

@@ -812,20 +812,14 @@ def run_train(args: argparse.Namespace | dict) -> int:
         code = _check_sft_gate(config, say)
         return code if code is not None else smoke_test(config)
 
-    from orthojob.mlops import EXIT_STORAGE, EXIT_TRACKING
+    from orthojob.mlops import report_job_error
     from orthojob.storage import StorageError
     from orthojob.tracking import TrackingError
 
     try:
         return _tracked_train(args, config, main_rank, say)
-    except TrackingError as exc:
-        print(f"orthojob train: {exc}", file=sys.stderr)
-        return EXIT_TRACKING
-    except StorageError as exc:
-        from orthojob.tracking import redact
-
-        print(f"orthojob train: {redact(str(exc))}", file=sys.stderr)
-        return EXIT_STORAGE
+    except (TrackingError, StorageError) as exc:
+        return report_job_error("train", exc)
 
 
 def _check_sft_gate(config: GRPOJobConfig, say) -> int | None:

@@ -19,16 +19,25 @@ Nothing here needs a cluster until submit/logs/status; ``render`` is pure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import re
 import secrets
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from orthojob.gate import (
+    EXIT_GATE_DIGEST_MISMATCH,
+    EXIT_GATE_FAILED,
+    EXIT_GATE_MISSING,
+    EXIT_GATE_UNREADABLE,
+)
+from orthojob.mlops import EXIT_USAGE
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MANIFEST = ROOT / "k8s" / "grpo-job.yaml"
@@ -40,15 +49,16 @@ LEGACY_JOB_NAME_LABEL = "job-name"
 EXIT_MEANINGS = {
     0: "success",
     1: "failure (retried up to backoffLimit; a retry resumes from the newest checkpoint in S3)",
-    2: "usage or configuration error",
+    EXIT_USAGE: "usage or configuration error",
     3: "GRPO quality gate not passed",
-    10: "SFT gate file missing",
-    11: "SFT gate file unparseable",
-    12: "SFT gate failed",
-    13: "SFT gate digest mismatch",
+    EXIT_GATE_MISSING: "SFT gate file missing",
+    EXIT_GATE_UNREADABLE: "SFT gate file unparseable",
+    EXIT_GATE_FAILED: "SFT gate failed",
+    EXIT_GATE_DIGEST_MISMATCH: "SFT gate digest mismatch",
     137: "killed (out of memory, or evicted)",
 }
-FAIL_FAST_CODES = (2, 3, 10, 11, 12, 13)
+# every documented code but success, the retried failure and a kill fails the Job at once
+FAIL_FAST_CODES = tuple(code for code in EXIT_MEANINGS if code not in (0, 1, 137))
 
 # status exit codes of `orthojob k8s status`
 STATUS_COMPLETE, STATUS_FAILED, STATUS_RUNNING = 0, 1, 4
@@ -449,13 +459,11 @@ def job_status(apis: Apis, namespace: str, job_name: str, log_tail: int = 5000) 
     if pod is not None:
         status.pod = pod.metadata.name
         status.exit_code = _terminated_exit_code(pod)
-        try:
+        with contextlib.suppress(Exception):  # no log yet (pod pending) or already garbage-collected
             text = apis.core.read_namespaced_pod_log(
                 name=pod.metadata.name, namespace=namespace, container=CONTAINER, tail_lines=log_tail
             )
             status.run_id, status.run_url = find_run_id(text), find_run_url(text)
-        except Exception:  # no log yet (pod pending) or already garbage-collected
-            status.run_id = None
     status.tracking_uri = _tracking_uri(apis, namespace, job)
     return status
 
@@ -496,29 +504,17 @@ def _add_render_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace, suffix: str | None) -> Overrides:
-    return Overrides(
-        image=args.image,
-        steps=args.steps,
-        task_id=args.task_id,
-        model=args.model,
-        preset=args.preset,
-        checkpoint_uri=args.checkpoint_uri,
-        output_uri=args.output_uri,
-        tracking_uri=args.tracking_uri,
-        experiment=args.experiment,
-        namespace=args.namespace,
-        name_suffix=suffix,
-    )
+    """Overrides from the render flags (their argparse dests are the field names) and ``suffix``."""
+    values = {f.name: getattr(args, f.name) for f in fields(Overrides) if f.name != "name_suffix"}
+    return Overrides(**values, name_suffix=suffix)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    try:
-        rendered = render(_overrides(args, args.name_suffix), args.manifest)
-    except K8sError as exc:
-        print(f"orthojob k8s render: {exc}", file=sys.stderr)
-        return 2
-    sys.stdout.write(rendered.to_yaml())
-    return 0
+    def body() -> int:
+        sys.stdout.write(render(_overrides(args, args.name_suffix), args.manifest).to_yaml())
+        return 0
+
+    return _guarded("render", body)
 
 
 def _guarded(name: str, fn: Callable[[], int]) -> int:

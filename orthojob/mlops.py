@@ -18,23 +18,23 @@ Only rank 0 calls any of this.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
 import re
 import signal
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from orthojob import storage
+from server.reward_scaler import COLLISION_THRESHOLD as COLLISION_FAIL_BELOW
+from server.reward_scaler import PDL_THRESHOLD as PDL_FAIL_BELOW
 
 log = logging.getLogger(__name__)
 
-COLLISION_FAIL_BELOW = 0.9
-PDL_FAIL_BELOW = 0.5
 COMPLETIONS_SAMPLE = 64
 EXIT_USAGE = 2
 """Exit code of a bad configuration (argparse's own code for usage errors)."""
@@ -45,8 +45,17 @@ EXIT_TRACKING = 31
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-@functools.lru_cache(maxsize=4096)
+def report_job_error(command: str, exc: BaseException) -> int:
+    """Print a storage or tracking failure as ``orthojob <command>: <message>`` (secrets redacted)
+    on stderr; returns its exit code (:data:`EXIT_STORAGE` or :data:`EXIT_TRACKING`)."""
+    from orthojob.tracking import TrackingError, redact
+
+    print(f"orthojob {command}: {redact(str(exc))}", file=sys.stderr)
+    return EXIT_TRACKING if isinstance(exc, TrackingError) else EXIT_STORAGE
+
+
 def optimal_strategy(task_id: str, seed: int, force_decay: bool) -> str:
+    """The case's optimal strategy (:func:`server.cases.generate_case` caches the cases)."""
     from server.cases import generate_case
 
     return generate_case(task_id, int(seed), bool(force_decay)).optimal_strategy
@@ -89,16 +98,19 @@ def env_diagnostics(texts: Sequence[str], cases: Sequence[tuple]) -> dict[str, f
     }
 
 
+def work_root() -> Path:
+    """The local work folder: ``ORTHORL_WORK_DIR``, or ./.orthorl-work."""
+    return Path(os.environ.get("ORTHORL_WORK_DIR") or ".orthorl-work")
+
+
 def local_work_dir(out: str) -> Path:
-    """Where a job whose ``--out`` is ``s3://...`` trains locally (``ORTHORL_WORK_DIR`` or ./.orthorl-work)."""
-    loc = storage.parse_s3_uri(out)
-    root = Path(os.environ.get("ORTHORL_WORK_DIR") or ".orthorl-work")
-    return root / loc.bucket / (loc.prefix or "_root")
+    """Where a job whose ``--out`` is ``s3://...`` trains locally (below :func:`work_root`)."""
+    return storage.local_mirror(work_root(), out)
 
 
 def download_cache() -> Path:
     """Where ``s3://`` inputs (checkpoints, base models) are downloaded and verified."""
-    return Path(os.environ.get("ORTHORL_WORK_DIR") or ".orthorl-work") / ".downloads"
+    return work_root() / ".downloads"
 
 
 def local_input(path_or_uri: str, say: Callable[[str], Any] = print) -> Path:
@@ -114,9 +126,6 @@ def checkpoint_sync_callback(out_uri: str) -> Any:
     from transformers import TrainerCallback
 
     class CheckpointSync(TrainerCallback):
-        def __init__(self) -> None:
-            self.uploaded: list[str] = []
-
         def on_save(self, args, state, control, **kwargs):
             if not state.is_world_process_zero:
                 return
@@ -125,7 +134,6 @@ def checkpoint_sync_callback(out_uri: str) -> Any:
             if folder.is_dir():
                 uri = f"{out_uri.rstrip('/')}/{name}"
                 storage.upload_dir(folder, uri)
-                self.uploaded.append(uri)
                 log.info("synced %s to %s", name, uri)
 
     return CheckpointSync()
@@ -207,12 +215,12 @@ def log_training_artifacts(
     log_history: Sequence[dict],
     task_id: str,
     force_decay: bool,
-    completions_file: str = "completions.jsonl",
-    gate_file: str = "gate_passed.json",
+    completions_file: str,
 ) -> None:
     """Everything a training stage leaves in its MLflow run (rank 0, active run)."""
     import mlflow
 
+    from orthojob.gate import GATE_FILE
     from orthojob.tracking import redact
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -244,7 +252,7 @@ def log_training_artifacts(
             }
             mlflow.log_table(table, artifact_file="completions_sample.json")
     log_model(model, tokenizer, base_model)
-    gate = out / gate_file
+    gate = out / GATE_FILE
     if gate.is_file():  # last: a run with a gate file is a finished run (promote reads it)
         mlflow.log_artifact(str(gate))
         content = json.loads(gate.read_text())
@@ -255,41 +263,22 @@ def log_training_artifacts(
 
 
 def publish_output(local: Path, uri: str) -> dict:
-    """Upload a finished output folder to ``uri`` without its ``checkpoint-N`` folders (already synced).
-
-    Files are staged as hard links (copies where links fail); the manifest is written last, so a
-    reader never sees a half-uploaded result.
-    """
-    import shutil
-
-    local = Path(local)
-    with tempfile.TemporaryDirectory(dir=local.parent) as tmp:
-        stage = Path(tmp) / local.name
-        for src in local.rglob("*"):
-            rel = src.relative_to(local)
-            if not src.is_file() or _CHECKPOINT_RE.match(rel.parts[0]) or rel.name == storage.MANIFEST:
-                continue
-            dest = stage / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src, dest)
-            except OSError:
-                shutil.copy2(src, dest)
-        return storage.upload_dir(stage, uri)
+    """Upload a finished output folder to ``uri`` without its ``checkpoint-N`` folders (already
+    synced); the manifest is written last, so a reader never sees a half-uploaded result."""
+    return storage.upload_dir(
+        Path(local), uri, skip=lambda rel: bool(_CHECKPOINT_RE.match(rel.split("/", 1)[0]))
+    )
 
 
 def run_promote(run_id: str, model_name: str, force: bool) -> int:
     """``orthojob promote``: register the run's model (aliases per :mod:`orthojob.registry`); exit code."""
-    import sys
-
     from orthojob import registry, tracking
 
     try:
         tracking.configure()
         result = registry.promote(run_id, model_name, force=force)
     except tracking.TrackingError as exc:
-        print(f"orthojob promote: {exc}", file=sys.stderr)
-        return EXIT_TRACKING
+        return report_job_error("promote", exc)
     except registry.PromotionError as exc:
         print(f"orthojob promote: {tracking.redact(str(exc))}", file=sys.stderr)
         return exc.exit_code

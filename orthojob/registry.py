@@ -17,10 +17,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from orthojob.gate import GATE_FILE
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "orthorl-planner"
-GATE_FILE = "gate_passed.json"
 MODEL_ARTIFACT = "model"
 COMPARISON_METRIC = "terminal_mean"
 EXIT_NO_GATE = 20
@@ -49,7 +50,7 @@ class Promotion:
 
 
 def read_run_gate(run_id: str) -> dict:
-    """The run's gate file (artifact ``gate_passed.json``), validated."""
+    """``{"passed", "score"}`` of the run's gate file (artifact ``gate_passed.json``), validated."""
     import mlflow
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +74,7 @@ def read_run_gate(run_id: str) -> dict:
             ) from exc
     if not isinstance(passed, bool):
         raise PromotionError(EXIT_BAD_GATE, f"run {run_id}'s {GATE_FILE}: 'passed' must be true or false")
-    return {"passed": passed, "score": score, "gate": gate}
+    return {"passed": passed, "score": score}
 
 
 def promote(run_id: str, model_name: str = DEFAULT_MODEL_NAME, force: bool = False) -> Promotion:

@@ -158,21 +158,27 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def build_manifest(folder: Path) -> dict:
-    """``{"files": {relative path: {"sha256", "size"}}}`` of every file below ``folder``."""
+def build_manifest(folder: Path, skip: Callable[[str], bool] | None = None) -> dict:
+    """``{"files": {relative path: {"sha256", "size"}}}`` of every file below ``folder``
+    (but manifests, and the relative POSIX paths that ``skip`` returns True for)."""
     files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
-            files[p.relative_to(folder).as_posix()] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+            rel = p.relative_to(folder).as_posix()
+            if skip is None or not skip(rel):
+                files[rel] = {"sha256": sha256_file(p), "size": p.stat().st_size}
     return {"files": files}
 
 
-def upload_dir(local: str | Path, uri: str, client: Any | None = None) -> dict:
-    """Upload a folder to ``uri`` (files first, manifest last); returns the manifest."""
+def upload_dir(
+    local: str | Path, uri: str, client: Any | None = None, skip: Callable[[str], bool] | None = None
+) -> dict:
+    """Upload a folder to ``uri`` (files first, manifest last), leaving out the relative paths
+    ``skip`` returns True for; returns the manifest."""
     local = Path(local)
     loc = parse_s3_uri(uri)
     client = client or s3_client()
-    manifest = build_manifest(local)
+    manifest = build_manifest(local, skip)
     for rel in manifest["files"]:
         path = local / rel
         with_retries(
@@ -210,7 +216,7 @@ def download_dir(uri: str, local: str | Path, client: Any | None = None) -> Path
     """Download an uploaded folder and verify every file's sha256 against its manifest.
 
     Processes downloading into the same folder at once (the ranks of one node) take turns
-    on a lock file beside it, and a folder already there whose files all match the
+    on a lock file (see :func:`_folder_lock`), and a folder already there whose files all match the
     manifest is kept as it is: the first process downloads, the others verify and reuse.
     """
     loc = parse_s3_uri(uri)
@@ -268,9 +274,11 @@ def _folder_lock(folder: Path) -> Iterator[None]:
 
 
 def _matches_manifest(folder: Path, manifest: dict) -> bool:
-    """Whether every file of ``manifest`` is in ``folder`` with its sha256."""
+    """Whether every file of ``manifest`` is in ``folder`` with its size and sha256."""
     return folder.is_dir() and all(
-        (folder / rel).is_file() and sha256_file(folder / rel) == meta["sha256"]
+        (folder / rel).is_file()
+        and ("size" not in meta or (folder / rel).stat().st_size == meta["size"])
+        and sha256_file(folder / rel) == meta["sha256"]
         for rel, meta in manifest["files"].items()
     )
 
@@ -306,8 +314,14 @@ def materialize(path_or_uri: str, cache_dir: str | Path) -> Path:
         if not p.exists():
             raise StorageError(f"{p} does not exist: pass an existing folder or an s3:// URI")
         return p
-    loc = parse_s3_uri(path_or_uri)
-    return download_dir(path_or_uri, Path(cache_dir) / loc.bucket / (loc.prefix or "_root"))
+    return download_dir(path_or_uri, local_mirror(cache_dir, path_or_uri))
+
+
+def local_mirror(root: str | Path, uri: str) -> Path:
+    """The folder below ``root`` that stands for ``s3://bucket/prefix``: ``root/bucket/prefix``
+    (``root/bucket/_root`` for a whole bucket)."""
+    loc = parse_s3_uri(uri)
+    return Path(root) / loc.bucket / (loc.prefix or "_root")
 
 
 def publish(local: str | Path, path_or_uri: str) -> str:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -86,8 +87,12 @@ def metric_name(name: str) -> str:
 
 def git_commit() -> str:
     """The checkout's commit (``GIT_COMMIT`` in images without .git), or 'unknown'."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
+    return os.environ.get("GIT_COMMIT") or _git_head()
+
+
+@functools.cache
+def _git_head() -> str:
+    """``git rev-parse HEAD`` of this checkout, or 'unknown' (once per process)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
