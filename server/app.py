@@ -220,16 +220,16 @@ def to_jsonable(obj: Any, path: str = "") -> Any:
     """
     try:
         return _plain(obj)
-    except _RefusedValueError:  # a non-finite or non-JSON value: walk again, naming its path
+    except _RefusedValueError:  # another type or a non-finite value: the full walk, naming any bad path
         return _to_jsonable_at(obj, path)
 
 
 class _RefusedValueError(Exception):
-    """_plain met a value that to_jsonable refuses."""
+    """_plain met a value it does not take as it is."""
 
 
 def _plain(obj: Any) -> Any:
-    """to_jsonable without paths (one walk, exact types first); _RefusedValueError on a refusal."""
+    """to_jsonable's fast walk over the plain types observations are made of (no paths)."""
     t = type(obj)
     if t is float:
         if obj - obj == 0.0:  # false for NaN and +-inf
@@ -241,31 +241,9 @@ def _plain(obj: Any) -> Any:
         return {str(k): _plain(v) for k, v in obj.items()}
     if t is list or t is tuple:
         return [_plain(v) for v in obj]
-    if t is np.ndarray:
-        kind = obj.dtype.kind
-        if kind in "biu" or (kind == "f" and np.isfinite(obj).all()):
-            return obj.tolist()
-        return _plain(obj.tolist())
-    # subclasses and numpy scalars: the checks of _to_jsonable_at, in its order
-    if isinstance(obj, (bool, str, int)):
-        return obj
-    if isinstance(obj, float):
-        return _plain(float(obj))
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return _plain(obj.tolist())
-    if isinstance(obj, np.bool_):
-        return bool(obj)
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.floating):
-        return _plain(float(obj))
-    if hasattr(obj, "model_dump"):
-        return _plain(obj.model_dump())
-    raise _RefusedValueError
+    if t is np.ndarray and (obj.dtype.kind in "biu" or (obj.dtype.kind == "f" and np.isfinite(obj).all())):
+        return obj.tolist()
+    raise _RefusedValueError  # anything else (numpy scalars, subclasses, NaN): the path-naming walk
 
 
 def _to_jsonable_at(obj: Any, path: str) -> Any:

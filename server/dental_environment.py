@@ -167,8 +167,6 @@ class Session:
     case: Case
     planned: np.ndarray  # (25, 28, 7) aligner shapes
     achieved: np.ndarray  # (25, 28, 7) achieved poses
-    need_mm: float  # summed mm-equivalent distance initial -> target
-    inv_need: np.ndarray  # (2, 28) 1 / (translation, rotation) to do; 0 for none
     stage: int = 0
     strategy: str | None = None
     rollbacks: int = 0
@@ -182,8 +180,6 @@ class Session:
     terminal: dict | None = None
     last_used: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
-    initial_list: list = field(default_factory=list)
-    target_list: list = field(default_factory=list)
 
     def stage_measures(self) -> StageMeasures:
         """The StageMeasures of stages 1..24 as a batch of one (for server.scoring)."""
@@ -317,16 +313,7 @@ class StepwiseDentalEnvironment:
         planned = np.empty((N_STAGES + 1, N_TEETH, POSE_DIM))
         planned[0] = case.initial
         achieved = planned.copy()
-        session = Session(
-            episode_id=episode_id,
-            case=case,
-            planned=planned,
-            achieved=achieved,
-            need_mm=case.need_mm,
-            inv_need=case.inv_need,
-            initial_list=case.initial_list,
-            target_list=case.target_list,
-        )
+        session = Session(episode_id=episode_id, case=case, planned=planned, achieved=achieved)
         session.distances[0, :, PAIR_REMAINING] = case.need
         self.sessions.put(session)
         return self._observation(session, step_reward=0.0, breakdown={})
@@ -392,9 +379,9 @@ class StepwiseDentalEnvironment:
             "tooth_id": tooth_id,
             "tooth_class": TOOTH_CLASSES[TOOTH_CLASS[i]],
             "current_stage": session.stage,
-            "initial_pose": list(session.initial_list[i]),
+            "initial_pose": list(session.case.initial_list[i]),
             "current_pose": current.tolist(),
-            "target_pose": list(session.target_list[i]),
+            "target_pose": list(session.case.target_list[i]),
             "translation_remaining_mm": float(vector_norm(target[4:] - current[4:])),
             "rotation_remaining_deg": float(np.degrees(quaternion_angle(target[:4], current[:4]))),
             "crown_width_mm": float(session.case.crown_width_mm[i]),
@@ -484,7 +471,7 @@ class StepwiseDentalEnvironment:
         )
         pen = penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
         colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
-        acc_after = _accuracy(dist[:, PAIR_REMAINING], session.need_mm)
+        acc_after = _accuracy(dist[:, PAIR_REMAINING], case.need_mm)
         penalty = STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))
         reward = acc_after - float(session.accuracy[s - 1]) - penalty
 
@@ -533,9 +520,7 @@ class StepwiseDentalEnvironment:
         case = session.case
         # (2, 28) shares of the translation and rotation done; teeth with nothing to do count as done
         remaining = session.distances[s, :, PAIR_REMAINING]
-        progress = (
-            np.maximum(1.0 - remaining * session.inv_need, 0.0).round(4).tolist()
-        )  # <= 1 by construction
+        progress = np.maximum(1.0 - remaining * case.inv_need, 0.0).round(4).tolist()  # <= 1 by construction
         limits, collisions, pdl = session.violations[s].tolist()
         done = s >= N_STAGES
         terminal = session.terminal["terminal_reward"] if (done and session.terminal) else None
@@ -550,9 +535,9 @@ class StepwiseDentalEnvironment:
             "non_compliance": case.non_compliance,
             "current_stage": s,
             "stages_remaining": N_STAGES - s,
-            "initial_config": [row[:] for row in session.initial_list],
+            "initial_config": [row[:] for row in case.initial_list],
             "current_config": current.tolist(),
-            "target_config": [row[:] for row in session.target_list],
+            "target_config": [row[:] for row in case.target_list],
             "per_tooth_progress": {
                 "translation": progress[0],
                 "rotation": progress[1],
