@@ -1,17 +1,25 @@
 """Completion parsing: LLM text -> plan dict, and the five partial format checks. Nothing here raises.
 
-:func:`extract_plan` returns the **first balanced JSON object** in a completion (not the span
-from the first ``{`` to the last ``}``, which breaks on ``{...} and then {...}``):
+:func:`extract_plan` returns **the plan**: the first balanced top-level JSON object in the
+completion that holds ``tooth_groups`` (the plan's defining key); when no object holds it, the
+first object (a JSON object that is not a plan: the rollouts give it no credit, but the format
+checks can say what it got right). A leading ``{"note": ...}`` therefore does not hide the plan
+that follows, and prose that quotes a strategy object is not a plan. :func:`find_plan` also
+counts the objects holding ``tooth_groups``: more than one is ambiguous and costs the
+``single_plan`` format check. The scan (not the span from the first ``{`` to the last ``}``,
+which breaks on ``{...} and then {...}``):
 
 * Only the first :data:`MAX_COMPLETION_CHARS` characters are read (a plan is a few hundred).
 * Outside an object, text is prose: the scan looks for the next ``{``. Inside one, JSON
   strings are skipped whole (braces and escaped quotes inside strings do not count) and
   ``{``/``[`` open a level, ``}``/``]`` close one; the object ends when its level closes.
-* A balanced candidate is decoded with :func:`json.loads`; it wins if it is a JSON object
-  nested at most :data:`MAX_JSON_DEPTH` levels deep (the object itself is level 1) with only
-  finite numbers (``NaN``, ``Infinity``, ``-Infinity``, overflowing literals such as
-  ``1e999`` and integers of more than 308 digits are rejected; Python's json accepts them). A candidate that fails is skipped
-  whole and the scan goes on after it, for at most :data:`MAX_CANDIDATES` candidates.
+* A balanced candidate is decoded with :func:`json.loads`; it counts if it is a JSON object
+  nested at most :data:`MAX_JSON_DEPTH` levels deep (the object itself is level 1). Non-finite
+  numbers (``NaN``, ``Infinity``, ``-Infinity``, overflowing literals such as ``1e999``,
+  integers of more than 308 digits) are read as ``null``: no value, so a group whose fraction
+  is one is invalid on its own, like any other invalid value, and the rest of the plan stands.
+  A candidate that fails is skipped whole and the scan goes on after it, for at most
+  :data:`MAX_CANDIDATES` candidates.
 * Anything else (no object, unterminated object, non-string input) gives ``None``.
 
 :func:`format_checks` scores a parsed plan with the seed's five partial checks, each 0 or 1,
@@ -27,7 +35,7 @@ import re
 from collections.abc import Mapping
 
 from server.clinical_profiles import STRATEGIES
-from server.dental_constants import PRIORITY_START_STAGE, TOOTH_INDEX
+from server.dental_constants import N_STAGES, PRIORITY_START_STAGE, TOOTH_INDEX
 from server.plans import MAX_GROUPS
 
 MAX_COMPLETION_CHARS: int = 16_384
@@ -38,62 +46,54 @@ MAX_JSON_DEPTH: int = 8
 MAX_CANDIDATES: int = 64
 """Balanced candidates tried per completion before giving up."""
 
-FORMAT_CHECKS: tuple[str, ...] = ("parse", "shape", "teeth_ints", "fraction_ok", "strategy_ok")
+FORMAT_CHECKS: tuple[str, ...] = ("parse", "shape", "teeth_ints", "fraction_ok", "strategy_ok", "single_plan")
+PLAN_KEY: str = "tooth_groups"
+"""The key that makes a JSON object a plan."""
 
 # Inside an object: a whole JSON string (unrolled loop, no backtracking blow-up), a lone quote
 # (an unterminated string: nothing after it can close the object), or a bracket.
 _TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"|[{}\[\]]', re.DOTALL)
 
 
-class _RejectedError(ValueError):
-    """A candidate holds a non-finite number."""
+def _no_value(name: str) -> None:
+    return None  # NaN, Infinity, -Infinity
 
 
-def _reject_constant(name: str) -> float:
-    raise _RejectedError(f"non-finite literal {name}")
-
-
-def _finite_float(text: str) -> float:
+def _finite_float(text: str) -> float | None:
     value = float(text)
-    if not math.isfinite(value):
-        raise _RejectedError(f"number {text[:20]} overflows")
-    return value
+    return value if math.isfinite(value) else None
 
 
 _FLOAT_MAX_DIGITS = 308
 
 
-def _float_sized_int(text: str) -> int:
+def _float_sized_int(text: str) -> int | None:
     if len(text.lstrip("-")) > _FLOAT_MAX_DIGITS:  # beyond any float: as non-finite as 1e999
-        raise _RejectedError(f"integer of {len(text)} digits")
+        return None
     return int(text)
 
 
-_DECODER = json.JSONDecoder(
-    parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_float_sized_int
-)
+_DECODER = json.JSONDecoder(parse_constant=_no_value, parse_float=_finite_float, parse_int=_float_sized_int)
 
 
 def _decode(candidate: str) -> dict | None:
     try:
         value, end = _DECODER.raw_decode(candidate)
-    except (ValueError, RecursionError):  # JSONDecodeError, _RejectedError, int digit limit, deep input
+    except (ValueError, RecursionError):  # JSONDecodeError, deep input
         return None
     if end != len(candidate) or not isinstance(value, dict):
         return None
     return value
 
 
-def extract_plan(text: str) -> dict | None:
-    """The first balanced JSON object in ``text`` (see the module docstring), or None. Never raises."""
-    if not isinstance(text, str) or not text:
-        return None
+def _objects(text: str):
+    """The decodable top-level JSON objects of ``text``, in order (see the module docstring)."""
     text = text[:MAX_COMPLETION_CHARS]
     pos = 0
     for _ in range(MAX_CANDIDATES):
         start = text.find("{", pos)
         if start < 0:
-            return None
+            return
         depth = 0
         deepest = 0
         end = -1
@@ -102,7 +102,7 @@ def extract_plan(text: str) -> dict | None:
             ch = token[0]
             if ch == '"':
                 if len(token) == 1:  # unterminated string: no candidate can close
-                    return None
+                    return
                 continue
             if ch in "{[":
                 depth += 1
@@ -113,13 +113,34 @@ def extract_plan(text: str) -> dict | None:
                     end = match.end()
                     break
         if end < 0:  # the object never closes
-            return None
+            return
         if deepest <= MAX_JSON_DEPTH:
-            plan = _decode(text[start:end])
-            if plan is not None:
-                return plan
+            obj = _decode(text[start:end])
+            if obj is not None:
+                yield obj
         pos = end
-    return None
+
+
+def find_plan(text: str) -> tuple[dict | None, int]:
+    """``(plan, n)``: the plan (see the module docstring) and the number ``n`` of objects holding
+    ``tooth_groups``. ``(None, 0)`` when the text holds no JSON object. Never raises."""
+    if not isinstance(text, str) or not text:
+        return None, 0
+    first = plan = None
+    count = 0
+    for obj in _objects(text):
+        if first is None:
+            first = obj
+        if PLAN_KEY in obj:
+            count += 1
+            if plan is None:
+                plan = obj
+    return (plan if plan is not None else first), count
+
+
+def extract_plan(text: str) -> dict | None:
+    """The plan in ``text`` (see the module docstring), or None. Never raises."""
+    return find_plan(text)[0]
 
 
 def completion_text(completion: object) -> str:
@@ -162,28 +183,36 @@ def _is_tooth(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x in TOOTH_INDEX
 
 
+def _is_stage(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= N_STAGES
+
+
 def _is_fraction(x: object) -> bool:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return False
     return 0 <= x <= 1  # NaN compares False; a huge int compares without overflowing
 
 
-def format_checks(plan: dict | None) -> dict[str, float]:
-    """The seed's five partial format checks (each 0.0 or 1.0) and their mean ``total``.
+def format_checks(plan: dict | None, plan_objects: int = 1) -> dict[str, float]:
+    """The format checks (each 0.0 or 1.0) and their mean ``total``: the seed's five and one more.
 
     * ``parse``: the completion held a JSON object.
     * ``shape``: ``tooth_groups`` is a non-empty list of at most MAX_GROUPS objects, each with a
-      ``teeth`` list and a ``fraction``, and a ``priority`` (if given) among PRIORITY_START_STAGE.
+      ``teeth`` list and a ``fraction``, a ``priority`` (if given) among PRIORITY_START_STAGE and
+      a ``start_stage`` (if given) an integer from 1 to N_STAGES.
     * ``teeth_ints``: every tooth id is an integer FDI id of the 28 teeth (booleans are not),
       and no tooth is listed twice.
     * ``fraction_ok``: every group's fraction is a finite number in [0, 1] (not a string).
     * ``strategy_ok``: ``strategy`` is one of STRATEGIES.
+    * ``single_plan``: exactly one object held ``tooth_groups`` (``plan_objects``, from
+      :func:`find_plan`); several are ambiguous (the first is scored).
     """
     out = dict.fromkeys(FORMAT_CHECKS, 0.0)
     if isinstance(plan, dict):
         out["parse"] = 1.0
         strategy = plan.get("strategy")
         out["strategy_ok"] = float(isinstance(strategy, str) and strategy in STRATEGIES)
+        out["single_plan"] = float(plan_objects == 1 and PLAN_KEY in plan)
         groups = plan.get("tooth_groups")
         if isinstance(groups, list) and groups:
             dicts = [g for g in groups if isinstance(g, dict)]
@@ -198,6 +227,7 @@ def format_checks(plan: dict | None) -> dict[str, float]:
                         "priority" not in g
                         or (isinstance(g["priority"], str) and g["priority"] in PRIORITY_START_STAGE)
                     )
+                    and ("start_stage" not in g or _is_stage(g["start_stage"]))
                     for g in dicts
                 )
             )
@@ -220,7 +250,9 @@ __all__ = [
     "MAX_CANDIDATES",
     "MAX_COMPLETION_CHARS",
     "MAX_JSON_DEPTH",
+    "PLAN_KEY",
     "completion_text",
     "extract_plan",
+    "find_plan",
     "format_checks",
 ]

@@ -78,11 +78,12 @@ def _plan_semantics() -> str:
 Return ONLY one JSON object of this shape:
 {{"strategy": {strategy_alts},
  "tooth_groups": [{{"teeth": [<FDI ids>], "fraction": <number in [0, 1]>, "priority": {priority_alts}}}, ...]}}
+(a group may give "start_stage": <integer 1-{N_STAGES}> instead of priority)
 
 Plan semantics:
 - Teeth are FDI ids {quadrants} (xN = tooth number N in any quadrant: 1-2 incisors, 3 canine, \
 4-5 premolars, 6-7 molars).
-- priority sets the stage at which a group starts moving: {starts}; missing = {DEFAULT_PRIORITY}.
+- priority sets the stage at which a group starts moving: {starts}; missing = {DEFAULT_PRIORITY}. start_stage (an integer 1-{N_STAGES}) sets it directly and overrides priority.
 - fraction is the share of each tooth's total movement performed per stage once it starts, at \
 constant speed, until the tooth reaches its target: planned progress at stage s is \
 clip((s - start + 1) * fraction, 0, 1). fraction 1/{N_STAGES} = {_fmt(uniform)} from stage 1 is \
@@ -91,10 +92,14 @@ stage start reaches its target by stage {N_STAGES} only if fraction >= 1 / ({N_S
 - A tooth stays within the per-stage limits ({_fmt(MAX_TRANSLATION_MM)} mm, \
 {_fmt(MAX_ROTATION_DEG)} deg) when fraction <= 1 / min_stages.
 - Teeth in no group follow uniform SLERP. A tooth listed twice takes its first group. Unknown FDI \
-ids, non-integer ids, fractions outside [0, 1] or not numbers, and unknown priorities are ignored \
-(a group with a bad fraction is ignored whole) and lower the score.
+ids, non-integer ids, fractions outside [0, 1] or not numbers (NaN included), and unknown priorities \
+are ignored (a group with a bad fraction is ignored whole) and lower the score. A reply without a \
+usable tooth group is not a plan and scores the minimum. Write one plan object.
+- Hard rules: a plan that makes crowns collide, overloads a tooth's ligament, or moves a tooth \
+faster than the per-stage limits scores below doing nothing.
 - strategy is one of {", ".join(STRATEGIES)}. It is judged against the case and against the \
-plan's own staging order (which teeth start first); each strategy starts the teeth in this order:
+order in which the plan moves the teeth (each level's movement should come before the next \
+level's, not merely start first); each strategy moves the teeth in this order:
 {orders}"""
 
 
@@ -204,12 +209,12 @@ def prompt_rows(n: int, seed_start: int, task_id: str, force_decay: bool) -> lis
 
 def plan_to_completion(plan: dict) -> str:
     """Canonical one-line JSON text of a plan (the SFT target): ``strategy`` then ``tooth_groups``,
-    each group ``teeth``, ``fraction``, ``priority``; other keys of plan and groups are dropped."""
+    each group ``teeth``, ``fraction``, ``priority``, ``start_stage``; other keys are dropped."""
     groups = []
     for g in plan.get("tooth_groups") or []:
         if not isinstance(g, dict):
             continue
-        out = {k: g[k] for k in ("teeth", "fraction", "priority") if k in g}
+        out = {k: g[k] for k in ("teeth", "fraction", "priority", "start_stage") if k in g}
         groups.append(out)
     return json.dumps({"strategy": plan.get("strategy"), "tooth_groups": groups}, allow_nan=False)
 

@@ -9,27 +9,33 @@ or misaligned column raises ValueError naming it; nothing is defaulted silently.
 
 All five read one cached rollout per (completion, seed, task_id, force_decay)
 (:mod:`orthojob.rollouts`): the first call of a batch scores it, the other four hit the cache.
-None of them raises because of a completion's content, and every value is finite:
+None of them raises because of a completion's content, and every value is finite. Each judges
+a different clinical question, so each carries its own within-group signal
+(``bench/reward_signal.py`` measures it):
 
 ================  =========  ==============================================================
 name              range      value
 ================  =========  ==============================================================
-reward_terminal   [-2, 8]    ``scale_reward(terminal)``: 10 x terminal - 2, overridden by -1.0
-                             when ``collision_free`` < 0.9 and by -0.5 when
-                             ``pdl_feasibility`` < 0.5 (the collision wins)
-reward_occlusion  [0, 1]     ``occlusion_composite`` of the final achieved arch
-reward_strategy   [0, 1]     ``(strategy_multiplier - 0.6) / 0.6``: wrong 0, neutral 2/3,
-                             optimal 1
-reward_format     [0, 1]     mean of the five format checks (:func:`orthojob.parsing.format_checks`)
-reward_anchorage  [0, 1]     ``movement_prior``: CombinedPrior (realism + anchorage) of the
-                             initial vs the final *achieved* configuration, so it differs
-                             between completions that move the teeth differently
+reward_terminal   [-2, 8]    the scaled terminal reward (:mod:`server.reward_scaler`): safe
+                             plans 8 x quality in [0, 8]; a plan breaking a hard rule
+                             (collision, PDL over critical, per-stage limits) in (-2, -0.25],
+                             graded by how much it breaks
+reward_occlusion  [0, 1]     ``occlusion_course``: the bite over the course of treatment
+                             (the achieved occlusion's gain at aligners 4, 8, ..., 24)
+reward_strategy   [0, 1]     diagnosis x sequence: ``d * (1 + rho) / 2`` with ``d`` 1 for the
+                             case's optimal strategy, 1/2 for a neutral one, 0 for a wrong or
+                             missing one, and ``rho`` the sequence concordance of the movement
+                             with the declared strategy's order
+reward_format     [0, 1]     mean of the six format checks (:func:`orthojob.parsing.format_checks`)
+                             and ``executable``: the share of treated teeth whose prescription
+                             stays within the per-stage limits and reaches the target
+reward_anchorage  [0, 1]     ``accuracy x anchorage``: molar anchorage and the root area at rest
+                             behind each millimetre moved, for the treatment actually delivered
 ================  =========  ==============================================================
 
-A rollout that could not be scored (``error``), in particular a completion that holds no JSON
-object (:data:`orthojob.rollouts.NO_PLAN`: garbage earns no uniform-SLERP credit), gets each
-reward's minimum. The seed's names
-are kept as aliases (``accuracy_reward_func`` = reward_terminal, ``occlusion_reward_func``,
+A completion that is not a plan (no usable tooth group, :data:`orthojob.rollouts.NO_PLAN`) or
+could not be scored gets each reward's minimum. The seed's names are kept as aliases
+(``accuracy_reward_func`` = reward_terminal, ``occlusion_reward_func``,
 ``compliance_reward_func`` = reward_format, ``staging_reward_func`` = reward_strategy).
 """
 
@@ -38,14 +44,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from orthojob.parsing import completion_text, extract_plan, format_checks
+from orthojob.parsing import FORMAT_CHECKS, completion_text, find_plan, format_checks
 from orthojob.rollouts import DEFAULT_CACHE, Rollout
-from server.reward_scaler import REWARD_MAX, REWARD_MIN, detect_collision, detect_pdl_stress, scale_reward
+from server.plans import normalize_plan
+from server.reward_scaler import REWARD_MAX, REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
 
 REQUIRED_COLUMNS: tuple[str, ...] = ("seed", "task_id", "force_decay")
-_WRONG = STRATEGY_MULTIPLIERS["wrong"]
-_OPTIMAL = STRATEGY_MULTIPLIERS["optimal"]
+DIAGNOSIS_CREDIT: dict[float, float] = {
+    STRATEGY_MULTIPLIERS["optimal"]: 1.0,
+    STRATEGY_MULTIPLIERS["neutral"]: 0.5,
+    STRATEGY_MULTIPLIERS["wrong"]: 0.0,
+}
+"""reward_strategy's credit for the declared strategy, by the multiplier class it earned."""
 
 RewardFunc = Callable[..., list[float]]
 
@@ -80,58 +91,121 @@ def _finite(x: object, low: float, high: float) -> float:
     return min(max(v, low), high) if math.isfinite(v) else low
 
 
-def _component(rollouts: list[Rollout], name: str) -> list[float]:
-    return [0.0 if r.error else _finite(r.reward_breakdown.get(name), 0.0, 1.0) for r in rollouts]
+def _part(r: Rollout, name: str) -> float:
+    return _finite(r.reward_breakdown.get(name), 0.0, 1.0)
 
 
 def reward_terminal(completions: Sequence, **kwargs) -> list[float]:
-    """Terminal score scaled to [-2, 8] with the hard-fail overrides (see the module docstring)."""
-    out = []
-    for r in _rollouts(completions, kwargs, "reward_terminal"):
-        if r.error:
-            out.append(REWARD_MIN)
-            continue
-        bd = r.reward_breakdown
-        scaled, _ = scale_reward(
-            _finite(r.terminal_reward, 0.0, 1.0),
-            collision=detect_collision(_finite(bd.get("collision_free"), 0.0, 1.0)),
-            pdl_stress_exceeded=detect_pdl_stress(_finite(bd.get("pdl_feasibility"), 0.0, 1.0)),
-        )
-        out.append(_finite(scaled, REWARD_MIN, REWARD_MAX))
-    return out
+    """The scaled terminal reward: clinical quality for safe plans, below zero for harmful ones.
+
+    Args:
+        completions: the generations (strings or conversational message lists).
+        **kwargs: the dataset columns ``seed``, ``task_id``, ``force_decay`` (one per completion).
+
+    Returns:
+        One float per completion in [-2, 8]: ``8 * terminal`` when the plan breaks no hard rule;
+        in (-2, -0.25] graded by the breach when it breaks one; -2 when it is not a plan.
+
+    Example:
+        >>> reward_terminal(['{"tooth_groups": [{"teeth": [11], "fraction": 0.0417}]}'],
+        ...                 seed=[0], task_id=["task_easy"], force_decay=[False])  # doctest: +SKIP
+        [5.1...]
+    """
+    rolls = _rollouts(completions, kwargs, "reward_terminal")
+    return [REWARD_MIN if r.error else _finite(r.scaled_reward, REWARD_MIN, REWARD_MAX) for r in rolls]
 
 
 def reward_occlusion(completions: Sequence, **kwargs) -> list[float]:
-    """Andrews' six keys + ABO composite of the final achieved arch, in [0, 1]."""
-    return _component(_rollouts(completions, kwargs, "reward_occlusion"), "occlusion_composite")
+    """The bite over the course of treatment (``occlusion_course``, :mod:`server.scoring`).
+
+    Args:
+        completions, **kwargs: as :func:`reward_terminal`.
+
+    Returns:
+        One float per completion in [0, 1]: the mean gain of the achieved occlusion towards the
+        target's at aligners 4, 8, ..., 24. A plan that keeps a functional bite while the teeth
+        move scores above one that wrecks it midway; doing nothing and non-plans score 0.
+    """
+    return [
+        0.0 if r.error else _part(r, "occlusion_course")
+        for r in _rollouts(completions, kwargs, "reward_occlusion")
+    ]
 
 
 def reward_strategy(completions: Sequence, **kwargs) -> list[float]:
-    """Strategy multiplier mapped to [0, 1]: ``(m - 0.6) / 0.6`` (wrong 0, neutral 2/3, optimal 1)."""
+    """The diagnosis (which strategy) times the sequence (does the movement follow it).
+
+    Args:
+        completions, **kwargs: as :func:`reward_terminal`.
+
+    Returns:
+        One float per completion in [0, 1]: ``d * (1 + rho) / 2`` with ``d`` =
+        :data:`DIAGNOSIS_CREDIT` of the strategy class the plan earned and ``rho`` its
+        ``staging`` sequence concordance. Naming the optimal strategy while moving every tooth
+        together earns 0.5; following its sequence earns up to 1; a wrong, missing or
+        contradicted strategy earns 0.
+    """
     out = []
     for r in _rollouts(completions, kwargs, "reward_strategy"):
-        m = (
-            _finite(r.reward_breakdown.get("strategy_multiplier"), _WRONG, _OPTIMAL)
-            if not r.error
-            else _WRONG
-        )
-        out.append(_finite((m - _WRONG) / (_OPTIMAL - _WRONG), 0.0, 1.0))
+        if r.error or r.strategy is None:
+            out.append(0.0)
+            continue
+        credit = DIAGNOSIS_CREDIT.get(r.reward_breakdown.get("strategy_multiplier"), 0.0)
+        out.append(_finite(credit * _part(r, "staging"), 0.0, 1.0))
     return out
 
 
 def reward_format(completions: Sequence, **kwargs) -> list[float]:
-    """Mean of the five format checks, in [0, 1]. Needs no episode: without the dataset columns it
-    parses the completions directly; with them it reads the shared cached parse."""
+    """A well-formed, executable prescription: six format checks and ``executable``.
+
+    Args:
+        completions: the generations. **kwargs: the dataset columns (without them only the six
+        format checks are scored, ``executable`` counting 0).
+
+    Returns:
+        One float per completion in [0, 1]: the mean of the checks of
+        :func:`orthojob.parsing.format_checks` and the share of treated teeth whose
+        prescription stays within the per-stage limits and reaches the target. A completion that
+        is not a plan scores 0.
+    """
+    parts = len(FORMAT_CHECKS) + 1
     if all(kwargs.get(c) is not None for c in REQUIRED_COLUMNS):
         return [
-            _finite(r.format.get("total"), 0.0, 1.0) for r in _rollouts(completions, kwargs, "reward_format")
+            0.0
+            if r.error
+            else _finite(
+                (sum(r.format.get(k, 0.0) for k in FORMAT_CHECKS) + _part(r, "executable")) / parts, 0.0, 1.0
+            )
+            for r in _rollouts(completions, kwargs, "reward_format")
         ]
-    return [_finite(format_checks(extract_plan(completion_text(c)))["total"], 0.0, 1.0) for c in completions]
+    out = []
+    for c in completions:
+        plan, n = find_plan(completion_text(c))
+        usable = plan is not None and normalize_plan(plan).format.usable_groups > 0
+        out.append(
+            _finite(sum(format_checks(plan, n)[k] for k in FORMAT_CHECKS) / parts, 0.0, 1.0)
+            if usable
+            else 0.0
+        )
+    return out
 
 
 def reward_anchorage(completions: Sequence, **kwargs) -> list[float]:
-    """Movement prior (realism + molar anchorage) of initial vs final achieved poses, in [0, 1]."""
-    return _component(_rollouts(completions, kwargs, "reward_anchorage"), "movement_prior")
+    """Anchorage of the treatment delivered: ``accuracy * anchorage`` (:mod:`server.movement_priors`).
+
+    Args:
+        completions, **kwargs: as :func:`reward_terminal`.
+
+    Returns:
+        One float per completion in [0, 1]: molar anchorage and the root area at rest behind
+        each millimetre moved, times the share of the required movement achieved. Moving every
+        tooth at once and doing nothing both score low; staging a few teeth at a time against
+        the rest scores high.
+    """
+    return [
+        0.0 if r.error else _finite(_part(r, "accuracy") * _part(r, "anchorage"), 0.0, 1.0)
+        for r in _rollouts(completions, kwargs, "reward_anchorage")
+    ]
 
 
 REWARD_FUNCS: dict[str, RewardFunc] = {

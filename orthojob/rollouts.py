@@ -6,11 +6,13 @@ every completion once (:func:`orthojob.parsing.extract_plan`), normalises the pl
 :func:`server.treatment.score_plan_specs` (vectorised over plans, stages and teeth); the
 other rewards read the cached :class:`Rollout` objects.
 
-A completion holding no JSON object is not a plan: it is not scored and its rollout carries
-``error`` = :data:`NO_PLAN`, so every reward gives it its minimum. (The server would read "no
-plan" as uniform SLERP with full validity; paying SLERP's score for garbage would rank it above
-an attempted plan whose groups are all invalid, which scores 0.) An object without usable groups
-is still scored, as the plan semantics say: its teeth follow uniform SLERP, times its validity.
+A completion with no usable tooth group is not a plan: no JSON object, an object without
+``tooth_groups`` (``{}``, ``{"strategy": "distal_first"}``, prose quoting one), or groups none of
+which sets a tooth (all fractions invalid, no valid tooth id). It is not scored and its rollout
+carries ``error`` = :data:`NO_PLAN`, so every reward gives it its minimum, as garbage. (The
+server reads such a plan as uniform SLERP, the baseline; paying SLERP's score to a completion
+that did not plan was the exploit.) The plan is the first object holding ``tooth_groups``
+(:func:`orthojob.parsing.find_plan`).
 
 Keys are ``(sha256 of the completion text, seed, task_id, force_decay)``: a full digest, so
 two different completions never share an episode (the seed used 16 bits of ``hash()``).
@@ -28,16 +30,17 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from orthojob.parsing import completion_text, extract_plan, format_checks
+from orthojob.parsing import completion_text, find_plan, format_checks
 from server import treatment
 from server.cases import generate_case
 from server.plans import PlanSpec, normalize_plan
+from server.reward_scaler import REWARD_MIN
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_ENTRIES: int = 4096
 """64 prompts x 64 generations, or many steps of a smaller batch."""
-NO_PLAN: str = "no JSON object in the completion"
+NO_PLAN: str = "no usable tooth group in the completion"
 """The error of a completion that holds no plan: it is not scored (no SLERP fallback credit)."""
 
 
@@ -46,7 +49,9 @@ class Rollout:
     """One scored episode. Treat the dicts as read-only: cached rollouts are shared.
 
     Attributes:
-        terminal_reward: the environment's raw terminal score in [0, 1] (before scale_reward).
+        terminal_reward: the environment's raw terminal score in [0, 1] (before scaling).
+        scaled_reward: the scale GRPO sees (:mod:`server.reward_scaler`), REWARD_MIN for an error.
+        broken_rules: the hard clinical rules the plan breaks (empty for a safe plan).
         reward_breakdown: every scoring component by name (``collision_free``, ``movement_prior``, ...).
         diagnostics: counts and extremes of the episode (limit violations, peak PDL kPa, ...).
         format: :func:`orthojob.parsing.format_checks` of the parsed plan.
@@ -58,6 +63,8 @@ class Rollout:
     """
 
     terminal_reward: float
+    scaled_reward: float
+    broken_rules: tuple
     reward_breakdown: dict
     diagnostics: dict
     format: dict
@@ -83,7 +90,7 @@ def _case_key(seed: object, task_id: object, force_decay: object) -> tuple[int, 
 
 
 def _failed(plan: dict | None, fmt: dict, error: str) -> Rollout:
-    return Rollout(0.0, {}, {}, fmt, plan, None, error)
+    return Rollout(0.0, REWARD_MIN, (), {}, {}, fmt, plan, None, error)
 
 
 def score_texts(texts: Sequence[str], cases: Sequence[tuple[int, str, bool]]) -> list[Rollout]:
@@ -93,8 +100,9 @@ def score_texts(texts: Sequence[str], cases: Sequence[tuple[int, str, bool]]) ->
     error); never raises because of a completion's content.
     """
     resolved = [generate_case(task, seed, decay) for seed, task, decay in cases]
-    plans = [extract_plan(t) for t in texts]
-    formats = [format_checks(p) for p in plans]
+    found = [find_plan(t) for t in texts]
+    plans = [p for p, _ in found]
+    formats = [format_checks(p, n) for p, n in found]
     out: list[Rollout | None] = [None] * len(plans)
     todo: list[int] = []
     specs: list[PlanSpec] = []
@@ -103,10 +111,15 @@ def score_texts(texts: Sequence[str], cases: Sequence[tuple[int, str, bool]]) ->
             out[i] = _failed(None, formats[i], NO_PLAN)
             continue
         try:
-            specs.append(normalize_plan(plan))
-            todo.append(i)
+            spec = normalize_plan(plan)
         except Exception as exc:  # normalize_plan promises never to raise; stay safe if it does
             out[i] = _failed(plan, formats[i], f"plan not usable: {type(exc).__name__}: {exc}"[:200])
+            continue
+        if spec.format.usable_groups == 0:
+            out[i] = _failed(plan, formats[i], NO_PLAN)
+            continue
+        specs.append(spec)
+        todo.append(i)
     cases_todo = [resolved[i] for i in todo]
     try:
         results = treatment.score_plan_specs(specs, cases_todo) if todo else []
@@ -124,6 +137,8 @@ def score_texts(texts: Sequence[str], cases: Sequence[tuple[int, str, bool]]) ->
             continue
         out[i] = Rollout(
             terminal_reward=res["terminal_reward"],
+            scaled_reward=res["scaled_reward"],
+            broken_rules=tuple(res["broken_rules"]),
             reward_breakdown=res["reward_breakdown"],
             diagnostics=res["diagnostics"],
             format=formats[i],

@@ -19,12 +19,12 @@ import numpy as np
 
 from server.arch import ArchParameters, build_ideal_arch, occlusal_points
 from server.clinical_profiles import (
-    OPTIMAL_STRATEGY,
     PROFILE_GENERATORS,
     PROFILES,
     SECONDARY_PROFILES,
     SECONDARY_SCALE,
     Displacement,
+    optimal_strategy,
 )
 from server.collisions import COLLISION_TOLERANCE_MM, penetration_mm
 from server.compliance import COMPLIANCE_TASKS, compliance_schedule
@@ -33,6 +33,7 @@ from server.dental_constants import (
     FEASIBLE_ROTATION_DEG,
     FEASIBLE_TRANSLATION_MM,
     MM_PER_DEG,
+    N_STAGES,
     TOOTH_NUMBER,
 )
 from server.errors import InvalidActionError
@@ -45,6 +46,7 @@ from server.occlusion import (
     overbite_mm,
     overjet_mm,
 )
+from server.plans import interpolate_poses
 from server.quaternion_utils import (
     quaternion_angle,
     quaternion_axis,
@@ -62,6 +64,10 @@ TASK_DESCRIPTIONS: dict[str, str] = {
 }
 INITIAL_CLEARANCE_MM: float = COLLISION_TOLERANCE_MM / 2
 """Largest penetration allowed between neighbours of an initial configuration."""
+SWEEP_CLEARANCE_MM: float = 0.8 * COLLISION_TOLERANCE_MM
+"""Largest penetration allowed along uniform staging (:func:`sweep_penetration_mm`)."""
+SWEEP_SAMPLES: np.ndarray = np.arange(1, N_STAGES) / N_STAGES
+"""Progress values at which uniform staging's penetration is sampled: its 23 intermediate aligners."""
 CASE_CACHE_SIZE: int = 4096
 TRAIN_SEED_START: int = 0
 """Training prompts use seeds from here upwards."""
@@ -143,20 +149,35 @@ def _apply(target: np.ndarray, d: Displacement) -> np.ndarray:
     return poses
 
 
+def sweep_penetration_mm(
+    initial: np.ndarray, target: np.ndarray, width: np.ndarray, depth: np.ndarray
+) -> np.ndarray:
+    """(26,) each contact's deepest penetration (mm) along uniform staging (every tooth moving
+    together at constant speed), sampled at :data:`SWEEP_SAMPLES` progress values."""
+    progress = np.broadcast_to(SWEEP_SAMPLES[:, None], (SWEEP_SAMPLES.size, 28))
+    return penetration_mm(interpolate_poses(initial, target, progress), width, depth).max(axis=0)
+
+
 def _resolve_penetration(
     d: Displacement, target: np.ndarray, width: np.ndarray, depth: np.ndarray, labial: np.ndarray
 ) -> np.ndarray:
     """Poses (28, 7) of ``d`` applied to ``target``, with overlapping neighbours pushed
-    buccolingually until every contact clears."""
+    buccolingually until every contact clears, and stays clear along uniform staging
+    (:func:`sweep_penetration_mm`: a crown rotating in place can sweep through a tight
+    neighbour, and a blocked-out crown coming back into the arch can cut the corner of its
+    neighbour; such a crown is blocked out further, which makes its way back clear). Every case
+    therefore has a safe plan; plans that rush some teeth ahead of others still collide."""
     t = d.translation.copy()
     poses = _apply(target, d)  # the rotations stay; only translations change below
-    for _ in range(40):
-        pen = penetration_mm(poses, width, depth)
-        over = np.flatnonzero(pen > INITIAL_CLEARANCE_MM)
+    for _ in range(60):
+        excess = penetration_mm(poses, width, depth) - INITIAL_CLEARANCE_MM
+        if not (excess > 0.0).any():
+            excess = sweep_penetration_mm(poses, target, width, depth) - SWEEP_CLEARANCE_MM
+        over = np.flatnonzero(excess > 0.0)
         if over.size == 0:
             break
         push = np.zeros(28)
-        np.maximum.at(push, _BLOCKED_OUT[over], pen[over] + 0.05)
+        np.maximum.at(push, _BLOCKED_OUT[over], excess[over] + 0.1)
         moved = np.flatnonzero(push)
         bl = np.einsum("ij,ij->i", t[moved], labial[moved])
         # keep the side a tooth was already displaced to; else block it out labially (on a
@@ -250,7 +271,7 @@ def _geometry(task_id: str, seed: int) -> Case:
         force_decay=False,
         profile=profile,
         secondary_profile=secondary,
-        optimal_strategy=OPTIMAL_STRATEGY[profile],
+        optimal_strategy=optimal_strategy(profile, secondary),
         initial=initial,
         target=target,
         crown_width_mm=arch.crown_width_mm,

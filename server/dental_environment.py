@@ -509,6 +509,7 @@ class StepwiseDentalEnvironment:
             planned=session.planned[None],
             achieved=session.achieved[None],
             profiles=[case.profile],
+            secondary_profiles=[case.secondary_profile],
             strategies=[session.strategy],
             measures=session.stage_measures(),
         )

@@ -81,6 +81,7 @@ import numpy as np
 from server.dental_constants import (
     IS_MOLAR,
     IS_UPPER,
+    MAX_TRANSLATION_MM,
     MM_PER_DEG,
     N_TEETH,
     POSE_DIM,
@@ -335,22 +336,37 @@ class AnchoragePrior:
             return np.exp(-np.maximum(0.0, m - self.p90_mm) / self.p90_mm)
 
     def load_scores(self, trajectory: np.ndarray) -> np.ndarray:
-        """Anchorage demand of an achieved trajectory ``(..., S, 28, 7)`` -> ``(...,)`` in [0, 1].
+        """Anchorage of an achieved trajectory ``(..., S + 1, 28, 7)`` -> ``(...,)`` in [0, 1].
 
-        At each stage the teeth that move (achieved increment > MOVING_EPS_MM) react
-        against the teeth at rest, the anchorage unit. Per arch and stage the score is
-        the share of the arch's root area (Jepsen 1963) at rest; averaged over all
-        stages and both arches. 1 when nothing moves; moving every tooth at every
-        stage scores 0; staging, and finishing a movement sooner, score higher.
+        At each stage the teeth that move (achieved increment > MOVING_EPS_MM) react against
+        the teeth at rest, the anchorage unit (Proffit, *Contemporary Orthodontics*, ch. 9:
+        anchorage grows with the root area at rest, the demand with the force on the moving
+        teeth). Per arch and stage, the score is ``rest / (rest + demand)``: ``rest`` the root
+        area (Jepsen 1963) at rest, ``demand`` the moving teeth's root area times their
+        activation (the increment in per-stage limits, MAX_TRANSLATION_MM per unit; a model
+        choice: aligner force grows with activation). Stages are averaged **weighted by the
+        movement delivered** (mm-equivalent), so what counts is how well anchored each
+        millimetre was: moving every tooth at once scores near 0 however fast it is done;
+        staging a few teeth at a time at moderate speed against the rest scores high. An arch
+        that does not move scores 1. Averaged over both arches.
         """
-        return self.load_scores_from_moving(_moving_mask(trajectory))
+        return self.load_scores_from_movement(_stage_movement(trajectory))
 
-    def load_scores_from_moving(self, moving: np.ndarray) -> np.ndarray:
-        """:meth:`load_scores` from a ``(..., S, 28)`` mask of the teeth moving at each stage."""
+    def load_scores_from_movement(self, stage_mm: np.ndarray) -> np.ndarray:
+        """:meth:`load_scores` from the ``(..., S, 28)`` achieved movement of each tooth in each stage (mm)."""
+        moving = stage_mm > MOVING_EPS_MM
+        demand_area = np.where(moving, ROOT_AREA_MM2 * stage_mm / MAX_TRANSLATION_MM, 0.0)
+        rest_area = np.where(moving, 0.0, ROOT_AREA_MM2)
         per_arch = []
         for arch in (IS_UPPER, ~IS_UPPER):
-            resting = np.sum(np.where(~moving & arch, ROOT_AREA_MM2, 0.0), axis=-1)
-            per_arch.append(np.mean(resting / ROOT_AREA_MM2[arch].sum(), axis=-1))
+            rest = np.sum(rest_area[..., arch], axis=-1)
+            demand = np.sum(demand_area[..., arch], axis=-1)
+            score = np.where(demand > 0.0, rest / np.maximum(rest + demand, 1e-30), 1.0)  # (..., S)
+            weight = np.sum(stage_mm[..., arch], axis=-1)
+            total = weight.sum(axis=-1)
+            per_arch.append(
+                np.where(total > 0.0, np.sum(weight * score, axis=-1) / np.maximum(total, 1e-30), 1.0)
+            )
         return 0.5 * (per_arch[0] + per_arch[1])
 
     def score(
@@ -358,22 +374,22 @@ class AnchoragePrior:
     ) -> float | np.ndarray:
         """Mean over the 8 molars; with an achieved ``trajectory`` (..., S, 28, 7), the mean of
         that and :meth:`load_scores`. Float for ``(28, 7)`` inputs, ``(B,)`` for batches."""
-        moving = None if trajectory is None else _moving_mask(trajectory)
-        return _as_output(self._score_from_movement(tooth_movement_mm(initial, final), moving))
+        stage_mm = None if trajectory is None else _stage_movement(trajectory)
+        return _as_output(self._score_from_movement(tooth_movement_mm(initial, final), stage_mm))
 
-    def _score_from_movement(self, m: np.ndarray, moving: np.ndarray | None) -> np.ndarray:
-        """:meth:`score` from movements ``m`` (..., 28) and, when scored, the mask ``moving``
-        (..., S, 28) of :meth:`load_scores_from_moving`."""
+    def _score_from_movement(self, m: np.ndarray, stage_mm: np.ndarray | None) -> np.ndarray:
+        """:meth:`score` from movements ``m`` (..., 28) and, when scored, the per-stage movement
+        ``stage_mm`` (..., S, 28) of :meth:`load_scores_from_movement`."""
         molar = np.mean(self.molar_scores_from_movement(m), axis=-1)
-        if moving is None:
+        if stage_mm is None:
             return molar
-        return (1.0 - LOAD_WEIGHT) * molar + LOAD_WEIGHT * self.load_scores_from_moving(moving)
+        return (1.0 - LOAD_WEIGHT) * molar + LOAD_WEIGHT * self.load_scores_from_movement(stage_mm)
 
 
-def _moving_mask(trajectory: np.ndarray) -> np.ndarray:
-    """(..., S, 28) the teeth of an achieved trajectory (..., S + 1, 28, 7) moving at each stage."""
+def _stage_movement(trajectory: np.ndarray) -> np.ndarray:
+    """(..., S, 28) mm-equivalent movement of each tooth in each stage of a trajectory (..., S + 1, 28, 7)."""
     traj = np.asarray(trajectory, dtype=np.float64)
-    return tooth_movement_mm(traj[..., :-1, :, :], traj[..., 1:, :, :]) > MOVING_EPS_MM
+    return tooth_movement_mm(traj[..., :-1, :, :], traj[..., 1:, :, :])
 
 
 class CombinedPrior:
@@ -407,18 +423,18 @@ class CombinedPrior:
         self, initial: np.ndarray, final: np.ndarray, trajectory: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(realism, anchorage, combined)`` arrays from one movement computation."""
-        moving = None if trajectory is None else _moving_mask(trajectory)
-        return self.parts_from_movement(tooth_movement_mm(initial, final), moving=moving)
+        stage_mm = None if trajectory is None else _stage_movement(trajectory)
+        return self.parts_from_movement(tooth_movement_mm(initial, final), stage_mm=stage_mm)
 
     def parts_from_movement(
-        self, m: np.ndarray, *, moving: np.ndarray | None = None
+        self, m: np.ndarray, *, stage_mm: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`parts` from per-tooth movements ``m`` (..., 28) mm-equivalent, for callers
         that have them from finite, unit-quaternion poses (see tooth_movement_mm), and the
-        mask ``moving`` (..., S, 28) of the teeth moving at each stage (None: no anchorage load;
-        see :meth:`AnchoragePrior.load_scores_from_moving`)."""
+        movement ``stage_mm`` (..., S, 28) of each tooth in each stage (None: no anchorage load;
+        see :meth:`AnchoragePrior.load_scores_from_movement`)."""
         r = np.mean(self.realism.tooth_scores_from_movement(m), axis=-1)
-        a = self.anchorage._score_from_movement(m, moving)
+        a = self.anchorage._score_from_movement(m, stage_mm)
         s = self.weight_realism * r + (1.0 - self.weight_realism) * a
         return r, a, np.clip(np.where(np.isfinite(s), s, 0.0), 0.0, 1.0)
 

@@ -10,13 +10,22 @@ teeth in the strategy's order:
    that -> protrusion/spacing; intrusion of the incisors -> deep bite; large
    long-axis rotations -> irregularity (each feature scaled by its severe magnitude,
    the largest wins; all small -> mild irregularity);
-2. staging: the strategy's first teeth start at stage 1 and move briskly (80 % of
-   the per-stage limits) to open space early; later levels start at ``medium`` and
-   ``low`` and move at the slowest constant speed that still finishes in time
-   (aligners near the end are kept for refinement under force decay); a group that
-   cannot finish from its slot at 95 % of the limits is started earlier;
-3. the few candidate timings are checked on the simulator (as a clinician checks
-   the setup's animation), and the one with the best terminal score is returned.
+2. staging: every level of the strategy's sequence gets its own start aligner, spread
+   evenly over the first half of treatment (five levels: aligners 1, 4, 7, 10, 13; written
+   as ``priority`` where it is one of 1 / 7 / 13, else as ``start_stage``); the first level
+   moves briskly (80 % of the per-stage limits) to open space early, later levels at the
+   slowest constant speed that still finishes in time (aligners near the end are kept for
+   refinement under force decay); a level that cannot finish from its slot at 95 % of
+   the limits starts earlier. On task_hard the second malocclusion is read too: a
+   candidate also starts the second profile's first level at aligner 1 (a Class II
+   secondary distalises the buccal segments before the incisors retract into them);
+3. the candidates are checked on the simulator (as a clinician checks the setup's
+   animation, with the case's dynamics and compliance), and the best by the scaled reward
+   is kept; a candidate that breaks a hard rule is *repaired* as a clinician refines a
+   setup: the teeth in the colliding contacts, over-stressed or over-limit are started
+   earlier or later, or slowed, and re-checked, for a few rounds. Uniform staging with the
+   strategy named is a candidate too, so the oracle never scores below uniform SLERP
+   when that is safe.
 
 It is the expert that writes SFT demonstrations and the upper baseline of every
 evaluation. It never sees the case's profile or optimal strategy.
@@ -24,21 +33,28 @@ evaluation. It never sees the case's profile or optimal strategy.
 
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 
 import numpy as np
 
-from server.clinical_profiles import OPTIMAL_STRATEGY, STRATEGY_LEVELS
+from server.cases import Case, generate_case
+from server.clinical_profiles import OPTIMAL_STRATEGY, STRATEGY_LEVELS, optimal_strategy
+from server.collisions import COLLISION_TOLERANCE_MM
 from server.dental_constants import (
+    ADJACENT_PAIRS,
     IS_UPPER,
+    LIMIT_TOLERANCE,
     MAX_ROTATION_DEG,
     MAX_TRANSLATION_MM,
+    MIRROR_INDEX,
     N_STAGES,
+    PDL_CRITICAL_KPA,
     PRIORITY_START_STAGE,
     SIDE,
     TOOTH_IDS,
     TOOTH_NUMBER,
 )
+from server.plans import PlanSpec
 from server.quaternion_utils import (
     quaternion_angle,
     quaternion_inverse,
@@ -46,7 +62,9 @@ from server.quaternion_utils import (
     quaternion_rotate,
     quaternion_to_rotvec,
 )
-from server.reward_scaler import scale_rewards
+from server.reward_scaler import BREACH_KEYS
+from server.scoring import hard_rule_breaches, increments, limit_ratio, pdl_stress_kpa, stage_measures
+from server.treatment import rollout_plans, score_plan_specs
 
 _PRIORITIES = ("high", "medium", "low")
 FEATURE_SCALE: dict[str, float] = {
@@ -58,6 +76,24 @@ FEATURE_SCALE: dict[str, float] = {
 }
 DIAGNOSIS_THRESHOLD: float = 0.12
 """Scaled features below this everywhere mean a mild irregularity."""
+SECONDARY_THRESHOLD: float = 0.2
+"""A second scaled feature from this size is read as a second malocclusion."""
+LEVEL_SPAN: int = 12
+"""Aligners over which the strategy's levels' start stages are spread (first at 1)."""
+REPAIR_ROUNDS: int = 10
+"""Rounds of setup refinement for a candidate that breaks a hard rule."""
+REPAIR_TEETH: int = 4
+"""Teeth (those breaking the most) whose timing a repair round varies."""
+REPAIR_STARTS: int = 3
+"""Candidates (those with the best terminal score) refined, in turn, until one comes out safe."""
+REPAIR_SHIFTS: tuple[int, ...] = (-6, -3, -1, 1, 2, 3, 6, 9)
+"""Start-stage shifts tried on each tooth involved in a breach."""
+BRISK: float = 0.8
+"""Speed of the first level, as a share of the per-stage limits."""
+MAX_SPEED: float = 0.95
+"""Fastest speed the oracle plans, as a share of the per-stage limits."""
+FRACTION_QUANTUM: float = 1e-4
+"""Fractions are written rounded up to this (what the plan JSON carries)."""
 
 
 def _arch_max(values: np.ndarray, mask: np.ndarray) -> float:
@@ -94,9 +130,20 @@ def diagnose(initial: np.ndarray, target: np.ndarray) -> dict[str, float]:
 
 
 def infer_profile(initial: np.ndarray, target: np.ndarray) -> str:
+    """The malocclusion the setup mainly corrects (the largest scaled feature)."""
+    return infer_profiles(initial, target)[0]
+
+
+def infer_profiles(initial: np.ndarray, target: np.ndarray) -> tuple[str, str | None]:
+    """The main malocclusion and a second one (the next largest feature above the threshold), if any."""
     features = diagnose(initial, target)
-    best = max(features, key=features.get)
-    return best if features[best] >= DIAGNOSIS_THRESHOLD else "mild_irregularity"
+    ranked = sorted(features, key=features.get, reverse=True)
+    if features[ranked[0]] < DIAGNOSIS_THRESHOLD:
+        return "mild_irregularity", None
+    if ranked[0] != "class_ii" and features["class_ii"] >= SECONDARY_THRESHOLD:
+        return ranked[0], "class_ii"  # it sets the sequence (optimal_strategy), whatever ranks second
+    second = ranked[1] if features[ranked[1]] >= SECONDARY_THRESHOLD else None
+    return ranked[0], second
 
 
 def _required_speed(initial: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -107,75 +154,243 @@ def _required_speed(initial: np.ndarray, target: np.ndarray) -> np.ndarray:
     return np.where(stages_at_limit > 1e-9, 1.0 / np.maximum(stages_at_limit, 1e-9), 1.0)
 
 
+def _quantise(fraction: np.ndarray) -> np.ndarray:
+    return np.minimum(np.ceil(np.asarray(fraction) / FRACTION_QUANTUM - 1e-9) * FRACTION_QUANTUM, 1.0)
+
+
+def level_starts(n_levels: int, span: int = LEVEL_SPAN) -> np.ndarray:
+    """Start aligner of each of ``n_levels`` sequence levels: evenly from 1 to ``1 + span``."""
+    if n_levels <= 1:
+        return np.ones(1, dtype=np.int64)
+    return 1 + np.round(np.arange(n_levels) * span / (n_levels - 1)).astype(np.int64)
+
+
+def _fit_speed(start: np.ndarray, last_stage: int, limit_fraction: np.ndarray, slot: np.ndarray) -> tuple:
+    """Per-tooth (start, fraction): the slowest speed finishing by ``last_stage``; the first slot brisk."""
+    start = start.copy()
+    need_slow = 1.0 / np.maximum(last_stage - start + 1, 1)
+    fraction = np.where(
+        slot == 0,
+        np.maximum(
+            np.minimum(np.maximum(BRISK * limit_fraction, need_slow), MAX_SPEED * limit_fraction), 0.0
+        ),
+        need_slow,
+    )
+    fraction = np.maximum(fraction, 1.0 / (N_STAGES - start + 1))
+    # a tooth that cannot finish from its slot within the limits starts as early as it must
+    late = fraction > MAX_SPEED * limit_fraction
+    if late.any():
+        stages_needed = np.ceil(1.0 / (MAX_SPEED * limit_fraction[late]))
+        start[late] = np.maximum(1, np.minimum(start[late], last_stage - stages_needed + 1)).astype(np.int64)
+        fraction[late] = np.maximum(1.0 / (last_stage - start[late] + 1), 1.0 / (N_STAGES - start[late] + 1))
+    return start, _quantise(fraction)
+
+
+def stage_arrays(
+    initial: np.ndarray,
+    target: np.ndarray,
+    strategy: str,
+    last_stage: int,
+    brisk: bool = True,
+    span: int = LEVEL_SPAN,
+    lead_levels: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-tooth start stages (28,) and fractions (28,) staging the teeth in ``strategy``'s order.
+
+    ``lead_levels``: (28,) bool, teeth that also start with the first level (a second profile's
+    first movers); ``brisk=False`` moves the first level at the slowest speed too.
+    """
+    limit_fraction = _required_speed(initial, target)
+    levels = STRATEGY_LEVELS[strategy]
+    ranks = np.searchsorted(np.unique(levels), levels)
+    if lead_levels is not None:
+        ranks = np.where(lead_levels, 0, ranks)
+    starts = level_starts(int(ranks.max()) + 1, span)
+    slot = ranks if brisk else ranks + 1
+    return _fit_speed(starts[ranks], last_stage, limit_fraction, slot)
+
+
+def arrays_to_plan(strategy: str | None, start: np.ndarray, fraction: np.ndarray) -> dict:
+    """The plan JSON of per-tooth start stages and fractions (teeth grouped by both)."""
+    by_stage = {v: k for k, v in PRIORITY_START_STAGE.items()}
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, fdi in enumerate(TOOTH_IDS):
+        groups.setdefault((int(start[i]), float(fraction[i])), []).append(fdi)
+    out = []
+    for (s, f), teeth in sorted(groups.items()):
+        group = {"teeth": teeth, "fraction": round(f, 4)}
+        if s in by_stage:
+            group["priority"] = by_stage[s]
+        else:
+            group["start_stage"] = s
+        out.append(group)
+    plan = {"tooth_groups": out}
+    return {"strategy": strategy, **plan} if strategy else plan
+
+
 def stage_plan(
     initial: np.ndarray,
     target: np.ndarray,
     strategy: str,
     last_stage: int,
-    brisk: float = 0.8,
-    offsets: tuple[int, ...] | None = None,
+    brisk: bool = True,
+    span: int = LEVEL_SPAN,
 ) -> dict:
     """A plan staging the teeth in ``strategy``'s order, each tooth done by ``last_stage``."""
-    limit_fraction = _required_speed(initial, target)  # moving at 100 % of the limits
-    levels = STRATEGY_LEVELS[strategy]
-    ranks = np.searchsorted(np.unique(levels), levels)
-    slot = np.minimum(ranks, len(_PRIORITIES) - 1)
-    starts = (
-        np.array([PRIORITY_START_STAGE[p] for p in _PRIORITIES]) if offsets is None else np.array(offsets)
-    )
-    groups: dict[tuple[str, float], list[int]] = {}
-    for i, fdi in enumerate(TOOTH_IDS):
-        k = int(slot[i])
-        while True:
-            start = int(starts[k])
-            if k == 0:
-                f = min(
-                    max(brisk * limit_fraction[i], 1.0 / (last_stage - start + 1)), 0.95 * limit_fraction[i]
-                )
-                f = max(f, 1.0 / (N_STAGES - start + 1))
-            else:
-                f = 1.0 / (last_stage - start + 1)
-            if f <= 0.95 * limit_fraction[i] or k == 0:
-                break
-            k -= 1
-        groups.setdefault((_PRIORITIES[k], math.ceil(float(f) * 1e4) / 1e4), []).append(fdi)
-    return {
-        "strategy": strategy,
-        "tooth_groups": [
-            {"teeth": teeth, "fraction": f, "priority": p} for (p, f), teeth in sorted(groups.items())
-        ],
-    }
+    return arrays_to_plan(strategy, *stage_arrays(initial, target, strategy, last_stage, brisk, span))
 
 
-def candidate_plans(initial: np.ndarray, target: np.ndarray, force_decay: bool) -> list[dict]:
-    """The oracle's few rule-based candidates for a case."""
-    strategy = OPTIMAL_STRATEGY[infer_profile(initial, target)]
-    last = N_STAGES - (5 if force_decay else 0)
-    return [
-        stage_plan(initial, target, strategy, last, brisk=0.8),
-        stage_plan(initial, target, strategy, last, brisk=0.6),
-        stage_plan(initial, target, strategy, last, brisk=0.8, offsets=(1, 9, 15)),
-        stage_plan(initial, target, strategy, last, brisk=0.6, offsets=(1, 5, 11)),
-        stage_plan(initial, target, strategy, last, brisk=0.0),
-        stage_plan(initial, target, strategy, last, brisk=0.95, offsets=(1, 11, 15)),
+def _candidates(case: Case, strategy: str, secondary: str | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Stagings to check: the strategy's sequence (brisk or not, three spans), a second profile's
+    first movers leading (when it has another strategy), and uniform staging."""
+    last = N_STAGES - (5 if case.force_decay else 0)
+    ini, tgt = case.initial, case.target
+    out = [
+        stage_arrays(ini, tgt, strategy, last, brisk, span)
+        for brisk in (True, False)
+        for span in (LEVEL_SPAN, LEVEL_SPAN - 4, LEVEL_SPAN + 4)
     ]
+    if secondary is not None and OPTIMAL_STRATEGY[secondary] != strategy:
+        lead = STRATEGY_LEVELS[OPTIMAL_STRATEGY[secondary]] == 0
+        out += [stage_arrays(ini, tgt, strategy, last, brisk, LEVEL_SPAN, lead) for brisk in (True, False)]
+    uniform = (np.ones(len(TOOTH_IDS), dtype=np.int64), _quantise(np.full(len(TOOTH_IDS), 1.0 / N_STAGES)))
+    return [*out, uniform]
+
+
+def _score(case: Case, strategy: str, arrays: list[tuple[np.ndarray, np.ndarray]]) -> list[dict]:
+    specs = [PlanSpec(s.copy(), f.copy(), strategy) for s, f in arrays]
+    return score_plan_specs(specs, [case] * len(specs))
+
+
+def breach_teeth(case: Case, start: np.ndarray, fraction: np.ndarray) -> np.ndarray:
+    """(28,) each tooth's share of a staging's hard-rule breach (0 for a tooth that breaks nothing):
+    half of each colliding contact's excess penetration, its stress over critical, its excess over
+    the limits, in the units of :func:`server.scoring.hard_rule_breaches`."""
+    planned, achieved = rollout_plans([PlanSpec(start, fraction, None)], [case])
+    m = stage_measures(planned, achieved, case.crown_width_mm[None], case.crown_depth_mm[None])
+    out = np.zeros(len(TOOTH_IDS))
+    excess = np.maximum(m.penetration[0] - COLLISION_TOLERANCE_MM, 0.0).sum(axis=0) / COLLISION_TOLERANCE_MM
+    np.add.at(out, ADJACENT_PAIRS[:, 0], 0.5 * excess)
+    np.add.at(out, ADJACENT_PAIRS[:, 1], 0.5 * excess)
+    out += np.maximum(pdl_stress_kpa(m.mis_t[0], m.mis_r[0]) / PDL_CRITICAL_KPA - 1.0, 0.0).sum(axis=0)
+    inc_t, inc_r = increments(planned[0])
+    out += np.maximum(limit_ratio(inc_t, inc_r) - 1.0 - LIMIT_TOLERANCE, 0.0).sum(axis=0)
+    return out
+
+
+def _repairs(
+    case: Case, start: np.ndarray, fraction: np.ndarray, last: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Variants of a breaking staging: each involved tooth, alone and with its contralateral
+    counterpart, started earlier or later (at the slowest speed that still finishes) or slowed."""
+    limit_fraction = _required_speed(case.initial, case.target)
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    share = breach_teeth(case, start, fraction)
+    involved = [i for i in np.argsort(-share, kind="stable")[:REPAIR_TEETH] if share[i] > 0.0]
+    # neighbours that collide whatever their speeds: one finishes (at top speed) before the other starts
+    for a, b in ADJACENT_PAIRS:
+        if share[a] <= 0.0 or share[b] <= 0.0 or (a not in involved and b not in involved):
+            continue
+        for first, then in ((a, b), (b, a)):
+            s, f = start.copy(), fraction.copy()
+            f[first] = min(1.0, MAX_SPEED * limit_fraction[first])
+            s[then] = min(N_STAGES, s[first] + int(np.ceil(1.0 / f[first] - 1e-9)))
+            f[then] = 1.0 / (N_STAGES - s[then] + 1)
+            if f[then] <= MAX_SPEED * limit_fraction[then]:
+                out.append((s, _quantise(f)))
+            shortest = int(np.ceil(1.0 / min(1.0, MAX_SPEED * limit_fraction[then]) - 1e-9))
+            for stages in (shortest, shortest + 2, shortest + 4):  # or the second late, finishing last
+                s, f = start.copy(), fraction.copy()
+                s[then] = max(1, N_STAGES - stages + 1)
+                f[then] = 1.0 / (N_STAGES - s[then] + 1)
+                out.append((s, _quantise(f)))
+    for teeth in [np.array([i]) for i in involved] + [np.array([i, MIRROR_INDEX[i]]) for i in involved]:
+        for shift in REPAIR_SHIFTS:
+            s = start.copy()
+            s[teeth] = np.clip(start[teeth] + shift, 1, N_STAGES)
+            for end in sorted(
+                {last, N_STAGES}
+            ):  # finishing by the planned end, or using the refinement aligners
+                f = fraction.copy()
+                f[teeth] = 1.0 / np.maximum(end - s[teeth] + 1, 1)
+                if np.all(f[teeth] <= MAX_SPEED * limit_fraction[teeth]):
+                    out.append((s, _quantise(f)))
+        f = fraction.copy()
+        f[teeth] = np.maximum(1.0 / (N_STAGES - start[teeth] + 1), 0.7 * fraction[teeth])
+        out.append((start.copy(), _quantise(f)))
+    return out
+
+
+def _breach(case: Case, arrays: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """(n,) summed hard-rule breach of stagings on a case: the simulator without the quality terms."""
+    specs = [PlanSpec(s, f, None) for s, f in arrays]
+    planned, achieved = rollout_plans(specs, [case] * len(specs))
+    n = len(specs)
+    m = stage_measures(
+        planned,
+        achieved,
+        np.broadcast_to(case.crown_width_mm, (n, 28)),
+        np.broadcast_to(case.crown_depth_mm, (n, 28)),
+    )
+    return sum(hard_rule_breaches(m).values())
+
+
+def _repair(case: Case, staging: tuple, breach: float, last: int) -> tuple | None:
+    """Greedy setup refinement: the variant with the least breach, round after round, until it
+    breaks no rule (returned) or stops improving (None)."""
+    for _ in range(REPAIR_ROUNDS):
+        if breach <= 0.0:
+            return staging
+        variants = _repairs(case, *staging, last)
+        if not variants:
+            return None
+        breaches = _breach(case, variants)
+        k = int(np.argmin(breaches))
+        if breaches[k] >= breach:
+            return None
+        staging, breach = variants[k], float(breaches[k])
+    return staging if breach <= 0.0 else None
+
+
+def plan_for_case(case: Case) -> dict:
+    """The oracle's plan for a case (its dynamics and compliance included)."""
+    primary, secondary = infer_profiles(case.initial, case.target)
+    strategy = optimal_strategy(primary, secondary)
+    last = N_STAGES - (5 if case.force_decay else 0)
+    candidates = _candidates(case, strategy, secondary)
+    results = _score(case, strategy, candidates)
+    scaled = np.array([r["scaled_reward"] for r in results])
+    best = int(np.argmax(scaled))
+    uniform = len(candidates) - 1
+    if results[best]["broken_rules"] or best == uniform:
+        # refine the staged candidates that break the least; keep the best safe outcome
+        breach = np.array([sum(r["diagnostics"][k] for k in BREACH_KEYS.values()) for r in results])
+        quality = np.array([-r["terminal_reward"] for r in results])
+        staged = [k for k in np.argsort(quality, kind="stable") if k != uniform and breach[k] > 0.0]
+        repaired = []
+        for k in staged[:REPAIR_STARTS]:  # the best terminal score first; the first that comes out safe
+            fixed = _repair(case, candidates[k], float(breach[k]), last)
+            if fixed is not None:
+                repaired.append(fixed)
+                break
+        if repaired:
+            fixed_results = _score(case, strategy, repaired)
+            k = int(np.argmax([r["scaled_reward"] for r in fixed_results]))
+            if fixed_results[k]["scaled_reward"] > scaled[best]:
+                return arrays_to_plan(strategy, *repaired[k])
+    return arrays_to_plan(strategy, *candidates[best])
 
 
 def oracle_plan(observation: dict) -> dict:
     """The oracle's plan for an observation (a reset observation of the environment)."""
-    from server.treatment import score_plans  # the simulator, to check candidates
-
     initial = np.asarray(observation["initial_config"], dtype=np.float64)
     target = np.asarray(observation["target_config"], dtype=np.float64)
-    force_decay = bool(observation.get("force_decay", False))
-    plans = candidate_plans(initial, target, force_decay)
-    case = (observation["task_id"], int(observation["seed"]), force_decay)
-    results = score_plans(plans, [case] * len(plans))
-    # choose as training does: the scaled reward, whose hard-fail overrides punish collisions and PDL stress
-    scaled = scale_rewards(
-        np.array([r["terminal_reward"] for r in results]),
-        np.array([r["reward_breakdown"]["collision_free"] for r in results]),
-        np.array([r["reward_breakdown"]["pdl_feasibility"] for r in results]),
+    case = generate_case(
+        observation["task_id"],
+        int(observation["seed"]),
+        bool(observation.get("force_decay", False)),
+        bool(observation.get("non_compliance", False)),
     )
-    best = int(np.argmax(scaled))
-    return plans[best]
+    if not (np.array_equal(case.initial, initial) and np.array_equal(case.target, target)):
+        case = replace(case, initial=initial, target=target)
+    return plan_for_case(case)

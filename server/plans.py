@@ -4,6 +4,8 @@ Plan semantics (the one statement of them; the prompt and README quote it):
 
 * ``priority`` sets when a group starts moving: ``high`` at stage 1, ``medium`` at
   stage 7, ``low`` at stage 13 (:data:`PRIORITY_START_STAGE`); missing = ``high``.
+  ``start_stage`` (optional, an integer 1-24) sets the first moving stage directly and
+  overrides ``priority``: a clinical sequence of more than three steps needs it.
 * ``fraction`` is the share of each tooth's total planned movement performed per
   stage once it starts (constant-speed SLERP for rotation, linear for
   translation) until the tooth reaches its target: planned progress at stage
@@ -12,8 +14,11 @@ Plan semantics (the one statement of them; the prompt and README quote it):
 * Teeth in no group follow uniform SLERP. A tooth listed twice takes its first
   group. Unknown FDI ids, non-integer ids (booleans included), fractions outside
   [0, 1], non-finite or non-numeric fractions and unknown priorities are ignored
-  (a group with a bad fraction is ignored whole) and counted in
-  :class:`PlanFormat`; nothing here raises.
+  (a group with a bad fraction is ignored whole; a bad ``start_stage`` falls back to the
+  priority) and counted in :class:`PlanFormat`; nothing here raises. A group is *usable*
+  when it sets at least one tooth; a plan with no usable group is not a plan (the
+  training rewards give it their minimum, :mod:`orthojob.rollouts`), while this module
+  still reads it as uniform SLERP for the baseline API.
 * ``strategy`` is one of :data:`server.clinical_profiles.STRATEGIES`; it is
   judged against the case and against the plan's own staging order.
 """
@@ -44,9 +49,11 @@ class PlanFormat:
     valid_groups: int = 0
     invalid_fractions: int = 0
     invalid_priorities: int = 0
+    invalid_starts: int = 0
     invalid_teeth: int = 0
     duplicate_teeth: int = 0
     ignored_groups: int = 0
+    usable_groups: int = 0
     strategy_known: bool = False
 
     @property
@@ -102,11 +109,19 @@ def normalize_plan(plan: object) -> PlanSpec:
         if not isinstance(priority, str) or priority not in PRIORITY_START_STAGE:
             fmt.invalid_priorities += 1
             priority = DEFAULT_PRIORITY
+        first = PRIORITY_START_STAGE[priority]
+        if "start_stage" in group:
+            s = group["start_stage"]
+            if isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= N_STAGES:
+                first = s
+            else:
+                fmt.invalid_starts += 1
         teeth = group.get("teeth")
         if not isinstance(teeth, list):
             fmt.invalid_teeth += 1
             continue
         fmt.valid_groups += 1
+        set_any = False
         for tooth in teeth[: N_TEETH * 4]:
             index = TOOTH_INDEX.get(tooth) if isinstance(tooth, int) and not isinstance(tooth, bool) else None
             if index is None:
@@ -115,8 +130,10 @@ def normalize_plan(plan: object) -> PlanSpec:
                 fmt.duplicate_teeth += 1
             else:
                 assigned[index] = True
-                start[index] = PRIORITY_START_STAGE[priority]
+                set_any = True
+                start[index] = first
                 fraction[index] = float(f)
+        fmt.usable_groups += set_any
     return PlanSpec(start, fraction, strategy, fmt)
 
 

@@ -1,9 +1,39 @@
-"""Wide-range reward scaling with hard-fail overrides (the seed's spec 2.5).
+"""The scale GRPO sees: a terminal score in [0, 1] and the plan's hard-rule breaches -> [-2, 8].
 
-``scale_reward(raw)`` maps a terminal score in [0, 1] linearly to [-2, +8]
-(``10 * raw - 2``). A collision (``collision_free`` < 0.9) overrides it with
--1.0; excessive PDL stress (``pdl_feasibility`` < 0.5) with -0.5; when both
-apply, the collision (the lower value) wins.
+**The ordering principle.** Every plan that breaks a hard clinical rule scores below every plan
+that breaks none, doing nothing included. The hard rules, each judged at every stage on every
+tooth or contact (:func:`server.scoring.score_episodes` measures them):
+
+* **collision** - adjacent crowns of the achieved arch penetrating by more than
+  :data:`server.collisions.COLLISION_TOLERANCE_MM` (0.1 mm: contact, not collision);
+* **PDL stress** - the periodontal-ligament pressure at aligner insertion above
+  :data:`server.dental_constants.PDL_CRITICAL_KPA` (4.7 kPa, Schwarz 1932) on *any* tooth;
+* **per-stage limits** - a planned increment beyond 0.25 mm / 2 deg by more than
+  :data:`server.dental_constants.LIMIT_TOLERANCE` (5 %).
+
+The scale has two bands and a floor:
+
+===============  =======================  ==============================================
+band             scaled reward            graded by
+===============  =======================  ==============================================
+safe             ``8 * raw`` in [0, 8]    clinical quality (the terminal score ``raw``);
+                                          doing nothing is 0
+failing          in (-2, FAIL_TOP]        how much is broken: ``FAIL_TOP - (FAIL_TOP + 2)
+                 = (-2, -0.25]            * b / (b + BREACH_SCALE)`` with ``b`` the breach
+                                          (below); never reaches -2
+not a plan       -2 (REWARD_MIN)          a completion with no usable tooth group, garbage,
+                                          a non-finite score
+===============  =======================  ==============================================
+
+The breach ``b`` adds the three rules' excesses in comparable units, summed over stages and
+teeth (or contacts): ``(r - 1 - LIMIT_TOLERANCE)+`` for each increment ``r`` times the limit;
+``(p / PDL_CRITICAL_KPA - 1)+`` for each stress ``p``; ``(pen - tol) / tol`` for each
+penetration ``pen`` beyond the tolerance ``tol``. A group of failing plans therefore still has
+an advantage to climb (fewer, smaller breaches), and its top lies below the safe band.
+
+This supersedes the seed's ``10 * raw - 2`` with overrides (-1.0 for collision_free < 0.9,
+-0.5 for pdl_feasibility < 0.5), under which compressed plans that broke the limits, moving
+every tooth in one aligner, and stress judged on the mean over teeth out-earned safe staging.
 """
 
 from __future__ import annotations
@@ -13,43 +43,61 @@ import math
 import numpy as np
 
 REWARD_MIN: float = -2.0
+"""Not a plan: no usable tooth group, no JSON object, a non-finite score."""
 REWARD_MAX: float = 8.0
-COLLISION_THRESHOLD: float = 0.9
-PDL_THRESHOLD: float = 0.5
-COLLISION_REWARD: float = -1.0
-PDL_STRESS_REWARD: float = -0.5
+"""A perfect safe plan."""
+SAFE_SCALE: float = REWARD_MAX
+"""Safe band: ``SAFE_SCALE * raw``."""
+FAIL_TOP: float = -0.25
+"""The best a plan that breaks a hard rule can score (an infinitesimal breach)."""
+BREACH_SCALE: float = 10.0
+"""Breach at which a failing plan sits halfway between FAIL_TOP and REWARD_MIN."""
+
+HARD_RULES: tuple[str, ...] = ("collision", "pdl_stress", "limits")
+"""The hard clinical rules, in the order of :func:`server.scoring.score_episodes`' breach diagnostics
+(``collision_breach``, ``pdl_breach``, ``limit_breach``)."""
+BREACH_KEYS: dict[str, str] = {
+    "collision": "collision_breach",
+    "pdl_stress": "pdl_breach",
+    "limits": "limit_breach",
+}
+"""Diagnostic key of each hard rule's breach (see :mod:`server.scoring`)."""
 
 
-def detect_collision(collision_free: float) -> bool:
-    """True when the collision-free score is below COLLISION_THRESHOLD (NaN counts as a collision)."""
-    return not collision_free >= COLLISION_THRESHOLD
+def breach_total(diagnostics: dict) -> np.ndarray | float:
+    """The summed breach of a result's (or a batch's) diagnostics; NaN counts as infinite."""
+    total = sum(diagnostics[k] for k in BREACH_KEYS.values())
+    if isinstance(total, np.ndarray):
+        return np.where(np.isnan(total), np.inf, total)
+    return math.inf if math.isnan(total) else float(total)
 
 
-def detect_pdl_stress(pdl_feasibility: float) -> bool:
-    """True when PDL feasibility is below PDL_THRESHOLD (NaN counts as stress)."""
-    return not pdl_feasibility >= PDL_THRESHOLD
+def broken_rules(diagnostics: dict) -> list[str]:
+    """Names of the hard rules a result's diagnostics break (empty for a safe plan)."""
+    return [rule for rule, key in BREACH_KEYS.items() if not float(diagnostics.get(key, math.inf)) <= 0.0]
 
 
-def scale_reward(raw: float, collision: bool = False, pdl_stress_exceeded: bool = False) -> tuple[float, str]:
-    """Scaled reward and the reason: ``(10*raw - 2, "scaled")`` or a hard-fail override.
+def scale_rewards(raw: np.ndarray, breach: np.ndarray) -> np.ndarray:
+    """Scaled rewards of terminal scores ``raw`` and breaches ``breach`` (equal shapes).
 
-    ``raw`` is clipped to [0, 1]; a non-finite raw scores REWARD_MIN.
+    Safe (breach 0): ``SAFE_SCALE * clip(raw, 0, 1)``. Failing (breach > 0, or NaN):
+    ``FAIL_TOP - (FAIL_TOP - REWARD_MIN) * b / (b + BREACH_SCALE)``. Non-finite raw: REWARD_MIN.
     """
-    if collision:
-        return COLLISION_REWARD, "collision"
-    if pdl_stress_exceeded:
-        return PDL_STRESS_REWARD, "pdl_stress"
+    raw = np.asarray(raw, dtype=np.float64)
+    b = np.nan_to_num(np.asarray(breach, dtype=np.float64), nan=np.inf)
+    b = np.maximum(b, 0.0)
+    safe = SAFE_SCALE * np.clip(np.nan_to_num(raw, nan=0.0), 0.0, 1.0)
+    with np.errstate(invalid="ignore"):
+        share = np.where(np.isinf(b), 1.0, b / (b + BREACH_SCALE))
+    failing = FAIL_TOP - (FAIL_TOP - REWARD_MIN) * share
+    failing = np.maximum(np.nextafter(REWARD_MIN, 0.0), failing)  # the floor belongs to non-plans
+    out = np.where(b > 0.0, failing, safe)
+    return np.where(np.isfinite(raw), out, REWARD_MIN)
+
+
+def scale_reward(raw: float, breach: float = 0.0) -> tuple[float, str]:
+    """One scaled reward and its band: ``"safe"``, ``"failing"`` or ``"non_finite"``."""
     if not math.isfinite(raw):
         return REWARD_MIN, "non_finite"
-    raw = min(max(raw, 0.0), 1.0)
-    return REWARD_MIN + (REWARD_MAX - REWARD_MIN) * raw, "scaled"
-
-
-def scale_rewards(raw: np.ndarray, collision_free: np.ndarray, pdl_feasibility: np.ndarray) -> np.ndarray:
-    """Vectorised :func:`scale_reward` over arrays of equal shape."""
-    raw = np.nan_to_num(np.asarray(raw, dtype=np.float64), nan=-np.inf, posinf=-np.inf)
-    scaled = np.where(
-        np.isfinite(raw), REWARD_MIN + (REWARD_MAX - REWARD_MIN) * np.clip(raw, 0.0, 1.0), REWARD_MIN
-    )
-    scaled = np.where(~(np.asarray(pdl_feasibility) >= PDL_THRESHOLD), PDL_STRESS_REWARD, scaled)
-    return np.where(~(np.asarray(collision_free) >= COLLISION_THRESHOLD), COLLISION_REWARD, scaled)
+    value = float(scale_rewards(np.array([raw]), np.array([breach]))[0])
+    return value, "safe" if breach == 0.0 else "failing"

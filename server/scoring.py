@@ -18,17 +18,36 @@ Components (ENVIRONMENT.md §5):
   (2.6 kPa), 0.5 at the critical 4.7 kPa, 0 at 1.5 x critical.
 * ``limits_compliance`` - mean over treated teeth of ``1 - (r - 1.05)`` clipped to
   [0, 1], ``r`` the tooth's largest planned increment over the per-stage limit.
+* ``executable`` - share of the treated teeth whose prescription an aligner series can carry
+  out: every planned increment within the per-stage limits (with LIMIT_TOLERANCE) and the
+  aligners reaching the target by the last stage (a plan-level check; not in the terminal).
 * ``smoothness`` - mean over moved teeth of ``mean(d)^2 / mean(d^2)`` over the 24
   planned increments ``d`` (1 for constant speed through the treatment, k/24 for a
   tooth moving in k stages, lower for uneven speed).
-* ``staging`` - ``(rho + 1) / 2`` with ``rho`` the Kendall-style concordance between
-  the declared strategy's staging order and the treated teeth's start stages
-  (:func:`staging_concordance`; 0.5 when no strategy is declared).
+* ``staging`` - ``(rho + 1) / 2`` with ``rho`` the *sequence concordance* in [-1, 1]
+  between the declared strategy's staging order and the order in which the treated teeth
+  actually move (:func:`sequence_concordance`: by each tooth's movement centroid, the mean
+  aligner of its planned movement, not by its start stage alone; 0.5 when no strategy is
+  declared).
 * ``strategy_multiplier`` - 1.2 optimal, 1.0 neutral, 0.6 wrong; a declared strategy
-  the staging contradicts (rho < -0.2) counts as wrong, and the optimal one is only
-  paid 1.2 when the staging follows it (rho >= 0.3).
+  the sequence contradicts (rho < -0.2) counts as wrong, and the optimal one is only
+  paid 1.2 when the movement follows its sequence (rho >= 0.45: on average a lead of 1.35
+  aligners or more between consecutive levels).
+* ``occlusion_course`` - occlusion over the course of treatment: the mean, over aligners
+  4, 8, ..., 24 (:data:`OCCLUSION_CHECKPOINTS`), of the achieved arch's occlusion gain
+  ``(occ_s - occ_0) / max(occ_target - occ_0, 0.02)``, clipped to [0, 1]. A plan that
+  reaches a functional bite early and keeps it scores high; one that wrecks the bite
+  midway, or arrives only at the end, scores lower; doing nothing scores 0.
 * ``realism``, ``anchorage``, ``movement_prior`` - :mod:`server.movement_priors` on
-  (initial, final achieved) and, for anchorage, the achieved trajectory's staging load.
+  (initial, final achieved) and, for anchorage, the achieved trajectory's staging load
+  (the root area at rest behind each millimetre moved).
+
+Hard-rule breaches (diagnostics; :mod:`server.reward_scaler` orders every breaking plan below
+every safe one): ``limit_breach`` = sum over stages and judged teeth of ``(r - 1 - LIMIT_TOLERANCE)+``;
+``pdl_breach`` = sum over stages and teeth of ``(stress / PDL_CRITICAL_KPA - 1)+``;
+``collision_breach`` = sum over stages and contacts of ``(pen - tol)+ / tol`` with ``tol`` =
+COLLISION_TOLERANCE_MM. ``scaled_reward`` is :func:`server.reward_scaler.scale_rewards` of the
+terminal score and their sum.
 
 Terminal reward (documented composite):
 ``(multiplier / 1.2) * (0.30 accuracy + accuracy * (0.20 occlusion + 0.15 collision_free
@@ -59,9 +78,10 @@ from server.dental_constants import (
     PDL_OPTIMAL_KPA,
     ROOT_AREA_MM2,
 )
-from server.movement_priors import MOVING_EPS_MM, CombinedPrior
+from server.movement_priors import CombinedPrior
 from server.occlusion import occlusion_composite
 from server.quaternion_utils import quaternion_angle, vector_norm
+from server.reward_scaler import scale_rewards
 
 MOVEMENT_EPS_MM: float = 0.05
 """A tooth whose target is closer than this (mm-equivalent) needs no treatment."""
@@ -80,7 +100,16 @@ TERMINAL_WEIGHTS: dict[str, float] = {
 STRATEGY_MULTIPLIERS: dict[str, float] = {"optimal": 1.2, "neutral": 1.0, "wrong": 0.6}
 MAX_MULTIPLIER: float = STRATEGY_MULTIPLIERS["optimal"]
 STAGING_AGAINST_RHO: float = -0.2
-STAGING_FOLLOWS_RHO: float = 0.3
+"""Sequence concordance below which a declared strategy is contradicted by the plan (wrong)."""
+STAGING_FOLLOWS_RHO: float = 0.45
+"""Sequence concordance from which the optimal strategy earns its 1.2."""
+LEAD_STAGES: float = 3.0
+"""Aligners by which a level's movement centroid must precede the next level's for a full
+lead (+1) in :func:`sequence_concordance`; smaller leads count in proportion."""
+OCCLUSION_CHECKPOINTS: tuple[int, ...] = (4, 8, 12, 16, 20, 24)
+"""Aligners at which ``occlusion_course`` judges the achieved bite (24 = the final one)."""
+OCCLUSION_GAIN_FLOOR: float = 0.02
+"""Smallest occlusion gap (target - initial) a gain is measured against."""
 
 _PRIOR = CombinedPrior()
 
@@ -123,19 +152,45 @@ def _masked_mean(x: np.ndarray, mask: np.ndarray, empty: float) -> np.ndarray:
     return np.where(n > 0, np.sum(np.where(mask, x, 0.0), axis=-1) / np.maximum(n, 1), empty)
 
 
-def staging_concordance(levels: np.ndarray, starts: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Kendall-style agreement in [-1, 1] between a staging order and start stages.
+def movement_centroid(inc_mm: np.ndarray) -> np.ndarray:
+    """(B, 28) mean aligner (1..24) of each tooth's planned movement, weighted by its increments
+    ``inc_mm`` (B, 24, 28); 0 for a tooth that never moves."""
+    total = inc_mm.sum(axis=-2)
+    stages = np.arange(1, inc_mm.shape[-2] + 1, dtype=float)[:, None]
+    return np.where(total > 0.0, np.sum(inc_mm * stages, axis=-2) / np.maximum(total, 1e-30), 0.0)
 
-    Over pairs of masked teeth with different ``levels`` (B, 28): +1 when the
-    lower-level tooth starts strictly earlier, -1 when strictly later, 0 when they
-    start together; averaged. 1.0 when no such pair exists (nothing to stage).
+
+def sequence_concordance(levels: np.ndarray, centroid: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Agreement in [-1, 1] between a staging order and the order in which teeth move.
+
+    For each pair of consecutive levels ``a < b`` present among the masked teeth (B, 28), the
+    lead of every ``(i in a, j in b)`` pair is ``clip((centroid_j - centroid_i) / LEAD_STAGES,
+    -1, 1)``: +1 when j's movement is centred at least LEAD_STAGES aligners after i's, -1 when
+    as far before, 0 when they move together. The pairs' mean is taken per level pair, then
+    over level pairs, so every step of the sequence counts alike (a plan that moves the first
+    four levels together and only delays the last earns a quarter of a five-level sequence).
+    1 when fewer than two levels are present: there is nothing to sequence, any order follows
+    the strategy, and only the diagnosis (which strategy) is judged.
     """
-    dl = np.sign(levels[:, :, None] - levels[:, None, :])
-    ds = np.sign(starts[:, :, None] - starts[:, None, :])
-    pair = (mask[:, :, None] & mask[:, None, :]) & (dl != 0)
-    n = pair.sum(axis=(1, 2))
-    agree = np.sum(np.where(pair, dl * ds, 0.0), axis=(1, 2))
-    return np.where(n > 0, agree / np.maximum(n, 1), 1.0)
+    b = levels.shape[0]
+    lv = np.where(mask, levels, -1).astype(np.int64)
+    n_levels = int(levels.max(initial=0)) + 1
+    present = np.stack([(lv == k).any(axis=-1) for k in range(n_levels)], axis=-1)  # (B, L)
+    lead = np.clip((centroid[:, None, :] - centroid[:, :, None]) / LEAD_STAGES, -1.0, 1.0)  # [i, j]
+    total = np.zeros(b)
+    pairs = np.zeros(b)
+    for k in range(n_levels - 1):
+        later = present[:, k + 1 :]
+        has_next = present[:, k] & later.any(axis=-1)
+        nxt = k + 1 + np.argmax(later, axis=-1)
+        in_a = lv == k
+        in_b = lv == nxt[:, None]
+        pair = in_a[:, :, None] & in_b[:, None, :]
+        count = pair.sum(axis=(1, 2))
+        mean = np.sum(np.where(pair, lead, 0.0), axis=(1, 2)) / np.maximum(count, 1)
+        total += np.where(has_next, mean, 0.0)
+        pairs += has_next
+    return np.where(pairs > 0, total / np.maximum(pairs, 1), 1.0)
 
 
 @dataclass(frozen=True)
@@ -174,6 +229,19 @@ def stage_measures(
     return StageMeasures(inc_t, inc_r, mis_t, mis_r, achieved_mm, pen)
 
 
+def hard_rule_breaches(m: StageMeasures) -> dict[str, np.ndarray]:
+    """The three hard rules' breaches (B,) of trajectories' StageMeasures (see the module docstring):
+    ``limit_breach``, ``pdl_breach``, ``collision_breach``; all 0 for a plan that breaks none."""
+    ratio = limit_ratio(m.inc_t, m.inc_r)
+    stress = pdl_stress_kpa(m.mis_t, m.mis_r)
+    return {
+        "limit_breach": np.sum(np.maximum(ratio - 1.0 - LIMIT_TOLERANCE, 0.0), axis=(-2, -1)),
+        "pdl_breach": np.sum(np.maximum(stress / PDL_CRITICAL_KPA - 1.0, 0.0), axis=(-2, -1)),
+        "collision_breach": np.sum(np.maximum(m.penetration - COLLISION_TOLERANCE_MM, 0.0), axis=(-2, -1))
+        / COLLISION_TOLERANCE_MM,
+    }
+
+
 @dataclass
 class EpisodeScores:
     """Per-episode components (B,) and diagnostics (B,) of a scored batch."""
@@ -206,6 +274,7 @@ def score_episodes(
     strategies: list[str | None],
     validity: np.ndarray | None = None,
     measures: StageMeasures | None = None,
+    secondary_profiles: list[str | None] | None = None,
 ) -> EpisodeScores:
     """Score B episodes.
 
@@ -218,6 +287,8 @@ def score_episodes(
         validity: (B,) share of a plan's usable groups (1 for stepwise episodes).
         measures: the trajectories' StageMeasures when already at hand (the stepwise
             environment collects them step by step); computed here otherwise.
+        secondary_profiles: B secondary profiles (task_hard; None otherwise), which can change
+            the optimal strategy (:func:`server.clinical_profiles.optimal_strategy`).
     """
     b = initial.shape[0]
     final = achieved[:, -1]
@@ -230,9 +301,12 @@ def score_episodes(
     moved = (inc_mm > INCREMENT_EPS_MM).any(axis=-2)
     judged = treated | moved
 
+    breaches = hard_rule_breaches(m)
     ratio = limit_ratio(inc_t, inc_r)
     violations = ratio > 1.0 + LIMIT_TOLERANCE
     limits = _masked_mean(np.clip(1.0 - (ratio.max(axis=-2) - 1.0 - LIMIT_TOLERANCE), 0.0, 1.0), judged, 1.0)
+    reaches = movement_mm(planned[:, -1], target) <= MOVEMENT_EPS_MM
+    executable = _masked_mean((ratio.max(axis=-2) <= 1.0 + LIMIT_TOLERANCE) & reaches, treated, 1.0)
 
     stress = pdl_stress_kpa(m.mis_t, m.mis_r)  # (B, 24, 28)
     peak = stress.max(axis=-2)
@@ -242,7 +316,17 @@ def score_episodes(
     collision_free = 1.0 - collision_severity(pen).mean(axis=-1)
 
     accuracy = np.clip(1.0 - movement_mm(final, target).sum(-1) / np.maximum(need.sum(-1), 1e-9), 0.0, 1.0)
-    occlusion = occlusion_composite(final, target, width_mm)
+    checkpoints = np.array(OCCLUSION_CHECKPOINTS)
+    occ = occlusion_composite(
+        np.concatenate((achieved[:, checkpoints], initial[:, None], target[:, None]), axis=1),
+        target[:, None],
+        width_mm[:, None],
+    )  # (B, C + 2)
+    occlusion = occ[:, len(checkpoints) - 1]
+    gap = np.maximum(occ[:, -1] - occ[:, -2], OCCLUSION_GAIN_FLOOR)
+    occlusion_course = np.clip(
+        np.mean((occ[:, : len(checkpoints)] - occ[:, -2:-1]) / gap[:, None], axis=-1), 0.0, 1.0
+    )
 
     mean_d = inc_mm.mean(axis=-2)
     mean_d2 = (inc_mm**2).mean(axis=-2)
@@ -251,14 +335,13 @@ def score_episodes(
 
     starts = start_stages(inc_mm)
     declared = [s if s in STRATEGY_LEVELS else None for s in strategies]
-    levels = np.stack([STRATEGY_LEVELS[s] if s else np.zeros(28, dtype=np.int64) for s in declared]).astype(
-        float
-    )
-    rho = staging_concordance(levels, starts.astype(float), treated)
+    levels = np.stack([STRATEGY_LEVELS[s] if s else np.zeros(28, dtype=np.int64) for s in declared])
+    rho = sequence_concordance(levels, movement_centroid(inc_mm), treated)
     has_strategy = np.array([s is not None for s in declared])
     staging = np.where(has_strategy, (rho + 1.0) / 2.0, 0.5)
 
-    classes = [strategy_multiplier_class(p, s) for p, s in zip(profiles, declared)]
+    secondary = secondary_profiles if secondary_profiles is not None else [None] * b
+    classes = [strategy_multiplier_class(p, s, q) for p, s, q in zip(profiles, declared, secondary)]
     classes = [
         "wrong"
         if s is not None and r < STAGING_AGAINST_RHO
@@ -269,15 +352,17 @@ def score_episodes(
 
     realism, anchorage, prior = (
         np.asarray(x, dtype=float).reshape(b)
-        for x in _PRIOR.parts_from_movement(movement_mm(initial, final), moving=m.achieved_mm > MOVING_EPS_MM)
+        for x in _PRIOR.parts_from_movement(movement_mm(initial, final), stage_mm=m.achieved_mm)
     )
 
     components = {
         "accuracy": accuracy,
         "occlusion_composite": occlusion,
+        "occlusion_course": occlusion_course,
         "collision_free": collision_free,
         "pdl_feasibility": pdl,
         "limits_compliance": limits,
+        "executable": executable,
         "smoothness": smoothness,
         "staging": staging,
         "strategy_multiplier": multiplier,
@@ -291,10 +376,12 @@ def score_episodes(
         raw = raw * validity
     terminal = np.clip(raw, 0.0, 1.0)
     diagnostics = {
+        "scaled_reward": scale_rewards(terminal, sum(breaches.values())),
+        **breaches,
         "limit_violations": violations.sum(axis=(-2, -1)),
         "colliding_contacts": (pen > COLLISION_TOLERANCE_MM).sum(axis=(-2, -1)),
         "pdl_over_critical": (stress > PDL_CRITICAL_KPA).sum(axis=(-2, -1)),
-        "staging_concordance": rho,
+        "sequence_concordance": rho,
         "peak_pdl_kpa": np.where(judged, peak, 0.0).max(axis=-1),
     }
     return EpisodeScores(components, terminal, diagnostics, starts)

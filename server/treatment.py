@@ -10,6 +10,7 @@ import numpy as np
 from server.cases import Case, generate_case
 from server.dynamics import simulate
 from server.plans import PlanSpec, interpolate_poses, normalize_plan, planned_progress
+from server.reward_scaler import broken_rules
 from server.scoring import score_episodes
 
 BATCH_CHUNK: int = 128
@@ -18,10 +19,13 @@ BATCH_CHUNK: int = 128
 
 def plan_result(spec: PlanSpec, scores, i: int) -> dict:
     """JSON-safe result of one scored plan."""
+    diagnostics = {k: float(v[i]) for k, v in scores.diagnostics.items()}
     return {
         "terminal_reward": float(scores.terminal[i]),
+        "scaled_reward": diagnostics["scaled_reward"],
+        "broken_rules": broken_rules(diagnostics),
         "reward_breakdown": scores.breakdown(i),
-        "diagnostics": {k: float(v[i]) for k, v in scores.diagnostics.items()},
+        "diagnostics": diagnostics,
         "strategy": spec.strategy,
         "format": asdict(spec.format) | {"validity": spec.format.validity},
         "start_stage": scores.start_stage[i].tolist(),
@@ -63,6 +67,7 @@ def score_plan_specs(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> list[d
             planned=planned,
             achieved=achieved,
             profiles=[c.profile for c in c_chunk],
+            secondary_profiles=[c.secondary_profile for c in c_chunk],
             strategies=[s.strategy for s in s_chunk],
             validity=np.array([s.format.validity for s in s_chunk]),
         )

@@ -15,7 +15,7 @@ import pytest
 
 from server import cases as cases_module
 from server.cases import TASK_IDS, generate_case
-from server.clinical_profiles import LITTLE_INDEX_MM, OPTIMAL_STRATEGY, PROFILES, STRATEGIES
+from server.clinical_profiles import LITTLE_INDEX_MM, OPTIMAL_STRATEGY, PROFILES, STRATEGIES, optimal_strategy
 from server.collisions import COLLISION_TOLERANCE_MM, penetration_mm
 from server.dental_constants import MAX_ROTATION_DEG, MAX_TRANSLATION_MM, N_STAGES, N_TEETH
 from server.errors import InvalidActionError
@@ -243,7 +243,9 @@ def test_every_profile_occurs_and_hard_cases_combine_two(task):
     assert set(counts) == set(PROFILES)
     assert min(counts.values()) >= 30, counts
     for c in cs:
-        assert c.optimal_strategy == OPTIMAL_STRATEGY[c.profile]
+        assert c.optimal_strategy == optimal_strategy(c.profile, c.secondary_profile)
+        if c.secondary_profile != "class_ii":
+            assert c.optimal_strategy == OPTIMAL_STRATEGY[c.profile]
         if task == "task_hard":
             assert c.secondary_profile in PROFILES and c.secondary_profile != c.profile
         else:

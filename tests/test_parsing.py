@@ -16,11 +16,12 @@ from orthojob.parsing import (
     MAX_JSON_DEPTH,
     completion_text,
     extract_plan,
+    find_plan,
     format_checks,
 )
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import TOOTH_IDS
-from server.plans import MAX_GROUPS
+from server.plans import MAX_GROUPS, normalize_plan
 
 PLAN = {
     "strategy": "expansion_first",
@@ -66,7 +67,12 @@ def _timed_extract(text: object) -> dict | None:
     [
         (json.dumps(PLAN), PLAN),
         ("Here is the plan:\n```json\n" + json.dumps(PLAN, indent=2) + "\n```\nDone.", PLAN),
-        ('{"a": 1} and then {"b": 2}', {"a": 1}),  # first object wins (the seed took {..} to the last })
+        (
+            '{"a": 1} and then {"b": 2}',
+            {"a": 1},
+        ),  # no plan: the first object (the seed took {..} to the last })
+        ('{"note": "draft"} ' + json.dumps(PLAN), PLAN),  # the plan is the object holding tooth_groups
+        ('{"tooth_groups": [1]} {"tooth_groups": [2]}', {"tooth_groups": [1]}),  # several: the first
         ('{"s": "}{"} {"b": 2}', {"s": "}{"}),  # braces inside strings do not count
         ('{"s": "a\\"}b", "t": 1}', {"s": 'a"}b', "t": 1}),  # escaped quotes inside strings
         ('{"s": "\\\\"} tail}', {"s": "\\"}),  # an escaped backslash ends the string
@@ -92,12 +98,27 @@ def test_braces_inside_strings_do_not_end_the_object() -> None:
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999", "-1e400", "1" * 400])
-def test_non_finite_numbers_are_rejected(literal: str) -> None:
-    text = '{"tooth_groups": [{"teeth": [11], "fraction": ' + literal + "}]}"
+def test_non_finite_numbers_read_as_null(literal: str) -> None:
+    """A non-finite number is no value: its group is invalid alone, the rest of the plan stands."""
+    text = (
+        '{"tooth_groups": [{"teeth": [11], "fraction": ' + literal + '}, {"teeth": [12], "fraction": 0.1}]}'
+    )
     assert json.loads(text) is not None  # Python's json accepts all of these
-    assert extract_plan(text) is None
-    # ... and the scan goes on to a later valid object
-    assert extract_plan(text + ' {"ok": 1}') == {"ok": 1}
+    plan = extract_plan(text)
+    assert plan == {"tooth_groups": [{"teeth": [11], "fraction": None}, {"teeth": [12], "fraction": 0.1}]}
+    assert _all_finite(plan)
+    spec = normalize_plan(plan)
+    assert spec.format.invalid_fractions == 1 and spec.format.usable_groups == 1
+
+
+def test_find_plan_counts_plan_objects() -> None:
+    one = json.dumps(PLAN)
+    assert find_plan(one) == (PLAN, 1)
+    assert find_plan('{"strategy": "distal_first"} ' + one + " " + one) == (PLAN, 2)
+    assert find_plan('{"strategy": "distal_first"}') == ({"strategy": "distal_first"}, 0)
+    assert find_plan("no json") == (None, 0)
+    assert format_checks(*find_plan(one + one))["single_plan"] == 0.0
+    assert format_checks(*find_plan(one))["single_plan"] == 1.0
 
 
 def test_depth_cap() -> None:
@@ -135,7 +156,7 @@ def test_size_cap() -> None:
 
 def test_many_candidates_are_bounded() -> None:
     assert _timed_extract("{x}" * 300_000) is None
-    assert _timed_extract('{"a": 1e999}' * 100_000) is None
+    assert _timed_extract('{"a": 1e999}' * 100_000) == {"a": None}
     assert _timed_extract('"' * 1_000_000) is None
     assert _timed_extract("{" + '\\"' * 500_000) is None
 
@@ -289,7 +310,11 @@ def test_format_checks_of_a_valid_plan() -> None:
 
 def test_format_checks_of_nothing() -> None:
     assert format_checks(None) == dict.fromkeys((*FORMAT_CHECKS, "total"), 0.0)
-    assert format_checks({}) == {**dict.fromkeys(FORMAT_CHECKS, 0.0), "parse": 1.0, "total": 0.2}
+    assert format_checks({}) == {
+        **dict.fromkeys(FORMAT_CHECKS, 0.0),
+        "parse": 1.0,
+        "total": 1 / len(FORMAT_CHECKS),
+    }
 
 
 @pytest.mark.parametrize(
@@ -311,6 +336,8 @@ def test_format_checks_of_nothing() -> None:
         (_variant(fraction=float("nan")), "fraction_ok"),
         (_variant(fraction=10**400), "fraction_ok"),
         (_variant(priority="urgent"), "shape"),
+        (_variant(start_stage=0), "shape"),
+        (_variant(start_stage=3.5), "shape"),
         ({"strategy": PLAN["strategy"], "tooth_groups": []}, "shape"),
     ],
 )
@@ -363,5 +390,5 @@ def test_format_checks_never_raise(plan: object) -> None:
     checks = format_checks(plan)
     assert set(checks) == {*FORMAT_CHECKS, "total"}
     assert all(v in (0.0, 1.0) for k, v in checks.items() if k != "total")
-    assert checks["total"] == pytest.approx(sum(checks[k] for k in FORMAT_CHECKS) / 5)
+    assert checks["total"] == pytest.approx(sum(checks[k] for k in FORMAT_CHECKS) / len(FORMAT_CHECKS))
     assert 0.0 <= checks["total"] <= 1.0

@@ -26,10 +26,12 @@ from server.dental_environment import StepwiseDentalEnvironment
 from server.oracle import oracle_plan
 from server.plans import MAX_GROUPS, UNIFORM_FRACTION, normalize_plan, planned_progress
 from server.reward_scaler import (
-    COLLISION_REWARD,
-    PDL_STRESS_REWARD,
-    detect_collision,
-    detect_pdl_stress,
+    BREACH_KEYS,
+    FAIL_TOP,
+    REWARD_MIN,
+    SAFE_SCALE,
+    breach_total,
+    broken_rules,
     scale_reward,
     scale_rewards,
 )
@@ -128,59 +130,52 @@ def test_pdl_stress_and_score_are_monotonic():
     assert score[0].min() == 1.0 and score[-1].max() == 0.0
 
 
-# --- reward scaler ------------------------------------------------------------------------------------
+# --- reward scaler: the ordering principle -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("raw", [0.0, 0.1, 0.25, 0.5, 0.8, 1.0])
-def test_scale_reward_is_linear(raw):
-    value, reason = scale_reward(raw)
-    assert value == pytest.approx(10 * raw - 2)
-    assert reason == "scaled"
+def test_safe_band_is_eight_times_the_terminal(raw):
+    value, band = scale_reward(raw, 0.0)
+    assert value == pytest.approx(SAFE_SCALE * raw) and band == "safe"
 
 
-def test_scale_reward_clips_and_handles_non_finite():
-    assert scale_reward(-0.5)[0] == -2.0
-    assert scale_reward(3.0)[0] == 8.0
-    assert scale_reward(float("nan")) == (-2.0, "non_finite")
-    assert scale_reward(float("inf"))[0] == -2.0
+def test_failing_band_lies_below_the_safe_band_and_is_graded():
+    breach = np.array([1e-9, 0.01, 0.1, 1.0, 10.0, 100.0, 1e6, np.inf, np.nan])
+    failing = scale_rewards(np.ones_like(breach), breach)
+    assert np.all(failing <= FAIL_TOP) and np.all(failing > REWARD_MIN)
+    assert np.all(np.diff(failing[:-1]) < 0) or np.all(np.diff(failing[:-2]) < 0)  # more breach, lower
+    assert failing[-1] == failing[-2]  # NaN breach counts as infinite
+    # the best failing plan is below the worst safe one (doing nothing, raw 0)
+    assert failing.max() < scale_rewards(np.array([0.0]), np.array([0.0]))[0] == 0.0
+    # non-finite raw is not a plan
+    assert scale_reward(float("nan"), 0.0) == (REWARD_MIN, "non_finite")
+    assert scale_rewards(np.array([np.inf, -np.inf]), np.zeros(2)).tolist() == [REWARD_MIN, REWARD_MIN]
 
 
-def test_scale_reward_overrides():
-    assert detect_collision(0.89) and not detect_collision(0.9) and not detect_collision(1.0)
-    assert detect_collision(float("nan"))
-    assert detect_pdl_stress(0.49) and not detect_pdl_stress(0.5)
-    assert detect_pdl_stress(float("nan"))
-    assert (
-        scale_reward(0.9, collision=detect_collision(0.5))
-        == (COLLISION_REWARD, "collision")
-        == (-1.0, "collision")
-    )
-    assert scale_reward(0.9, pdl_stress_exceeded=detect_pdl_stress(0.3)) == (PDL_STRESS_REWARD, "pdl_stress")
-    assert PDL_STRESS_REWARD == -0.5
-    # both: the collision wins
-    assert scale_reward(0.9, collision=True, pdl_stress_exceeded=True)[0] == -1.0
-    # no override: the scaled value
-    assert scale_reward(0.9, collision=detect_collision(0.95), pdl_stress_exceeded=detect_pdl_stress(0.6))[
-        0
-    ] == pytest.approx(7.0)
+@settings(max_examples=200, deadline=None)
+@given(
+    raw=st.floats(-1, 2, allow_nan=False),
+    other=st.floats(-1, 2, allow_nan=False),
+    breach=st.floats(1e-12, 1e9, allow_nan=False),
+)
+def test_any_breaking_plan_scores_below_any_safe_plan(raw, other, breach):
+    assert scale_reward(raw, breach)[0] < scale_reward(other, 0.0)[0]
 
 
-def test_scale_rewards_matches_scale_reward():
+def test_scale_reward_matches_scale_rewards():
     rng = np.random.default_rng(0)
     raw = rng.uniform(-0.2, 1.2, 200)
-    cf = rng.uniform(0.8, 1.0, raw.size)
-    pdl = rng.uniform(0.3, 1.0, raw.size)
-    vec = scale_rewards(raw, cf, pdl)
-    ref = [scale_reward(r, detect_collision(c), detect_pdl_stress(p))[0] for r, c, p in zip(raw, cf, pdl)]
-    assert np.allclose(vec, ref)
+    breach = np.where(rng.random(raw.size) < 0.5, 0.0, rng.exponential(5.0, raw.size))
+    vec = scale_rewards(raw, breach)
+    assert np.allclose(vec, [scale_reward(r, b)[0] for r, b in zip(raw, breach)])
 
 
-@pytest.mark.parametrize("raw", [float("nan"), float("inf"), -float("inf")])
-def test_scale_rewards_treats_non_finite_raw_like_scale_reward(raw):
-    scalar = scale_reward(raw)[0]
-    vector = float(scale_rewards(np.array([raw]), np.array([1.0]), np.array([1.0]))[0])
-    assert scalar == -2.0
-    assert vector == scalar, f"scale_rewards({raw}) = {vector}, scale_reward({raw}) = {scalar}"
+def test_broken_rules_names_each_rule():
+    diag = {"collision_breach": 0.0, "pdl_breach": 0.0, "limit_breach": 0.0}
+    assert broken_rules(diag) == [] and breach_total(diag) == 0.0
+    for rule, key in BREACH_KEYS.items():
+        assert broken_rules({**diag, key: 0.5}) == [rule]
+    assert broken_rules({**diag, "pdl_breach": float("nan")}) == ["pdl_stress"]
 
 
 # --- every component responds to the plan ----------------------------------------------------------------
@@ -307,8 +302,8 @@ _FRACTION_BY_PRIORITY = {"high": 1 / 24, "medium": 1 / 18, "low": 1 / 12}
 def staged_plan(case, reverse: bool) -> dict | None:
     """A plan that declares the case's optimal strategy and stages with it (or against it).
 
-    The strategy's levels present among the treated teeth map to priorities: its first
-    level to high (reverse: low), its last to low (reverse: high), the rest to medium.
+    Each of the strategy's levels present among the treated teeth starts at its own aligner
+    (evenly from 1 to 13, ``start_stage``; reverse: the last level first) and finishes at 24.
     None when the treated teeth all share one level (nothing to stage).
     """
     levels = STRATEGY_LEVELS[case.optimal_strategy]
@@ -316,17 +311,18 @@ def staged_plan(case, reverse: bool) -> dict | None:
     present = np.unique(levels[treated])
     if present.size < 2:
         return None
-    groups: dict[str, list[int]] = {}
+    groups: dict[int, list[int]] = {}
     for i, fdi in enumerate(TOOTH_IDS):
         rank = int(np.clip(np.searchsorted(present, levels[i]), 0, present.size - 1))
-        first, last = rank == 0, rank == present.size - 1
         if reverse:
-            first, last = last, first
-        priority = "high" if first else ("low" if last else "medium")
-        groups.setdefault(priority, []).append(fdi)
+            rank = present.size - 1 - rank
+        groups.setdefault(1 + round(12 * rank / (present.size - 1)), []).append(fdi)
     return {
         "strategy": case.optimal_strategy,
-        "tooth_groups": [group(ids, _FRACTION_BY_PRIORITY[p], p) for p, ids in groups.items()],
+        "tooth_groups": [
+            {"teeth": ids, "fraction": 1 / (N_STAGES - start + 1), "start_stage": start}
+            for start, ids in groups.items()
+        ],
     }
 
 
