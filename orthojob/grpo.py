@@ -448,6 +448,15 @@ def smoke_test(config: GRPOJobConfig, n_prompts: int = 4) -> int:
     if ok and not all(terminal[k * n_plans] > terminal[k * n_plans + n_plans - 1] for k in range(len(seeds))):
         print("[grpo] the oracle's plan does not score above garbage on reward_terminal")
         ok = False
+    from orthojob.reward_signal import format_report, signal_groups, signal_report
+
+    group_size = 16
+    groups = signal_groups(
+        [(config.task_id, row["seed"], config.force_decay) for row in rows], group_size=group_size, seed=0
+    )
+    print(
+        "[grpo] " + format_report(signal_report(groups), len(groups), group_size).replace("\n", "\n[grpo] ")
+    )
     funcs = active_reward_funcs(config.rewards)
     weights = reward_weights(funcs, config.reward_weights)
     print(f"[grpo] active reward funcs: {[f.__name__ for f in funcs]} weights {weights}")

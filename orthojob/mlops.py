@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from orthojob import storage
-from server.reward_scaler import COLLISION_THRESHOLD as COLLISION_FAIL_BELOW
-from server.reward_scaler import PDL_THRESHOLD as PDL_FAIL_BELOW
 
 log = logging.getLogger(__name__)
 
@@ -75,25 +73,22 @@ def env_diagnostics(texts: Sequence[str], cases: Sequence[tuple]) -> dict[str, f
     )  # cache hits: the rewards scored them
     n = len(rollouts)
     parsed = [r for r in rollouts if r.error != NO_PLAN and r.plan is not None]
-    scored = [r for r in rollouts if r.error is None]
-    breakdown = [r.reward_breakdown for r in scored]
     correct = sum(
         1
         for r, (seed, task, decay) in zip(rollouts, cases)
         if r.strategy is not None and r.strategy == optimal_strategy(str(task), int(seed), bool(decay))
     )
+
+    def breaking(rule: str) -> float:
+        """Share of the batch breaking a hard rule (a completion that is not a plan counts as failing)."""
+        return sum(1 for r in rollouts if r.error is not None or rule in r.broken_rules) / n
+
     return {
         "env/parse_rate": len(parsed) / n,
         "env/terminal_raw_mean": sum(r.terminal_reward for r in rollouts) / n,
-        "env/collision_failure_rate": (
-            sum(1 for b in breakdown if b.get("collision_free", 1.0) < COLLISION_FAIL_BELOW)
-            + (n - len(scored))
-        )
-        / n,
-        "env/pdl_failure_rate": (
-            sum(1 for b in breakdown if b.get("pdl_feasibility", 1.0) < PDL_FAIL_BELOW) + (n - len(scored))
-        )
-        / n,
+        "env/collision_failure_rate": breaking("collision"),
+        "env/pdl_failure_rate": breaking("pdl_stress"),
+        "env/limit_failure_rate": breaking("limits"),
         "env/strategy_accuracy": correct / n,
     }
 

@@ -32,6 +32,8 @@ from orthojob.cli import non_negative_int, positive_int, task_list
 from orthojob.mlops import EXIT_USAGE
 from orthojob.models import TINY_MODEL, ensure_tiny
 
+logger = logging.getLogger(__name__)
+
 log = logging.getLogger(__name__)
 
 SFT_LOG_FILE = "sft_log.json"
@@ -74,27 +76,41 @@ class SFTJobConfig:
 def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -> list[dict]:
     """``n`` SFT examples ``{"prompt": messages, "completion": [assistant message], "seed", "task_id"}``.
 
-    Seeds run from TRAIN_SEED_START within each task; tasks take turns (``n`` split evenly).
+    Seeds run from TRAIN_SEED_START within each task; tasks take turns (``n`` split evenly). Only
+    plans the environment judges safe are kept (no hard rule broken, :mod:`server.reward_scaler`):
+    a case whose oracle plan breaks one is skipped and the next seed taken; the number skipped is
+    logged.
     """
-    from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, prompt_cases
+    from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
     from server.oracle import oracle_plan
+    from server.treatment import score_plans
 
     tasks = list(task_ids)
     per_task = [n // len(tasks) + (1 if k < n % len(tasks) else 0) for k in range(len(tasks))]
     by_task = []
+    filtered = 0
     for task_id, count in zip(tasks, per_task):
         rows = []
-        for row, obs in prompt_cases(count, TRAIN_SEED_START, task_id, force_decay):
+        seed = TRAIN_SEED_START
+        while len(rows) < count:
+            obs = reset_observation(seed, task_id, force_decay)
             plan = oracle_plan(obs)
-            rows.append(
-                {
-                    "prompt": row["prompt"],
-                    "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
-                    "seed": row["seed"],
-                    "task_id": task_id,
-                }
-            )
+            if score_plans([plan], [(task_id, seed, force_decay)])[0]["broken_rules"]:
+                filtered += 1
+            else:
+                rows.append(
+                    {
+                        "prompt": build_messages(obs),
+                        "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
+                        "seed": seed,
+                        "task_id": task_id,
+                    }
+                )
+            seed += 1
         by_task.append(rows)
+    logger.info(
+        "SFT demonstrations: %d safe oracle plans kept, %d that break a hard rule filtered out", n, filtered
+    )
     out = []
     for k in range(max(per_task, default=0)):
         out.extend(rows[k] for rows in by_task if k < len(rows))

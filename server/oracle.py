@@ -50,6 +50,7 @@ from server.dental_constants import (
     N_STAGES,
     PDL_CRITICAL_KPA,
     PRIORITY_START_STAGE,
+    QUADRANT,
     SIDE,
     TOOTH_IDS,
     TOOTH_NUMBER,
@@ -178,11 +179,14 @@ def _fit_speed(start: np.ndarray, last_stage: int, limit_fraction: np.ndarray, s
     )
     fraction = np.maximum(fraction, 1.0 / (N_STAGES - start + 1))
     # a tooth that cannot finish from its slot within the limits starts as early as it must
-    late = fraction > MAX_SPEED * limit_fraction
+    cap = MAX_SPEED * limit_fraction
+    late = fraction > cap
     if late.any():
-        stages_needed = np.ceil(1.0 / (MAX_SPEED * limit_fraction[late]))
+        stages_needed = np.ceil(1.0 / cap[late])
         start[late] = np.maximum(1, np.minimum(start[late], last_stage - stages_needed + 1)).astype(np.int64)
         fraction[late] = np.maximum(1.0 / (last_stage - start[late] + 1), 1.0 / (N_STAGES - start[late] + 1))
+        # still too fast to finish by last_stage: use the refinement aligners rather than break the limits
+        fraction[late] = np.maximum(np.minimum(fraction[late], cap[late]), 1.0 / (N_STAGES - start[late] + 1))
     return start, _quantise(fraction)
 
 
@@ -194,11 +198,13 @@ def stage_arrays(
     brisk: bool = True,
     span: int = LEVEL_SPAN,
     lead_levels: np.ndarray | None = None,
+    all_brisk: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-tooth start stages (28,) and fractions (28,) staging the teeth in ``strategy``'s order.
 
     ``lead_levels``: (28,) bool, teeth that also start with the first level (a second profile's
-    first movers); ``brisk=False`` moves the first level at the slowest speed too.
+    first movers); ``brisk=False`` moves the first level at the slowest speed too; ``all_brisk``
+    moves every level briskly (a long correction that leaves little slack to stagger).
     """
     limit_fraction = _required_speed(initial, target)
     levels = STRATEGY_LEVELS[strategy]
@@ -206,7 +212,7 @@ def stage_arrays(
     if lead_levels is not None:
         ranks = np.where(lead_levels, 0, ranks)
     starts = level_starts(int(ranks.max()) + 1, span)
-    slot = ranks if brisk else ranks + 1
+    slot = np.zeros_like(ranks) if all_brisk else (ranks if brisk else ranks + 1)
     return _fit_speed(starts[ranks], last_stage, limit_fraction, slot)
 
 
@@ -242,7 +248,8 @@ def stage_plan(
 
 def _candidates(case: Case, strategy: str, secondary: str | None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Stagings to check: the strategy's sequence (brisk or not, three spans), a second profile's
-    first movers leading (when it has another strategy), and uniform staging."""
+    first movers leading (when it has another strategy), the sequence packed into the slack of a
+    long correction, and uniform staging (always last)."""
     last = N_STAGES - (5 if case.force_decay else 0)
     ini, tgt = case.initial, case.target
     out = [
@@ -253,6 +260,17 @@ def _candidates(case: Case, strategy: str, secondary: str | None) -> list[tuple[
     if secondary is not None and OPTIMAL_STRATEGY[secondary] != strategy:
         lead = STRATEGY_LEVELS[OPTIMAL_STRATEGY[secondary]] == 0
         out += [stage_arrays(ini, tgt, strategy, last, brisk, LEVEL_SPAN, lead) for brisk in (True, False)]
+    # the slack a long correction leaves: stagger the levels within it, every level at brisk speed
+    # (under force decay also without keeping the last aligners for refinement)
+    limit_fraction = _required_speed(ini, tgt)
+    treated = limit_fraction < 1.0
+    for end in sorted({last, N_STAGES}):
+        if end != last:
+            out.append(stage_arrays(ini, tgt, strategy, end))
+        if treated.any():
+            slack = end - int(np.ceil(1.0 / (BRISK * limit_fraction[treated].min()) - 1e-9))
+            if 1 <= slack < LEVEL_SPAN - 4:
+                out.append(stage_arrays(ini, tgt, strategy, end, span=slack, all_brisk=True))
     uniform = (np.ones(len(TOOTH_IDS), dtype=np.int64), _quantise(np.full(len(TOOTH_IDS), 1.0 / N_STAGES)))
     return [*out, uniform]
 
@@ -287,6 +305,22 @@ def _repairs(
     out: list[tuple[np.ndarray, np.ndarray]] = []
     share = breach_teeth(case, start, fraction)
     involved = [i for i in np.argsort(-share, kind="stable")[:REPAIR_TEETH] if share[i] > 0.0]
+    # a lagging tooth blocks the teeth mesial to it: delay the whole mesial chain of its quadrant
+    for a, b in ADJACENT_PAIRS:
+        if share[a] <= 0.0 or share[b] <= 0.0:
+            continue
+        mesial = a if TOOTH_NUMBER[a] < TOOTH_NUMBER[b] else b
+        if TOOTH_NUMBER[a] == TOOTH_NUMBER[b]:  # the midline contact
+            continue
+        chain = (QUADRANT[mesial] == QUADRANT) & (TOOTH_NUMBER[mesial] >= TOOTH_NUMBER)
+        for shift in (1, 2, 3, 5):
+            for end in sorted({last, N_STAGES}):
+                s = start.copy()
+                s[chain] = np.clip(start[chain] + shift, 1, N_STAGES)
+                f = fraction.copy()
+                f[chain] = np.maximum(fraction[chain], 1.0 / np.maximum(end - s[chain] + 1, 1))
+                if np.all(f[chain] <= MAX_SPEED * limit_fraction[chain]):
+                    out.append((s, _quantise(f)))
     # neighbours that collide whatever their speeds: one finishes (at top speed) before the other starts
     for a, b in ADJACENT_PAIRS:
         if share[a] <= 0.0 or share[b] <= 0.0 or (a not in involved and b not in involved):
@@ -363,21 +397,20 @@ def plan_for_case(case: Case) -> dict:
     best = int(np.argmax(scaled))
     uniform = len(candidates) - 1
     if results[best]["broken_rules"] or best == uniform:
-        # refine the staged candidates that break the least; keep the best safe outcome
+        # refine the staged candidates with the best terminal scores, in turn, until one comes out
+        # safe; uniform staging last, when it breaks a rule itself
         breach = np.array([sum(r["diagnostics"][k] for k in BREACH_KEYS.values()) for r in results])
         quality = np.array([-r["terminal_reward"] for r in results])
         staged = [k for k in np.argsort(quality, kind="stable") if k != uniform and breach[k] > 0.0]
-        repaired = []
-        for k in staged[:REPAIR_STARTS]:  # the best terminal score first; the first that comes out safe
+        order = staged[:REPAIR_STARTS] + ([uniform] if breach[uniform] > 0.0 else [])
+        for k in order:
             fixed = _repair(case, candidates[k], float(breach[k]), last)
-            if fixed is not None:
-                repaired.append(fixed)
-                break
-        if repaired:
-            fixed_results = _score(case, strategy, repaired)
-            k = int(np.argmax([r["scaled_reward"] for r in fixed_results]))
-            if fixed_results[k]["scaled_reward"] > scaled[best]:
-                return arrays_to_plan(strategy, *repaired[k])
+            if fixed is None:
+                continue
+            fixed_result = _score(case, strategy, [fixed])[0]
+            if fixed_result["scaled_reward"] > scaled[best]:
+                return arrays_to_plan(strategy, *fixed)
+            break
     return arrays_to_plan(strategy, *candidates[best])
 
 

@@ -31,7 +31,7 @@ Components (ENVIRONMENT.md §5):
   declared).
 * ``strategy_multiplier`` - 1.2 optimal, 1.0 neutral, 0.6 wrong; a declared strategy
   the sequence contradicts (rho < -0.2) counts as wrong, and the optimal one is only
-  paid 1.2 when the movement follows its sequence (rho >= 0.45: on average a lead of 1.35
+  paid 1.2 when the movement follows its sequence (rho >= 0.45: on average a lead of 1.1
   aligners or more between consecutive levels).
 * ``occlusion_course`` - occlusion over the course of treatment: the mean, over aligners
   4, 8, ..., 24 (:data:`OCCLUSION_CHECKPOINTS`), of the achieved arch's occlusion gain
@@ -103,7 +103,7 @@ STAGING_AGAINST_RHO: float = -0.2
 """Sequence concordance below which a declared strategy is contradicted by the plan (wrong)."""
 STAGING_FOLLOWS_RHO: float = 0.45
 """Sequence concordance from which the optimal strategy earns its 1.2."""
-LEAD_STAGES: float = 3.0
+LEAD_STAGES: float = 2.5
 """Aligners by which a level's movement centroid must precede the next level's for a full
 lead (+1) in :func:`sequence_concordance`; smaller leads count in proportion."""
 OCCLUSION_CHECKPOINTS: tuple[int, ...] = (4, 8, 12, 16, 20, 24)

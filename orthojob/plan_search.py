@@ -1,0 +1,166 @@
+"""An optimiser's attack on the reward: hill climbing over plans, as GRPO would climb.
+
+A policy trained with GRPO finds whatever the summed reward pays for. This module searches
+plan space directly for the plans that earn the most, and reports what they break:
+
+* the search space: a strategy and, for each of the 14 tooth types (FDI number 1-7 in each
+  arch), a start aligner (``start_stage``) and a ``fraction`` - every plan an LLM could write
+  with one group per tooth type;
+* the objective: the sum of the five TRL reward functions with weight 1 (what GRPO's default
+  ``reward_weights`` add up), called as TRL calls them;
+* the moves: steepest ascent over :data:`PROPOSALS` random mutations per round (a group's start
+  moved by up to 4 aligners, its fraction scaled by 0.5-2 or redrawn in [0, 1], the strategy
+  redrawn), from uniform SLERP, from the oracle's plan, or from a random plan.
+
+:func:`degenerate_form` names the degenerate plans (doing nothing, everything in one aligner,
+every treated tooth in one group); :func:`search_case` reports the best plan found, its
+reward against the oracle's, the hard rules it breaks and its degenerate form, if any.
+``bench/reward_search.py`` runs it over many seeds; ``tests/test_reward_search.py`` a fast version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from orthojob.prompts import plan_to_completion
+from orthojob.rewards import REWARD_FUNCS
+from server.cases import Case
+from server.clinical_profiles import STRATEGIES
+from server.dental_constants import IS_UPPER, N_STAGES, TOOTH_IDS, TYPE_INDEX
+from server.oracle import plan_for_case
+from server.plans import normalize_plan
+from server.treatment import score_plan_specs
+
+GROUP_OF_TOOTH: np.ndarray = TYPE_INDEX + 7 * (~IS_UPPER)
+"""(28,) the search group (tooth type and arch, 0..13) of each tooth."""
+N_GROUPS: int = 14
+MEMBERS: tuple[np.ndarray, ...] = tuple(np.flatnonzero(np.equal(GROUP_OF_TOOTH, g)) for g in range(N_GROUPS))
+"""Tooth indices of each search group."""
+PROPOSALS: int = 48
+"""Mutations scored per round."""
+ALL_AT_ONCE_STAGES: int = 2
+"""A plan that moves every treated tooth fully within this many aligners moves it all at once."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best plan a search found for a case, and the oracle's for comparison."""
+
+    case: tuple[str, int, bool]
+    start_from: str
+    best_plan: dict
+    best_total: float
+    best_terminal: float
+    oracle_total: float
+    oracle_terminal: float
+    broken_rules: tuple[str, ...]
+    degenerate: str | None
+    evaluations: int
+
+    @property
+    def beats_oracle(self) -> bool:
+        return self.best_total > self.oracle_total + 1e-9
+
+
+def _plan(strategy: str | None, start: np.ndarray, fraction: np.ndarray) -> dict:
+    groups = [
+        {
+            "teeth": [TOOTH_IDS[i] for i in MEMBERS[g]],
+            "fraction": round(float(fraction[g]), 4),
+            "start_stage": int(start[g]),
+        }
+        for g in range(N_GROUPS)
+    ]
+    return {"strategy": strategy, "tooth_groups": groups} if strategy else {"tooth_groups": groups}
+
+
+def objective(case: Case, plans: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(summed reward, scaled terminal) of plans on a case, through the TRL reward functions."""
+    completions = [plan_to_completion(p) for p in plans]
+    n = len(plans)
+    cols = {"seed": [case.seed] * n, "task_id": [case.task_id] * n, "force_decay": [case.force_decay] * n}
+    values = {name: np.asarray(f(completions, **cols)) for name, f in REWARD_FUNCS.items()}
+    return sum(values.values()), values["reward_terminal"]
+
+
+def degenerate_form(case: Case, plan: dict) -> str | None:
+    """``"nothing"``, ``"all_at_once"``, ``"one_group"`` or None for a plan on a case."""
+    spec = normalize_plan(plan)
+    treated = np.hypot(case.need[0], 0.125 * case.need[1]) > 0.05
+    if not treated.any():
+        return None
+    f, s = spec.fraction[treated], spec.start[treated]
+    if np.all(f <= 0.0):
+        return "nothing"
+    if np.all(f >= 1.0 / ALL_AT_ONCE_STAGES):
+        return "all_at_once"
+    if np.unique(np.stack((f, s)), axis=1).shape[1] == 1 and not np.isclose(f[0], 1.0 / N_STAGES, atol=1e-3):
+        return "one_group"
+    return None
+
+
+def _from_plan(plan: dict) -> tuple[str | None, np.ndarray, np.ndarray]:
+    """The search state nearest a plan: each group takes its teeth's mean start and fraction."""
+    spec = normalize_plan(plan)
+    start = np.array([round(spec.start[m].mean()) for m in MEMBERS], dtype=np.int64)
+    fraction = np.array([spec.fraction[m].mean() for m in MEMBERS])
+    return spec.strategy, start, fraction
+
+
+def search_case(case: Case, start_from: str, rounds: int, rng: np.random.Generator) -> SearchResult:
+    """Hill-climb from ``"slerp"``, ``"oracle"`` or ``"random"`` (a random plan of the search space)
+    for ``rounds`` rounds of PROPOSALS mutations."""
+    oracle = plan_for_case(case)
+    oracle_total, oracle_terminal = (float(v[0]) for v in objective(case, [oracle]))
+    if start_from == "oracle":
+        strategy, start, fraction = _from_plan(oracle)
+    elif start_from == "random":
+        strategy = STRATEGIES[int(rng.integers(len(STRATEGIES)))]
+        start = rng.integers(1, N_STAGES + 1, N_GROUPS)
+        fraction = rng.uniform(0.0, 1.0, N_GROUPS) ** 2
+    else:
+        strategy, start, fraction = None, np.ones(N_GROUPS, dtype=np.int64), np.full(N_GROUPS, 1.0 / N_STAGES)
+    best_plan = _plan(strategy, start, fraction)
+    best_total, best_terminal = (float(v[0]) for v in objective(case, [best_plan]))
+    evaluations = 1
+    for _ in range(rounds):
+        states = []
+        for _ in range(PROPOSALS):
+            s, st, fr = strategy, start.copy(), fraction.copy()
+            for _ in range(int(rng.integers(1, 3))):
+                g = int(rng.integers(N_GROUPS))
+                move = rng.random()
+                if move < 0.35:
+                    st[g] = int(np.clip(st[g] + rng.integers(-4, 5), 1, N_STAGES))
+                elif move < 0.75:
+                    fr[g] = float(np.clip(fr[g] * rng.uniform(0.5, 2.0), 0.0, 1.0))
+                elif move < 0.9:
+                    fr[g] = float(rng.uniform(0.0, 1.0))
+                else:
+                    s = STRATEGIES[int(rng.integers(len(STRATEGIES)))]
+            states.append((s, st, fr))
+        plans = [_plan(*x) for x in states]
+        totals, terminals = objective(case, plans)
+        evaluations += len(plans)
+        k = int(np.argmax(totals))
+        if totals[k] > best_total:
+            (strategy, start, fraction), best_plan = states[k], plans[k]
+            best_total, best_terminal = float(totals[k]), float(terminals[k])
+    result = score_plan_specs([normalize_plan(best_plan)], [case])[0]
+    return SearchResult(
+        case=(case.task_id, case.seed, case.force_decay),
+        start_from=start_from,
+        best_plan=best_plan,
+        best_total=best_total,
+        best_terminal=best_terminal,
+        oracle_total=oracle_total,
+        oracle_terminal=oracle_terminal,
+        broken_rules=tuple(result["broken_rules"]),
+        degenerate=degenerate_form(case, best_plan),
+        evaluations=evaluations,
+    )
+
+
+__all__ = ["GROUP_OF_TOOTH", "PROPOSALS", "SearchResult", "degenerate_form", "objective", "search_case"]
