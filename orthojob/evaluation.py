@@ -42,6 +42,8 @@ BASELINES: dict[str, Callable[[dict], dict]] = {
     "do_nothing": lambda obs: DO_NOTHING_PLAN,
 }
 SUMMARY_KEYS: tuple[str, ...] = (
+    "scaled_reward",
+    "hard_rule_breaks",
     "terminal_reward",
     "accuracy",
     "occlusion_composite",
@@ -70,15 +72,16 @@ def observations(
 
 
 def summarize(results: Sequence[dict]) -> dict[str, dict[str, float]]:
-    """Mean and SD over episodes of the terminal reward and every summary component."""
+    """Mean and SD over episodes of the scaled reward GRPO sees, the share of plans breaking a hard
+    rule, the raw terminal reward and every summary component."""
     out = {}
     for key in SUMMARY_KEYS:
-        values = np.array(
-            [
-                r["terminal_reward"] if key == "terminal_reward" else r["reward_breakdown"][key]
-                for r in results
-            ]
-        )
+        if key == "hard_rule_breaks":
+            values = np.array([float(bool(r["broken_rules"])) for r in results])
+        elif key in ("scaled_reward", "terminal_reward"):
+            values = np.array([r[key] for r in results])
+        else:
+            values = np.array([r["reward_breakdown"][key] for r in results])
         out[key] = {"mean": float(values.mean()), "sd": float(values.std(ddof=1)) if len(values) > 1 else 0.0}
     return out
 
@@ -120,6 +123,8 @@ def format_table(report: dict, n_seeds: int, force_decay: bool = False, non_comp
     """A plain-text table: one row per task and planner, mean ± sd of each summary key; a checkpoint's
     row is followed by its parse rate, format score, strategy accuracy and margins over the baselines."""
     short = {
+        "scaled_reward": "scaled",
+        "hard_rule_breaks": "breaks",
         "terminal_reward": "terminal",
         "accuracy": "accuracy",
         "occlusion_composite": "occlusion",
@@ -145,11 +150,14 @@ def format_table(report: dict, n_seeds: int, force_decay: bool = False, non_comp
             cells = "".join(f"{summary[k]['mean']:>8.3f}±{summary[k]['sd']:<5.3f}" for k in SUMMARY_KEYS)
             lines.append(f"{task_id:<12}{name:<15}{cells}")
         if {"oracle", "uniform_slerp"} <= planners.keys():
-            margin = (
-                planners["oracle"]["terminal_reward"]["mean"]
-                - planners["uniform_slerp"]["terminal_reward"]["mean"]
+            margins = {
+                k: planners["oracle"][k]["mean"] - planners["uniform_slerp"][k]["mean"]
+                for k in ("scaled_reward", "terminal_reward")
+            }
+            lines.append(
+                f"{'':<12}oracle margin over uniform SLERP: {margins['scaled_reward']:+.3f} scaled, "
+                f"{margins['terminal_reward']:+.3f} terminal"
             )
-            lines.append(f"{'':<12}oracle margin over uniform SLERP: {margin:+.3f}")
         for name, summary in planners.items():
             model = summary.get("model_metrics")
             if not model:
@@ -306,6 +314,8 @@ def episode_summary(ep: CheckpointEpisodes, index: Sequence[int]) -> dict[str, d
     results = [
         {
             "terminal_reward": ep.rollouts[i].terminal_reward,
+            "scaled_reward": ep.rollouts[i].scaled_reward,
+            "broken_rules": ep.rollouts[i].broken_rules,
             "reward_breakdown": {k: ep.rollouts[i].reward_breakdown.get(k, 0.0) for k in SUMMARY_KEYS},
         }
         for i in index

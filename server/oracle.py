@@ -64,7 +64,14 @@ from server.quaternion_utils import (
     quaternion_to_rotvec,
 )
 from server.reward_scaler import BREACH_KEYS
-from server.scoring import hard_rule_breaches, increments, limit_ratio, pdl_stress_kpa, stage_measures
+from server.scoring import (
+    STRATEGY_MULTIPLIERS,
+    hard_rule_breaches,
+    increments,
+    limit_ratio,
+    pdl_stress_kpa,
+    stage_measures,
+)
 from server.treatment import rollout_plans, score_plan_specs
 
 _PRIORITIES = ("high", "medium", "low")
@@ -257,6 +264,10 @@ def _candidates(case: Case, strategy: str, secondary: str | None) -> list[tuple[
         for brisk in (True, False)
         for span in (LEVEL_SPAN, LEVEL_SPAN - 4, LEVEL_SPAN + 4)
     ]
+    out += [
+        stage_arrays(ini, tgt, strategy, last, span=span, all_brisk=True)
+        for span in (LEVEL_SPAN - 4, LEVEL_SPAN)
+    ]
     if secondary is not None and OPTIMAL_STRATEGY[secondary] != strategy:
         lead = STRATEGY_LEVELS[OPTIMAL_STRATEGY[secondary]] == 0
         out += [stage_arrays(ini, tgt, strategy, last, brisk, LEVEL_SPAN, lead) for brisk in (True, False)]
@@ -386,10 +397,8 @@ def _repair(case: Case, staging: tuple, breach: float, last: int) -> tuple | Non
     return staging if breach <= 0.0 else None
 
 
-def plan_for_case(case: Case) -> dict:
-    """The oracle's plan for a case (its dynamics and compliance included)."""
-    primary, secondary = infer_profiles(case.initial, case.target)
-    strategy = optimal_strategy(primary, secondary)
+def _best_staging(case: Case, strategy: str, secondary: str | None) -> tuple[tuple, dict]:
+    """The best checked (and, where needed, repaired) staging under ``strategy``, and its result."""
     last = N_STAGES - (5 if case.force_decay else 0)
     candidates = _candidates(case, strategy, secondary)
     results = _score(case, strategy, candidates)
@@ -409,9 +418,30 @@ def plan_for_case(case: Case) -> dict:
                 continue
             fixed_result = _score(case, strategy, [fixed])[0]
             if fixed_result["scaled_reward"] > scaled[best]:
-                return arrays_to_plan(strategy, *fixed)
+                return fixed, fixed_result
             break
-    return arrays_to_plan(strategy, *candidates[best])
+    return candidates[best], results[best]
+
+
+def plan_for_case(case: Case) -> dict:
+    """The oracle's plan for a case (its dynamics and compliance included).
+
+    A diagnosis that the simulator's check judges wrong (the strategy earns the wrong
+    multiplier) is revised: the next most likely malocclusion's strategy is staged and checked too.
+    """
+    primary, secondary = infer_profiles(case.initial, case.target)
+    strategy = optimal_strategy(primary, secondary)
+    staging, result = _best_staging(case, strategy, secondary)
+    if result["reward_breakdown"]["strategy_multiplier"] < STRATEGY_MULTIPLIERS["neutral"]:
+        features = diagnose(case.initial, case.target)
+        for profile in sorted(features, key=features.get, reverse=True)[:3]:
+            other = optimal_strategy(profile, secondary if secondary != profile else None)
+            if other == strategy:
+                continue
+            alt, alt_result = _best_staging(case, other, secondary)
+            if alt_result["scaled_reward"] > result["scaled_reward"]:
+                strategy, staging, result = other, alt, alt_result
+    return arrays_to_plan(strategy, *staging)
 
 
 def oracle_plan(observation: dict) -> dict:

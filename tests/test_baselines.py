@@ -29,8 +29,8 @@ def baseline(request) -> dict:
     env = StepwiseDentalEnvironment(max_sessions=len(HELD_OUT_SEEDS))
     cases = [(task, s, force_decay) for s in HELD_OUT_SEEDS]
     oracle = [oracle_plan(env.reset(task, s, force_decay)) for s in HELD_OUT_SEEDS]
-    scores = {
-        name: np.array([r["terminal_reward"] for r in score_plans(plans, cases)])
+    results = {
+        name: score_plans(plans, cases)
         for name, plans in (
             ("oracle", oracle),
             ("slerp", [None] * len(cases)),
@@ -38,14 +38,27 @@ def baseline(request) -> dict:
             ("all_nan", [ALL_NAN] * len(cases)),
         )
     }
+    scores = {name: np.array([r["terminal_reward"] for r in rs]) for name, rs in results.items()}
+    scaled = {name: np.array([r["scaled_reward"] for r in rs]) for name, rs in results.items()}
     line = (
         f"{task} force_decay={force_decay}: n={len(cases)} "
         + " ".join(f"{k} {v.mean():.4f}" for k, v in scores.items())
         + f" | oracle margin {scores['oracle'].mean() - scores['slerp'].mean():+.4f}"
         + f" | oracle wins {np.mean(scores['oracle'] > scores['slerp']):.1%}"
+        + " | scaled: "
+        + " ".join(f"{k} {v.mean():.3f}" for k, v in scaled.items())
     )
     print(line)
-    return {"task": task, "force_decay": force_decay, "scores": scores, "line": line}
+    return {"task": task, "force_decay": force_decay, "scores": scores, "scaled": scaled, "line": line}
+
+
+def test_the_scaled_reward_keeps_the_ordering(baseline):
+    """What GRPO sees: oracle > uniform SLERP > do-nothing on the scaled reward, SLERP above doing
+    nothing on every seed (every case has a safe uniform staging)."""
+    s = baseline["scaled"]
+    assert s["oracle"].mean() > s["slerp"].mean() > s["do_nothing"].mean(), baseline["line"]
+    assert np.all(s["slerp"] > s["do_nothing"]), baseline["line"]
+    assert np.all(s["all_nan"] <= 1e-9), baseline["line"]  # no usable group: the plan does nothing
 
 
 def test_oracle_beats_slerp_beats_do_nothing(baseline):

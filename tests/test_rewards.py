@@ -299,7 +299,13 @@ def test_anchorage_responds_to_the_achieved_movement() -> None:
     """On a moderate case: the staged plan spares anchorage; all at once and doing nothing have none."""
     case = generate_case("task_medium", 3)
     good = stage_plan(case.initial, case.target, case.optimal_strategy, N_STAGES)
-    plans = [good, _with_fraction_scale(good, 0.5), {**SLERP, "strategy": case.optimal_strategy}, NOTHING, JUMP]
+    plans = [
+        good,
+        _with_fraction_scale(good, 0.5),
+        {**SLERP, "strategy": case.optimal_strategy},
+        NOTHING,
+        JUMP,
+    ]
     a, b, c, d, jump = reward_anchorage([plan_to_completion(p) for p in plans], **_cols(5, 3, "task_medium"))
     assert abs(a - b) > 1e-3 and abs(c - d) > 1e-3
     # SLERP and the staged plan reach the same final poses; staging spares anchorage (teeth at rest)
