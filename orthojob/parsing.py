@@ -36,7 +36,7 @@ from collections.abc import Mapping
 
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import N_STAGES, PRIORITY_START_STAGE, TOOTH_INDEX
-from server.plans import MAX_GROUPS
+from server.plans import MAX_GROUPS, MAX_OVERCORRECTION
 
 MAX_COMPLETION_CHARS: int = 16_384
 """Characters of a completion scanned for a plan (a plan takes a few hundred; 512 tokens ~ 2,000);
@@ -187,6 +187,10 @@ def _is_stage(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= N_STAGES
 
 
+def _is_overcorrection(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= MAX_OVERCORRECTION
+
+
 def _is_fraction(x: object) -> bool:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return False
@@ -199,7 +203,8 @@ def format_checks(plan: dict | None, plan_objects: int = 1) -> dict[str, float]:
     * ``parse``: the completion held a JSON object.
     * ``shape``: ``tooth_groups`` is a non-empty list of at most MAX_GROUPS objects, each with a
       ``teeth`` list and a ``fraction``, a ``priority`` (if given) among PRIORITY_START_STAGE and
-      a ``start_stage`` (if given) an integer from 1 to N_STAGES.
+      a ``start_stage`` (if given) an integer from 1 to N_STAGES and an ``overcorrection`` (if
+      given) a number in [0, MAX_OVERCORRECTION].
     * ``teeth_ints``: every tooth id is an integer FDI id of the 28 teeth (booleans are not),
       and no tooth is listed twice.
     * ``fraction_ok``: every group's fraction is a finite number in [0, 1] (not a string).
@@ -228,6 +233,7 @@ def format_checks(plan: dict | None, plan_objects: int = 1) -> dict[str, float]:
                         or (isinstance(g["priority"], str) and g["priority"] in PRIORITY_START_STAGE)
                     )
                     and ("start_stage" not in g or _is_stage(g["start_stage"]))
+                    and ("overcorrection" not in g or _is_overcorrection(g["overcorrection"]))
                     for g in dicts
                 )
             )

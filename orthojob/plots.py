@@ -63,7 +63,7 @@ def _rollout(plan: dict, task_id: str, seed: int, force_decay: bool):
     case = generate_case(task_id, seed, force_decay)
     spec = normalize_plan(plan)
     _, achieved = rollout_plans([spec], [case])
-    progress = planned_progress(spec.start, spec.fraction)
+    progress = planned_progress(spec.start, spec.fraction, spec.overcorrection)
     return case, progress, achieved[0]
 
 

@@ -32,6 +32,7 @@ from server.dental_constants import (
     TOOTH_NUMBER,
 )
 from server.dental_environment import StepwiseDentalEnvironment
+from server.plans import MAX_OVERCORRECTION
 from server.quaternion_utils import quaternion_angle
 
 TOP_TEETH: int = 12
@@ -78,7 +79,7 @@ def _plan_semantics() -> str:
 Return ONLY one JSON object of this shape:
 {{"strategy": {strategy_alts},
  "tooth_groups": [{{"teeth": [<FDI ids>], "fraction": <number in [0, 1]>, "priority": {priority_alts}}}, ...]}}
-(a group may give "start_stage": <integer 1-{N_STAGES}> instead of priority)
+(a group may give "start_stage": <integer 1-{N_STAGES}> instead of priority, and "overcorrection": <number in [0, {_fmt(MAX_OVERCORRECTION)}]>)
 
 Plan semantics:
 - Teeth are FDI ids {quadrants} (xN = tooth number N in any quadrant: 1-2 incisors, 3 canine, \
@@ -89,6 +90,7 @@ constant speed, until the tooth reaches its target: planned progress at stage s 
 clip((s - start + 1) * fraction, 0, 1). fraction 1/{N_STAGES} = {_fmt(uniform)} from stage 1 is \
 uniform SLERP over all {N_STAGES} aligners; fraction 0 keeps a tooth where it is. A group starting at \
 stage start reaches its target by stage {N_STAGES} only if fraction >= 1 / ({N_STAGES} - start + 1).
+- overcorrection (default 0) plans a group's teeth beyond their targets, to (1 + overcorrection) times their movement: under force decay teeth express only part of each aligner (extrusion and rotation of canines and premolars least), so clinicians overcorrect; an overshoot that is expressed costs accuracy. The per-stage limits apply to the overcorrected steps.
 - A tooth stays within the per-stage limits ({_fmt(MAX_TRANSLATION_MM)} mm, \
 {_fmt(MAX_ROTATION_DEG)} deg) when fraction <= 1 / min_stages.
 - Teeth in no group follow uniform SLERP. A tooth listed twice takes its first group. Unknown FDI \
@@ -214,7 +216,7 @@ def plan_to_completion(plan: dict) -> str:
     for g in plan.get("tooth_groups") or []:
         if not isinstance(g, dict):
             continue
-        out = {k: g[k] for k in ("teeth", "fraction", "priority", "start_stage") if k in g}
+        out = {k: g[k] for k in ("teeth", "fraction", "priority", "start_stage", "overcorrection") if k in g}
         groups.append(out)
     return json.dumps({"strategy": plan.get("strategy"), "tooth_groups": groups}, allow_nan=False)
 

@@ -18,7 +18,10 @@ from functools import cache
 
 import numpy as np
 
-from server.dental_constants import IS_UPPER, SIDE, TOOTH_NUMBER, TYPE_INDEX
+from server.dental_constants import IDEAL_OVERJET_MM, IS_UPPER, SIDE, TOOTH_NUMBER, TYPE_INDEX
+
+IDEAL_OVERJET_MID_MM: float = 0.5 * sum(IDEAL_OVERJET_MM)
+"""The target arch's overjet (the middle of the ideal range)."""
 
 STRATEGIES: tuple[str, ...] = (
     "anterior_first",
@@ -113,23 +116,45 @@ LITTLE_CALIBRATION: float = 0.92
 adds irregularity, so the measured Little index centres in LITTLE_INDEX_MM with this (a fitted
 model constant; measured means mild 1.95, moderate 5.3, severe 8.5 mm on 300 seeds)."""
 CLASS_II_MM: dict[str, tuple[float, float]] = {
-    "mild": (1.5, 2.5),
-    "moderate": (2.5, 3.5),
-    "severe": (3.5, 4.5),
+    "mild": (2.0, 3.5),
+    "moderate": (3.5, 5.0),
+    "severe": (5.0, 7.0),
 }
-"""Mesial displacement of the upper buccal segments (a full cusp is ~7 mm)."""
+"""Class II molar relation (mm distal of Class I): up to a quarter-to-half cusp mild, half cusp
+moderate, up to a full cusp severe; a full cusp is one premolar width, ~7 mm (Angle 1899; the
+code's CUSP_WIDTH_MM)."""
+CLASS_II_DISTALISATION_MAX_MM: float = 3.5
+"""Most of a Class II the setup corrects by distalising the upper dentition; the rest (up to 3.5 mm
+in a full cusp) by moving the lower dentition mesially with Class II elastics. A modelling choice
+that keeps every severe case finishable in 24 aligners within the per-stage limits (a full-cusp
+distalisation alone at 0.25 mm per aligner needs ~28): aligner distalisation achieves 2-4 mm
+(Ravera 2016: 2.25 mm of molar distalisation), larger Class II corrections combine elastics."""
+OVERJET_MM: dict[str, tuple[float, float]] = {
+    "mild": (5.0, 8.0),
+    "moderate": (6.5, 9.5),
+    "severe": (8.0, 11.0),
+}
+"""Overjet of a Class II case by level (ideal 2-3 mm, ABO; increased from 4 mm, severe beyond ~7-9 mm,
+Proffit): the molar relation plus the proclination of the upper incisors."""
+PROCLINATION_OVERJET_MM: float = 0.4
+"""Overjet the upper incisors' 3-7 deg proclination adds at their incisal edges (fitted)."""
 SPACING_MM: dict[str, tuple[float, float]] = {
-    "mild": (1.0, 2.0),
-    "moderate": (2.0, 4.0),
-    "severe": (4.0, 6.0),
+    "mild": (1.0, 3.0),
+    "moderate": (4.0, 6.0),
+    "severe": (6.0, 8.0),
 }
-"""Upper anterior spacing the protrusion profile aims at."""
+"""Upper anterior spacing (sum of the gaps between the anterior teeth) the protrusion profile aims at:
+mild 1-3, moderate 4-6, severe > 6 mm (the arch-length-excess grading mirroring Little's crowding
+grades, Little 1975)."""
+SPACING_CALIBRATION: float = 1.45
+"""Labial flaring per mm of spacing aimed at (fitted so the measured spacing lands in SPACING_MM)."""
 OVERBITE_MM: dict[str, tuple[float, float]] = {
-    "mild": (3.5, 4.0),
-    "moderate": (4.0, 5.0),
-    "severe": (5.0, 6.0),
+    "mild": (4.0, 5.0),
+    "moderate": (5.0, 6.0),
+    "severe": (6.0, 8.0),
 }
-"""Deep-bite overbite (ideal 2-3 mm)."""
+"""Deep-bite overbite: ideal 2-3 mm (ABO); mild 4-5, moderate 5-6, severe 6 mm or more (an
+impinging bite at the top of the severe range; Proffit)."""
 ROTATION_DEG: dict[str, tuple[float, float]] = {
     "mild": (4.0, 8.0),
     "moderate": (8.0, 14.0),
@@ -157,13 +182,17 @@ def crowding(rng: np.random.Generator, severity: str, labial: np.ndarray) -> Dis
 
 
 def class_ii(rng: np.random.Generator, severity: str, labial: np.ndarray) -> Displacement:
-    """Distal molar relation: upper arch mesial by m mm, proclined upper incisors (overjet)."""
+    """Distal molar relation m (CLASS_II_MM): the upper arch mesial by up to
+    CLASS_II_DISTALISATION_MAX_MM, the lower arch distal by the rest; the upper incisors proclined to
+    the level's overjet (OVERJET_MM)."""
     d = Displacement.zero()
     m = _range(rng, CLASS_II_MM, severity)
-    upper = IS_UPPER
-    d.translation[upper, 1] += m
+    upper_share = min(m, CLASS_II_DISTALISATION_MAX_MM)
+    d.translation[IS_UPPER, 1] += upper_share
+    d.translation[~IS_UPPER, 1] -= m - upper_share  # corrected by Class II elastics
     incisors = _teeth((1, 2), True)
-    d.translation[incisors, 1] += rng.uniform(0.3, 0.8)
+    overjet = _range(rng, OVERJET_MM, severity)
+    d.translation[incisors, 1] += max(overjet - IDEAL_OVERJET_MID_MM - m - PROCLINATION_OVERJET_MM, 0.1)
     d.rotation[incisors, 0] += np.radians(rng.uniform(3.0, 7.0))
     return d
 
@@ -178,7 +207,7 @@ def protrusion_spacing(rng: np.random.Generator, severity: str, labial: np.ndarr
         for number in numbers:
             share = {1: 1.0, 2: 0.85, 3: 0.45}[number]
             m = _teeth((number,), upper)
-            d.translation[m] += labial[m] * 0.45 * spacing * share
+            d.translation[m] += labial[m] * 0.45 * SPACING_CALIBRATION * spacing * share
             if number < 3:
                 d.rotation[m, 0] += np.radians(rng.uniform(4.0, 9.0))
     return d

@@ -69,8 +69,8 @@ MM_PER_DEG: float = MAX_TRANSLATION_MM / MAX_ROTATION_DEG
 """Exchange rate between rotation and translation used in combined distances:
 one per-stage rotation limit weighs as much as one per-stage translation limit."""
 
-FEASIBLE_TRANSLATION_MM: float = 5.5
-"""Case generator cap on a tooth's total translation (< 24 x 0.25 = 6 mm), so every
+FEASIBLE_TRANSLATION_MM: float = 5.75
+"""Case generator cap on a tooth's total translation (23 stages at 0.25 mm, < 24 x 0.25 = 6 mm), so every
 case is reachable by uniform SLERP within the limits, with margin."""
 FEASIBLE_ROTATION_DEG: float = 44.0
 """Case generator cap on a tooth's total rotation (< 24 x 2 = 48 deg)."""
@@ -147,25 +147,34 @@ measured: a mismatch at both per-stage limits (0.25 mm + 2 deg) gives 0.53 N, i.
 so the limits are safe for every tooth and twice the limits exceeds 4.7 kPa on
 incisors. Published aligner forces for 0.2-0.25 mm activations are 0.5-2 N."""
 
-# --- Force decay (pharmacokinetic) ------------------------------------------------
+# --- Force decay: expression (end-of-treatment accuracy) ------------------------------
 
-# Share of the aligner/tooth gap expressed per stage (first-order lag), by class
-# (incisor, canine, premolar, molar); midpoints of the published ranges.
-EXPRESSION_TRANSLATION: np.ndarray = np.array([0.625, 0.5, 0.6, 0.6])
-"""Buccolingual/mesiodistal translation (Kravitz 2009; Haouili 2020)."""
-EXPRESSION_ROTATION: np.ndarray = np.array([0.6, 0.425, 0.5, 0.75])
-"""Rotation about the long axis (Kravitz 2008; Koletsi 2021)."""
-EXPRESSION_TIP: np.ndarray = np.array([0.6, 0.385, 0.875, 0.85])
-"""Mesiodistal tip; also used for torque, which the table does not list (Lombardo 2017)."""
-EXPRESSION_INTRUSION: np.ndarray = np.array([0.425, 0.4, 0.5, 0.5])
-"""Intrusion (Rossini 2015)."""
-EXPRESSION_EXTRUSION: np.ndarray = np.array([0.325, 0.3, 0.4, 0.4])
-"""Extrusion (Kravitz 2009; Rossini 2015)."""
+# Share of the planned movement a tooth expresses by the end of an aligner series, by class
+# (incisor, canine, premolar, molar) and movement type: the end-of-treatment accuracies of
+# Kravitz 2009 (AJODO 135:27-35; mean 41 %), which :mod:`server.dynamics` reproduces for uniform
+# staging without compensation. Where Kravitz did not measure a class, the nearest measured
+# movement of a similar tooth is used (a choice, marked "choice").
+EXPRESSION_TRANSLATION: np.ndarray = np.array([0.47, 0.45, 0.47, 0.47])
+"""Bodily (buccolingual, mesiodistal) translation: lingual constriction 47.1 %, the best movement
+(Kravitz 2009); canines a little lower (labial expansion 40.5 %); premolars and molars: choice, as
+constriction."""
+EXPRESSION_ROTATION: np.ndarray = np.array([0.46, 0.32, 0.36, 0.45])
+"""Rotation about the long axis: incisors ~46-48 %, maxillary canines 32.2 %, the lowest, worse above
+15 deg (Kravitz 2009); premolars, round like canines: choice near them; molars: choice (Lombardo 2017
+reports molar rotations expressed better)."""
+EXPRESSION_TIP: np.ndarray = np.array([0.45, 0.42, 0.5, 0.5])
+"""Mesiodistal tip (Kravitz 2009: 41.5 % overall; Lombardo 2017: premolar and molar tip among the best
+expressed); also used for torque, which the table does not list."""
+EXPRESSION_INTRUSION: np.ndarray = np.array([0.45, 0.4, 0.4, 0.4])
+"""Intrusion: 41.3 % overall, lower incisors 46.6 %, upper 44.7 % (Kravitz 2009); others: choice."""
+EXPRESSION_EXTRUSION: np.ndarray = np.array([0.25, 0.3, 0.3, 0.3])
+"""Extrusion: 29.6 % overall, maxillary central incisors 18.3 %, the worst movement (Kravitz 2009);
+others: choice at the overall figure."""
 FORCE_DECAY_TAU_H: float = 3.0
 FORCE_DECAY_PLATEAU: float = 0.45
 """F(t) = F0 (f_inf + (1 - f_inf) exp(-t / tau)), tau ~ 2-4 h, f_inf ~ 0.4-0.5 at 24 h
-(Lombardo 2017; Chen 2023). The expression fractions above already integrate this
-decay over one aligner's wear; the curve is kept for reporting mean delivered force."""
+(Lombardo 2017; Chen 2023). The expression shares above already integrate this decay over an
+aligner series; the curve is kept for reporting mean delivered force."""
 
 # --- Plan semantics ----------------------------------------------------------------
 

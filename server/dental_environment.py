@@ -64,7 +64,7 @@ from server.dental_constants import (
     TOOTH_IDS,
     TOOTH_INDEX,
 )
-from server.dynamics import apply_wear, express_stage
+from server.dynamics import apply_wear, engaged, express_stage
 from server.errors import InvalidActionError, UnknownEpisodeError
 from server.quaternion_utils import quaternion_angle, vector_norm
 from server.scoring import StageMeasures, limit_ratio, pdl_stress_kpa, score_episodes
@@ -448,7 +448,9 @@ class StepwiseDentalEnvironment:
         prev_achieved = session.achieved[s - 1]
         # one vectorised pass over this stage's pose pairs (the PAIR_* rows)
         if not case.follows_plan:
-            achieved = express_stage(poses, prev_achieved, case.long_axis) if case.force_decay else poses
+            achieved = express_stage(
+                poses, session.planned[s - 1], prev_achieved, case.long_axis, case.force_decay
+            )
             if case.wear is not None:
                 achieved = apply_wear(prev_achieved, achieved, case.wear[s - 1])
             pairs_a = np.stack((poses, case.target, poses, achieved))
@@ -465,6 +467,8 @@ class StepwiseDentalEnvironment:
             )
         )  # (2, pairs, 28)
         inc = dist[:, PAIR_INCREMENT]
+        if not case.follows_plan:  # the aligner engages at most SEAT_FACTOR of its step (server.dynamics)
+            dist[:, PAIR_MISMATCH] = engaged(dist[:, PAIR_MISMATCH], inc)
         over_limit = int(np.count_nonzero(limit_ratio(inc[0], inc[1]) > 1.0 + LIMIT_TOLERANCE))
         pdl_events = int(
             np.count_nonzero(pdl_stress_kpa(dist[0, mismatch], dist[1, mismatch]) > PDL_CRITICAL_KPA)

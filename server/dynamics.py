@@ -1,14 +1,37 @@
 """Tooth dynamics: how the achieved pose follows the aligner's (planned) shape.
 
 * ideal (``force_decay=False``): achieved = planned.
-* force decay (``force_decay=True``): a first-order lag. At each stage a tooth
-  closes only a share of the gap between the aligner's shape and its actual pose
-  (:data:`server.dental_constants.EXPRESSION_*`, by tooth class and movement type,
-  expressed in the target crown's local frame); the rest carries over to the next
-  aligner. Extrusion and intrusion are told apart by the sign of the vertical gap
-  along the crown's long axis (upper crowns intrude upwards, lower downwards).
+* force decay (``force_decay=True``), calibrated to what aligners achieve at the end of
+  treatment (Kravitz 2009, AJODO 135:27: mean accuracy 41 %), in three parts:
+
+  1. **engagement** - an aligner engages the gap between its shape and the tooth only up to
+     :data:`SEAT_FACTOR` times its own designed step (the step from the previous aligner);
+     beyond that it does not seat on the lagging crown and its force does not grow (a
+     modelling choice: thermoformed aligners are made for the planned, not the achieved,
+     position). So the unexpressed part of a movement is **not** recovered by later aligners
+     that hold the target (their designed step is 0), as clinicians see (refinements).
+  2. **expression** - per aligner a tooth expresses a share of the engaged activation, by tooth
+     class and movement type (:data:`server.dental_constants.EXPRESSION_*`, which are the
+     published end-of-treatment accuracies): per stage ``EXPRESSION / SEAT_FACTOR``, so that
+     uniform staging, whose lag saturates the engagement from its second aligner on, ends at
+     the published accuracy. Translation splits into bodily and vertical (intrusion or
+     extrusion, told apart by the sign along the crown's long axis); rotation into torque, tip
+     and rotation about the long axis, in the target crown's frame.
+  3. **biology** - the movement achieved per aligner is capped at :data:`BIOLOGICAL_CAP_MM`
+     (about 0.25-0.33 mm per 14 days of wear; rotation at the equivalent
+     :data:`BIOLOGICAL_CAP_DEG`).
+
+  Plans compensate as clinicians do: overcorrection (a group's ``overcorrection``,
+  :mod:`server.plans`) plans each tooth beyond its target so that its expressed movement lands
+  on it; an overshoot that is expressed costs accuracy.
 * non-compliance (an option of ``task_hard``, :mod:`server.compliance`): after the above,
-  a tooth makes only its stage's wear factor of the movement (:func:`apply_wear`).
+  a tooth makes only its stage's wear factor of the movement (:func:`apply_wear`). Under ideal
+  dynamics the engagement cap applies too, so the aligner after a missed one loads the
+  lagging teeth with up to SEAT_FACTOR steps (the PDL stress rises) and the rest of the lag is
+  made up over the following aligners.
+
+The PDL stress of an aligner (:mod:`server.scoring`) is that of its engaged activation,
+:func:`engaged`: ``min(gap, SEAT_FACTOR * step)`` per tooth.
 """
 
 from __future__ import annotations
@@ -22,48 +45,90 @@ from server.dental_constants import (
     EXPRESSION_TIP,
     EXPRESSION_TRANSLATION,
     IS_UPPER,
+    MM_PER_DEG,
     TOOTH_CLASS,
 )
 from server.quaternion_utils import (
+    quaternion_angle,
     quaternion_from_rotvec,
     quaternion_inverse,
     quaternion_multiply,
     quaternion_normalize,
     quaternion_slerp,
     quaternion_to_rotvec,
+    vector_norm,
 )
 
-_TRANSLATION_RATE = EXPRESSION_TRANSLATION[TOOTH_CLASS]
-_INTRUSION_RATE = EXPRESSION_INTRUSION[TOOTH_CLASS]
-_EXTRUSION_RATE = EXPRESSION_EXTRUSION[TOOTH_CLASS]
-_ROTATION_RATES = np.stack(
-    (EXPRESSION_TIP[TOOTH_CLASS], EXPRESSION_TIP[TOOTH_CLASS], EXPRESSION_ROTATION[TOOTH_CLASS]), axis=-1
-)  # (28, 3): torque, tip, rotation
+SEAT_FACTOR: float = 1.5
+"""An aligner engages the gap to the tooth up to this many of its own designed steps (model choice)."""
+BIOLOGICAL_CAP_MM: float = 0.3
+"""Most translation a tooth achieves per aligner (about 0.25-0.33 mm per 14 days of wear; 1 mm a month,
+Proffit, Contemporary Orthodontics)."""
+BIOLOGICAL_CAP_DEG: float = BIOLOGICAL_CAP_MM / MM_PER_DEG
+"""Most rotation per aligner, at the mm-equivalent exchange rate of the per-stage limits."""
+
+_TRANSLATION_RATE = EXPRESSION_TRANSLATION[TOOTH_CLASS] / SEAT_FACTOR
+_INTRUSION_RATE = EXPRESSION_INTRUSION[TOOTH_CLASS] / SEAT_FACTOR
+_EXTRUSION_RATE = EXPRESSION_EXTRUSION[TOOTH_CLASS] / SEAT_FACTOR
+_ROTATION_RATES = (
+    np.stack(
+        (EXPRESSION_TIP[TOOTH_CLASS], EXPRESSION_TIP[TOOTH_CLASS], EXPRESSION_ROTATION[TOOTH_CLASS]), axis=-1
+    )
+    / SEAT_FACTOR
+)  # (28, 3): torque, tip, rotation (per aligner)
 _INTRUSION_SIGN = np.where(IS_UPPER, 1.0, -1.0)
 
 
-def express_stage(planned: np.ndarray, achieved: np.ndarray, long_axis: np.ndarray) -> np.ndarray:
-    """Achieved poses after wearing one aligner under force decay.
+def engaged(gap: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The activation an aligner engages: ``min(gap, SEAT_FACTOR * step)`` (magnitudes, mm or deg)."""
+    return np.minimum(gap, SEAT_FACTOR * step)
+
+
+def _shrink(v: np.ndarray, length: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """Vectors ``v`` (..., 3) of lengths ``length`` (...,) shortened to at most ``cap`` (...,)."""
+    return v * (np.minimum(length, cap) / np.maximum(length, 1e-30))[..., None]
+
+
+def express_stage(
+    planned: np.ndarray,
+    planned_prev: np.ndarray,
+    achieved: np.ndarray,
+    long_axis: np.ndarray | None,
+    force_decay: bool,
+) -> np.ndarray:
+    """Achieved poses after wearing one aligner (see the module docstring).
 
     Args:
         planned: (..., 28, 7) the aligner's shape for this stage.
+        planned_prev: (..., 28, 7) the previous aligner's shape (its designed step sets the engagement).
         achieved: (..., 28, 7) the teeth before it.
-        long_axis: (..., 28, 3) the crown frames' (target crowns') local z axes in the patient
-            frame (:attr:`server.cases.Case.long_axis`), along which the vertical rate applies.
+        long_axis: (..., 28, 3) the target crowns' local z (long) axes in the patient frame
+            (:attr:`server.cases.Case.long_axis`), along which the vertical rate applies; needed
+            under force decay only.
+        force_decay: express a share of the engaged activation (else all of it).
     Returns:
         (..., 28, 7) achieved poses after the stage.
     """
-    # translation: R diag(t, t, v) R^T gap with R the crown frame, t the bodily rate and v the
-    # vertical rate along the long axis z: t gap + (v - t) (gap . z) z
     gap = planned[..., 4:] - achieved[..., 4:]
-    along = np.einsum("...i,...i->...", gap, long_axis)
-    vertical = np.where(along * _INTRUSION_SIGN > 0.0, _INTRUSION_RATE, _EXTRUSION_RATE)
-    moved = _TRANSLATION_RATE[:, None] * gap + ((vertical - _TRANSLATION_RATE) * along)[..., None] * long_axis
+    step_t = vector_norm(planned[..., 4:] - planned_prev[..., 4:])
+    gap_t = vector_norm(gap)
+    act = _shrink(gap, gap_t, SEAT_FACTOR * step_t)
     rel = quaternion_to_rotvec(quaternion_multiply(quaternion_inverse(achieved[..., :4]), planned[..., :4]))
-    q = quaternion_normalize(
-        quaternion_multiply(achieved[..., :4], quaternion_from_rotvec(rel * _ROTATION_RATES))
-    )
-    return np.concatenate((q, achieved[..., 4:] + moved), axis=-1)
+    step_r = quaternion_angle(planned[..., :4], planned_prev[..., :4])
+    rel = _shrink(rel, vector_norm(rel), SEAT_FACTOR * step_r)
+    if force_decay:
+        # R diag(t, t, v) R^T act with R the crown frame, t the bodily rate and v the vertical rate
+        # along the long axis z: t act + (v - t) (act . z) z
+        along = np.einsum("...i,...i->...", act, long_axis)
+        vertical = np.where(along * _INTRUSION_SIGN > 0.0, _INTRUSION_RATE, _EXTRUSION_RATE)
+        act = (
+            _TRANSLATION_RATE[:, None] * act + ((vertical - _TRANSLATION_RATE) * along)[..., None] * long_axis
+        )
+        act = _shrink(act, vector_norm(act), np.full(act.shape[:-1], BIOLOGICAL_CAP_MM))
+        rel = rel * _ROTATION_RATES
+        rel = _shrink(rel, vector_norm(rel), np.full(rel.shape[:-1], np.radians(BIOLOGICAL_CAP_DEG)))
+    q = quaternion_normalize(quaternion_multiply(achieved[..., :4], quaternion_from_rotvec(rel)))
+    return np.concatenate((q, achieved[..., 4:] + act), axis=-1)
 
 
 def apply_wear(previous: np.ndarray, expressed: np.ndarray, wear: np.ndarray) -> np.ndarray:
@@ -95,9 +160,9 @@ def simulate(
     achieved[..., 0, :, :] = planned[..., 0, :, :]
     for s in range(1, planned.shape[-3]):
         previous = achieved[..., s - 1, :, :]
-        stage = planned[..., s, :, :]
-        if force_decay:
-            stage = express_stage(stage, previous, long_axis)
+        stage = express_stage(
+            planned[..., s, :, :], planned[..., s - 1, :, :], previous, long_axis, force_decay
+        )
         if wear is not None:
             stage = apply_wear(previous, stage, wear[..., s - 1, :])
         achieved[..., s, :, :] = stage

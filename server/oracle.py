@@ -47,6 +47,7 @@ from server.dental_constants import (
     MAX_ROTATION_DEG,
     MAX_TRANSLATION_MM,
     MIRROR_INDEX,
+    MM_PER_DEG,
     N_STAGES,
     PDL_CRITICAL_KPA,
     PRIORITY_START_STAGE,
@@ -55,7 +56,7 @@ from server.dental_constants import (
     TOOTH_IDS,
     TOOTH_NUMBER,
 )
-from server.plans import PlanSpec
+from server.plans import MAX_OVERCORRECTION, PlanSpec
 from server.quaternion_utils import (
     quaternion_angle,
     quaternion_inverse,
@@ -100,6 +101,14 @@ BRISK: float = 0.8
 """Speed of the first level, as a share of the per-stage limits."""
 MAX_SPEED: float = 0.95
 """Fastest speed the oracle plans, as a share of the per-stage limits."""
+Staging = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""Per-tooth start stages (28,) int, fractions (28,) and overcorrections (28,): a plan in arrays."""
+COMPENSATED: int = 2
+"""Staged candidates (the best by terminal score) also tried overcorrected under force decay."""
+OC_QUANTUM: float = 0.05
+"""Overcorrections are written rounded down to this."""
+MIN_EXPRESSED_SHARE: float = 0.25
+"""A tooth is assumed to express at least this share when its overcorrection is computed."""
 FRACTION_QUANTUM: float = 1e-4
 """Fractions are written rounded up to this (what the plan JSON carries)."""
 
@@ -223,19 +232,24 @@ def stage_arrays(
     return _fit_speed(starts[ranks], last_stage, limit_fraction, slot)
 
 
-def arrays_to_plan(strategy: str | None, start: np.ndarray, fraction: np.ndarray) -> dict:
-    """The plan JSON of per-tooth start stages and fractions (teeth grouped by both)."""
+def arrays_to_plan(
+    strategy: str | None, start: np.ndarray, fraction: np.ndarray, overcorrection: np.ndarray | None = None
+) -> dict:
+    """The plan JSON of per-tooth start stages, fractions and overcorrections (teeth grouped by all three)."""
     by_stage = {v: k for k, v in PRIORITY_START_STAGE.items()}
-    groups: dict[tuple[int, float], list[int]] = {}
+    oc = np.zeros(len(TOOTH_IDS)) if overcorrection is None else overcorrection
+    groups: dict[tuple[int, float, float], list[int]] = {}
     for i, fdi in enumerate(TOOTH_IDS):
-        groups.setdefault((int(start[i]), float(fraction[i])), []).append(fdi)
+        groups.setdefault((int(start[i]), float(fraction[i]), float(oc[i])), []).append(fdi)
     out = []
-    for (s, f), teeth in sorted(groups.items()):
+    for (s, f, o), teeth in sorted(groups.items()):
         group = {"teeth": teeth, "fraction": round(f, 4)}
         if s in by_stage:
             group["priority"] = by_stage[s]
         else:
             group["start_stage"] = s
+        if o > 0.0:
+            group["overcorrection"] = round(o, 2)
         out.append(group)
     plan = {"tooth_groups": out}
     return {"strategy": strategy, **plan} if strategy else plan
@@ -253,7 +267,7 @@ def stage_plan(
     return arrays_to_plan(strategy, *stage_arrays(initial, target, strategy, last_stage, brisk, span))
 
 
-def _candidates(case: Case, strategy: str, secondary: str | None) -> list[tuple[np.ndarray, np.ndarray]]:
+def _candidates(case: Case, strategy: str, secondary: str | None) -> list[Staging]:
     """Stagings to check: the strategy's sequence (brisk or not, three spans), a second profile's
     first movers leading (when it has another strategy), the sequence packed into the slack of a
     long correction, and uniform staging (always last)."""
@@ -283,19 +297,24 @@ def _candidates(case: Case, strategy: str, secondary: str | None) -> list[tuple[
             if 1 <= slack < LEVEL_SPAN - 4:
                 out.append(stage_arrays(ini, tgt, strategy, end, span=slack, all_brisk=True))
     uniform = (np.ones(len(TOOTH_IDS), dtype=np.int64), _quantise(np.full(len(TOOTH_IDS), 1.0 / N_STAGES)))
-    return [*out, uniform]
+    return [(st, f, np.zeros(len(TOOTH_IDS))) for st, f in [*out, uniform]]
 
 
-def _score(case: Case, strategy: str, arrays: list[tuple[np.ndarray, np.ndarray]]) -> list[dict]:
-    specs = [PlanSpec(s.copy(), f.copy(), strategy) for s, f in arrays]
+def _spec(staging: Staging, strategy: str | None) -> PlanSpec:
+    start, fraction, oc = staging
+    return PlanSpec(start.copy(), fraction.copy(), strategy, overcorrection=oc.copy() if oc.any() else None)
+
+
+def _score(case: Case, strategy: str, stagings: list[Staging]) -> list[dict]:
+    specs = [_spec(x, strategy) for x in stagings]
     return score_plan_specs(specs, [case] * len(specs))
 
 
-def breach_teeth(case: Case, start: np.ndarray, fraction: np.ndarray) -> np.ndarray:
+def breach_teeth(case: Case, staging: Staging) -> np.ndarray:
     """(28,) each tooth's share of a staging's hard-rule breach (0 for a tooth that breaks nothing):
     half of each colliding contact's excess penetration, its stress over critical, its excess over
     the limits, in the units of :func:`server.scoring.hard_rule_breaches`."""
-    planned, achieved = rollout_plans([PlanSpec(start, fraction, None)], [case])
+    planned, achieved = rollout_plans([_spec(staging, None)], [case])
     m = stage_measures(planned, achieved, case.crown_width_mm[None], case.crown_depth_mm[None])
     out = np.zeros(len(TOOTH_IDS))
     excess = np.maximum(m.penetration[0] - COLLISION_TOLERANCE_MM, 0.0).sum(axis=0) / COLLISION_TOLERANCE_MM
@@ -307,14 +326,15 @@ def breach_teeth(case: Case, start: np.ndarray, fraction: np.ndarray) -> np.ndar
     return out
 
 
-def _repairs(
-    case: Case, start: np.ndarray, fraction: np.ndarray, last: int
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Variants of a breaking staging: each involved tooth, alone and with its contralateral
-    counterpart, started earlier or later (at the slowest speed that still finishes) or slowed."""
-    limit_fraction = _required_speed(case.initial, case.target)
-    out: list[tuple[np.ndarray, np.ndarray]] = []
-    share = breach_teeth(case, start, fraction)
+def _repairs(case: Case, staging: Staging, last: int) -> list[Staging]:
+    """Variants of a breaking staging: a lagging tooth's mesial chain delayed; two colliding
+    neighbours moved one after the other; each involved tooth, alone and with its contralateral
+    counterpart, started earlier or later (at the slowest speed that still finishes) or slowed.
+    Overcorrections are kept; the limits apply to the overcorrected steps."""
+    start, fraction, oc = staging
+    limit_fraction = _required_speed(case.initial, case.target) / (1.0 + oc)
+    out: list[Staging] = []
+    share = breach_teeth(case, staging)
     involved = [i for i in np.argsort(-share, kind="stable")[:REPAIR_TEETH] if share[i] > 0.0]
     # a lagging tooth blocks the teeth mesial to it: delay the whole mesial chain of its quadrant
     for a, b in ADJACENT_PAIRS:
@@ -331,7 +351,7 @@ def _repairs(
                 f = fraction.copy()
                 f[chain] = np.maximum(fraction[chain], 1.0 / np.maximum(end - s[chain] + 1, 1))
                 if np.all(f[chain] <= MAX_SPEED * limit_fraction[chain]):
-                    out.append((s, _quantise(f)))
+                    out.append((s, _quantise(f), oc))
     # neighbours that collide whatever their speeds: one finishes (at top speed) before the other starts
     for a, b in ADJACENT_PAIRS:
         if share[a] <= 0.0 or share[b] <= 0.0 or (a not in involved and b not in involved):
@@ -342,13 +362,13 @@ def _repairs(
             s[then] = min(N_STAGES, s[first] + int(np.ceil(1.0 / f[first] - 1e-9)))
             f[then] = 1.0 / (N_STAGES - s[then] + 1)
             if f[then] <= MAX_SPEED * limit_fraction[then]:
-                out.append((s, _quantise(f)))
+                out.append((s, _quantise(f), oc))
             shortest = int(np.ceil(1.0 / min(1.0, MAX_SPEED * limit_fraction[then]) - 1e-9))
             for stages in (shortest, shortest + 2, shortest + 4):  # or the second late, finishing last
                 s, f = start.copy(), fraction.copy()
                 s[then] = max(1, N_STAGES - stages + 1)
                 f[then] = 1.0 / (N_STAGES - s[then] + 1)
-                out.append((s, _quantise(f)))
+                out.append((s, _quantise(f), oc))
     for teeth in [np.array([i]) for i in involved] + [np.array([i, MIRROR_INDEX[i]]) for i in involved]:
         for shift in REPAIR_SHIFTS:
             s = start.copy()
@@ -359,16 +379,16 @@ def _repairs(
                 f = fraction.copy()
                 f[teeth] = 1.0 / np.maximum(end - s[teeth] + 1, 1)
                 if np.all(f[teeth] <= MAX_SPEED * limit_fraction[teeth]):
-                    out.append((s, _quantise(f)))
+                    out.append((s, _quantise(f), oc))
         f = fraction.copy()
         f[teeth] = np.maximum(1.0 / (N_STAGES - start[teeth] + 1), 0.7 * fraction[teeth])
-        out.append((start.copy(), _quantise(f)))
+        out.append((start.copy(), _quantise(f), oc))
     return out
 
 
-def _breach(case: Case, arrays: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+def _breach(case: Case, stagings: list[Staging]) -> np.ndarray:
     """(n,) summed hard-rule breach of stagings on a case: the simulator without the quality terms."""
-    specs = [PlanSpec(s, f, None) for s, f in arrays]
+    specs = [_spec(x, None) for x in stagings]
     planned, achieved = rollout_plans(specs, [case] * len(specs))
     n = len(specs)
     m = stage_measures(
@@ -380,13 +400,13 @@ def _breach(case: Case, arrays: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarr
     return sum(hard_rule_breaches(m).values())
 
 
-def _repair(case: Case, staging: tuple, breach: float, last: int) -> tuple | None:
+def _repair(case: Case, staging: Staging, breach: float, last: int) -> Staging | None:
     """Greedy setup refinement: the variant with the least breach, round after round, until it
     breaks no rule (returned) or stops improving (None)."""
     for _ in range(REPAIR_ROUNDS):
         if breach <= 0.0:
             return staging
-        variants = _repairs(case, *staging, last)
+        variants = _repairs(case, staging, last)
         if not variants:
             return None
         breaches = _breach(case, variants)
@@ -397,11 +417,58 @@ def _repair(case: Case, staging: tuple, breach: float, last: int) -> tuple | Non
     return staging if breach <= 0.0 else None
 
 
-def _best_staging(case: Case, strategy: str, secondary: str | None) -> tuple[tuple, dict]:
-    """The best checked (and, where needed, repaired) staging under ``strategy``, and its result."""
+def expressed_shares(case: Case, stagings: list[Staging]) -> np.ndarray:
+    """(n, 28) share of each tooth's required movement (mm-equivalent, rotations at MM_PER_DEG) that
+    each staging expresses on the case by the last aligner; 1 for a tooth with nothing to do."""
+    _, achieved = rollout_plans([_spec(x, None) for x in stagings], [case] * len(stagings))
+    q0_inv = quaternion_inverse(case.initial[:, :4])
+
+    def movement(poses: np.ndarray) -> np.ndarray:
+        rot = np.degrees(quaternion_to_rotvec(quaternion_multiply(q0_inv, poses[..., :4]))) * MM_PER_DEG
+        return np.concatenate((poses[..., 4:] - case.initial[:, 4:], rot), axis=-1)
+
+    need, got = movement(case.target), movement(achieved[:, -1])
+    norm2 = np.sum(need * need, axis=-1)
+    return np.where(norm2 > 1e-12, np.sum(got * need, axis=-1) / np.maximum(norm2, 1e-12), 1.0)
+
+
+def compensate(case: Case, stagings: list[Staging], rounds: int = 2) -> list[Staging]:
+    """The stagings with each tooth overcorrected by what the dynamics fail to express: ``(1 + oc) /
+    share - 1``, measured on the simulator and refined ``rounds`` times, within MAX_OVERCORRECTION and
+    within the per-stage limits (MAX_SPEED of them) on the overcorrected steps."""
+    limit_fraction = _required_speed(case.initial, case.target)
+    out = list(stagings)
+    for _ in range(rounds):
+        shares = expressed_shares(case, out)
+        nxt = []
+        for (start, fraction, oc), share in zip(out, shares):
+            room = MAX_SPEED * limit_fraction / np.maximum(fraction, 1e-9) - 1.0
+            want = (1.0 + oc) / np.clip(share, MIN_EXPRESSED_SHARE, None) - 1.0
+            oc = np.floor(np.clip(np.minimum(want, room), 0.0, MAX_OVERCORRECTION) / OC_QUANTUM) * OC_QUANTUM
+            nxt.append((start, fraction, oc))
+        out = nxt
+    return out
+
+
+def _slowest(staging: Staging) -> Staging:
+    """The staging with every tooth at the slowest speed that still finishes by the last aligner
+    (more room under the limits for overcorrection)."""
+    start, _, oc = staging
+    return start, _quantise(1.0 / (N_STAGES - start + 1)), oc
+
+
+def _best_staging(case: Case, strategy: str, secondary: str | None) -> tuple[Staging, dict]:
+    """The best checked (and, where needed, repaired) staging under ``strategy``, and its result.
+    Under force decay the best staged candidates are also tried compensated (:func:`compensate`)."""
     last = N_STAGES - (5 if case.force_decay else 0)
     candidates = _candidates(case, strategy, secondary)
     results = _score(case, strategy, candidates)
+    if case.force_decay:
+        quality = np.argsort([-r["terminal_reward"] for r in results[:-1]], kind="stable")[:COMPENSATED]
+        extra = compensate(case, [x for k in quality for x in (candidates[k], _slowest(candidates[k]))])
+        # uniform staging stays last (the fallback the repair logic knows)
+        candidates = [*candidates[:-1], *extra, candidates[-1]]
+        results = [*results[:-1], *_score(case, strategy, extra), results[-1]]
     scaled = np.array([r["scaled_reward"] for r in results])
     best = int(np.argmax(scaled))
     uniform = len(candidates) - 1

@@ -19,6 +19,13 @@ Plan semantics (the one statement of them; the prompt and README quote it):
   when it sets at least one tooth; a plan with no usable group is not a plan (the
   training rewards give it their minimum, :mod:`orthojob.rollouts`), while this module
   still reads it as uniform SLERP for the baseline API.
+* ``overcorrection`` (optional, a number in [0, :data:`MAX_OVERCORRECTION`], default 0) plans
+  the group's teeth beyond their targets, to ``1 + overcorrection`` times their movement, as
+  clinicians overcorrect movements that under-express (extrusion, rotation of round teeth):
+  planned progress at stage ``s`` is ``(1 + overcorrection) * clip((s - start + 1) * fraction,
+  0, 1)``; the per-stage limits apply to the overcorrected steps. Under force decay the
+  expressed movement then lands nearer the target; under ideal dynamics, or overdone, the
+  overshoot is expressed and costs accuracy. An invalid value is ignored (0) and counted.
 * ``strategy`` is one of :data:`server.clinical_profiles.STRATEGIES`; it is
   judged against the case and against the plan's own staging order.
 """
@@ -35,6 +42,8 @@ from server.dental_constants import DEFAULT_PRIORITY, N_STAGES, N_TEETH, PRIORIT
 from server.quaternion_utils import quaternion_slerp
 
 UNIFORM_FRACTION: float = 1.0 / N_STAGES
+MAX_OVERCORRECTION: float = 1.0
+"""Largest overcorrection a group may plan (the movement planned at most doubled)."""
 MAX_GROUPS: int = 64
 """Groups beyond this many are ignored (and counted), bounding the work per plan."""
 
@@ -50,6 +59,7 @@ class PlanFormat:
     invalid_fractions: int = 0
     invalid_priorities: int = 0
     invalid_starts: int = 0
+    invalid_overcorrections: int = 0
     invalid_teeth: int = 0
     duplicate_teeth: int = 0
     ignored_groups: int = 0
@@ -64,12 +74,18 @@ class PlanFormat:
 
 @dataclass
 class PlanSpec:
-    """A plan reduced to per-tooth arrays: start stage (28,) int, fraction (28,) float."""
+    """A plan reduced to per-tooth arrays: start stage (28,) int, fraction (28,) float, and
+    overcorrection (28,) float (None: 0 for every tooth)."""
 
     start: np.ndarray
     fraction: np.ndarray
     strategy: str | None
     format: PlanFormat = field(default_factory=PlanFormat)
+    overcorrection: np.ndarray | None = None
+
+    def overcorrections(self) -> np.ndarray:
+        """(28,) overcorrection of each tooth (zeros when none was planned)."""
+        return np.zeros(N_TEETH) if self.overcorrection is None else self.overcorrection
 
 
 def _is_number(x: object) -> bool:
@@ -80,6 +96,7 @@ def normalize_plan(plan: object) -> PlanSpec:
     """Reduce any JSON-like value to a PlanSpec, applying the semantics above. Never raises."""
     start = np.ones(N_TEETH, dtype=np.int64)
     fraction = np.full(N_TEETH, UNIFORM_FRACTION)
+    over = np.zeros(N_TEETH)
     fmt = PlanFormat()
     strategy = None
     if not isinstance(plan, dict):
@@ -116,6 +133,13 @@ def normalize_plan(plan: object) -> PlanSpec:
                 first = s
             else:
                 fmt.invalid_starts += 1
+        oc = 0.0
+        if "overcorrection" in group:
+            o = group["overcorrection"]
+            if _is_number(o) and 0 <= o <= MAX_OVERCORRECTION and math.isfinite(o):
+                oc = float(o)
+            else:
+                fmt.invalid_overcorrections += 1
         teeth = group.get("teeth")
         if not isinstance(teeth, list):
             fmt.invalid_teeth += 1
@@ -133,21 +157,28 @@ def normalize_plan(plan: object) -> PlanSpec:
                 set_any = True
                 start[index] = first
                 fraction[index] = float(f)
+                over[index] = oc
         fmt.usable_groups += set_any
-    return PlanSpec(start, fraction, strategy, fmt)
+    return PlanSpec(start, fraction, strategy, fmt, over if over.any() else None)
 
 
-def planned_progress(start: np.ndarray, fraction: np.ndarray) -> np.ndarray:
-    """(..., 25, 28) planned share of each tooth's movement at stages 0..24."""
+def planned_progress(
+    start: np.ndarray, fraction: np.ndarray, overcorrection: np.ndarray | None = None
+) -> np.ndarray:
+    """(..., 25, 28) planned share of each tooth's movement at stages 0..24 (above 1 where overcorrected)."""
     stages = np.arange(N_STAGES + 1)[:, None]
     steps = stages - start[..., None, :] + 1
-    return np.clip(steps * fraction[..., None, :], 0.0, 1.0) * (stages >= 1)
+    progress = np.clip(steps * fraction[..., None, :], 0.0, 1.0) * (stages >= 1)
+    if overcorrection is not None:
+        progress = progress * (1.0 + overcorrection[..., None, :])
+    return progress
 
 
 def interpolate_poses(initial: np.ndarray, target: np.ndarray, progress: np.ndarray) -> np.ndarray:
     """Poses (..., S, 28, 7) a share ``progress`` (..., S, 28) of the way from initial to target.
 
-    initial, target: (..., 28, 7). Rotation by SLERP, translation linearly.
+    initial, target: (..., 28, 7). Rotation by SLERP, translation linearly; a progress above 1
+    continues past the target along the same path (overcorrection).
     """
     q0 = initial[..., None, :, :4]
     q1 = target[..., None, :, :4]

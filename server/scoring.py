@@ -78,6 +78,7 @@ from server.dental_constants import (
     PDL_OPTIMAL_KPA,
     ROOT_AREA_MM2,
 )
+from server.dynamics import engaged
 from server.movement_priors import CombinedPrior
 from server.occlusion import occlusion_composite
 from server.quaternion_utils import quaternion_angle, vector_norm
@@ -198,7 +199,8 @@ class StageMeasures:
     """Per-stage quantities of B trajectories; axis -2 is stage 1..24.
 
     inc_t, inc_r: (B, 24, 28) planned increments, aligner s vs aligner s-1 (mm, deg).
-    mis_t, mis_r: (B, 24, 28) insertion mismatch, aligner s vs the poses achieved at s-1.
+    mis_t, mis_r: (B, 24, 28) insertion mismatch, aligner s vs the poses achieved at s-1, as far as
+        the aligner engages it (:func:`server.dynamics.engaged`).
     achieved_mm: (B, 24, 28) achieved increments (mm-equivalent).
     penetration: (B, 24, 26) adjacent-crown penetration of the achieved arch (mm).
     """
@@ -221,8 +223,8 @@ def stage_measures(
         mis_t, mis_r = inc_t, inc_r
         achieved_mm = np.hypot(inc_t, MM_PER_DEG * inc_r)
     else:
-        mis_t = vector_norm(planned[:, 1:, :, 4:] - achieved[:, :-1, :, 4:])
-        mis_r = np.degrees(quaternion_angle(planned[:, 1:, :, :4], achieved[:, :-1, :, :4]))
+        mis_t = engaged(vector_norm(planned[:, 1:, :, 4:] - achieved[:, :-1, :, 4:]), inc_t)
+        mis_r = engaged(np.degrees(quaternion_angle(planned[:, 1:, :, :4], achieved[:, :-1, :, :4])), inc_r)
         a_t, a_r = increments(achieved)
         achieved_mm = np.hypot(a_t, MM_PER_DEG * a_r)
     pen = penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None])

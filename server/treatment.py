@@ -36,7 +36,12 @@ def rollout_plans(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> tuple[np.
     """Planned and achieved trajectories (B, 25, 28, 7) of plans on their cases."""
     initial = np.stack([c.initial for c in cases])
     target = np.stack([c.target for c in cases])
-    progress = planned_progress(np.stack([s.start for s in specs]), np.stack([s.fraction for s in specs]))
+    over = None
+    if any(s.overcorrection is not None for s in specs):
+        over = np.stack([s.overcorrections() for s in specs])
+    progress = planned_progress(
+        np.stack([s.start for s in specs]), np.stack([s.fraction for s in specs]), over
+    )
     planned = interpolate_poses(initial, target, progress)
     achieved = planned
     decay = np.array([c.force_decay for c in cases])

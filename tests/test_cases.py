@@ -15,7 +15,14 @@ import pytest
 
 from server import cases as cases_module
 from server.cases import TASK_IDS, generate_case
-from server.clinical_profiles import LITTLE_INDEX_MM, OPTIMAL_STRATEGY, PROFILES, STRATEGIES, optimal_strategy
+from server.clinical_profiles import (
+    LITTLE_INDEX_MM,
+    OPTIMAL_STRATEGY,
+    OVERBITE_MM,
+    PROFILES,
+    STRATEGIES,
+    optimal_strategy,
+)
 from server.collisions import COLLISION_TOLERANCE_MM, penetration_mm
 from server.dental_constants import MAX_ROTATION_DEG, MAX_TRANSLATION_MM, N_STAGES, N_TEETH
 from server.errors import InvalidActionError
@@ -291,5 +298,5 @@ def test_summary_reflects_the_profile(arrays_by_task, task):
     lo, hi = LITTLE_INDEX_MM[cases_module.TASK_SEVERITY[task]]
     little = mean("lower_irregularity_mm", crowd)
     assert lo <= little <= hi, f"{task}: crowding cases' mean Little index {little:.2f} not in [{lo}, {hi}]"
-    if task != "task_easy":
-        assert 4.0 <= mean("overbite_mm", deep) <= 6.0
+    lo, hi = OVERBITE_MM[cases_module.TASK_SEVERITY[task]]
+    assert lo <= mean("overbite_mm", deep) <= hi

@@ -78,8 +78,11 @@ def test_missed_stage_lags_and_stepwise_equals_plan_scoring(force_decay):
         assert obs["terminal_reward"] == pytest.approx(plan["terminal_reward"], abs=1e-9)
         assert obs["reward_breakdown"] == pytest.approx(plan["reward_breakdown"], abs=1e-9)
         (compliant,) = score_plans([UNIFORM], [("task_hard", seed, force_decay)])
-        # the aligner after a missed stage goes onto teeth that lag: a larger insertion force
-        assert plan["diagnostics"]["peak_pdl_kpa"] > compliant["diagnostics"]["peak_pdl_kpa"] + 0.1
+        if not force_decay:
+            # the aligner after a missed stage goes onto teeth that lag: a larger insertion force
+            # (under force decay the lag already engages every aligner to its seat limit,
+            # server.dynamics.SEAT_FACTOR, so a missed one costs movement, not force)
+            assert plan["diagnostics"]["peak_pdl_kpa"] > compliant["diagnostics"]["peak_pdl_kpa"] + 0.1
         assert plan["reward_breakdown"]["accuracy"] <= compliant["reward_breakdown"]["accuracy"] + 1e-9
 
 

@@ -673,6 +673,6 @@ def test_force_decay_lags_the_teeth_behind_the_aligners():
     res = score_plans([None, None], [("task_medium", 9, False), ("task_medium", 9, True)])
     ideal, decay = (r["reward_breakdown"] for r in res)
     assert ideal["accuracy"] == pytest.approx(1.0, abs=1e-6)
-    assert 0.5 < decay["accuracy"] < ideal["accuracy"] - 1e-3
+    assert 0.25 < decay["accuracy"] < 0.75  # calibrated to the clinic (tests/test_calibration.py)
     assert res[1]["terminal_reward"] < res[0]["terminal_reward"]
     assert N_STAGES == 24
