@@ -60,6 +60,16 @@ _LEVELS_BY_NUMBER: dict[str, tuple[int, ...]] = {
 }
 STRATEGY_LEVELS: dict[str, np.ndarray] = {s: np.array(v)[TYPE_INDEX] for s, v in _LEVELS_BY_NUMBER.items()}
 """(28,) staging order of each tooth under each strategy (0 starts first)."""
+SEQUENCED_TEETH: dict[str, np.ndarray] = {
+    s: (IS_UPPER.copy() if s == "distal_first" else np.ones(len(TYPE_INDEX), dtype=bool))
+    for s in _LEVELS_BY_NUMBER
+}
+"""(28,) the teeth whose order a strategy's sequence judges: ``distal_first`` is the sequential
+distalisation of the upper dentition (second molars first); the lower dentition of a Class II moves
+as a block with the elastics (:data:`CLASS_II_DISTALISATION_MAX_MM`), in no sequence. Every tooth for
+the other strategies."""
+for _mask in SEQUENCED_TEETH.values():
+    _mask.setflags(write=False)
 
 SEVERITIES: tuple[str, ...] = ("mild", "moderate", "severe")
 

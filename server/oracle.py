@@ -38,7 +38,7 @@ from dataclasses import replace
 import numpy as np
 
 from server.cases import Case, generate_case
-from server.clinical_profiles import OPTIMAL_STRATEGY, STRATEGY_LEVELS, optimal_strategy
+from server.clinical_profiles import OPTIMAL_STRATEGY, SEQUENCED_TEETH, STRATEGY_LEVELS, optimal_strategy
 from server.collisions import COLLISION_TOLERANCE_MM
 from server.dental_constants import (
     ADJACENT_PAIRS,
@@ -224,12 +224,15 @@ def stage_arrays(
     """
     limit_fraction = _required_speed(initial, target)
     levels = STRATEGY_LEVELS[strategy]
-    ranks = np.searchsorted(np.unique(levels), levels)
+    sequenced = SEQUENCED_TEETH[strategy]
+    ranks = np.searchsorted(np.unique(levels[sequenced]), levels)
     if lead_levels is not None:
         ranks = np.where(lead_levels, 0, ranks)
-    starts = level_starts(int(ranks.max()) + 1, span)
+    starts = level_starts(int(ranks[sequenced].max()) + 1, span)
     slot = np.zeros_like(ranks) if all_brisk else (ranks if brisk else ranks + 1)
-    return _fit_speed(starts[ranks], last_stage, limit_fraction, slot)
+    start = np.where(sequenced, starts[np.minimum(ranks, len(starts) - 1)], 1)
+    slot = np.where(sequenced, slot, 1)  # the teeth outside the sequence move together, unhurried
+    return _fit_speed(start, last_stage, limit_fraction, slot)
 
 
 def arrays_to_plan(

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.clinical_profiles import STRATEGY_LEVELS, strategy_multiplier_class
+from server.clinical_profiles import SEQUENCED_TEETH, STRATEGY_LEVELS, strategy_multiplier_class
 from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, penetration_mm
 from server.dental_constants import (
     ALIGNER_FORCE_N_PER_DEG,
@@ -338,7 +338,8 @@ def score_episodes(
     starts = start_stages(inc_mm)
     declared = [s if s in STRATEGY_LEVELS else None for s in strategies]
     levels = np.stack([STRATEGY_LEVELS[s] if s else np.zeros(28, dtype=np.int64) for s in declared])
-    rho = sequence_concordance(levels, movement_centroid(inc_mm), treated)
+    sequenced = np.stack([SEQUENCED_TEETH[s] if s else np.ones(28, dtype=bool) for s in declared])
+    rho = sequence_concordance(levels, movement_centroid(inc_mm), treated & sequenced)
     has_strategy = np.array([s is not None for s in declared])
     staging = np.where(has_strategy, (rho + 1.0) / 2.0, 0.5)
 

@@ -155,8 +155,10 @@ def test_degenerate_moves_score_below_a_plan_that_barely_moves(level):
     for row in level["rows"]:
         for name in ("all_at_once", "tooth_at_once"):
             if row["results"][name]["broken_rules"]:
-                assert _scaled(row, name) < _scaled(row, "nothing") < _scaled(row, "slerp")
+                assert _scaled(row, name) < _scaled(row, "nothing")
                 assert _scaled(row, "nothing") == pytest.approx(0.0, abs=1e-9)
+                if not row["results"]["slerp"]["broken_rules"]:  # under decay lags can make it collide
+                    assert _scaled(row, "nothing") < _scaled(row, "slerp")
             else:  # a correction small enough for one aligner: a legitimate plan
                 legit += 1
     assert legit <= 0.1 * len(level["rows"])
