@@ -16,19 +16,26 @@ teeth in the strategy's order:
    moves briskly (80 % of the per-stage limits) to open space early, later levels at the
    slowest constant speed that still finishes in time (aligners near the end are kept for
    refinement under force decay); a level that cannot finish from its slot at 95 % of
-   the limits starts earlier. On task_hard the second malocclusion is read too: a
-   candidate also starts the second profile's first level at aligner 1 (a Class II
-   secondary distalises the buccal segments before the incisors retract into them);
+   the limits starts earlier. A long correction (a severe distalisation) that leaves little
+   slack is staggered within that slack, every level brisk. On task_hard the second
+   malocclusion is read too: a secondary Class II makes the case ``distal_first``
+   (:func:`server.clinical_profiles.optimal_strategy`), and a candidate starts the second
+   profile's first level at aligner 1;
 3. the candidates are checked on the simulator (as a clinician checks the setup's
-   animation, with the case's dynamics and compliance), and the best by the scaled reward
-   is kept; a candidate that breaks a hard rule is *repaired* as a clinician refines a
+   animation, with the case's dynamics and compliance schedule), and the best by the scaled
+   reward is kept; a staging that breaks a hard rule is *repaired* as a clinician refines a
    setup: the teeth in the colliding contacts, over-stressed or over-limit are started
-   earlier or later, or slowed, and re-checked, for a few rounds. Uniform staging with the
-   strategy named is a candidate too, so the oracle never scores below uniform SLERP
-   when that is safe.
+   earlier or later or slowed, a lagging tooth's mesial chain is delayed, two colliding
+   neighbours are moved one after the other, and the result re-checked, for a few rounds.
+   Uniform staging with the strategy named is a candidate too, so the oracle never scores
+   below uniform SLERP (every case has a safe uniform staging, :mod:`server.cases`). A
+   diagnosis the check judges wrong (the wrong multiplier) is revised to the next most
+   likely malocclusion.
 
 It is the expert that writes SFT demonstrations and the upper baseline of every
-evaluation. It never sees the case's profile or optimal strategy.
+evaluation. It never sees the case's profile or optimal strategy, but it does use the
+simulator, the case's dynamics and compliance schedule to check its candidates: an upper
+baseline, not a model of what a planner can know from the observation alone.
 """
 
 from __future__ import annotations
