@@ -27,6 +27,10 @@ teeth in the strategy's order:
    setup: the teeth in the colliding contacts, over-stressed or over-limit are started
    earlier or later or slowed, a lagging tooth's mesial chain is delayed, two colliding
    neighbours are moved one after the other, and the result re-checked, for a few rounds.
+   Under force decay the best staged candidates are also tried *compensated*: each tooth
+   overcorrected by the share of its movement the simulator shows it fails to express, within
+   the per-stage limits (:func:`compensate`). Teeth outside the strategy's sequence (the lower
+   dentition of a Class II, moved by elastics) move together at the slowest speed.
    Uniform staging with the strategy named is a candidate too, so the oracle never scores
    below uniform SLERP (every case has a safe uniform staging, :mod:`server.cases`). A
    diagnosis the check judges wrong (the wrong multiplier) is revised to the next most
