@@ -77,6 +77,10 @@ _ROTATION_RATES = (
     / SEAT_FACTOR
 )  # (28, 3): torque, tip, rotation (per aligner)
 _INTRUSION_SIGN = np.where(IS_UPPER, 1.0, -1.0)
+_MAX_RATE = float(
+    max(_TRANSLATION_RATE.max(), _INTRUSION_RATE.max(), _EXTRUSION_RATE.max(), _ROTATION_RATES.max())
+)
+_CAP_RAD = float(np.radians(BIOLOGICAL_CAP_DEG))
 
 
 def engaged(gap: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -95,6 +99,8 @@ def express_stage(
     achieved: np.ndarray,
     long_axis: np.ndarray | None,
     force_decay: bool,
+    step_t: np.ndarray | None = None,
+    step_r: np.ndarray | None = None,
 ) -> np.ndarray:
     """Achieved poses after wearing one aligner (see the module docstring).
 
@@ -106,15 +112,17 @@ def express_stage(
             (:attr:`server.cases.Case.long_axis`), along which the vertical rate applies; needed
             under force decay only.
         force_decay: express a share of the engaged activation (else all of it).
+        step_t, step_r: (..., 28) the designed step (mm, rad) when already at hand.
     Returns:
         (..., 28, 7) achieved poses after the stage.
     """
+    if step_t is None:
+        step_t = vector_norm(planned[..., 4:] - planned_prev[..., 4:])
+    if step_r is None:
+        step_r = quaternion_angle(planned[..., :4], planned_prev[..., :4])
     gap = planned[..., 4:] - achieved[..., 4:]
-    step_t = vector_norm(planned[..., 4:] - planned_prev[..., 4:])
-    gap_t = vector_norm(gap)
-    act = _shrink(gap, gap_t, SEAT_FACTOR * step_t)
+    act = _shrink(gap, vector_norm(gap), SEAT_FACTOR * step_t)
     rel = quaternion_to_rotvec(quaternion_multiply(quaternion_inverse(achieved[..., :4]), planned[..., :4]))
-    step_r = quaternion_angle(planned[..., :4], planned_prev[..., :4])
     rel = _shrink(rel, vector_norm(rel), SEAT_FACTOR * step_r)
     if force_decay:
         # R diag(t, t, v) R^T act with R the crown frame, t the bodily rate and v the vertical rate
@@ -124,9 +132,12 @@ def express_stage(
         act = (
             _TRANSLATION_RATE[:, None] * act + ((vertical - _TRANSLATION_RATE) * along)[..., None] * long_axis
         )
-        act = _shrink(act, vector_norm(act), np.full(act.shape[:-1], BIOLOGICAL_CAP_MM))
         rel = rel * _ROTATION_RATES
-        rel = _shrink(rel, vector_norm(rel), np.full(rel.shape[:-1], np.radians(BIOLOGICAL_CAP_DEG)))
+        # the engaged step times the highest rate bounds the movement: cap only when it can bind
+        if SEAT_FACTOR * _MAX_RATE * float(np.max(step_t, initial=0.0)) > BIOLOGICAL_CAP_MM:
+            act = _shrink(act, vector_norm(act), np.full(act.shape[:-1], BIOLOGICAL_CAP_MM))
+        if SEAT_FACTOR * _MAX_RATE * float(np.max(step_r, initial=0.0)) > _CAP_RAD:
+            rel = _shrink(rel, vector_norm(rel), np.full(rel.shape[:-1], _CAP_RAD))
     q = quaternion_normalize(quaternion_multiply(achieved[..., :4], quaternion_from_rotvec(rel)))
     return np.concatenate((q, achieved[..., 4:] + act), axis=-1)
 
@@ -158,10 +169,18 @@ def simulate(
         return planned
     achieved = np.empty_like(planned)
     achieved[..., 0, :, :] = planned[..., 0, :, :]
+    steps_t = vector_norm(np.diff(planned[..., 4:], axis=-3))  # (..., 24, 28) designed steps
+    steps_r = quaternion_angle(planned[..., 1:, :, :4], planned[..., :-1, :, :4])
     for s in range(1, planned.shape[-3]):
         previous = achieved[..., s - 1, :, :]
         stage = express_stage(
-            planned[..., s, :, :], planned[..., s - 1, :, :], previous, long_axis, force_decay
+            planned[..., s, :, :],
+            planned[..., s - 1, :, :],
+            previous,
+            long_axis,
+            force_decay,
+            steps_t[..., s - 1, :],
+            steps_r[..., s - 1, :],
         )
         if wear is not None:
             stage = apply_wear(previous, stage, wear[..., s - 1, :])

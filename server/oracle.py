@@ -114,7 +114,13 @@ MAX_SPEED: float = 0.95
 """Fastest speed the oracle plans, as a share of the per-stage limits."""
 Staging = tuple[np.ndarray, np.ndarray, np.ndarray]
 """Per-tooth start stages (28,) int, fractions (28,) and overcorrections (28,): a plan in arrays."""
-COMPENSATED: int = 2
+SHORT_FACTORS: tuple[float, ...] = (0.9, 0.8, 0.65)
+"""Speed factors of a repair that lets a tooth stop short of its target."""
+CHAIN_SHIFTS: tuple[int, ...] = (1, 2, 3, 5, 7, 9)
+"""Delays tried on the chain of teeth mesial to a lagging tooth."""
+SLOWER_FACTORS: tuple[float, ...] = (0.9, 0.75, 0.6, 0.45)
+"""Speeds (shares of uniform staging's) tried when no candidate or repair is safe."""
+COMPENSATED: int = 1
 """Staged candidates (the best by terminal score) also tried overcorrected under force decay."""
 OC_QUANTUM: float = 0.05
 """Overcorrections are written rounded down to this."""
@@ -257,7 +263,7 @@ def arrays_to_plan(
         groups.setdefault((int(start[i]), float(fraction[i]), float(oc[i])), []).append(fdi)
     out = []
     for (s, f, o), teeth in sorted(groups.items()):
-        group = {"teeth": teeth, "fraction": round(f, 4)}
+        group = {"teeth": teeth, "fraction": round(f, 6)}
         if s in by_stage:
             group["priority"] = by_stage[s]
         else:
@@ -310,7 +316,8 @@ def _candidates(case: Case, strategy: str, secondary: str | None) -> list[Stagin
             slack = end - int(np.ceil(1.0 / (BRISK * limit_fraction[treated].min()) - 1e-9))
             if 1 <= slack < LEVEL_SPAN - 4:
                 out.append(stage_arrays(ini, tgt, strategy, end, span=slack, all_brisk=True))
-    uniform = (np.ones(len(TOOTH_IDS), dtype=np.int64), _quantise(np.full(len(TOOTH_IDS), 1.0 / N_STAGES)))
+    # uniform staging to 6 decimals: within ~1e-5 of exact uniform SLERP on the scaled reward
+    uniform = (np.ones(len(TOOTH_IDS), dtype=np.int64), np.full(len(TOOTH_IDS), round(1.0 / N_STAGES, 6)))
     return [(st, f, np.zeros(len(TOOTH_IDS))) for st, f in [*out, uniform]]
 
 
@@ -343,7 +350,8 @@ def breach_teeth(case: Case, staging: Staging) -> np.ndarray:
 def _repairs(case: Case, staging: Staging, last: int) -> list[Staging]:
     """Variants of a breaking staging: a lagging tooth's mesial chain delayed; two colliding
     neighbours moved one after the other; each involved tooth, alone and with its contralateral
-    counterpart, started earlier or later (at the slowest speed that still finishes) or slowed.
+    counterpart, started earlier or later (at the slowest speed that still finishes) or slowed,
+    if need be until it stops short of its target.
     Overcorrections are kept; the limits apply to the overcorrected steps."""
     start, fraction, oc = staging
     limit_fraction = _required_speed(case.initial, case.target) / (1.0 + oc)
@@ -358,7 +366,7 @@ def _repairs(case: Case, staging: Staging, last: int) -> list[Staging]:
         if TOOTH_NUMBER[a] == TOOTH_NUMBER[b]:  # the midline contact
             continue
         chain = (QUADRANT[mesial] == QUADRANT) & (TOOTH_NUMBER[mesial] >= TOOTH_NUMBER)
-        for shift in (1, 2, 3, 5):
+        for shift in CHAIN_SHIFTS:
             for end in sorted({last, N_STAGES}):
                 s = start.copy()
                 s[chain] = np.clip(start[chain] + shift, 1, N_STAGES)
@@ -397,6 +405,10 @@ def _repairs(case: Case, staging: Staging, last: int) -> list[Staging]:
         f = fraction.copy()
         f[teeth] = np.maximum(1.0 / (N_STAGES - start[teeth] + 1), 0.7 * fraction[teeth])
         out.append((start.copy(), _quantise(f), oc))
+        for k in SHORT_FACTORS:  # or slowed so far that it stops short: less accuracy, no harm
+            f = fraction.copy()
+            f[teeth] = k * fraction[teeth]
+            out.append((start.copy(), _quantise(f), oc))
     return out
 
 
@@ -501,7 +513,33 @@ def _best_staging(case: Case, strategy: str, secondary: str | None) -> tuple[Sta
             if fixed_result["scaled_reward"] > scaled[best]:
                 return fixed, fixed_result
             break
+    if results[best]["broken_rules"]:
+        return _slower_fallback(case, strategy, candidates[-1], results[best]) or (
+            candidates[best],
+            results[best],
+        )
     return candidates[best], results[best]
+
+
+def _slower_fallback(
+    case: Case, strategy: str, uniform: Staging, failing: dict
+) -> tuple[Staging, dict] | None:
+    """When nothing safe was found (a compliance schedule that overloads a lagging tooth): uniform
+    staging slowed by SLOWER_FACTORS, repaired where needed; the fastest safe one, even if it does
+    not finish (a safe plan that leaves movement undone outranks one that harms)."""
+    start, fraction, oc = uniform
+    slower = [(start, _quantise(fraction * k), oc) for k in SLOWER_FACTORS]
+    results = _score(case, strategy, slower)
+    for staging, result in zip(slower, results):
+        if not result["broken_rules"]:
+            return staging, result
+        breach = sum(result["diagnostics"][k] for k in BREACH_KEYS.values())
+        fixed = _repair(case, staging, breach, N_STAGES)
+        if fixed is not None:
+            fixed_result = _score(case, strategy, [fixed])[0]
+            if fixed_result["scaled_reward"] > failing["scaled_reward"]:
+                return fixed, fixed_result
+    return None
 
 
 def plan_for_case(case: Case) -> dict:

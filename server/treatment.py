@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
 
 import numpy as np
 
@@ -27,7 +26,7 @@ def plan_result(spec: PlanSpec, scores, i: int) -> dict:
         "reward_breakdown": scores.breakdown(i),
         "diagnostics": diagnostics,
         "strategy": spec.strategy,
-        "format": asdict(spec.format) | {"validity": spec.format.validity},
+        "format": {**vars(spec.format), "validity": spec.format.validity},
         "start_stage": scores.start_stage[i].tolist(),
     }
 
