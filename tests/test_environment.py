@@ -396,9 +396,14 @@ def test_the_store_is_bounded_by_an_lru_cap():
     env.state(a)  # a is now the most recently used
     d = env.reset("task_easy", 3)["episode_id"]
     assert len(env.sessions) == 3
-    with pytest.raises(UnknownEpisodeError, match="expired"):
+    with pytest.raises(UnknownEpisodeError, match="evicted.*at most 3") as evicted:
         env.state(b)
+    assert evicted.value.reason == "evicted"
     assert [env.state(x)["seed"] for x in (a, c, d)] == [0, 2, 3]
+    env.close_episode(a)
+    with pytest.raises(UnknownEpisodeError, match="closed") as closed:
+        env.state(a)
+    assert closed.value.reason == "closed"
     for s in range(10):
         env.reset("task_easy", s)
     assert len(env.sessions) == 3
@@ -414,8 +419,9 @@ def test_sessions_expire_after_the_ttl():
     now[0] += 4.0
     env.step(a, row)  # a used at t+9
     now[0] += 7.0  # t+16: b idle 11 s > 10, a idle 7 s
-    with pytest.raises(UnknownEpisodeError):
+    with pytest.raises(UnknownEpisodeError, match="expired") as expired:
         env.step(b, row)
+    assert expired.value.reason == "expired"
     assert env.state(a)["current_stage"] == 1
     assert len(env.sessions) == 1
     now[0] += 10.5
