@@ -134,9 +134,9 @@ def decode_message(frame: str | bytes | None, max_bytes: int, binary: bool = Fal
         raise MessageError("INVALID_JSON", f"message is {_kind(message)}: send {shape}")
     kind = message.get("type")
     if kind not in MESSAGE_TYPES:
-        got = repr(kind)[:_MAX_EXCERPT] if isinstance(kind, str) else _kind(kind)
+        got = "a string" if isinstance(kind, str) else _kind(kind)
         raise MessageError(
-            "UNKNOWN_TYPE", f"unknown message type {got}: use one of {', '.join(MESSAGE_TYPES)}"
+            "UNKNOWN_TYPE", f"unknown message type ({got}): use one of {', '.join(MESSAGE_TYPES)}"
         )
     data = message.get("data", {})
     if data is None:
@@ -149,8 +149,7 @@ def decode_message(frame: str | bytes | None, max_bytes: int, binary: bool = Fal
     if extra:
         raise MessageError(
             "VALIDATION_ERROR",
-            f"unknown message field(s) {sorted(str(k)[:_MAX_EXCERPT] for k in extra)[:5]}: "
-            'send only "type" and "data"',
+            f'{len(extra)} unknown message field(s) besides "type" and "data": send only those two',
         )
     return {"type": kind, "data": data}
 

@@ -396,7 +396,7 @@ def test_the_store_is_bounded_by_an_lru_cap():
     env.state(a)  # a is now the most recently used
     d = env.reset("task_easy", 3)["episode_id"]
     assert len(env.sessions) == 3
-    with pytest.raises(UnknownEpisodeError, match="evicted.*at most 3") as evicted:
+    with pytest.raises(UnknownEpisodeError, match=r"evicted.*at most 3") as evicted:
         env.state(b)
     assert evicted.value.reason == "evicted"
     assert [env.state(x)["seed"] for x in (a, c, d)] == [0, 2, 3]

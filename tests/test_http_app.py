@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,39 +21,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from openenv.core.generic_client import GenericEnvClient
 from websockets.sync.client import connect as ws_connect
 
 from server.app import build_app
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
+from tests.services import running_uvicorn
 
 # --- Server fixtures ----------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def running_uvicorn(app: Any, ws_max_size: int = 1_000_000) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL."""
-    # proto=IPPROTO_TCP, or asyncio skips TCP_NODELAY on accepted connections (40 ms per request)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", ws_max_size=ws_max_size, lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
