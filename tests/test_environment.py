@@ -14,7 +14,7 @@ from server import cases as cases_module
 from server.cases import TASK_IDS, generate_case
 from server.dental_constants import N_STAGES, TOOTH_IDS, TOOTH_INDEX
 from server.dental_environment import MAX_ROLLBACKS, StepwiseDentalEnvironment
-from server.errors import InvalidActionError, UnknownEpisodeError
+from server.errors import InvalidActionError, StageConflictError, UnknownEpisodeError
 from server.plans import normalize_plan
 from server.treatment import rollout_plans
 
@@ -570,3 +570,26 @@ def test_mutating_an_observation_does_not_change_the_session(isolated_episode, p
         f"observation{list(path)} aliases the cached case"
     )
     assert fresh["initial_config"] == snapshot["initial_config"]
+
+
+def test_forgotten_episode_ids_are_bounded():
+    env = StepwiseDentalEnvironment(max_sessions=2)
+    env.sessions.max_forgotten = 5
+    ids = [env.reset("task_easy", s)["episode_id"] for s in range(12)]
+    assert len(env.sessions) == 2 and len(env.sessions._forgotten) == 5
+    with pytest.raises(UnknownEpisodeError) as old:
+        env.state(ids[0])  # forgotten too long ago: plain unknown
+    assert old.value.reason == "unknown"
+    with pytest.raises(UnknownEpisodeError) as recent:
+        env.state(ids[9])
+    assert recent.value.reason == "evicted"
+
+
+def test_expected_stage_refuses_a_duplicated_step():
+    env = StepwiseDentalEnvironment()
+    obs = env.reset("task_easy", 0)
+    row = planned_trajectory(None, "task_easy", 0)[1].tolist()
+    env.step(obs["episode_id"], row, expected_stage=0)
+    with pytest.raises(StageConflictError) as conflict:
+        env.step(obs["episode_id"], row, expected_stage=0)
+    assert conflict.value.current_stage == 1 and env.state(obs["episode_id"])["current_stage"] == 1
