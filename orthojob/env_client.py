@@ -38,6 +38,7 @@ from typing import Any
 
 from openenv.core.client_types import StepResult
 from openenv.core.env_client import EnvClient
+from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,25 @@ class ServerUnavailableError(ConnectionError):
 class DentalEnvClient(EnvClient[dict[str, Any], dict[str, Any], dict[str, Any]]):
     """OpenEnv's async client for the aligner-staging environment (actions and observations
     as dicts: ``{"poses": 28x7, "strategy": ..., "expected_stage": ...}``)."""
+
+    async def connect(self) -> DentalEnvClient:
+        """Open the WebSocket as OpenEnv's client does, without per-message deflate: the
+        server's observations are 14 kB of numbers, and compressing them costs the server
+        more CPU than the network saves (no proxy for a loopback address)."""
+        if self._ws is not None:
+            return self
+        loopback = any(h in self._ws_url.lower() for h in ("://localhost", "://127.0.0.1", "://[::1]"))
+        try:
+            self._ws = await ws_connect(
+                self._ws_url,
+                open_timeout=self._connect_timeout,
+                max_size=self._max_message_size,
+                compression=None,
+                proxy=None if loopback else True,
+            )
+        except Exception as exc:
+            raise ConnectionError(f"Failed to connect to {self._ws_url}: {exc}") from exc
+        return self
 
     def _step_payload(self, action: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in action.items() if v is not None}

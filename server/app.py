@@ -51,12 +51,13 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError, ResponseValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from openenv.core.env_server.http_server import create_fastapi_app
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import ConcurrencyConfig, EnvironmentMetadata
@@ -94,6 +95,7 @@ from server.models import (
 )
 from server.serialization import (
     NonFiniteOutputError,
+    decode_json_body,
     describe_validation_errors,
     encode_json,
     json_safe,
@@ -325,6 +327,28 @@ def _error(status_code: int, detail: Any, **extra: Any) -> JSONResponse:
     return JSONResponse({"detail": json_safe(detail), **json_safe(extra)}, status_code=status_code)
 
 
+class FastJSONRequest(Request):
+    """A request whose JSON body is parsed by :func:`server.serialization.decode_json_body`."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = decode_json_body(await self.body())
+        return self._json
+
+
+class FastJSONRoute(APIRoute):
+    """FastAPI route whose handler sees :class:`FastJSONRequest` (FastAPI's custom-request
+    pattern): the body of a step is parsed about ten times faster than by ``json.loads``."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def fast_json_handler(request: Request) -> Response:
+            return await handler(FastJSONRequest(request.scope, request.receive))
+
+        return fast_json_handler
+
+
 class JSONBytesResponse(Response):
     """A JSON response encoded by :func:`server.serialization.encode_json` (orjson, NaN refused)."""
 
@@ -466,6 +490,8 @@ def create_app(
     install_exception_handlers(app)
 
     existing = {getattr(r, "path", None) for r in app.routes}
+    n_openenv_routes = len(app.router.routes)
+    app.router.route_class = FastJSONRoute
     errors = {
         404: {"model": ErrorResponse, "description": "unknown, closed, evicted or expired episode"},
         409: {"model": ErrorResponse, "description": "the episode is not at expected_stage: not applied"},
@@ -622,6 +648,10 @@ def create_app(
             )
         )
 
+    # this project's routes first: a request matches its route without scanning openenv-core's
+    # (their paths differ, so no route shadows another)
+    routes = app.router.routes
+    routes[:] = routes[n_openenv_routes:] + routes[:n_openenv_routes]
     _patch_openapi(app)
     return app
 
@@ -728,6 +758,9 @@ def main(argv: list[str] | None = None) -> None:
         ws_max_size=4 * settings.max_message_bytes,
         ws_ping_interval=settings.ws_ping_interval_s,
         ws_ping_timeout=settings.ws_ping_timeout_s,
+        # per-message deflate costs the server about 0.5 ms of CPU per 14 kB observation, for
+        # bandwidth a loopback or cluster network does not need
+        ws_per_message_deflate=False,
     )
 
 

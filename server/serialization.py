@@ -7,6 +7,8 @@ WebSocket messages in (every malformed frame named, never echoed), and error det
 * :func:`observation_payload` -- OpenEnv's ``{"observation", "reward", "done"}`` from the
   environment's observation dict (``reward`` = ``step_reward`` plus, on the last stage,
   ``terminal_reward``).
+* :func:`decode_json_body` -- an HTTP request body (orjson first; the standard parser names
+  the error).
 * :func:`decode_message` -- a WebSocket frame to a ``{"type", "data"}`` dict, or
   :class:`MessageError` with an OpenEnv error code and a message that says what to send.
 * :func:`error_frame` -- an OpenEnv error reply, its message cut to
@@ -75,10 +77,15 @@ def _finite(obj: Any) -> bool:
     if t is list or t is tuple:
         try:
             total = sum(obj, 0.0)
-        except TypeError:  # not all numbers: each element
-            total = None
-        if total is not None and total - total == 0.0:
+        except TypeError:  # not a list of numbers: perhaps a list of lists of numbers (a 28 x 7 config)
+            try:
+                rows_only = all(type(row) is list or type(row) is tuple for row in obj)
+                total = sum(map(sum, obj), 0.0) if rows_only else math.nan
+            except TypeError:
+                total = math.nan
+        if total - total == 0.0:
             return True
+        # a non-number, a NaN/inf, or finite numbers whose sum overflows: each element
         return all(_finite(v) for v in obj)
     if t is np.ndarray:
         return obj.dtype.kind not in "fc" or bool(np.isfinite(obj).all())
@@ -152,6 +159,19 @@ def decode_message(frame: str | bytes | None, max_bytes: int, binary: bool = Fal
             f'{len(extra)} unknown message field(s) besides "type" and "data": send only those two',
         )
     return {"type": kind, "data": data}
+
+
+def decode_json_body(body: bytes) -> Any:
+    """An HTTP JSON body: orjson, else the standard parser, which takes NaN/Infinity (refused,
+    with their place, by the validation) and raises ``json.JSONDecodeError`` with the position
+    of a syntax error (deep nesting included)."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        try:
+            return json.loads(body)
+        except RecursionError:
+            raise json.JSONDecodeError("nested too deeply", "", 0) from None
 
 
 def _json_error(exc: ValueError) -> str:
