@@ -43,6 +43,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 import numpy as np
 
@@ -92,6 +93,8 @@ def validate_poses(poses: object) -> np.ndarray:
             raise InvalidActionError(
                 f"poses must have shape (28, 7) [teeth x {list(POSE_FIELDS)}], got {arr.shape}"
             )
+    elif _all_float_rows(poses):  # the common case (e.g. validated JSON): no per-value checks to name
+        arr = np.array(poses, dtype=np.float64)
     else:
         if not isinstance(poses, (list, tuple)) or len(poses) != N_TEETH:
             n = len(poses) if isinstance(poses, (list, tuple)) else type(poses).__name__
@@ -117,6 +120,15 @@ def validate_poses(poses: object) -> np.ndarray:
         raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
     arr[:, :4] /= norms[:, None]
     return arr
+
+
+def _all_float_rows(poses: object) -> bool:
+    """``poses`` is 28 lists (or tuples) of 7 Python floats (C-level type and length sets)."""
+    if type(poses) not in (list, tuple) or len(poses) != N_TEETH:
+        return False
+    if not set(map(type, poses)) <= {list, tuple} or set(map(len, poses)) != {POSE_DIM}:
+        return False
+    return set(map(type, chain.from_iterable(poses))) == {float}
 
 
 def _raise_out_of_range(arr: np.ndarray) -> None:
