@@ -151,7 +151,9 @@ class KeepAliveHTTP:
             self.writer.close()
 
 
-async def http_client(host: str, port: int, cases: list, k: int, tally: Tally, until: float) -> None:
+async def http_client(
+    host: str, port: int, cases: list, k: int, tally: Tally, until: float, legacy: bool = False
+) -> None:
     http = KeepAliveHTTP(host, port)
     i = k
     try:
@@ -161,7 +163,7 @@ async def http_client(host: str, port: int, cases: list, k: int, tally: Tally, u
             code, body = await http.request("POST", "/episodes", orjson.dumps(params))
             episode_id = orjson.loads(body)["episode_id"]
             for s, poses in enumerate(stages):
-                payload = orjson.dumps({"poses": poses, "expected_stage": s})
+                payload = orjson.dumps({"poses": poses} if legacy else {"poses": poses, "expected_stage": s})
                 t0 = time.perf_counter()
                 code, body = await http.request("POST", f"/episodes/{episode_id}/step", payload)
                 orjson.loads(body)
@@ -172,7 +174,8 @@ async def http_client(host: str, port: int, cases: list, k: int, tally: Tally, u
                     tally.latencies.append(t1 - t0)
                 if s == N_STAGES - 1 and tally.inside(t1):
                     tally.episodes += 1
-            await http.request("DELETE", f"/episodes/{episode_id}")
+            if not legacy:
+                await http.request("DELETE", f"/episodes/{episode_id}")
     finally:
         await http.close()
 
@@ -248,6 +251,7 @@ async def run_level(
     warmup: float,
     seconds: float,
     deflate: bool = False,
+    legacy: bool = False,
 ) -> dict:
     tally = Tally()
     now = time.perf_counter()
@@ -257,7 +261,7 @@ async def run_level(
         url = f"ws://127.0.0.1:{port}/ws"
         tasks = [ws_client(url, cases, k, tally, until, deflate) for k in range(n_clients)]
     else:
-        tasks = [http_client("127.0.0.1", port, cases, k, tally, until) for k in range(n_clients)]
+        tasks = [http_client("127.0.0.1", port, cases, k, tally, until, legacy) for k in range(n_clients)]
     runner = asyncio.gather(*tasks)
     await asyncio.sleep(max(tally.start - time.perf_counter(), 0))
     cpu0, client0 = cpu_s(pid), time.process_time()
@@ -265,7 +269,8 @@ async def run_level(
     cpu1, client1 = cpu_s(pid), time.process_time()
     await runner
     lat = np.asarray(tally.latencies) * 1e3
-    messages = len(lat) * (N_STAGES + (2 if transport == "http" else 1)) / N_STAGES  # + resets (+ deletes)
+    per_episode = N_STAGES + (1 if transport == "ws" or legacy else 2)  # steps, reset (, delete)
+    messages = len(lat) * per_episode / N_STAGES
     return {
         "transport": transport,
         "clients": n_clients,
@@ -331,7 +336,11 @@ def breakdown() -> list[tuple[str, float, float]]:
             ),
         ),
         ("  of which pydantic observation", 0.0, us(lambda: make_observation(obs))),
-        ("  of which json.dumps alone", 0.0, us(lambda: json.dumps(serialize_observation(pydantic_obs)))),
+        (
+            "  (stdlib json.dumps of it, for scale)",
+            0.0,
+            us(lambda: json.dumps(serialize_observation(pydantic_obs))),
+        ),
         (
             "step through the adapter (all above)",
             us(lambda: (setattr(session, "stage", 0), adapter.step_observation(data))),
@@ -358,6 +367,9 @@ def main() -> None:
         help="python -m server.app (default) or uvicorn's command line with its defaults",
     )
     parser.add_argument("--deflate", action="store_true", help="WebSocket clients offer per-message deflate")
+    parser.add_argument(
+        "--legacy-http", action="store_true", help="no expected_stage, no DELETE (a server before issue 14)"
+    )
     args = parser.parse_args()
 
     pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
@@ -387,7 +399,17 @@ def main() -> None:
         for transport in args.transports:
             for n in args.clients:
                 row = asyncio.run(
-                    run_level(transport, n, port, pid, cases, args.warmup, args.seconds, args.deflate)
+                    run_level(
+                        transport,
+                        n,
+                        port,
+                        pid,
+                        cases,
+                        args.warmup,
+                        args.seconds,
+                        args.deflate,
+                        args.legacy_http,
+                    )
                 )
                 rows.append(row)
                 print(
