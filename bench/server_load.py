@@ -393,9 +393,10 @@ def main() -> None:
         print(f"launch: {args.launch}; clients offer deflate: {args.deflate}; {server_stack()}")
         print(f"server RSS at start: {rss_mb(pid):.0f} MB\n")
         print(
-            "| transport | clients | episodes/s | step p50 ms | step p99 ms | server ms/msg | server RSS MB | errors |"
+            "| transport | clients | episodes/s | step p50 ms | step p99 ms | server ms/msg "
+            "| server CPU % | client CPU % | server RSS MB | errors |"
         )
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for transport in args.transports:
             for n in args.clients:
                 row = asyncio.run(
