@@ -40,7 +40,7 @@ from orthojob.env_client import DentalEnvClient, EnvSession, EpisodeLostError, S
 from server.app import build_app, requested_workers
 from server.dental_constants import N_STAGES
 from server.dental_environment import StepwiseDentalEnvironment
-from server.settings import MAX_ERROR_CHARS
+from server.settings import ENV_VARIABLES, MAX_ERROR_CHARS, ServerSettings, SettingsError
 from tests.services import free_port, running_uvicorn, start_server_process
 
 N_EPISODES = 64
@@ -93,6 +93,13 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout} s: {what}")
         time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def _default_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests state their settings: none leak in from the environment."""
+    for variable in [*ENV_VARIABLES.values(), "ORTHORL_MAX_BODY_BYTES", "WEB_CONCURRENCY"]:
+        monkeypatch.delenv(variable, raising=False)
 
 
 class ErrorRecords(logging.Handler):
@@ -510,3 +517,38 @@ def test_several_workers_are_refused_at_start(tmp_path: Path) -> None:
             pytest.fail("uvicorn --workers 2 kept running:\n" + server.output()[-3000:])
     text = server.output()
     assert "refusing to start with 2 worker processes" in text and "WEB_CONCURRENCY" in text, text[-3000:]
+
+
+# --- Settings -------------------------------------------------------------------------------
+
+
+def test_settings_have_headroom_by_default_and_come_from_the_environment() -> None:
+    default = ServerSettings.from_env({})
+    assert default.max_sessions == 256 and default.ws_idle_timeout_s == 300.0
+    assert default.max_message_bytes == 1_000_000
+    settings = ServerSettings.from_env(
+        {"ORTHORL_MAX_SESSIONS": "512", "ORTHORL_WS_IDLE_TIMEOUT_S": "30", "ORTHORL_MAX_BODY_BYTES": "2000"},
+        max_episodes=9,
+    )
+    assert (settings.max_sessions, settings.ws_idle_timeout_s, settings.max_message_bytes) == (
+        512,
+        30.0,
+        2000,
+    )
+    assert settings.max_episodes == 9
+    assert (
+        ServerSettings.from_env(
+            {"ORTHORL_MAX_MESSAGE_BYTES": "5", "ORTHORL_MAX_BODY_BYTES": "7"}
+        ).max_message_bytes
+        == 5
+    )
+    for variable, value, words in (
+        ("ORTHORL_MAX_SESSIONS", "lots", "ORTHORL_MAX_SESSIONS must be an integer"),
+        ("ORTHORL_MAX_SESSIONS", "0", "positive integer"),
+        ("ORTHORL_WS_IDLE_TIMEOUT_S", "-1", "positive number of seconds"),
+        ("ORTHORL_WS_IDLE_TIMEOUT_S", "inf", "positive number of seconds"),
+    ):
+        with pytest.raises(SettingsError, match=words):
+            ServerSettings.from_env({variable: value})
+    app = build_app()
+    assert app.state.websocket_sessions.idle_timeout_s == 300.0  # reaping is on by default
