@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,8 @@ from server.settings import ENV_VARIABLES, MAX_ERROR_CHARS
 _MAX_REPORTED_ERRORS = 10
 _MAX_INPUT_REPR = 200
 _MAX_EXCERPT = 40
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
 MESSAGE_TYPES = ("reset", "step", "state", "close")
 """The OpenEnv WebSocket message types this server answers."""
@@ -258,7 +261,7 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> str:
     ``poses[3][4] (tooth 14, tz): Input should be a finite number (got NaN)``."""
     lines = []
     for err in errors[:_MAX_REPORTED_ERRORS]:
-        where = _format_loc(err.get("loc", ()))
+        where = _format_loc(_safe_loc(err))
         msg = err.get("msg", "invalid")
         kind = err.get("type")
         if kind == "json_invalid":
@@ -269,16 +272,7 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> str:
             continue
         if tuple(err.get("loc", ())) == ("body",) and kind == "missing":
             msg = "a JSON object body is required"
-        got = ""
-        if "input" in err and kind != "missing":
-            raw = err["input"]
-            if isinstance(raw, float) and not math.isfinite(raw):
-                shown = json_safe(raw)  # NaN / Infinity / -Infinity, as written in the JSON text
-            else:
-                shown = _short_repr(json.dumps(json_safe(raw, depth=7)))
-            got = f" (got {shown})"
-            if len(got) > _MAX_EXCERPT + 8:
-                got = ""
+        got = f" (got {_shown(err['input'])})" if "input" in err and kind != "missing" else ""
         lines.append(f"{where}: {msg}{got}")
     more = len(errors) - _MAX_REPORTED_ERRORS
     if more > 0:
@@ -289,9 +283,33 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> str:
 def safe_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The first few pydantic errors as JSON (type, loc, msg, ctx), without their input."""
     return [
-        {k: json_safe(v) for k, v in err.items() if k in ("type", "loc", "msg", "ctx")}
+        {**{k: json_safe(v) for k, v in err.items() if k in ("type", "msg", "ctx")}, "loc": _safe_loc(err)}
         for err in errors[:_MAX_REPORTED_ERRORS]
     ]
+
+
+def _safe_loc(err: dict[str, Any]) -> list[Any]:
+    """An error's location without the client's own text: an unknown field keeps its name only
+    when that is a short identifier."""
+    loc = list(err.get("loc", ()))
+    unknown = err.get("type") == "extra_forbidden" and loc and isinstance(loc[-1], str)
+    if unknown and not _IDENTIFIER.fullmatch(loc[-1]):
+        loc[-1] = "<unknown field>"
+    return [p if not isinstance(p, str) else p[:_MAX_EXCERPT] for p in loc]
+
+
+def _shown(raw: Any) -> str:
+    """What an offending input was, without quoting its text: a number or literal as written
+    (``NaN``, ``1e400``, ``true``, ``null``), anything else by kind and size."""
+    if isinstance(raw, float) and not math.isfinite(raw):
+        return str(json_safe(raw))  # NaN / Infinity / -Infinity, as written in the JSON text
+    if raw is None or isinstance(raw, (bool, int, float)):
+        return json.dumps(raw)[:24]
+    if isinstance(raw, str):
+        return f"a string of {len(raw)} characters"
+    if isinstance(raw, (list, tuple)):
+        return f"an array of {len(raw)} items"
+    return "an object" if isinstance(raw, dict) else type(raw).__name__
 
 
 def to_jsonable(obj: Any, path: str = "") -> Any:

@@ -687,3 +687,19 @@ def test_an_evicted_episode_says_so() -> None:
         assert response.status_code == 404 and response.json()["reason"] == "evicted", response.text
         assert "evicted" in response.json()["detail"] and "at most 3" in response.json()["detail"]
         assert client.get("/status").json()["episodes"] == {"live": 3, "max_episodes": 3, "ttl_s": 3600.0}
+
+
+def test_http_error_replies_are_bounded_and_do_not_echo(http: httpx.Client) -> None:
+    obs = new_episode(http, seed=44)
+    marker = "ECHO-MARKER-91c2"
+    poses = interpolated_poses(obs, 1)
+    for body in (
+        {"poses": marker * 60_000},  # 960 kB string
+        {"poses": [[marker] * 7] * N_TEETH},
+        {"poses": poses, marker * 1000: 1},
+        {"poses": [[*p, marker] for p in poses]},
+    ):
+        response = http.post(f"/episodes/{obs['episode_id']}/step", json=body)
+        assert response.status_code == 422, response.text[:300]
+        assert len(response.content) < 4000 and marker not in response.text, response.text[:300]
+    assert stage_of(http, obs["episode_id"]) == 0
