@@ -100,6 +100,7 @@ from server.serialization import (
     encode_json,
     json_safe,
     safe_errors,
+    short_repr,
     to_jsonable,
 )
 from server.settings import ENV_VARIABLES, WORKERS_VARIABLE, ServerSettings, SettingsError
@@ -318,11 +319,6 @@ ExpectedStageQuery = Annotated[
 # --- App ------------------------------------------------------------------------------
 
 
-def _short_repr(obj: Any) -> str:
-    text = obj if isinstance(obj, str) else repr(obj)
-    return text if len(text) <= 200 else text[:200] + "...(truncated)"
-
-
 def _error(status_code: int, detail: Any, **extra: Any) -> JSONResponse:
     return JSONResponse({"detail": json_safe(detail), **json_safe(extra)}, status_code=status_code)
 
@@ -416,7 +412,7 @@ def install_exception_handlers(app: FastAPI) -> None:
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         # a server bug (bad input never gets here); JSON so clients can show the reason
         logger.error("internal error on %s", request.url.path, exc_info=exc)
-        return _error(500, f"internal error: {type(exc).__name__}: {_short_repr(str(exc))}")
+        return _error(500, f"internal error: {type(exc).__name__}: {short_repr(str(exc))}")
 
     @app.exception_handler(ResponseValidationError)
     async def _bad_response(request: Request, exc: ResponseValidationError) -> JSONResponse:

@@ -213,9 +213,9 @@ def json_safe(obj: Any, depth: int = 0) -> Any:
     ``"NaN"``/``"Infinity"``/``"-Infinity"``, other objects their ``str``, long inputs a
     truncated repr."""
     if depth > 8:
-        return _short_repr(obj)
+        return short_repr(obj)
     if obj is None or isinstance(obj, (bool, int, str)):
-        return obj if not isinstance(obj, str) or len(obj) <= 4 * _MAX_INPUT_REPR else _short_repr(obj)
+        return obj if not isinstance(obj, str) or len(obj) <= 4 * _MAX_INPUT_REPR else short_repr(obj)
     if isinstance(obj, float):
         if math.isfinite(obj):
             return obj
@@ -224,14 +224,15 @@ def json_safe(obj: Any, depth: int = 0) -> Any:
         return {str(k): json_safe(v, depth + 1) for k, v in list(obj.items())[:64]}
     if isinstance(obj, (list, tuple)):
         if len(obj) > 16:
-            return _short_repr(obj)
+            return short_repr(obj)
         return [json_safe(v, depth + 1) for v in obj]
     if isinstance(obj, bytes):
-        return _short_repr(obj.decode("utf-8", errors="replace"))
-    return _short_repr(obj)
+        return short_repr(obj.decode("utf-8", errors="replace"))
+    return short_repr(obj)
 
 
-def _short_repr(obj: Any) -> str:
+def short_repr(obj: Any) -> str:
+    """``repr`` (or the string itself) cut to 200 characters."""
     text = obj if isinstance(obj, str) else repr(obj)
     return text if len(text) <= _MAX_INPUT_REPR else text[:_MAX_INPUT_REPR] + "...(truncated)"
 
