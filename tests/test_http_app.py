@@ -4,8 +4,11 @@ Covers: OpenEnv's own client over ``/ws`` (one episode to done, several clients 
 session capacity), the episode routes over plain HTTP (reset, step to done, simulate,
 rollback, inspect, collisions, plan scoring), bad input (NaN/Infinity as raw JSON text,
 wrong shapes, strings and booleans as numbers, unknown and expired episode ids,
-oversized bodies) answered with a 4xx naming the problem and leaving the session
-unchanged, and a bounded schemathesis run over the app's OpenAPI (``not_a_server_error``).
+oversized bodies) answered with a 4xx naming the problem, bounded and never quoting the
+input, and leaving the session unchanged; the episode life cycle (DELETE, ``expected_stage``
+409s for duplicated and out-of-order steps, the 404 of an evicted episode); and a bounded
+schemathesis run over the app's OpenAPI (``not_a_server_error``). Load and misuse of the
+WebSocket sessions: ``tests/test_server_sessions.py``.
 """
 
 from __future__ import annotations
