@@ -95,27 +95,37 @@ class Tally:
 
 
 async def ws_client(url: str, cases: list, k: int, tally: Tally, until: float, deflate: bool) -> None:
+    """Episodes over one connection; a refused or dropped connection counts an error and is
+    opened again (after 50 ms)."""
     compression = "deflate" if deflate else None  # OpenEnv's stock client offers deflate; EnvSession does not
-    async with websockets.connect(url, max_size=2**24, open_timeout=60, compression=compression) as ws:
-        i = k
-        while time.perf_counter() < until:
-            params, stages = cases[i % len(cases)]
-            i += 1
-            await ws.send(orjson.dumps({"type": "reset", "data": params}).decode())
-            orjson.loads(await ws.recv())
-            for s, poses in enumerate(stages):
-                message = orjson.dumps({"type": "step", "data": {"poses": poses}}).decode()
-                t0 = time.perf_counter()
-                await ws.send(message)
-                reply = orjson.loads(await ws.recv())
-                t1 = time.perf_counter()
-                if reply["type"] != "observation":
-                    tally.errors += 1
-                if tally.inside(t1):
-                    tally.latencies.append(t1 - t0)
-                if s == N_STAGES - 1 and tally.inside(t1):
-                    tally.episodes += 1
-        await ws.send('{"type": "close"}')
+    i = k
+    while time.perf_counter() < until:
+        try:
+            async with websockets.connect(
+                url, max_size=2**24, open_timeout=60, compression=compression
+            ) as ws:
+                while time.perf_counter() < until:
+                    params, stages = cases[i % len(cases)]
+                    i += 1
+                    await ws.send(orjson.dumps({"type": "reset", "data": params}).decode())
+                    if orjson.loads(await ws.recv())["type"] != "observation":
+                        raise ConnectionError("reset refused")
+                    for s, poses in enumerate(stages):
+                        message = orjson.dumps({"type": "step", "data": {"poses": poses}}).decode()
+                        t0 = time.perf_counter()
+                        await ws.send(message)
+                        reply = orjson.loads(await ws.recv())
+                        t1 = time.perf_counter()
+                        if reply["type"] != "observation":
+                            tally.errors += 1
+                        if tally.inside(t1):
+                            tally.latencies.append(t1 - t0)
+                        if s == N_STAGES - 1 and tally.inside(t1):
+                            tally.episodes += 1
+                await ws.send('{"type": "close"}')
+        except (websockets.ConnectionClosed, ConnectionError, OSError):
+            tally.errors += 1
+            await asyncio.sleep(0.05)
 
 
 class KeepAliveHTTP:
