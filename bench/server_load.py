@@ -244,6 +244,18 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def runqueue_wait_s(pid: int) -> float:
+    """Seconds the server's threads have waited for a CPU (ready to run): other processes'
+    load on its core, which the episodes/s and latencies then include."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
+
+
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -274,9 +286,9 @@ async def run_level(
         tasks = [http_client("127.0.0.1", port, cases, k, tally, until, legacy) for k in range(n_clients)]
     runner = asyncio.gather(*tasks)
     await asyncio.sleep(max(tally.start - time.perf_counter(), 0))
-    cpu0, client0 = cpu_s(pid), time.process_time()
+    cpu0, client0, wait0 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
     await asyncio.sleep(max(tally.stop - time.perf_counter(), 0))
-    cpu1, client1 = cpu_s(pid), time.process_time()
+    cpu1, client1, wait1 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
     await runner
     lat = np.asarray(tally.latencies) * 1e3
     per_episode = N_STAGES + (1 if transport == "ws" or legacy else 2)  # steps, reset (, delete)
@@ -290,6 +302,9 @@ async def run_level(
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
         "server_ms_per_msg": 1e3 * (cpu1 - cpu0) / max(messages, 1),
         "server_cpu_pct": 100 * (cpu1 - cpu0) / seconds,
+        "server_cpu_wait_pct": 100 * (wait1 - wait0) / seconds,
+        # what one whole core would serve at this CPU cost per message
+        "core_episodes_per_s": 1e3 / max(1e3 * (cpu1 - cpu0) / max(messages, 1) * per_episode, 1e-9),
         "client_cpu_pct": 100 * (client1 - client0) / seconds,
         "server_rss_mb": rss_mb(pid),
         "errors": tally.errors,
@@ -404,9 +419,10 @@ def main() -> None:
         print(f"server RSS at start: {rss_mb(pid):.0f} MB\n")
         print(
             "| transport | clients | episodes/s | step p50 ms | step p99 ms | server ms/msg "
-            "| server CPU % | client CPU % | server RSS MB | errors |"
+            "| server CPU % | server waited for CPU % | episodes/s per server core | client CPU % "
+            "| server RSS MB | errors |"
         )
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for transport in args.transports:
             for n in args.clients:
                 row = asyncio.run(
@@ -425,7 +441,8 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"| {transport} | {n} | {row['episodes_per_s']:.1f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} "
-                    f"| {row['server_ms_per_msg']:.2f} | {row['server_cpu_pct']:.0f} | {row['client_cpu_pct']:.0f} "
+                    f"| {row['server_ms_per_msg']:.2f} | {row['server_cpu_pct']:.0f} | {row['server_cpu_wait_pct']:.0f} "
+                    f"| {row['core_episodes_per_s']:.0f} | {row['client_cpu_pct']:.0f} "
                     f"| {row['server_rss_mb']:.0f} | {row['errors']} |",
                     flush=True,
                 )
