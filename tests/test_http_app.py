@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import websockets
 from openenv.core.generic_client import GenericEnvClient
 from websockets.sync.client import connect as ws_connect
 
@@ -198,6 +199,14 @@ def test_websocket_session_capacity() -> None:
             with ws_connect(_ws_url(url), open_timeout=10) as third:
                 reply = json.loads(third.recv(timeout=10))
                 assert reply["type"] == "error" and reply["data"]["code"] == "CAPACITY_REACHED"
+                assert (
+                    reply["data"]["max_sessions"] == 2 and "ORTHORL_MAX_SESSIONS" in reply["data"]["message"]
+                )
+                third.send(json.dumps({"type": "reset"}))  # read, then closed: 1013 (try again later)
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    third.recv(timeout=10)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013
+                assert "ORTHORL_MAX_SESSIONS" in closed.value.rcvd.reason
         deadline = time.monotonic() + 10
         while True:  # the slots come back once the connections are gone
             with ws_connect(_ws_url(url), open_timeout=10) as ws:
