@@ -122,12 +122,17 @@ def decode_message(frame: str | bytes | None, max_bytes: int, binary: bool = Fal
     shape = 'a JSON object {"type": "reset" | "step" | "state" | "close", "data": {...}}'
     if binary or frame is None:
         raise MessageError("INVALID_JSON", f"binary frames are not accepted: send {shape} as a text frame")
-    size = len(frame) if isinstance(frame, bytes) else len(frame.encode("utf-8", "surrogatepass"))
+    size, bound = len(frame), ""
+    if isinstance(frame, str):
+        if size > max_bytes:  # characters: a lower bound of the UTF-8 size (exact for ASCII)
+            bound = "at least "
+        elif 4 * size > max_bytes:  # near the limit: the exact size
+            size = len(frame.encode("utf-8", "surrogatepass"))
     if size > max_bytes:
         raise MessageError(
             "MESSAGE_TOO_LARGE",
-            f"message of {size} bytes exceeds the limit of {max_bytes} bytes "
-            f"(a step is about 5 kB; the server sets the limit with {ENV_VARIABLES['max_message_bytes']})",
+            f"message of {bound}{size} bytes exceeds the limit of {max_bytes} bytes (a step is about "
+            f"5 kB; the server sets the limit with {ENV_VARIABLES['max_message_bytes']})",
         )
     try:
         message = orjson.loads(frame)
