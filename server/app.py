@@ -716,8 +716,7 @@ def refuse_several_workers(
         f"{ENV_VARIABLES['max_sessions']}, or run several servers on separate ports, each client "
         "keeping to one."
     )
-    logger.critical(message)
-    print(f"ERROR: {message}", file=sys.stderr, flush=True)
+    logger.critical(message)  # no handler configured yet: Python's last-resort handler writes it to stderr
     raise SystemExit(3)  # uvicorn.config.STARTUP_FAILURE: the supervisor stops instead of restarting
 
 
