@@ -43,6 +43,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 import numpy as np
 
@@ -65,9 +66,10 @@ from server.dental_constants import (
     TOOTH_INDEX,
 )
 from server.dynamics import apply_wear, engaged, express_stage
-from server.errors import InvalidActionError, UnknownEpisodeError
+from server.errors import InvalidActionError, StageConflictError, UnknownEpisodeError
 from server.quaternion_utils import quaternion_angle, vector_norm
 from server.scoring import StageMeasures, limit_ratio, pdl_stress_kpa, score_episodes
+from server.settings import MAX_FORGOTTEN_EPISODES
 from server.treatment import score_plans
 
 MAX_ROLLBACKS: int = 2
@@ -91,6 +93,8 @@ def validate_poses(poses: object) -> np.ndarray:
             raise InvalidActionError(
                 f"poses must have shape (28, 7) [teeth x {list(POSE_FIELDS)}], got {arr.shape}"
             )
+    elif _all_float_rows(poses):  # the common case (e.g. validated JSON): no per-value checks to name
+        arr = np.array(poses, dtype=np.float64)
     else:
         if not isinstance(poses, (list, tuple)) or len(poses) != N_TEETH:
             n = len(poses) if isinstance(poses, (list, tuple)) else type(poses).__name__
@@ -116,6 +120,15 @@ def validate_poses(poses: object) -> np.ndarray:
         raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
     arr[:, :4] /= norms[:, None]
     return arr
+
+
+def _all_float_rows(poses: object) -> bool:
+    """``poses`` is 28 lists (or tuples) of 7 Python floats (C-level type and length sets)."""
+    if type(poses) not in (list, tuple) or len(poses) != N_TEETH:
+        return False
+    if not set(map(type, poses)) <= {list, tuple} or set(map(len, poses)) != {POSE_DIM}:
+        return False
+    return set(map(type, chain.from_iterable(poses))) == {float}
 
 
 def _raise_out_of_range(arr: np.ndarray) -> None:
@@ -212,20 +225,28 @@ class Session:
 
 
 class SessionStore:
-    """Thread-safe episode store bounded by an LRU cap and a time-to-live (seconds)."""
+    """Thread-safe episode store bounded by an LRU cap and a time-to-live (seconds).
+
+    It also remembers (LRU, at most :data:`server.settings.MAX_FORGOTTEN_EPISODES`) why the
+    last ids it dropped are gone -- closed, evicted or expired -- so that a later call names
+    the reason instead of a bare "unknown".
+    """
 
     def __init__(
         self,
         max_sessions: int = 1024,
         ttl_seconds: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
+        max_forgotten: int = MAX_FORGOTTEN_EPISODES,
     ) -> None:
         if max_sessions < 1 or not ttl_seconds > 0:
             raise ValueError("max_sessions must be >= 1 and ttl_seconds > 0")
         self.max_sessions = max_sessions
         self.ttl_seconds = ttl_seconds
+        self.max_forgotten = max_forgotten
         self._clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._forgotten: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -238,8 +259,9 @@ class SessionStore:
             session.last_used = now
             self._sessions[session.episode_id] = session
             self._sessions.move_to_end(session.episode_id)
+            self._forgotten.pop(session.episode_id, None)
             while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+                self._forget(self._sessions.popitem(last=False)[0], "evicted")
 
     def get(self, episode_id: object) -> Session:
         if not isinstance(episode_id, str):
@@ -249,25 +271,48 @@ class SessionStore:
             self._expire(now)
             session = self._sessions.get(episode_id)
             if session is None:
-                raise UnknownEpisodeError(
-                    f"unknown or expired episode_id {episode_id!r:.80}: call reset() to start an episode "
-                    f"(sessions expire after {self.ttl_seconds:g} s idle; at most {self.max_sessions} are kept)"
-                )
+                raise self._unknown(episode_id)
             session.last_used = now
             self._sessions.move_to_end(episode_id)
             return session
 
     def remove(self, episode_id: str) -> bool:
-        """Forget an episode now; True if it was live."""
+        """Forget an episode now (reason "closed"); True if it was live."""
         with self._lock:
-            return self._sessions.pop(episode_id, None) is not None
+            if self._sessions.pop(episode_id, None) is None:
+                return False
+            self._forget(episode_id, "closed")
+            return True
+
+    def _unknown(self, episode_id: str) -> UnknownEpisodeError:
+        reason = self._forgotten.get(episode_id, "unknown")
+        shown = f"{episode_id!r:.80}"
+        what = {
+            "closed": f"episode {shown} was closed (by DELETE, or when its WebSocket session ended)",
+            "evicted": (
+                f"episode {shown} was evicted: the server keeps at most {self.max_sessions} live episodes "
+                "and this one was the least recently used when a new one started"
+            ),
+            "expired": f"episode {shown} expired: it was not used for {self.ttl_seconds:g} s",
+            "unknown": (
+                f"unknown episode_id {shown} (sessions expire after {self.ttl_seconds:g} s idle; "
+                f"at most {self.max_sessions} are kept)"
+            ),
+        }[reason]
+        return UnknownEpisodeError(f"{what}: call reset() to start an episode", reason)
+
+    def _forget(self, episode_id: str, reason: str) -> None:
+        self._forgotten[episode_id] = reason
+        self._forgotten.move_to_end(episode_id)
+        while len(self._forgotten) > self.max_forgotten:
+            self._forgotten.popitem(last=False)
 
     def _expire(self, now: float) -> None:
         while self._sessions:
             oldest = next(iter(self._sessions.values()))
             if now - oldest.last_used <= self.ttl_seconds:
                 break
-            self._sessions.popitem(last=False)
+            self._forget(self._sessions.popitem(last=False)[0], "expired")
 
 
 class StepwiseDentalEnvironment:
@@ -318,12 +363,24 @@ class StepwiseDentalEnvironment:
         self.sessions.put(session)
         return self._observation(session, step_reward=0.0, breakdown={})
 
-    def step(self, episode_id: str, poses: object, strategy: str | None = None) -> dict:
-        """Wear the next aligner (poses 28 x 7); returns the new observation."""
+    def step(
+        self,
+        episode_id: str,
+        poses: object,
+        strategy: str | None = None,
+        expected_stage: int | None = None,
+    ) -> dict:
+        """Wear the next aligner (poses 28 x 7); returns the new observation.
+
+        ``expected_stage`` (optional): the stage the episode must be at (the ``current_stage``
+        of the observation the step was computed from). Otherwise :class:`StageConflictError`
+        and nothing is applied: a retried or reordered step never counts twice.
+        """
         session = self.sessions.get(episode_id)
         arr = validate_poses(poses)
         strategy = _check_strategy(strategy)
         with session.lock:
+            _check_stage(session, expected_stage, "step")
             return self._advance(session, arr, strategy, commit=True)
 
     commit_stage = step
@@ -336,10 +393,12 @@ class StepwiseDentalEnvironment:
         with session.lock:
             return self._advance(session, arr, strategy, commit=False)
 
-    def rollback_stage(self, episode_id: str) -> dict:
-        """Undo the last stage (and its violation counters); at most MAX_ROLLBACKS per episode."""
+    def rollback_stage(self, episode_id: str, expected_stage: int | None = None) -> dict:
+        """Undo the last stage (and its violation counters); at most MAX_ROLLBACKS per episode.
+        ``expected_stage`` as for :meth:`step`."""
         session = self.sessions.get(episode_id)
         with session.lock:
+            _check_stage(session, expected_stage, "rollback")
             if session.stage == 0:
                 raise InvalidActionError("nothing to roll back: the episode is at stage 0")
             if session.rollbacks >= MAX_ROLLBACKS:
@@ -350,10 +409,10 @@ class StepwiseDentalEnvironment:
             session.terminal = None
             return self._observation(session, step_reward=0.0, breakdown=self._running_breakdown(session))
 
-    def close_episode(self, episode_id: str) -> None:
-        """Release an episode's session (e.g. when its client disconnects); unknown ids are ignored."""
-        if isinstance(episode_id, str):
-            self.sessions.remove(episode_id)
+    def close_episode(self, episode_id: str) -> bool:
+        """Release an episode's session (e.g. when its client disconnects); True if it was live
+        (unknown ids are ignored)."""
+        return isinstance(episode_id, str) and self.sessions.remove(episode_id)
 
     def state(self, episode_id: str) -> dict:
         """The current observation, without changing anything."""
@@ -558,6 +617,18 @@ class StepwiseDentalEnvironment:
                 "pdl": pdl,
             },
         }
+
+
+def _check_stage(session: Session, expected_stage: int | None, what: str) -> None:
+    """StageConflictError unless the session is at ``expected_stage`` (None: no check)."""
+    if expected_stage is None or expected_stage == session.stage:
+        return
+    raise StageConflictError(
+        f"episode {session.episode_id!r:.80} is at stage {session.stage}, not {expected_stage} "
+        f"(expected_stage): this {what} was duplicated or arrived out of order and was not applied; "
+        f"send the next {what} with expected_stage={session.stage}",
+        session.stage,
+    )
 
 
 def _accuracy(remaining: np.ndarray, need_mm: float) -> float:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.cases import TASK_IDS
 from server.clinical_profiles import STRATEGIES
-from server.dental_constants import N_TEETH, POSE_DIM
+from server.dental_constants import N_STAGES, N_TEETH, POSE_DIM
 
 TaskId = Literal[TASK_IDS]  # type: ignore[valid-type]
 """A task level (:data:`server.cases.TASK_IDS`)."""
@@ -72,6 +72,18 @@ NonCompliance = Annotated[
     ),
 ]
 ForceDecay = Annotated[bool, Field(strict=True)]
+ExpectedStage = Annotated[
+    int,
+    Field(
+        strict=True,
+        ge=0,
+        le=N_STAGES,
+        description=(
+            "the episode's current_stage this request was computed from; if the episode is at another "
+            "stage (a duplicated or out-of-order request) it is refused with 409 and not applied"
+        ),
+    ),
+]
 """Whether the force-decay dynamics is on (a JSON boolean)."""
 
 
@@ -79,11 +91,13 @@ class DentalAction(Action):
     """The poses of the next stage (one aligner), optionally with the declared strategy.
 
     Used by OpenEnv's ``step`` (WebSocket ``/ws`` and HTTP ``/step``) and by
-    ``POST /episodes/{episode_id}/step``.
+    ``POST /episodes/{episode_id}/step``. ``expected_stage`` (optional, recommended over HTTP)
+    makes a retried or reordered step a 409 instead of a second stage.
     """
 
     poses: Poses
     strategy: Strategy | None = None
+    expected_stage: ExpectedStage | None = None
 
 
 class PosesRequest(BaseModel):
@@ -224,7 +238,17 @@ class PlanScore(BaseModel):
     format: dict[str, Any]
 
 
+class EpisodeClosed(BaseModel):
+    """Answer of ``DELETE /episodes/{episode_id}``."""
+
+    episode_id: str
+    closed: bool
+
+
 class ErrorResponse(BaseModel):
-    """Every 4xx/5xx body of the app's own routes: ``detail`` names the problem."""
+    """Every 4xx/5xx body of the app's own routes: ``detail`` names the problem; a 404 adds
+    ``reason`` (unknown, closed, evicted, expired), a 409 the episode's ``current_stage``."""
 
     detail: Any
+    reason: str | None = None
+    current_stage: int | None = None

@@ -1,6 +1,7 @@
-"""Real services for end-to-end tests: SeaweedFS (S3) and an MLflow tracking server.
+"""Real services for end-to-end tests: the environment app (uvicorn in a thread, or
+``server.app`` in a subprocess), SeaweedFS (S3) and an MLflow tracking server.
 
-Both bind to 127.0.0.1 on free ports, live in a temporary folder and are stopped
+All bind to 127.0.0.1 on free ports, live in a temporary folder and are stopped
 (process group killed) when the context exits.
 """
 
@@ -13,15 +14,43 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import uvicorn
 
 S3_ACCESS_KEY = "orthorl-test-access-key"
 S3_SECRET_KEY = "orthorl-test-secret-9f3b2c7d"
+
+
+@contextlib.contextmanager
+def running_uvicorn(app: Any, ws_max_size: int = 1_000_000) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL."""
+    # proto=IPPROTO_TCP, or asyncio skips TCP_NODELAY on accepted connections (40 ms per request)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", ws_max_size=ws_max_size, lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
 
 
 def free_port() -> int:
@@ -68,6 +97,47 @@ def run_process_group(
         stdout, stderr = proc.communicate()
         pytest.fail(f"{what} hung (killed after {timeout:g} s):\n{stdout[-3000:]}{stderr[-5000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+@dataclass
+class ServerProcess:
+    """An environment server in a subprocess (own session), its port and its log file."""
+
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM (uvicorn's graceful shutdown), then SIGKILL after 10 s; the exit code."""
+        _stop(self.proc)
+        return self.proc.returncode
+
+
+def start_server_process(
+    cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None, wait: bool = True
+) -> ServerProcess:
+    """Start ``cmd`` (e.g. ``[python, -m, uvicorn, server.app:app, --port, P]``) from the
+    repository root, output to ``log``; with ``wait``, return once ``port`` listens."""
+    root = Path(__file__).resolve().parents[1]
+    full_env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", **(env or {})}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=root, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    server = ServerProcess(proc, port, log)
+    if wait:
+        try:
+            _wait_for_port(port, proc, 60, "environment server", log)
+        except BaseException:
+            server.stop()
+            raise
+    return server
 
 
 @dataclass

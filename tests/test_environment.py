@@ -14,7 +14,7 @@ from server import cases as cases_module
 from server.cases import TASK_IDS, generate_case
 from server.dental_constants import N_STAGES, TOOTH_IDS, TOOTH_INDEX
 from server.dental_environment import MAX_ROLLBACKS, StepwiseDentalEnvironment
-from server.errors import InvalidActionError, UnknownEpisodeError
+from server.errors import InvalidActionError, StageConflictError, UnknownEpisodeError
 from server.plans import normalize_plan
 from server.treatment import rollout_plans
 
@@ -396,9 +396,14 @@ def test_the_store_is_bounded_by_an_lru_cap():
     env.state(a)  # a is now the most recently used
     d = env.reset("task_easy", 3)["episode_id"]
     assert len(env.sessions) == 3
-    with pytest.raises(UnknownEpisodeError, match="expired"):
+    with pytest.raises(UnknownEpisodeError, match=r"evicted.*at most 3") as evicted:
         env.state(b)
+    assert evicted.value.reason == "evicted"
     assert [env.state(x)["seed"] for x in (a, c, d)] == [0, 2, 3]
+    env.close_episode(a)
+    with pytest.raises(UnknownEpisodeError, match="closed") as closed:
+        env.state(a)
+    assert closed.value.reason == "closed"
     for s in range(10):
         env.reset("task_easy", s)
     assert len(env.sessions) == 3
@@ -414,8 +419,9 @@ def test_sessions_expire_after_the_ttl():
     now[0] += 4.0
     env.step(a, row)  # a used at t+9
     now[0] += 7.0  # t+16: b idle 11 s > 10, a idle 7 s
-    with pytest.raises(UnknownEpisodeError):
+    with pytest.raises(UnknownEpisodeError, match="expired") as expired:
         env.step(b, row)
+    assert expired.value.reason == "expired"
     assert env.state(a)["current_stage"] == 1
     assert len(env.sessions) == 1
     now[0] += 10.5
@@ -564,3 +570,26 @@ def test_mutating_an_observation_does_not_change_the_session(isolated_episode, p
         f"observation{list(path)} aliases the cached case"
     )
     assert fresh["initial_config"] == snapshot["initial_config"]
+
+
+def test_forgotten_episode_ids_are_bounded():
+    env = StepwiseDentalEnvironment(max_sessions=2)
+    env.sessions.max_forgotten = 5
+    ids = [env.reset("task_easy", s)["episode_id"] for s in range(12)]
+    assert len(env.sessions) == 2 and len(env.sessions._forgotten) == 5
+    with pytest.raises(UnknownEpisodeError) as old:
+        env.state(ids[0])  # forgotten too long ago: plain unknown
+    assert old.value.reason == "unknown"
+    with pytest.raises(UnknownEpisodeError) as recent:
+        env.state(ids[9])
+    assert recent.value.reason == "evicted"
+
+
+def test_expected_stage_refuses_a_duplicated_step():
+    env = StepwiseDentalEnvironment()
+    obs = env.reset("task_easy", 0)
+    row = planned_trajectory(None, "task_easy", 0)[1].tolist()
+    env.step(obs["episode_id"], row, expected_stage=0)
+    with pytest.raises(StageConflictError) as conflict:
+        env.step(obs["episode_id"], row, expected_stage=0)
+    assert conflict.value.current_stage == 1 and env.state(obs["episode_id"])["current_stage"] == 1

@@ -4,8 +4,11 @@ Covers: OpenEnv's own client over ``/ws`` (one episode to done, several clients 
 session capacity), the episode routes over plain HTTP (reset, step to done, simulate,
 rollback, inspect, collisions, plan scoring), bad input (NaN/Infinity as raw JSON text,
 wrong shapes, strings and booleans as numbers, unknown and expired episode ids,
-oversized bodies) answered with a 4xx naming the problem and leaving the session
-unchanged, and a bounded schemathesis run over the app's OpenAPI (``not_a_server_error``).
+oversized bodies) answered with a 4xx naming the problem, bounded and never quoting the
+input, and leaving the session unchanged; the episode life cycle (DELETE, ``expected_stage``
+409s for duplicated and out-of-order steps, the 404 of an evicted episode); and a bounded
+schemathesis run over the app's OpenAPI (``not_a_server_error``). Load and misuse of the
+WebSocket sessions: ``tests/test_server_sessions.py``.
 """
 
 from __future__ import annotations
@@ -13,48 +16,25 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
+import websockets
 from openenv.core.generic_client import GenericEnvClient
 from websockets.sync.client import connect as ws_connect
 
 from server.app import build_app
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
+from server.dental_environment import StepwiseDentalEnvironment
+from tests.services import running_uvicorn
 
 # --- Server fixtures ----------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def running_uvicorn(app: Any, ws_max_size: int = 1_000_000) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL."""
-    # proto=IPPROTO_TCP, or asyncio skips TCP_NODELAY on accepted connections (40 ms per request)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", ws_max_size=ws_max_size, lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +199,14 @@ def test_websocket_session_capacity() -> None:
             with ws_connect(_ws_url(url), open_timeout=10) as third:
                 reply = json.loads(third.recv(timeout=10))
                 assert reply["type"] == "error" and reply["data"]["code"] == "CAPACITY_REACHED"
+                assert (
+                    reply["data"]["max_sessions"] == 2 and "ORTHORL_MAX_SESSIONS" in reply["data"]["message"]
+                )
+                third.send(json.dumps({"type": "reset"}))  # read, then closed: 1013 (try again later)
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    third.recv(timeout=10)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013
+                assert "ORTHORL_MAX_SESSIONS" in closed.value.rcvd.reason
         deadline = time.monotonic() + 10
         while True:  # the slots come back once the connections are gone
             with ws_connect(_ws_url(url), open_timeout=10) as ws:
@@ -621,3 +609,109 @@ def test_schemathesis_finds_no_server_error(uvicorn_server: str, http: httpx.Cli
     assert n_runs >= len(operations) + 8
     assert time.monotonic() - started < 120
     assert http.get("/health").status_code == 200
+
+
+# --- Episode life cycle over HTTP: close, ordering, eviction ---------------------------------
+
+
+def test_http_delete_closes_an_episode(http: httpx.Client) -> None:
+    obs = new_episode(http, seed=41)
+    episode_id = obs["episode_id"]
+    closed = http.delete(f"/episodes/{episode_id}")
+    assert closed.status_code == 200 and closed.json() == {"episode_id": episode_id, "closed": True}
+    for method, path, body in (
+        ("GET", "", None),
+        ("POST", "/step", {"poses": interpolated_poses(obs, 1)}),
+        ("DELETE", "", None),
+    ):
+        response = http.request(method, f"/episodes/{episode_id}{path}", json=body)
+        assert response.status_code == 404, response.text
+        assert response.json()["reason"] == "closed" and "was closed" in response.json()["detail"]
+    unknown = http.delete("/episodes/" + "0" * 32)
+    assert unknown.status_code == 404 and unknown.json()["reason"] == "unknown"
+
+
+def test_http_duplicate_and_stale_steps_get_409_and_are_not_applied(http: httpx.Client) -> None:
+    obs = new_episode(http, seed=42)
+    episode_id = obs["episode_id"]
+    step = {"poses": interpolated_poses(obs, 1), "expected_stage": 0}
+    first = http.post(f"/episodes/{episode_id}/step", json=step)
+    assert first.status_code == 200 and first.json()["current_stage"] == 1
+    again = http.post(f"/episodes/{episode_id}/step", json=step)  # a retried (duplicated) request
+    assert again.status_code == 409, again.text
+    assert again.json()["current_stage"] == 1 and "expected_stage=1" in again.json()["detail"]
+    ahead = http.post(
+        f"/episodes/{episode_id}/step", json={"poses": interpolated_poses(obs, 3), "expected_stage": 2}
+    )
+    assert ahead.status_code == 409 and stage_of(http, episode_id) == 1
+    assert http.post(f"/episodes/{episode_id}/rollback?expected_stage=0").status_code == 409
+    assert http.post(f"/episodes/{episode_id}/rollback?expected_stage=1").json()["current_stage"] == 0
+    for bad in (-1, 25, "1", 1.5, True):
+        response = http.post(f"/episodes/{episode_id}/step", json={**step, "expected_stage": bad})
+        assert response.status_code == 422 and "expected_stage" in response.json()["detail"], (
+            bad,
+            response.text,
+        )
+    assert stage_of(http, episode_id) == 0
+
+
+def test_http_concurrent_steps_in_any_order_apply_each_stage_once(http: httpx.Client) -> None:
+    """24 concurrent requests, one per stage; each is applied only at its stage (else 409 and
+    sent again), so the episode ends exactly as the sequential one."""
+    obs = new_episode(http, task_id="task_medium", seed=43)
+    reference = StepwiseDentalEnvironment()
+    ref_obs = reference.reset("task_medium", 43)
+    for stage in range(1, N_STAGES + 1):
+        ref_obs = reference.step(ref_obs["episode_id"], interpolated_poses(obs, stage))
+    episode_id = obs["episode_id"]
+    conflicts = [0]
+
+    def send(stage: int) -> dict[str, Any]:
+        body = {"poses": interpolated_poses(obs, stage), "expected_stage": stage - 1}
+        deadline = time.monotonic() + 60
+        with httpx.Client(base_url=str(http.base_url), timeout=30, trust_env=False) as client:
+            while True:
+                response = client.post(f"/episodes/{episode_id}/step", json=body)
+                if response.status_code == 200:
+                    return response.json()
+                assert response.status_code == 409, response.text
+                assert response.json()["current_stage"] != stage - 1
+                conflicts[0] += 1
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+
+    with ThreadPoolExecutor(max_workers=N_STAGES) as pool:
+        results = list(pool.map(send, range(N_STAGES, 0, -1)))  # the last stage first
+    assert sorted(r["current_stage"] for r in results) == list(range(1, N_STAGES + 1))
+    final = http.get(f"/episodes/{episode_id}").json()
+    assert final["terminal_reward"] == ref_obs["terminal_reward"]
+    assert final["reward_breakdown"] == ref_obs["reward_breakdown"]
+    assert conflicts[0] > 0  # some did arrive out of order and were refused
+
+
+def test_an_evicted_episode_says_so() -> None:
+    app = build_app(max_episodes=3)
+    with running_uvicorn(app) as url, httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
+        first = new_episode(client)["episode_id"]
+        for seed in range(3):
+            new_episode(client, seed=seed)
+        response = client.get(f"/episodes/{first}")
+        assert response.status_code == 404 and response.json()["reason"] == "evicted", response.text
+        assert "evicted" in response.json()["detail"] and "at most 3" in response.json()["detail"]
+        assert client.get("/status").json()["episodes"] == {"live": 3, "max_episodes": 3, "ttl_s": 3600.0}
+
+
+def test_http_error_replies_are_bounded_and_do_not_echo(http: httpx.Client) -> None:
+    obs = new_episode(http, seed=44)
+    marker = "ECHO-MARKER-91c2"
+    poses = interpolated_poses(obs, 1)
+    for body in (
+        {"poses": marker * 60_000},  # 960 kB string
+        {"poses": [[marker] * 7] * N_TEETH},
+        {"poses": poses, marker * 1000: 1},
+        {"poses": [[*p, marker] for p in poses]},
+    ):
+        response = http.post(f"/episodes/{obs['episode_id']}/step", json=body)
+        assert response.status_code == 422, response.text[:300]
+        assert len(response.content) < 4000 and marker not in response.text, response.text[:300]
+    assert stage_of(http, obs["episode_id"]) == 0
