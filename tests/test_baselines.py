@@ -40,6 +40,7 @@ def baseline(request) -> dict:
     }
     scores = {name: np.array([r["terminal_reward"] for r in rs]) for name, rs in results.items()}
     scaled = {name: np.array([r["scaled_reward"] for r in rs]) for name, rs in results.items()}
+    slerp_safe = np.array([not r["broken_rules"] for r in results["slerp"]])
     line = (
         f"{task} force_decay={force_decay}: n={len(cases)} "
         + " ".join(f"{k} {v.mean():.4f}" for k, v in scores.items())
@@ -49,15 +50,26 @@ def baseline(request) -> dict:
         + " ".join(f"{k} {v.mean():.3f}" for k, v in scaled.items())
     )
     print(line)
-    return {"task": task, "force_decay": force_decay, "scores": scores, "scaled": scaled, "line": line}
+    return {
+        "task": task,
+        "force_decay": force_decay,
+        "scores": scores,
+        "scaled": scaled,
+        "slerp_safe": slerp_safe,
+        "line": line,
+    }
 
 
 def test_the_scaled_reward_keeps_the_ordering(baseline):
-    """What GRPO sees: oracle > uniform SLERP > do-nothing on the scaled reward, SLERP above doing
-    nothing on every seed (every case has a safe uniform staging)."""
+    """What GRPO sees: oracle > uniform SLERP > do-nothing on the scaled reward; SLERP above doing
+    nothing on every seed where it is safe (every case has a safe uniform staging under ideal
+    dynamics; under force decay the teeth's different lags can make it collide)."""
     s = baseline["scaled"]
+    safe = baseline["slerp_safe"]
     assert s["oracle"].mean() > s["slerp"].mean() > s["do_nothing"].mean(), baseline["line"]
-    assert np.all(s["slerp"] > s["do_nothing"]), baseline["line"]
+    assert np.all(s["slerp"][safe] > s["do_nothing"][safe]), baseline["line"]
+    if not baseline["force_decay"]:
+        assert safe.all(), baseline["line"]
     assert np.all(s["all_nan"] <= 1e-9), baseline["line"]  # no usable group: the plan does nothing
 
 
