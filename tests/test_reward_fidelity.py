@@ -203,13 +203,15 @@ def test_moving_the_buccal_segment_at_once_does_not_earn_distal_first():
 
 
 def test_the_oracle_follows_its_strategys_sequence(level):
-    """The oracle's staging earns 1.2 (the movement follows the sequence) on >= 90 % of the cases;
-    the rest are cases it could only make safe without it (it then stages uniformly)."""
+    """The oracle's staging earns 1.2 (the movement follows the sequence) on >= 85 % of the cases;
+    the rest are cases it could only make safe, or compensate under force decay, with a flatter
+    sequence (it then earns the neutral multiplier, never the wrong one)."""
     rows = level["rows"]
     follows = [
         row["results"]["oracle"]["diagnostics"]["sequence_concordance"] >= STAGING_FOLLOWS_RHO for row in rows
     ]
-    assert np.mean(follows) >= 0.9, np.mean(follows)
+    assert np.mean(follows) >= 0.85, np.mean(follows)
+    assert all(row["results"]["oracle"]["reward_breakdown"]["strategy_multiplier"] >= 1.0 for row in rows)
     for row, ok in zip(rows, follows):
         if ok:
             assert row["results"]["oracle"]["reward_breakdown"]["strategy_multiplier"] == 1.2
