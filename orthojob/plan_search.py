@@ -28,9 +28,10 @@ from orthojob.prompts import plan_to_completion
 from orthojob.rewards import REWARD_FUNCS
 from server.cases import Case
 from server.clinical_profiles import STRATEGIES
-from server.dental_constants import IS_UPPER, N_STAGES, TOOTH_IDS, TYPE_INDEX
+from server.dental_constants import IS_UPPER, MM_PER_DEG, N_STAGES, TOOTH_IDS, TYPE_INDEX
 from server.oracle import plan_for_case
 from server.plans import normalize_plan
+from server.scoring import MOVEMENT_EPS_MM
 from server.treatment import score_plan_specs
 
 GROUP_OF_TOOTH: np.ndarray = TYPE_INDEX + 7 * (~IS_UPPER)
@@ -88,7 +89,7 @@ def objective(case: Case, plans: list[dict]) -> tuple[np.ndarray, np.ndarray]:
 def degenerate_form(case: Case, plan: dict) -> str | None:
     """``"nothing"``, ``"all_at_once"``, ``"one_group"`` or None for a plan on a case."""
     spec = normalize_plan(plan)
-    treated = np.hypot(case.need[0], 0.125 * case.need[1]) > 0.05
+    treated = np.hypot(case.need[0], MM_PER_DEG * case.need[1]) > MOVEMENT_EPS_MM
     if not treated.any():
         return None
     f, s = spec.fraction[treated], spec.start[treated]

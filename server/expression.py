@@ -26,7 +26,6 @@ from server.dental_constants import IS_UPPER, MM_PER_DEG, TOOTH_CLASS, TOOTH_CLA
 from server.quaternion_utils import (
     quaternion_inverse,
     quaternion_multiply,
-    quaternion_rotate,
     quaternion_to_rotvec,
 )
 
@@ -98,9 +97,4 @@ def expression_table(cases_final: list[tuple[np.ndarray, np.ndarray, np.ndarray,
     return {k: (g / n if n > 0 else float("nan")) for k, (n, g) in sums.items()}
 
 
-def crown_long_axes(target: np.ndarray) -> np.ndarray:
-    """(..., 28, 3) the target crowns' local z axes in the patient frame."""
-    return quaternion_rotate(target[..., :4], np.array([0.0, 0.0, 1.0]))
-
-
-__all__ = ["MIN_DEG", "MIN_MM", "MOVEMENT_TYPES", "components", "crown_long_axes", "expression_table"]
+__all__ = ["MIN_DEG", "MIN_MM", "MOVEMENT_TYPES", "components", "expression_table"]

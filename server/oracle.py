@@ -75,7 +75,7 @@ from server.quaternion_utils import (
     quaternion_rotate,
     quaternion_to_rotvec,
 )
-from server.reward_scaler import BREACH_KEYS
+from server.reward_scaler import breach_total
 from server.scoring import (
     STRATEGY_MULTIPLIERS,
     hard_rule_breaches,
@@ -86,7 +86,6 @@ from server.scoring import (
 )
 from server.treatment import rollout_plans, score_plan_specs
 
-_PRIORITIES = ("high", "medium", "low")
 FEATURE_SCALE: dict[str, float] = {
     "crowding": 1.76,  # mm of premolar expansion in a severe crowding
     "class_ii": 4.0,  # mm of upper molar distalisation
@@ -501,7 +500,7 @@ def _best_staging(case: Case, strategy: str, secondary: str | None) -> tuple[Sta
     if results[best]["broken_rules"] or best == uniform:
         # refine the staged candidates with the best terminal scores, in turn, until one comes out
         # safe; uniform staging last, when it breaks a rule itself
-        breach = np.array([sum(r["diagnostics"][k] for k in BREACH_KEYS.values()) for r in results])
+        breach = np.array([breach_total(r["diagnostics"]) for r in results])
         quality = np.array([-r["terminal_reward"] for r in results])
         staged = [k for k in np.argsort(quality, kind="stable") if k != uniform and breach[k] > 0.0]
         order = staged[:REPAIR_STARTS] + ([uniform] if breach[uniform] > 0.0 else [])
@@ -533,7 +532,7 @@ def _slower_fallback(
     for staging, result in zip(slower, results):
         if not result["broken_rules"]:
             return staging, result
-        breach = sum(result["diagnostics"][k] for k in BREACH_KEYS.values())
+        breach = breach_total(result["diagnostics"])
         fixed = _repair(case, staging, breach, N_STAGES)
         if fixed is not None:
             fixed_result = _score(case, strategy, [fixed])[0]

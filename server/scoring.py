@@ -231,11 +231,16 @@ def stage_measures(
     return StageMeasures(inc_t, inc_r, mis_t, mis_r, achieved_mm, pen)
 
 
-def hard_rule_breaches(m: StageMeasures) -> dict[str, np.ndarray]:
+def hard_rule_breaches(
+    m: StageMeasures, ratio: np.ndarray | None = None, stress: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """The three hard rules' breaches (B,) of trajectories' StageMeasures (see the module docstring):
-    ``limit_breach``, ``pdl_breach``, ``collision_breach``; all 0 for a plan that breaks none."""
-    ratio = limit_ratio(m.inc_t, m.inc_r)
-    stress = pdl_stress_kpa(m.mis_t, m.mis_r)
+    ``limit_breach``, ``pdl_breach``, ``collision_breach``; all 0 for a plan that breaks none.
+    ``ratio`` (:func:`limit_ratio`) and ``stress`` (:func:`pdl_stress_kpa`), (B, 24, 28), when at hand."""
+    if ratio is None:
+        ratio = limit_ratio(m.inc_t, m.inc_r)
+    if stress is None:
+        stress = pdl_stress_kpa(m.mis_t, m.mis_r)
     return {
         "limit_breach": np.sum(np.maximum(ratio - 1.0 - LIMIT_TOLERANCE, 0.0), axis=(-2, -1)),
         "pdl_breach": np.sum(np.maximum(stress / PDL_CRITICAL_KPA - 1.0, 0.0), axis=(-2, -1)),
@@ -303,7 +308,6 @@ def score_episodes(
     moved = (inc_mm > INCREMENT_EPS_MM).any(axis=-2)
     judged = treated | moved
 
-    breaches = hard_rule_breaches(m)
     ratio = limit_ratio(inc_t, inc_r)
     violations = ratio > 1.0 + LIMIT_TOLERANCE
     limits = _masked_mean(np.clip(1.0 - (ratio.max(axis=-2) - 1.0 - LIMIT_TOLERANCE), 0.0, 1.0), judged, 1.0)
@@ -311,6 +315,7 @@ def score_episodes(
     executable = _masked_mean((ratio.max(axis=-2) <= 1.0 + LIMIT_TOLERANCE) & reaches, treated, 1.0)
 
     stress = pdl_stress_kpa(m.mis_t, m.mis_r)  # (B, 24, 28)
+    breaches = hard_rule_breaches(m, ratio, stress)
     peak = stress.max(axis=-2)
     pdl = _masked_mean(pdl_tooth_score(peak), judged, 1.0)
 
