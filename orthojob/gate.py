@@ -44,21 +44,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from orthojob.exit_codes import ExitCode
 from server.cases import HELDOUT_SEED_START, TASK_IDS
 
 log = logging.getLogger(__name__)
 
 GATE_FILE = "gate_passed.json"
 FORMAT_VERSION = 1
-EXIT_GATE_MISSING = 10
-EXIT_GATE_UNREADABLE = 11
-EXIT_GATE_FAILED = 12
-EXIT_GATE_DIGEST_MISMATCH = 13
+EXIT_GATE_MISSING = ExitCode.GATE_MISSING
+EXIT_GATE_UNREADABLE = ExitCode.GATE_UNREADABLE
+EXIT_GATE_FAILED = ExitCode.GATE_FAILED
+EXIT_GATE_DIGEST_MISMATCH = ExitCode.GATE_DIGEST_MISMATCH
 EXIT_CODES: dict[int, str] = {
-    EXIT_GATE_MISSING: "gate file missing",
-    EXIT_GATE_UNREADABLE: "gate file unreadable or inconsistent",
-    EXIT_GATE_FAILED: "gate file says failed",
-    EXIT_GATE_DIGEST_MISMATCH: "checkpoint changed since its gate (digest mismatch)",
+    c: c.meaning
+    for c in (EXIT_GATE_MISSING, EXIT_GATE_UNREADABLE, EXIT_GATE_FAILED, EXIT_GATE_DIGEST_MISMATCH)
 }
 
 

@@ -45,14 +45,15 @@ from pathlib import Path
 from typing import Any
 
 from orthojob.cli import non_negative_int, positive_int
-from orthojob.gate import EXIT_GATE_FAILED  # also a finished training whose GRPO gate failed
+from orthojob.exit_codes import ExitCode
 from orthojob.mlops import EXIT_USAGE
 from orthojob.models import TINY_MODEL, device_info  # --model tiny: built into <out>/tiny-model
 from server.cases import TASK_IDS
 
 log = logging.getLogger(__name__)
 
-EXIT_SMOKE_FAILED = 1
+EXIT_SMOKE_FAILED = ExitCode.FAILURE
+EXIT_GRPO_GATE_FAILED = ExitCode.GRPO_GATE_FAILED
 COMPLETIONS_FILE = "completions.jsonl"
 TRAIN_LOG_FILE = "train_log.json"
 VLLM_MODES: tuple[str, ...] = ("colocate", "server")
@@ -949,7 +950,7 @@ def _tracked_train(args, config: GRPOJobConfig, main_rank: bool, say) -> int:
             COMPLETIONS_FILE,
         )
         print(f"[grpo] GRPO gate: {'passed' if result.gate_passed else 'FAILED'}")
-        return 0 if result.gate_passed else EXIT_GATE_FAILED
+        return 0 if result.gate_passed else EXIT_GRPO_GATE_FAILED
 
 
 def _tag(key: str, value: str) -> None:
@@ -970,7 +971,7 @@ def _base_model_name(config: GRPOJobConfig) -> str:
 
 __all__ = [
     "COMPLETIONS_FILE",
-    "EXIT_GATE_FAILED",
+    "EXIT_GRPO_GATE_FAILED",
     "EXIT_USAGE",
     "PRESETS",
     "TINY_MODEL",

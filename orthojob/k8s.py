@@ -31,13 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from orthojob.gate import (
-    EXIT_GATE_DIGEST_MISMATCH,
-    EXIT_GATE_FAILED,
-    EXIT_GATE_MISSING,
-    EXIT_GATE_UNREADABLE,
-)
-from orthojob.mlops import EXIT_USAGE
+from orthojob.exit_codes import ExitCode, fail_fast_codes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MANIFEST = ROOT / "k8s" / "grpo-job.yaml"
@@ -45,20 +39,9 @@ CONTAINER = "grpo"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 LEGACY_JOB_NAME_LABEL = "job-name"
 
-# the CLI's documented exit codes (see k8s/grpo-job.yaml's podFailurePolicy)
-EXIT_MEANINGS = {
-    0: "success",
-    1: "failure (retried up to backoffLimit; a retry resumes from the newest checkpoint in S3)",
-    EXIT_USAGE: "usage or configuration error",
-    3: "GRPO quality gate not passed",
-    EXIT_GATE_MISSING: "SFT gate file missing",
-    EXIT_GATE_UNREADABLE: "SFT gate file unparseable",
-    EXIT_GATE_FAILED: "SFT gate failed",
-    EXIT_GATE_DIGEST_MISMATCH: "SFT gate digest mismatch",
-    137: "killed (out of memory, or evicted)",
-}
-# every documented code but success, the retried failure and a kill fails the Job at once
-FAIL_FAST_CODES = tuple(code for code in EXIT_MEANINGS if code not in (0, 1, 137))
+# the CLI's documented exit codes (k8s/grpo-job.yaml's podFailurePolicy derives from the same enum)
+EXIT_MEANINGS = {int(code): code.meaning for code in ExitCode}
+FAIL_FAST_CODES = fail_fast_codes()
 
 # status exit codes of `orthojob k8s status`
 STATUS_COMPLETE, STATUS_FAILED, STATUS_RUNNING = 0, 1, 4

@@ -30,16 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from orthojob import storage
+from orthojob.exit_codes import ExitCode
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS_SAMPLE = 64
-EXIT_USAGE = 2
-"""Exit code of a bad configuration (argparse's own code for usage errors)."""
-EXIT_STORAGE = 30
-"""Exit code: S3 failed for good (credentials, outage after retries, corrupt download)."""
-EXIT_TRACKING = 31
-"""Exit code: the MLflow tracking server stayed unreachable."""
+EXIT_USAGE = ExitCode.USAGE
+EXIT_STORAGE = ExitCode.STORAGE
+EXIT_TRACKING = ExitCode.TRACKING
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orthojob.exit_codes import ExitCode
 from orthojob.gate import DEFAULT_THRESHOLDS, EXIT_GATE_FAILED
 from orthojob.grpo import PRESETS as GRPO_PRESETS
 from orthojob.mlops import EXIT_USAGE
@@ -380,7 +381,7 @@ def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any]
         **_grpo_rewards(grpo_dir / "train_log.json"),
     }
     save()
-    if rc not in (0, EXIT_GATE_FAILED) or not gate.gate_path(grpo_dir).is_file():
+    if rc not in (0, ExitCode.GRPO_GATE_FAILED) or not gate.gate_path(grpo_dir).is_file():
         stages["grpo"]["error"] = f"orthojob train exited {rc}"
         return finish(rc or 1)
 
@@ -432,7 +433,7 @@ def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any]
         }
         log_metrics({f"terminal_mean/{p}": v for p, v in stages["evaluate"]["terminal_mean"].items()})
         mlflow.log_artifact(str(out / EVALUATION_FILE))
-    return finish(0 if content["passed"] else EXIT_GATE_FAILED)
+    return finish(0 if content["passed"] else ExitCode.GRPO_GATE_FAILED)
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:

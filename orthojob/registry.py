@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from orthojob.exit_codes import ExitCode
 from orthojob.gate import GATE_FILE
 
 log = logging.getLogger(__name__)
@@ -24,9 +25,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "orthorl-planner"
 MODEL_ARTIFACT = "model"
 COMPARISON_METRIC = "terminal_mean"
-EXIT_NO_GATE = 20
-EXIT_BAD_GATE = 21
-EXIT_NO_MODEL = 22
+EXIT_NO_GATE = ExitCode.NO_GATE
+EXIT_BAD_GATE = ExitCode.BAD_GATE
+EXIT_NO_MODEL = ExitCode.NO_MODEL
 
 
 class PromotionError(RuntimeError):

@@ -40,6 +40,8 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
+from orthojob.exit_codes import ExitCode  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 BIN = Path(sys.executable).parent
@@ -327,9 +329,12 @@ def test_grpo_job_contract():
     from orthojob.k8s import FAIL_FAST_CODES
 
     assert sorted(fail["onExitCodes"]["values"]) == sorted(FAIL_FAST_CODES)
-    assert {2, 10, 11, 12, 13} <= set(FAIL_FAST_CODES)
+    assert {2, 3, 10, 11, 12, 13, 20, 21, 22} <= set(FAIL_FAST_CODES)
     # the codes the CLI defines are the ones the policy fails fast on
-    for module, names in (("orthojob.grpo", ("EXIT_USAGE", "EXIT_GATE_FAILED")), ("orthojob.gate", None)):
+    for module, names in (
+        ("orthojob.grpo", ("EXIT_USAGE", "EXIT_GRPO_GATE_FAILED")),
+        ("orthojob.gate", None),
+    ):
         if importlib.util.find_spec(module) is None:
             continue
         mod = __import__(module, fromlist=["_"])
@@ -896,7 +901,7 @@ def test_logs_and_status_through_the_client():
         status.tracking_uri
         == one(load_all(K8S / "grpo-job.yaml"), "ConfigMap")["data"]["MLFLOW_TRACKING_URI"]
     )
-    assert "SFT gate failed" in status.summary() and status_exit_code(status) == 1
+    assert ExitCode(12).meaning in status.summary() and status_exit_code(status) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1032,3 +1037,23 @@ def test_cli_reports_api_errors(capsys):
     assert "Kubernetes API error 403" in capsys.readouterr().err
     args = parser.parse_args(["k8s", "submit", "--steps", "0"])
     assert k8s.cmd_submit(args, apis) == 2
+
+
+def test_exit_code_table_everywhere_matches_the_enum():
+    """docs/deploy.md's table, both podFailurePolicies and `k8s status` derive from ExitCode."""
+    from orthojob.exit_codes import ExitCode, fail_fast_codes
+    from orthojob.k8s import EXIT_MEANINGS
+
+    table = {}
+    for line in (ROOT / "docs" / "deploy.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit():
+            table[int(cells[0])] = cells[1]
+    assert table == {int(c): c.meaning for c in ExitCode}
+    assert table == EXIT_MEANINGS
+    for manifest in ("grpo-job.yaml", "mlflow-k8s/job-template.yaml"):
+        text = (ROOT / "k8s" / manifest).read_text()
+        values = re.search(r"operator: In\s*\n\s*values: \[([0-9, ]+)\]", text)
+        assert values, manifest
+        assert tuple(int(v) for v in values.group(1).split(",")) == fail_fast_codes(), manifest
+    assert ExitCode.GRPO_GATE_FAILED != ExitCode.GATE_FAILED

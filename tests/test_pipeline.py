@@ -12,6 +12,7 @@ import pytest
 
 from orthojob import gate
 from orthojob.cli import main as cli_main
+from orthojob.exit_codes import ExitCode
 from orthojob.pipeline import PRESETS, SUMMARY_FILE, apply_overrides, grpo_argv, run_pipeline
 
 SMALL = {"sft_gate.n_seeds": 20, "grpo.steps": 2, "grpo.gate_seeds": 8, "evaluate.n_seeds": 6}
@@ -55,13 +56,13 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
 
     # GRPO ran its steps, its rewards are reported as measured, and its own gate was evaluated
     grpo = stages["grpo"]
-    assert grpo["exit_code"] in (0, gate.EXIT_GATE_FAILED)
+    assert grpo["exit_code"] in (0, ExitCode.GRPO_GATE_FAILED)
     assert grpo["steps"] == 2 and len(grpo["reward_per_step"]) == 2
     assert all(math.isfinite(r) for r in grpo["reward_per_step"])
     content = gate.read_gate(out / "grpo")  # consistent: passed follows from its metrics
     assert content["stage"] == "grpo" and content["metrics"]["n"] == 8
     assert stages["gate_grpo"]["passed"] is content["passed"]
-    assert summary["exit_code"] == (0 if content["passed"] else gate.EXIT_GATE_FAILED)
+    assert summary["exit_code"] == (0 if content["passed"] else ExitCode.GRPO_GATE_FAILED)
 
     # the evaluation compares both checkpoints with the baselines on the same held-out seeds
     results = json.loads((out / "evaluation.json").read_text())["results"]["task_easy"]
