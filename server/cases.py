@@ -26,7 +26,7 @@ from server.clinical_profiles import (
     Displacement,
     optimal_strategy,
 )
-from server.collisions import COLLISION_TOLERANCE_MM, penetration_mm
+from server.collisions import COLLISION_TOLERANCE_MM, pair_axes, penetration_along_axes, penetration_mm
 from server.compliance import COMPLIANCE_TASKS, compliance_schedule
 from server.dental_constants import (
     ADJACENT_PAIRS,
@@ -155,8 +155,10 @@ def sweep_penetration_mm(
 ) -> np.ndarray:
     """(26,) each contact's deepest penetration (mm) along uniform staging (every tooth moving
     together at constant speed), sampled at :data:`SWEEP_SAMPLES` progress values."""
-    progress = np.broadcast_to(SWEEP_SAMPLES[:, None], (SWEEP_SAMPLES.size, 28))
-    return penetration_mm(interpolate_poses(initial, target, progress), width, depth).max(axis=0)
+    return penetration_mm(interpolate_poses(initial, target, _SWEEP_PROGRESS), width, depth).max(axis=0)
+
+
+_SWEEP_PROGRESS: np.ndarray = np.broadcast_to(SWEEP_SAMPLES[:, None], (SWEEP_SAMPLES.size, 28))
 
 
 def _resolve_penetration(
@@ -170,10 +172,19 @@ def _resolve_penetration(
     therefore has a safe plan; plans that rush some teeth ahead of others still collide."""
     t = d.translation.copy()
     poses = _apply(target, d)  # the rotations stay; only translations change below
+    # only translations change below: the rotations' SLERP and crown axes are computed once
+    axes = pair_axes(poses)
+    sweep = sweep_axes = None
     for _ in range(60):
-        excess = penetration_mm(poses, width, depth) - INITIAL_CLEARANCE_MM
+        excess = penetration_along_axes(axes, poses, width, depth) - INITIAL_CLEARANCE_MM
         if not (excess > 0.0).any():
-            excess = sweep_penetration_mm(poses, target, width, depth) - SWEEP_CLEARANCE_MM
+            if sweep is None:
+                sweep = interpolate_poses(poses, target, _SWEEP_PROGRESS)
+                sweep_axes = pair_axes(sweep)
+            else:  # the same arithmetic as interpolate_poses' translation
+                t0 = poses[None, :, 4:]
+                sweep[..., 4:] = t0 + _SWEEP_PROGRESS[..., None] * (target[None, :, 4:] - t0)
+            excess = penetration_along_axes(sweep_axes, sweep, width, depth).max(axis=0) - SWEEP_CLEARANCE_MM
         over = np.flatnonzero(excess > 0.0)
         if over.size == 0:
             break

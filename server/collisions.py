@@ -44,18 +44,29 @@ def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
     radius is ``1 / sqrt(c^2 / a^2 + (1 - c^2) / b^2)`` (semi-axes a, b), so only
     ``c^2`` is needed: this is the training loop's hot path.
     """
+    return penetration_along_axes(pair_axes(poses), poses, width_mm, depth_mm)
+
+
+def pair_axes(poses: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Each contact's two crowns' unnormalised mesiodistal axes in the occlusal plane.
+
+    poses: (..., 28, 7) (only the rotations are read). Returns six (..., 26) arrays: x, y and
+    squared norm of the first crown's axis, then of the second's. Poses that share rotations and
+    differ in translation (a case being resolved) reuse them in :func:`penetration_along_axes`.
+    """
     w, x, y, z = poses[..., 0], poses[..., 1], poses[..., 2], poses[..., 3]
     ax = 1.0 - 2.0 * (y * y + z * z)  # (..., 28) local x axis in the occlusal plane, unnormalised
     ay = 2.0 * (x * y + w * z)
     n2 = ax * ax + ay * ay
-    ax_a, ay_a, n2_a, ax_b, ay_b, n2_b = (
-        ax[..., _A],
-        ay[..., _A],
-        n2[..., _A],
-        ax[..., _B],
-        ay[..., _B],
-        n2[..., _B],
-    )
+    return ax[..., _A], ay[..., _A], n2[..., _A], ax[..., _B], ay[..., _B], n2[..., _B]
+
+
+def penetration_along_axes(
+    axes: tuple[np.ndarray, ...], poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
+) -> np.ndarray:
+    """:func:`penetration_mm` with the crowns' axes given (:func:`pair_axes` of the same
+    rotations); only the translations of ``poses`` (..., 28, 7) are read."""
+    ax_a, ay_a, n2_a, ax_b, ay_b, n2_b = axes
     dx = poses[..., _B, 4] - poses[..., _A, 4]
     dy = poses[..., _B, 5] - poses[..., _A, 5]
     dist2 = dx * dx + dy * dy
