@@ -44,7 +44,9 @@ baseline, not a model of what a planner can know from the observation alone.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -125,6 +127,8 @@ OC_QUANTUM: float = 0.05
 """Overcorrections are written rounded down to this."""
 MIN_EXPRESSED_SHARE: float = 0.25
 """A tooth is assumed to express at least this share when its overcorrection is computed."""
+ORACLE_CACHE_SIZE: int = 4096
+"""Oracle plans kept per process (LRU) for generated cases, as many as the case cache holds."""
 FRACTION_QUANTUM: float = 1e-4
 """Fractions are written rounded up to this (what the plan JSON carries)."""
 
@@ -566,12 +570,20 @@ def oracle_plan(observation: dict) -> dict:
     """The oracle's plan for an observation (a reset observation of the environment)."""
     initial = np.asarray(observation["initial_config"], dtype=np.float64)
     target = np.asarray(observation["target_config"], dtype=np.float64)
-    case = generate_case(
+    key = (
         observation["task_id"],
         int(observation["seed"]),
         bool(observation.get("force_decay", False)),
         bool(observation.get("non_compliance", False)),
     )
+    case = generate_case(*key)
     if not (np.array_equal(case.initial, initial) and np.array_equal(case.target, target)):
-        case = replace(case, initial=initial, target=target)
-    return plan_for_case(case)
+        return plan_for_case(replace(case, initial=initial, target=target))
+    return copy.deepcopy(_plan_for_key(*key))
+
+
+@lru_cache(maxsize=ORACLE_CACHE_SIZE)
+def _plan_for_key(task_id: str, seed: int, force_decay: bool, non_compliance: bool) -> dict:
+    """The oracle's plan for a generated case, cached: the oracle is deterministic and costs
+    20-150 ms a case (SFT data, tokenizer corpora, baselines and gates ask for the same seeds)."""
+    return plan_for_case(generate_case(task_id, seed, force_decay, non_compliance))
