@@ -1,0 +1,43 @@
+"""The oracle's safety audit on 1,000 seeds per level and dynamics (benchmark, not a test).
+
+Prints, per (task, force_decay, non_compliance): plans breaking a hard rule, plans below uniform
+SLERP, the mean scaled-reward margin over SLERP, and seconds. Exit status 1 if any plan breaks a
+rule or falls below SLERP.
+
+    OMP_NUM_THREADS=1 python bench/oracle_safety.py [--seeds 1000] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orthojob.oracle_audit import COMBOS, audit, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=1000, help="seeds per combination (from 0)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes")
+    args = parser.parse_args(argv)
+    bad = 0
+    print(f"{'task':12s} {'decay':>5s} {'nc':>3s} {'seeds':>6s} {'breaking':>9s} {'below SLERP':>12s} "
+          f"{'margin':>8s} {'s':>7s}")  # fmt: skip
+    for combo in COMBOS:
+        t = time.perf_counter()
+        s = summary(audit({combo: range(args.seeds)}, workers=args.workers)[combo])
+        bad += len(s["broken"]) + len(s["below_slerp"])
+        print(f"{combo[0]:12s} {int(combo[1]):5d} {int(combo[2]):3d} {s['n']:6d} {len(s['broken']):9d} "
+              f"{len(s['below_slerp']):12d} {s['mean_margin']:+8.3f} {time.perf_counter() - t:7.1f}", flush=True)  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
