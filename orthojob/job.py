@@ -57,14 +57,25 @@ def run_name(env: Mapping[str, str]) -> str:
     return f"local-{datetime.now(UTC):%Y%m%d-%H%M%S}-{os.getpid()}"
 
 
+UNSET = ("", "none", "''", '""')
+"""Values meaning "not set": MLflow's Kubernetes backend re-quotes every token of a command that
+runs without a shell, so an empty parameter arrives as the two characters '' (hence the
+mlflow-k8s project's default ``none``)."""
+
+
+def _given(value: str | None) -> str:
+    value = (value or "").strip()
+    return "" if value.lower() in UNSET else value
+
+
 def output_prefix(args: argparse.Namespace, env: Mapping[str, str]) -> str:
     """The run's output prefix (module docstring)."""
-    if args.out:
-        return args.out.rstrip("/")
-    base = (args.out_base or "").rstrip("/")
+    if _given(args.out):
+        return _given(args.out).rstrip("/")
+    base = _given(args.out_base).rstrip("/")
     if not base:
         raise ValueError("pass --out URI, or --out-base URI (the ConfigMap's OUTPUT_URI)")
-    return f"{base}/{(args.run_name or '').strip() or run_name(env)}"
+    return f"{base}/{_given(args.run_name) or run_name(env)}"
 
 
 @dataclass
@@ -79,24 +90,24 @@ class Plan:
 def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     """What the job will run, without running anything (tests assert it)."""
     out = output_prefix(args, env)
-    checkpoint = (args.from_checkpoint or "").strip()
+    checkpoint = _given(args.from_checkpoint)
     if checkpoint:
         chain = ["train", "--preset", args.preset, "--steps", str(args.steps), "--task-id", args.task_id]
         chain += ["--from-checkpoint", checkpoint, "--out", f"{out}/grpo"]
-        if args.model:
+        if _given(args.model):
             chain += ["--model", args.model]
         if args.use_vllm:
             chain.append("--use-vllm")
     else:
         chain = ["pipeline", "--preset", args.preset, "--out", out]
         chain += ["--set", f"grpo.steps={int(args.steps)}", "--set", f"task_id={args.task_id}"]
-        if args.model:
+        if _given(args.model):
             chain += ["--set", f"model={args.model}"]
     return Plan(out, chain, not args.no_register, args.model_name)
 
 
 def needs_gpu(args: argparse.Namespace) -> bool:
-    return args.preset not in TINY_PRESETS or bool(args.model and args.model != "tiny")
+    return args.preset not in TINY_PRESETS or bool(_given(args.model) and args.model != "tiny")
 
 
 def cuda_available() -> bool:

@@ -86,7 +86,7 @@ def s3_client() -> Any:
     from botocore.config import Config
 
     config = Config(
-        retries={"max_attempts": RETRY_ATTEMPTS, "mode": "standard"},
+        retries={"total_max_attempts": RETRY_ATTEMPTS, "mode": "standard"},
         connect_timeout=CONNECT_TIMEOUT_S,
         read_timeout=READ_TIMEOUT_S,
         s3={"addressing_style": "path"},

@@ -10,7 +10,7 @@
   run (the pipeline's, in the parent's experiment), or a top-level run.
 * Fail fast: :func:`configure` probes the server once with MLflow's own HTTP retries
   (``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``_TIMEOUT`` / ``_BACKOFF_*``) sized to a deadline,
-  ``ORTHORL_TRACKING_DEADLINE_S`` (default 60 s), and a watchdog that holds the whole probe
+  ``ORTHORL_TRACKING_DEADLINE_S`` (default 45 s), and a watchdog that holds the whole probe
   (DNS included) to that deadline; :class:`TrackingError` then becomes exit 31.
 * Params are flattened, truncated to MLflow's limit and scrubbed of secret values
   (S3 keys, MLflow credentials) — secrets never reach params, tags, metrics or logs.
@@ -48,7 +48,7 @@ SECRET_ENV_VARS: tuple[str, ...] = (
 )
 PARAM_VALUE_LIMIT = 6000
 DEADLINE_ENV = "ORTHORL_TRACKING_DEADLINE_S"
-DEFAULT_DEADLINE_S = 60.0
+DEFAULT_DEADLINE_S = 45.0  # + process start-up (imports): exit 31 well inside a minute
 PROBE_RETRIES = 3  # MLflow's retries for the start-up probe: 4 attempts, back-off 0, 2, 4 s
 _METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-. /:]")
 _SKIPPED_METRIC_PREFIXES = ("profiling/", "timing/")
