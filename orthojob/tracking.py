@@ -258,7 +258,11 @@ def stage_run(
         try:
             yield run
         except BaseException as exc:
-            mlflow.set_tag("orthorl.error", redact(f"{type(exc).__name__}: {exc}")[:500])
+            current = mlflow.active_run()
+            if current is not None and current.info.run_id == run.info.run_id:  # not ended already
+                mlflow.set_tag("orthorl.error", redact(f"{type(exc).__name__}: {exc}")[:500])
+                if isinstance(exc, SystemExit) and exc.code == 143:  # SIGTERM: preempted, not failed
+                    mlflow.end_run(status="KILLED")
             raise
 
 

@@ -177,8 +177,10 @@ def test_hadolint_clean():
 def test_dockerfile_structure():
     instrs = dockerfile_instructions()
     kinds = [k for k, _ in instrs]
-    assert instrs[0][0] == "FROM" and re.search(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-", instrs[0][1])
-    assert ":latest" not in instrs[0][1]
+    # the base: ARG BASE_IMAGE (a tag by default, a digest at build time), then FROM it
+    assert instrs[0][0] == "ARG" and instrs[0][1].startswith("BASE_IMAGE=")
+    assert re.search(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-", instrs[0][1]) and ":latest" not in instrs[0][1]
+    assert instrs[1] == ("FROM", "${BASE_IMAGE}")
     copies = [(i, a) for i, (k, a) in enumerate(instrs) if k == "COPY"]
     lock_at = next(i for i, a in copies if "requirements/gpu.lock" in a)
     install_at = next(i for i, (k, a) in enumerate(instrs) if k == "RUN" and "--require-hashes" in a)
@@ -1290,6 +1292,15 @@ def test_mlflow_kubernetes_backend_job(tmp_path, entry):
 
 @pytest.mark.slow
 def test_mlflow_run_pipeline_tiny_cpu(tmp_path):
+    """`mlflow run . -e pipeline --env-manager local` against a real `mlflow server`: one parent run
+    (MLflow's, attached by the pipeline) and one child run per stage."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        _mlflow_run_pipeline(tmp_path, stack)
+
+
+def _mlflow_run_pipeline(tmp_path, stack):
     if importlib.util.find_spec("mlflow") is None:
         pytest.skip("mlflow is not installed: `mlflow run` cannot be exercised")
     if "pipeline" not in subcommands(cli_parser()):
@@ -1303,10 +1314,12 @@ def test_mlflow_run_pipeline_tiny_cpu(tmp_path):
         shutil.copy2(ROOT / name, project / name)
     for name in ("server", "orthojob", "requirements"):
         shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
-    db = tmp_path / "mlflow.db"
+    from tests.services import mlflow_server
+
+    server = stack.enter_context(mlflow_server(tmp_path / "server", (tmp_path / "artifacts").as_uri()))
     env = {
         **os.environ,
-        "MLFLOW_TRACKING_URI": f"sqlite:///{db}",
+        "MLFLOW_TRACKING_URI": server.uri,
         "MLFLOW_EXPERIMENT_NAME": "deploy-test",
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # `python` = this venv's
         "OMP_NUM_THREADS": "1",
@@ -1337,14 +1350,22 @@ def test_mlflow_run_pipeline_tiny_cpu(tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    client = MlflowClient(tracking_uri=server.uri)
     exp = client.get_experiment_by_name("deploy-test")
     runs = client.search_runs([exp.experiment_id])
     project_runs = [r for r in runs if r.data.tags.get("mlflow.project.entryPoint") == "pipeline"]
     assert len(project_runs) == 1, [r.data.tags for r in runs]
     top = project_runs[0]
     assert top.info.status == "FINISHED"
-    family = [top] + [r for r in runs if r.data.tags.get("mlflow.parentRunId") == top.info.run_id]
+    assert top.data.tags["orthorl.stage"] == "pipeline", "the parent must not be taken over by a stage"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == top.info.run_id]
+    stages = sorted(r.data.tags.get("orthorl.stage") for r in children)
+    print("runs:", len(runs), "children:", stages)
+    assert {"sft0", "gate_sft0", "grpo", "evaluate"} <= set(stages), stages
+    assert len(stages) == len(set(stages)), "one run per stage"
+    assert all(r.info.status == "FINISHED" for r in children)
+    assert len(runs) == 1 + len(children)
+    family = [top, *children]
     metrics = {k for r in family for k in r.data.metrics}
     assert metrics, "the pipeline's run holds no metrics"
     assert any("reward" in k or "terminal" in k for k in metrics), sorted(metrics)
@@ -1448,3 +1469,32 @@ def test_k8s_render_from_an_installed_wheel(tmp_path):
     docs = list(yaml.safe_load_all(proc.stdout))
     assert one(docs, "ConfigMap")["data"]["STEPS"] == "7"
     assert grpo_job_container(one(docs, "Job"))["image"] == TEST_IMAGE
+
+
+def test_mlflow_run_main_refuses_a_3b_preset_without_a_gpu(tmp_path):
+    """`mlflow run . -P steps=300` is the gated chain (orthojob/job.py); on a machine without CUDA
+    it refuses the 3B preset with a clear message instead of training on CPU."""
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    mlflow_bin = tool("mlflow")
+    if mlflow_bin is None:
+        pytest.skip("mlflow is not installed")
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("MLFLOW_RUN_ID", None)
+    proc = run(
+        [mlflow_bin, "run", str(ROOT), "-P", "steps=300", "--env-manager", "local"],
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode != 0
+    assert "needs a GPU" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
