@@ -757,7 +757,7 @@ def command_lines() -> list[tuple[str, list[str]]]:
     lines.append(("k8s/grpo-job.yaml Job", expand(c.get("command", []) + c["args"], env)))
     tj = one(load_all(TRAINJOB), "TrainJob")
     t = tj["spec"]["trainer"]
-    lines.append(("k8s/trainjob.yaml TrainJob", expand(t["command"] + t["args"], pet_env(tj))))
+    lines.append(("k8s/multinode/trainjob.yaml TrainJob", expand(t["command"] + t["args"], pet_env(tj))))
     for folder in (ROOT, ROOT / "mlflow-k8s"):
         for name, cmd in mlproject_commands(folder).items():
             lines.append((f"{folder.relative_to(ROOT) / 'MLproject'}:{name}", shlex.split(cmd)))
