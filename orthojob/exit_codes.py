@@ -32,6 +32,7 @@ class ExitCode(IntEnum):
     GATE_UNREADABLE = 11
     GATE_FAILED = 12
     GATE_DIGEST_MISMATCH = 13
+    RUN_MISMATCH = 14
     NO_GATE = 20
     BAD_GATE = 21
     NO_MODEL = 22
@@ -59,6 +60,7 @@ _MEANINGS: dict[ExitCode, tuple[str, str]] = {
     ExitCode.GATE_UNREADABLE: ("the starting checkpoint's gate file is unreadable", "fail"),
     ExitCode.GATE_FAILED: ("a stage's gate (or the starting checkpoint's) failed", "fail"),
     ExitCode.GATE_DIGEST_MISMATCH: ("the gate was written for other weights", "fail"),
+    ExitCode.RUN_MISMATCH: ("the output holds a checkpoint of another config (run identity)", "fail"),
     ExitCode.NO_GATE: ("promotion refused: no gate file", "fail"),
     ExitCode.BAD_GATE: ("promotion refused: gate failed or unreadable", "fail"),
     ExitCode.NO_MODEL: ("promotion refused: no logged model for the run", "fail"),

@@ -1,14 +1,21 @@
 """``orthojob k8s render|submit|logs|status``: the GRPO Job on a cluster, from k8s/grpo-job.yaml.
 
-* :func:`render` reads the same manifest that ``kubectl apply -f k8s/grpo-job.yaml`` applies
-  (ServiceAccount, ConfigMap, NetworkPolicy, Job) and applies :class:`Overrides`: image (and the
-  IMAGE_DIGEST env that MLflow runs are tagged with), the ConfigMap's run parameters (steps, task,
-  model, preset, checkpoint and output URIs, MLflow tracking URI and experiment), namespace, and a
-  name suffix (Job and ConfigMap both get it, so concurrent runs never share parameters).
+* :func:`render` reads the base that ``kubectl apply -k k8s/`` renders (k8s/grpo-job.yaml, shipped
+  as package data in ``orthojob/manifests/`` so that an installed wheel has it: ServiceAccount,
+  ConfigMap, NetworkPolicy, Job) and applies :class:`Overrides`: image (required: the base's is
+  empty on purpose; also the IMAGE_DIGEST env that MLflow runs are tagged with), the ConfigMap's
+  run parameters (steps, task, model, preset, starting checkpoint, output base and run name,
+  MLflow tracking URI and experiment), namespace, and a name suffix (Job and ConfigMap both get it,
+  so concurrent runs never share parameters). Outputs never collide: the Job writes below
+  ``OUTPUT_URI/<job name>-<uid[:8]>`` (orthojob/job.py), so every submitted Job has its own prefix.
+  Why not kustomize here: it needs kubectl or the kustomize binary, which a wheel install lacks;
+  the tests render both ways and compare them.
 * :func:`submit` creates those objects with the kubernetes client: shared ones (ServiceAccount,
-  NetworkPolicy) only if missing, the ConfigMap, the Job, then makes the Job the ConfigMap's
-  owner so that ``ttlSecondsAfterFinished`` collects both. Api objects can be injected (tests
-  pass ones built on a recording ApiClient: the request bodies are the API boundary).
+  NetworkPolicy) only if missing -- 409 (exists) and 403 (a namespace where ML users may not
+  create them, the normal case on multi-tenant clusters: an admin made them) are fine -- the
+  ConfigMap, the Job, then makes the Job the ConfigMap's owner so that ``ttlSecondsAfterFinished``
+  collects both. Api objects can be injected (tests pass ones built on a recording ApiClient: the
+  request bodies are the API boundary).
 * :func:`follow_logs` streams the newest pod's log; :func:`job_status` reports the Job's final
   condition, the pod's exit code and what it means (the CLI's documented codes), and the MLflow
   run id found in the log.
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.resources
 import re
 import secrets
 import sys
@@ -33,8 +41,7 @@ from typing import Any
 
 from orthojob.exit_codes import ExitCode, fail_fast_codes
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MANIFEST = ROOT / "k8s" / "grpo-job.yaml"
+DEFAULT_MANIFEST = Path(str(importlib.resources.files("orthojob") / "manifests" / "grpo-job.yaml"))
 CONTAINER = "grpo"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 LEGACY_JOB_NAME_LABEL = "job-name"
@@ -58,6 +65,7 @@ CONFIG_KEYS = {
     "preset": "PRESET",
     "checkpoint_uri": "CHECKPOINT_URI",
     "output_uri": "OUTPUT_URI",
+    "run_name": "RUN_NAME",
     "tracking_uri": "MLFLOW_TRACKING_URI",
     "experiment": "MLFLOW_EXPERIMENT_NAME",
 }
@@ -76,6 +84,7 @@ class Overrides:
     preset: str | None = None
     checkpoint_uri: str | None = None
     output_uri: str | None = None
+    run_name: str | None = None
     tracking_uri: str | None = None
     experiment: str | None = None
     namespace: str | None = None
@@ -120,7 +129,7 @@ def load_manifest(path: str | Path = DEFAULT_MANIFEST) -> list[dict[str, Any]]:
 
     path = Path(path)
     if not path.exists():
-        raise K8sError(f"manifest {path} not found (run from the repository root, or pass --manifest)")
+        raise K8sError(f"manifest {path} not found (pass --manifest)")
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
@@ -148,10 +157,10 @@ def _validate(ov: Overrides) -> None:
             raise K8sError(f"unknown task {ov.task_id!r}: one of {', '.join(TASK_IDS)}")
     if ov.image is not None and (not ov.image.strip() or any(ch.isspace() for ch in ov.image)):
         raise K8sError(f"image must be a non-empty reference without spaces, got {ov.image!r}")
-    for uri_field in ("checkpoint_uri", "output_uri"):
-        value = getattr(ov, uri_field)
-        if value is not None and not value.strip():
-            raise K8sError(f"{uri_field} must not be empty")
+    if ov.output_uri is not None and not ov.output_uri.strip():
+        raise K8sError("output_uri must not be empty")
+    if ov.run_name:
+        _check_name(ov.run_name, "run name")
     if ov.namespace is not None:
         _check_name(ov.namespace, "namespace")
     if ov.name_suffix is not None:
@@ -188,6 +197,11 @@ def render(overrides: Overrides | None = None, manifest: str | Path = DEFAULT_MA
 
     if ov.image:
         main["image"] = ov.image
+    if not str(main.get("image") or "").strip():
+        raise K8sError(
+            "no image: the manifest's is empty on purpose (a placeholder must never be deployed); "
+            "pass --image REPO@sha256:DIGEST, the reference `docker push` printed"
+        )
     # the env var MLflow runs are tagged with always names the image actually deployed
     for env in main.setdefault("env", []):
         if env["name"] == "IMAGE_DIGEST":
@@ -245,12 +259,14 @@ class Submitted:
     job_uid: str | None
     config_map: str
     created: list[str]
+    skipped: list[str] = field(default_factory=list)
 
 
 def submit(rendered: Rendered, apis: Apis) -> Submitted:
     """Create the rendered objects: shared ones if missing, then ConfigMap, Job, owner link."""
     ns = rendered.namespace
     created: list[str] = []
+    skipped: list[str] = []
     creators: dict[str, Callable[..., Any]] = {
         "ServiceAccount": apis.core.create_namespaced_service_account,
         "NetworkPolicy": apis.networking.create_namespaced_network_policy,
@@ -265,8 +281,12 @@ def submit(rendered: Rendered, apis: Apis) -> Submitted:
             creators[kind](namespace=ns, body=obj)
             created.append(f"{kind}/{obj['metadata']['name']}")
         except Exception as exc:
-            if _status_code(exc) != 409:  # already exists: shared, leave it as it is
+            status = _status_code(exc)
+            # 409: already exists; 403: not ours to create (multi-tenant namespaces: an admin
+            # creates shared objects); either way leave it as it is and go on
+            if status not in (403, 409):
                 raise
+            skipped.append(f"{kind}/{obj['metadata']['name']} ({'exists' if status == 409 else 'forbidden'})")
     cm = rendered.config_map
     apis.core.create_namespaced_config_map(namespace=ns, body=cm)
     created.append(f"ConfigMap/{cm['metadata']['name']}")
@@ -289,7 +309,7 @@ def submit(rendered: Rendered, apis: Apis) -> Submitted:
             }
         }
         apis.core.patch_namespaced_config_map(name=cm["metadata"]["name"], namespace=ns, body=owner)
-    return Submitted(ns, name, uid, cm["metadata"]["name"], created)
+    return Submitted(ns, name, uid, cm["metadata"]["name"], created, skipped)
 
 
 def _pods_of(apis: Apis, namespace: str, job_name: str) -> list[Any]:
@@ -472,15 +492,26 @@ def status_exit_code(status: JobStatus) -> int:
 
 def _add_render_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--manifest", default=str(DEFAULT_MANIFEST), help="the Job manifest (default k8s/grpo-job.yaml)"
+        "--manifest",
+        default=str(DEFAULT_MANIFEST),
+        help="the Job manifest (default: the packaged k8s/grpo-job.yaml)",
     )
-    p.add_argument("--image", help="image reference, ideally REPO@sha256:DIGEST")
+    p.add_argument("--image", help="image reference, REPO@sha256:DIGEST (required: the manifest has none)")
     p.add_argument("--steps", type=int, help="GRPO steps (ConfigMap STEPS)")
     p.add_argument("--task-id", help="task (ConfigMap TASK_ID)")
     p.add_argument("--model", help="model id (ConfigMap MODEL)")
     p.add_argument("--preset", help="training preset (ConfigMap PRESET)")
-    p.add_argument("--from-checkpoint", dest="checkpoint_uri", help="SFT checkpoint URI (CHECKPOINT_URI)")
-    p.add_argument("--out", dest="output_uri", help="output URI, where retries resume from (OUTPUT_URI)")
+    p.add_argument(
+        "--from-checkpoint",
+        dest="checkpoint_uri",
+        help="a gated SFT checkpoint: GRPO from it (CHECKPOINT_URI; default '' = the whole chain)",
+    )
+    p.add_argument(
+        "--out",
+        dest="output_uri",
+        help="output base (OUTPUT_URI); each Job writes below it, in <job name>-<uid[:8]>",
+    )
+    p.add_argument("--run-name", help="continue this named run: OUTPUT_URI/RUN_NAME (RUN_NAME)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI as seen from the cluster")
     p.add_argument("--experiment", help="MLflow experiment name")
     p.add_argument("--namespace", help="namespace of every object (default: the manifest's)")
@@ -527,6 +558,8 @@ def _submit(args: argparse.Namespace, apis: Apis | None) -> int:
     apis = apis or load_apis(args.context)
     done = submit(rendered, apis)
     print(f"submitted Job {done.namespace}/{done.job_name} (created: {', '.join(done.created)})")
+    if done.skipped:
+        print(f"left as they are: {', '.join(done.skipped)}")
     if not args.follow:
         print(f"follow with: orthojob k8s logs {done.job_name} -n {done.namespace}")
         return 0

@@ -25,7 +25,7 @@ import re
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +114,13 @@ def local_input(path_or_uri: str, say: Callable[[str], Any] = print) -> Path:
     return storage.materialize(path_or_uri, download_cache())
 
 
-def checkpoint_sync_callback(out_uri: str) -> Any:
-    """TrainerCallback: after each save, upload ``<output_dir>/checkpoint-<step>`` to ``<out_uri>/checkpoint-<step>``."""
+def checkpoint_sync_callback(out_uri: str | None, config: Mapping[str, Any] | None = None) -> Any:
+    """TrainerCallback: after each save, write the run identity (``config``'s digest, see
+    :mod:`orthojob.run_identity`) into ``<output_dir>/checkpoint-<step>`` and, with ``out_uri``,
+    upload that folder to ``<out_uri>/checkpoint-<step>`` (manifest last)."""
     from transformers import TrainerCallback
+
+    from orthojob import run_identity
 
     class CheckpointSync(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
@@ -124,7 +128,11 @@ def checkpoint_sync_callback(out_uri: str) -> Any:
                 return
             name = f"checkpoint-{state.global_step}"
             folder = Path(args.output_dir) / name
-            if folder.is_dir():
+            if not folder.is_dir():
+                return
+            if config is not None:
+                run_identity.write_identity(folder, config)
+            if out_uri:
                 uri = f"{out_uri.rstrip('/')}/{name}"
                 storage.upload_dir(folder, uri)
                 log.info("synced %s to %s", name, uri)
@@ -132,21 +140,37 @@ def checkpoint_sync_callback(out_uri: str) -> Any:
     return CheckpointSync()
 
 
-def resume_checkpoint(out: str, work_dir: Path) -> tuple[int, Path] | None:
-    """``(step, local folder)`` of the newest complete checkpoint of ``out`` (downloaded if on S3)."""
+def resume_checkpoint(
+    out: str, work_dir: Path, config: Mapping[str, Any] | None = None, on_foreign: str | None = None
+) -> tuple[int, Path] | None:
+    """``(step, local folder)`` of the newest complete checkpoint of ``out`` (downloaded if on S3).
+
+    With ``config``, the checkpoint's run identity is checked first
+    (:func:`orthojob.run_identity.check_resume`): a checkpoint of another config raises
+    RunIdentityError (exit 14) unless ``on_foreign`` (or ORTHORL_ON_FOREIGN_CHECKPOINT) is
+    ``fresh`` (then None: train from the start) or ``continue``."""
+    from orthojob import run_identity
+
     if storage.is_s3_uri(out):
         found = storage.latest_checkpoint(out)
         if found is None:
             return None
         step, uri = found
-        return step, storage.download_dir(uri, work_dir / f"checkpoint-{step}")
-    folder = Path(out)
-    steps = sorted(
-        (int(m.group(1)), p)
-        for p in (folder.iterdir() if folder.is_dir() else [])
-        if (m := _CHECKPOINT_RE.match(p.name)) and (p / "trainer_state.json").is_file()
-    )
-    return steps[-1] if steps else None
+        folder = storage.download_dir(uri, work_dir / f"checkpoint-{step}")
+    else:
+        root = Path(out)
+        steps = sorted(
+            (int(m.group(1)), p)
+            for p in (root.iterdir() if root.is_dir() else [])
+            if (m := _CHECKPOINT_RE.match(p.name)) and (p / "trainer_state.json").is_file()
+        )
+        if not steps:
+            return None
+        step, folder = steps[-1]
+        uri = str(folder)
+    if config is not None and not run_identity.check_resume(folder, config, on_foreign, where=uri):
+        return None
+    return step, folder
 
 
 @contextlib.contextmanager

@@ -1,8 +1,11 @@
 """Checkpoint and artifact storage on local paths or S3 (any S3-compatible store).
 
-``s3://bucket/prefix`` URIs go through boto3 with bounded retries and backoff
-(botocore's ``standard`` mode plus an outer retry for connection-level outages);
-every other path is a local folder. Credentials come from the usual AWS
+``s3://bucket/prefix`` URIs go through boto3 with bounded retries and backoff: botocore's
+own ``standard`` retry mode (connection errors, throttling and 5xx, exponential back-off
+with jitter, at most ``ORTHORL_S3_MAX_ATTEMPTS`` attempts per request, default 5), and
+s3transfer's own retries of interrupted downloads. There is no retry loop of ours on top
+(it multiplied botocore's attempts): when botocore gives up, the operation raises
+:class:`StorageError` and the job exits 30. Every other path is a local folder. Credentials come from the usual AWS
 variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``
 for S3-compatible stores) and are never logged.
 
@@ -22,7 +25,6 @@ import logging
 import os
 import re
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +33,12 @@ from typing import Any, TypeVar
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
-RETRY_ATTEMPTS: int = int(os.environ.get("ORTHORL_S3_RETRIES", "5"))
-RETRY_BASE_DELAY_S: float = float(os.environ.get("ORTHORL_S3_RETRY_DELAY", "0.5"))
+# botocore's total attempts per request (standard mode); ORTHORL_S3_RETRIES is the older name
+RETRY_ATTEMPTS: int = int(
+    os.environ.get("ORTHORL_S3_MAX_ATTEMPTS") or os.environ.get("ORTHORL_S3_RETRIES") or 5
+)
+CONNECT_TIMEOUT_S: float = float(os.environ.get("ORTHORL_S3_CONNECT_TIMEOUT_S", "5"))
+READ_TIMEOUT_S: float = float(os.environ.get("ORTHORL_S3_READ_TIMEOUT_S", "60"))
 _CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)$")
 T = TypeVar("T")
 
@@ -72,14 +78,17 @@ def parse_s3_uri(uri: str) -> S3Location:
 
 
 def s3_client() -> Any:
-    """A boto3 S3 client with bounded retries and timeouts; endpoint from AWS_ENDPOINT_URL."""
+    """A boto3 S3 client with bounded retries and timeouts; endpoint from AWS_ENDPOINT_URL.
+
+    Worst case per request against a dead endpoint: RETRY_ATTEMPTS connection attempts of at most
+    CONNECT_TIMEOUT_S each, with botocore's back-off (random up to 1, 2, 4, 8 s) between them."""
     import boto3
     from botocore.config import Config
 
     config = Config(
-        retries={"max_attempts": RETRY_ATTEMPTS, "mode": "standard"},
-        connect_timeout=5,
-        read_timeout=60,
+        retries={"total_max_attempts": RETRY_ATTEMPTS, "mode": "standard"},
+        connect_timeout=CONNECT_TIMEOUT_S,
+        read_timeout=READ_TIMEOUT_S,
         s3={"addressing_style": "path"},
     )
     # a fresh session reads the credentials now (the default session caches them)
@@ -116,38 +125,28 @@ def _is_auth_error(exc: BaseException | None) -> bool:
     return False
 
 
-def with_retries(action: str, fn: Callable[[], T], attempts: int | None = None) -> T:
-    """Run ``fn`` with exponential backoff on transient failures; StorageError when exhausted.
+def with_retries(action: str, fn: Callable[[], T]) -> T:
+    """Run one storage operation; its failure becomes a :class:`StorageError` saying what to check.
 
-    Credential and permission errors are not retried: they will not heal.
+    The name is kept for callers: the retries themselves are botocore's (see :func:`s3_client`),
+    so when ``fn`` raises, botocore has already retried it and this does not retry again.
+    Credential and permission errors are reported as such (botocore never retries them).
     """
-    attempts = RETRY_ATTEMPTS if attempts is None else attempts
-    delay = RETRY_BASE_DELAY_S
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn()
-        except Exception as exc:  # boto raises many types; classify below
-            if _is_auth_error(exc):
-                raise StorageError(
-                    f"{action}: S3 refused the credentials or access ({exc}). Check AWS_ACCESS_KEY_ID / "
-                    "AWS_SECRET_ACCESS_KEY (the Secret), the bucket name and the endpoint (AWS_ENDPOINT_URL)."
-                ) from exc
-            if attempt == attempts:
-                raise StorageError(
-                    f"{action}: failed after {attempts} attempts ({type(exc).__name__}: {exc}). "
-                    "Check that the S3 endpoint is reachable (AWS_ENDPOINT_URL) and retry."
-                ) from exc
-            log.warning(
-                "%s: attempt %d/%d failed (%s); retrying in %.1f s",
-                action,
-                attempt,
-                attempts,
-                type(exc).__name__,
-                delay,
-            )
-            time.sleep(delay)
-            delay *= 2
-    raise AssertionError("unreachable")
+    try:
+        return fn()
+    except StorageError:
+        raise
+    except Exception as exc:  # boto raises many types; classify below
+        if _is_auth_error(exc):
+            raise StorageError(
+                f"{action}: S3 refused the credentials or access ({exc}). Check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY (the Secret, or the pod's IRSA / Workload Identity role), the "
+                "bucket name and the endpoint (AWS_ENDPOINT_URL)."
+            ) from exc
+        raise StorageError(
+            f"{action}: failed after {RETRY_ATTEMPTS} attempts (botocore standard retries; "
+            f"{type(exc).__name__}: {exc}). Check that the S3 endpoint is reachable (AWS_ENDPOINT_URL)."
+        ) from exc
 
 
 def sha256_file(path: Path) -> str:
@@ -257,20 +256,17 @@ def download_dir(uri: str, local: str | Path, client: Any | None = None) -> Path
 
 @contextlib.contextmanager
 def _folder_lock(folder: Path) -> Iterator[None]:
-    """An exclusive lock held while ``folder`` is filled: flock on a file in the temporary
+    """An exclusive lock held while ``folder`` is filled (``filelock``), on a file in the temporary
     directory named by the folder's absolute path (not beside it, where it would be published)."""
-    import fcntl
     import tempfile
+
+    from filelock import FileLock
 
     locks = Path(tempfile.gettempdir()) / "orthorl-locks"
     locks.mkdir(exist_ok=True)
     name = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:32]
-    with open(locks / f"{name}.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with FileLock(str(locks / f"{name}.lock")):
+        yield
 
 
 def _matches_manifest(folder: Path, manifest: dict) -> bool:

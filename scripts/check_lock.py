@@ -11,6 +11,15 @@ satisfy pyproject are kept, and compares the resolved pins with the committed on
 checks that every requirement in pyproject (base dependencies and the ``gpu`` extra) is pinned in
 the lock at a version its specifier admits, and that every pin carries hashes.
 
+Two checks are about the image's stack rather than pyproject:
+
+* **TRL's vLLM range.** The locked vLLM must lie inside the range the locked TRL declares for its
+  ``vllm`` extra (TRL's server mode and colocate mode are only tested there). The range is read
+  from TRL's own metadata, as uv sees it: ``uv pip compile`` of exactly ``trl[vllm]==<locked>`` and
+  ``vllm==<locked>`` (no other requirement) must resolve; a vLLM outside TRL's range does not.
+* **Excluded packages** (``requirements/gpu-excludes.txt``, passed as ``--excludes``): packages
+  the job never imports (gradio, torchaudio) stay out of the lock and so out of the image.
+
 Exit status: 0 in sync; 1 drift (the message says what differs and how to fix it);
 2 uv missing or the resolution failed.
 """
@@ -31,6 +40,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements" / "gpu.lock"
+EXCLUDES = ROOT / "requirements" / "gpu-excludes.txt"
 PYPROJECT = ROOT / "pyproject.toml"
 EXTRA = "gpu"
 PLATFORM = "x86_64-manylinux_2_31"
@@ -62,6 +72,7 @@ def compile_command(uv: str, output: Path) -> list[str]:
         PYTHON,
         "--generate-hashes",
         "--no-build",
+        *(["--excludes", str(EXCLUDES)] if EXCLUDES.exists() else []),
         "--custom-compile-command",
         WRITE_COMMAND,
         "--quiet",
@@ -132,6 +143,43 @@ def diff_pins(old: dict[str, str], new: dict[str, str]) -> list[str]:
     return lines
 
 
+def excluded_names() -> set[str]:
+    """Canonical names listed in requirements/gpu-excludes.txt."""
+    if not EXCLUDES.exists():
+        return set()
+    return {
+        canonicalize_name(line.split("#", 1)[0].strip())
+        for line in EXCLUDES.read_text().splitlines()
+        if line.split("#", 1)[0].strip()
+    }
+
+
+def trl_vllm_problem(uv: str, pins: dict[str, str]) -> str | None:
+    """None when the locked vLLM is inside the locked TRL's ``vllm`` extra range, else why not.
+
+    Resolves ``trl[vllm]==X`` with ``vllm==Y`` alone (uv reads TRL's metadata; nothing else
+    constrains the pair), for the image's platform, without hashes."""
+    trl, vllm = pins.get("trl"), pins.get("vllm")
+    if trl is None or vllm is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="trl-vllm-") as tmp:
+        req = Path(tmp) / "pair.in"
+        req.write_text(f"trl[vllm]=={trl}\nvllm=={vllm}\n")
+        cmd = [uv, "pip", "compile", str(req), "--python-platform", PLATFORM, "--python-version", PYTHON,
+               "--no-build", "--quiet", "--no-header", "--no-annotate", "--output-file", str(Path(tmp) / "o")]  # fmt: skip
+        if EXCLUDES.exists():
+            cmd += ["--excludes", str(EXCLUDES)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode == 0:
+        return None
+    why = [line for line in (proc.stderr or proc.stdout).splitlines() if "vllm" in line.lower()]
+    return (
+        f"the locked vllm=={vllm} is outside the range trl=={trl} declares for its vllm extra"
+        + (f" ({why[0].strip()})" if why else "")
+        + ": move vllm (pyproject's gpu extra) into TRL's range, or move TRL"
+    )
+
+
 def resolve(uv: str, seed: Path | None) -> str:
     """Resolve into a temporary file seeded with ``seed`` (uv keeps its pins where it can)."""
     with tempfile.TemporaryDirectory(prefix="gpu-lock-") as tmp:
@@ -179,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     if drift:
         problems.append("the committed lock does not match what pyproject resolves to:\n" + "\n".join(drift))
     problems += requirement_problems(locked)
+    problem = trl_vllm_problem(uv, locked)
+    if problem:
+        problems.append(problem)
+    leaked = sorted(excluded_names() & set(locked))
+    if leaked:
+        problems.append(f"excluded packages are pinned in the lock: {', '.join(leaked)}")
     if unhashed:
         problems.append("pins without --hash: " + ", ".join(unhashed))
     if problems:
@@ -189,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"check_lock: {LOCK.relative_to(ROOT)} in sync: {len(locked)} pins, all hashed, "
-        f"wheels for {PLATFORM} / CPython {PYTHON}"
+        f"wheels for {PLATFORM} / CPython {PYTHON}; vllm=={locked.get('vllm')} inside the range of "
+        f"trl=={locked.get('trl')}; excluded: {', '.join(sorted(excluded_names())) or 'none'}"
     )
     return 0
 

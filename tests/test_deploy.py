@@ -52,11 +52,15 @@ TRAINJOB_SCHEMA = K8S / "schemas" / "trainjob.trainer.kubeflow.org-v1alpha1.sche
 # manifests of built-in kinds (kubernetes-validate) and of every kind (checkov)
 BUILTIN_MANIFESTS = [
     K8S / "grpo-job.yaml",
-    K8S / "multinode.yaml",
+    K8S / "multinode" / "vllm.yaml",
     K8S / "secret.example.yaml",
     K8S / "mlflow-k8s" / "job-template.yaml",
+    K8S / "mlflow-k8s" / "job-template-cpu.yaml",
 ]
-ALL_MANIFESTS = [*BUILTIN_MANIFESTS, K8S / "trainjob.yaml"]
+TRAINJOB = K8S / "multinode" / "trainjob.yaml"
+VLLM = K8S / "multinode" / "vllm.yaml"
+ALL_MANIFESTS = [*BUILTIN_MANIFESTS, TRAINJOB]
+TEST_IMAGE = "reg.test/orthorl/train@sha256:" + "ab" * 32
 
 
 def tool(name: str) -> str | None:
@@ -82,14 +86,46 @@ def grpo_job_container(job: dict) -> dict:
     return next(c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "grpo")
 
 
-@pytest.fixture(scope="module")
-def kustomize_output(tmp_path_factory) -> Path:
+def set_image(k8s_copy: Path, image: str = TEST_IMAGE) -> None:
+    """Do what docs/deploy.md says: set the image once, in k8s/image/kustomization.yaml."""
+    path = k8s_copy / "image" / "kustomization.yaml"
+    component = yaml.safe_load(path.read_text())
+    name, digest = image.split("@")
+    component["images"] = [{"name": "", "newName": name, "digest": digest}]
+    path.write_text(yaml.safe_dump(component, sort_keys=False))
+
+
+def kustomize(folder: Path) -> subprocess.CompletedProcess:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed (it renders kustomize offline)")
-    proc = run([kubectl, "kustomize", str(K8S)])
+    return run([kubectl, "kustomize", str(folder)])
+
+
+@pytest.fixture(scope="module")
+def k8s_with_image(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("k8s-set") / "k8s"
+    shutil.copytree(K8S, work)
+    set_image(work)
+    return work
+
+
+@pytest.fixture(scope="module")
+def kustomize_output(k8s_with_image, tmp_path_factory) -> Path:
+    """`kubectl kustomize k8s/` after the image is set (what `kubectl apply -k k8s/` applies)."""
+    proc = kustomize(k8s_with_image)
     assert proc.returncode == 0, proc.stderr
     out = tmp_path_factory.mktemp("kustomize") / "kustomize-output.yaml"
+    out.write_text(proc.stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def multinode_output(k8s_with_image, tmp_path_factory) -> Path:
+    """`kubectl kustomize k8s/multinode/` after the image is set."""
+    proc = kustomize(k8s_with_image / "multinode")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path_factory.mktemp("kustomize") / "multinode-output.yaml"
     out.write_text(proc.stdout)
     return out
 
@@ -98,9 +134,7 @@ def kustomize_output(tmp_path_factory) -> Path:
 def render_output(tmp_path_factory) -> Path:
     from orthojob.k8s import Overrides, render
 
-    rendered = render(
-        Overrides(image="registry.example.com/orthorl/train@sha256:" + "0" * 64, steps=50, name_suffix="t1")
-    )
+    rendered = render(Overrides(image=TEST_IMAGE, steps=50, name_suffix="t1"))
     out = tmp_path_factory.mktemp("render") / "orthojob-k8s-render.yaml"
     out.write_text(rendered.to_yaml())
     return out
@@ -143,8 +177,10 @@ def test_hadolint_clean():
 def test_dockerfile_structure():
     instrs = dockerfile_instructions()
     kinds = [k for k, _ in instrs]
-    assert instrs[0][0] == "FROM" and re.search(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-", instrs[0][1])
-    assert ":latest" not in instrs[0][1]
+    # the base: ARG BASE_IMAGE (a tag by default, a digest at build time), then FROM it
+    assert instrs[0][0] == "ARG" and instrs[0][1].startswith("BASE_IMAGE=")
+    assert re.search(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-", instrs[0][1]) and ":latest" not in instrs[0][1]
+    assert instrs[1] == ("FROM", "${BASE_IMAGE}")
     copies = [(i, a) for i, (k, a) in enumerate(instrs) if k == "COPY"]
     lock_at = next(i for i, a in copies if "requirements/gpu.lock" in a)
     install_at = next(i for i, (k, a) in enumerate(instrs) if k == "RUN" and "--require-hashes" in a)
@@ -211,8 +247,8 @@ def checkov_binary() -> str:
     return str(exe)
 
 
-def test_checkov_clean(kustomize_output, render_output):
-    files = [ROOT / "Dockerfile", *ALL_MANIFESTS, kustomize_output, render_output]
+def test_checkov_clean(kustomize_output, multinode_output, render_output):
+    files = [ROOT / "Dockerfile", *ALL_MANIFESTS, kustomize_output, multinode_output, render_output]
     # not --quiet: its JSON would list failed checks only, and the test checks what was scanned
     cmd = [checkov_binary(), "--compact", "--skip-download", "-o", "json"]
     cmd += ["--framework", "dockerfile", "kubernetes", "secrets"]
@@ -237,7 +273,7 @@ def test_checkov_clean(kustomize_output, render_output):
             assert len(reason) > 30, f"skip of {res['check_id']} in {res['file_path']} has no real reason"
     assert not failed, "checkov failures:\n" + "\n".join(failed)
     # guard against checkov silently ignoring a file (it does for objects it cannot parse)
-    for f in [ROOT / "Dockerfile", *BUILTIN_MANIFESTS, kustomize_output, render_output]:
+    for f in [ROOT / "Dockerfile", *BUILTIN_MANIFESTS, kustomize_output, multinode_output, render_output]:
         if f.name != "secret.example.yaml":  # checkov has no policy on a Secret's shape
             assert f.name in scanned, f"checkov scanned nothing in {f}"
 
@@ -246,11 +282,17 @@ def test_checkov_clean(kustomize_output, render_output):
 # kubernetes-validate --strict, 1.29 .. 1.37
 
 
-def test_kubernetes_validate_strict_all_versions(kustomize_output, render_output):
+def test_kubernetes_validate_strict_all_versions(kustomize_output, render_output, tmp_path):
     kv = tool("kubernetes-validate")
     if kv is None:
         pytest.skip("kubernetes-validate not installed (the dev extra has it)")
-    files = [str(f) for f in [*BUILTIN_MANIFESTS, kustomize_output, render_output]]
+    # the multi-node output minus the TrainJob (a CRD: validated against its schema below)
+    multinode = tmp_path / "multinode-builtin.yaml"
+    proc = kustomize(K8S / "multinode")
+    multinode.write_text(
+        yaml.safe_dump_all([d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] != "TrainJob"])
+    )
+    files = [str(f) for f in [*BUILTIN_MANIFESTS, kustomize_output, render_output, multinode]]
     problems = []
     for version in KUBE_VERSIONS:
         proc = run([kv, "--strict", "--quiet", "-k", version, *files])
@@ -263,42 +305,129 @@ def test_kubernetes_validate_strict_all_versions(kustomize_output, render_output
 # kustomize
 
 
-def test_kustomize_renders_the_job_with_image_and_params(kustomize_output):
+def api_image_errors(docs: list[dict]) -> list[str]:
+    """The API server's rule for a workload's containers (validateContainerCommon: "image:
+    Required value" when empty), over the built-in kinds that carry a pod template."""
+    errors = []
+    for d in docs:
+        spec = d.get("spec", {}).get("template", {}).get("spec", {})
+        for c in spec.get("containers", []) + spec.get("initContainers", []):
+            if not c.get("image"):
+                errors.append(
+                    f"{d['kind']}/{d['metadata']['name']}: containers[{c['name']}].image: Required value"
+                )
+    return errors
+
+
+def test_an_unset_image_cannot_be_deployed():
+    """Nothing deploys a placeholder: the base manifests (kubectl apply -f) and the shipped
+    kustomization (kubectl apply -k, image not yet set) carry an empty image, which the API server
+    refuses for the Job and the vLLM Deployment; the TrainJob's runtime cannot start it either.
+    `orthojob k8s render` refuses without --image."""
+    from orthojob.k8s import K8sError, render
+
+    for manifest in (K8S / "grpo-job.yaml", VLLM):
+        assert api_image_errors(load_all(manifest)), f"{manifest} would deploy an image unset"
+    assert one(load_all(TRAINJOB), "TrainJob")["spec"]["trainer"]["image"] == ""
+    shipped = kustomize(K8S)
+    assert shipped.returncode == 0, shipped.stderr
+    assert api_image_errors(list(yaml.safe_load_all(shipped.stdout)))
+    with pytest.raises(K8sError, match="--image"):
+        render()
+    # no placeholder registry left anywhere a deploy reads an image from
+    for path in [*ALL_MANIFESTS, K8S / "kustomization.yaml", K8S / "image" / "kustomization.yaml"]:
+        if path.parent.name == "mlflow-k8s":
+            continue  # MLflow's Kubernetes backend replaces the template's image with tag@digest
+        assert "registry.example.com/orthorl/train:" not in path.read_text(), path
+
+
+def test_the_image_is_set_once_for_every_workload(kustomize_output, multinode_output):
+    """One edit (k8s/image) reaches the Job, the vLLM Deployment and the TrainJob, and the
+    IMAGE_DIGEST their MLflow runs are tagged with."""
     docs = load_all(kustomize_output)
     assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Job", "NetworkPolicy", "ServiceAccount"]
     assert not any(d["kind"] == "Secret" for d in docs), "the Secret is created by hand, never rendered"
     assert {d["metadata"]["namespace"] for d in docs} == {"orthorl"}
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    image = kustomization["images"][0]
     c = grpo_job_container(one(docs, "Job"))
-    assert c["image"] == f"{image['newName']}:{image['newTag']}"
-    assert {e["name"]: e.get("value") for e in c["env"]}["IMAGE_DIGEST"] == c["image"]
+    assert c["image"] == TEST_IMAGE
+    assert {e["name"]: e.get("value") for e in c["env"]}["IMAGE_DIGEST"] == TEST_IMAGE
+    assert not api_image_errors(docs)
+    multi = load_all(multinode_output)
+    t = one(multi, "TrainJob")["spec"]["trainer"]
+    assert t["image"] == TEST_IMAGE
+    assert {e["name"]: e.get("value") for e in t["env"]}["IMAGE_DIGEST"] == TEST_IMAGE
+    vllm = one(multi, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert vllm["image"] == TEST_IMAGE
+    assert trainjob_errors(one(multi, "TrainJob")) == []
+    assert not api_image_errors(multi)
+    # the image appears in exactly one file a user edits
+    setters = [p for p in K8S.rglob("*.yaml") if "newName" in p.read_text()]
+    assert setters == [K8S / "image" / "kustomization.yaml"]
+    assert "vllm-server.yaml" not in (K8S / "kustomization.yaml").read_text()
 
 
 def test_kustomization_overrides_image_digest_and_params(tmp_path):
-    """Edit k8s/kustomization.yaml as the docs say (image digest, a parameter): the Job runs that
-    image, IMAGE_DIGEST follows it, and the ConfigMap carries the parameter."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (it renders kustomize offline)")
+    """Edit as the docs say (the image in k8s/image, a parameter in k8s/kustomization.yaml): the
+    Job runs that image, IMAGE_DIGEST follows it, and the ConfigMap carries the parameter."""
     work = tmp_path / "k8s"
     shutil.copytree(K8S, work)
+    digest = "sha256:" + "cd" * 32
+    set_image(work, f"reg.test/o/t@{digest}")
     kz = yaml.safe_load((work / "kustomization.yaml").read_text())
-    digest = "sha256:" + "ab" * 32
-    kz["images"] = [
-        {"name": "registry.example.com/orthorl/train", "newName": "reg.test/o/t", "digest": digest}
-    ]
     ops = yaml.safe_load(kz["patches"][0]["patch"])
     next(op for op in ops if op["path"] == "/data/STEPS")["value"] = "42"
     kz["patches"][0]["patch"] = yaml.safe_dump(ops)
     (work / "kustomization.yaml").write_text(yaml.safe_dump(kz, sort_keys=False))
-    proc = run([kubectl, "kustomize", str(work)])
+    proc = kustomize(work)
     assert proc.returncode == 0, proc.stderr
     docs = list(yaml.safe_load_all(proc.stdout))
     c = grpo_job_container(one(docs, "Job"))
     assert c["image"] == f"reg.test/o/t@{digest}"
     assert {e["name"]: e.get("value") for e in c["env"]}["IMAGE_DIGEST"] == c["image"]
     assert one(docs, "ConfigMap")["data"]["STEPS"] == "42"
+
+
+def test_kustomize_and_render_agree(kustomize_output):
+    """`orthojob k8s render` (no kubectl needed, e.g. from a wheel) and `kubectl kustomize k8s/`
+    produce the same objects for the same image and parameters."""
+    from orthojob.k8s import Overrides, render
+
+    kz = load_all(kustomize_output)
+    cm = one(kz, "ConfigMap")["data"]
+    rendered = render(Overrides(image=TEST_IMAGE)).objects
+    by_kind = {d["kind"]: d for d in rendered}
+    assert by_kind["ConfigMap"]["data"] == cm
+    assert by_kind["Job"]["spec"] == one(kz, "Job")["spec"]
+
+
+def test_node_selector_and_queue_knobs(tmp_path):
+    """The GPU pool's label is one patch in k8s/kustomization.yaml; the Kueue label is documented
+    there (commented) and valid when enabled."""
+    kz = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    node = next(p for p in kz["patches"] if "nodeSelector" in p["patch"])
+    assert node["target"] == {"kind": "Job", "name": "orthorl-grpo"}
+    text = (K8S / "kustomization.yaml").read_text()
+    assert "kueue.x-k8s.io~1queue-name" in text and "imagePullSecrets" in text
+    work = tmp_path / "k8s"
+    shutil.copytree(K8S, work)
+    set_image(work)
+    kz["patches"][1]["patch"] = kz["patches"][1]["patch"].replace(
+        'nvidia.com/gpu.present: "true"', "cloud.google.com/gke-accelerator: nvidia-h100-80gb"
+    )
+    kz["patches"].append(
+        {
+            "target": {"kind": "Job", "name": "orthorl-grpo"},
+            "patch": "- op: add\n  path: /metadata/labels/kueue.x-k8s.io~1queue-name\n  value: team-q\n",
+        }
+    )
+    (work / "kustomization.yaml").write_text(yaml.safe_dump(kz, sort_keys=False))
+    proc = kustomize(work)
+    assert proc.returncode == 0, proc.stderr
+    job = one(list(yaml.safe_load_all(proc.stdout)), "Job")
+    assert job["spec"]["template"]["spec"]["nodeSelector"] == {
+        "cloud.google.com/gke-accelerator": "nvidia-h100-80gb"
+    }
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-q"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +458,7 @@ def test_grpo_job_contract():
     from orthojob.k8s import FAIL_FAST_CODES
 
     assert sorted(fail["onExitCodes"]["values"]) == sorted(FAIL_FAST_CODES)
-    assert {2, 3, 10, 11, 12, 13, 20, 21, 22} <= set(FAIL_FAST_CODES)
+    assert {2, 3, 10, 11, 12, 13, 14, 20, 21, 22} <= set(FAIL_FAST_CODES)
     # the codes the CLI defines are the ones the policy fails fast on
     for module, names in (
         ("orthojob.grpo", ("EXIT_USAGE", "EXIT_GRPO_GATE_FAILED")),
@@ -361,9 +490,29 @@ def test_grpo_job_contract():
     # env from the ConfigMap and the Secret; every $(VAR) in args comes from the ConfigMap
     refs = {k: v["name"] for src in c["envFrom"] for k, v in src.items()}
     assert refs == {"configMapRef": cm["metadata"]["name"], "secretRef": "orthorl-credentials"}
+    # the Secret is optional: IRSA / Workload Identity give the pod credentials without one
+    assert next(src for src in c["envFrom"] if "secretRef" in src)["secretRef"]["optional"] is True
+    # ephemeral storage requested and bounded: the emptyDirs count against it
+    disk = sum(
+        int(v["emptyDir"]["sizeLimit"].removesuffix("Gi"))
+        for v in pod["volumes"]
+        if v["emptyDir"].get("medium") != "Memory"
+    )
+    assert c["resources"]["requests"]["ephemeral-storage"]
+    assert int(c["resources"]["limits"]["ephemeral-storage"].removesuffix("Gi")) >= disk
+    # SIGTERM -> checkpoint -> exit 143 needs time to save and sync
+    assert pod["terminationGracePeriodSeconds"] >= 300
     used = set(re.findall(r"\$\((\w+)\)", " ".join(c["args"])))
     assert used <= set(cm["data"]), f"args use {used - set(cm['data'])} that the ConfigMap lacks"
-    for key in ("STEPS", "TASK_ID", "MODEL", "CHECKPOINT_URI", "OUTPUT_URI", "MLFLOW_TRACKING_URI"):
+    for key in (
+        "STEPS",
+        "TASK_ID",
+        "MODEL",
+        "CHECKPOINT_URI",
+        "OUTPUT_URI",
+        "RUN_NAME",
+        "MLFLOW_TRACKING_URI",
+    ):
         assert key in cm["data"]
     assert "MLFLOW_EXPERIMENT_NAME" in cm["data"]
     # the Secret example: placeholders only, same name and keys the Job expects
@@ -426,7 +575,7 @@ def test_schema_copy_keeps_its_attribution():
 
 
 def test_trainjob_validates_against_crd_schema():
-    docs = load_all(K8S / "trainjob.yaml")
+    docs = load_all(TRAINJOB)
     assert [d["kind"] for d in docs] == ["TrainJob"]
     assert trainjob_errors(docs[0]) == []
     # the validation is strict: a misspelt field is an error, as on the API server
@@ -455,7 +604,7 @@ def expand(args: list[str], env: dict[str, str]) -> list[str]:
 
 
 def test_trainjob_launch_matches_its_resources_and_config():
-    doc = one(load_all(K8S / "trainjob.yaml"), "TrainJob")
+    doc = one(load_all(TRAINJOB), "TrainJob")
     t = doc["spec"]["trainer"]
     argv = expand(t["command"] + t["args"], pet_env(doc))
     assert argv[:2] == ["accelerate", "launch"]
@@ -479,35 +628,63 @@ def test_trainjob_launch_matches_its_resources_and_config():
     # the same Secret and pod security as the single-node Job, and one image everywhere
     env = {e["name"]: e for e in t["env"]}
     assert env["IMAGE_DIGEST"]["value"] == t["image"]
-    vllm = one(load_all(K8S / "multinode.yaml"), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    vllm = one(load_all(VLLM), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert (
         vllm["image"]
         == t["image"]
         == grpo_job_container(one(load_all(K8S / "grpo-job.yaml"), "Job"))["image"]
     )
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "orthorl-credentials"
+    # every credential optional (IRSA / Workload Identity), HF_TOKEN included
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):
+        assert env[name]["valueFrom"]["secretKeyRef"]["optional"] is True, name
     patch = doc["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
     pod = patch["template"]["spec"]["template"]["spec"]
     assert (
         pod["securityContext"]["runAsNonRoot"]
         and pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"]
     )
-    sa = one(load_all(K8S / "multinode.yaml"), "ServiceAccount")
+    sa = one(load_all(VLLM), "ServiceAccount")
     assert pod["serviceAccountName"] == sa["metadata"]["name"] and sa["automountServiceAccountToken"] is False
 
 
-def test_vllm_server_command_parses_with_trl():
-    docs = load_all(K8S / "multinode.yaml")
+def test_vllm_server_is_vllm_serve_with_what_trl_needs():
+    """`trl vllm-serve` is deprecated (TRL 1.11+: it only builds a `vllm serve` command and execs
+    it). The Deployment runs `vllm serve` itself, with every setting TRL's own build_command imposes."""
+    docs = load_all(VLLM)
     dep = one(docs, "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"] == ["trl", "vllm-serve"]
-    serve = pytest.importorskip("trl.scripts.vllm_serve")
-    hf = pytest.importorskip("transformers")
-    (args,) = hf.HfArgumentParser(serve.ScriptArguments).parse_args_into_dataclasses(c["args"])
-    assert str(args.port) == str(c["ports"][0]["containerPort"])
-    trainjob = one(load_all(K8S / "trainjob.yaml"), "TrainJob")
+    assert c["command"] == ["vllm", "serve"]
+    args = c["args"]
+    model = args[0]
+    trainjob = one(load_all(TRAINJOB), "TrainJob")
     targs = trainjob["spec"]["trainer"]["args"]
-    assert args.model == targs[targs.index("--model") + 1], "the server must serve the model being trained"
+    assert model == targs[targs.index("--model") + 1], "the server must serve the model being trained"
+    port = args[args.index("--port") + 1]
+    assert port == str(c["ports"][0]["containerPort"])
+    env = {e["name"]: e for e in c["env"]}
+    assert env["VLLM_SERVER_DEV_MODE"]["value"] == "1"
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    serve = pytest.importorskip("trl.scripts.vllm_serve")
+    if not hasattr(serve, "build_command"):
+        pytest.skip("this TRL predates build_command (1.11)")
+    # what TRL imposes: everything after the translated flags (vLLM >= 0.30: --enable-scale-out)
+    monkey = getattr(serve, "is_vllm_available", None)
+    serve.is_vllm_available = lambda *a, **k: True
+    try:
+        trl_cmd = serve.build_command(serve.ScriptArguments(model=model, port=int(port)))
+    finally:
+        serve.is_vllm_available = monkey
+    imposed = trl_cmd[trl_cmd.index("--uvicorn-log-level") + 2 :]
+    for i in range(0, len(imposed)):
+        if imposed[i].startswith("--"):
+            assert imposed[i] in args, f"{imposed[i]} (imposed by TRL) is missing"
+            nxt = imposed[i + 1] if i + 1 < len(imposed) else None
+            if nxt is not None and not nxt.startswith("--"):
+                got = args[args.index(imposed[i]) + 1]
+                assert (json.loads(got) if got.startswith("{") else got) == (
+                    json.loads(nxt) if nxt.startswith("{") else nxt
+                ), imposed[i]
     url = targs[targs.index("--vllm-server-url") + 1]
     svc = one(docs, "Service")
     assert f"//{svc['metadata']['name']}." in url and url.endswith(f":{svc['spec']['ports'][0]['port']}")
@@ -535,6 +712,7 @@ def orthojob_argv(argv: list[str]) -> list[str]:
     """The arguments after the `orthojob` program in a command line."""
     for prefix in (
         ["orthojob"],
+        ["python", "-m", "orthojob.job"],
         ["python", "-m", "orthojob.cli"],
         ["--module", "orthojob.cli"],
         ["-m", "orthojob.cli"],
@@ -575,10 +753,11 @@ def command_lines() -> list[tuple[str, list[str]]]:
     cm, job = one(docs, "ConfigMap"), one(docs, "Job")
     c = grpo_job_container(job)
     env = {**cm["data"], **{e["name"]: e.get("value", "") for e in c.get("env", [])}}
-    lines.append(("k8s/grpo-job.yaml Job", ["orthojob", *expand(c.get("command", []) + c["args"], env)]))
-    tj = one(load_all(K8S / "trainjob.yaml"), "TrainJob")
+    env |= {"K8S_JOB_NAME": "orthorl-grpo", "K8S_JOB_UID": "0f1e2d3c-4b5a-6978-8695-a4b3c2d1e0f9"}
+    lines.append(("k8s/grpo-job.yaml Job", expand(c.get("command", []) + c["args"], env)))
+    tj = one(load_all(TRAINJOB), "TrainJob")
     t = tj["spec"]["trainer"]
-    lines.append(("k8s/trainjob.yaml TrainJob", expand(t["command"] + t["args"], pet_env(tj))))
+    lines.append(("k8s/multinode/trainjob.yaml TrainJob", expand(t["command"] + t["args"], pet_env(tj))))
     for folder in (ROOT, ROOT / "mlflow-k8s"):
         for name, cmd in mlproject_commands(folder).items():
             lines.append((f"{folder.relative_to(ROOT) / 'MLproject'}:{name}", shlex.split(cmd)))
@@ -588,10 +767,20 @@ def command_lines() -> list[tuple[str, list[str]]]:
 COMMAND_LINES = command_lines()
 
 
+def job_chain(argv: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """The `orthojob ...` command line that `python -m orthojob.job ARGS` runs first."""
+    from orthojob import job
+
+    args = job.build_parser().parse_args(argv)
+    return job.plan(args, env or {}).chain
+
+
 @pytest.mark.parametrize(("where", "argv"), COMMAND_LINES, ids=[w for w, _ in COMMAND_LINES])
 def test_command_line_parses_with_the_real_cli(where, argv, capsys, monkeypatch):
     parser = cli_parser()
     args = orthojob_argv(argv)
+    if "orthojob.job" in argv:  # the chain: its own parser, then the CLI command it runs
+        args = job_chain(args, {"K8S_JOB_NAME": "j", "K8S_JOB_UID": "u" * 36})
     if args[0] not in subcommands(parser):
         pytest.skip(f"`orthojob {args[0]}` is not in the CLI yet (used by {where})")
     try:
@@ -608,9 +797,97 @@ def test_command_line_parses_with_the_real_cli(where, argv, capsys, monkeypatch)
         monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
         n = 1
         if "TrainJob" in where:
-            t = one(load_all(K8S / "trainjob.yaml"), "TrainJob")["spec"]["trainer"]
+            t = one(load_all(TRAINJOB), "TrainJob")["spec"]["trainer"]
             n = t["numNodes"] * t["numProcPerNode"]
         grpo.validate(grpo.config_from_args(parsed), n_processes=n, cuda=True)
+    if args[0] == "pipeline":
+        from orthojob.pipeline import run_pipeline_cli
+
+        parsed.show = True  # the --set values must name real preset keys
+        assert run_pipeline_cli(parsed) == 0, capsys.readouterr().err
+
+
+def job_argv(job: dict, cm: dict, uid: str) -> list[str]:
+    """The Job's command line as the kubelet runs it ($(VAR) expanded from the ConfigMap and the
+    downward-API variables)."""
+    c = grpo_job_container(job)
+    env = {**cm["data"], "K8S_JOB_NAME": job["metadata"]["name"], "K8S_JOB_UID": uid}
+    for e in c["env"]:  # env entries may refer to the ones before them and to envFrom
+        if "value" in e:
+            env[e["name"]] = expand([e["value"]], env)[0]
+    return expand(c["command"] + c["args"], env)
+
+
+def test_render_runs_the_whole_chain_into_a_per_job_prefix():
+    """The default Job: the whole chain (pipeline: SFT stage 0 -> gate -> GRPO -> gate -> evaluate,
+    then promote -> alias candidate) below OUTPUT_URI/<job name>-<uid[:8]>. Two Jobs never share a
+    prefix; a retried pod (same Job) does. CHECKPOINT_URI set: GRPO from that checkpoint."""
+    from orthojob import job
+    from orthojob.k8s import Overrides, render
+
+    uid_a, uid_b = "5f0c1a2b-0000-4000-8000-000000000001", "9e8d7c6b-0000-4000-8000-000000000002"
+    r = render(Overrides(image=TEST_IMAGE, name_suffix="a1", output_uri="s3://team-bucket/orthorl"))
+    argv = job_argv(r.job, r.config_map, uid_a)
+    assert argv[:3] == ["python", "-m", "orthojob.job"]
+    args = job.build_parser().parse_args(argv[3:])
+    plan = job.plan(args, {"K8S_JOB_NAME": r.job["metadata"]["name"], "K8S_JOB_UID": uid_a})
+    assert plan.out == "s3://team-bucket/orthorl/orthorl-grpo-a1-5f0c1a2b"
+    assert plan.chain[:5] == ["pipeline", "--preset", "qwen2.5-3b", "--out", plan.out]
+    assert "grpo.steps=300" in plan.chain and "task_id=task_easy" in plan.chain
+    assert plan.register and plan.model_name == "orthorl-planner"
+    # the pod's env declares what the prefix is built from
+    env = {e["name"]: e for e in grpo_job_container(r.job)["env"]}
+    assert env["K8S_JOB_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['batch.kubernetes.io/controller-uid']"
+    )
+    assert env["K8S_JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['batch.kubernetes.io/job-name']"
+    )
+    # another Job: another prefix; the same Job's retried pod: the same prefix
+    other = job.plan(args, {"K8S_JOB_NAME": r.job["metadata"]["name"], "K8S_JOB_UID": uid_b})
+    assert other.out != plan.out
+    assert job.plan(args, {"K8S_JOB_NAME": r.job["metadata"]["name"], "K8S_JOB_UID": uid_a}).out == plan.out
+    # from a gated checkpoint
+    r = render(Overrides(image=TEST_IMAGE, checkpoint_uri="s3://b/sft0", steps=120, run_name="exp-7"))
+    argv = job_argv(r.job, r.config_map, uid_a)
+    plan = job.plan(job.build_parser().parse_args(argv[3:]), {"K8S_JOB_NAME": "x", "K8S_JOB_UID": uid_a})
+    assert plan.out == "s3://orthorl/runs/exp-7"
+    assert plan.chain[0] == "train"
+    assert plan.chain[plan.chain.index("--from-checkpoint") + 1] == "s3://b/sft0"
+    assert plan.chain[plan.chain.index("--out") + 1] == "s3://orthorl/runs/exp-7/grpo"
+    assert plan.chain[plan.chain.index("--steps") + 1] == "120"
+
+
+def test_job_refuses_a_gpu_preset_without_cuda(capsys, monkeypatch):
+    from orthojob import job
+
+    monkeypatch.setattr(job, "cuda_available", lambda: False)
+    calls = []
+    code = job.main(["--preset", "qwen2.5-3b", "--out", "/tmp/x"], env={}, cli=calls.append)
+    assert code == ExitCode.USAGE and not calls
+    assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_job_registers_only_a_passed_chain(tmp_path, monkeypatch):
+    """After the chain: promote the GRPO run (alias candidate) when it exited 0; a failed GRPO gate
+    (3) registers nothing; a refusal from the registry is the job's exit code."""
+    from orthojob import job
+
+    monkeypatch.setattr(job, "cuda_available", lambda: True)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "pipeline_summary.json").write_text(json.dumps({"stages": {"grpo": {"mlflow_run_id": "r" * 32}}}))
+    for chain_code, promote_code, want, promoted in ((0, 0, 0, True), (3, 0, 3, False), (0, 21, 21, True)):
+        calls: list[list[str]] = []
+
+        def cli(argv, chain_code=chain_code, promote_code=promote_code, calls=calls):
+            calls.append(argv)
+            return chain_code if argv[0] == "pipeline" else promote_code
+
+        assert job.main(["--preset", "qwen2.5-3b", "--out", str(out)], env={}, cli=cli) == want
+        assert [c[0] for c in calls] == (["pipeline", "promote"] if promoted else ["pipeline"])
+        if promoted:
+            assert calls[1] == ["promote", "--run-id", "r" * 32, "--model-name", "orthorl-planner"]
 
 
 def test_every_entry_point_is_in_both_mlprojects():
@@ -620,12 +897,30 @@ def test_every_entry_point_is_in_both_mlprojects():
     assert set(root["entry_points"]) == wanted == set(k8s["entry_points"])
     assert "docker_env" not in root and "docker_env" in k8s
     assert "steps" in root["entry_points"]["main"]["parameters"]
+    # main is the gated chain (orthojob/job.py), never GRPO from the base model without a gate
+    for project in (root, k8s):
+        assert project["entry_points"]["main"]["command"].startswith("python -m orthojob.job ")
+        # gate has no default checkpoint (a default overwrote the GRPO gate file with --stage sft0)
+        gate = project["entry_points"]["gate"]
+        assert "default" not in gate["parameters"]["checkpoint"] and "--stage {stage}" in gate["command"]
+    # the pipeline keeps its outputs: --out (root), a per-Job prefix below out_base (Kubernetes)
+    assert "--out {out}" in root["entry_points"]["pipeline"]["command"]
+    assert "--out-base {out_base}" in k8s["entry_points"]["pipeline"]["command"]
     # the Kubernetes backend runs the command without a shell, and the image has no source tree
     for ep in k8s["entry_points"].values():
-        assert ep["command"].startswith("orthojob ") and not set(ep["command"]) & set("|&;<>`")
-    # the image the Kubernetes project runs is the one the Job manifests deploy
-    job = one(load_all(K8S / "grpo-job.yaml"), "Job")
-    assert k8s["docker_env"]["image"] == grpo_job_container(job)["image"]
+        assert ep["command"].startswith(("orthojob ", "python -m orthojob.job ")), ep["command"]
+        assert not set(ep["command"]) & set("|&;<>`")
+    # each entry point has its backend config, and the right resources there
+    mapping = json.loads((K8S / "mlflow-k8s" / "entry-points.json").read_text())
+    assert set(k8s["entry_points"]) == {k for k in mapping if not k.startswith("_")}
+    for entry, config in mapping.items():
+        if entry.startswith("_"):
+            continue
+        backend = json.loads((K8S / "mlflow-k8s" / config).read_text())
+        template = yaml.safe_load((ROOT / backend["kube-job-template-path"]).read_text())
+        limits = template["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        gpu = "nvidia.com/gpu" in limits
+        assert gpu == (entry in ("main", "pipeline", "sft", "gate")), (entry, config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -710,6 +1005,7 @@ OVERRIDES = dict(
     preset="qwen2.5-3b",
     checkpoint_uri="s3://bucket/run7/sft0",
     output_uri="s3://bucket/run7/grpo",
+    run_name="exp-7",
     tracking_uri="http://mlflow.test:5000",
     experiment="exp-7",
     namespace="team-a",
@@ -788,18 +1084,36 @@ def _key(path: str) -> str:
     return next(k for k, v in CONFIG_KEYS.items() if v == path.split("/")[-1])
 
 
-def test_submit_leaves_existing_shared_objects_alone():
-    from orthojob.k8s import render, submit
+@pytest.mark.parametrize(("status", "reason"), [(409, "AlreadyExists"), (403, "Forbidden")])
+def test_submit_leaves_existing_shared_objects_alone(status, reason):
+    """409 (it exists) and 403 (a multi-tenant namespace where an admin made them) on the shared
+    ServiceAccount and NetworkPolicy are fine: submit goes on with the ConfigMap and the Job."""
+    from orthojob.k8s import Overrides, render, submit
 
-    def conflict(method, url, body):
+    def refuse(method, url, body):
         if method == "POST" and url.endswith(("/serviceaccounts", "/networkpolicies")):
-            return FakeResponse(409, {"kind": "Status", "reason": "AlreadyExists", "code": 409})
+            return FakeResponse(status, {"kind": "Status", "reason": reason, "code": status})
         return None
 
-    apis, rec = recording_apis(conflict)
-    done = submit(render(), apis)
+    apis, rec = recording_apis(refuse)
+    done = submit(render(Overrides(image=TEST_IMAGE)), apis)
     assert [c.split("/")[0] for c in done.created] == ["ConfigMap", "Job"]
+    assert [c.split("/")[0] for c in done.skipped] == ["ServiceAccount", "NetworkPolicy"]
     assert [m for m, _, _ in rec.calls] == ["POST", "POST", "POST", "POST", "PATCH"]
+
+
+def test_submit_still_fails_on_a_forbidden_job():
+    from orthojob.k8s import Overrides, render, submit
+
+    def refuse(method, url, body):
+        if url.endswith("/jobs"):
+            return FakeResponse(403, {"kind": "Status", "reason": "Forbidden", "code": 403})
+        return None
+
+    apis, _ = recording_apis(refuse)
+    with pytest.raises(Exception) as err:
+        submit(render(Overrides(image=TEST_IMAGE)), apis)
+    assert getattr(err.value, "status", None) == 403
 
 
 def test_render_rejects_bad_overrides():
@@ -831,7 +1145,9 @@ def test_cli_render_and_submit_through_the_parser(capsys):
     assert one(docs, "ConfigMap")["data"]["STEPS"] == "7"
     assert one(docs, "Job")["metadata"]["name"].endswith("-abc")
     apis, rec = recording_apis()
-    args = parser.parse_args(["k8s", "submit", "--steps", "9", "--task-id", "task_medium"])
+    args = parser.parse_args(
+        ["k8s", "submit", "--steps", "9", "--task-id", "task_medium", "--image", TEST_IMAGE]
+    )
     assert k8s.cmd_submit(args, apis) == 0
     job_body = next(b for m, u, b in rec.calls if u.endswith("/jobs"))
     cm_body = next(b for m, u, b in rec.calls if m == "POST" and u.endswith("/configmaps"))
@@ -908,12 +1224,17 @@ def test_logs_and_status_through_the_client():
 # MLflow's Kubernetes backend: the Job it would submit from k8s/mlflow-k8s/
 
 
-def test_mlflow_kubernetes_backend_job(tmp_path):
+@pytest.mark.parametrize("entry", ["main", "pipeline", "evaluate", "promote"])
+def test_mlflow_kubernetes_backend_job(tmp_path, entry):
+    """The Job MLflow's Kubernetes backend builds (MLflow's own code) for each entry point, from
+    the backend config entry-points.json names: GPU only where a model is loaded, the command
+    parses, the env MLflow adds is not duplicated, and the result validates."""
     kb = pytest.importorskip("mlflow.projects.kubernetes")
     from mlflow.projects import _parse_kubernetes_config
     from mlflow.projects._project_spec import load_project
 
-    backend = json.loads((K8S / "mlflow-k8s" / "kubernetes_config.json").read_text())
+    mapping = json.loads((K8S / "mlflow-k8s" / "entry-points.json").read_text())
+    backend = json.loads((K8S / "mlflow-k8s" / mapping[entry]).read_text())
     cwd = os.getcwd()
     os.chdir(ROOT)  # MLflow reads kube-job-template-path relative to where `mlflow run` is started
     try:
@@ -923,7 +1244,11 @@ def test_mlflow_kubernetes_backend_job(tmp_path):
     template = kube_config["kube-job-template"]
     assert template["metadata"]["namespace"], "MLflow reads the namespace from the template"
     project = load_project(str(ROOT / "mlflow-k8s"))
-    command = project.get_entry_point("main").compute_command({"steps": "300"}, storage_dir=None)
+    ep = project.get_entry_point(entry)
+    params = {k: "0" * 32 if k == "run_id" else "x" for k, p in ep.parameters.items() if p.default is None}
+    command = ep.compute_command(
+        {**params, **({"steps": "300"} if entry == "main" else {})}, storage_dir=None
+    )
     env = {
         "MLFLOW_RUN_ID": "r" * 32,
         "MLFLOW_TRACKING_URI": "http://mlflow.test:5000",
@@ -938,13 +1263,20 @@ def test_mlflow_kubernetes_backend_job(tmp_path):
         copy.deepcopy(template),
     )
     c = job["spec"]["template"]["spec"]["containers"][0]
-    assert c["image"].endswith("@sha256:" + "d" * 64) and c["command"][0] == "orthojob"
+    assert c["image"].endswith("@sha256:" + "d" * 64)
     names = [e["name"] for e in c["env"]]
     assert len(names) == len(set(names)), "the template must not duplicate the env MLflow sets"
-    assert set(env) <= set(names)
+    assert set(env) <= set(names) and {"K8S_JOB_NAME", "K8S_JOB_UID"} <= set(names)
+    assert {e["name"]: e.get("value") for e in c["env"]}["MLFLOW_EXPERIMENT_NAME"] == "orthorl-grpo"
+    wants_gpu = entry in ("main", "pipeline")
+    assert ("nvidia.com/gpu" in c["resources"]["limits"]) == wants_gpu
+    assert ("nodeSelector" in job["spec"]["template"]["spec"]) == wants_gpu
     parser = cli_parser()
-    if "train" in subcommands(parser):
-        parser.parse_args(c["command"][1:])
+    args = orthojob_argv(c["command"])
+    if "orthojob.job" in c["command"]:
+        args = job_chain(args, {"K8S_JOB_NAME": "orthorl-123", "K8S_JOB_UID": "u" * 36})
+        assert "s3://orthorl/runs/orthorl-123-uuuuuuuu" in args
+    parser.parse_args(args)
     # the Job MLflow submits is as valid as the template
     out = tmp_path / "mlflow-job.yaml"
     out.write_text(yaml.safe_dump(job))
@@ -960,6 +1292,15 @@ def test_mlflow_kubernetes_backend_job(tmp_path):
 
 @pytest.mark.slow
 def test_mlflow_run_pipeline_tiny_cpu(tmp_path):
+    """`mlflow run . -e pipeline --env-manager local` against a real `mlflow server`: one parent run
+    (MLflow's, attached by the pipeline) and one child run per stage."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        _mlflow_run_pipeline(tmp_path, stack)
+
+
+def _mlflow_run_pipeline(tmp_path, stack):
     if importlib.util.find_spec("mlflow") is None:
         pytest.skip("mlflow is not installed: `mlflow run` cannot be exercised")
     if "pipeline" not in subcommands(cli_parser()):
@@ -973,10 +1314,12 @@ def test_mlflow_run_pipeline_tiny_cpu(tmp_path):
         shutil.copy2(ROOT / name, project / name)
     for name in ("server", "orthojob", "requirements"):
         shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
-    db = tmp_path / "mlflow.db"
+    from tests.services import mlflow_server
+
+    server = stack.enter_context(mlflow_server(tmp_path / "server", (tmp_path / "artifacts").as_uri()))
     env = {
         **os.environ,
-        "MLFLOW_TRACKING_URI": f"sqlite:///{db}",
+        "MLFLOW_TRACKING_URI": server.uri,
         "MLFLOW_EXPERIMENT_NAME": "deploy-test",
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # `python` = this venv's
         "OMP_NUM_THREADS": "1",
@@ -1007,14 +1350,22 @@ def test_mlflow_run_pipeline_tiny_cpu(tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    client = MlflowClient(tracking_uri=server.uri)
     exp = client.get_experiment_by_name("deploy-test")
     runs = client.search_runs([exp.experiment_id])
     project_runs = [r for r in runs if r.data.tags.get("mlflow.project.entryPoint") == "pipeline"]
     assert len(project_runs) == 1, [r.data.tags for r in runs]
     top = project_runs[0]
     assert top.info.status == "FINISHED"
-    family = [top] + [r for r in runs if r.data.tags.get("mlflow.parentRunId") == top.info.run_id]
+    assert top.data.tags["orthorl.stage"] == "pipeline", "the parent must not be taken over by a stage"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == top.info.run_id]
+    stages = sorted(r.data.tags.get("orthorl.stage") for r in children)
+    print("runs:", len(runs), "children:", stages)
+    assert {"sft0", "gate_sft0", "grpo", "evaluate"} <= set(stages), stages
+    assert len(stages) == len(set(stages)), "one run per stage"
+    assert all(r.info.status == "FINISHED" for r in children)
+    assert len(runs) == 1 + len(children)
+    family = [top, *children]
     metrics = {k for r in family for k in r.data.metrics}
     assert metrics, "the pipeline's run holds no metrics"
     assert any("reward" in k or "terminal" in k for k in metrics), sorted(metrics)
@@ -1032,11 +1383,14 @@ def test_cli_reports_api_errors(capsys):
         return None
 
     apis, _ = recording_apis(forbidden)
-    args = parser.parse_args(["k8s", "submit", "--name-suffix", "e1"])
+    args = parser.parse_args(["k8s", "submit", "--name-suffix", "e1", "--image", TEST_IMAGE])
     assert k8s.cmd_submit(args, apis) == 1
     assert "Kubernetes API error 403" in capsys.readouterr().err
-    args = parser.parse_args(["k8s", "submit", "--steps", "0"])
+    args = parser.parse_args(["k8s", "submit", "--steps", "0", "--image", TEST_IMAGE])
     assert k8s.cmd_submit(args, apis) == 2
+    args = parser.parse_args(["k8s", "submit"])  # no image: refused before any request
+    assert k8s.cmd_submit(args, apis) == 2
+    assert "--image" in capsys.readouterr().err
 
 
 def test_exit_code_table_everywhere_matches_the_enum():
@@ -1051,9 +1405,96 @@ def test_exit_code_table_everywhere_matches_the_enum():
             table[int(cells[0])] = cells[1]
     assert table == {int(c): c.meaning for c in ExitCode}
     assert table == EXIT_MEANINGS
-    for manifest in ("grpo-job.yaml", "mlflow-k8s/job-template.yaml"):
+    for manifest in ("grpo-job.yaml", "mlflow-k8s/job-template.yaml", "mlflow-k8s/job-template-cpu.yaml"):
         text = (ROOT / "k8s" / manifest).read_text()
         values = re.search(r"operator: In\s*\n\s*values: \[([0-9, ]+)\]", text)
         assert values, manifest
         assert tuple(int(v) for v in values.group(1).split(",")) == fail_fast_codes(), manifest
     assert ExitCode.GRPO_GATE_FAILED != ExitCode.GATE_FAILED
+
+
+# ---------------------------------------------------------------------------------------------
+# `orthojob k8s` from an installed wheel
+
+
+def test_packaged_manifest_is_the_k8s_one():
+    """orthojob/manifests/grpo-job.yaml (package data) is k8s/grpo-job.yaml, byte for byte
+    (refresh: cp k8s/grpo-job.yaml orthojob/manifests/)."""
+    from orthojob.k8s import DEFAULT_MANIFEST
+
+    assert DEFAULT_MANIFEST.read_bytes() == (K8S / "grpo-job.yaml").read_bytes()
+
+
+@pytest.mark.slow
+def test_k8s_render_from_an_installed_wheel(tmp_path):
+    """Build the wheel, install it (no deps) into a fresh venv that sees the system's packages, and
+    run `orthojob k8s render` from a folder with no checkout: the manifest comes from the wheel."""
+    src = tmp_path / "src"  # a copy: building in the checkout would leave build/ and egg-info there
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("orthojob", "server"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    wheels = tmp_path / "wheels"
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels)]
+    build = run([*pip_wheel, str(src)], cwd=tmp_path, env=env, timeout=300)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    (wheel,) = wheels.glob("orthorl-*.whl")
+    import zipfile
+
+    assert "orthojob/manifests/grpo-job.yaml" in zipfile.ZipFile(wheel).namelist()
+    venv = tmp_path / "venv"
+    made = run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    py = venv / "bin" / "python"
+    pip_install = [str(py), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)]
+    inst = run(pip_install, cwd=tmp_path, env=env, timeout=300)
+    assert inst.returncode == 0, inst.stdout[-2000:] + inst.stderr[-2000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # what `k8s render` needs besides orthojob (pyyaml, the server package's cases) comes from the
+    # dev venv's site-packages, put after the wheel's own on the path
+    site = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "yaml").exists())
+    env["PYTHONPATH"] = str(site)
+    where = run([str(py), "-c", "import orthojob.k8s as k; print(k.__file__)"], cwd=elsewhere, env=env)
+    assert str(venv) in where.stdout, where.stdout + where.stderr
+    proc = run(
+        [str(venv / "bin" / "orthojob"), "k8s", "render", "--image", TEST_IMAGE, "--steps", "7"],
+        cwd=elsewhere,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = list(yaml.safe_load_all(proc.stdout))
+    assert one(docs, "ConfigMap")["data"]["STEPS"] == "7"
+    assert grpo_job_container(one(docs, "Job"))["image"] == TEST_IMAGE
+
+
+def test_mlflow_run_main_refuses_a_3b_preset_without_a_gpu(tmp_path):
+    """`mlflow run . -P steps=300` is the gated chain (orthojob/job.py); on a machine without CUDA
+    it refuses the 3B preset with a clear message instead of training on CPU."""
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    mlflow_bin = tool("mlflow")
+    if mlflow_bin is None:
+        pytest.skip("mlflow is not installed")
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("MLFLOW_RUN_ID", None)
+    proc = run(
+        [mlflow_bin, "run", str(ROOT), "-P", "steps=300", "--env-manager", "local"],
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode != 0
+    assert "needs a GPU" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]

@@ -79,7 +79,7 @@ def job_env(s3, server, work: Path) -> dict[str, str]:
 def env(services, tmp_path, monkeypatch):
     """The job's environment: S3 keys, the tracking server (with a password), a work folder."""
     s3, server = services
-    values = {**job_env(s3, server, tmp_path / "work"), "ORTHORL_S3_RETRY_DELAY": "0.05"}
+    values = job_env(s3, server, tmp_path / "work")
     for key, value in values.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
@@ -363,13 +363,11 @@ def test_two_ranks_resume_from_s3_on_every_rank(services, env, tiny, tmp_path):
 def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(services, env, tiny, tmp_path, monkeypatch):
     s3, _ = services
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
-    monkeypatch.setenv("ORTHORL_MLFLOW_RETRIES", "2")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    monkeypatch.setenv("ORTHORL_TRACKING_DEADLINE_S", "20")
     t = time.perf_counter()
     res = orthojob(train_args(tiny, f"s3://{BUCKET}/down/grpo", 2, "--skip-sft-gate"), {**os.environ})
     assert res.returncode == 31, res.stderr[-2000:]
-    assert "unreachable after 2 attempts" in res.stderr and time.perf_counter() - t < 120
+    assert "unreachable" in res.stderr and time.perf_counter() - t < 60
     assert keys_under(s3, "down/") == set()
     assert not (tmp_path / "work").exists()
 
@@ -467,18 +465,20 @@ def test_standalone_stages_read_and_write_s3(services, env, tiny, tmp_path):
 
 
 class _FlakyClient:
-    """An S3 client whose uploads fail (connection outage) ``failures`` times, then work."""
+    """An S3 client whose PutObject requests fail (a dropped connection, below botocore's retries)
+    ``failures`` times, then work: botocore's own retries absorb a short outage."""
 
     def __init__(self, real, failures: int):
-        self.real, self.failures = real, failures
-
-    def upload_file(self, *args, **kwargs):
         from botocore.exceptions import EndpointConnectionError
 
-        if self.failures > 0:
-            self.failures -= 1
-            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
-        return self.real.upload_file(*args, **kwargs)
+        self.real, self.failures = real, failures
+
+        def drop(request, **kwargs):
+            if self.failures > 0:
+                self.failures -= 1
+                raise EndpointConnectionError(endpoint_url=request.url)
+
+        real.meta.events.register("before-send.s3.PutObject", drop)
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -493,10 +493,10 @@ def test_s3_outage_during_upload(services, env, tiny, tmp_path, monkeypatch, cap
     from orthojob import grpo, registry
 
     s3, server = services
+    monkeypatch.setattr(storage, "RETRY_ATTEMPTS", 4)  # botocore's total attempts per request
     real = storage.s3_client
     flaky = _FlakyClient(real(), failures)
     monkeypatch.setattr(storage, "s3_client", lambda: flaky)
-    monkeypatch.setattr(storage, "RETRY_ATTEMPTS", 4)
     out = f"s3://{BUCKET}/outage-{failures}/grpo"
     parser = grpo.add_train_arguments(argparse.ArgumentParser())
     rc = grpo.run_train(parser.parse_args(train_args(tiny, out, 2, "--skip-sft-gate")[1:]))

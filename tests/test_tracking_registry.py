@@ -107,8 +107,7 @@ def test_unreachable_server_is_a_clear_error(monkeypatch):
     from tests.services import free_port
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
-    monkeypatch.setattr(tracking, "CONNECT_ATTEMPTS", 2)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    with pytest.raises(tracking.TrackingError, match="unreachable after 2 attempts"):
+    with pytest.raises(tracking.TrackingError, match="unreachable"):
         tracking.configure("x")

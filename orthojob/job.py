@@ -1,0 +1,218 @@
+"""The Kubernetes Job's command: the whole chain, from nothing to a registered adapter.
+
+    python -m orthojob.job --preset qwen2.5-3b --steps 300 --task-id task_easy \
+        --out-base s3://orthorl/runs [--run-name NAME] [--from-checkpoint URI]
+
+What runs (each step through the ``orthojob`` CLI, in this process):
+
+1. without ``--from-checkpoint``: ``orthojob pipeline --preset P --out OUT`` (tiny model when the
+   preset says so, SFT stage 0, its gate, GRPO, GRPO's gate, evaluation), with ``--set
+   grpo.steps=N --set task_id=T [--set model=M]``; the GRPO run's id comes from the pipeline's
+   summary. With ``--from-checkpoint`` (an already gated SFT checkpoint): ``orthojob train
+   --from-checkpoint URI --out OUT/grpo`` (its pre-flight checks the gate file; its own GRPO gate
+   runs at the end);
+2. when the chain passed its gates (exit 0): ``orthojob promote --run-id RUN``: the adapter is
+   registered, alias ``candidate`` (``champion`` only when it beats the current one).
+
+OUT, the output prefix, is per Job: ``--out`` if given, else ``<--out-base>/<--run-name>``, and the
+run name defaults to ``<K8S_JOB_NAME>-<first 8 characters of K8S_JOB_UID>`` (both injected by
+the Job through the downward API). A pod retried by the same Job gets the same prefix and resumes
+its checkpoints; a new Job (re-applied, or submitted again) never shares one. Set ``--run-name``
+(the ConfigMap's ``RUN_NAME``) to continue a named run on purpose.
+
+Pre-flight: a model that is not the offline tiny one needs a GPU; without CUDA the job refuses
+(exit 2) rather than "training" a 3B model on CPU for days (``ORTHORL_ALLOW_CPU=1`` overrides).
+
+Exit code: the first failing step's, from :class:`orthojob.exit_codes.ExitCode`: 3 when GRPO's
+gate failed (nothing is registered), 30/31 when storage/MLflow stayed unreachable, 20-22 when the
+registry refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orthojob.exit_codes import ExitCode
+
+TINY_PRESETS = ("tiny-cpu",)
+ALLOW_CPU_ENV = "ORTHORL_ALLOW_CPU"
+
+
+def run_name(env: Mapping[str, str]) -> str:
+    """``<job name>-<uid[:8]>`` from the downward-API variables; a local fallback outside a Job."""
+    job = (env.get("K8S_JOB_NAME") or "").strip()
+    uid = (env.get("K8S_JOB_UID") or "").strip()
+    if job and uid:
+        return f"{job}-{uid[:8]}"
+    if job:
+        return job
+    from datetime import UTC, datetime
+
+    return f"local-{datetime.now(UTC):%Y%m%d-%H%M%S}-{os.getpid()}"
+
+
+UNSET = ("", "none", "''", '""')
+"""Values meaning "not set": MLflow's Kubernetes backend re-quotes every token of a command that
+runs without a shell, so an empty parameter arrives as the two characters '' (hence the
+mlflow-k8s project's default ``none``)."""
+
+
+def _given(value: str | None) -> str:
+    value = (value or "").strip()
+    return "" if value.lower() in UNSET else value
+
+
+def output_prefix(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """The run's output prefix (module docstring)."""
+    if _given(args.out):
+        return _given(args.out).rstrip("/")
+    base = _given(args.out_base).rstrip("/")
+    if not base:
+        raise ValueError("pass --out URI, or --out-base URI (the ConfigMap's OUTPUT_URI)")
+    return f"{base}/{_given(args.run_name) or run_name(env)}"
+
+
+@dataclass
+class Plan:
+    out: str
+    chain: list[str]  # the first command's argv (orthojob ...)
+    register: bool
+    model_name: str
+    notes: list[str] = field(default_factory=list)
+
+
+def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
+    """What the job will run, without running anything (tests assert it)."""
+    out = output_prefix(args, env)
+    checkpoint = _given(args.from_checkpoint)
+    if checkpoint:
+        chain = ["train", "--preset", args.preset, "--steps", str(args.steps), "--task-id", args.task_id]
+        chain += ["--from-checkpoint", checkpoint, "--out", f"{out}/grpo"]
+        if _given(args.model):
+            chain += ["--model", args.model]
+        if args.use_vllm:
+            chain.append("--use-vllm")
+    else:
+        chain = ["pipeline", "--preset", args.preset, "--out", out]
+        chain += ["--set", f"grpo.steps={int(args.steps)}", "--set", f"task_id={args.task_id}"]
+        if _given(args.model):
+            chain += ["--set", f"model={args.model}"]
+    return Plan(out, chain, not args.no_register, args.model_name)
+
+
+def needs_gpu(args: argparse.Namespace) -> bool:
+    return args.preset not in TINY_PRESETS or bool(_given(args.model) and args.model != "tiny")
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def grpo_run_id(p: Plan) -> str | None:
+    """The GRPO stage's MLflow run: from the pipeline's summary, or the last run of ``train``."""
+    if p.chain[0] == "pipeline":
+        from orthojob import storage
+        from orthojob.mlops import local_work_dir
+
+        local = local_work_dir(p.out) if storage.is_s3_uri(p.out) else Path(p.out)
+        summary = local / "pipeline_summary.json"
+        if summary.is_file():
+            return json.loads(summary.read_text()).get("stages", {}).get("grpo", {}).get("mlflow_run_id")
+        return None
+    import mlflow
+
+    last = mlflow.last_active_run()
+    return last.info.run_id if last is not None else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from orthojob.registry import DEFAULT_MODEL_NAME
+
+    p = argparse.ArgumentParser(
+        prog="python -m orthojob.job",
+        description="the whole chain into a per-Job output prefix, then registration (alias candidate)",
+        epilog="exit codes: "
+        + "; ".join(f"{int(c)} {c.meaning}" for c in ExitCode if c not in (ExitCode.KILLED,)),
+    )
+    p.add_argument("--preset", default="qwen2.5-3b", help="pipeline/train preset (default qwen2.5-3b)")
+    p.add_argument("--model", default="", help="base model (hub id, or empty for the preset's)")
+    p.add_argument("--steps", type=int, default=300, help="GRPO steps (default 300)")
+    p.add_argument("--task-id", default="task_easy", help="task (default task_easy)")
+    p.add_argument(
+        "--from-checkpoint",
+        default="",
+        help="a gated SFT checkpoint: skip stage 0 and its gate ('' = full chain)",
+    )
+    p.add_argument("--out", default="", help="the exact output prefix (default: --out-base/--run-name)")
+    p.add_argument("--out-base", default="", help="where per-run prefixes go (the ConfigMap's OUTPUT_URI)")
+    p.add_argument("--run-name", default="", help="continue this named run ('' = <job name>-<uid[:8]>)")
+    p.add_argument("--use-vllm", action="store_true", help="GRPO generation with vLLM (train path)")
+    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="registered model name")
+    p.add_argument("--no-register", action="store_true", help="stop after the gates and the evaluation")
+    p.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")
+    return p
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    cli: Callable[[list[str]], int] | None = None,
+) -> int:
+    env = os.environ if env is None else env
+    args = build_parser().parse_args(argv)
+    try:
+        p = plan(args, env)
+    except ValueError as exc:
+        print(f"orthojob job: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    if args.dry_run:
+        print(json.dumps({"out": p.out, "chain": p.chain, "register": p.register}, indent=1))
+        return 0
+    if needs_gpu(args) and not cuda_available() and env.get(ALLOW_CPU_ENV) != "1":
+        print(
+            f"orthojob job: preset {args.preset!r} (model {args.model or 'of the preset'}) needs a GPU and "
+            f"CUDA is not available here. Run it on a GPU node, use --preset tiny-cpu, or set "
+            f"{ALLOW_CPU_ENV}=1 to train on CPU anyway.",
+            file=sys.stderr,
+        )
+        return ExitCode.USAGE
+    if cli is None:
+        from orthojob.cli import main as cli
+    print(f"[job] output prefix {p.out}")
+    print(f"[job] orthojob {' '.join(p.chain)}", flush=True)
+
+    from orthojob.storage import StorageError
+    from orthojob.tracking import TrackingError
+
+    try:
+        code = int(cli(p.chain) or 0)
+        if code != 0 or not p.register:
+            return code
+        run_id = grpo_run_id(p)
+        if not run_id:
+            print("orthojob job: the chain passed but its GRPO run id was not found", file=sys.stderr)
+            return ExitCode.FAILURE
+        print(f"[job] orthojob promote --run-id {run_id} --model-name {p.model_name}", flush=True)
+        return int(cli(["promote", "--run-id", run_id, "--model-name", p.model_name]) or 0)
+    except TrackingError as exc:
+        from orthojob.mlops import report_job_error
+
+        return report_job_error("job", exc)
+    except StorageError as exc:
+        from orthojob.mlops import report_job_error
+
+        return report_job_error("job", exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

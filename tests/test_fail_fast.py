@@ -1,0 +1,225 @@
+"""Fail fast: an unreachable MLflow server exits 31 within the deadline (60 s by default), an
+unreachable object store exits 30 after botocore's bounded retries; both as the job's processes
+see them (real subprocesses, real sockets), and the MLflow nested-run fix under MLFLOW_RUN_ID."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orthojob import storage, tracking
+from orthojob.exit_codes import ExitCode
+from tests.services import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "AWS_", "ORTHORL_"))}
+    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, **extra)
+    return env
+
+
+def run_cli(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 180) -> tuple[int, float, str]:
+    t = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
+    )
+    return proc.returncode, time.monotonic() - t, proc.stdout + proc.stderr
+
+
+def test_probe_settings_fit_the_deadline():
+    # below ~12 s MLflow's retries alone cannot fit (1 s timeouts + back-off): the watchdog bounds
+    # those (test_a_silent_server_is_cut_at_the_configured_deadline)
+    for deadline in (15, 30, 60, 300):
+        s = tracking.probe_http_settings(deadline)
+        attempts = int(s["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]) + 1
+        worst = attempts * int(s["MLFLOW_HTTP_REQUEST_TIMEOUT"]) + 2 + 4 + 3 * 0.5
+        assert worst <= deadline, (deadline, s)
+
+
+def test_default_deadline_leaves_room_for_start_up():
+    assert tracking.DEFAULT_DEADLINE_S <= 45
+
+
+def test_dead_mlflow_port_exits_31_within_60_s_by_default(tmp_path):
+    """The default deadline, MLflow's own retries, a port where nothing listens: exit 31, < 60 s."""
+    uri = f"http://127.0.0.1:{free_port()}"
+    code, seconds, out = run_cli(
+        ["orthojob.cli", "promote", "--run-id", "0" * 32], job_env(MLFLOW_TRACKING_URI=uri), tmp_path
+    )
+    print(f"dead MLflow port: exit {code} after {seconds:.1f} s")
+    assert code == ExitCode.TRACKING, out[-3000:]
+    assert seconds < 60, f"{seconds:.1f} s"
+    assert "unreachable" in out and "ORTHORL_TRACKING_DEADLINE_S" in out
+
+
+def test_the_job_command_exits_31_on_a_dead_mlflow(tmp_path):
+    """The Kubernetes Job's own command (python -m orthojob.job): the chain's first tracked stage
+    refuses to start; nothing is trained."""
+    uri = f"http://127.0.0.1:{free_port()}"
+    env = job_env(MLFLOW_TRACKING_URI=uri, ORTHORL_WORK_DIR=str(tmp_path / "work"))
+    code, seconds, out = run_cli(
+        ["orthojob.job", "--preset", "tiny-cpu", "--steps", "1", "--out", str(tmp_path / "out")],
+        env,
+        tmp_path,
+    )
+    print(f"job on a dead MLflow port: exit {code} after {seconds:.1f} s")
+    assert code == ExitCode.TRACKING, out[-3000:]
+    assert seconds < 60
+
+
+def test_a_silent_server_is_cut_at_the_configured_deadline(tmp_path):
+    """A server that accepts connections and never answers (a hung proxy): the watchdog ends the
+    probe at ORTHORL_TRACKING_DEADLINE_S, whatever the per-request timeouts add up to."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)  # accepted by the kernel, never read
+        port = listener.getsockname()[1]
+        env = job_env(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{port}", ORTHORL_TRACKING_DEADLINE_S="6")
+        code, seconds, out = run_cli(["orthojob.cli", "promote", "--run-id", "0" * 32], env, tmp_path)
+    print(f"silent MLflow server, deadline 6 s: exit {code} after {seconds:.1f} s")
+    assert code == ExitCode.TRACKING, out[-3000:]
+    assert 5.5 < seconds < 20, f"{seconds:.1f} s"
+    assert "did not answer within 6 s" in out
+
+
+def test_a_bad_deadline_is_refused():
+    os.environ[tracking.DEADLINE_ENV] = "soon"
+    try:
+        with pytest.raises(tracking.TrackingError, match="not a number"):
+            tracking.deadline_s()
+    finally:
+        del os.environ[tracking.DEADLINE_ENV]
+
+
+def test_dead_s3_endpoint_exits_30_after_botocore_retries(tmp_path):
+    """An input on S3 with the endpoint down: botocore's standard retries (5 attempts), no retry
+    loop on top, then exit 30 with what to check."""
+    env = job_env(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}",
+        AWS_ACCESS_KEY_ID="test-key-id",
+        AWS_SECRET_ACCESS_KEY="test-secret-key",
+        AWS_DEFAULT_REGION="us-east-1",
+        ORTHORL_WORK_DIR=str(tmp_path / "work"),
+    )
+    code, seconds, out = run_cli(["orthojob.cli", "gate", "--check", "s3://orthorl/sft0"], env, tmp_path)
+    print(f"dead S3 endpoint: exit {code} after {seconds:.1f} s")
+    assert code == ExitCode.STORAGE, out[-3000:]
+    assert seconds < 60
+    assert "after 5 attempts" in out and "AWS_ENDPOINT_URL" in out
+
+
+def _count_sends(client, fail_first: int) -> dict[str, int]:
+    """Count the HTTP requests botocore sends; the first ``fail_first`` fail like a dropped connection."""
+    from botocore.exceptions import EndpointConnectionError
+
+    seen = {"sent": 0}
+
+    def before_send(request, **kwargs):
+        seen["sent"] += 1
+        if seen["sent"] <= fail_first:
+            raise EndpointConnectionError(endpoint_url=request.url)
+        return None
+
+    client.meta.events.register("before-send.s3", before_send)
+    return seen
+
+
+def test_storage_retries_are_botocores_alone(monkeypatch, tmp_path):
+    """A lasting outage costs exactly RETRY_ATTEMPTS requests (not attempts x attempts)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k" * 16)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s" * 16)
+    monkeypatch.setattr(storage, "RETRY_ATTEMPTS", 3)
+    client = storage.s3_client()
+    seen = _count_sends(client, fail_first=10_000)
+    t = time.monotonic()
+    with pytest.raises(storage.StorageError, match="failed after 3 attempts"):
+        storage.read_manifest("s3://orthorl/runs/x", client)
+    assert seen["sent"] == 3, seen
+    assert time.monotonic() - t < 30
+
+
+def test_storage_transient_outage_recovers(monkeypatch, tmp_path):
+    """Two dropped requests, then the real (SeaweedFS) server: botocore retries, the upload completes."""
+    from tests.services import seaweedfs
+
+    with seaweedfs(tmp_path / "weed") as s3:
+        for k, v in s3.env().items():
+            monkeypatch.setenv(k, v)
+        client = storage.s3_client()
+        seen = _count_sends(client, fail_first=2)
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "a.txt").write_text("a")
+        storage.upload_dir(src, "s3://orthorl/runs/flaky", client=client)
+        assert storage.read_manifest("s3://orthorl/runs/flaky") is not None
+        assert seen["sent"] >= 4  # 2 dropped + the file + the manifest
+
+
+def test_stage_runs_under_mlflow_run_id_are_children(tmp_path, monkeypatch):
+    """What `mlflow run` does: a parent run in MLFLOW_RUN_ID. The first stage attaches to it and
+    the next ones are children (MLflow's start_run(run_id=...) leaves MLFLOW_RUN_ID set: without
+    the fix the first child reused the parent, renamed it and ended it early)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    client = MlflowClient(uri)
+    exp = client.create_experiment("project-exp", artifact_location=(tmp_path / "a").as_uri())
+    parent = client.create_run(exp, run_name="mlflow-run-parent").info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", parent)
+    with tracking.stage_run("pipeline") as top:
+        assert top.info.run_id == parent
+        assert "MLFLOW_RUN_ID" not in os.environ
+        with tracking.stage_run("sft0") as child:
+            assert child.info.run_id != parent
+        with tracking.stage_run("gate_sft0") as child2:
+            assert child2.info.run_id not in (parent, child.info.run_id)
+        assert client.get_run(parent).info.status == "RUNNING", "the parent must not end early"
+    runs = {r.info.run_id: r for r in client.search_runs([exp])}
+    assert len(runs) == 3
+    assert runs[parent].info.run_name == "mlflow-run-parent" and runs[parent].info.status == "FINISHED"
+    for rid in (child.info.run_id, child2.info.run_id):
+        assert runs[rid].data.tags["mlflow.parentRunId"] == parent
+        assert runs[rid].info.experiment_id == exp
+    assert {runs[r].data.tags["orthorl.stage"] for r in runs} == {"pipeline", "sft0", "gate_sft0"}
+    while mlflow.active_run():
+        mlflow.end_run()
+
+
+def test_a_retried_pod_closes_the_run_its_predecessor_left_running(tmp_path, monkeypatch):
+    """An OOM-killed pod cannot end its run; the Job's next pod closes it FAILED."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "oom")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("K8S_JOB_NAME", "orthorl-grpo-x")
+    monkeypatch.setenv("K8S_POD_NAME", "orthorl-grpo-x-aaaaa")
+    exp = tracking.configure()
+    client = MlflowClient(uri)
+    dead = client.create_run(exp, tags={"k8s.job_name": "orthorl-grpo-x"}).info.run_id  # left RUNNING
+    other = client.create_run(exp, tags={"k8s.job_name": "another-job"}).info.run_id
+    monkeypatch.setenv("K8S_POD_NAME", "orthorl-grpo-x-bbbbb")
+    with tracking.stage_run("grpo") as run:
+        assert run.data.tags.get("k8s.job_name") in (None, "orthorl-grpo-x")
+    assert client.get_run(dead).info.status == "FAILED"
+    assert client.get_run(dead).data.tags["orthorl.orphaned"] == "closed by orthorl-grpo-x-bbbbb"
+    assert client.get_run(other).info.status == "RUNNING"
+    assert client.get_run(run.info.run_id).data.tags["k8s.pod_name"] == "orthorl-grpo-x-bbbbb"
+    while mlflow.active_run():
+        mlflow.end_run()
