@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
+from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
 from server.oracle import oracle_plan
@@ -99,7 +99,7 @@ def evaluate_planners(
     report: dict = {}
     for task_id in task_ids:
         obs = observations(task_id, n_seeds, seed_start, force_decay, non_compliance)
-        cases = [(task_id, o["seed"], force_decay, non_compliance) for o in obs]
+        cases = [CaseKey(task_id, o["seed"], force_decay, non_compliance) for o in obs]
         report[task_id] = {}
         for name, planner in planners.items():
             results = score_plans([planner(o) for o in obs], cases)
@@ -270,16 +270,16 @@ def run_checkpoint(
     t0 = time.perf_counter()
     texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size)
     seconds = time.perf_counter() - t0
-    cases = [(int(o["seed"]), o["task_id"], bool(force_decay)) for o in obs]
+    cases = [CaseKey(o["task_id"], int(o["seed"]), bool(force_decay)) for o in obs]
     return CheckpointEpisodes(
-        task_ids=[o["task_id"] for o in obs],
-        seeds=[int(o["seed"]) for o in obs],
+        task_ids=[c.task_id for c in cases],
+        seeds=[c.seed for c in cases],
         force_decay=bool(force_decay),
         texts=texts,
         n_tokens=counts,
         terminated=ended,
         rollouts=score_texts(texts, cases),
-        optimal_strategies=[generate_case(t, s, d).optimal_strategy for s, t, d in cases],
+        optimal_strategies=[generate_case(*c).optimal_strategy for c in cases],
         generate_seconds=seconds,
         observations=obs,
     )

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
 RETRY_ATTEMPTS: int = int(os.environ.get("ORTHORL_S3_RETRIES", "5"))
 RETRY_BASE_DELAY_S: float = float(os.environ.get("ORTHORL_S3_RETRY_DELAY", "0.5"))
-_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)$")
+CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)$")
+"""A ``checkpoint-N`` folder name (``match`` a name, ``search`` the end of a prefix)."""
 T = TypeVar("T")
 
 
@@ -295,7 +296,7 @@ def latest_checkpoint(uri: str, client: Any | None = None) -> tuple[int, str] | 
             Bucket=loc.bucket, Prefix=prefix, Delimiter="/"
         ):
             for cp in page.get("CommonPrefixes", []):
-                m = _CHECKPOINT_RE.search(cp["Prefix"].rstrip("/"))
+                m = CHECKPOINT_RE.search(cp["Prefix"].rstrip("/"))
                 if m:
                     steps.append(int(m.group(1)))
         return steps
