@@ -131,7 +131,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         name: getattr(args, name) for name, _ in GATE_THRESHOLD_FLAGS if getattr(args, name) is not None
     }
     limits = limits.replace(**changes)
-    report = gate.evaluate_checkpoint(
+    report = gate.gate_report(
         str(checkpoint),
         n_seeds=args.seeds,
         task_id=args.task_id,

@@ -27,7 +27,7 @@ import numpy as np
 
 from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 from server.dental_constants import TOOTH_IDS
-from server.dental_environment import StepwiseDentalEnvironment
+from server.dental_environment import initial_observation
 from server.oracle import oracle_plan
 from server.plans import UNIFORM_FRACTION
 from server.treatment import score_plans
@@ -64,10 +64,11 @@ def observations(
     force_decay: bool = False,
     non_compliance: bool = False,
 ) -> list[dict]:
-    """Reset observations of ``n_seeds`` consecutive seeds (what a planner sees)."""
-    env = StepwiseDentalEnvironment(max_sessions=max(1, n_seeds))
+    """Stage-0 observations of ``n_seeds`` consecutive seeds (what a planner sees;
+    :func:`server.dental_environment.initial_observation`)."""
     return [
-        env.reset(task_id, seed_start + i, force_decay, non_compliance=non_compliance) for i in range(n_seeds)
+        initial_observation(generate_case(task_id, seed_start + i, bool(force_decay), bool(non_compliance)))
+        for i in range(n_seeds)
     ]
 
 

@@ -1,6 +1,6 @@
 """Gates: a checkpoint's held-out evaluation, the gate file that records it, and the pre-flight check.
 
-Every pipeline stage ends in a gate (ARCHITECTURE.md): :func:`evaluate_checkpoint` greedy-decodes a
+Every pipeline stage ends in a gate (ARCHITECTURE.md): :func:`gate_report` greedy-decodes a
 plan for each held-out case (seeds from :data:`server.cases.HELDOUT_SEED_START`), parses and scores it
 as the GRPO rewards do, and compares it with uniform SLERP and the oracle on the same cases;
 :func:`write_gate` writes ``<checkpoint>/gate_passed.json``::
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orthojob.exit_codes import ExitCode
+from orthojob.records import json_value
 from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def _task_list(task_id: str | Sequence[str]) -> list[str]:
     return list(task_id)
 
 
-def evaluate_checkpoint(
+def gate_report(
     path: str,
     n_seeds: int = 50,
     task_id: str | Sequence[str] = "task_easy",
@@ -259,7 +260,7 @@ def write_gate(
 ) -> dict:
     """Write ``<path>/gate_passed.json`` and return its content.
 
-    ``metrics``: the metrics dict of an evaluation, or a whole report of :func:`evaluate_checkpoint`
+    ``metrics``: the metrics dict of an evaluation, or a whole report of :func:`gate_report`
     (its metrics, thresholds, stage and context are then used unless given here). ``passed`` is
     recomputed here from the metrics and the thresholds; a ``passed`` in the input is ignored.
     """
@@ -267,7 +268,7 @@ def write_gate(
     if isinstance(metrics, dict) and isinstance(metrics.get("metrics"), dict):
         report, metrics = metrics, metrics["metrics"]
     if not isinstance(metrics, dict) or not metrics:
-        raise ValueError("write_gate needs the metrics of an evaluation (orthojob.gate.evaluate_checkpoint)")
+        raise ValueError("write_gate needs the metrics of an evaluation (orthojob.gate.gate_report)")
     stage = stage or report.get("stage") or "sft0"
     if thresholds is None:
         thresholds = report.get("thresholds") or thresholds_for(stage)
@@ -279,7 +280,7 @@ def write_gate(
     content = {
         "passed": bool(checks) and all(checks.values()),
         "stage": stage,
-        "metrics": _json_safe(metrics),
+        "metrics": json_value(metrics),
         "thresholds": thresholds.to_dict(),
         "checks": checks,
         "checkpoint_digest": checkpoint_digest(path),
@@ -299,16 +300,6 @@ def write_gate(
     tmp.replace(target)
     log.info("gate %s: %s -> %s", stage, "passed" if content["passed"] else "FAILED", target)
     return content
-
-
-def _json_safe(value):
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def read_gate(checkpoint: str | Path) -> dict:
@@ -426,9 +417,9 @@ __all__ = [
     "GateError",
     "GateThresholds",
     "check_gate",
-    "evaluate_checkpoint",
     "format_gate",
     "gate_checks",
+    "gate_report",
     "read_gate",
     "thresholds_for",
     "write_gate",

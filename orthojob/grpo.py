@@ -43,7 +43,7 @@ from orthojob.analysis import analyze
 from orthojob.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
 from orthojob.exit_codes import ExitCode
 from orthojob.flags import add_config_arguments, given_values
-from orthojob.gate import GateError, GateThresholds, check_gate, evaluate_checkpoint, format_gate, write_gate
+from orthojob.gate import GateError, GateThresholds, check_gate, format_gate, gate_report, write_gate
 from orthojob.grpo_config import COMPLETIONS_FILE, ConfigError, GRPOJobConfig, validate, world_size
 from orthojob.models import adapter_base, device_info, is_adapter
 from orthojob.presets import PRESETS
@@ -142,10 +142,10 @@ def smoke_test(config: GRPOJobConfig, n_prompts: int = 4) -> int:
 def run_grpo_gate(
     config: GRPOJobConfig, checkpoint: Path, thresholds: GateThresholds | None = None
 ) -> tuple[dict, bool]:
-    """The GRPO gate: evaluate the saved checkpoint on held-out seeds (:func:`orthojob.gate.evaluate_checkpoint`,
+    """The GRPO gate: evaluate the saved checkpoint on held-out seeds (:func:`orthojob.gate.gate_report`,
     stage ``grpo``: by default format thresholds plus a terminal reward no lower than uniform SLERP's),
     then write the gate file, once, with ``thresholds``; ``passed`` follows from the metrics."""
-    report = evaluate_checkpoint(
+    report = gate_report(
         str(checkpoint),
         n_seeds=config.gate_seeds,
         task_id=config.task_id,

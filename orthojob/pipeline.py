@@ -158,7 +158,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
     def gate_evaluation(path: str, stage: str) -> dict:
         """The held-out gate evaluation with the preset's ``sft_gate`` settings."""
         g = cfg.sft_gate
-        return gate.evaluate_checkpoint(
+        return gate.gate_report(
             path, n_seeds=g.n_seeds, task_id=cfg.task_id, force_decay=cfg.force_decay,
             max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, stage=stage, thresholds=g.thresholds,
         )  # fmt: skip
