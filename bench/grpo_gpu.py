@@ -8,7 +8,7 @@ vocabulary, so every sampled id decodes. A random model never emits EOS: every c
 ``--max-completion-length``, which makes the generation workload fixed and comparable.
 
 Each configuration runs in its own process: a few GRPO steps of the project's training setup
-(``orthojob.grpo.build_grpo_args`` for the ``qwen2.5-3b`` preset: LoRA r 16, bf16, gradient
+(``orthojob.grpo_trainer.build_grpo_args`` for the ``qwen2.5-3b`` preset: LoRA r 16, bf16, gradient
 checkpointing; the real prompts; the five project rewards), once with transformers generation and
 once with vLLM colocated (skipped, with the reason, when vLLM does not import). Printed per run:
 
@@ -133,7 +133,8 @@ def run_one(args: argparse.Namespace) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from orthojob.grpo import build_grpo_args, config_from_args
+    from orthojob.grpo import config_from_args
+    from orthojob.grpo_trainer import build_grpo_args
     from orthojob.models import lora_config
     from orthojob.prompts import prompt_rows
 

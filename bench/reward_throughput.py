@@ -155,7 +155,8 @@ def grpo_step_seconds(prompts: int, generations: int) -> float:
     completions: generation, the five rewards, the loss and the update, as TRL runs them."""
     import tempfile
 
-    from orthojob.grpo import GRPOJobConfig, train
+    from orthojob.grpo import train_and_gate as train
+    from orthojob.grpo_config import GRPOJobConfig
     from orthojob.models import build_tiny
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from orthojob.parsing import completion_text, extract_plan
-from server.cases import generate_case
+from server.cases import CaseKey, generate_case
 from server.dental_constants import (
     IS_MOLAR,
     MM_PER_DEG,
@@ -134,8 +134,8 @@ def _spearman(x: np.ndarray, y: np.ndarray) -> float:
     return float(spearmanr(x, y).statistic)
 
 
-def plan_metrics(plans: list[dict], cases: list[tuple[str, int, bool]]) -> list[dict[str, float]]:
-    """The four metrics (NaN where undefined) of each parsed plan on its case ``(task_id, seed, decay)``."""
+def plan_metrics(plans: list[dict], cases: list[CaseKey]) -> list[dict[str, float]]:
+    """The four metrics (NaN where undefined) of each parsed plan on its case (:class:`server.cases.CaseKey`)."""
     if not plans:
         return []
     specs = [normalize_plan(p) for p in plans]
@@ -180,7 +180,7 @@ def _window_summary(records: list[dict], steps: set[int]) -> dict:
         plan = extract_plan(completion_text(r["completion"]))
         if plan is not None:
             plans.append(plan)
-            cases.append((r["task_id"], int(r["seed"]), bool(r.get("force_decay", False))))
+            cases.append(CaseKey.of_row(r))
     per_plan = plan_metrics(plans, cases)
     summary: dict = {
         "steps": [min(steps), max(steps)] if steps else [],

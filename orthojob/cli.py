@@ -15,7 +15,8 @@ failure exits 30.
 
 Gate refusals (orthojob train's pre-flight, orthojob gate --check) exit with: 10 gate file missing,
 11 gate file unreadable or inconsistent, 12 gate says failed, 13 checkpoint changed since its gate
-(digest mismatch). orthojob gate, train and pipeline exit 12 too when the checkpoint they evaluated fails its gate.
+(digest mismatch). orthojob gate exits 12 too when the checkpoint it evaluated fails its gate; orthojob
+train and pipeline exit 3 when GRPO's own gate fails. Every code: orthojob/exit_codes.py.
 """
 
 from __future__ import annotations
@@ -24,13 +25,20 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from orthojob import storage
-from orthojob.gate import EXIT_GATE_FAILED
+from orthojob import gate, mlops, storage, tracking
+from orthojob.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
+from orthojob.exit_codes import ExitCode, epilog
+from orthojob.flags import positive_int, task_list
+from orthojob.grpo import add_train_arguments, run_train
 from orthojob.k8s import add_k8s_arguments
-from orthojob.mlops import EXIT_USAGE, report_job_error
+from orthojob.models import tiny_corpus
+from orthojob.pipeline import add_pipeline_arguments, run_pipeline_cli
+from orthojob.registry import DEFAULT_MODEL_NAME
+from orthojob.sft import add_sft_arguments, run_sft_cli
 from server.cases import TASK_IDS
 
 TRACKED_STAGES: dict[str, str] = {"sft": "sft0", "gate": "gate", "evaluate": "evaluate"}
@@ -46,51 +54,23 @@ GATE_THRESHOLD_FLAGS: tuple[tuple[str, str], ...] = (
 """``orthojob gate``'s threshold overrides: (argparse dest and Thresholds field, what it bounds)."""
 
 
-def task_list(value: str) -> list[str]:
-    if value == "all":
-        return list(TASK_IDS)
-    tasks = [t for t in value.split(",") if t]
-    unknown = [t for t in tasks if t not in TASK_IDS]
-    if unknown or not tasks:
-        raise argparse.ArgumentTypeError(
-            f"unknown task(s) {unknown}: use 'all' or a comma list of {TASK_IDS}"
-        )
-    return tasks
-
-
-def positive_int(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-def non_negative_int(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from orthojob.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
-
     if not args.baselines and not args.checkpoint:
         print(
             "orthojob evaluate: nothing to evaluate; pass --checkpoint DIR and/or --baselines",
             file=sys.stderr,
         )
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if args.non_compliance and (args.checkpoint or args.task_id != ["task_hard"]):
         print(
             "orthojob evaluate: --non-compliance is for --baselines on --task-id task_hard only",
             file=sys.stderr,
         )
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if args.checkpoint:
         checkpoint = _input_folder(args.checkpoint, "evaluate")
         if checkpoint is None:
-            return EXIT_USAGE
+            return ExitCode.USAGE
         report = evaluate_checkpoint(
             str(checkpoint),
             args.task_id,
@@ -124,14 +104,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from orthojob.sft import run_sft_cli
-
     return run_sft_cli(args)
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from orthojob import gate
-
     if args.check:
         try:
             checked = _input_folder(args.check, "gate --check", must_exist=False)
@@ -146,16 +122,16 @@ def cmd_gate(args: argparse.Namespace) -> int:
             "orthojob gate: pass --checkpoint DIR (evaluate and write its gate) or --check DIR",
             file=sys.stderr,
         )
-        return EXIT_USAGE
+        return ExitCode.USAGE
     checkpoint = _input_folder(args.checkpoint, "gate")
     if checkpoint is None:
-        return EXIT_USAGE
+        return ExitCode.USAGE
     limits = gate.thresholds_for(args.stage)
     changes = {
         name: getattr(args, name) for name, _ in GATE_THRESHOLD_FLAGS if getattr(args, name) is not None
     }
     limits = limits.replace(**changes)
-    report = gate.evaluate_checkpoint(
+    report = gate.gate_report(
         str(checkpoint),
         n_seeds=args.seeds,
         task_id=args.task_id,
@@ -171,16 +147,14 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if storage.is_s3_uri(args.checkpoint):  # the gate file lives with the checkpoint: publish both again
         storage.publish(checkpoint, args.checkpoint)
         print(f"published {args.checkpoint} with its gate file")
-    return 0 if content["passed"] else EXIT_GATE_FAILED
+    return 0 if content["passed"] else ExitCode.GATE_FAILED
 
 
 def _input_folder(path_or_uri: str, command: str, must_exist: bool = True) -> Path | None:
     """A stage's input folder (an ``s3://`` URI is downloaded and verified); None, with the
     reason printed, when a local folder does not exist and ``must_exist``."""
-    from orthojob.mlops import local_input
-
     if storage.is_s3_uri(path_or_uri):
-        return local_input(path_or_uri, lambda m: print(f"[{command.split()[0]}] {m}"))
+        return mlops.local_input(path_or_uri, lambda m: print(f"[{command.split()[0]}] {m}"))
     if must_exist and not Path(path_or_uri).is_dir():
         print(f"orthojob {command}: checkpoint folder {path_or_uri} does not exist", file=sys.stderr)
         return None
@@ -188,15 +162,11 @@ def _input_folder(path_or_uri: str, command: str, must_exist: bool = True) -> Pa
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from orthojob.grpo import run_train
-
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "verbose")}
     return run_train(argparse.Namespace(**values))
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    from orthojob.pipeline import run_pipeline_cli
-
     return run_pipeline_cli(args)
 
 
@@ -204,15 +174,11 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     """orthojob/tiny_model.py's CLI; unless ``--builtin-corpus`` is given, its tokenizer also learns the
     project's prompts and oracle plans (vocab 1024, as the pipeline's tiny model): a prompt is then
     ~1,450 tokens instead of ~2,200 (over the default 2,048-token context)."""
-    import tempfile
-
-    from orthojob.tiny_model import main as tiny_main
+    from orthojob.tiny_model import main as tiny_main  # imports torch: only for this command
 
     rest = list(args.rest)
     if "--builtin-corpus" in rest or any(a in ("-h", "--help") for a in rest):
         return tiny_main([a for a in rest if a != "--builtin-corpus"])
-    from orthojob.models import tiny_corpus
-
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.txt"
         corpus.write_text("\n".join(tiny_corpus(list(TASK_IDS), force_decay=True)), encoding="utf-8")
@@ -223,9 +189,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from orthojob.mlops import run_promote
-
-    return run_promote(args.run_id, args.model_name, args.force)
+    return mlops.run_promote(args.run_id, args.model_name, args.force)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,11 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_evaluate)
 
-    from orthojob.gate import EXIT_CODES
-    from orthojob.pipeline import add_pipeline_arguments
-    from orthojob.sft import add_sft_arguments
-
-    refusals = "; ".join(f"{code} {what}" for code, what in EXIT_CODES.items())
+    refusals = "; ".join(f"{int(code)} {code.meaning}" for code in gate.PREFLIGHT_REFUSALS)
     sf = sub.add_parser("sft", help="SFT stage 0 on oracle demonstrations")
     add_sft_arguments(sf)
     sf.set_defaults(func=cmd_sft)
@@ -269,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     ga = sub.add_parser(
         "gate",
         help="evaluate a checkpoint on held-out seeds and write its gate_passed.json",
-        epilog=f"exit codes: 0 passed; {EXIT_GATE_FAILED} evaluated and failed; with --check: {refusals}",
+        epilog=f"exit codes: 0 passed; {int(ExitCode.GATE_FAILED)} evaluated and failed; with --check: {refusals}",
     )
     ga.add_argument(
         "--checkpoint",
@@ -293,13 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
     ga.set_defaults(func=cmd_gate)
 
-    # orthojob train: GRPO (orthojob/grpo.py owns the flags)
-    from orthojob.grpo import add_train_arguments
-
+    # orthojob train: GRPO (flags generated from orthojob/grpo_config.py)
     tr = sub.add_parser(
         "train",
         help="GRPO training (stage 3); refuses without a passed SFT gate",
-        epilog=f"exit codes: 0 trained and its gate passed; 2 bad configuration; 12 its GRPO gate failed; "
+        epilog=f"exit codes: 0 trained and its gate passed; {int(ExitCode.USAGE)} bad configuration; "
+        f"{int(ExitCode.GRPO_GATE_FAILED)} its GRPO gate failed; "
         f"pre-flight refusals: {refusals}",
     )
     add_train_arguments(tr)
@@ -309,12 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_pipeline_arguments(pl)
     pl.set_defaults(func=cmd_pipeline)
 
-    from orthojob.registry import DEFAULT_MODEL_NAME
-
     pr = sub.add_parser(
         "promote",
         help="register a training run's model: alias candidate; champion if its gate passed and it beats the champion",
-        epilog="exit codes: 0 registered; 20 no gate file; 21 gate file unparseable; 22 no model; 31 MLflow unreachable",
+        epilog=epilog(ExitCode.OK, ExitCode.NO_GATE, ExitCode.BAD_GATE, ExitCode.NO_MODEL, ExitCode.TRACKING),
     )
     pr.add_argument("--run-id", required=True, help="the MLflow run of the training stage")
     pr.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help=f"(default {DEFAULT_MODEL_NAME})")
@@ -349,23 +306,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args) or 0)
         return _tracked(stage, args)
     except storage.StorageError as exc:
-        return report_job_error(args.command, exc)
+        return mlops.report_job_error(args.command, exc)
 
 
 def _tracked(stage: str, args: argparse.Namespace) -> int:
     """Run a stage command inside its MLflow run (attached to MLFLOW_RUN_ID under `mlflow run`)."""
-    from orthojob import tracking
-
     params = {k: v for k, v in vars(args).items() if k != "verbose" and not callable(v)}
     try:
         with tracking.stage_run(stage, params={"cli": params}):
-            import mlflow
+            import mlflow  # heavy: imported once a tracked stage runs (stage_run imported it already)
 
             code = int(args.func(args) or 0)
             mlflow.set_tag("orthorl.exit_code", str(code))
             return code
     except tracking.TrackingError as exc:
-        return report_job_error(args.command, exc)
+        return mlops.report_job_error(args.command, exc)
 
 
 if __name__ == "__main__":

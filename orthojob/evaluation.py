@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
+from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 from server.dental_constants import TOOTH_IDS
-from server.dental_environment import StepwiseDentalEnvironment
+from server.dental_environment import initial_observation
 from server.oracle import oracle_plan
 from server.plans import UNIFORM_FRACTION
 from server.treatment import score_plans
@@ -64,10 +64,11 @@ def observations(
     force_decay: bool = False,
     non_compliance: bool = False,
 ) -> list[dict]:
-    """Reset observations of ``n_seeds`` consecutive seeds (what a planner sees)."""
-    env = StepwiseDentalEnvironment(max_sessions=max(1, n_seeds))
+    """Stage-0 observations of ``n_seeds`` consecutive seeds (what a planner sees;
+    :func:`server.dental_environment.initial_observation`)."""
     return [
-        env.reset(task_id, seed_start + i, force_decay, non_compliance=non_compliance) for i in range(n_seeds)
+        initial_observation(generate_case(task_id, seed_start + i, bool(force_decay), bool(non_compliance)))
+        for i in range(n_seeds)
     ]
 
 
@@ -99,7 +100,7 @@ def evaluate_planners(
     report: dict = {}
     for task_id in task_ids:
         obs = observations(task_id, n_seeds, seed_start, force_decay, non_compliance)
-        cases = [(task_id, o["seed"], force_decay, non_compliance) for o in obs]
+        cases = [CaseKey(task_id, o["seed"], force_decay, non_compliance) for o in obs]
         report[task_id] = {}
         for name, planner in planners.items():
             results = score_plans([planner(o) for o in obs], cases)
@@ -270,16 +271,16 @@ def run_checkpoint(
     t0 = time.perf_counter()
     texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size)
     seconds = time.perf_counter() - t0
-    cases = [(int(o["seed"]), o["task_id"], bool(force_decay)) for o in obs]
+    cases = [CaseKey(o["task_id"], int(o["seed"]), bool(force_decay)) for o in obs]
     return CheckpointEpisodes(
-        task_ids=[o["task_id"] for o in obs],
-        seeds=[int(o["seed"]) for o in obs],
+        task_ids=[c.task_id for c in cases],
+        seeds=[c.seed for c in cases],
         force_decay=bool(force_decay),
         texts=texts,
         n_tokens=counts,
         terminated=ended,
         rollouts=score_texts(texts, cases),
-        optimal_strategies=[generate_case(t, s, d).optimal_strategy for s, t, d in cases],
+        optimal_strategies=[generate_case(*c).optimal_strategy for c in cases],
         generate_seconds=seconds,
         observations=obs,
     )

@@ -1,6 +1,6 @@
 """Gates: a checkpoint's held-out evaluation, the gate file that records it, and the pre-flight check.
 
-Every pipeline stage ends in a gate (ARCHITECTURE.md): :func:`evaluate_checkpoint` greedy-decodes a
+Every pipeline stage ends in a gate (ARCHITECTURE.md): :func:`gate_report` greedy-decodes a
 plan for each held-out case (seeds from :data:`server.cases.HELDOUT_SEED_START`), parses and scores it
 as the GRPO rewards do, and compares it with uniform SLERP and the oracle on the same cases;
 :func:`write_gate` writes ``<checkpoint>/gate_passed.json``::
@@ -19,11 +19,11 @@ and a gate file exists only where such an evaluation ran. The digest is
 ====  =================================================================================
 code  refusal
 ====  =================================================================================
-10    :data:`EXIT_GATE_MISSING`: no ``gate_passed.json`` in the checkpoint (or no checkpoint)
-11    :data:`EXIT_GATE_UNREADABLE`: the gate file is not JSON, lacks fields, or its ``passed``
+10    :attr:`ExitCode.GATE_MISSING`: no ``gate_passed.json`` in the checkpoint (or no checkpoint)
+11    :attr:`ExitCode.GATE_UNREADABLE`: the gate file is not JSON, lacks fields, or its ``passed``
       does not follow from its own metrics and thresholds (edited by hand)
-12    :data:`EXIT_GATE_FAILED`: the gate file says the checkpoint failed its gate
-13    :data:`EXIT_GATE_DIGEST_MISMATCH`: the checkpoint's weights or config changed since the gate
+12    :attr:`ExitCode.GATE_FAILED`: the gate file says the checkpoint failed its gate
+13    :attr:`ExitCode.GATE_DIGEST_MISMATCH`: the checkpoint's weights or config changed since the gate
 ====  =================================================================================
 
 Thresholds (:class:`GateThresholds`, defaults per stage in :data:`DEFAULT_THRESHOLDS`):
@@ -45,20 +45,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orthojob.exit_codes import ExitCode
-from server.cases import HELDOUT_SEED_START, TASK_IDS
+from orthojob.records import json_value
+from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey
 
 log = logging.getLogger(__name__)
 
 GATE_FILE = "gate_passed.json"
 FORMAT_VERSION = 1
-EXIT_GATE_MISSING = ExitCode.GATE_MISSING
-EXIT_GATE_UNREADABLE = ExitCode.GATE_UNREADABLE
-EXIT_GATE_FAILED = ExitCode.GATE_FAILED
-EXIT_GATE_DIGEST_MISMATCH = ExitCode.GATE_DIGEST_MISMATCH
-EXIT_CODES: dict[int, str] = {
-    c: c.meaning
-    for c in (EXIT_GATE_MISSING, EXIT_GATE_UNREADABLE, EXIT_GATE_FAILED, EXIT_GATE_DIGEST_MISMATCH)
-}
+PREFLIGHT_REFUSALS: tuple[ExitCode, ...] = (
+    ExitCode.GATE_MISSING,
+    ExitCode.GATE_UNREADABLE,
+    ExitCode.GATE_FAILED,
+    ExitCode.GATE_DIGEST_MISMATCH,
+)
+"""The exit codes of :func:`check_gate`'s refusals."""
 
 
 class GateError(Exception):
@@ -162,7 +162,7 @@ def _task_list(task_id: str | Sequence[str]) -> list[str]:
     return list(task_id)
 
 
-def evaluate_checkpoint(
+def gate_report(
     path: str,
     n_seeds: int = 50,
     task_id: str | Sequence[str] = "task_easy",
@@ -198,7 +198,7 @@ def evaluate_checkpoint(
 
     # the baselines on the very same cases
     obs = ep.observations
-    cases = [(o["task_id"], int(o["seed"]), bool(force_decay)) for o in obs]
+    cases = [CaseKey(o["task_id"], int(o["seed"]), bool(force_decay)) for o in obs]
     baseline = {
         name: score_plans([BASELINES[name](o) for o in obs], cases) for name in ("uniform_slerp", "oracle")
     }
@@ -260,7 +260,7 @@ def write_gate(
 ) -> dict:
     """Write ``<path>/gate_passed.json`` and return its content.
 
-    ``metrics``: the metrics dict of an evaluation, or a whole report of :func:`evaluate_checkpoint`
+    ``metrics``: the metrics dict of an evaluation, or a whole report of :func:`gate_report`
     (its metrics, thresholds, stage and context are then used unless given here). ``passed`` is
     recomputed here from the metrics and the thresholds; a ``passed`` in the input is ignored.
     """
@@ -268,7 +268,7 @@ def write_gate(
     if isinstance(metrics, dict) and isinstance(metrics.get("metrics"), dict):
         report, metrics = metrics, metrics["metrics"]
     if not isinstance(metrics, dict) or not metrics:
-        raise ValueError("write_gate needs the metrics of an evaluation (orthojob.gate.evaluate_checkpoint)")
+        raise ValueError("write_gate needs the metrics of an evaluation (orthojob.gate.gate_report)")
     stage = stage or report.get("stage") or "sft0"
     if thresholds is None:
         thresholds = report.get("thresholds") or thresholds_for(stage)
@@ -280,7 +280,7 @@ def write_gate(
     content = {
         "passed": bool(checks) and all(checks.values()),
         "stage": stage,
-        "metrics": _json_safe(metrics),
+        "metrics": json_value(metrics),
         "thresholds": thresholds.to_dict(),
         "checks": checks,
         "checkpoint_digest": checkpoint_digest(path),
@@ -302,16 +302,6 @@ def write_gate(
     return content
 
 
-def _json_safe(value):
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def read_gate(checkpoint: str | Path) -> dict:
     """The parsed gate file; raises GateError 10 (missing) or 11 (unreadable / inconsistent)."""
     target = gate_path(checkpoint)
@@ -322,7 +312,7 @@ def read_gate(checkpoint: str | Path) -> dict:
     if not target.is_file():
         where = "" if Path(checkpoint).is_dir() else f" (the folder {checkpoint} does not exist)"
         raise GateError(
-            EXIT_GATE_MISSING,
+            ExitCode.GATE_MISSING,
             f"gate file {target} missing{where}: this checkpoint was never evaluated. Train it with "
             f"orthojob sft --out {checkpoint}, then evaluate it with orthojob gate --checkpoint {checkpoint} "
             "(or run orthojob pipeline). --skip-sft-gate bypasses the check (NOT recommended).",
@@ -331,7 +321,7 @@ def read_gate(checkpoint: str | Path) -> dict:
         content = json.loads(target.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise GateError(
-            EXIT_GATE_UNREADABLE, f"gate file {target} is not readable JSON ({exc}). {redo}"
+            ExitCode.GATE_UNREADABLE, f"gate file {target} is not readable JSON ({exc}). {redo}"
         ) from None
     problems = []
     if not isinstance(content, dict):
@@ -347,18 +337,18 @@ def read_gate(checkpoint: str | Path) -> dict:
             problems.append("no 'thresholds'")
     if problems:
         raise GateError(
-            EXIT_GATE_UNREADABLE, f"gate file {target} is malformed: {'; '.join(problems)}. {redo}"
+            ExitCode.GATE_UNREADABLE, f"gate file {target} is malformed: {'; '.join(problems)}. {redo}"
         )
     try:
         thresholds = GateThresholds.from_dict(content["thresholds"])
     except (TypeError, ValueError) as exc:
         raise GateError(
-            EXIT_GATE_UNREADABLE, f"gate file {target} has bad thresholds ({exc}). {redo}"
+            ExitCode.GATE_UNREADABLE, f"gate file {target} has bad thresholds ({exc}). {redo}"
         ) from None
     checks = gate_checks(content["metrics"], thresholds)
     if content["passed"] != (bool(checks) and all(checks.values())):
         raise GateError(
-            EXIT_GATE_UNREADABLE,
+            ExitCode.GATE_UNREADABLE,
             f"gate file {target} says passed={content['passed']}, but its own metrics and thresholds give "
             f"{checks}: the file was edited, not written by an evaluation. {redo}",
         )
@@ -381,7 +371,7 @@ def check_gate(checkpoint: str | Path) -> None:
             for k in failed
         )
         raise GateError(
-            EXIT_GATE_FAILED,
+            ExitCode.GATE_FAILED,
             f"checkpoint {checkpoint} failed its {content.get('stage')} gate ({shown or 'no checks'}; thresholds "
             f"{content['thresholds']}). Train it further (orthojob sft with more --steps / --examples, or a higher "
             f"--lr), then re-run orthojob gate --checkpoint {checkpoint}.",
@@ -392,7 +382,7 @@ def check_gate(checkpoint: str | Path) -> None:
         digest = f"unavailable ({exc})"
     if digest != content["checkpoint_digest"]:
         raise GateError(
-            EXIT_GATE_DIGEST_MISMATCH,
+            ExitCode.GATE_DIGEST_MISMATCH,
             f"checkpoint {checkpoint} changed since its gate: sha256 of its weight and config files is "
             f"{digest}, the gate recorded {content['checkpoint_digest']} (files {content.get('digest_files')}). "
             f"Re-run orthojob gate --checkpoint {checkpoint} to evaluate the checkpoint as it is now.",
@@ -423,18 +413,13 @@ def format_gate(content: dict) -> str:
 
 __all__ = [
     "DEFAULT_THRESHOLDS",
-    "EXIT_CODES",
-    "EXIT_GATE_DIGEST_MISMATCH",
-    "EXIT_GATE_FAILED",
-    "EXIT_GATE_MISSING",
-    "EXIT_GATE_UNREADABLE",
     "GATE_FILE",
     "GateError",
     "GateThresholds",
     "check_gate",
-    "evaluate_checkpoint",
     "format_gate",
     "gate_checks",
+    "gate_report",
     "read_gate",
     "thresholds_for",
     "write_gate",

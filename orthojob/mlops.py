@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -31,50 +30,37 @@ from typing import Any
 
 from orthojob import storage
 from orthojob.exit_codes import ExitCode
+from orthojob.rollouts import DEFAULT_CACHE, NO_PLAN
+from server.cases import CaseKey, generate_case
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS_SAMPLE = 64
-EXIT_USAGE = ExitCode.USAGE
-EXIT_STORAGE = ExitCode.STORAGE
-EXIT_TRACKING = ExitCode.TRACKING
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 def report_job_error(command: str, exc: BaseException) -> int:
     """Print a storage or tracking failure as ``orthojob <command>: <message>`` (secrets redacted)
-    on stderr; returns its exit code (:data:`EXIT_STORAGE` or :data:`EXIT_TRACKING`)."""
+    on stderr; returns its exit code (:attr:`ExitCode.STORAGE` or :attr:`ExitCode.TRACKING`)."""
     from orthojob.tracking import TrackingError, redact
 
     print(f"orthojob {command}: {redact(str(exc))}", file=sys.stderr)
-    return EXIT_TRACKING if isinstance(exc, TrackingError) else EXIT_STORAGE
+    return ExitCode.TRACKING if isinstance(exc, TrackingError) else ExitCode.STORAGE
 
 
-def optimal_strategy(task_id: str, seed: int, force_decay: bool) -> str:
-    """The case's optimal strategy (:func:`server.cases.generate_case` caches the cases)."""
-    from server.cases import generate_case
-
-    return generate_case(task_id, int(seed), bool(force_decay)).optimal_strategy
-
-
-def env_diagnostics(texts: Sequence[str], cases: Sequence[tuple]) -> dict[str, float]:
-    """Environment metrics of one batch of completions on their cases ``(seed, task_id, force_decay)``."""
-    from orthojob.rollouts import DEFAULT_CACHE, NO_PLAN
-
+def env_diagnostics(texts: Sequence[str], cases: Sequence[CaseKey]) -> dict[str, float]:
+    """Environment metrics of one batch of completions on their cases (:class:`server.cases.CaseKey`)."""
     if not texts:
         return {}
-    seeds = [c[0] for c in cases]
-    tasks = [c[1] for c in cases]
-    decays = [bool(c[2]) for c in cases]
+    keys = [CaseKey(*c) for c in cases]
     rollouts = DEFAULT_CACHE.get_many(
-        list(texts), seeds, tasks, decays
+        list(texts), [k.seed for k in keys], [k.task_id for k in keys], [k.force_decay for k in keys]
     )  # cache hits: the rewards scored them
     n = len(rollouts)
     parsed = [r for r in rollouts if r.error != NO_PLAN and r.plan is not None]
     correct = sum(
         1
-        for r, (seed, task, decay) in zip(rollouts, cases)
-        if r.strategy is not None and r.strategy == optimal_strategy(str(task), int(seed), bool(decay))
+        for r, key in zip(rollouts, keys)
+        if r.strategy is not None and r.strategy == generate_case(*key).optimal_strategy
     )
 
     def breaking(rule: str) -> float:
@@ -162,7 +148,7 @@ def resume_checkpoint(
         steps = sorted(
             (int(m.group(1)), p)
             for p in (root.iterdir() if root.is_dir() else [])
-            if (m := _CHECKPOINT_RE.match(p.name)) and (p / "trainer_state.json").is_file()
+            if (m := storage.CHECKPOINT_RE.match(p.name)) and (p / "trainer_state.json").is_file()
         )
         if not steps:
             return None
@@ -283,7 +269,7 @@ def publish_output(local: Path, uri: str) -> dict:
     """Upload a finished output folder to ``uri`` without its ``checkpoint-N`` folders (already
     synced); the manifest is written last, so a reader never sees a half-uploaded result."""
     return storage.upload_dir(
-        Path(local), uri, skip=lambda rel: bool(_CHECKPOINT_RE.match(rel.split("/", 1)[0]))
+        Path(local), uri, skip=lambda rel: bool(storage.CHECKPOINT_RE.match(rel.split("/", 1)[0]))
     )
 
 

@@ -9,25 +9,28 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
 2. ``sft0``: format SFT on oracle demonstrations (:func:`orthojob.sft.run_sft`) -> ``<out>/sft0``;
 3. ``gate_sft0``: held-out format gate (:mod:`orthojob.gate`) -> ``<out>/sft0/gate_passed.json``;
    a failed gate stops the pipeline (GRPO would refuse it) with exit code 12;
-4. ``grpo``: ``orthojob train --from-checkpoint <out>/sft0`` (:func:`orthojob.grpo.run_train`, whose
-   pre-flight checks the SFT gate) -> ``<out>/grpo``;
-5. ``gate_grpo``: GRPO's own gate, the same held-out evaluation after training, written by
-   ``orthojob train`` -> ``<out>/grpo/gate_passed.json``;
+4. ``grpo``: the preset's GRPO config object with ``from_checkpoint=<out>/sft0``, run by
+   :func:`orthojob.grpo.run_grpo` (what ``orthojob train`` runs; its pre-flight checks the SFT
+   gate) -> ``<out>/grpo``;
+5. ``gate_grpo``: GRPO's own gate, the held-out evaluation after training, written once by the GRPO
+   stage with the preset's ``grpo_gate`` thresholds -> ``<out>/grpo/gate_passed.json`` (read back here);
 6. ``evaluate``: both checkpoints and the baselines on held-out seeds -> ``<out>/evaluation.json``.
 
-Exit code: 0 when every stage ran and both gates passed; 12 (a gate says failed) when the SFT gate
-failed (GRPO is not run) or when GRPO trained but its gate failed (the evaluation still runs and
-everything is written; the summary says which gate); otherwise the failing stage's exit code. The summary reports GRPO's mean reward per step, strategy accuracy and every
-gate metric as measured, whether they rise or not.
+Exit code (:class:`orthojob.exit_codes.ExitCode`): 0 when every stage ran and both gates passed;
+12 when the SFT gate failed (GRPO is not run); 3 when GRPO trained but its gate failed (the
+evaluation still runs and everything is written); otherwise the failing stage's exit code. The
+summary reports GRPO's mean reward per step, strategy accuracy and every gate metric as
+measured, whether they rise or not.
 
-:data:`PRESETS` holds every hyper-parameter. ``overrides`` (CLI ``--set section.key=value``,
-value parsed as JSON) change single values, e.g. ``{"sft.steps": 100, "grpo.steps": 2}``.
+:data:`orthojob.presets.PRESETS` holds every hyper-parameter, as config objects. ``overrides``
+(CLI ``--set section.key=value``, value parsed as JSON) change single values, e.g.
+``{"sft.steps": 100, "grpo.steps": 2, "grpo.rewards": ["format"], "grpo.use_vllm": true}``.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
 import logging
 import os
@@ -36,183 +39,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orthojob import gate, mlops, storage, tracking
+from orthojob.evaluation import evaluate_checkpoint, format_table
 from orthojob.exit_codes import ExitCode
-from orthojob.gate import DEFAULT_THRESHOLDS, EXIT_GATE_FAILED
-from orthojob.grpo import PRESETS as GRPO_PRESETS
-from orthojob.mlops import EXIT_USAGE
-from orthojob.models import TINY_MODEL
+from orthojob.grpo import run_grpo
+from orthojob.grpo_config import TRAIN_LOG_FILE, ConfigError
+from orthojob.models import TINY_MODEL, build_tiny
+from orthojob.presets import PRESETS, Preset, apply_overrides
+from orthojob.records import json_value
+from orthojob.sft import run_sft
 
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "pipeline_summary.json"
 EVALUATION_FILE = "evaluation.json"
-
-
-def _thresholds(stage: str) -> dict:
-    """The stage's default gate thresholds (:data:`orthojob.gate.DEFAULT_THRESHOLDS`), those set only."""
-    return {k: v for k, v in DEFAULT_THRESHOLDS[stage].to_dict().items() if v is not None}
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-cpu": {
-        "description": (
-            "offline, CPU, 2 cores, < 10 min: a ~0.2M-parameter Qwen2 built here, fully fine-tuned "
-            "(SFT reaches >= 0.9 greedy parse rate); GRPO proves the loop, it does not make a planner"
-        ),
-        "model": TINY_MODEL,
-        "tiny_arch": {
-            "hidden_size": 64,
-            "layers": 2,
-            "heads": 4,
-            "kv_heads": 2,
-            "intermediate": 128,
-            "vocab_size": 1024,
-            "max_position_embeddings": 2048,
-            "seed": 0,
-        },
-        "task_id": "task_easy",
-        "force_decay": False,
-        "base_eval": True,
-        "sft": {
-            "task_ids": ["task_easy"],
-            "examples": 2400,
-            "steps": 600,
-            "batch_size": 4,
-            "grad_accum": 1,
-            "lr": 5e-3,
-            "lr_scheduler": "cosine",
-            "warmup_steps": 10,
-            "weight_decay": 0.0,
-            "lora_r": 0,
-            "lora_alpha": None,
-            "max_length": 2048,
-            "gradient_checkpointing": False,
-            "logging_steps": 20,
-            "seed": 0,
-        },
-        "sft_gate": {
-            "n_seeds": 32,
-            "max_new_tokens": 256,
-            "batch_size": 16,
-            "thresholds": _thresholds("sft0"),
-        },
-        "grpo": {
-            "steps": 20,
-            "num_generations": 4,
-            "batch_size": 4,
-            "grad_accum": 1,
-            "lr": 1e-4,
-            "lora_r": 0,
-            "max_prompt_length": 1760,
-            "max_completion_length": 256,
-            "max_seq_length": 2048,
-            "temperature": 1.0,
-            "beta": 0.0,
-            "gradient_checkpointing": False,
-            "save_steps": 0,
-            "seed": 0,
-            "gate_seeds": 32,
-            "use_vllm": False,
-        },
-        "grpo_gate": {
-            "thresholds": _thresholds("grpo"),
-        },
-        "evaluate": {"n_seeds": 32, "baselines": True, "max_new_tokens": 256, "batch_size": 16},
-    },
-    "qwen2.5-3b": {
-        "description": "one GPU: Qwen2.5-3B-Instruct, LoRA r 16 (Unsloth 4-bit when it imports), SFT then GRPO",
-        "model": "Qwen/Qwen2.5-3B-Instruct",
-        "tiny_arch": {},
-        "task_id": "task_easy",
-        "force_decay": False,
-        "base_eval": True,
-        "sft": {
-            "task_ids": ["task_easy", "task_medium", "task_hard"],
-            "examples": 3000,
-            "steps": 375,
-            "batch_size": 4,
-            "grad_accum": 2,
-            "lr": 2e-4,
-            "lr_scheduler": "cosine",
-            "warmup_steps": 20,
-            "weight_decay": 0.0,
-            "lora_r": 16,
-            "lora_alpha": 32,
-            "max_length": 2048,
-            "gradient_checkpointing": True,
-            "logging_steps": 10,
-            "seed": 0,
-        },
-        "sft_gate": {
-            "n_seeds": 50,
-            "max_new_tokens": 512,
-            "batch_size": 16,
-            "thresholds": _thresholds("sft0"),
-        },
-        # the GRPO recipe itself lives in orthojob.grpo.PRESETS (one source of truth)
-        "grpo": {
-            **{k: v for k, v in GRPO_PRESETS["qwen2.5-3b"].items() if k != "model"},
-            "temperature": 1.0,
-            "beta": 0.0,
-            "seed": 0,
-            "use_vllm": False,
-        },
-        "grpo_gate": {
-            "thresholds": _thresholds("grpo"),
-        },
-        "evaluate": {"n_seeds": 200, "baselines": True, "max_new_tokens": 512, "batch_size": 32},
-    },
-}
-"""Every hyper-parameter of each preset; see the module docstring for the stages."""
-
-
-def apply_overrides(preset: dict, overrides: dict[str, Any] | None) -> dict:
-    """A deep copy of ``preset`` with dotted keys (``"sft.steps"``) set; unknown keys raise KeyError."""
-    out = copy.deepcopy(preset)
-    for dotted, value in (overrides or {}).items():
-        node = out
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            if not isinstance(node.get(key), dict):
-                raise KeyError(f"unknown preset section {key!r} in {dotted!r}")
-            node = node[key]
-        if leaf not in node and not (parents and parents[-1] in ("tiny_arch", "thresholds")):
-            raise KeyError(f"unknown preset key {dotted!r}")
-        node[leaf] = value
-    return out
-
-
-def sft_config(preset: dict, out: str | Path, model: str | None = None):
-    """The :class:`orthojob.sft.SFTJobConfig` of a preset's SFT stage."""
-    from orthojob.sft import SFTJobConfig
-
-    return SFTJobConfig(
-        model=model or preset["model"],
-        out=str(out),
-        force_decay=bool(preset["force_decay"]),
-        tiny_arch=dict(preset.get("tiny_arch") or {}),
-        **preset["sft"],
-    )
-
-
-def grpo_argv(preset: dict, model: str, sft_dir: str | Path, out: str | Path) -> list[str]:
-    """``orthojob train`` flags of a preset's GRPO stage (every value explicit)."""
-    g = preset["grpo"]
-    argv = [
-        "--model", model, "--from-checkpoint", str(sft_dir), "--out", str(out), "--task-id", preset["task_id"],
-        "--steps", str(g["steps"]), "--num-generations", str(g["num_generations"]),
-        "--batch-size", str(g["batch_size"]), "--grad-accum", str(g["grad_accum"]), "--lr", str(g["lr"]),
-        "--lora-r", str(g["lora_r"]), "--max-prompt-length", str(g["max_prompt_length"]),
-        "--max-completion-length", str(g["max_completion_length"]), "--max-seq-length", str(g["max_seq_length"]),
-        "--temperature", str(g["temperature"]), "--beta", str(g["beta"]), "--save-steps", str(g["save_steps"]),
-        "--seed", str(g["seed"]), "--gate-seeds", str(g["gate_seeds"]),
-        "--gradient-checkpointing" if g["gradient_checkpointing"] else "--no-gradient-checkpointing",
-    ]  # fmt: skip
-    if preset["force_decay"]:
-        argv.append("--force-decay")
-    if g.get("use_vllm"):
-        argv.append("--use-vllm")
-    return argv
 
 
 def _grpo_rewards(train_log: Path) -> dict:
@@ -253,49 +93,47 @@ def _gate_view(content: dict) -> dict:
     return {"passed": content.get("passed"), "checks": content.get("checks")} | {k: m.get(k) for k in keys}
 
 
-def run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any] | None = None) -> dict:
+def _preset(preset: str | Preset, overrides: dict[str, Any] | None) -> Preset:
+    return apply_overrides(PRESETS[preset] if isinstance(preset, str) else preset, overrides)
+
+
+def run_pipeline(preset: str | Preset, out: str | Path, overrides: dict[str, Any] | None = None) -> dict:
     """Run every stage (module docstring) inside the MLflow run ``pipeline`` (each stage a nested run);
     returns the summary (also written to ``<out>/pipeline_summary.json``) with ``exit_code``.
 
     ``out`` may be ``s3://bucket/prefix``: the stages run in a local work folder
     (:func:`orthojob.mlops.local_work_dir`), the gated SFT checkpoint is published to ``<out>/sft0``
     and GRPO pulls it from there (digests checked) and pushes its result to ``<out>/grpo``."""
-    import mlflow
+    import mlflow  # heavy: imported when a pipeline runs, not when the CLI parses its flags
 
-    from orthojob import tracking
-
-    name = preset if isinstance(preset, str) else preset.get("name", "custom")
-    cfg_model = (PRESETS.get(preset, {}) if isinstance(preset, str) else preset).get("model")
-    if cfg_model == TINY_MODEL:  # a local model: never wait on the (unreachable) model hub
+    cfg = _preset(preset, overrides)
+    if cfg.model == TINY_MODEL:  # a local model: never wait on the (unreachable) model hub
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    params = {"preset": name, "out": str(out), "overrides": overrides or {}}
+    params = {"preset": cfg.name, "out": str(out), "overrides": overrides or {}}
     with tracking.stage_run("pipeline", params=params) as run:
-        summary = _run_pipeline(preset, out, overrides)
+        summary = _run_pipeline(cfg, out, overrides)
         summary["mlflow_run_id"] = run.info.run_id
-        mlflow.log_dict(json.loads(json.dumps(summary, default=str)), SUMMARY_FILE)
+        mlflow.log_dict(json_value(json.loads(json.dumps(summary, default=str))), SUMMARY_FILE)
         mlflow.set_tag("orthorl.exit_code", str(summary["exit_code"]))
     return summary
 
 
-def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any] | None = None) -> dict:
-    import mlflow
+def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None = None) -> dict:
+    import mlflow  # heavy: see run_pipeline
 
-    from orthojob import gate, storage, tracking
-    from orthojob.models import build_tiny
-    from orthojob.tracking import log_metrics
-
-    name = preset if isinstance(preset, str) else preset.get("name", "custom")
-    cfg = apply_overrides(PRESETS[preset] if isinstance(preset, str) else preset, overrides)
     out_uri = str(out) if storage.is_s3_uri(out) else None
     if out_uri:
-        from orthojob.mlops import local_work_dir
-
-        out = local_work_dir(out_uri)
+        out = mlops.local_work_dir(out_uri)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    summary: dict[str, Any] = {"preset": name, "overrides": overrides or {}, "config": cfg, "stages": {}}
+    summary: dict[str, Any] = {
+        "preset": cfg.name,
+        "overrides": overrides or {},
+        "config": cfg.to_dict(),
+        "stages": {},
+    }
     stages = summary["stages"]
 
     def save() -> None:
@@ -303,31 +141,30 @@ def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any]
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
 
     def finish(code: int) -> dict:
-        summary["exit_code"] = code
+        summary["exit_code"] = int(code)
         save()
         print(format_summary(summary))
         return summary
 
     # 1. tiny model
-    model = cfg["model"]
+    model = cfg.model
     if model == TINY_MODEL:
         t = time.perf_counter()
-        tasks = sorted({cfg["task_id"], *cfg["sft"]["task_ids"]})
-        model = str(build_tiny(out / "tiny-model", tasks, cfg["force_decay"], **cfg["tiny_arch"]))
+        tasks = sorted({cfg.task_id, *cfg.sft.task_ids})
+        model = str(build_tiny(out / "tiny-model", tasks, cfg.force_decay, **cfg.tiny_arch))
         stages["tiny-model"] = {"seconds": time.perf_counter() - t, "path": model}
         save()
 
     def gate_evaluation(path: str, stage: str) -> dict:
         """The held-out gate evaluation with the preset's ``sft_gate`` settings."""
-        g = cfg["sft_gate"]
-        return gate.evaluate_checkpoint(
-            path, n_seeds=g["n_seeds"], task_id=cfg["task_id"], force_decay=cfg["force_decay"],
-            max_new_tokens=g["max_new_tokens"], batch_size=g["batch_size"], stage=stage,
-            thresholds=gate.GateThresholds.from_dict(g["thresholds"]),
+        g = cfg.sft_gate
+        return gate.gate_report(
+            path, n_seeds=g.n_seeds, task_id=cfg.task_id, force_decay=cfg.force_decay,
+            max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, stage=stage, thresholds=g.thresholds,
         )  # fmt: skip
 
     # 1b. the base model's held-out parse rate and format, before any training (no gate file)
-    if cfg.get("base_eval", True):
+    if cfg.base_eval:
         t = time.perf_counter()
         base = gate_evaluation(model, "base")
         stages["base"] = {"seconds": time.perf_counter() - t, **_gate_view(base)}
@@ -336,79 +173,63 @@ def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any]
     # 2. SFT stage 0
     sft_dir = out / "sft0"
     t = time.perf_counter()
-    from orthojob.sft import run_sft
-
+    sft = dataclasses.replace(cfg.sft, model=model, out=str(sft_dir))
     with tracking.stage_run(
-        "sft0", params={"sft": cfg["sft"], "model": model, "force_decay": cfg["force_decay"]}
+        "sft0", params={"sft": sft.to_dict(), "model": model, "force_decay": cfg.force_decay}
     ):
-        sft_summary = run_sft(sft_config(cfg, sft_dir, model=model))
-        log_metrics({k: v for k, v in sft_summary.items() if isinstance(v, (int, float))})
+        sft_summary = run_sft(sft)
+        tracking.log_metrics({k: v for k, v in sft_summary.items() if isinstance(v, (int, float))})
     stages["sft0"] = {"seconds": time.perf_counter() - t, **sft_summary}
     save()
 
     # 3. SFT gate
     t = time.perf_counter()
-    g = cfg["sft_gate"]
-    with tracking.stage_run("gate_sft0", params={"sft_gate": g}):
+    with tracking.stage_run("gate_sft0", params={"sft_gate": dataclasses.asdict(cfg.sft_gate)}):
         report = gate_evaluation(str(sft_dir), "sft0")
         content = gate.write_gate(sft_dir, report)
-        log_metrics({f"gate/{k}": v for k, v in content["metrics"].items()})
+        tracking.log_metrics({f"gate/{k}": v for k, v in content["metrics"].items()})
         mlflow.log_artifact(str(gate.gate_path(sft_dir)))
         mlflow.set_tag("orthorl.gate_passed", str(content["passed"]).lower())
     stages["gate_sft0"] = {"seconds": time.perf_counter() - t, **_gate_view(content)}
     print(gate.format_gate(content))
     if not content["passed"]:
         stages["grpo"] = {"skipped": "the SFT gate failed: GRPO refuses an ungated checkpoint (exit 12)"}
-        return finish(EXIT_GATE_FAILED)
+        return finish(ExitCode.GATE_FAILED)
 
-    # 4. GRPO (its own gate runs at the end of orthojob train)
-    from orthojob.grpo import add_train_arguments, run_train
-
+    # 4. GRPO, which writes its own gate file (5) with the preset's GRPO gate thresholds
     grpo_dir = out / "grpo"
-    parser = add_train_arguments(argparse.ArgumentParser(prog="orthojob train"))
     t = time.perf_counter()
     sft_source, grpo_target = str(sft_dir), str(grpo_dir)
     if out_uri:  # GRPO pulls the gated SFT checkpoint from S3 and pushes its result there
         sft_source = storage.publish(sft_dir, f"{out_uri.rstrip('/')}/sft0")
         grpo_target = f"{out_uri.rstrip('/')}/grpo"
-    rc = run_train(parser.parse_args(grpo_argv(cfg, model, sft_source, grpo_target)))
+    grpo = dataclasses.replace(cfg.grpo, model=model, from_checkpoint=str(sft_source), out=grpo_target)
+    rc = run_grpo(grpo, given=grpo.to_dict(), gate_thresholds=cfg.grpo_gate.thresholds)
     last = mlflow.last_active_run()
     stages["grpo"] = {
         "seconds": time.perf_counter() - t,
-        "exit_code": rc,
+        "exit_code": int(rc),
         "mlflow_run_id": last.info.run_id if last is not None else None,
         "out": grpo_target,
-        **_grpo_rewards(grpo_dir / "train_log.json"),
+        **_grpo_rewards(grpo_dir / TRAIN_LOG_FILE),
     }
     save()
     if rc not in (0, ExitCode.GRPO_GATE_FAILED) or not gate.gate_path(grpo_dir).is_file():
         stages["grpo"]["error"] = f"orthojob train exited {rc}"
-        return finish(rc or 1)
+        return finish(rc or ExitCode.FAILURE)
 
-    # 5. GRPO gate: written by orthojob train from its held-out evaluation; the preset's thresholds
-    # are applied to those same metrics when they differ from the defaults.
+    # 5. GRPO gate: read back, as the GRPO stage wrote (and published and logged) it
     content = gate.read_gate(grpo_dir)
-    limits = gate.GateThresholds.from_dict(cfg["grpo_gate"]["thresholds"])
-    if limits.to_dict() != content["thresholds"]:
-        evaluated = {
-            "metrics": content["metrics"],
-            "samples": content.get("samples", []),
-            **content.get("evaluation", {}),
-        }
-        content = gate.write_gate(grpo_dir, evaluated, limits, stage="grpo")
-        print(gate.format_gate(content))  # orthojob train printed the default thresholds' verdict
     stages["gate_grpo"] = {"seconds": content["metrics"].get("eval_seconds"), **_gate_view(content)}
 
     # 6. evaluate both checkpoints and the baselines
-    from orthojob.evaluation import evaluate_checkpoint, format_table
-
     t = time.perf_counter()
-    e = cfg["evaluate"]
-    with tracking.stage_run("evaluate", params={"evaluate": e}):
-        tasks = [cfg["task_id"]]
-        kw = {"n_seeds": e["n_seeds"], "force_decay": cfg["force_decay"], "max_new_tokens": e["max_new_tokens"],
-              "batch_size": e["batch_size"]}  # fmt: skip
-        report = evaluate_checkpoint(str(grpo_dir), tasks, baselines=e["baselines"], name="grpo", **kw)
+    e = cfg.evaluate
+    with tracking.stage_run("evaluate", params={"evaluate": dataclasses.asdict(e)}):
+        tasks = [cfg.task_id]
+        kw = {"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "max_new_tokens": e.max_new_tokens,
+              "batch_size": e.batch_size}  # fmt: skip
+        report = evaluate_checkpoint(str(grpo_dir), tasks, baselines=e.baselines, name="grpo", **kw)
         sft_report = evaluate_checkpoint(str(sft_dir), tasks, baselines=False, name="sft0", **kw)
         for task in tasks:
             report[task] = {
@@ -417,11 +238,9 @@ def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any]
                 **report[task],
             }
         (out / EVALUATION_FILE).write_text(
-            json.dumps(
-                {"n_seeds": e["n_seeds"], "force_decay": cfg["force_decay"], "results": report}, indent=2
-            )
+            json.dumps({"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "results": report}, indent=2)
         )
-        table = format_table(report, e["n_seeds"], cfg["force_decay"])
+        table = format_table(report, e.n_seeds, cfg.force_decay)
         print(table)
         stages["evaluate"] = {
             "seconds": time.perf_counter() - t,
@@ -431,7 +250,9 @@ def _run_pipeline(preset: str | dict, out: str | Path, overrides: dict[str, Any]
                 p: s["model_metrics"] for p, s in report[tasks[0]].items() if "model_metrics" in s
             },
         }
-        log_metrics({f"terminal_mean/{p}": v for p, v in stages["evaluate"]["terminal_mean"].items()})
+        tracking.log_metrics(
+            {f"terminal_mean/{p}": v for p, v in stages["evaluate"]["terminal_mean"].items()}
+        )
         mlflow.log_artifact(str(out / EVALUATION_FILE))
     return finish(0 if content["passed"] else ExitCode.GRPO_GATE_FAILED)
 
@@ -530,15 +351,18 @@ def run_pipeline_cli(args: argparse.Namespace) -> int:
         listed = [_assignment(item) for item in args.overrides_list.split(",") if item.strip()]
     except argparse.ArgumentTypeError as exc:
         print(f"orthojob pipeline: --overrides: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     overrides = dict(args.overrides) | dict(listed)
     try:
         cfg = apply_overrides(PRESETS[args.preset], overrides)
     except KeyError as exc:
         print(f"orthojob pipeline: {exc.args[0]}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
+    except (ConfigError, TypeError, ValueError) as exc:
+        print(f"orthojob pipeline: --set: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
     if args.show:
-        print(json.dumps(cfg, indent=2))
+        print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     summary = run_pipeline(args.preset, args.out, overrides)
     print(f"wrote {Path(args.out) / SUMMARY_FILE}")
@@ -546,13 +370,8 @@ def run_pipeline_cli(args: argparse.Namespace) -> int:
 
 
 __all__ = [
-    "EXIT_GATE_FAILED",
-    "PRESETS",
     "add_pipeline_arguments",
-    "apply_overrides",
     "format_summary",
-    "grpo_argv",
     "run_pipeline",
     "run_pipeline_cli",
-    "sft_config",
 ]

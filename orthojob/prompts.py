@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from collections.abc import Iterator
 
 import numpy as np
 
-from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START
+from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, generate_case
 from server.clinical_profiles import STRATEGIES, STRATEGY_LEVELS
 from server.dental_constants import (
     DEFAULT_PRIORITY,
@@ -31,7 +30,7 @@ from server.dental_constants import (
     TOOTH_IDS,
     TOOTH_NUMBER,
 )
-from server.dental_environment import StepwiseDentalEnvironment
+from server.dental_environment import initial_observation
 from server.plans import MAX_OVERCORRECTION
 from server.quaternion_utils import quaternion_angle
 
@@ -176,14 +175,10 @@ def build_messages(observation: dict) -> list[dict]:
     ]
 
 
-_ENV = StepwiseDentalEnvironment(max_sessions=8)
-_ENV_LOCK = threading.Lock()
-
-
 def reset_observation(seed: int, task_id: str, force_decay: bool) -> dict:
-    """The stage-0 observation of a case (from the module's environment, a small session store)."""
-    with _ENV_LOCK:
-        return _ENV.reset(task_id=task_id, seed=seed, force_decay=bool(force_decay))
+    """The stage-0 observation of a case (:func:`server.dental_environment.initial_observation`,
+    pure: no environment, no session store)."""
+    return initial_observation(generate_case(task_id, seed, bool(force_decay)))
 
 
 def prompt_cases(n: int, seed_start: int, task_id: str, force_decay: bool) -> Iterator[tuple[dict, dict]]:

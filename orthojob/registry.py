@@ -25,9 +25,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "orthorl-planner"
 MODEL_ARTIFACT = "model"
 COMPARISON_METRIC = "terminal_mean"
-EXIT_NO_GATE = ExitCode.NO_GATE
-EXIT_BAD_GATE = ExitCode.BAD_GATE
-EXIT_NO_MODEL = ExitCode.NO_MODEL
 
 
 class PromotionError(RuntimeError):
@@ -59,7 +56,7 @@ def read_run_gate(run_id: str) -> dict:
             path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=GATE_FILE, dst_path=tmp)
         except Exception as exc:
             raise PromotionError(
-                EXIT_NO_GATE,
+                ExitCode.NO_GATE,
                 f"run {run_id} has no {GATE_FILE} artifact: run the gate "
                 "(orthojob gate) for this checkpoint before promoting",
             ) from exc
@@ -69,12 +66,12 @@ def read_run_gate(run_id: str) -> dict:
             score = float(gate["metrics"][COMPARISON_METRIC])
         except (ValueError, KeyError, TypeError) as exc:
             raise PromotionError(
-                EXIT_BAD_GATE,
+                ExitCode.BAD_GATE,
                 f"run {run_id}'s {GATE_FILE} is unparseable or lacks "
                 f"'passed'/'metrics.{COMPARISON_METRIC}' ({exc}); re-run the gate",
             ) from exc
     if not isinstance(passed, bool):
-        raise PromotionError(EXIT_BAD_GATE, f"run {run_id}'s {GATE_FILE}: 'passed' must be true or false")
+        raise PromotionError(ExitCode.BAD_GATE, f"run {run_id}'s {GATE_FILE}: 'passed' must be true or false")
     return {"passed": passed, "score": score}
 
 
@@ -96,7 +93,7 @@ def promote(run_id: str, model_name: str = DEFAULT_MODEL_NAME, force: bool = Fal
         version = mlflow.register_model(model_uri, model_name)
     except MlflowException as exc:
         raise PromotionError(
-            EXIT_NO_MODEL,
+            ExitCode.NO_MODEL,
             f"run {run_id} has no logged model to register ({exc}); "
             "the training stage logs it as artifact 'model'",
         ) from exc

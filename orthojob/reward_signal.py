@@ -27,7 +27,7 @@ from scipy.stats import spearmanr
 
 from orthojob.prompts import plan_to_completion
 from orthojob.rewards import REWARD_FUNCS
-from server.cases import Case, generate_case
+from server.cases import Case, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import N_STAGES, TOOTH_IDS
 from server.oracle import plan_for_case
@@ -103,14 +103,12 @@ def score_group(case: Case, plans: Sequence[dict]) -> GroupRewards:
     return GroupRewards((case.seed, case.task_id, case.force_decay), values)
 
 
-def signal_groups(
-    cases: Sequence[tuple[str, int, bool]], group_size: int = 32, seed: int = 0
-) -> list[GroupRewards]:
-    """A group of ``group_size`` plausible plans per case ``(task_id, seed, force_decay)``, scored."""
+def signal_groups(cases: Sequence[CaseKey], group_size: int = 32, seed: int = 0) -> list[GroupRewards]:
+    """A group of ``group_size`` plausible plans per case (:class:`server.cases.CaseKey`), scored."""
     rng = np.random.default_rng(seed)
     out = []
-    for task, s, decay in cases:
-        case = generate_case(task, s, decay)
+    for key in cases:
+        case = generate_case(*key)
         out.append(score_group(case, plausible_plans(case, group_size, rng)))
     return out
 

@@ -1,4 +1,4 @@
-"""Cached rollouts: one scored episode per (completion, seed, task_id, force_decay), shared by the rewards.
+"""Cached rollouts: one scored episode per (completion, case), shared by the rewards.
 
 TRL calls each reward function with the same batch of completions. The first call parses
 every completion once (:func:`orthojob.parsing.extract_plan`), normalises the plans
@@ -14,7 +14,7 @@ server reads such a plan as uniform SLERP, the baseline; paying SLERP's score to
 that did not plan was the exploit.) The plan is the first object holding ``tooth_groups``
 (:func:`orthojob.parsing.find_plan`).
 
-Keys are ``(sha256 of the completion text, seed, task_id, force_decay)``: a full digest, so
+Keys are ``(sha256 of the completion text, task_id, seed, force_decay)`` (the :class:`server.cases.CaseKey` order): a full digest, so
 two different completions never share an episode (the seed used 16 bits of ``hash()``).
 The cache is an LRU bounded by ``max_entries`` and safe to share between threads.
 """
@@ -32,7 +32,7 @@ import numpy as np
 
 from orthojob.parsing import completion_text, find_plan, format_checks
 from server import treatment
-from server.cases import generate_case
+from server.cases import CaseKey, generate_case
 from server.plans import PlanSpec, normalize_plan
 from server.reward_scaler import REWARD_MIN
 
@@ -79,27 +79,27 @@ def completion_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
 
 
-def _case_key(seed: object, task_id: object, force_decay: object) -> tuple[int, str, bool]:
+def _case_key(seed: object, task_id: object, force_decay: object) -> CaseKey:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"column 'seed' must hold integers, got {seed!r:.40}")
     if not isinstance(task_id, str):
         raise ValueError(f"column 'task_id' must hold strings, got {task_id!r:.40}")
     if force_decay is not None and not isinstance(force_decay, (bool, np.bool_)):
         raise ValueError(f"column 'force_decay' must hold booleans, got {force_decay!r:.40}")
-    return int(seed), task_id, bool(force_decay)
+    return CaseKey(task_id, int(seed), bool(force_decay))
 
 
 def _failed(plan: dict | None, fmt: dict, error: str) -> Rollout:
     return Rollout(0.0, REWARD_MIN, (), {}, {}, fmt, plan, None, error)
 
 
-def score_texts(texts: Sequence[str], cases: Sequence[tuple[int, str, bool]]) -> list[Rollout]:
-    """Rollouts of completion texts on cases ``(seed, task_id, force_decay)``: one batched server call.
+def score_texts(texts: Sequence[str], cases: Sequence[CaseKey]) -> list[Rollout]:
+    """Rollouts of completion texts on cases (:class:`server.cases.CaseKey`): one batched server call.
 
     Raises the environment's InvalidActionError for an unknown task id or a bad seed (a dataset
     error); never raises because of a completion's content.
     """
-    resolved = [generate_case(task, seed, decay) for seed, task, decay in cases]
+    resolved = [generate_case(*CaseKey(*case)) for case in cases]
     found = [find_plan(t) for t in texts]
     plans = [p for p, _ in found]
     formats = [format_checks(p, n) for p, n in found]
@@ -151,7 +151,7 @@ def score_texts(texts: Sequence[str], cases: Sequence[tuple[int, str, bool]]) ->
 
 
 class RolloutCache:
-    """Thread-safe LRU cache of rollouts keyed by (completion sha256, seed, task_id, force_decay)."""
+    """Thread-safe LRU cache of rollouts keyed by (completion sha256, task_id, seed, force_decay)."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:

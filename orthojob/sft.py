@@ -24,53 +24,20 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from orthojob.cli import non_negative_int, positive_int, task_list
-from orthojob.mlops import EXIT_USAGE
+from orthojob import mlops, models, storage
+from orthojob.exit_codes import ExitCode
+from orthojob.flags import add_config_arguments, given_values
 from orthojob.models import TINY_MODEL, ensure_tiny
-
-logger = logging.getLogger(__name__)
+from orthojob.presets import PRESETS
+from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
+from orthojob.sft_config import SFT_CONFIG_FILE, SFT_LOG_FILE, ConfigError, SFTJobConfig
+from server.cases import CaseKey
+from server.oracle import oracle_plan
+from server.treatment import score_plans
 
 log = logging.getLogger(__name__)
-
-SFT_LOG_FILE = "sft_log.json"
-SFT_CONFIG_FILE = "sft_config.json"
-
-
-@dataclass
-class SFTJobConfig:
-    """Every ``orthojob sft`` flag (field ``x_y`` is flag ``--x-y``).
-
-    ``model``: hub id or folder, or ``"tiny"`` (build the offline tiny model into ``<out>/base-model``
-    with ``tiny_arch``). ``examples`` demonstrations are spread evenly over ``task_ids``; ``steps``
-    optimizer steps of ``batch_size x grad_accum`` examples each (epochs repeat as needed).
-    """
-
-    model: str = "Qwen/Qwen2.5-3B-Instruct"
-    out: str = "./checkpoints/sft0"
-    task_ids: list[str] = field(default_factory=lambda: ["task_easy"])
-    force_decay: bool = False
-    examples: int = 2000
-    steps: int = 500
-    batch_size: int = 4
-    grad_accum: int = 1
-    lr: float = 2e-4
-    lr_scheduler: str = "cosine"
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    lora_r: int = 16
-    lora_alpha: int | None = None
-    max_length: int = 2048
-    seed: int = 0
-    gradient_checkpointing: bool = False
-    logging_steps: int = 10
-    tiny_arch: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -> list[dict]:
@@ -81,10 +48,6 @@ def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -
     a case whose oracle plan breaks one is skipped and the next seed taken; the number skipped is
     logged.
     """
-    from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
-    from server.oracle import oracle_plan
-    from server.treatment import score_plans
-
     tasks = list(task_ids)
     per_task = [n // len(tasks) + (1 if k < n % len(tasks) else 0) for k in range(len(tasks))]
     by_task = []
@@ -95,7 +58,7 @@ def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -
         while len(rows) < count:
             obs = reset_observation(seed, task_id, force_decay)
             plan = oracle_plan(obs)
-            if score_plans([plan], [(task_id, seed, force_decay)])[0]["broken_rules"]:
+            if score_plans([plan], [CaseKey(task_id, seed, force_decay)])[0]["broken_rules"]:
                 filtered += 1
             else:
                 rows.append(
@@ -108,7 +71,7 @@ def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -
                 )
             seed += 1
         by_task.append(rows)
-    logger.info(
+    log.info(
         "SFT demonstrations: %d safe oracle plans kept, %d that break a hard rule filtered out", n, filtered
     )
     out = []
@@ -129,10 +92,8 @@ def resolve_model(config: SFTJobConfig) -> str:
 def run_sft(config: SFTJobConfig) -> dict:
     """Train SFT stage 0 and save model + tokenizer to ``config.out``; returns a summary dict
     (examples, steps, losses, token accuracy, wall times, parameters)."""
-    from orthojob import models
-
     devices = models.device_info()  # imports Unsloth (on a GPU) before TRL and transformers
-    from datasets import Dataset
+    from datasets import Dataset  # heavy, and only after Unsloth: imported when training starts
     from trl import SFTConfig, SFTTrainer
 
     t0 = time.perf_counter()
@@ -206,64 +167,25 @@ def run_sft(config: SFTJobConfig) -> dict:
 
 
 def add_sft_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``orthojob sft`` flags (defaults: :class:`SFTJobConfig`, or ``--preset``'s SFT stage)."""
-    d = SFTJobConfig()
-    s = argparse.SUPPRESS
-    p = parser.add_argument
-    p("--preset", default=s, help="take the SFT settings of a pipeline preset (tiny-cpu, qwen2.5-3b)")
-    p("--model", default=s, help=f"model id, folder or s3:// URI, or 'tiny' (default {d.model})")
-    p("--out", default=s, help=f"output folder or s3:// URI (default {d.out})")
-    p(
-        "--task-id",
-        dest="task_ids",
-        type=task_list,
-        default=s,
-        help="'all' or a comma list (default task_easy)",
+    """The ``orthojob sft`` flags, generated from :class:`SFTJobConfig`, and ``--preset``."""
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=argparse.SUPPRESS,
+        help="take the SFT settings of a preset (orthojob/presets.py)",
     )
-    p("--force-decay", action="store_true", default=s, help="demonstrations for force-decay cases")
-    p("--examples", type=positive_int, default=s, help=f"oracle demonstrations (default {d.examples})")
-    p("--steps", type=positive_int, default=s, help=f"optimizer steps (default {d.steps})")
-    p(
-        "--batch-size",
-        type=positive_int,
-        default=s,
-        help=f"examples per device per step (default {d.batch_size})",
-    )
-    p("--grad-accum", type=positive_int, default=s, help=f"(default {d.grad_accum})")
-    p("--lr", type=float, default=s, help=f"peak learning rate (default {d.lr})")
-    p("--lr-scheduler", default=s, help=f"transformers scheduler name (default {d.lr_scheduler})")
-    p("--warmup-steps", type=non_negative_int, default=s, help=f"(default {d.warmup_steps})")
-    p(
-        "--lora-r",
-        type=non_negative_int,
-        default=s,
-        help=f"LoRA rank; 0 = full fine-tuning (default {d.lora_r})",
-    )
-    p("--lora-alpha", type=positive_int, default=s, help="LoRA alpha (default 2 x rank)")
-    p(
-        "--max-length",
-        type=positive_int,
-        default=s,
-        help=f"longest example in tokens (default {d.max_length})",
-    )
-    p("--seed", type=int, default=s, help=f"(default {d.seed})")
-    return parser
+    return add_config_arguments(parser, SFTJobConfig)
 
 
 def config_from_args(args: argparse.Namespace | dict) -> SFTJobConfig:
-    """Dataclass defaults < the preset's SFT settings < the flags given."""
-    given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
-    values: dict[str, Any] = {}
-    preset = given.pop("preset", None)
-    if preset is not None:
-        from orthojob.pipeline import PRESETS, sft_config
-
-        if preset not in PRESETS:
-            raise ValueError(f"unknown --preset {preset!r}: use one of {', '.join(sorted(PRESETS))}")
-        values.update(sft_config(PRESETS[preset], given.get("out") or "./checkpoints/sft0").to_dict())
-    names = {f.name for f in dataclasses.fields(SFTJobConfig)}
-    values.update({k: v for k, v in given.items() if k in names})
-    return SFTJobConfig(**values)
+    """Dataclass defaults < the preset's SFT config < the flags given."""
+    given = given_values(args, SFTJobConfig)
+    preset = (vars(args) if isinstance(args, argparse.Namespace) else args).get("preset")
+    if preset is None:
+        return SFTJobConfig(**given)
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown --preset {preset!r}: use one of {', '.join(sorted(PRESETS))}")
+    return dataclasses.replace(PRESETS[preset].sft, **given)
 
 
 def run_sft_cli(args: argparse.Namespace) -> int:
@@ -272,16 +194,7 @@ def run_sft_cli(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except (TypeError, ValueError) as exc:
         print(f"orthojob sft: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    if config.model == TINY_MODEL and config.lora_r > 0:
-        print(
-            "orthojob sft: --model tiny needs --lora-r 0 (full fine-tuning): LoRA on a randomly initialised "
-            "base never learns the plan format",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    from orthojob import mlops, storage
-
+        return ExitCode.USAGE
     destination = config.out
     if storage.is_s3_uri(config.out):  # train in a local work folder, publish when done
         config = dataclasses.replace(config, out=str(mlops.local_work_dir(config.out)))
@@ -302,6 +215,8 @@ def run_sft_cli(args: argparse.Namespace) -> int:
 
 
 __all__ = [
+    "SFT_CONFIG_FILE",
+    "SFT_LOG_FILE",
     "SFTJobConfig",
     "add_sft_arguments",
     "config_from_args",

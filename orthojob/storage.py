@@ -39,7 +39,8 @@ RETRY_ATTEMPTS: int = int(
 )
 CONNECT_TIMEOUT_S: float = float(os.environ.get("ORTHORL_S3_CONNECT_TIMEOUT_S", "5"))
 READ_TIMEOUT_S: float = float(os.environ.get("ORTHORL_S3_READ_TIMEOUT_S", "60"))
-_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)$")
+CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)$")
+"""A ``checkpoint-N`` folder name (``match`` a name, ``search`` the end of a prefix)."""
 T = TypeVar("T")
 
 
@@ -291,7 +292,7 @@ def latest_checkpoint(uri: str, client: Any | None = None) -> tuple[int, str] | 
             Bucket=loc.bucket, Prefix=prefix, Delimiter="/"
         ):
             for cp in page.get("CommonPrefixes", []):
-                m = _CHECKPOINT_RE.search(cp["Prefix"].rstrip("/"))
+                m = CHECKPOINT_RE.search(cp["Prefix"].rstrip("/"))
                 if m:
                     steps.append(int(m.group(1)))
         return steps

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,6 +75,22 @@ TRAIN_SEED_START: int = 0
 """Training prompts use seeds from here upwards."""
 HELDOUT_SEED_START: int = 1_000_000
 """Evaluation and gates use seeds from here upwards, never seen in training."""
+
+
+class CaseKey(NamedTuple):
+    """What names a case, in the order of :func:`generate_case`'s arguments. Every module that
+    keys, records or scores cases (rollouts, rewards, evaluation, gates, ``treatment.score_plans``,
+    analysis, diagnostics) uses this key and this order."""
+
+    task_id: str
+    seed: int
+    force_decay: bool = False
+    non_compliance: bool = False
+
+    @classmethod
+    def of_row(cls, row: dict) -> CaseKey:
+        """The key of a dataset row or record ``{"task_id", "seed", "force_decay", ...}``."""
+        return cls(row["task_id"], int(row["seed"]), bool(row.get("force_decay", False)))
 
 
 @dataclass(frozen=True)

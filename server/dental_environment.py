@@ -354,12 +354,9 @@ class StepwiseDentalEnvironment:
             episode_id = uuid.uuid4().hex
         elif not isinstance(episode_id, str) or not 0 < len(episode_id) <= 128:
             raise InvalidActionError("episode_id must be a non-empty string of at most 128 characters")
-        case = generate_case(task_id, seed, bool(force_decay), bool(non_compliance))
-        planned = np.empty((N_STAGES + 1, N_TEETH, POSE_DIM))
-        planned[0] = case.initial
-        achieved = planned.copy()
-        session = Session(episode_id=episode_id, case=case, planned=planned, achieved=achieved)
-        session.distances[0, :, PAIR_REMAINING] = case.need
+        session = _new_session(
+            generate_case(task_id, seed, bool(force_decay), bool(non_compliance)), episode_id
+        )
         self.sessions.put(session)
         return self._observation(session, step_reward=0.0, breakdown={})
 
@@ -579,44 +576,64 @@ class StepwiseDentalEnvironment:
         return {"terminal_reward": float(scores.terminal[0]), "reward_breakdown": scores.breakdown(0)}
 
     def _observation(self, session: Session, step_reward: float, breakdown: dict) -> dict:
-        s = session.stage
-        current = session.achieved[s]
-        case = session.case
-        # (2, 28) shares of the translation and rotation done; teeth with nothing to do count as done
-        remaining = session.distances[s, :, PAIR_REMAINING]
-        progress = np.maximum(1.0 - remaining * case.inv_need, 0.0).round(4).tolist()  # <= 1 by construction
-        limits, collisions, pdl = session.violations[s].tolist()
-        done = s >= N_STAGES
-        terminal = session.terminal["terminal_reward"] if (done and session.terminal) else None
-        for v in breakdown.values():
-            if not math.isfinite(v):  # a non-finite score is a bug: never serialise it as null
-                raise RuntimeError(f"non-finite score in {breakdown}")
-        return {
-            "episode_id": session.episode_id,
-            "task_id": case.task_id,
-            "seed": case.seed,
-            "force_decay": case.force_decay,
-            "non_compliance": case.non_compliance,
-            "current_stage": s,
-            "stages_remaining": N_STAGES - s,
-            "initial_config": [row[:] for row in case.initial_list],
-            "current_config": current.tolist(),
-            "target_config": [row[:] for row in case.target_list],
-            "per_tooth_progress": {
-                "translation": progress[0],
-                "rotation": progress[1],
-            },
-            "case_summary": dict(case.summary),
-            "step_reward": float(step_reward),
-            "reward_breakdown": dict(breakdown),
-            "terminal_reward": terminal,
-            "done": done,
-            "violations": {
-                "limits": limits,
-                "collisions": collisions,
-                "pdl": pdl,
-            },
-        }
+        return observation(session, step_reward, breakdown)
+
+
+def _new_session(case: Case, episode_id: str) -> Session:
+    """A session at stage 0 of ``case`` (nothing planned yet)."""
+    planned = np.empty((N_STAGES + 1, N_TEETH, POSE_DIM))
+    planned[0] = case.initial
+    session = Session(episode_id=episode_id, case=case, planned=planned, achieved=planned.copy())
+    session.distances[0, :, PAIR_REMAINING] = case.need
+    return session
+
+
+def initial_observation(case: Case, episode_id: str = "") -> dict:
+    """The stage-0 observation of a case: what :meth:`StepwiseDentalEnvironment.reset` returns,
+    computed without an environment or a session store (a pure function of the case)."""
+    return observation(_new_session(case, episode_id), step_reward=0.0, breakdown={})
+
+
+def observation(session: Session, step_reward: float, breakdown: dict) -> dict:
+    """The observation of a session at its current stage (the environment contract's fields)."""
+    s = session.stage
+    current = session.achieved[s]
+    case = session.case
+    # (2, 28) shares of the translation and rotation done; teeth with nothing to do count as done
+    remaining = session.distances[s, :, PAIR_REMAINING]
+    progress = np.maximum(1.0 - remaining * case.inv_need, 0.0).round(4).tolist()  # <= 1 by construction
+    limits, collisions, pdl = session.violations[s].tolist()
+    done = s >= N_STAGES
+    terminal = session.terminal["terminal_reward"] if (done and session.terminal) else None
+    for v in breakdown.values():
+        if not math.isfinite(v):  # a non-finite score is a bug: never serialise it as null
+            raise RuntimeError(f"non-finite score in {breakdown}")
+    return {
+        "episode_id": session.episode_id,
+        "task_id": case.task_id,
+        "seed": case.seed,
+        "force_decay": case.force_decay,
+        "non_compliance": case.non_compliance,
+        "current_stage": s,
+        "stages_remaining": N_STAGES - s,
+        "initial_config": [row[:] for row in case.initial_list],
+        "current_config": current.tolist(),
+        "target_config": [row[:] for row in case.target_list],
+        "per_tooth_progress": {
+            "translation": progress[0],
+            "rotation": progress[1],
+        },
+        "case_summary": dict(case.summary),
+        "step_reward": float(step_reward),
+        "reward_breakdown": dict(breakdown),
+        "terminal_reward": terminal,
+        "done": done,
+        "violations": {
+            "limits": limits,
+            "collisions": collisions,
+            "pdl": pdl,
+        },
+    }
 
 
 def _check_stage(session: Session, expected_stage: int | None, what: str) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from server.cases import Case, generate_case
+from server.cases import Case, CaseKey, generate_case
 from server.dynamics import simulate
 from server.plans import PlanSpec, interpolate_poses, normalize_plan, planned_progress
 from server.reward_scaler import broken_rules
@@ -79,9 +79,9 @@ def score_plan_specs(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> list[d
     return out
 
 
-def score_plans(plans: Sequence[object], cases: Sequence[tuple | Case]) -> list[dict]:
-    """Score B plans (JSON-like values) against B cases ``(task_id, seed, force_decay)`` or
-    ``(task_id, seed, force_decay, non_compliance)`` (or Case objects).
+def score_plans(plans: Sequence[object], cases: Sequence[CaseKey | tuple | Case]) -> list[dict]:
+    """Score B plans (JSON-like values) against B cases: :class:`server.cases.CaseKey` (or a tuple
+    in its order, ``(task_id, seed, force_decay[, non_compliance])``), or Case objects.
 
     Never raises for a bad plan (it is normalised, see :mod:`server.plans`); raises
     InvalidActionError for an unknown task or a bad seed.

@@ -25,7 +25,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import orthojob.rewards as rewards  # noqa: E402
-from orthojob.grpo import config_from_args, train, trainable_digest, validate  # noqa: E402
+from orthojob.grpo import config_from_args, train_and_gate  # noqa: E402
+from orthojob.grpo_config import validate  # noqa: E402
+from orthojob.grpo_trainer import trainable_digest  # noqa: E402
 from orthojob.parsing import completion_text  # noqa: E402
 
 _five = rewards.active_reward_funcs
@@ -54,12 +56,11 @@ def main(workdir: str) -> int:
             "skip_sft_gate": True,
         }
     )
-    rewards.active_reward_funcs = _with_spread
     from transformers import AutoModelForCausalLM
 
     initial = trainable_digest(AutoModelForCausalLM.from_pretrained(work / "tiny"))  # full FT: all weights
     validate(config)
-    result = train(config)
+    result = train_and_gate(config, reward_funcs=_with_spread(config.rewards))
     trainer = result.trainer
     report = {
         "rank": rank,

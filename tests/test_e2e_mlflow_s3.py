@@ -25,6 +25,7 @@ mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("boto3")
 
 from orthojob import storage, tracking  # noqa: E402
+from orthojob.exit_codes import ExitCode  # noqa: E402
 from tests.services import free_port, mlflow_server, run_process_group, seaweedfs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -516,5 +517,5 @@ def test_s3_outage_during_upload(services, env, tiny, tmp_path, monkeypatch, cap
         assert run.info.status == "FAILED"
         with pytest.raises(registry.PromotionError) as refused:
             registry.promote(run.info.run_id, "orthorl-outage")
-        assert refused.value.exit_code == registry.EXIT_NO_GATE
+        assert refused.value.exit_code == ExitCode.NO_GATE
     assert tracking.tracking_uri() == server.uri

@@ -14,18 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from orthojob import grpo
+from orthojob import grpo, grpo_trainer
 from orthojob.analysis import analyze, plan_metrics
-from orthojob.grpo import (
-    EXIT_USAGE,
-    PRESETS,
-    ConfigError,
-    GRPOJobConfig,
-    add_train_arguments,
-    config_from_args,
-    run_train,
-    validate,
-)
+from orthojob.exit_codes import ExitCode
+from orthojob.grpo import add_train_arguments, config_from_args, run_train
+from orthojob.grpo_config import ConfigError, GRPOJobConfig, validate
+from orthojob.models import device_info
+from orthojob.presets import PRESETS
 from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, prompt_rows, reset_observation
 from orthojob.rewards import REWARD_FUNCS
 from tests.services import run_process_group
@@ -56,8 +51,8 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(grpo, "_load_policy", refuse)
-    monkeypatch.setattr(grpo, "train", refuse)
+    monkeypatch.setattr(grpo_trainer.models, "load_policy", refuse)
+    monkeypatch.setattr(grpo_trainer, "train", refuse)
 
 
 # --- flags, presets, validation -------------------------------------------------------------
@@ -67,7 +62,7 @@ def test_seed_flags_and_preset_overrides():
     args = parse(["--preset", "tiny-cpu", "--steps", "3", "--force-decay", "--reward-weight", "format=2"])
     config = config_from_args(args)
     assert config.steps == 3  # explicit flag beats the preset
-    assert config.model == PRESETS["tiny-cpu"]["model"] and config.lora_r == 0  # from the preset
+    assert config.model == PRESETS["tiny-cpu"].model and config.lora_r == 0  # from the preset
     assert config.force_decay and config.reward_weights == {"format": 2.0}
     assert config_from_args(parse([])) == GRPOJobConfig()
     qwen = config_from_args(parse(["--preset", "qwen2.5-3b"]))
@@ -86,7 +81,7 @@ def test_seed_flags_and_preset_overrides():
 def test_seed_batch_arithmetic_is_refused_before_any_model_load(no_model_load, capsys):
     rc = run_train(parse(["--batch-size", "2", "--num-generations", "4", "--skip-sft-gate"]))
     err = capsys.readouterr().err
-    assert rc == EXIT_USAGE
+    assert rc == ExitCode.USAGE
     assert "--batch-size (2)" in err and "--num-generations (4)" in err and "--grad-accum" in err
 
 
@@ -115,11 +110,11 @@ def test_other_bad_configs_are_named():
 
 def test_cpu_training_arguments_have_no_bf16(tmp_path):
     config = config_from_args({"preset": "tiny-cpu", "out": str(tmp_path)})
-    args, funcs = grpo.build_grpo_args(config, {"cuda": False, "bf16": False}, 1)
+    args, funcs = grpo_trainer.build_grpo_args(config, {"cuda": False, "bf16": False}, 1)
     assert not args.bf16 and not args.fp16 and args.use_cpu
     assert [f.__name__ for f in funcs] == list(FIVE) and args.reward_weights == [1.0] * 5
     assert args.report_to in ("none", [], ["none"]) and args.logging_steps == 1 and not args.use_vllm
-    info = grpo.device_info()
+    info = device_info()
     assert info["bf16"] is False or info["cuda"]  # bf16 only where a GPU has it
 
 
@@ -149,7 +144,7 @@ def test_missing_sft_gate_refuses_to_start(no_model_load, tmp_path, capsys):
 def test_sft_gate_preflight_passes_and_fails_on_the_gate_file(no_model_load, tiny_model, tmp_path, capsys):
     import shutil
 
-    from orthojob.gate import EXIT_GATE_FAILED, write_gate
+    from orthojob.gate import write_gate
 
     checkpoint = tmp_path / "sft0"
     shutil.copytree(tiny_model, checkpoint)
@@ -158,7 +153,7 @@ def test_sft_gate_preflight_passes_and_fails_on_the_gate_file(no_model_load, tin
     assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == 0
     assert "SFT gate of" in capsys.readouterr().out
     write_gate(checkpoint, {"parse_rate": 0.1, "format_reward": 0.2}, stage="sft0")
-    assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == EXIT_GATE_FAILED
+    assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == ExitCode.GATE_FAILED
     assert "failed its sft0 gate" in capsys.readouterr().err
     # --skip-sft-gate bypasses the pre-flight (with a warning)
     assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint), "--skip-sft-gate"])) == 0
@@ -214,7 +209,7 @@ def test_analyze_reports_the_four_metrics_early_vs_late(tmp_path, capsys):
     capsys.readouterr()
     assert run_train(parse(["--analyze", "--out", str(tmp_path)])) == 0
     assert "staging_correlation" in capsys.readouterr().out
-    assert run_train(parse(["--analyze", "--out", str(tmp_path / "nowhere")])) == EXIT_USAGE
+    assert run_train(parse(["--analyze", "--out", str(tmp_path / "nowhere")])) == ExitCode.USAGE
 
 
 def test_analysis_metric_definitions_on_a_known_plan():
@@ -246,7 +241,7 @@ def _tiny_config(model: Path, out: Path, **overrides) -> GRPOJobConfig:
 def test_grpo_trainer_calls_the_five_rewards(tiny_model, tmp_path):
     config = _tiny_config(tiny_model, tmp_path / "grpo")
     validate(config)
-    result = grpo.train(config)
+    result = grpo.train_and_gate(config)
 
     steps = [row for row in result.trainer.state.log_history if "reward" in row]
     assert [row["step"] for row in steps] == [1, 2]
@@ -311,9 +306,9 @@ def test_ddp_two_processes(tiny_model, tmp_path):
 )
 def test_gpu_training_uses_bf16_where_supported(tiny_model, tmp_path):
     config = _tiny_config(tiny_model, tmp_path / "gpu")
-    args, _ = grpo.build_grpo_args(config, grpo.device_info(), 1)
+    args, _ = grpo_trainer.build_grpo_args(config, device_info(), 1)
     import torch
 
     assert args.bf16 == torch.cuda.is_bf16_supported() and not args.use_cpu
-    result = grpo.train(config)
+    result = grpo.train_and_gate(config)
     assert result.trainer.state.global_step == 2

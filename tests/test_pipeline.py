@@ -11,25 +11,73 @@ import math
 import pytest
 
 from orthojob import gate
+from orthojob.cli import build_parser
 from orthojob.cli import main as cli_main
 from orthojob.exit_codes import ExitCode
-from orthojob.pipeline import PRESETS, SUMMARY_FILE, apply_overrides, grpo_argv, run_pipeline
+from orthojob.grpo import config_from_args
+from orthojob.grpo_config import ConfigError, GRPOJobConfig
+from orthojob.pipeline import SUMMARY_FILE, run_pipeline
+from orthojob.presets import PRESETS, Preset, apply_overrides
+from orthojob.sft import config_from_args as sft_config_from_args
+from orthojob.sft_config import SFTJobConfig
 
-SMALL = {"sft_gate.n_seeds": 20, "grpo.steps": 2, "grpo.gate_seeds": 8, "evaluate.n_seeds": 6}
+SMALL = {
+    "sft_gate.n_seeds": 20,
+    "grpo.steps": 2,
+    "grpo.gate_seeds": 8,
+    "evaluate.n_seeds": 6,
+    # a threshold the caller asks for: the GRPO stage's one gate file must carry it
+    "grpo_gate.thresholds.min_margin_over_slerp": -5.0,
+}
 
 
-def test_presets_hold_every_hyper_parameter():
+def test_presets_hold_a_config_object_per_stage():
     for name, preset in PRESETS.items():
-        assert set(preset) >= {"model", "task_id", "sft", "sft_gate", "grpo", "grpo_gate", "evaluate"}, name
-        argv = grpo_argv(preset, "m", "sft", "out")
-        for flag in ("--steps", "--lr", "--lora-r", "--num-generations", "--max-completion-length", "--seed"):
-            assert flag in argv
-    assert PRESETS["tiny-cpu"]["sft"]["lora_r"] == 0  # LoRA on a random base never learns the format
-    assert PRESETS["qwen2.5-3b"]["sft"]["lora_r"] > 0 and PRESETS["qwen2.5-3b"]["grpo"]["lora_r"] > 0
-    assert apply_overrides(PRESETS["tiny-cpu"], {"grpo.steps": 3})["grpo"]["steps"] == 3
-    assert PRESETS["tiny-cpu"]["grpo"]["steps"] != 3  # the preset itself is untouched
+        assert isinstance(preset, Preset) and preset.name == name
+        assert isinstance(preset.sft, SFTJobConfig) and isinstance(preset.grpo, GRPOJobConfig)
+        # the shared values are the preset's, in every stage
+        assert preset.sft.model == preset.grpo.model == preset.model
+        assert preset.grpo.task_id == preset.task_id and preset.grpo.preset == name
+        assert preset.sft.force_decay == preset.grpo.force_decay == preset.force_decay
+    assert PRESETS["tiny-cpu"].sft.lora_r == 0  # LoRA on a random base never learns the format
+    assert PRESETS["qwen2.5-3b"].sft.lora_r > 0 and PRESETS["qwen2.5-3b"].grpo.lora_r > 0
+    assert apply_overrides(PRESETS["tiny-cpu"], {"grpo.steps": 3}).grpo.steps == 3
+    assert PRESETS["tiny-cpu"].grpo.steps != 3  # the preset itself is untouched
     with pytest.raises(KeyError):
         apply_overrides(PRESETS["tiny-cpu"], {"grpo.stepz": 3})
+    with pytest.raises(ConfigError):  # the config checks the new value
+        apply_overrides(PRESETS["tiny-cpu"], {"grpo.num_generations": 1})
+
+
+def test_pipeline_presets_set_rewards_weights_and_vllm_mode():
+    cfg = apply_overrides(
+        PRESETS["qwen2.5-3b"],
+        {"grpo.rewards": ["format", "terminal"], "grpo.reward_weights.format": 2.0, "grpo.vllm_mode": "server",
+         "grpo.use_vllm": True, "force_decay": True, "grpo_gate.thresholds.min_parse_rate": 0.5},
+    )  # fmt: skip
+    assert cfg.grpo.rewards == ["format", "terminal"] and cfg.grpo.weights == [2.0, 1.0]
+    assert cfg.grpo.use_vllm and cfg.grpo.vllm_mode == "server"
+    assert cfg.grpo.force_decay and cfg.sft.force_decay  # a shared value reaches every stage
+    assert cfg.grpo_gate.thresholds.min_parse_rate == 0.5
+    assert cfg.grpo_gate.thresholds.min_margin_over_slerp == 0.0  # the others kept
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_preset_means_the_same_run_under_train_sft_and_pipeline(name):
+    """``orthojob train --preset P`` and ``orthojob pipeline --preset P`` train GRPO with the same
+    config; the pipeline only points it at its SFT checkpoint and its output folder."""
+    parser = build_parser()
+    train = config_from_args(parser.parse_args(["train", "--preset", name]))
+    pipeline = PRESETS[name].grpo  # what the pipeline runs, before from_checkpoint/out/model path
+    assert train == pipeline
+    sft = sft_config_from_args(parser.parse_args(["sft", "--preset", name]))
+    assert sft == PRESETS[name].sft
+
+
+def test_tiny_cpu_grpo_is_the_make_run_recipe():
+    """The values ``make run`` has always used (issue 11 picked the pipeline's over train's)."""
+    g = PRESETS["tiny-cpu"].grpo
+    assert (g.steps, g.max_prompt_length, g.max_completion_length, g.gate_seeds) == (20, 1760, 256, 32)
 
 
 def test_pipeline_cli_show_and_bad_override(capsys):
@@ -47,7 +95,7 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == summary["exit_code"]
 
     # SFT stage 0 lifts the greedy parse rate of the random tiny model to >= 0.9
-    assert stages["sft0"]["steps"] == PRESETS["tiny-cpu"]["sft"]["steps"]
+    assert stages["sft0"]["steps"] == PRESETS["tiny-cpu"].sft.steps
     assert stages["sft0"]["final_loss"] < stages["sft0"]["first_loss"]
     sft_gate = stages["gate_sft0"]
     assert sft_gate["parse_rate"] >= 0.9, sft_gate
@@ -61,6 +109,9 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     assert all(math.isfinite(r) for r in grpo["reward_per_step"])
     content = gate.read_gate(out / "grpo")  # consistent: passed follows from its metrics
     assert content["stage"] == "grpo" and content["metrics"]["n"] == 8
+    # written once, by the GRPO stage, with the thresholds the pipeline asked for
+    assert content["thresholds"]["min_margin_over_slerp"] == -5.0
+    assert "gate grpo:" in text and text.count("gate grpo:") == 1
     assert stages["gate_grpo"]["passed"] is content["passed"]
     assert summary["exit_code"] == (0 if content["passed"] else ExitCode.GRPO_GATE_FAILED)
 

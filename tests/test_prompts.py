@@ -132,9 +132,18 @@ def test_prompt_rows_refuse_bad_input() -> None:
         prompt_rows(-1, 0, "task_easy", False)
 
 
-def test_prompt_environment_stays_small() -> None:
-    prompt_rows(30, 100, "task_easy", False)
-    assert len(prompts._ENV.sessions) <= prompts._ENV.sessions.max_sessions <= 16
+def test_the_observation_of_a_case_is_pure_and_matches_reset() -> None:
+    """One public, pure way from a case to its observation: no module-global environment."""
+    from server.dental_environment import StepwiseDentalEnvironment
+
+    assert not hasattr(prompts, "_ENV")
+    for task, seed, decay in (("task_easy", 3, False), ("task_hard", 7, True)):
+        reset = StepwiseDentalEnvironment(max_sessions=1).reset(task, seed, decay)
+        ours = reset_observation(seed, task, decay)
+        assert ours == reset_observation(seed, task, decay)
+        assert {k: v for k, v in ours.items() if k != "episode_id"} == {
+            k: v for k, v in reset.items() if k != "episode_id"
+        }
 
 
 def test_seed_ranges_are_disjoint() -> None:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from orthojob import gate, models
 from orthojob.cli import main as cli_main
+from orthojob.exit_codes import ExitCode
 from orthojob.gate import GateError, GateThresholds, check_gate, gate_checks, read_gate, write_gate
 from orthojob.parsing import extract_plan, format_checks
 from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
@@ -181,19 +182,19 @@ def test_check_gate_refusals_in_process(tmp_path):
     ckpt = fake_checkpoint(tmp_path / "c")
     with pytest.raises(GateError) as e:
         check_gate(ckpt)
-    assert e.value.exit_code == gate.EXIT_GATE_MISSING == 10
+    assert e.value.exit_code == ExitCode.GATE_MISSING == 10
     with pytest.raises(GateError) as e:
         check_gate(tmp_path / "nowhere")
     assert e.value.exit_code == 10 and "does not exist" in e.value.message
     write_gate(ckpt, FAILING)
     with pytest.raises(GateError) as e:
         check_gate(ckpt)
-    assert e.value.exit_code == gate.EXIT_GATE_FAILED == 12 and "parse_rate=0.200" in e.value.message
+    assert e.value.exit_code == ExitCode.GATE_FAILED == 12 and "parse_rate=0.200" in e.value.message
     write_gate(ckpt, PASSING)
     (ckpt / "model.safetensors").write_bytes(b"retrained")
     with pytest.raises(GateError) as e:
         check_gate(ckpt)
-    assert e.value.exit_code == gate.EXIT_GATE_DIGEST_MISMATCH == 13
+    assert e.value.exit_code == ExitCode.GATE_DIGEST_MISMATCH == 13
 
 
 def _prepare(tmp_path: Path, case: str) -> Path:
@@ -250,7 +251,7 @@ def test_gate_cli_evaluates_and_records_a_failing_untrained_model(tiny_base, tmp
 
     ckpt = Path(shutil.copytree(tiny_base, tmp_path / "untrained"))
     rc = cli_main(["gate", "--checkpoint", str(ckpt), "--seeds", "3", "--max-new-tokens", "24"])
-    assert rc == gate.EXIT_GATE_FAILED
+    assert rc == ExitCode.GATE_FAILED
     content = json.loads((ckpt / gate.GATE_FILE).read_text())
     assert content["passed"] is False and content["stage"] == "sft0"
     m = content["metrics"]

@@ -11,6 +11,7 @@ import pytest
 mlflow = pytest.importorskip("mlflow")
 
 from orthojob import grpo, mlops  # noqa: E402
+from orthojob.exit_codes import ExitCode  # noqa: E402
 from orthojob.models import build_tiny  # noqa: E402
 
 SECRET = "aws-secret-default-3d9e71"
@@ -25,7 +26,7 @@ def test_embedded_default_store(tmp_path, monkeypatch, capsys):
     argv = ["--preset", "tiny-cpu", "--model", str(tiny), "--steps", "1", "--max-completion-length", "32",
             "--gate-seeds", "2", "--out", str(tmp_path / "out"), "--skip-sft-gate"]  # fmt: skip
     rc = grpo.run_train(grpo.add_train_arguments(argparse.ArgumentParser()).parse_args(argv))
-    assert rc in (0, grpo.EXIT_GRPO_GATE_FAILED)
+    assert rc in (0, ExitCode.GRPO_GATE_FAILED)
     assert (tmp_path / "mlflow.db").is_file() and (tmp_path / "mlartifacts").is_dir()
     run = mlflow.last_active_run()
     assert mlflow.get_tracking_uri() == "sqlite:///mlflow.db"

@@ -9,6 +9,7 @@ import pytest
 mlflow = pytest.importorskip("mlflow")
 
 from orthojob import registry, tracking  # noqa: E402
+from orthojob.exit_codes import ExitCode  # noqa: E402
 from tests.services import mlflow_server  # noqa: E402
 
 SECRET = "sk-test-0b1e8d2f9a"
@@ -74,14 +75,14 @@ def test_missing_and_bad_gate_are_refused(tracked, tmp_path):
         run_id = run.info.run_id
     with pytest.raises(registry.PromotionError) as err:
         registry.promote(run_id, "orthorl-nogate")
-    assert err.value.exit_code == registry.EXIT_NO_GATE
+    assert err.value.exit_code == ExitCode.NO_GATE
     (tmp_path / "gate_passed.json").write_text("{not json")
     with tracking.stage_run("grpo") as run:
         mlflow.log_artifact(str(tmp_path / "gate_passed.json"))
         bad_id = run.info.run_id
     with pytest.raises(registry.PromotionError) as err:
         registry.promote(bad_id, "orthorl-badgate")
-    assert err.value.exit_code == registry.EXIT_BAD_GATE
+    assert err.value.exit_code == ExitCode.BAD_GATE
 
 
 def test_params_are_redacted_and_metrics_sanitised(tracked):

@@ -1,0 +1,313 @@
+"""The GRPO training loop on TRL's GRPOTrainer, with the five project rewards called by TRL itself.
+
+* :func:`build_grpo_args`: TRL's ``GRPOConfig`` of a :class:`orthojob.grpo_config.GRPOJobConfig`
+  (bf16 only where the GPU has it; vLLM colocate or server on request).
+* :class:`RecordingGRPOTrainer`: GRPOTrainer that appends every generated completion (with its case
+  and rewards) to ``completions.jsonl`` and logs ``env/*`` diagnostics per step.
+* :func:`train`: loads the policy through :mod:`orthojob.models` (Unsloth 4-bit on a GPU when it
+  imports, else PEFT LoRA, QLoRA on a GPU; full fine-tuning with ``lora_r 0``), trains, saves, and
+  calls ``on_saved(out)`` on rank 0 before the ranks part (the job runs the GRPO gate there).
+* Data parallel: launch with ``torchrun --nproc_per_node N -m orthojob.cli train ...``. Only rank 0
+  writes files; every rank ends with ``destroy_process_group``.
+
+Import this module after :func:`orthojob.models.device_info` has run: Unsloth must be imported
+before TRL where it is used, which is why :mod:`orthojob.grpo` imports this module lazily.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from orthojob import models, tracking
+from orthojob.grpo_config import (
+    COMPLETIONS_FILE,
+    TRAIN_LOG_FILE,
+    ConfigError,
+    GRPOJobConfig,
+    generation_batch,
+    world_size,
+)
+from orthojob.mlops import checkpoint_sync_callback, env_diagnostics
+from orthojob.parsing import completion_text
+from orthojob.prompts import TRAIN_SEED_START, prompt_rows
+from orthojob.records import json_value
+from orthojob.rewards import RewardFunc, reward_weights
+from server.cases import CaseKey
+
+log = logging.getLogger(__name__)
+
+
+def build_grpo_args(
+    config: GRPOJobConfig, devices: dict, n_processes: int, reward_funcs: Sequence[RewardFunc] | None = None
+) -> tuple[GRPOConfig, list[RewardFunc]]:
+    """TRL's GRPOConfig for a job config, and the reward functions it weights (default: the
+    config's, :attr:`GRPOJobConfig.reward_funcs`)."""
+    funcs = list(reward_funcs if reward_funcs is not None else config.reward_funcs)
+    kwargs: dict[str, Any] = {
+        "output_dir": config.out,
+        "max_steps": config.steps,
+        "learning_rate": config.lr,
+        "per_device_train_batch_size": config.batch_size,
+        "gradient_accumulation_steps": config.grad_accum,
+        "num_generations": config.num_generations,
+        "max_completion_length": config.max_completion_length,
+        "temperature": config.temperature,
+        "beta": config.beta,
+        "seed": config.seed,
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "steps" if config.save_steps else "no",
+        "save_steps": config.save_steps or 500,
+        "bf16": devices["bf16"],
+        "fp16": False,
+        "use_cpu": not devices["cuda"],
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "reward_weights": config.weights
+        if reward_funcs is None
+        else reward_weights(funcs, config.reward_weights),
+        "ddp_find_unused_parameters": False,
+        "dataloader_num_workers": 0,
+        "log_completions": False,
+        "use_vllm": config.use_vllm,
+    }
+    if n_processes > 1 and not devices["cuda"]:
+        kwargs["ddp_backend"] = "gloo"
+    if config.use_vllm:
+        kwargs["vllm_mode"] = config.vllm_mode
+        if config.vllm_mode == "server" and config.vllm_server_url:
+            kwargs["vllm_server_base_url"] = config.vllm_server_url
+        if config.vllm_mode == "colocate":
+            kwargs["vllm_gpu_memory_utilization"] = config.vllm_gpu_memory_utilization
+    return GRPOConfig(**kwargs), funcs
+
+
+class RecordingGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer that appends every generated completion (with its case and rewards) to a JSONL file.
+
+    It hooks ``_generate_and_score_completions`` (one call per generation batch): afterwards TRL's
+    ``_logs`` hold exactly that batch, gathered from all processes, in the order of the inputs.
+    The case keys are gathered the same way. Rank 0 writes; all ranks join the gather.
+    """
+
+    record_completions: bool = False  # set on every rank: the gather below is collective
+    completions_path: Path | None = None  # set on rank 0 only
+    _record_warned = False
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.record_completions and self.model.training:
+            cases = gather_object([CaseKey.of_row(x) for x in inputs])
+            if self.accelerator.is_main_process and self.completions_path is not None:
+                self._record([CaseKey(*c) for c in cases])
+        return output
+
+    def _record(self, cases: list[CaseKey]) -> None:
+        logs = getattr(self, "_logs", None)
+        n = len(cases)
+        try:
+            texts = list(logs["completion"])[-n:]
+            rewards = {k: list(v)[-n:] for k, v in logs["rewards"].items()}
+            advantages = list(logs["advantages"])[-n:]
+        except (TypeError, KeyError):
+            texts, rewards, advantages = [], {}, []
+        if len(texts) != n or any(len(v) != n for v in rewards.values()) or len(advantages) != n:
+            if not self._record_warned:
+                log.warning("completion recording skipped: TRL's completion logs do not match the batch")
+                self._record_warned = True
+            return
+        step = self.state.global_step + 1  # the first optimizer step that trains on this batch
+        texts = [completion_text(t) for t in texts]
+        with open(self.completions_path, "a", encoding="utf-8") as fh:
+            for i, case in enumerate(cases):
+                rec = {
+                    "step": step,
+                    "seed": json_value(case.seed),
+                    "task_id": case.task_id,
+                    "force_decay": case.force_decay,
+                    "completion": texts[i],
+                    "rewards": {k: json_value(float(v[i])) for k, v in rewards.items()},
+                    "advantage": json_value(float(advantages[i])),
+                }
+                fh.write(json.dumps(rec) + "\n")
+        self._log_env_diagnostics(texts, cases)
+
+    def _log_env_diagnostics(self, texts: list[str], cases: list[CaseKey]) -> None:
+        """env/* metrics of this batch (``texts``: completion texts, already normalised), averaged
+        by TRL with its own metrics at the next log (rank 0)."""
+        try:
+            metrics = env_diagnostics(texts, cases)
+        except Exception as exc:  # diagnostics never stop training
+            log.warning("env diagnostics skipped: %s", exc)
+            return
+        for key, value in metrics.items():
+            self._metrics["train"][key].append(value)
+
+
+class StepTimer(TrainerCallback):
+    """Wall time per optimizer step (generation + scoring + update)."""
+
+    def __init__(self):
+        self.t0 = 0.0
+        self.times: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self.t0)
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` leaves: the trainer (weights on every rank), the output folder, the gate."""
+
+    trainer: Any
+    out: Path
+    gate: Any = None
+    gate_passed: bool | None = None
+    step_times: list[float] = field(default_factory=list)
+
+
+def trainable_digest(model) -> str:
+    """sha256 over the names and values of a model's trainable parameters (float32, CPU)."""
+    h = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if param.requires_grad:
+            h.update(name.encode())
+            h.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _resolve_model(config: GRPOJobConfig, is_main: bool, wait) -> str:
+    """The base model to load: ``--model tiny`` builds the offline tiny model once, on rank 0."""
+    if config.model != models.TINY_MODEL or config.from_checkpoint:  # a checkpoint brings its own model
+        return config.model
+    path = Path(config.out) / "tiny-model"
+    if is_main:
+        models.ensure_tiny(
+            path, [config.task_id], config.force_decay, max_position_embeddings=config.max_seq_length
+        )
+    wait()
+    return str(path)
+
+
+def _prompt_lengths(tokenizer, rows: Sequence[dict]) -> list[int]:
+    lengths = []
+    for row in rows:
+        text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        lengths.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return lengths
+
+
+def _callbacks(timer: StepTimer, is_main: bool, sync_to: str | None) -> list:
+    callbacks: list = [timer]
+    mlflow = sys.modules.get("mlflow")  # only when a stage run was opened (the job imported mlflow)
+    if is_main and mlflow is not None and mlflow.active_run() is not None:
+        callbacks.append(tracking.trainer_callback())
+    if is_main and sync_to:
+        callbacks.append(checkpoint_sync_callback(sync_to))
+    return callbacks
+
+
+def train(
+    config: GRPOJobConfig,
+    sync_to: str | None = None,
+    resume_from: str | None = None,
+    reward_funcs: Sequence[RewardFunc] | None = None,
+    on_saved: Callable[[Path], tuple[dict, bool]] | None = None,
+) -> TrainResult:
+    """Train with GRPO and save. Call :func:`orthojob.grpo_config.validate` first.
+
+    ``sync_to``: an ``s3://`` URI; every saved ``checkpoint-N`` is uploaded below it (rank 0).
+    ``resume_from``: a local ``checkpoint-N`` folder to resume from (optimizer, scheduler, step).
+    ``reward_funcs``: instead of the config's. ``on_saved(out) -> (gate, passed)``: run on rank 0
+    once the model is saved, while the other ranks wait (the GRPO gate).
+    Metrics go to the active MLflow run (rank 0) when there is one.
+    """
+    devices = models.device_info()
+    n_processes = world_size()
+    out = Path(config.out)
+    grpo_args, funcs = build_grpo_args(
+        config, devices, n_processes, reward_funcs
+    )  # initialises torch.distributed
+    state = grpo_args.distributed_state
+    is_main = state.is_main_process
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if resume_from is None:
+            (out / COMPLETIONS_FILE).unlink(missing_ok=True)
+    log.info(
+        "GRPO on %s x%d, bf16=%s, vLLM=%s",
+        "cuda" if devices["cuda"] else "cpu",
+        n_processes,
+        devices["bf16"],
+        config.use_vllm and config.vllm_mode,
+    )
+
+    model_path = _resolve_model(config, is_main, state.wait_for_everyone)
+    model, tokenizer = models.load_policy(
+        model_path,
+        checkpoint=config.from_checkpoint,
+        lora_r=config.lora_r,
+        max_seq_length=config.max_seq_length,
+        use_vllm=config.use_vllm and config.vllm_mode == "colocate",
+    )  # the tokenizer has a pad token
+
+    prompts_per_step = generation_batch(config, n_processes) // config.num_generations
+    n_prompts = config.num_prompts or max(8, config.steps * prompts_per_step)
+    rows = prompt_rows(n_prompts, TRAIN_SEED_START, config.task_id, config.force_decay)
+    longest = max(_prompt_lengths(tokenizer, rows))
+    if longest > config.max_prompt_length:
+        raise ConfigError(
+            f"the longest training prompt is {longest} tokens, over --max-prompt-length "
+            f"({config.max_prompt_length}); raise it (and --max-seq-length) rather than cut the plan format"
+        )
+
+    timer = StepTimer()
+    trainer = RecordingGRPOTrainer(
+        model=model,
+        reward_funcs=funcs,
+        args=grpo_args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=_callbacks(timer, is_main, sync_to),
+    )
+    trainer.record_completions = True
+    trainer.completions_path = out / COMPLETIONS_FILE if is_main else None
+    trainer.train(resume_from_checkpoint=resume_from)
+    trainer.save_model(str(out))
+    result = TrainResult(trainer=trainer, out=out, step_times=list(timer.times))
+    if is_main:
+        (out / TRAIN_LOG_FILE).write_text(
+            json.dumps([json_value(row) for row in trainer.state.log_history], indent=1)
+        )
+        if on_saved is not None:
+            result.gate, result.gate_passed = on_saved(out)
+    state.wait_for_everyone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return result
+
+
+__all__ = [
+    "RecordingGRPOTrainer",
+    "StepTimer",
+    "TrainResult",
+    "build_grpo_args",
+    "train",
+    "trainable_digest",
+]

@@ -1,0 +1,96 @@
+"""SFT stage 0's configuration: :class:`SFTJobConfig`, every ``orthojob sft`` flag.
+
+Like :mod:`orthojob.grpo_config`: a frozen dataclass, help text in the fields' metadata, flags
+generated from the fields (:func:`orthojob.flags.add_config_arguments`), checks in
+``__post_init__`` (a bad value raises :class:`ConfigError` naming the flag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from orthojob.flags import non_negative_int, positive_int, task_list
+from orthojob.grpo_config import ConfigError
+from orthojob.models import TINY_MODEL
+from server.cases import TASK_IDS
+
+SFT_LOG_FILE = "sft_log.json"
+SFT_CONFIG_FILE = "sft_config.json"
+
+
+@dataclass(frozen=True)
+class SFTJobConfig:
+    """Every ``orthojob sft`` flag (field ``x_y`` is flag ``--x-y``).
+
+    ``model``: hub id or folder, or ``"tiny"`` (build the offline tiny model into ``<out>/base-model``
+    with ``tiny_arch``). ``examples`` demonstrations are spread evenly over ``task_ids``; ``steps``
+    optimizer steps of ``batch_size x grad_accum`` examples each (epochs repeat as needed).
+    """
+
+    model: str = field(
+        default="Qwen/Qwen2.5-3B-Instruct",
+        metadata={"help": f"model id, folder or s3:// URI, or '{TINY_MODEL}'"},
+    )
+    out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
+    task_ids: list[str] = field(
+        default_factory=lambda: ["task_easy"],
+        metadata={
+            "help": "'all' or a comma list (default task_easy)",
+            "flag": "--task-id",
+            "type": task_list,
+            "show_default": False,
+        },
+    )
+    force_decay: bool = field(default=False, metadata={"help": "demonstrations for force-decay cases"})
+    examples: int = field(default=2000, metadata={"help": "oracle demonstrations", "type": positive_int})
+    steps: int = field(default=500, metadata={"help": "optimizer steps", "type": positive_int})
+    batch_size: int = field(
+        default=4, metadata={"help": "examples per device per step", "type": positive_int}
+    )
+    grad_accum: int = field(default=1, metadata={"help": "gradient accumulation steps", "type": positive_int})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
+    lr_scheduler: str = field(default="cosine", metadata={"help": "transformers scheduler name"})
+    warmup_steps: int = field(default=10, metadata={"help": "warm-up steps", "type": non_negative_int})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "cli": False})
+    lora_r: int = field(
+        default=16, metadata={"help": "LoRA rank; 0 = full fine-tuning", "type": non_negative_int}
+    )
+    lora_alpha: int | None = field(
+        default=None, metadata={"help": "LoRA alpha (default 2 x rank)", "type": positive_int}
+    )
+    max_length: int = field(
+        default=2048, metadata={"help": "longest example in tokens", "type": positive_int}
+    )
+    seed: int = field(default=0, metadata={"help": "training seed", "show_default": True})
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "gradient checkpointing", "cli": False}
+    )
+    logging_steps: int = field(default=10, metadata={"help": "log every N steps", "cli": False})
+    tiny_arch: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "the tiny model's architecture (presets)", "cli": False}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("examples", "steps", "batch_size", "grad_accum", "max_length", "logging_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.lora_r < 0 or self.warmup_steps < 0:
+            raise ConfigError(
+                f"--lora-r and --warmup-steps must be >= 0, got {self.lora_r}, {self.warmup_steps}"
+            )
+        if not self.task_ids or any(t not in TASK_IDS for t in self.task_ids):
+            raise ConfigError(f"--task-id must be 'all' or a comma list of {TASK_IDS}, got {self.task_ids!r}")
+        if self.model == TINY_MODEL and self.lora_r > 0:
+            raise ConfigError(
+                "--model tiny needs --lora-r 0 (full fine-tuning): LoRA on a randomly initialised "
+                "base never learns the plan format"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+__all__ = ["SFT_CONFIG_FILE", "SFT_LOG_FILE", "ConfigError", "SFTJobConfig"]

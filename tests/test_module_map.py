@@ -1,0 +1,108 @@
+"""The module map (issue 11): imports run one way, the CLI imports the stages and never the reverse."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("orthojob", "server")
+STAGE_MODULES = ("grpo", "grpo_config", "grpo_trainer", "sft", "sft_config", "pipeline", "presets", "gate")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its source (function-local imports too)."""
+    files = {
+        (pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"): f
+        for pkg in PACKAGES
+        for f in (REPO / pkg).glob("*.py")
+    }
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[module] |= {t for t in targets if t in files and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_in_orthojob_or_server():
+    graph = import_graph()
+    assert "orthojob.grpo" in graph and "server.cases" in graph
+    assert cycles(graph) == []
+
+
+def test_no_stage_module_imports_the_cli():
+    graph = import_graph()
+    importers = sorted(m for m, targets in graph.items() if "orthojob.cli" in targets)
+    assert importers == []
+    for stage in STAGE_MODULES:
+        assert (
+            f"orthojob.{stage}" in graph["orthojob.cli"]
+            or stage in ("gate", "grpo_trainer")
+            or any(f"orthojob.{stage}" in graph[m] for m in graph["orthojob.cli"])
+        ), stage
+
+
+def test_server_never_imports_the_job():
+    graph = import_graph()
+    assert not [
+        (m, t)
+        for m, targets in graph.items()
+        if m.startswith("server")
+        for t in targets
+        if t.startswith("orthojob")
+    ]
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_cli_imports_no_heavy_dependency():
+    """``orthojob --help`` stays fast: torch, TRL, transformers and MLflow load when a stage runs."""
+    import subprocess
+    import sys
+
+    code = "import sys, orthojob.cli; print(sorted(m for m in ('torch', 'trl', 'transformers', 'mlflow') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"
