@@ -257,9 +257,19 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser(
         "train",
         help="GRPO training (stage 3); refuses without a passed SFT gate",
-        epilog=f"exit codes: 0 trained and its gate passed; {int(ExitCode.USAGE)} bad configuration; "
-        f"{int(ExitCode.GRPO_GATE_FAILED)} its GRPO gate failed; "
-        f"pre-flight refusals: {refusals}",
+        epilog=epilog(
+            ExitCode.OK,
+            ExitCode.USAGE,
+            ExitCode.GRPO_GATE_FAILED,
+            ExitCode.GATE_MISSING,
+            ExitCode.GATE_UNREADABLE,
+            ExitCode.GATE_FAILED,
+            ExitCode.GATE_DIGEST_MISMATCH,
+            ExitCode.RUN_MISMATCH,
+            ExitCode.STORAGE,
+            ExitCode.TRACKING,
+            ExitCode.TERMINATED,
+        ),
     )
     add_train_arguments(tr)
     tr.set_defaults(func=cmd_train)
@@ -305,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stage is None or getattr(args, "check", None):
             return int(args.func(args) or 0)
         return _tracked(stage, args)
-    except storage.StorageError as exc:
+    except (storage.StorageError, tracking.TrackingError) as exc:
         return mlops.report_job_error(args.command, exc)
 
 

@@ -46,10 +46,12 @@ from orthojob.flags import add_config_arguments, given_values
 from orthojob.gate import GateError, GateThresholds, check_gate, format_gate, gate_report, write_gate
 from orthojob.grpo_config import COMPLETIONS_FILE, ConfigError, GRPOJobConfig, validate, world_size
 from orthojob.models import adapter_base, device_info, is_adapter
+from orthojob.preemption import PreemptionGuard
 from orthojob.presets import PRESETS
 from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, prompt_cases
 from orthojob.reward_signal import format_report, signal_groups, signal_report
 from orthojob.rewards import REWARD_FUNCS, RewardFunc
+from orthojob.run_identity import RunIdentityError
 from server.cases import CaseKey
 from server.oracle import oracle_plan
 
@@ -165,17 +167,29 @@ def train_and_gate(
     resume_from: str | None = None,
     gate_thresholds: GateThresholds | None = None,
     reward_funcs: Sequence[RewardFunc] | None = None,
+    identity: dict | None = None,
+    guard: PreemptionGuard | None = None,
 ):
-    """:func:`orthojob.grpo_trainer.train`, then (rank 0) :func:`run_grpo_gate` on the saved checkpoint."""
+    """:func:`orthojob.grpo_trainer.train`, then (rank 0) :func:`run_grpo_gate` on the saved checkpoint.
+
+    ``identity``: recorded in every checkpoint (:mod:`orthojob.run_identity`). ``guard``: a SIGTERM
+    saves a checkpoint and stops training; the gate is then skipped (the grace period is short)."""
     device_info()  # imports Unsloth where it can be used: it must come before TRL
     from orthojob import grpo_trainer  # imports TRL and torch: only once training starts
+
+    def gate(out: Path) -> tuple[dict, bool]:
+        if guard is not None and guard.requested:
+            return {}, False
+        return run_grpo_gate(config, out, gate_thresholds)
 
     return grpo_trainer.train(
         config,
         sync_to=sync_to,
         resume_from=resume_from,
         reward_funcs=reward_funcs,
-        on_saved=lambda out: run_grpo_gate(config, out, gate_thresholds),
+        on_saved=gate,
+        identity=identity,
+        callbacks=[guard.callback()] if guard is not None else (),
     )
 
 
@@ -300,7 +314,8 @@ def _tracked_train(
 
             mlflow.enable_system_metrics_logging()
         run_ctx = tracking.stage_run("grpo", params=params)
-    with run_ctx, mlops.sigterm_as_exit():
+    identity = config.to_dict()  # as asked for: before inputs and outputs are made local
+    with run_ctx, PreemptionGuard() as guard:
         if config.from_checkpoint and storage.is_s3_uri(config.from_checkpoint):
             local = mlops.local_input(config.from_checkpoint, lambda m: say(f"[grpo] {m}"))
             config = dataclasses.replace(config, from_checkpoint=str(local))
@@ -315,7 +330,14 @@ def _tracked_train(
             say(f"[grpo] training in {config.out}; checkpoints and the result go to {out_uri}")
         # every rank resumes from the same checkpoint: the first rank of each node downloads
         # it, the others find the verified copy (storage.download_dir takes turns on a lock)
-        resume = mlops.resume_checkpoint(out_uri, Path(config.out))
+        try:
+            resume = mlops.resume_checkpoint(
+                out_uri, Path(config.out), config=identity, on_foreign=config.on_foreign_checkpoint
+            )
+        except RunIdentityError as exc:
+            print(f"orthojob train: {exc}", file=sys.stderr)
+            _tag("orthorl.refused", f"run identity exit {exc.exit_code}")
+            return exc.exit_code
         resume_from = None
         if resume is not None:
             step, folder = resume
@@ -324,11 +346,17 @@ def _tracked_train(
             _tag("orthorl.resumed_from", f"checkpoint-{step}")
         try:
             result = train_and_gate(
-                config, sync_to=sync_to, resume_from=resume_from, gate_thresholds=gate_thresholds
+                config,
+                sync_to=sync_to,
+                resume_from=resume_from,
+                gate_thresholds=gate_thresholds,
+                identity=identity,
+                guard=guard,
             )
         except ConfigError as exc:
             print(f"orthojob train: {exc}", file=sys.stderr)
             return ExitCode.USAGE
+        guard.exit_if_requested()  # SIGTERM: checkpoint saved and synced; run KILLED; exit 143
         if result.gate_passed is None:  # not rank 0; from here on this is the main rank
             return 0
         times = result.step_times

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from orthojob.flags import CollectPairs, name_list, name_weight, non_negative_int, positive_int
 from orthojob.models import TINY_MODEL
 from orthojob.rewards import active_reward_funcs, reward_weights
+from orthojob.run_identity import POLICIES
 from server.cases import TASK_IDS
 
 VLLM_MODES: tuple[str, ...] = ("colocate", "server")
@@ -86,6 +87,14 @@ class GRPOJobConfig:
     )
     skip_sft_gate: bool = field(
         default=False, metadata={"help": "do not require the SFT gate (NOT recommended)"}
+    )
+    on_foreign_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "when --out holds checkpoints of another config: refuse (exit 14), fresh (train from "
+            "the start) or continue; default $ORTHORL_ON_FOREIGN_CHECKPOINT, else refuse",
+            "choices": POLICIES,
+        },
     )
     test: bool = field(
         default=False, metadata={"help": "smoke: prompts and every reward on real plans; no model"}

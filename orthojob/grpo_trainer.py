@@ -213,13 +213,15 @@ def _prompt_lengths(tokenizer, rows: Sequence[dict]) -> list[int]:
     return lengths
 
 
-def _callbacks(timer: StepTimer, is_main: bool, sync_to: str | None) -> list:
-    callbacks: list = [timer]
+def _callbacks(
+    timer: StepTimer, is_main: bool, sync_to: str | None, identity: dict | None, extra: Sequence
+) -> list:
+    callbacks: list = [timer, *extra]
     mlflow = sys.modules.get("mlflow")  # only when a stage run was opened (the job imported mlflow)
     if is_main and mlflow is not None and mlflow.active_run() is not None:
         callbacks.append(tracking.trainer_callback())
-    if is_main and sync_to:
-        callbacks.append(checkpoint_sync_callback(sync_to))
+    if is_main and (sync_to or identity is not None):
+        callbacks.append(checkpoint_sync_callback(sync_to, config=identity))
     return callbacks
 
 
@@ -229,6 +231,8 @@ def train(
     resume_from: str | None = None,
     reward_funcs: Sequence[RewardFunc] | None = None,
     on_saved: Callable[[Path], tuple[dict, bool]] | None = None,
+    identity: dict | None = None,
+    callbacks: Sequence = (),
 ) -> TrainResult:
     """Train with GRPO and save. Call :func:`orthojob.grpo_config.validate` first.
 
@@ -236,6 +240,8 @@ def train(
     ``resume_from``: a local ``checkpoint-N`` folder to resume from (optimizer, scheduler, step).
     ``reward_funcs``: instead of the config's. ``on_saved(out) -> (gate, passed)``: run on rank 0
     once the model is saved, while the other ranks wait (the GRPO gate).
+    ``identity``: the config whose digest every checkpoint records (:mod:`orthojob.run_identity`);
+    ``callbacks``: more TrainerCallbacks (the job's preemption guard).
     Metrics go to the active MLflow run (rank 0) when there is one.
     """
     devices = models.device_info()
@@ -284,7 +290,7 @@ def train(
         args=grpo_args,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
-        callbacks=_callbacks(timer, is_main, sync_to),
+        callbacks=_callbacks(timer, is_main, sync_to, identity, callbacks),
     )
     trainer.record_completions = True
     trainer.completions_path = out / COMPLETIONS_FILE if is_main else None

@@ -9,8 +9,6 @@
   and verified, for ``trainer.train(resume_from_checkpoint=...)``.
 * :func:`log_training_artifacts` — the model (MLflow transformers flavour, base model recorded),
   ``gate_passed.json``, the resolved config, the completions (file and a sample table) and plots.
-* :func:`sigterm_as_exit` — SIGTERM becomes ``SystemExit(143)`` so the stage's MLflow run is ended
-  (FAILED, tagged ``orthorl.terminated``) instead of staying RUNNING.
 
 Only rank 0 calls any of this.
 """
@@ -21,10 +19,9 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,30 +154,6 @@ def resume_checkpoint(
     if config is not None and not run_identity.check_resume(folder, config, on_foreign, where=uri):
         return None
     return step, folder
-
-
-@contextlib.contextmanager
-def sigterm_as_exit() -> Iterator[None]:
-    """Turn SIGTERM into SystemExit(143) (main thread only), restoring the handler afterwards."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        with contextlib.suppress(Exception):
-            import mlflow
-
-            if mlflow.active_run() is not None:
-                mlflow.set_tag("orthorl.terminated", "SIGTERM")
-        raise SystemExit(143)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _pip_requirements(peft_model: bool) -> list[str]:

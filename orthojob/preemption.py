@@ -2,7 +2,7 @@
 KILLED, exit 143.
 
 Kubernetes sends SIGTERM, waits ``terminationGracePeriodSeconds`` (the Job's: 300 s), then
-SIGKILLs. Raising ``SystemExit(143)`` from the signal handler (``mlops.sigterm_as_exit``) stopped
+SIGKILLs. Raising ``SystemExit(143)`` from the signal handler (what the job did before) stopped
 the process mid-step and lost every step since the last periodic save (up to ``save_steps - 1``).
 Instead:
 

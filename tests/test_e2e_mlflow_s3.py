@@ -286,6 +286,16 @@ def test_resume_after_sigterm(services, env, tiny, tmp_path):
     assert proc.wait(timeout=60) == 143
     step, _ = storage.latest_checkpoint(out)
     assert 1 <= step < 8
+    # the preemption guard saved and synced the step it stopped at, then ended the run KILLED
+    first_log = (tmp_path / "first.log").read_text()
+    assert f"SIGTERM: checkpoint-{step} saved and synced" in first_log, first_log[-3000:]
+    mlflow.set_tracking_uri(server.uri)
+    killed = mlflow.search_runs(
+        search_all_experiments=True,
+        filter_string="tags.`orthorl.terminated` = 'SIGTERM'",
+        output_format="list",
+    )
+    assert [r.info.status for r in killed] == ["KILLED"]
     assert "MANIFEST.json" not in keys_under(s3, "resume/grpo/")  # no final result from the killed pod
 
     # a new pod (empty work folder) with the same --out resumes from the latest synced checkpoint

@@ -6,6 +6,7 @@ weights on both ranks afterwards."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -312,3 +313,26 @@ def test_gpu_training_uses_bf16_where_supported(tiny_model, tmp_path):
     assert args.bf16 == torch.cuda.is_bf16_supported() and not args.use_cpu
     result = grpo.train_and_gate(config)
     assert result.trainer.state.global_step == 2
+
+
+def test_a_checkpoint_of_another_config_is_refused_before_any_model_load(
+    no_model_load, tmp_path, monkeypatch, capsys
+):
+    """Run identity: --out holding a checkpoint of another config exits 14 naming what differs;
+    --on-foreign-checkpoint fresh trains from the start instead (here: reaches the trainer)."""
+    from orthojob.exit_codes import ExitCode
+    from orthojob.run_identity import write_identity
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--preset", "tiny-cpu", "--skip-sft-gate", "--out", str(out)]
+    checkpoint = out / "checkpoint-3"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    write_identity(checkpoint, dataclasses.replace(config_from_args(parse(argv)), steps=300).to_dict())
+
+    assert run_train(parse(argv)) == ExitCode.RUN_MISMATCH
+    assert "steps" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        run_train(parse([*argv, "--on-foreign-checkpoint", "fresh"]))
