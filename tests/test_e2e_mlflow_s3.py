@@ -286,16 +286,9 @@ def test_resume_after_sigterm(services, env, tiny, tmp_path):
     assert proc.wait(timeout=60) == 143
     step, _ = storage.latest_checkpoint(out)
     assert 1 <= step < 8
-    # the preemption guard saved and synced the step it stopped at, then ended the run KILLED
+    # the preemption guard saved and synced the step it stopped at (the run ends KILLED: below)
     first_log = (tmp_path / "first.log").read_text()
     assert f"SIGTERM: checkpoint-{step} saved and synced" in first_log, first_log[-3000:]
-    mlflow.set_tracking_uri(server.uri)
-    killed = mlflow.search_runs(
-        search_all_experiments=True,
-        filter_string="tags.`orthorl.terminated` = 'SIGTERM'",
-        output_format="list",
-    )
-    assert [r.info.status for r in killed] == ["KILLED"]
     assert "MANIFEST.json" not in keys_under(s3, "resume/grpo/")  # no final result from the killed pod
 
     # a new pod (empty work folder) with the same --out resumes from the latest synced checkpoint
@@ -314,7 +307,7 @@ def test_resume_after_sigterm(services, env, tiny, tmp_path):
         [r for r in run_by_stage(client, "e2e", "grpo") if r.data.params.get("cli.out") == out],
         key=lambda r: r.info.start_time,
     )
-    assert killed.info.status == "FAILED" and killed.data.tags["orthorl.terminated"] == "SIGTERM"
+    assert killed.info.status == "KILLED" and killed.data.tags["orthorl.terminated"] == "SIGTERM"
     assert (
         resumed.info.status == "FINISHED"
         and resumed.data.tags["orthorl.resumed_from"] == f"checkpoint-{step}"
