@@ -189,19 +189,16 @@ def _resolve_penetration(
     therefore has a safe plan; plans that rush some teeth ahead of others still collide."""
     t = d.translation.copy()
     poses = _apply(target, d)  # the rotations stay; only translations change below
-    # only translations change below: the rotations' SLERP and crown axes are computed once
-    axes = pair_axes(poses)
-    sweep = sweep_axes = None
+    # one penetration pass a round: row 0 the poses, rows 1.. the sweep; the rotations' SLERP and
+    # the crown axes are computed once (only translations change)
+    stack = np.concatenate((poses[None], interpolate_poses(poses, target, _SWEEP_PROGRESS)))
+    axes = pair_axes(stack)
+    t1 = target[None, :, 4:]
     for _ in range(60):
-        excess = penetration_along_axes(axes, poses, width, depth) - INITIAL_CLEARANCE_MM
+        pen = penetration_along_axes(axes, stack, width, depth)
+        excess = pen[0] - INITIAL_CLEARANCE_MM
         if not (excess > 0.0).any():
-            if sweep is None:
-                sweep = interpolate_poses(poses, target, _SWEEP_PROGRESS)
-                sweep_axes = pair_axes(sweep)
-            else:  # the same arithmetic as interpolate_poses' translation
-                t0 = poses[None, :, 4:]
-                sweep[..., 4:] = t0 + _SWEEP_PROGRESS[..., None] * (target[None, :, 4:] - t0)
-            excess = penetration_along_axes(sweep_axes, sweep, width, depth).max(axis=0) - SWEEP_CLEARANCE_MM
+            excess = pen[1:].max(axis=0) - SWEEP_CLEARANCE_MM
         over = np.flatnonzero(excess > 0.0)
         if over.size == 0:
             break
@@ -214,6 +211,9 @@ def _resolve_penetration(
         sign = np.where(bl < -0.5, -1.0, 1.0)
         t[moved] += labial[moved] * (sign * push[moved])[:, None]
         poses[:, 4:7] = target[:, 4:7] + t
+        stack[0, :, 4:] = poses[:, 4:]
+        t0 = poses[None, :, 4:]  # the same arithmetic as interpolate_poses' translation
+        stack[1:, :, 4:] = t0 + _SWEEP_PROGRESS[..., None] * (t1 - t0)
     return poses
 
 
