@@ -34,3 +34,20 @@ def _isolated_mlflow(tmp_path_factory):
     finally:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
         os.environ.pop("ORTHORL_WORK_DIR", None)
+
+
+LONGEST_FIRST = (
+    "test_pipeline.py",
+    "test_e2e_mlflow_s3.py",
+    "test_deploy.py",
+    "test_oracle_safety.py",
+    "test_run_identity_preemption.py",
+)
+"""Files whose tests take longest (the tiny-cpu pipeline's 600 SFT steps above all). ``make test`` runs
+the suite on both cores (pytest-xdist, one file per worker at a time, in collection order), so they
+start first and the short files fill the other core around them."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise

@@ -334,10 +334,12 @@ def test_two_ranks_resume_from_s3_on_every_rank(services, env, tiny, tmp_path):
         return subprocess.CompletedProcess(cmd, run.returncode, run.stdout + run.stderr, "")
 
     def trained(run: subprocess.CompletedProcess) -> bool:
-        """Finished: exit 0, or only rank 0 exiting 12 because the random tiny model fails the
+        """Finished: exit 0, or only rank 0 exiting 3 because the random tiny model fails the
         GRPO gate (torchrun then exits 1)."""
         gate_failed = "GRPO gate: FAILED" in run.stdout and run.stdout.count("exitcode  :") == 1
-        return run.returncode == 0 or (gate_failed and "exitcode  : 12" in run.stdout)
+        return run.returncode == 0 or (
+            gate_failed and f"exitcode  : {int(ExitCode.GRPO_GATE_FAILED)}" in run.stdout
+        )
 
     first = torchrun(2, "pod1")
     assert trained(first), first.stdout[-5000:]

@@ -271,10 +271,9 @@ except Exception as exc:
 
 
 def test_idle_and_frozen_sessions_are_reaped() -> None:
-    idle_s = 0.6
+    idle_s = 2.0  # long enough that neither is reaped before both are counted, on a loaded machine
     app = build_app(max_sessions=2, ws_idle_timeout_s=idle_s)
     with running_uvicorn(app) as url, contextlib.ExitStack() as stack:
-        silent = stack.enter_context(ws_connect(ws_url(url), open_timeout=10))  # connects, never sends
         frozen = subprocess.Popen(
             [sys.executable, "-c", FROZEN_CLIENT, ws_url(url)],
             stdin=subprocess.PIPE,
@@ -284,6 +283,7 @@ def test_idle_and_frozen_sessions_are_reaped() -> None:
         try:
             assert frozen.stdout.readline().strip() == "ready"
             os.kill(frozen.pid, signal.SIGSTOP)
+            silent = stack.enter_context(ws_connect(ws_url(url), open_timeout=10))  # connects, never sends
             assert status(url)["websocket_sessions"]["live"] == 2
             with ws_connect(ws_url(url), open_timeout=10) as third:  # full
                 assert json.loads(third.recv(timeout=10))["data"]["code"] == "CAPACITY_REACHED"
