@@ -88,8 +88,8 @@ def engaged(gap: np.ndarray, step: np.ndarray) -> np.ndarray:
     return np.minimum(gap, SEAT_FACTOR * step)
 
 
-def _shrink(v: np.ndarray, length: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """Vectors ``v`` (..., 3) of lengths ``length`` (...,) shortened to at most ``cap`` (...,)."""
+def _shrink(v: np.ndarray, length: np.ndarray, cap: np.ndarray | float) -> np.ndarray:
+    """Vectors ``v`` (..., 3) of lengths ``length`` (...,) shortened to at most ``cap`` (...,) or a scalar."""
     return v * (np.minimum(length, cap) / np.maximum(length, 1e-30))[..., None]
 
 
@@ -134,10 +134,10 @@ def express_stage(
         )
         rel = rel * _ROTATION_RATES
         # the engaged step times the highest rate bounds the movement: cap only when it can bind
-        if SEAT_FACTOR * _MAX_RATE * float(np.max(step_t, initial=0.0)) > BIOLOGICAL_CAP_MM:
-            act = _shrink(act, vector_norm(act), np.full(act.shape[:-1], BIOLOGICAL_CAP_MM))
-        if SEAT_FACTOR * _MAX_RATE * float(np.max(step_r, initial=0.0)) > _CAP_RAD:
-            rel = _shrink(rel, vector_norm(rel), np.full(rel.shape[:-1], _CAP_RAD))
+        if step_t.size and SEAT_FACTOR * _MAX_RATE * float(step_t.max()) > BIOLOGICAL_CAP_MM:
+            act = _shrink(act, vector_norm(act), BIOLOGICAL_CAP_MM)
+        if step_r.size and SEAT_FACTOR * _MAX_RATE * float(step_r.max()) > _CAP_RAD:
+            rel = _shrink(rel, vector_norm(rel), _CAP_RAD)
     q = quaternion_normalize(quaternion_multiply(achieved[..., :4], quaternion_from_rotvec(rel)))
     return np.concatenate((q, achieved[..., 4:] + act), axis=-1)
 
