@@ -193,7 +193,7 @@ def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: i
         episodes.append(episode_values(result, case, case.optimal_strategy))
     summary = summarise(episodes)
     summary["strategies"] = {
-        s: sum(r.strategy == s for r in rolls) for s in sorted({str(r.strategy) for r in rolls})
+        s: sum(str(r.strategy) == s for r in rolls) for s in sorted({str(r.strategy) for r in rolls})
     }
     summary["mean_tokens"] = float(np.mean(counts))
     summary["truncated"] = float(np.mean([not e for e in ended]))
@@ -391,6 +391,7 @@ def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progr
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
+    trainer.save_model(str(Path(cfg.out) / "grpo"))
     eval_seconds = sum(e["eval_seconds"] for e in progress.evals)
     return {
         "grpo_seconds": seconds,
