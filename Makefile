@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export OMP_NUM_THREADS := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: install run test lint bench
+.PHONY: install run test lint bench learn
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,3 +29,7 @@ test: lint
 
 bench: install
 	$(BIN)/python bench/env_throughput.py
+
+# issue 12's learning experiment: format stage 0, then GRPO, held-out curve in runs/learn/
+learn: install
+	$(BIN)/python -m orthojob.learning --out runs/learn

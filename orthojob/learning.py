@@ -1,0 +1,500 @@
+"""The learning experiment (issue 12): format stage 0, then GRPO, evaluated on held-out seeds.
+
+``make learn`` (or ``python -m orthojob.learning``) runs, on CPU and offline:
+
+1. **model**: the offline tiny Qwen2 (:func:`orthojob.models.build_tiny`), larger than the
+   tiny-cpu preset's (default hidden 128, 4 layers, ~1.1M parameters), tokenizer trained on training
+   prompts only;
+2. **stage 0 (format SFT)** on :func:`orthojob.format_demos.format_demonstrations`: valid,
+   executable plans with random strategies and random feasible groups (no clinical choice). The
+   checkpoint is kept in ``<out>/stage0`` and reused by later runs with the same settings
+   (``--fresh-stage0`` rebuilds it);
+3. **GRPO** (``trl.GRPOTrainer``, the project's five reward functions, weight 1 each) from stage 0,
+   with settings chosen so that a group has reward variance: temperature 1, 8 completions per
+   prompt, few training prompts reused across steps, ``beta`` 0, DAPO loss, group-scaled rewards,
+   a learning rate that moves a 1M-parameter model;
+4. **evaluation** every ``--eval-every`` steps (and at step 0 = stage 0) on held-out seeds
+   (:data:`server.cases.HELDOUT_SEED_START`), greedy decoding: the scaled terminal reward, strategy
+   accuracy, and clinical canaries that are NOT in the reward (limit violations, colliding contacts,
+   peak PDL kPa, hard-rule share, degenerate-plan share, :func:`orthojob.plan_search.degenerate_form`),
+   each as mean and 95 % t-interval over the seeds. The oracle and uniform SLERP are scored on the same
+   seeds as reference rows.
+
+Writes ``<out>/learning.json`` (settings, references, per-step evaluations, TRL's log history with
+``frac_reward_zero_std``, entropy, KL, clip ratios, completion lengths, per-reward std, reward time
+share) and ``<out>/learning.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, CaseKey, generate_case
+
+log = logging.getLogger("orthojob.learning")
+
+CANARIES: tuple[str, ...] = (
+    "limit_violations",
+    "colliding_contacts",
+    "peak_pdl_kpa",
+    "hard_rule",
+    "degenerate",
+)
+"""Clinical canaries reported beside the reward; none of them is a reward function."""
+METRICS: tuple[str, ...] = ("terminal", "strategy_accuracy", "parse", *CANARIES)
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    """Every setting of one learning run (the CLI flags are generated from these fields)."""
+
+    out: str = "runs/learn"
+    task_id: str = "task_easy"
+    # model
+    hidden_size: int = 96
+    layers: int = 3
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 256
+    model_seed: int = 0
+    # stage 0
+    sft_examples: int = 1600
+    sft_steps: int = 240
+    sft_batch_size: int = 4
+    sft_lr: float = 3e-3
+    demo_seed: int = 0
+    fresh_stage0: bool = False
+    # GRPO
+    steps: int = 100
+    num_generations: int = 8
+    prompts_per_step: int = 1
+    num_prompts: int = 32
+    lr: float = 2e-4
+    temperature: float = 1.0
+    beta: float = 0.0
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    max_completion_length: int = 160
+    seed: int = 0
+    # evaluation
+    eval_every: int = 20
+    eval_seeds: int = 48
+    time_limit_min: float = 13.0
+
+
+def _ci(values: Sequence[float]) -> dict:
+    """Mean and 95 % t-interval of values (NaN dropped)."""
+    from scipy import stats
+
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if len(x) == 0:
+        return {"mean": None, "lo": None, "hi": None, "n": 0}
+    mean = float(x.mean())
+    if len(x) < 2:
+        return {"mean": mean, "lo": mean, "hi": mean, "n": 1}
+    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(x)}
+
+
+def episode_values(result: dict | None, case, optimal: str) -> dict[str, float]:
+    """The per-episode metrics of one scored plan (``result``: a :func:`server.treatment.score_plans`
+    dict with ``plan``; None for a completion that is not a plan)."""
+    from orthojob.plan_search import degenerate_form
+    from server.reward_scaler import REWARD_MIN
+
+    if result is None:
+        nan = float("nan")
+        return {
+            "terminal": REWARD_MIN,
+            "strategy_accuracy": 0.0,
+            "parse": 0.0,
+            **dict.fromkeys(CANARIES, nan),
+        }
+    diag = result["diagnostics"]
+    return {
+        "terminal": float(result["scaled_reward"]),
+        "strategy_accuracy": float(result.get("strategy") == optimal),
+        "parse": 1.0,
+        "limit_violations": float(diag.get("limit_violations", 0.0)),
+        "colliding_contacts": float(diag.get("colliding_contacts", 0.0)),
+        "peak_pdl_kpa": float(diag.get("peak_pdl_kpa", 0.0)),
+        "hard_rule": float(bool(result["broken_rules"])),
+        "degenerate": float(degenerate_form(case, result["plan"]) is not None),
+    }
+
+
+def summarise(episodes: Sequence[dict[str, float]]) -> dict[str, dict]:
+    return {m: _ci([e[m] for e in episodes]) for m in METRICS}
+
+
+def heldout_cases(task_id: str, n: int) -> list[CaseKey]:
+    return [CaseKey(task_id, HELDOUT_SEED_START + i, False) for i in range(n)]
+
+
+def reference_rows(cases: Sequence[CaseKey]) -> dict[str, dict]:
+    """The oracle and uniform SLERP on the held-out cases."""
+    from orthojob.evaluation import UNIFORM_SLERP_PLAN
+    from server.oracle import plan_for_case
+    from server.treatment import score_plans
+
+    resolved = [generate_case(*c) for c in cases]
+    rows = {}
+    for name, planner in (("oracle", plan_for_case), ("uniform_slerp", lambda c: UNIFORM_SLERP_PLAN)):
+        plans = [planner(c) for c in resolved]
+        results = score_plans(plans, resolved)
+        episodes = [
+            episode_values({**r, "plan": p}, c, c.optimal_strategy)
+            for r, p, c in zip(results, plans, resolved)
+        ]
+        rows[name] = summarise(episodes)
+    return rows
+
+
+def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> dict:
+    """Greedy plans of ``model`` for the held-out cases, scored as the rewards score them."""
+    from orthojob.evaluation import generate_completions
+    from orthojob.prompts import reset_observation
+    from orthojob.rollouts import score_texts
+
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    obs = [reset_observation(c.seed, c.task_id, c.force_decay) for c in cases]
+    texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size=16)
+    if was_training:
+        model.train()
+    rolls = score_texts(texts, list(cases))
+    episodes = []
+    for r, c in zip(rolls, cases):
+        case = generate_case(*c)
+        result = (
+            None
+            if r.error
+            else {
+                "scaled_reward": r.scaled_reward,
+                "strategy": r.strategy,
+                "diagnostics": r.diagnostics,
+                "broken_rules": r.broken_rules,
+                "plan": r.plan,
+            }
+        )
+        episodes.append(episode_values(result, case, case.optimal_strategy))
+    summary = summarise(episodes)
+    summary["strategies"] = {
+        s: sum(str(r.strategy) == s for r in rolls) for s in sorted({str(r.strategy) for r in rolls})
+    }
+    summary["mean_tokens"] = float(np.mean(counts))
+    summary["truncated"] = float(np.mean([not e for e in ended]))
+    summary["eval_seconds"] = time.perf_counter() - t0
+    summary["example"] = texts[0]
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 0
+# ---------------------------------------------------------------------------------------------
+
+
+def _stage0_key(cfg: LearnConfig) -> dict:
+    keys = ("task_id", "hidden_size", "layers", "heads", "kv_heads", "intermediate", "model_seed",
+            "sft_examples", "sft_steps", "sft_batch_size", "sft_lr", "demo_seed")  # fmt: skip
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
+    """Build the tiny model and train format SFT on random-choice demos; reuse a matching checkpoint."""
+    from orthojob import models
+    from orthojob.format_demos import demo_stats, format_demonstrations
+
+    out = Path(cfg.out) / "stage0"
+    key = _stage0_key(cfg)
+    meta_file = out / "stage0.json"
+    if not cfg.fresh_stage0 and meta_file.is_file():
+        meta = json.loads(meta_file.read_text())
+        if meta.get("key") == key:
+            log.info("reusing stage 0 checkpoint %s", out)
+            return out, meta
+    devices = models.device_info()
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    t0 = time.perf_counter()
+    base = models.build_tiny(
+        Path(cfg.out) / "base-model",
+        [cfg.task_id],
+        hidden_size=cfg.hidden_size,
+        layers=cfg.layers,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        intermediate=cfg.intermediate,
+        max_position_embeddings=2048,
+        seed=cfg.model_seed,
+    )
+    model, tokenizer = models.load_policy(str(base), lora_r=0, max_seq_length=2048)
+    rows = format_demonstrations(cfg.sft_examples, [cfg.task_id], seed=cfg.demo_seed)
+    stats = demo_stats(rows)
+    log.info("stage 0 demos: %s", stats)
+    dataset = Dataset.from_dict(
+        {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
+    )
+    args = SFTConfig(
+        output_dir=str(out),
+        max_steps=cfg.sft_steps,
+        per_device_train_batch_size=cfg.sft_batch_size,
+        learning_rate=cfg.sft_lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=10,
+        max_length=2048,
+        seed=cfg.model_seed,
+        logging_steps=20,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        use_cpu=not devices["cuda"],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    t_train = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t_train
+    trainer.save_model(str(out))
+    tokenizer.save_pretrained(str(out))
+    (out / "training_args.bin").unlink(missing_ok=True)
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    meta = {
+        "key": key,
+        "demos": stats,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "sft_seconds": seconds,
+        "sft_seconds_per_step": seconds / max(1, cfg.sft_steps),
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "wall_seconds": time.perf_counter() - t0,
+    }
+    meta_file.write_text(json.dumps(meta, indent=1))
+    return out, meta
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO
+# ---------------------------------------------------------------------------------------------
+
+
+def timed_rewards(funcs: Sequence[Callable], clock: dict) -> list[Callable]:
+    """The reward functions wrapped to add their wall time to ``clock["seconds"]`` (names kept)."""
+
+    def wrap(f):
+        def timed(completions, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(completions, **kwargs)
+            finally:
+                clock["seconds"] += time.perf_counter() - t0
+
+        timed.__name__ = f.__name__
+        return timed
+
+    return [wrap(f) for f in funcs]
+
+
+@dataclass
+class Progress:
+    evals: list = field(default_factory=list)
+    step_seconds: list = field(default_factory=list)
+
+
+def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progress: Progress, save) -> dict:
+    """GRPO from the stage-0 checkpoint with an evaluation callback; returns timing and TRL's logs."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from orthojob import models
+    from orthojob.prompts import prompt_rows
+    from orthojob.rewards import REWARD_FUNCS
+
+    model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=2048)
+    rows = prompt_rows(cfg.num_prompts, TRAIN_SEED_START + 50_000, cfg.task_id, False)
+    clock = {"seconds": 0.0}
+    funcs = timed_rewards(list(REWARD_FUNCS.values()), clock)
+    batch = cfg.num_generations * cfg.prompts_per_step
+    args = GRPOConfig(
+        output_dir=str(Path(cfg.out) / "grpo"),
+        max_steps=cfg.steps,
+        learning_rate=cfg.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature,
+        beta=cfg.beta,
+        loss_type=cfg.loss_type,
+        scale_rewards=cfg.scale_rewards,
+        reward_weights=[1.0] * len(funcs),
+        seed=cfg.seed,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        dataloader_num_workers=0,
+        log_completions=False,
+        disable_tqdm=True,
+    )
+    deadline = time.monotonic() + cfg.time_limit_min * 60
+
+    class EvalAndTime(TrainerCallback):
+        t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            progress.step_seconds.append(time.perf_counter() - self.t0)
+            step = state.global_step
+            if step % cfg.eval_every == 0 or step == cfg.steps or time.monotonic() > deadline:
+                row = {
+                    "step": step,
+                    **evaluate_model(kw["model"], tokenizer, cases, cfg.max_completion_length),
+                }
+                progress.evals.append(row)
+                log.info("step %d: terminal %s, strategy %s", step, row["terminal"], row["strategy_accuracy"])
+                save()
+            if time.monotonic() > deadline:
+                log.warning("time limit reached at step %d", step)
+                control.should_training_stop = True
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[EvalAndTime()],
+    )
+    t0 = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t0
+    trainer.save_model(str(Path(cfg.out) / "grpo"))
+    eval_seconds = sum(e["eval_seconds"] for e in progress.evals)
+    return {
+        "grpo_seconds": seconds,
+        "steps_done": trainer.state.global_step,
+        "seconds_per_step": float(np.mean(progress.step_seconds)) if progress.step_seconds else None,
+        "reward_seconds": clock["seconds"],
+        "reward_share_of_step": clock["seconds"] / max(1e-9, seconds - eval_seconds),
+        "log_history": trainer.state.log_history,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evals = report["evaluations"]
+    steps = [e["step"] for e in evals]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, metric, title in zip(
+        axes,
+        ("terminal", "strategy_accuracy", "hard_rule"),
+        ("scaled terminal", "strategy accuracy", "hard-rule share"),
+    ):
+        mean, lo, hi = (
+            [np.nan if e[metric][k] is None else e[metric][k] for e in evals] for k in ("mean", "lo", "hi")
+        )
+        ax.plot(steps, mean, "o-", label="policy (greedy)")
+        ax.fill_between(steps, lo, hi, alpha=0.25)
+        for name, style in (("oracle", "g--"), ("uniform_slerp", "k:")):
+            ax.axhline(report["references"][name][metric]["mean"], ls=style[1:], color=style[0], label=name)
+        ax.set_title(title)
+        ax.set_xlabel("GRPO step")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"held-out {report['config']['task_id']}, {report['config']['eval_seeds']} seeds, 95 % CI")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def run(cfg: LearnConfig) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    cases = heldout_cases(cfg.task_id, cfg.eval_seeds)
+    report: dict = {
+        "config": dataclasses.asdict(cfg),
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "references": reference_rows(cases),
+    }
+    checkpoint, meta = stage0(cfg)
+    report["stage0"] = meta
+    progress = Progress()
+    report["evaluations"] = progress.evals
+
+    def save() -> None:
+        (out / "learning.json").write_text(json.dumps(report, indent=1, default=float))
+
+    from orthojob import models
+
+    model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=2048)
+    progress.evals.append({"step": 0, **evaluate_model(model, tokenizer, cases, cfg.max_completion_length)})
+    del model
+    save()
+    report["grpo"] = run_grpo(cfg, checkpoint, cases, progress, save)
+    first, last = progress.evals[0]["terminal"], progress.evals[-1]["terminal"]
+    report["verdict"] = {
+        "terminal_stage0": first,
+        "terminal_final": last,
+        "cis_apart_above": bool(last["lo"] > first["hi"]),
+        "strategy_accuracy_final": progress.evals[-1]["strategy_accuracy"],
+    }
+    report["wall_seconds"] = time.perf_counter() - t0
+    save()
+    try:
+        plot(report, out / "learning.png")
+    except Exception as exc:  # the plot never fails the run
+        log.warning("no plot: %s", exc)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="orthojob.learning", description=__doc__.splitlines()[0])
+    for f in dataclasses.fields(LearnConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", default=f.default)
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            parser.add_argument(flag, type=kind, default=f.default)
+    cfg = LearnConfig(**vars(parser.parse_args(argv)))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
+    report = run(cfg)
+    v = report["verdict"]
+    print(json.dumps({"verdict": v, "seconds_per_step": report["grpo"]["seconds_per_step"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
