@@ -325,9 +325,9 @@ def test_two_ranks_resume_from_s3_on_every_rank(services, env, tiny, tmp_path):
     out = f"s3://{BUCKET}/ddp-resume/grpo"
     pythonpath = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
 
-    def torchrun(steps: int, pod: str) -> subprocess.CompletedProcess:
+    def torchrun(steps: int, pod: str, *extra: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "orthojob.cli", *train_args(tiny, out, steps, "--save-steps", "1", "--skip-sft-gate")]  # fmt: skip
+               "-m", "orthojob.cli", *train_args(tiny, out, steps, "--save-steps", "1", "--skip-sft-gate", *extra)]  # fmt: skip
         run_env = {**env, "PYTHONPATH": pythonpath, "ORTHORL_WORK_DIR": str(tmp_path / pod),
                    "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
         run = run_process_group(cmd, run_env, tmp_path, 400, "2-rank training")
@@ -344,7 +344,9 @@ def test_two_ranks_resume_from_s3_on_every_rank(services, env, tiny, tmp_path):
     first = torchrun(2, "pod1")
     assert trained(first), first.stdout[-5000:]
     assert storage.latest_checkpoint(out)[0] == 2
-    second = torchrun(3, "pod2")  # a new pod: nothing local, everything from the bucket
+    # a new pod: nothing local, everything from the bucket; 3 steps is another config (the run
+    # identity refuses it by default, exit 14), so the rerun says it continues on purpose
+    second = torchrun(3, "pod2", "--on-foreign-checkpoint", "continue")
     assert trained(second), second.stdout[-5000:]
     for rank in (0, 1):
         assert f"rank {rank}: resuming from checkpoint-2 of {out}" in second.stdout, second.stdout[-5000:]
