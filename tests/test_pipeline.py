@@ -22,6 +22,11 @@ from orthojob.sft import config_from_args as sft_config_from_args
 from orthojob.sft_config import SFTJobConfig
 
 SMALL = {
+    # half make run's 600 SFT steps (CI time: an SFT step is the suite's longest wait); measured with
+    # the full 2,400 demonstrations: greedy parse rate 0.938 on 32 held-out seeds after 300 steps
+    # (1.0 after 600), so the gate asks for 0.8 here
+    "sft.steps": 300,
+    "sft_gate.thresholds.min_parse_rate": 0.8,
     "sft_gate.n_seeds": 20,
     "grpo.steps": 2,
     "grpo.gate_seeds": 8,
@@ -94,11 +99,11 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     stages = summary["stages"]
     assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == summary["exit_code"]
 
-    # SFT stage 0 lifts the greedy parse rate of the random tiny model to >= 0.9
-    assert stages["sft0"]["steps"] == PRESETS["tiny-cpu"].sft.steps
+    # SFT stage 0 lifts the greedy parse rate of the random tiny model to the gate's threshold
+    assert stages["sft0"]["steps"] == SMALL["sft.steps"]
     assert stages["sft0"]["final_loss"] < stages["sft0"]["first_loss"]
     sft_gate = stages["gate_sft0"]
-    assert sft_gate["parse_rate"] >= 0.9, sft_gate
+    assert sft_gate["parse_rate"] >= SMALL["sft_gate.thresholds.min_parse_rate"], sft_gate
     assert sft_gate["passed"] is True
     gate.check_gate(out / "sft0")  # the file GRPO's pre-flight accepted
 
