@@ -89,7 +89,9 @@ def test_fetch_verifies_caches_and_refuses_what_is_not_a_model(staged, s3_env, t
     client.put_object(Bucket=BUCKET, Key="models/tiny/config.json", Body=b'{"tampered": 1}')
     with pytest.raises(storage.StorageError, match="does not match the manifest"):
         base_models.fetch(BASE, tmp_path / "other-cache")
-    client.put_object(Bucket=BUCKET, Key="models/tiny/config.json", Body=(staged / "config.json").read_bytes())
+    client.put_object(
+        Bucket=BUCKET, Key="models/tiny/config.json", Body=(staged / "config.json").read_bytes()
+    )
 
     # what is not a model: exit 30 from every command, with the URI and what to do
     client.put_object(Bucket=BUCKET, Key="models/half/tokenizer.json", Body=b"{}")
@@ -126,7 +128,9 @@ def test_load_policy_records_the_uri_not_the_cache(staged, s3_env, tmp_path, mon
 
 def _orthojob(args: list[str], env: dict[str, str], cwd: Path, what: str, ok: tuple[int, ...] = (0,)):
     res = run_process_group([sys.executable, "-m", "orthojob.cli", *args], env, cwd, 600, what)
-    assert res.returncode in ok, f"{what} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert res.returncode in ok, (
+        f"{what} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    )
     return res
 
 
@@ -163,12 +167,12 @@ def test_adapters_from_an_s3_base_resolve_in_a_fresh_pod(staged, s3_env, tmp_pat
     assert "fetching base model" in out.stdout
     assert _adapter_base(sft_uri) == BASE, "the SFT adapter must name the URI, not the pod's cache"
 
-    b = pod("b")
+    b = pod("b")  # 2 GRPO steps on a random model: its own gate may fail (exit 3)
     _orthojob(["train", "--model", BASE, "--from-checkpoint", sft_uri, "--skip-sft-gate", "--steps", "2",
                "--lora-r", "4", "--num-generations", "2", "--batch-size", "2", "--max-prompt-length", "1760",
                "--max-completion-length", "16", "--max-seq-length", "2048", "--gate-seeds", "1",
                "--no-gradient-checkpointing", "--out", grpo_uri], b, tmp_path / "b", "train",
-              ok=(0, ExitCode.GRPO_GATE_FAILED))  # fmt: skip  (2 steps on a random model: its gate may fail)
+              ok=(0, ExitCode.GRPO_GATE_FAILED))  # fmt: skip
     assert (Path(b[base_models.CACHE_ENV]) / BUCKET / "models" / "tiny" / "config.json").is_file()
     assert _adapter_base(grpo_uri) == BASE
 
