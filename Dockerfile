@@ -37,7 +37,7 @@ COPY requirements/gpu.lock /tmp/gpu.lock
 RUN pip install --no-deps --require-hashes --only-binary=:all: -r /tmp/gpu.lock \
     && rm /tmp/gpu.lock
 
-# The non-root user; writable places for a read-only root filesystem (k8s mounts emptyDirs there).
+# The non-root user; writable places for a read-only root filesystem (k8s mounts volumes there: /cache is the model-cache PVC).
 RUN groupadd --system --gid 10001 orthorl \
     && useradd --system --uid 10001 --gid orthorl --home-dir /home/orthorl --create-home \
         --shell /usr/sbin/nologin orthorl \
@@ -47,6 +47,7 @@ RUN groupadd --system --gid 10001 orthorl \
 ENV HOME=/home/orthorl \
     XDG_CACHE_HOME=/cache \
     HF_HOME=/cache/huggingface \
+    ORTHORL_MODEL_CACHE=/cache/orthorl/models \
     TRITON_CACHE_DIR=/cache/triton \
     TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor \
     VLLM_CACHE_ROOT=/cache/vllm \

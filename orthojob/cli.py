@@ -8,10 +8,14 @@ orthojob train --from-checkpoint DIR     # GRPO (refuses without a passed, match
 orthojob evaluate --checkpoint DIR [--baselines]   # a checkpoint and/or the baselines on held-out seeds
 orthojob evaluate --baselines            # oracle, uniform SLERP, do-nothing on held-out seeds
 orthojob tiny-model --out DIR            # a tiny offline Qwen2-architecture model + tokenizer
+orthojob model stage SRC s3://b/p        # copy base weights (hub id, folder, 'tiny') to S3 with a manifest
+orthojob model fetch REF [--link PATH]   # fetch a base model into the cache (an init container's step)
 
 Every DIR may be an ``s3://bucket/prefix`` URI: inputs are downloaded and verified against their
 manifest, outputs (sft --out, a gated s3:// checkpoint) are published with a new manifest. A storage
-failure exits 30.
+failure exits 30. ``--model`` of sft, train and pipeline takes a hub id, a folder or an ``s3://``
+URI (:mod:`orthojob.base_models`: fetched once into the model cache, verified; an adapter records
+the URI as its base).
 
 Gate refusals (orthojob train's pre-flight, orthojob gate --check) exit with: 10 gate file missing,
 11 gate file unreadable or inconsistent, 12 gate says failed, 13 checkpoint changed since its gate
@@ -29,7 +33,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from orthojob import gate, mlops, storage, tracking
+from orthojob import base_models, gate, mlops, storage, tracking
 from orthojob.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
 from orthojob.exit_codes import ExitCode, epilog
 from orthojob.flags import positive_int, task_list
@@ -188,6 +192,37 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
         return tiny_main(rest + extra)
 
 
+def cmd_model(args: argparse.Namespace) -> int:
+    """``orthojob model stage SRC URI`` / ``orthojob model fetch REF [--link PATH]``."""
+    say = base_models.announce
+    if args.model_command == "stage":
+        if not storage.is_s3_uri(args.uri):
+            print(f"orthojob model stage: {args.uri!r} is not an s3:// URI", file=sys.stderr)
+            return ExitCode.USAGE
+        if args.source == "tiny":  # the offline tiny model, as the pipeline builds it
+            from orthojob.models import build_tiny
+
+            with tempfile.TemporaryDirectory() as tmp:
+                folder = build_tiny(Path(tmp) / "tiny", list(TASK_IDS), force_decay=True)
+                manifest = base_models.stage(str(folder), args.uri, say)
+        else:
+            manifest = base_models.stage(args.source, args.uri, say)
+        print(f"staged {len(manifest['files'])} files at {args.uri}: use --model {args.uri}")
+        return 0
+    folder = base_models.local_folder(args.ref, say=say)
+    if args.link:
+        link = Path(args.link)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp_link = link.with_name(link.name + ".new")
+        tmp_link.unlink(missing_ok=True)
+        tmp_link.symlink_to(folder.resolve(), target_is_directory=True)
+        tmp_link.replace(link)  # atomic: a reader sees the old target or the new one
+        print(f"{link} -> {folder.resolve()}")
+    else:
+        print(folder)
+    return 0
+
+
 def cmd_promote(args: argparse.Namespace) -> int:
     return mlops.run_promote(args.run_id, args.model_name, args.force)
 
@@ -293,6 +328,22 @@ def build_parser() -> argparse.ArgumentParser:
     tm = sub.add_parser("tiny-model", help="build a tiny Qwen2-architecture model offline", add_help=False)
     tm.add_argument("rest", nargs=argparse.REMAINDER)
     tm.set_defaults(func=cmd_tiny_model)
+
+    mo = sub.add_parser(
+        "model",
+        help="base weights: stage them in S3, or fetch them into the model cache",
+        epilog=epilog(ExitCode.OK, ExitCode.USAGE, ExitCode.STORAGE),
+    )
+    msub = mo.add_subparsers(dest="model_command", required=True)
+    ms = msub.add_parser("stage", help="copy a base model to s3://bucket/prefix with a manifest (sha256s)")
+    ms.add_argument("source", help="model hub id (HF_TOKEN for gated ones), a folder, or 'tiny'")
+    ms.add_argument("uri", help="s3://bucket/prefix; then pass it as --model to every stage")
+    mf = msub.add_parser("fetch", help="fetch a base model into the cache and print (or link) its folder")
+    mf.add_argument(
+        "ref", help="s3://bucket/prefix (into ORTHORL_MODEL_CACHE), a hub id (into HF_HOME), a folder"
+    )
+    mf.add_argument("--link", help="also point this symlink at the folder (e.g. what vllm serve loads)")
+    mo.set_defaults(func=cmd_model)
 
     add_k8s_arguments(sub)  # k8s render|submit|logs|status (orthojob/k8s.py)
     return parser

@@ -49,7 +49,10 @@ class GRPOJobConfig:
         default=None, metadata={"help": "named defaults (orthojob/presets.py); explicit flags override them"}
     )
     model: str = field(
-        default="Qwen/Qwen2.5-3B-Instruct", metadata={"help": f"model id or path, or '{TINY_MODEL}'"}
+        default="Qwen/Qwen2.5-3B-Instruct",
+        metadata={
+            "help": f"base model: hub id, folder or s3:// URI (fetched once, cached), or '{TINY_MODEL}'"
+        },
     )
     steps: int = field(default=300, metadata={"help": "GRPO optimizer steps", "type": positive_int})
     num_generations: int = field(default=4, metadata={"help": "completions per prompt", "type": positive_int})

@@ -20,6 +20,11 @@ the Job through the downward API). A pod retried by the same Job gets the same p
 its checkpoints; a new Job (re-applied, or submitted again) never shares one. Set ``--run-name``
 (the ConfigMap's ``RUN_NAME``) to continue a named run on purpose.
 
+Base weights (``--model``, the ConfigMap's ``MODEL``): a hub id, an ``s3://bucket/prefix`` staged
+with ``orthojob model stage``, or a folder on a mounted volume; every stage fetches an ``s3://``
+base once into the model cache (``ORTHORL_MODEL_CACHE``, on the pod's persistent ``/cache``), and
+adapters record the URI as their base (:mod:`orthojob.base_models`).
+
 Pre-flight: a model that is not the offline tiny one needs a GPU; without CUDA the job refuses
 (exit 2) rather than "training" a 3B model on CPU for days (``ORTHORL_ALLOW_CPU=1`` overrides).
 
@@ -145,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
         + "; ".join(f"{int(c)} {c.meaning}" for c in ExitCode if c not in (ExitCode.KILLED,)),
     )
     p.add_argument("--preset", default="qwen2.5-3b", help="pipeline/train preset (default qwen2.5-3b)")
-    p.add_argument("--model", default="", help="base model (hub id, or empty for the preset's)")
+    p.add_argument(
+        "--model",
+        default="",
+        help="base model: hub id, s3://bucket/prefix or a folder on a volume ('' = the preset's)",
+    )
     p.add_argument("--steps", type=int, default=300, help="GRPO steps (default 300)")
     p.add_argument("--task-id", default="task_easy", help="task (default task_easy)")
     p.add_argument(

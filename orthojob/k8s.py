@@ -5,13 +5,14 @@
   ConfigMap, NetworkPolicy, Job) and applies :class:`Overrides`: image (required: the base's is
   empty on purpose; also the IMAGE_DIGEST env that MLflow runs are tagged with), the ConfigMap's
   run parameters (steps, task, model, preset, starting checkpoint, output base and run name,
-  MLflow tracking URI and experiment), namespace, and a name suffix (Job and ConfigMap both get it,
+  MLflow tracking URI and experiment), namespace, the model cache (the shared claim, or a per-pod
+  emptyDir as k8s/model-cache/emptydir renders it), and a name suffix (Job and ConfigMap both get it,
   so concurrent runs never share parameters). Outputs never collide: the Job writes below
   ``OUTPUT_URI/<job name>-<uid[:8]>`` (orthojob/job.py), so every submitted Job has its own prefix.
   Why not kustomize here: it needs kubectl or the kustomize binary, which a wheel install lacks;
   the tests render both ways and compare them.
 * :func:`submit` creates those objects with the kubernetes client: shared ones (ServiceAccount,
-  NetworkPolicy) only if missing -- 409 (exists) and 403 (a namespace where ML users may not
+  the model cache's PersistentVolumeClaim, NetworkPolicy) only if missing -- 409 (exists) and 403 (a namespace where ML users may not
   create them, the normal case on multi-tenant clusters: an admin made them) are fine -- the
   ConfigMap, the Job, then makes the Job the ConfigMap's owner so that ``ttlSecondsAfterFinished``
   collects both. Api objects can be injected (tests pass ones built on a recording ApiClient: the
@@ -71,6 +72,12 @@ CONFIG_KEYS = {
 }
 
 
+MODEL_CACHES = ("pvc", "emptydir")
+"""Where the Job's /cache lives (``--model-cache``): the manifest's PersistentVolumeClaim, or a
+per-pod emptyDir (what the kustomize component k8s/model-cache/emptydir renders)."""
+EMPTYDIR_CACHE_GI = 100
+
+
 class K8sError(RuntimeError):
     """A manifest or override problem; the CLI prints it and exits 2."""
 
@@ -88,6 +95,7 @@ class Overrides:
     tracking_uri: str | None = None
     experiment: str | None = None
     namespace: str | None = None
+    model_cache: str | None = None
     name_suffix: str | None = None
 
 
@@ -165,6 +173,34 @@ def _validate(ov: Overrides) -> None:
         _check_name(ov.namespace, "namespace")
     if ov.name_suffix is not None:
         _check_name(ov.name_suffix, "name suffix")
+    if ov.model_cache is not None and ov.model_cache not in MODEL_CACHES:
+        raise K8sError(f"model cache must be one of {', '.join(MODEL_CACHES)}, got {ov.model_cache!r}")
+
+
+def _gi(quantity: str) -> int:
+    if not quantity.endswith("Gi"):
+        raise K8sError(f"expected a quantity in Gi, got {quantity!r}")
+    return int(quantity[:-2])
+
+
+def _cache_as_emptydir(rendered: Rendered, main: dict[str, Any]) -> None:
+    """k8s/model-cache/emptydir, without kustomize: /cache a per-pod emptyDir, the ephemeral-storage
+    limit raised by its size, the claims of the model cache dropped."""
+    pod = rendered.job["spec"]["template"]["spec"]
+    for volume in pod["volumes"]:
+        if volume["name"] == "cache":
+            volume.pop("persistentVolumeClaim", None)
+            volume["emptyDir"] = {"sizeLimit": f"{EMPTYDIR_CACHE_GI}Gi"}
+    limits = main["resources"]["limits"]
+    limits["ephemeral-storage"] = f"{_gi(limits['ephemeral-storage']) + EMPTYDIR_CACHE_GI}Gi"
+    rendered.objects[:] = [
+        o
+        for o in rendered.objects
+        if not (
+            o["kind"] == "PersistentVolumeClaim"
+            and o["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "orthorl-model-cache"
+        )
+    ]
 
 
 def render(overrides: Overrides | None = None, manifest: str | Path = DEFAULT_MANIFEST) -> Rendered:
@@ -194,6 +230,9 @@ def render(overrides: Overrides | None = None, manifest: str | Path = DEFAULT_MA
         value = getattr(ov, attr)
         if value is not None:
             data[key] = str(value)
+
+    if ov.model_cache == "emptydir":
+        _cache_as_emptydir(rendered, main)
 
     if ov.image:
         main["image"] = ov.image
@@ -269,6 +308,7 @@ def submit(rendered: Rendered, apis: Apis) -> Submitted:
     skipped: list[str] = []
     creators: dict[str, Callable[..., Any]] = {
         "ServiceAccount": apis.core.create_namespaced_service_account,
+        "PersistentVolumeClaim": apis.core.create_namespaced_persistent_volume_claim,
         "NetworkPolicy": apis.networking.create_namespaced_network_policy,
     }
     for obj in rendered.objects:
@@ -499,7 +539,9 @@ def _add_render_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", help="image reference, REPO@sha256:DIGEST (required: the manifest has none)")
     p.add_argument("--steps", type=int, help="GRPO steps (ConfigMap STEPS)")
     p.add_argument("--task-id", help="task (ConfigMap TASK_ID)")
-    p.add_argument("--model", help="model id (ConfigMap MODEL)")
+    p.add_argument(
+        "--model", help="base model: hub id, s3://bucket/prefix or a folder on a volume (ConfigMap MODEL)"
+    )
     p.add_argument("--preset", help="training preset (ConfigMap PRESET)")
     p.add_argument(
         "--from-checkpoint",
@@ -515,6 +557,12 @@ def _add_render_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracking-uri", help="MLflow tracking URI as seen from the cluster")
     p.add_argument("--experiment", help="MLflow experiment name")
     p.add_argument("--namespace", help="namespace of every object (default: the manifest's)")
+    p.add_argument(
+        "--model-cache",
+        choices=MODEL_CACHES,
+        help="/cache on the shared PersistentVolumeClaim orthorl-model-cache (default: pvc, reused by "
+        "retries and later Jobs) or a per-pod emptyDir",
+    )
 
 
 def _overrides(args: argparse.Namespace, suffix: str | None) -> Overrides:

@@ -13,6 +13,12 @@ bf16 on CPU). A ``checkpoint`` (an SFT output folder) is loaded instead of the b
 folder (``adapter_config.json``) is put back on its base model and stays trainable; a full model
 folder is loaded as the model. The tokenizer always comes from the checkpoint when there is one.
 
+Base models may be hub ids, folders or ``s3://`` URIs (:mod:`orthojob.base_models`: fetched once
+into the model cache, verified, then loaded from there). A LoRA adapter records the *reference*
+it was trained from (the ``s3://`` URI, not the pod-local folder) as its ``base_model_name_or_path``
+(:func:`record_base`), and every loader here resolves that reference again: a fresh pod with an
+empty cache fetches the base from S3.
+
 :func:`load_for_inference` loads any checkpoint (full model or adapter) for greedy generation.
 
 :func:`checkpoint_digest` is the sha256 the gate files record (:mod:`orthojob.gate`): over the
@@ -29,6 +35,10 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from orthojob.base_models import reference
+from orthojob.base_models import resolve as resolve_base
+from orthojob.storage import is_s3_uri
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +240,29 @@ def lora_config(lora_r: int, lora_alpha: int | None = None, dropout: float = 0.0
     )
 
 
+def record_base(model, base_ref: str) -> None:
+    """Make every PEFT adapter config of ``model`` name ``base_ref`` (an ``s3://`` URI, hub id or
+    absolute folder: :func:`orthojob.base_models.reference`) as its base, so that every adapter
+    saved from it (final and ``checkpoint-N``) resolves in another pod. No-op for a full model."""
+    for cfg in (getattr(model, "peft_config", None) or {}).values():
+        cfg.base_model_name_or_path = base_ref
+
+
+def _localized_adapter(checkpoint: str, local_base: str) -> str:
+    """A copy of an adapter folder whose config names ``local_base`` (links to its other files):
+    for loaders that read the base from the adapter config themselves (Unsloth)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="orthorl-adapter-"))
+    for item in Path(checkpoint).iterdir():
+        if item.name != "adapter_config.json":
+            (folder / item.name).symlink_to(item.resolve())
+    cfg = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = local_base
+    (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    return str(folder)
+
+
 def _load_unsloth(
     model_path: str,
     checkpoint: str | None,
@@ -240,14 +273,19 @@ def _load_unsloth(
 ):
     from unsloth import FastLanguageModel
 
-    source = checkpoint or model_path
+    adapter = bool(checkpoint and is_adapter(checkpoint))
+    base_ref = adapter_base(checkpoint) if adapter else reference(checkpoint or model_path)
+    local_base = resolve_base(base_ref)
+    source = checkpoint or local_base
+    if adapter and local_base != base_ref:  # Unsloth reads the adapter's base itself: name the local copy
+        source = _localized_adapter(checkpoint, local_base)
     model, tok = FastLanguageModel.from_pretrained(
         model_name=source,
         max_seq_length=max_seq_length,
         load_in_4bit=True,
         fast_inference=use_vllm,
     )
-    if not (checkpoint and is_adapter(checkpoint)):  # an adapter checkpoint comes back with its LoRA
+    if not adapter:  # an adapter checkpoint comes back with its LoRA
         model = FastLanguageModel.get_peft_model(
             model,
             r=lora_r,
@@ -256,6 +294,7 @@ def _load_unsloth(
             target_modules=list(LORA_TARGETS),
             use_gradient_checkpointing="unsloth",
         )
+    record_base(model, base_ref)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
@@ -272,7 +311,7 @@ def load_policy(
     """(model, tokenizer) ready to train; see the module docstring for which loader is used.
 
     Args:
-        model_path: hub id or folder of the base model.
+        model_path: hub id, folder or ``s3://`` URI of the base model (:mod:`orthojob.base_models`).
         checkpoint: an earlier stage's output folder to start from (adapter or full model).
         lora_r: LoRA rank; 0 = full fine-tuning.
         max_seq_length: prompt + completion budget (Unsloth sizes its kernels with it).
@@ -287,9 +326,10 @@ def load_policy(
         return _load_unsloth(model_path, checkpoint, lora_r, lora_alpha, max_seq_length, use_vllm)
 
     dtype = _dtype(devices)
-    tok = _tokenizer(checkpoint or model_path)
     adapter = bool(checkpoint and is_adapter(checkpoint))
-    base = adapter_base(checkpoint) if adapter else (checkpoint or model_path)
+    base_ref = adapter_base(checkpoint) if adapter else reference(checkpoint or model_path)
+    base = resolve_base(base_ref)  # an s3:// base: fetched once into the model cache
+    tok = _tokenizer(checkpoint or base)
     qlora = bool(lora_r > 0 or adapter) and devices["cuda"] and _bitsandbytes()
     kwargs: dict[str, Any] = {"dtype": dtype}
     if qlora:
@@ -322,6 +362,7 @@ def load_policy(
         model = get_peft_model(model, lora_config(lora_r, lora_alpha))
     else:
         log.info("full fine-tuning of %s (%s)", base, dtype)
+    record_base(model, base_ref)  # adapters name the reference, never the cache folder
     return model, tok
 
 
@@ -332,6 +373,8 @@ def load_for_inference(path: str | Path, device: str | None = None):
     from transformers import AutoModelForCausalLM
 
     path = str(path)
+    if is_s3_uri(path):  # a base model in S3 (the pipeline's evaluation of the untrained base)
+        path = resolve_base(path)
     if not Path(path).is_dir() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
         raise ModelError(f"checkpoint folder {path} does not exist (and it is no hub id owner/name)")
     devices = device_info()
@@ -341,7 +384,7 @@ def load_for_inference(path: str | Path, device: str | None = None):
     if is_adapter(path):
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(adapter_base(path), dtype=dtype)
+        base = AutoModelForCausalLM.from_pretrained(resolve_base(adapter_base(path)), dtype=dtype)
         model = PeftModel.from_pretrained(base, path).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -377,5 +420,6 @@ __all__ = [
     "load_for_inference",
     "load_policy",
     "lora_config",
+    "record_base",
     "tiny_corpus",
 ]

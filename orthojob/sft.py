@@ -81,7 +81,8 @@ def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -
 
 
 def resolve_model(config: SFTJobConfig) -> str:
-    """The base model path: ``config.model``, or the tiny model built into ``<out>/base-model``."""
+    """The base model reference: ``config.model`` (hub id, folder or ``s3://`` URI, resolved by
+    :func:`orthojob.models.load_policy`), or the tiny model built into ``<out>/base-model``."""
     if config.model != TINY_MODEL:
         return config.model
     return str(
@@ -198,10 +199,8 @@ def run_sft_cli(args: argparse.Namespace) -> int:
     destination = config.out
     if storage.is_s3_uri(config.out):  # train in a local work folder, publish when done
         config = dataclasses.replace(config, out=str(mlops.local_work_dir(config.out)))
-    if storage.is_s3_uri(config.model):
-        config = dataclasses.replace(
-            config, model=str(mlops.local_input(config.model, lambda m: print(f"[sft] {m}")))
-        )
+    # an s3:// --model stays a URI: load_policy fetches it into the model cache, and the adapter
+    # records the URI as its base (orthojob/base_models.py), which resolves in any other pod
     summary = run_sft(config)
     if destination != config.out:
         storage.publish(config.out, destination)

@@ -31,7 +31,9 @@ class SFTJobConfig:
 
     model: str = field(
         default="Qwen/Qwen2.5-3B-Instruct",
-        metadata={"help": f"model id, folder or s3:// URI, or '{TINY_MODEL}'"},
+        metadata={
+            "help": f"base model: hub id, folder or s3:// URI (fetched once, cached), or '{TINY_MODEL}'"
+        },
     )
     out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
     task_ids: list[str] = field(

@@ -18,6 +18,7 @@ def _isolated_mlflow(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-default")
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
     os.environ["ORTHORL_WORK_DIR"] = str(root / "work")
+    os.environ.setdefault("ORTHORL_MODEL_CACHE", str(root / "model-cache"))  # s3:// base models
     try:
         from orthojob import tracking
 
@@ -34,6 +35,7 @@ def _isolated_mlflow(tmp_path_factory):
     finally:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
         os.environ.pop("ORTHORL_WORK_DIR", None)
+        os.environ.pop("ORTHORL_MODEL_CACHE", None)
 
 
 LONGEST_FIRST = (

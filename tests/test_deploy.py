@@ -130,6 +130,39 @@ def multinode_output(k8s_with_image, tmp_path_factory) -> Path:
     return out
 
 
+def with_components(k8s_copy: Path, folder: str, components: list[str]) -> list[dict]:
+    """`kubectl kustomize` of ``folder`` (k8s/ or k8s/multinode/ in a copy) with ``components`` added,
+    as docs/deploy.md says to choose the model cache."""
+    path = k8s_copy / folder / "kustomization.yaml"
+    original = path.read_text()
+    kz = yaml.safe_load(original)
+    kz["components"] = kz.get("components", []) + components
+    path.write_text(yaml.safe_dump(kz, sort_keys=False))
+    try:
+        proc = kustomize(k8s_copy / folder)
+    finally:
+        path.write_text(original)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def cache_variants(k8s_with_image, tmp_path_factory) -> dict[str, Path]:
+    """The model-cache choices, rendered: k8s/ with per-pod scratch, k8s/multinode/ with the shared
+    ReadWriteMany claim for the TrainJob, and with per-pod scratch."""
+    out = tmp_path_factory.mktemp("cache-variants")
+    variants = {
+        "k8s-emptydir": (".", ["model-cache/emptydir"]),
+        "multinode-shared": ("multinode", ["../model-cache/shared"]),
+        "multinode-emptydir": ("multinode", ["../model-cache/emptydir"]),
+    }
+    files = {}
+    for name, (folder, components) in variants.items():
+        files[name] = out / f"{name}.yaml"
+        files[name].write_text(yaml.safe_dump_all(with_components(k8s_with_image, folder, components)))
+    return files
+
+
 @pytest.fixture(scope="module")
 def render_output(tmp_path_factory) -> Path:
     from orthojob.k8s import Overrides, render
@@ -247,8 +280,16 @@ def checkov_binary() -> str:
     return str(exe)
 
 
-def test_checkov_clean(kustomize_output, multinode_output, render_output):
-    files = [ROOT / "Dockerfile", *ALL_MANIFESTS, kustomize_output, multinode_output, render_output]
+def test_checkov_clean(kustomize_output, multinode_output, render_output, cache_variants):
+    variants = [cache_variants["k8s-emptydir"], cache_variants["multinode-shared"]]
+    files = [
+        ROOT / "Dockerfile",
+        *ALL_MANIFESTS,
+        kustomize_output,
+        multinode_output,
+        render_output,
+        *variants,
+    ]
     # not --quiet: its JSON would list failed checks only, and the test checks what was scanned
     cmd = [checkov_binary(), "--compact", "--skip-download", "-o", "json"]
     cmd += ["--framework", "dockerfile", "kubernetes", "secrets"]
@@ -273,7 +314,14 @@ def test_checkov_clean(kustomize_output, multinode_output, render_output):
             assert len(reason) > 30, f"skip of {res['check_id']} in {res['file_path']} has no real reason"
     assert not failed, "checkov failures:\n" + "\n".join(failed)
     # guard against checkov silently ignoring a file (it does for objects it cannot parse)
-    for f in [ROOT / "Dockerfile", *BUILTIN_MANIFESTS, kustomize_output, multinode_output, render_output]:
+    for f in [
+        ROOT / "Dockerfile",
+        *BUILTIN_MANIFESTS,
+        kustomize_output,
+        multinode_output,
+        render_output,
+        *variants,
+    ]:
         if f.name != "secret.example.yaml":  # checkov has no policy on a Secret's shape
             assert f.name in scanned, f"checkov scanned nothing in {f}"
 
@@ -282,7 +330,7 @@ def test_checkov_clean(kustomize_output, multinode_output, render_output):
 # kubernetes-validate --strict, 1.29 .. 1.37
 
 
-def test_kubernetes_validate_strict_all_versions(kustomize_output, render_output, tmp_path):
+def test_kubernetes_validate_strict_all_versions(kustomize_output, render_output, cache_variants, tmp_path):
     kv = tool("kubernetes-validate")
     if kv is None:
         pytest.skip("kubernetes-validate not installed (the dev extra has it)")
@@ -292,7 +340,11 @@ def test_kubernetes_validate_strict_all_versions(kustomize_output, render_output
     multinode.write_text(
         yaml.safe_dump_all([d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] != "TrainJob"])
     )
-    files = [str(f) for f in [*BUILTIN_MANIFESTS, kustomize_output, render_output, multinode]]
+    builtin = []
+    for name, path in cache_variants.items():  # the model-cache choices too (their TrainJob: below)
+        builtin.append(tmp_path / f"{name}-builtin.yaml")
+        builtin[-1].write_text(yaml.safe_dump_all([d for d in load_all(path) if d["kind"] != "TrainJob"]))
+    files = [str(f) for f in [*BUILTIN_MANIFESTS, kustomize_output, render_output, multinode, *builtin]]
     problems = []
     for version in KUBE_VERSIONS:
         proc = run([kv, "--strict", "--quiet", "-k", version, *files])
@@ -345,7 +397,13 @@ def test_the_image_is_set_once_for_every_workload(kustomize_output, multinode_ou
     """One edit (k8s/image) reaches the Job, the vLLM Deployment and the TrainJob, and the
     IMAGE_DIGEST their MLflow runs are tagged with."""
     docs = load_all(kustomize_output)
-    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Job", "NetworkPolicy", "ServiceAccount"]
+    assert sorted(d["kind"] for d in docs) == [
+        "ConfigMap",
+        "Job",
+        "NetworkPolicy",
+        "PersistentVolumeClaim",
+        "ServiceAccount",
+    ]
     assert not any(d["kind"] == "Secret" for d in docs), "the Secret is created by hand, never rendered"
     assert {d["metadata"]["namespace"] for d in docs} == {"orthorl"}
     c = grpo_job_container(one(docs, "Job"))
@@ -356,8 +414,8 @@ def test_the_image_is_set_once_for_every_workload(kustomize_output, multinode_ou
     t = one(multi, "TrainJob")["spec"]["trainer"]
     assert t["image"] == TEST_IMAGE
     assert {e["name"]: e.get("value") for e in t["env"]}["IMAGE_DIGEST"] == TEST_IMAGE
-    vllm = one(multi, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert vllm["image"] == TEST_IMAGE
+    vllm_pod = one(multi, "Deployment")["spec"]["template"]["spec"]
+    assert [c["image"] for c in vllm_pod["initContainers"] + vllm_pod["containers"]] == [TEST_IMAGE] * 2
     assert trainjob_errors(one(multi, "TrainJob")) == []
     assert not api_image_errors(multi)
     # the image appears in exactly one file a user edits
@@ -430,8 +488,69 @@ def test_node_selector_and_queue_knobs(tmp_path):
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-q"
 
 
+def test_model_cache_choices(kustomize_output, multinode_output, cache_variants):
+    """The model cache (/cache) survives retries by default: the Job's and the vLLM server's are
+    claims. k8s/model-cache/emptydir makes it per-pod scratch (ephemeral-storage limit raised to
+    match, claims dropped), and `orthojob k8s render --model-cache emptydir` renders the same;
+    k8s/model-cache/shared gives the TrainJob's node pods one ReadWriteMany claim."""
+    from orthojob.k8s import Overrides, render
+
+    def volumes(pod: dict) -> dict[str, dict]:
+        return {v["name"]: v for v in pod["volumes"]}
+
+    default = load_all(kustomize_output)
+    job_pod = one(default, "Job")["spec"]["template"]["spec"]
+    claim = one(default, "PersistentVolumeClaim")["metadata"]["name"]
+    assert volumes(job_pod)["cache"]["persistentVolumeClaim"]["claimName"] == claim
+    scratch = load_all(cache_variants["k8s-emptydir"])
+    assert not [d for d in scratch if d["kind"] == "PersistentVolumeClaim"]
+    pod = one(scratch, "Job")["spec"]["template"]["spec"]
+    assert volumes(pod)["cache"] == {"name": "cache", "emptyDir": {"sizeLimit": "100Gi"}}
+    assert ephemeral_limit_covers_emptydirs(pod) and not ephemeral_limit_covers_emptydirs(
+        {**pod, "containers": job_pod["containers"]}
+    ), "the limit must grow with the emptyDir"
+    rendered = render(Overrides(image=TEST_IMAGE, model_cache="emptydir")).objects
+    assert sorted(d["kind"] for d in rendered) == sorted(d["kind"] for d in scratch)
+
+    def by_name(job: dict) -> dict:  # kustomize moves a patched volume first: order means nothing
+        job = copy.deepcopy(job)
+        job["spec"]["template"]["spec"]["volumes"] = volumes(job["spec"]["template"]["spec"])
+        return job["spec"]
+
+    assert by_name(one(rendered, "Job")) == by_name(one(scratch, "Job"))
+
+    multi = load_all(multinode_output)
+    assert volumes(one(multi, "Deployment")["spec"]["template"]["spec"])["cache"]["persistentVolumeClaim"]
+    shared = load_all(cache_variants["multinode-shared"])
+    tj = one(shared, "TrainJob")
+    assert trainjob_errors(tj) == []
+    node_pod = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    node_vols = volumes(node_pod["template"]["spec"]["template"]["spec"])
+    rwx = next(d for d in shared if d["metadata"]["name"] == "orthorl-model-cache-shared")
+    assert node_vols["cache"]["persistentVolumeClaim"]["claimName"] == rwx["metadata"]["name"]
+    assert rwx["spec"]["accessModes"] == ["ReadWriteMany"]
+    vllm_scratch = load_all(cache_variants["multinode-emptydir"])
+    assert not [d for d in vllm_scratch if d["kind"] == "PersistentVolumeClaim"]
+    vpod = one(vllm_scratch, "Deployment")["spec"]["template"]["spec"]
+    assert "emptyDir" in volumes(vpod)["cache"] and ephemeral_limit_covers_emptydirs(vpod)
+
+
 # ---------------------------------------------------------------------------------------------
 # the Job manifest's contract
+
+
+def ephemeral_limit_covers_emptydirs(pod: dict) -> bool:
+    """Every container's ephemeral-storage limit at least the emptyDirs it could fill (not the
+    memory-backed ones, not the claims)."""
+    disk = sum(
+        int(v["emptyDir"]["sizeLimit"].removesuffix("Gi"))
+        for v in pod["volumes"]
+        if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"
+    )
+    limits = [
+        int(c["resources"]["limits"]["ephemeral-storage"].removesuffix("Gi")) for c in pod["containers"]
+    ]
+    return sum(limits) >= disk
 
 
 def test_grpo_job_contract():
@@ -467,8 +586,16 @@ def test_grpo_job_contract():
     vols = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert vols[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-    for path in ("/cache", "/tmp", "/work", "/home/orthorl"):
+    for path in ("/tmp", "/work", "/home/orthorl"):
         assert "emptyDir" in vols[mounts[path]], f"{path} must be a writable emptyDir"
+    # the model cache (/cache: HF_HOME, ORTHORL_MODEL_CACHE in the image) outlives pods and Jobs
+    claim = one(docs, "PersistentVolumeClaim")
+    assert vols[mounts["/cache"]]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["metadata"]["labels"]["app.kubernetes.io/component"] == "shared"
+    assert (
+        claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+        and claim["spec"]["resources"]["requests"]["storage"]
+    )
     psc, csc = pod["securityContext"], c["securityContext"]
     assert psc["runAsNonRoot"] and psc["seccompProfile"]["type"] == "RuntimeDefault"
     assert csc["allowPrivilegeEscalation"] is False and csc["readOnlyRootFilesystem"] is True
@@ -479,13 +606,8 @@ def test_grpo_job_contract():
     # the Secret is optional: IRSA / Workload Identity give the pod credentials without one
     assert next(src for src in c["envFrom"] if "secretRef" in src)["secretRef"]["optional"] is True
     # ephemeral storage requested and bounded: the emptyDirs count against it
-    disk = sum(
-        int(v["emptyDir"]["sizeLimit"].removesuffix("Gi"))
-        for v in pod["volumes"]
-        if v["emptyDir"].get("medium") != "Memory"
-    )
     assert c["resources"]["requests"]["ephemeral-storage"]
-    assert int(c["resources"]["limits"]["ephemeral-storage"].removesuffix("Gi")) >= disk
+    assert ephemeral_limit_covers_emptydirs(pod)
     # SIGTERM -> checkpoint -> exit 143 needs time to save and sync
     assert pod["terminationGracePeriodSeconds"] >= 300
     used = set(re.findall(r"\$\((\w+)\)", " ".join(c["args"])))
@@ -581,6 +703,8 @@ def pet_env(doc: dict) -> dict[str, str]:
         "PET_NODE_RANK": "0",
         "PET_MASTER_ADDR": "orthorl-grpo-multinode-node-0-0.orthorl-grpo-multinode",
         "PET_MASTER_PORT": "29400",
+        # and the ConfigMap's MODEL (vllm.yaml), which the TrainJob's env reads
+        "MODEL": one(load_all(VLLM), "ConfigMap")["data"]["MODEL"],
     }
 
 
@@ -642,10 +766,32 @@ def test_vllm_server_is_vllm_serve_with_what_trl_needs():
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["vllm", "serve"]
     args = c["args"]
-    model = args[0]
     trainjob = one(load_all(TRAINJOB), "TrainJob")
     targs = trainjob["spec"]["trainer"]["args"]
-    assert model == targs[targs.index("--model") + 1], "the server must serve the model being trained"
+    # the server serves the model being trained: both read MODEL from one ConfigMap key; the init
+    # container fetches it (hub, s3:// or a folder) into the cache and links it where vllm loads it
+    cm = one(docs, "ConfigMap")
+    model = cm["data"]["MODEL"]
+    init = one(
+        [{"kind": i["name"], **i} for i in dep["spec"]["template"]["spec"]["initContainers"]], "fetch-model"
+    )
+    assert init["command"][:4] == ["orthojob", "model", "fetch", "$(MODEL)"]
+    assert init["command"][init["command"].index("--link") + 1] == args[0]
+    assert args[args.index("--served-model-name") + 1] == "$(MODEL)" == targs[targs.index("--model") + 1]
+    ref = {"configMapKeyRef": {"name": cm["metadata"]["name"], "key": "MODEL"}}
+    for where in (c["env"], init["env"], trainjob["spec"]["trainer"]["env"]):
+        assert {e["name"]: e for e in where}["MODEL"]["valueFrom"] == ref
+    init_env = {e["name"]: e for e in init["env"]}
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "HF_TOKEN"):
+        assert init_env[name]["valueFrom"]["secretKeyRef"]["optional"] is True, name
+    cli = cli_parser().parse_args(init["command"][1:])
+    assert cli.model_command == "fetch"
+    # the cache: a claim of its own (one replica, Recreate: the old pod lets go of it first)
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    claim = one([d for d in docs if d["kind"] == "PersistentVolumeClaim"], "PersistentVolumeClaim")
+    assert vols["cache"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert dep["spec"]["strategy"]["type"] == "Recreate" and dep["spec"]["replicas"] == 1
+    assert ephemeral_limit_covers_emptydirs(dep["spec"]["template"]["spec"])
     port = args[args.index("--port") + 1]
     assert port == str(c["ports"][0]["containerPort"])
     env = {e["name"]: e for e in c["env"]}
@@ -1003,8 +1149,9 @@ def test_render_then_submit_request_bodies_field_by_field():
     from orthojob.k8s import CONFIG_KEYS, Overrides, render, submit
 
     manifest = load_all(K8S / "grpo-job.yaml")
-    m_sa, m_cm, m_np, m_job = (
-        one(manifest, k) for k in ("ServiceAccount", "ConfigMap", "NetworkPolicy", "Job")
+    m_sa, m_pvc, m_cm, m_np, m_job = (
+        one(manifest, k)
+        for k in ("ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "NetworkPolicy", "Job")
     )
     rendered = render(Overrides(**OVERRIDES))
     assert load_all(K8S / "grpo-job.yaml") == manifest, "render must not change the manifest file"
@@ -1015,15 +1162,20 @@ def test_render_then_submit_request_bodies_field_by_field():
     cm_name = f"{m_cm['metadata']['name']}-{OVERRIDES['name_suffix']}"
     assert [(m, u.removeprefix("https://cluster.test")) for m, u, _ in rec.calls] == [
         ("POST", f"/api/v1/namespaces/{ns}/serviceaccounts"),
+        ("POST", f"/api/v1/namespaces/{ns}/persistentvolumeclaims"),
         ("POST", f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies"),
         ("POST", f"/api/v1/namespaces/{ns}/configmaps"),
         ("POST", f"/apis/batch/v1/namespaces/{ns}/jobs"),
         ("PATCH", f"/api/v1/namespaces/{ns}/configmaps/{cm_name}"),
     ]
-    sa_body, np_body, cm_body, job_body, patch_body = (b for _, _, b in rec.calls)
+    sa_body, pvc_body, np_body, cm_body, job_body, patch_body = (b for _, _, b in rec.calls)
 
-    # shared objects: the manifest's, moved to the namespace
+    # shared objects: the manifest's, moved to the namespace (the model cache is not per Job)
     assert diff_paths(m_sa, sa_body) == {"/metadata/namespace"} and sa_body["metadata"]["namespace"] == ns
+    assert (
+        diff_paths(m_pvc, pvc_body) == {"/metadata/namespace"}
+        and pvc_body["metadata"]["name"] == m_pvc["metadata"]["name"]
+    )
     assert diff_paths(m_np, np_body) == {"/metadata/namespace"} and np_body["metadata"]["namespace"] == ns
 
     # ConfigMap: renamed, namespaced, and exactly the overridden keys changed
@@ -1058,10 +1210,10 @@ def test_render_then_submit_request_bodies_field_by_field():
         "apiVersion": "batch/v1",
         "kind": "Job",
         "name": job_name,
-        "uid": "uid-4",
+        "uid": "uid-5",
         "blockOwnerDeletion": False,
     }
-    assert done.job_name == job_name and done.job_uid == "uid-4" and done.namespace == ns
+    assert done.job_name == job_name and done.job_uid == "uid-5" and done.namespace == ns
 
 
 def _key(path: str) -> str:
@@ -1073,19 +1225,25 @@ def _key(path: str) -> str:
 @pytest.mark.parametrize(("status", "reason"), [(409, "AlreadyExists"), (403, "Forbidden")])
 def test_submit_leaves_existing_shared_objects_alone(status, reason):
     """409 (it exists) and 403 (a multi-tenant namespace where an admin made them) on the shared
-    ServiceAccount and NetworkPolicy are fine: submit goes on with the ConfigMap and the Job."""
+    ServiceAccount, model-cache claim and NetworkPolicy are fine: submit goes on with the ConfigMap and the Job."""
     from orthojob.k8s import Overrides, render, submit
 
     def refuse(method, url, body):
-        if method == "POST" and url.endswith(("/serviceaccounts", "/networkpolicies")):
+        if method == "POST" and url.endswith(
+            ("/serviceaccounts", "/persistentvolumeclaims", "/networkpolicies")
+        ):
             return FakeResponse(status, {"kind": "Status", "reason": reason, "code": status})
         return None
 
     apis, rec = recording_apis(refuse)
     done = submit(render(Overrides(image=TEST_IMAGE)), apis)
     assert [c.split("/")[0] for c in done.created] == ["ConfigMap", "Job"]
-    assert [c.split("/")[0] for c in done.skipped] == ["ServiceAccount", "NetworkPolicy"]
-    assert [m for m, _, _ in rec.calls] == ["POST", "POST", "POST", "POST", "PATCH"]
+    assert [c.split("/")[0] for c in done.skipped] == [
+        "ServiceAccount",
+        "PersistentVolumeClaim",
+        "NetworkPolicy",
+    ]
+    assert [m for m, _, _ in rec.calls] == ["POST", "POST", "POST", "POST", "POST", "PATCH"]
 
 
 def test_submit_still_fails_on_a_forbidden_job():
