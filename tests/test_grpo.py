@@ -276,6 +276,65 @@ def test_grpo_trainer_calls_the_five_rewards(tiny_model, tmp_path):
     assert "margin_over_slerp" in gate["checks"]
 
 
+TRL_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "completions/mean_length",
+            "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+            "loss", "grad_norm", "learning_rate")  # fmt: skip
+"""What TRL 1.16's GRPOTrainer logs per step (``kl`` only with beta > 0) and the stage run must receive."""
+
+
+def test_mlflow_run_gets_the_completion_table_and_the_grpo_diagnostics(tiny_model, tmp_path, monkeypatch):
+    """A 2-step GRPO run in an MLflow run (sqlite store): TRL's metric keys, each reward's within-group
+    std and the reward time share are metrics of the run, and the table completions.json holds one row
+    per recorded completion (2 groups of 2 per step, capped to 3 rows: the first whole group), with
+    TRL's group-normalised advantages and the canaries."""
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    from orthojob import tracking
+    from orthojob.canaries import CANARIES
+
+    monkeypatch.chdir(tmp_path)  # the sqlite store keeps the experiment's artifacts beside the database
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    config = _tiny_config(
+        tiny_model, tmp_path / "grpo", num_generations=2, beta=0.04, completions_table_rows=3, lr=1e-3
+    )
+    validate(config)
+    with tracking.stage_run("grpo", experiment="grpo-diagnostics") as run:
+        result = grpo_trainer.train(config)
+    assert result.trainer.state.global_step == 2 and 0 < result.reward_seconds < sum(result.step_times)
+
+    client = MlflowClient()
+    names = [f"rewards/{n}/{stat}" for n in FIVE for stat in ("mean", "std", "group_std")]
+    for key in (*TRL_KEYS, *names, "reward_time_share", "env/parse_rate"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert [m.step for m in history] == [1, 2], key
+        assert all(math.isfinite(m.value) for m in history), key
+    for m in client.get_metric_history(run.info.run_id, "reward_time_share"):
+        assert 0.0 < m.value < 1.0
+
+    table = client.load_table(run.info.experiment_id, "completions.json", run_ids=[run.info.run_id])
+    records = [json.loads(line) for line in (Path(config.out) / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 4
+    columns = {"step", "group", "task_id", "seed", "force_decay", "completion", *FIVE, "reward", "advantage",
+               "terminal", "strategy_accuracy", "parse", *CANARIES, "strategy", "broken_rules",
+               "degenerate_form"}  # fmt: skip
+    assert columns <= set(table.columns)
+    assert len(table) == 2 * 2 and sorted(table["step"]) == [1, 1, 2, 2] and set(table["group"]) == {0}
+    for step in (1, 2):
+        rows = table[table["step"] == step]
+        first_group = [r for r in records if r["step"] == step][:2]
+        assert list(rows["completion"]) == [r["completion"] for r in first_group]
+        assert list(rows["seed"]) == [r["seed"] for r in first_group] and len(set(rows["seed"])) == 1
+        for name in FIVE:
+            assert list(rows[name]) == pytest.approx([r["rewards"][name] for r in first_group])
+        # TRL's advantage (scale_rewards "group"): (reward - group mean) / (group std + 1e-4), summing to 0
+        total = np.asarray(rows["reward"], dtype=float)
+        expected = (total - total.mean()) / (total.std(ddof=1) + 1e-4)
+        assert np.asarray(rows["advantage"], dtype=float) == pytest.approx(expected, abs=1e-3)
+        assert abs(float(rows["advantage"].sum())) < 1e-3
+        assert set(rows["parse"]) <= {0.0, 1.0}
+
+
 def test_ddp_two_processes(tiny_model, tmp_path):
     import shutil
 
