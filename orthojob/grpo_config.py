@@ -27,8 +27,9 @@ from orthojob.run_identity import POLICIES
 from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START
 
 VLLM_MODES: tuple[str, ...] = ("colocate", "server")
-LOSS_TYPES: tuple[str, ...] = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
-"""TRL's GRPO loss formulations (``GRPOConfig.loss_type``; TRL 1.15 and 1.16 default to ``dapo``)."""
+LOSS_TYPES: tuple[str, ...] = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")
+"""TRL's GRPO loss formulations that need no other setting (``GRPOConfig.loss_type``; TRL 1.15 and 1.16 default
+to ``dapo``; clip ratios are logged for all but ``cispo``, which logs ``cispo_clip_ratio``)."""
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 """How TRL divides the centred rewards into advantages (``GRPOConfig.scale_rewards``; default ``group``)."""
 LR_SCHEDULERS: tuple[str, ...] = ("linear", "constant", "cosine", "constant_with_warmup")

@@ -9,7 +9,9 @@
    executable plans with random strategies and random feasible groups (no clinical choice). The
    checkpoint is kept in ``<out>/stage0`` and reused by later runs with the same settings
    (``--fresh-stage0`` rebuilds it);
-3. **GRPO** (``trl.GRPOTrainer``, the project's five reward functions, weight 1 each) from stage 0,
+3. **GRPO** through the job's trainer (:func:`orthojob.grpo_trainer.train` with the
+   :class:`~orthojob.grpo_config.GRPOJobConfig` of :func:`grpo_job_config`: TRL's GRPOTrainer, the
+   project's five reward functions, weight 1 each) from stage 0,
    with settings chosen so that a group has reward variance: temperature 1, 8 completions per
    prompt, few training prompts reused across steps, ``beta`` 0, DAPO loss, group-scaled rewards,
    a learning rate that moves a 1M-parameter model;
@@ -21,8 +23,10 @@
    seeds as reference rows.
 
 Writes ``<out>/learning.json`` (settings, references, per-step evaluations, TRL's log history with
-``frac_reward_zero_std``, entropy, KL, clip ratios, completion lengths, per-reward std, reward time
-share) and ``<out>/learning.png``.
+``frac_reward_zero_std``, entropy, KL, clip ratios, completion lengths, per-reward std and
+within-group std, ``reward_time_share`` per step) and ``<out>/learning.png``. Inside an active MLflow
+run the GRPO stage also logs its metrics and the completion table there (README, "What a GRPO run
+logs to MLflow").
 """
 
 from __future__ import annotations
