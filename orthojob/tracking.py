@@ -365,7 +365,8 @@ def log_table_rows(rows: list[dict], artifact_file: str) -> bool:
         return False
     columns = {k: [redact(v) if isinstance(v, str) else v for v in (r.get(k) for r in rows)] for k in rows[0]}
     try:
-        mlflow.log_table(columns, artifact_file=artifact_file)
+        with _env({"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}):  # a download bar per step otherwise
+            mlflow.log_table(columns, artifact_file=artifact_file)
     except Exception as exc:
         log.warning("MLflow table %s not logged: %s", artifact_file, redact(str(exc))[:300])
         return False
