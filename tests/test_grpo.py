@@ -276,6 +276,13 @@ def test_grpo_trainer_calls_the_five_rewards(tiny_model, tmp_path):
     assert "margin_over_slerp" in gate["checks"]
 
 
+def test_group_std_is_the_mean_within_group_std():
+    nan = math.nan
+    assert grpo_trainer.group_std([0.0, 2.0, 5.0, 5.0], 2) == pytest.approx(math.sqrt(2) / 2)
+    assert grpo_trainer.group_std([1.0, nan, 3.0, 5.0], 2) == pytest.approx(math.sqrt(2))  # NaN-aware
+    assert math.isnan(grpo_trainer.group_std([nan, 1.0, nan, 2.0], 2))  # no group with two values
+
+
 TRL_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "completions/mean_length",
             "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
             "loss", "grad_norm", "learning_rate")  # fmt: skip
