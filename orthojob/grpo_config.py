@@ -24,13 +24,21 @@ from orthojob.flags import CollectPairs, name_list, name_weight, non_negative_in
 from orthojob.models import TINY_MODEL
 from orthojob.rewards import active_reward_funcs, reward_weights
 from orthojob.run_identity import POLICIES
-from server.cases import TASK_IDS
+from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START
 
 VLLM_MODES: tuple[str, ...] = ("colocate", "server")
+LOSS_TYPES: tuple[str, ...] = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")
+"""TRL's GRPO loss formulations that need no other setting (``GRPOConfig.loss_type``; TRL 1.15 and 1.16 default
+to ``dapo``; clip ratios are logged for all but ``cispo``, which logs ``cispo_clip_ratio``)."""
+SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
+"""How TRL divides the centred rewards into advantages (``GRPOConfig.scale_rewards``; default ``group``)."""
+LR_SCHEDULERS: tuple[str, ...] = ("linear", "constant", "cosine", "constant_with_warmup")
 COMPLETIONS_FILE = "completions.jsonl"
 """In ``--out``: every training completion with its step, case and rewards (``--analyze`` reads it)."""
 TRAIN_LOG_FILE = "train_log.json"
 """In ``--out``: TRL's log history."""
+COMPLETIONS_TABLE = "completions.json"
+"""The stage run's MLflow table (``mlflow.log_table``) of training completions, rows added every step."""
 
 
 class ConfigError(ValueError):
@@ -113,8 +121,40 @@ class GRPOJobConfig:
             "type": non_negative_int,
         },
     )
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient; > 0 loads a reference model"})
+    beta: float = field(
+        default=0.0,
+        metadata={"help": "KL coefficient; > 0 loads a reference model (and TRL logs kl)"},
+    )
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    loss_type: str = field(
+        default="dapo",
+        metadata={"help": "TRL's GRPO loss formulation (GRPOConfig.loss_type)", "choices": LOSS_TYPES},
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "advantage = (reward - group mean) / std of the group, of the batch, or not scaled",
+            "choices": SCALE_REWARDS,
+        },
+    )
+    lr_scheduler_type: str = field(
+        default="linear", metadata={"help": "learning-rate schedule (no warm-up)", "choices": LR_SCHEDULERS}
+    )
+    prompt_seed_start: int = field(
+        default=TRAIN_SEED_START,
+        metadata={
+            "help": f"training prompts are the cases from this seed up (below the held-out {HELDOUT_SEED_START:,})",
+            "type": non_negative_int,
+        },
+    )
+    completions_table_rows: int = field(
+        default=64,
+        metadata={
+            "help": "completions per step added to the MLflow table completions.json (whole prompt groups "
+            "first); 0 = no table",
+            "type": non_negative_int,
+        },
+    )
     gradient_checkpointing: bool = field(
         default=True, metadata={"help": "gradient checkpointing", "negatable": True, "show_default": False}
     )
@@ -171,6 +211,24 @@ class GRPOJobConfig:
         if self.beta < 0 or self.temperature <= 0:
             raise ConfigError(
                 f"--beta must be >= 0 and --temperature > 0, got {self.beta}, {self.temperature}"
+            )
+        for name, allowed in (
+            ("loss_type", LOSS_TYPES),
+            ("scale_rewards", SCALE_REWARDS),
+            ("lr_scheduler_type", LR_SCHEDULERS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        for name in ("prompt_seed_start", "completions_table_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
+        if self.prompt_seed_start >= HELDOUT_SEED_START:
+            raise ConfigError(
+                f"--prompt-seed-start must be below the held-out seeds ({HELDOUT_SEED_START}), "
+                f"got {self.prompt_seed_start}"
             )
         if self.task_id not in TASK_IDS:
             raise ConfigError(f"--task-id must be one of {', '.join(TASK_IDS)}, got {self.task_id!r}")
@@ -246,6 +304,10 @@ def validate(config: GRPOJobConfig, n_processes: int | None = None, cuda: bool |
 
 __all__ = [
     "COMPLETIONS_FILE",
+    "COMPLETIONS_TABLE",
+    "LOSS_TYPES",
+    "LR_SCHEDULERS",
+    "SCALE_REWARDS",
     "TRAIN_LOG_FILE",
     "VLLM_MODES",
     "ConfigError",

@@ -3,7 +3,12 @@
 * :func:`build_grpo_args`: TRL's ``GRPOConfig`` of a :class:`orthojob.grpo_config.GRPOJobConfig`
   (bf16 only where the GPU has it; vLLM colocate or server on request).
 * :class:`RecordingGRPOTrainer`: GRPOTrainer that appends every generated completion (with its case
-  and rewards) to ``completions.jsonl`` and logs ``env/*`` diagnostics per step.
+  and rewards) to ``completions.jsonl``, adds up to ``completions_table_rows`` of them per step to the
+  MLflow table ``completions.json`` (case, completion, each reward, TRL's advantage and the clinical
+  canaries that are not rewards), and logs per step, beside TRL's own metrics: ``env/*`` diagnostics,
+  ``rewards/<name>/group_std`` (each reward's std within a prompt's group, averaged over the groups;
+  TRL's ``rewards/<name>/std`` is over the whole batch) and ``reward_time_share`` (the reward
+  functions' wall time as a share of the optimizer step's).
 * :func:`train`: loads the policy through :mod:`orthojob.models` (Unsloth 4-bit on a GPU when it
   imports, else PEFT LoRA, QLoRA on a GPU; full fine-tuning with ``lora_r 0``), trains, saves, and
   calls ``on_saved(out)`` on rank 0 before the ranks part (the job runs the GRPO gate there).
@@ -16,16 +21,21 @@ before TRL where it is used, which is why :mod:`orthojob.grpo` imports this modu
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import logging
+import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
@@ -33,8 +43,10 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from orthojob import models, tracking
+from orthojob.canaries import rollout_record
 from orthojob.grpo_config import (
     COMPLETIONS_FILE,
+    COMPLETIONS_TABLE,
     TRAIN_LOG_FILE,
     ConfigError,
     GRPOJobConfig,
@@ -43,12 +55,16 @@ from orthojob.grpo_config import (
 )
 from orthojob.mlops import checkpoint_sync_callback, env_diagnostics
 from orthojob.parsing import completion_text
-from orthojob.prompts import TRAIN_SEED_START, prompt_rows
+from orthojob.prompts import prompt_rows
 from orthojob.records import json_value
 from orthojob.rewards import RewardFunc, reward_weights
-from server.cases import CaseKey
+from orthojob.rollouts import DEFAULT_CACHE
+from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 
 log = logging.getLogger(__name__)
+
+TABLE_TEXT_CHARS = 4000
+"""A completion's text in the MLflow table is cut to this many characters (completions.jsonl keeps it whole)."""
 
 
 def build_grpo_args(
@@ -67,6 +83,9 @@ def build_grpo_args(
         "max_completion_length": config.max_completion_length,
         "temperature": config.temperature,
         "beta": config.beta,
+        "loss_type": config.loss_type,
+        "scale_rewards": config.scale_rewards,
+        "lr_scheduler_type": config.lr_scheduler_type,
         "seed": config.seed,
         "logging_steps": 1,
         "report_to": "none",
@@ -95,25 +114,111 @@ def build_grpo_args(
     return GRPOConfig(**kwargs), funcs
 
 
+def _timeable(func: Any) -> bool:
+    """A plain synchronous reward function (not a model id, a reward model or a coroutine)."""
+    return (
+        callable(func)
+        and hasattr(func, "__name__")
+        and not isinstance(func, (str, torch.nn.Module))
+        and not inspect.iscoroutinefunction(func)
+    )
+
+
+def group_std(values: Sequence[float], group_size: int) -> float:
+    """The mean over consecutive groups of ``group_size`` of each group's std (NaN-aware, Bessel-corrected
+    as TRL's ``nanstd``); NaN when no group has two finite values."""
+    arr = np.asarray(values, dtype=float).reshape(-1, group_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # groups with < 2 finite values
+        stds = np.nanstd(arr, axis=1, ddof=1)
+        return float(np.nanmean(stds)) if np.isfinite(stds).any() else math.nan
+
+
+class _RewardClock(TrainerCallback):
+    """Reward functions' wall time as a share of each optimizer step (generation + scoring + update):
+    the trainer's ``reward_time_share`` metric. First in the callback list, so that a later
+    callback's work at ``on_step_end`` (an evaluation) is not counted in the step."""
+
+    def __init__(self, trainer: RecordingGRPOTrainer):
+        self.trainer = trainer
+        self.t0 = 0.0
+        self.r0 = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.t0 = time.perf_counter()
+        self.r0 = self.trainer.reward_seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        wall = time.perf_counter() - self.t0
+        self.trainer.step_seconds += wall
+        if wall > 0:
+            share = (self.trainer.reward_seconds - self.r0) / wall
+            self.trainer._metrics["train"]["reward_time_share"].append(share)
+
+
 class RecordingGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer that appends every generated completion (with its case and rewards) to a JSONL file.
+    """GRPOTrainer that records every generated completion and logs the diagnostics of its rewards.
 
     It hooks ``_generate_and_score_completions`` (one call per generation batch): afterwards TRL's
-    ``_logs`` hold exactly that batch, gathered from all processes, in the order of the inputs.
-    The case keys are gathered the same way. Rank 0 writes; all ranks join the gather.
+    ``_logs`` hold exactly that batch, gathered from all processes, in the order of the inputs
+    (prompt groups of ``num_generations`` consecutive completions, with TRL's advantages). The case
+    keys are gathered the same way. Rank 0 writes ``completions.jsonl`` and buffers up to
+    :attr:`table_rows` rows, which :meth:`log` appends to the active MLflow run's table
+    :attr:`table_file`; all ranks join the gather. The reward functions are wrapped to time them
+    (names kept): ``reward_time_share`` per step, :attr:`reward_seconds` and :attr:`step_seconds`
+    over the run.
     """
 
     record_completions: bool = False  # set on every rank: the gather below is collective
     completions_path: Path | None = None  # set on rank 0 only
+    table_rows: int = 0  # rows per logging step for the MLflow table (rank 0); 0 = no table
+    table_file: str = COMPLETIONS_TABLE
     _record_warned = False
+
+    def __init__(self, model, reward_funcs, *args, **kwargs):
+        self.reward_seconds = 0.0  # this rank's reward functions, over the run
+        self.step_seconds = 0.0  # this rank's optimizer steps, over the run
+        self._table: list[dict] = []
+        if isinstance(reward_funcs, (list, tuple)):
+            reward_funcs = [self._timed(f) if _timeable(f) else f for f in reward_funcs]
+        elif _timeable(reward_funcs):
+            reward_funcs = self._timed(reward_funcs)
+        super().__init__(model, reward_funcs, *args, **kwargs)
+        self.callback_handler.callbacks.insert(0, _RewardClock(self))
+
+    def _timed(self, func: Callable) -> Callable:
+        @functools.wraps(func)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.reward_seconds += time.perf_counter() - t0
+
+        return timed
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if self.record_completions and self.model.training:
-            cases = gather_object([CaseKey.of_row(x) for x in inputs])
-            if self.accelerator.is_main_process and self.completions_path is not None:
-                self._record([CaseKey(*c) for c in cases])
+        if self.model.training:
+            self._log_group_std(len(inputs) * self.accelerator.num_processes)
+            if self.record_completions:
+                cases = gather_object([CaseKey.of_row(x) for x in inputs])
+                if self.accelerator.is_main_process and (
+                    self.completions_path is not None or self.table_rows
+                ):
+                    self._record([CaseKey(*c) for c in cases])
         return output
+
+    def _log_group_std(self, n: int) -> None:
+        """``rewards/<name>/group_std`` of the batch just scored (``n`` completions, every rank)."""
+        size = self.num_generations
+        logs = getattr(self, "_logs", None)
+        if not logs or n % size:
+            return
+        for name in self.reward_func_names:
+            values = list(logs["rewards"][name])[-n:] if name in logs["rewards"] else []
+            if len(values) == n:
+                self._metrics["train"][f"rewards/{name}/group_std"].append(group_std(values, size))
 
     def _record(self, cases: list[CaseKey]) -> None:
         logs = getattr(self, "_logs", None)
@@ -131,19 +236,76 @@ class RecordingGRPOTrainer(GRPOTrainer):
             return
         step = self.state.global_step + 1  # the first optimizer step that trains on this batch
         texts = [completion_text(t) for t in texts]
-        with open(self.completions_path, "a", encoding="utf-8") as fh:
-            for i, case in enumerate(cases):
-                rec = {
-                    "step": step,
-                    "seed": json_value(case.seed),
-                    "task_id": case.task_id,
-                    "force_decay": case.force_decay,
-                    "completion": texts[i],
-                    "rewards": {k: json_value(float(v[i])) for k, v in rewards.items()},
-                    "advantage": json_value(float(advantages[i])),
-                }
-                fh.write(json.dumps(rec) + "\n")
+        if self.completions_path is not None:
+            with open(self.completions_path, "a", encoding="utf-8") as fh:
+                for i, case in enumerate(cases):
+                    rec = {
+                        "step": step,
+                        "seed": json_value(case.seed),
+                        "task_id": case.task_id,
+                        "force_decay": case.force_decay,
+                        "completion": texts[i],
+                        "rewards": {k: json_value(float(v[i])) for k, v in rewards.items()},
+                        "advantage": json_value(float(advantages[i])),
+                    }
+                    fh.write(json.dumps(rec) + "\n")
+        if self.table_rows:
+            try:
+                self._table_rows(step, texts, rewards, advantages, cases)
+            except Exception as exc:  # the table never stops training
+                log.warning("completion table rows skipped: %s", exc)
         self._log_env_diagnostics(texts, cases)
+
+    def _table_rows(
+        self,
+        step: int,
+        texts: list[str],
+        rewards: dict[str, list],
+        advantages: list,
+        cases: list[CaseKey],
+    ) -> None:
+        """Buffer rows for the MLflow table: whole prompt groups first, up to :attr:`table_rows` per
+        logging step; each row the case, the completion, every reward, TRL's weighted sum and
+        advantage, and the canaries (:func:`orthojob.canaries.rollout_record`)."""
+        size = self.num_generations
+        room = self.table_rows - len(self._table)
+        take = min(len(texts), (room // size) * size or room)
+        if take <= 0:
+            return
+        keep = range(take)
+        rollouts = DEFAULT_CACHE.get_many(
+            [texts[i] for i in keep],
+            [cases[i].seed for i in keep],
+            [cases[i].task_id for i in keep],
+            [cases[i].force_decay for i in keep],
+        )  # cache hits: the rewards scored them
+        weights = [float(w) for w in self.reward_weights.tolist()]
+        names = list(self.reward_func_names)
+        for i, rollout in zip(keep, rollouts):
+            case = cases[i]
+            values = [float(rewards[name][i]) for name in names]
+            finite = [w * v for w, v in zip(weights, values) if not math.isnan(v)]
+            self._table.append(
+                {
+                    "step": step,
+                    "group": i // size,
+                    "task_id": case.task_id,
+                    "seed": int(case.seed),
+                    "force_decay": bool(case.force_decay),
+                    "completion": texts[i][:TABLE_TEXT_CHARS],
+                    **dict(zip(names, values)),
+                    "reward": sum(finite) if finite else math.nan,
+                    "advantage": float(advantages[i]),
+                    **rollout_record(rollout, generate_case(*case)),
+                }
+            )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        super().log(logs, start_time)
+        if self._table:
+            rows, self._table = self._table, []
+            if self.accelerator.is_main_process:
+                tracking.log_table_rows(rows, self.table_file)
 
     def _log_env_diagnostics(self, texts: list[str], cases: list[CaseKey]) -> None:
         """env/* metrics of this batch (``texts``: completion texts, already normalised), averaged
@@ -180,6 +342,7 @@ class TrainResult:
     gate: Any = None
     gate_passed: bool | None = None
     step_times: list[float] = field(default_factory=list)
+    reward_seconds: float = 0.0  # the reward functions' wall time over the run (this rank)
 
 
 def trainable_digest(model) -> str:
@@ -275,7 +438,12 @@ def train(
 
     prompts_per_step = generation_batch(config, n_processes) // config.num_generations
     n_prompts = config.num_prompts or max(8, config.steps * prompts_per_step)
-    rows = prompt_rows(n_prompts, TRAIN_SEED_START, config.task_id, config.force_decay)
+    if config.prompt_seed_start + n_prompts > HELDOUT_SEED_START:
+        raise ConfigError(
+            f"--prompt-seed-start {config.prompt_seed_start} + {n_prompts} prompts reaches the held-out "
+            f"seeds ({HELDOUT_SEED_START})"
+        )
+    rows = prompt_rows(n_prompts, config.prompt_seed_start, config.task_id, config.force_decay)
     longest = max(_prompt_lengths(tokenizer, rows))
     if longest > config.max_prompt_length:
         raise ConfigError(
@@ -294,9 +462,12 @@ def train(
     )
     trainer.record_completions = True
     trainer.completions_path = out / COMPLETIONS_FILE if is_main else None
+    trainer.table_rows = config.completions_table_rows if is_main else 0
     trainer.train(resume_from_checkpoint=resume_from)
     trainer.save_model(str(out))
-    result = TrainResult(trainer=trainer, out=out, step_times=list(timer.times))
+    result = TrainResult(
+        trainer=trainer, out=out, step_times=list(timer.times), reward_seconds=trainer.reward_seconds
+    )
     if is_main:
         (out / TRAIN_LOG_FILE).write_text(
             json.dumps([json_value(row) for row in trainer.state.log_history], indent=1)
@@ -310,10 +481,12 @@ def train(
 
 
 __all__ = [
+    "TABLE_TEXT_CHARS",
     "RecordingGRPOTrainer",
     "StepTimer",
     "TrainResult",
     "build_grpo_args",
+    "group_std",
     "train",
     "trainable_digest",
 ]

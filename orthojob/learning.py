@@ -9,7 +9,9 @@
    executable plans with random strategies and random feasible groups (no clinical choice). The
    checkpoint is kept in ``<out>/stage0`` and reused by later runs with the same settings
    (``--fresh-stage0`` rebuilds it);
-3. **GRPO** (``trl.GRPOTrainer``, the project's five reward functions, weight 1 each) from stage 0,
+3. **GRPO** through the job's trainer (:func:`orthojob.grpo_trainer.train` with the
+   :class:`~orthojob.grpo_config.GRPOJobConfig` of :func:`grpo_job_config`: TRL's GRPOTrainer, the
+   project's five reward functions, weight 1 each) from stage 0,
    with settings chosen so that a group has reward variance: temperature 1, 8 completions per
    prompt, few training prompts reused across steps, ``beta`` 0, DAPO loss, group-scaled rewards,
    a learning rate that moves a 1M-parameter model;
@@ -21,8 +23,10 @@
    seeds as reference rows.
 
 Writes ``<out>/learning.json`` (settings, references, per-step evaluations, TRL's log history with
-``frac_reward_zero_std``, entropy, KL, clip ratios, completion lengths, per-reward std, reward time
-share) and ``<out>/learning.png``.
+``frac_reward_zero_std``, entropy, KL, clip ratios, completion lengths, per-reward std and
+within-group std, ``reward_time_share`` per step) and ``<out>/learning.png``. Inside an active MLflow
+run the GRPO stage also logs its metrics and the completion table there (README, "What a GRPO run
+logs to MLflow").
 """
 
 from __future__ import annotations
@@ -35,25 +39,16 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from orthojob.canaries import CANARIES, METRICS, episode_values, rollout_record  # noqa: F401 (re-exported)
 from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, CaseKey, generate_case
 
 log = logging.getLogger("orthojob.learning")
-
-CANARIES: tuple[str, ...] = (
-    "limit_violations",
-    "colliding_contacts",
-    "peak_pdl_kpa",
-    "hard_rule",
-    "degenerate",
-)
-"""Clinical canaries reported beside the reward; none of them is a reward function."""
-METRICS: tuple[str, ...] = ("terminal", "strategy_accuracy", "parse", *CANARIES)
 
 
 @dataclass(frozen=True)
@@ -108,33 +103,6 @@ def _ci(values: Sequence[float]) -> dict:
     return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(x)}
 
 
-def episode_values(result: dict | None, case, optimal: str) -> dict[str, float]:
-    """The per-episode metrics of one scored plan (``result``: a :func:`server.treatment.score_plans`
-    dict with ``plan``; None for a completion that is not a plan)."""
-    from orthojob.plan_search import degenerate_form
-    from server.reward_scaler import REWARD_MIN
-
-    if result is None:
-        nan = float("nan")
-        return {
-            "terminal": REWARD_MIN,
-            "strategy_accuracy": 0.0,
-            "parse": 0.0,
-            **dict.fromkeys(CANARIES, nan),
-        }
-    diag = result["diagnostics"]
-    return {
-        "terminal": float(result["scaled_reward"]),
-        "strategy_accuracy": float(result.get("strategy") == optimal),
-        "parse": 1.0,
-        "limit_violations": float(diag.get("limit_violations", 0.0)),
-        "colliding_contacts": float(diag.get("colliding_contacts", 0.0)),
-        "peak_pdl_kpa": float(diag.get("peak_pdl_kpa", 0.0)),
-        "hard_rule": float(bool(result["broken_rules"])),
-        "degenerate": float(degenerate_form(case, result["plan"]) is not None),
-    }
-
-
 def summarise(episodes: Sequence[dict[str, float]]) -> dict[str, dict]:
     return {m: _ci([e[m] for e in episodes]) for m in METRICS}
 
@@ -178,19 +146,8 @@ def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: i
     rolls = score_texts(texts, list(cases))
     episodes = []
     for r, c in zip(rolls, cases):
-        case = generate_case(*c)
-        result = (
-            None
-            if r.error
-            else {
-                "scaled_reward": r.scaled_reward,
-                "strategy": r.strategy,
-                "diagnostics": r.diagnostics,
-                "broken_rules": r.broken_rules,
-                "plan": r.plan,
-            }
-        )
-        episodes.append(episode_values(result, case, case.optimal_strategy))
+        record = rollout_record(r, generate_case(*c))
+        episodes.append({m: record[m] for m in METRICS})
     summary = summarise(episodes)
     summary["strategies"] = {
         s: sum(str(r.strategy) == s for r in rolls) for s in sorted({str(r.strategy) for r in rolls})
@@ -293,74 +250,75 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def timed_rewards(funcs: Sequence[Callable], clock: dict) -> list[Callable]:
-    """The reward functions wrapped to add their wall time to ``clock["seconds"]`` (names kept)."""
-
-    def wrap(f):
-        def timed(completions, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return f(completions, **kwargs)
-            finally:
-                clock["seconds"] += time.perf_counter() - t0
-
-        timed.__name__ = f.__name__
-        return timed
-
-    return [wrap(f) for f in funcs]
-
-
 @dataclass
 class Progress:
     evals: list = field(default_factory=list)
     step_seconds: list = field(default_factory=list)
 
 
-def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progress: Progress, save) -> dict:
-    """GRPO from the stage-0 checkpoint with an evaluation callback; returns timing and TRL's logs."""
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+GRPO_PROMPT_SEED_START = TRAIN_SEED_START + 50_000
+"""The GRPO training prompts' first seed (away from the stage-0 demonstrations' seeds)."""
+MAX_SEQ_LENGTH = 2048
 
-    from orthojob import models
-    from orthojob.prompts import prompt_rows
-    from orthojob.rewards import REWARD_FUNCS
 
-    model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=2048)
-    rows = prompt_rows(cfg.num_prompts, TRAIN_SEED_START + 50_000, cfg.task_id, False)
-    clock = {"seconds": 0.0}
-    funcs = timed_rewards(list(REWARD_FUNCS.values()), clock)
-    batch = cfg.num_generations * cfg.prompts_per_step
-    args = GRPOConfig(
-        output_dir=str(Path(cfg.out) / "grpo"),
-        max_steps=cfg.steps,
-        learning_rate=cfg.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
+def grpo_job_config(cfg: LearnConfig, checkpoint: Path):
+    """The :class:`orthojob.grpo_config.GRPOJobConfig` of the experiment's GRPO stage: full fine-tuning
+    of the stage-0 checkpoint, ``prompts_per_step`` prompt groups of ``num_generations`` per step, the
+    five rewards with weight 1, a constant learning rate, no checkpoints until the end."""
+    from orthojob.grpo_config import GRPOJobConfig
+
+    return GRPOJobConfig(
+        model=str(checkpoint),
+        steps=cfg.steps,
         num_generations=cfg.num_generations,
+        batch_size=cfg.num_generations * cfg.prompts_per_step,
+        grad_accum=1,
+        lr=cfg.lr,
+        lr_scheduler_type="constant",
+        lora_r=0,
+        max_prompt_length=MAX_SEQ_LENGTH - cfg.max_completion_length,
         max_completion_length=cfg.max_completion_length,
-        temperature=cfg.temperature,
+        max_seq_length=MAX_SEQ_LENGTH,
+        out=str(Path(cfg.out) / "grpo"),
+        task_id=cfg.task_id,
+        force_decay=False,
+        seed=cfg.seed,
+        num_prompts=cfg.num_prompts,
+        prompt_seed_start=GRPO_PROMPT_SEED_START,
         beta=cfg.beta,
+        temperature=cfg.temperature,
         loss_type=cfg.loss_type,
         scale_rewards=cfg.scale_rewards,
-        reward_weights=[1.0] * len(funcs),
-        seed=cfg.seed,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
         gradient_checkpointing=False,
-        dataloader_num_workers=0,
-        log_completions=False,
-        disable_tqdm=True,
+        save_steps=0,
     )
+
+
+def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progress: Progress, save) -> dict:
+    """GRPO from the stage-0 checkpoint through :func:`orthojob.grpo_trainer.train` (the job's trainer:
+    completions, MLflow table and diagnostics when a run is active), with an evaluation callback;
+    returns timing, the reward functions' share of a step and TRL's logs."""
+    from transformers import TrainerCallback
+
+    from orthojob import models
+    from orthojob.grpo_config import validate
+
+    models.device_info()  # Unsloth (on a GPU) before TRL
+    from orthojob import grpo_trainer
+
+    job = grpo_job_config(cfg, checkpoint)
+    validate(job)
     deadline = time.monotonic() + cfg.time_limit_min * 60
+    clock = {"train_begin": 0.0, "train_seconds": 0.0}
 
     class EvalAndTime(TrainerCallback):
         t0 = 0.0
+
+        def on_train_begin(self, args, state, control, **kw):
+            clock["train_begin"] = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kw):
+            clock["train_seconds"] = time.perf_counter() - clock["train_begin"]
 
         def on_step_begin(self, args, state, control, **kw):
             self.t0 = time.perf_counter()
@@ -371,7 +329,7 @@ def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progr
             if step % cfg.eval_every == 0 or step == cfg.steps or time.monotonic() > deadline:
                 row = {
                     "step": step,
-                    **evaluate_model(kw["model"], tokenizer, cases, cfg.max_completion_length),
+                    **evaluate_model(kw["model"], kw["processing_class"], cases, cfg.max_completion_length),
                 }
                 progress.evals.append(row)
                 log.info("step %d: terminal %s, strategy %s", step, row["terminal"], row["strategy_accuracy"])
@@ -380,25 +338,16 @@ def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progr
                 log.warning("time limit reached at step %d", step)
                 control.should_training_stop = True
 
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=funcs,
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        callbacks=[EvalAndTime()],
-    )
-    t0 = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - t0
-    trainer.save_model(str(Path(cfg.out) / "grpo"))
-    eval_seconds = sum(e["eval_seconds"] for e in progress.evals)
+    result = grpo_trainer.train(job, callbacks=[EvalAndTime()])
+    trainer = result.trainer
     return {
-        "grpo_seconds": seconds,
+        "grpo_seconds": clock["train_seconds"],
         "steps_done": trainer.state.global_step,
         "seconds_per_step": float(np.mean(progress.step_seconds)) if progress.step_seconds else None,
-        "reward_seconds": clock["seconds"],
-        "reward_share_of_step": clock["seconds"] / max(1e-9, seconds - eval_seconds),
+        "reward_seconds": result.reward_seconds,
+        # the optimizer steps' wall time, evaluations excluded (as the trainer's reward_time_share)
+        "reward_share_of_step": result.reward_seconds / max(1e-9, trainer.step_seconds),
+        "grpo_config": job.to_dict(),
         "log_history": trainer.state.log_history,
     }
 

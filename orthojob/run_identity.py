@@ -52,6 +52,7 @@ NOT_IDENTITY: frozenset[str] = frozenset(
         "verbose",
         "on_foreign_checkpoint",
         "from_checkpoint_local",
+        "completions_table_rows",
     }
 )
 

@@ -17,6 +17,7 @@
 * :class:`MlflowMetricsCallback` forwards the trainer's logs (TRL's
   ``rewards/<name>/mean|std``, ``reward``, ``reward_std``, ``frac_reward_zero_std``,
   completion lengths, ``kl``) per step, with valid names and without profiling spam.
+* :func:`log_table_rows` appends rows to an MLflow table of the active run (GRPO's completions).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -350,6 +352,25 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None) -> None:
             clean[metric_name(key)] = float(value)
     if clean:
         mlflow.log_metrics(clean, step=step)
+
+
+def log_table_rows(rows: list[dict], artifact_file: str) -> bool:
+    """Append ``rows`` (dicts with the same keys) to the active run's MLflow table ``artifact_file``
+    (``mlflow.log_table``: one JSON artifact per run, which MLflow extends on every call, shown as
+    one table in the run's Artifacts tab and comparable across runs in the experiment's evaluation
+    view). Strings are redacted. False, with a warning, when nothing was logged: no active run, or
+    MLflow refused (a table never stops training)."""
+    mlflow = sys.modules.get("mlflow")  # only when a stage run was opened (the job imported mlflow)
+    if not rows or mlflow is None or mlflow.active_run() is None:
+        return False
+    columns = {k: [redact(v) if isinstance(v, str) else v for v in (r.get(k) for r in rows)] for k in rows[0]}
+    try:
+        with _env({"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}):  # a download bar per step otherwise
+            mlflow.log_table(columns, artifact_file=artifact_file)
+    except Exception as exc:
+        log.warning("MLflow table %s not logged: %s", artifact_file, redact(str(exc))[:300])
+        return False
+    return True
 
 
 def trainer_callback() -> Any:

@@ -276,6 +276,92 @@ def test_grpo_trainer_calls_the_five_rewards(tiny_model, tmp_path):
     assert "margin_over_slerp" in gate["checks"]
 
 
+def test_group_std_is_the_mean_within_group_std():
+    nan = math.nan
+    assert grpo_trainer.group_std([0.0, 2.0, 5.0, 5.0], 2) == pytest.approx(math.sqrt(2) / 2)
+    assert grpo_trainer.group_std([1.0, nan, 3.0, 5.0], 2) == pytest.approx(math.sqrt(2))  # NaN-aware
+    assert math.isnan(grpo_trainer.group_std([nan, 1.0, nan, 2.0], 2))  # no group with two values
+
+
+TRL_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "completions/mean_length",
+            "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+            "loss", "grad_norm", "learning_rate")  # fmt: skip
+"""What TRL 1.16's GRPOTrainer logs per step (``kl`` only with beta > 0) and the stage run must receive."""
+
+
+def test_mlflow_run_gets_the_completion_table_and_the_grpo_diagnostics(tiny_model, tmp_path, monkeypatch):
+    """A 2-step GRPO run in an MLflow run (sqlite store): TRL's metric keys, each reward's within-group
+    std and the reward time share are metrics of the run, and the table completions.json holds one row
+    per recorded completion (2 groups of 2 per step, capped to 3 rows: the first whole group), with
+    TRL's group-normalised advantages and the canaries."""
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    from orthojob import tracking
+    from orthojob.canaries import CANARIES
+
+    monkeypatch.chdir(tmp_path)  # the sqlite store keeps the experiment's artifacts beside the database
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    config = _tiny_config(
+        tiny_model, tmp_path / "grpo", num_generations=2, beta=0.04, completions_table_rows=3, lr=1e-3
+    )
+    validate(config)
+    with tracking.stage_run("grpo", experiment="grpo-diagnostics") as run:
+        result = grpo_trainer.train(config)
+    assert result.trainer.state.global_step == 2 and 0 < result.reward_seconds < sum(result.step_times)
+
+    client = MlflowClient()
+    names = [f"rewards/{n}/{stat}" for n in FIVE for stat in ("mean", "std", "group_std")]
+    for key in (*TRL_KEYS, *names, "reward_time_share", "env/parse_rate"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert [m.step for m in history] == [1, 2], key
+        assert all(math.isfinite(m.value) for m in history), key
+    for m in client.get_metric_history(run.info.run_id, "reward_time_share"):
+        assert 0.0 < m.value < 1.0
+
+    table = client.load_table(run.info.experiment_id, "completions.json", run_ids=[run.info.run_id])
+    records = [json.loads(line) for line in (Path(config.out) / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 4
+    columns = {"step", "group", "task_id", "seed", "force_decay", "completion", *FIVE, "reward", "advantage",
+               "terminal", "strategy_accuracy", "parse", *CANARIES, "strategy", "broken_rules",
+               "degenerate_form"}  # fmt: skip
+    assert columns <= set(table.columns)
+    assert len(table) == 2 * 2 and sorted(table["step"]) == [1, 1, 2, 2] and set(table["group"]) == {0}
+    for step in (1, 2):
+        rows = table[table["step"] == step]
+        first_group = [r for r in records if r["step"] == step][:2]
+        assert list(rows["completion"]) == [r["completion"] for r in first_group]
+        assert list(rows["seed"]) == [r["seed"] for r in first_group] and len(set(rows["seed"])) == 1
+        for name in FIVE:
+            assert list(rows[name]) == pytest.approx([r["rewards"][name] for r in first_group])
+        # TRL's advantage (scale_rewards "group"): (reward - group mean) / (group std + 1e-4), summing to 0
+        total = np.asarray(rows["reward"], dtype=float)
+        expected = (total - total.mean()) / (total.std(ddof=1) + 1e-4)
+        assert np.asarray(rows["advantage"], dtype=float) == pytest.approx(expected, abs=1e-3)
+        assert abs(float(rows["advantage"].sum())) < 1e-3
+        assert set(rows["parse"]) <= {0.0, 1.0}
+
+
+def test_learning_grpo_runs_through_the_job_trainer(tiny_model, tmp_path):
+    """orthojob.learning's GRPO stage: the job's trainer, the evaluation callback every step, the reward
+    time share, the experiment's prompts and a constant learning rate."""
+    from orthojob import learning
+
+    cfg = learning.LearnConfig(out=str(tmp_path), steps=2, num_generations=2, prompts_per_step=1, num_prompts=2,
+                               max_completion_length=24, eval_every=1, eval_seeds=2, lr=1e-3)  # fmt: skip
+    progress, saves = learning.Progress(), []
+    report = learning.run_grpo(
+        cfg, tiny_model, learning.heldout_cases(cfg.task_id, 2), progress, lambda: saves.append(1)
+    )
+    assert report["steps_done"] == 2 and [e["step"] for e in progress.evals] == [1, 2] and len(saves) == 2
+    assert 0 < report["reward_share_of_step"] < 1 and report["grpo_seconds"] > 0
+    rows = [r for r in report["log_history"] if "reward" in r]
+    assert [r["learning_rate"] for r in rows] == [cfg.lr, cfg.lr]
+    assert all(0 < r["reward_time_share"] < 1 for r in rows)
+    records = [json.loads(x) for x in (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()]
+    assert {r["seed"] for r in records} <= {learning.GRPO_PROMPT_SEED_START + i for i in range(2)}
+
+
 def test_ddp_two_processes(tiny_model, tmp_path):
     import shutil
 

@@ -68,3 +68,27 @@ def test_reference_rows_oracle_beats_slerp():
     assert refs["oracle"]["terminal"]["mean"] > refs["uniform_slerp"]["terminal"]["mean"]
     assert refs["oracle"]["strategy_accuracy"]["mean"] == 1.0
     assert refs["uniform_slerp"]["strategy_accuracy"]["mean"] == 0.0
+
+
+def test_learning_grpo_settings_reach_trls_config(tmp_path):
+    """run_grpo trains through the job's trainer: its GRPOJobConfig gives TRL the experiment's settings."""
+    from orthojob.grpo_config import validate
+    from orthojob.grpo_trainer import build_grpo_args
+    from orthojob.learning import GRPO_PROMPT_SEED_START, LearnConfig, grpo_job_config
+
+    cfg = LearnConfig(out=str(tmp_path))
+    job = grpo_job_config(cfg, tmp_path / "stage0")
+    validate(job, n_processes=1, cuda=False)
+    args, funcs = build_grpo_args(job, {"cuda": False, "bf16": False}, 1)
+    assert (args.per_device_train_batch_size, args.num_generations, args.gradient_accumulation_steps) == (
+        8,
+        8,
+        1,
+    )
+    assert (args.loss_type, args.scale_rewards, args.temperature, args.beta) == ("dapo", "group", 1.0, 0.0)
+    assert args.lr_scheduler_type == "constant" and args.learning_rate == cfg.lr
+    assert args.max_completion_length == 160 and args.max_steps == cfg.steps and args.seed == cfg.seed
+    assert args.reward_weights == [1.0] * 5 and len(funcs) == 5 and not args.gradient_checkpointing
+    assert (
+        job.num_prompts == 32 and job.prompt_seed_start == GRPO_PROMPT_SEED_START == TRAIN_SEED_START + 50_000
+    )
