@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -334,11 +335,12 @@ def test_two_ranks_resume_from_s3_on_every_rank(services, env, tiny, tmp_path):
         return subprocess.CompletedProcess(cmd, run.returncode, run.stdout + run.stderr, "")
 
     def trained(run: subprocess.CompletedProcess) -> bool:
-        """Finished: exit 0, or only rank 0 exiting 3 because the random tiny model fails the
-        GRPO gate (torchrun then exits 1)."""
-        gate_failed = "GRPO gate: FAILED" in run.stdout and run.stdout.count("exitcode  :") == 1
+        """Finished: exit 0, or rank 0 exiting 3 because the random tiny model fails the GRPO
+        gate (torchrun then exits 1, and SIGTERMs rank 1 if it has not exited yet)."""
+        codes = re.findall(r"exitcode  : (-?\d+)", run.stdout)
+        gate_failed = "GRPO gate: FAILED" in run.stdout and str(int(ExitCode.GRPO_GATE_FAILED)) in codes
         return run.returncode == 0 or (
-            gate_failed and f"exitcode  : {int(ExitCode.GRPO_GATE_FAILED)}" in run.stdout
+            gate_failed and all(c in (str(int(ExitCode.GRPO_GATE_FAILED)), "-15") for c in codes)
         )
 
     first = torchrun(2, "pod1")
