@@ -43,9 +43,9 @@ LONGEST_FIRST = (
     "test_e2e_mlflow_s3.py",
     "test_deploy.py",
     "test_oracle_safety.py",
-    "test_run_identity_preemption.py",
+    "test_base_models.py",
 )
-"""Files whose tests take longest (the tiny-cpu pipeline's 600 SFT steps above all). ``make test`` runs
+"""Files whose tests take longest (the tiny-cpu pipeline's SFT steps above all). ``make test`` runs
 the suite on both cores (pytest-xdist, one file per worker at a time, in collection order), so they
 start first and the short files fill the other core around them."""
 
