@@ -15,8 +15,8 @@
    ``keep_min_margin_over_slerp`` is set, at least uniform SLERP's score on the case plus that margin.
    Of the eligible completions (identical texts counted once) the ``keep_per_prompt`` best by scaled
    reward are kept (default 1: best-of-k; ties go to the earlier sample); a prompt with none keeps
-   nothing. So every kept completion scores at least as well as every dropped completion of its
-   prompt and breaks no hard rule.
+   nothing. So every kept completion breaks no hard rule and scores at least as well as every
+   dropped completion of its prompt (other than a copy of a kept one).
 5. **Fine-tune** the checkpoint on the kept (prompt, completion) pairs with the one SFT routine
    (:func:`orthojob.sft.run_sft`), then **gate** it (stage ``rsft``, format thresholds by default).
 
