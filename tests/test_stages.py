@@ -284,3 +284,75 @@ def test_run_sft_takes_its_rows_from_the_caller(tiny_base, tmp_path):
         {"source": "test", "n": 2},
     )
     assert summary["examples"] == 2 and summary["demos"] == {"source": "test", "n": 2}
+
+
+def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch, capsys):
+    """format -> BC -> GRPO -> RSFT from one preset: each stage starts from the previous gated
+    checkpoint, has its MLflow run and gate file; the evaluation has a row per checkpoint."""
+    from orthojob.pipeline import SUMMARY_FILE, run_pipeline
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(rsft, "sample_completions", fake_sampler)
+    small = {"steps": 1, "examples": 2, "batch_size": 2}
+    gate_small = {
+        "n_seeds": 2,
+        "max_new_tokens": 16,
+        "thresholds.min_parse_rate": 0,
+        "thresholds.min_format_reward": 0,
+    }
+    overrides = {
+        "stages": "format,bc,grpo,rsft",
+        "model": str(tiny_base),  # built once for this module: the pipeline builds none
+        "base_eval": False,
+        **{f"{s}.{k}": v for s in ("format_sft", "sft") for k, v in small.items()},
+        **{f"{g}.{k}": v for g in ("format_gate", "sft_gate", "rsft_gate") for k, v in gate_small.items()},
+        "grpo.steps": 1,
+        "grpo.max_completion_length": 16,
+        "grpo.gate_seeds": 2,
+        "grpo_gate.thresholds": {"min_parse_rate": 0, "min_format_reward": 0, "min_margin_over_slerp": -10},
+        "rsft.prompts": 1,
+        "rsft.samples_per_prompt": 6,
+        "rsft.steps": 1,
+        "rsft.batch_size": 1,
+        "evaluate.n_seeds": 1,
+        "evaluate.max_new_tokens": 8,
+    }
+    out = tmp_path / "run"
+    summary = run_pipeline("tiny-cpu", out, overrides)
+    assert summary["exit_code"] == 0, format(summary["stages"])
+    assert summary["chain"] == ["format_sft", "sft0", "grpo", "rsft"]
+    stages = summary["stages"]
+    for name in summary["chain"]:
+        assert gate.read_gate(out / name)["stage"] == name and stages[f"gate_{name}"]["passed"] is True
+    assert (
+        stages["format_sft"]["demos"]["source"] == "format" and stages["sft0"]["demos"]["source"] == "oracle"
+    )
+    assert stages["grpo"]["from_checkpoint"] == str(out / "sft0")
+    assert stages["rsft"]["rsft"]["kept"] == 1
+    sft_config = json.loads((out / "sft0" / "sft_config.json").read_text())
+    assert sft_config["from_checkpoint"] == str(out / "format_sft")  # BC continues the format stage
+    assert json.loads((out / "rsft" / "sft_config.json").read_text())["from_checkpoint"] == str(out / "grpo")
+    results = json.loads((out / "evaluation.json").read_text())["results"]["task_easy"]
+    assert list(results)[:4] == ["rsft", "grpo", "sft0", "format_sft"]
+    assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == 0
+    names = {r.data.tags["orthorl.stage"] for r in stage_runs_under(summary["mlflow_run_id"])}
+    assert {
+        "format_sft",
+        "gate_format_sft",
+        "sft0",
+        "gate_sft0",
+        "grpo",
+        "rsft",
+        "gate_rsft",
+        "evaluate",
+    } <= names
+
+
+def stage_runs_under(parent: str) -> list:
+    import mlflow
+
+    return mlflow.search_runs(
+        search_all_experiments=True,
+        filter_string=f"tags.mlflow.parentRunId = '{parent}'",
+        output_format="list",
+    )
