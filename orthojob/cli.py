@@ -1,10 +1,13 @@
 """``orthojob`` command line: one subcommand per pipeline stage.
 
-orthojob pipeline --preset tiny-cpu      # tiny-model -> sft0 -> gate -> grpo -> gate -> evaluate (CPU, offline)
-orthojob sft --preset tiny-cpu --out DIR # SFT stage 0 on oracle demonstrations
+orthojob pipeline --preset tiny-cpu      # tiny-model -> the preset's stages (default: BC sft0, grpo), each gated -> evaluate
+orthojob format-sft --out DIR            # stage 0: format SFT on demonstrations without clinical choice, + format gate
+orthojob bc-sft --out DIR                # stage 2: BC SFT on the oracle's safe plans, + gate (stage sft0)
+orthojob sft --out DIR                   # stage 2 without its gate (orthojob gate writes it)
+orthojob train --from-checkpoint DIR     # stage 3: GRPO (refuses without a passed, matching gate of an earlier stage)
+orthojob rsft --from-checkpoint DIR --out DIR   # stage 4: rejection fine-tuning (best of k samples), + gate
 orthojob gate --checkpoint DIR           # held-out gate evaluation -> DIR/gate_passed.json
 orthojob gate --check DIR                # only the pre-flight check (exit 10-13 on refusal)
-orthojob train --from-checkpoint DIR     # GRPO (refuses without a passed, matching gate file)
 orthojob evaluate --checkpoint DIR [--baselines]   # a checkpoint and/or the baselines on held-out seeds
 orthojob evaluate --baselines            # oracle, uniform SLERP, do-nothing on held-out seeds
 orthojob tiny-model --out DIR            # a tiny offline Qwen2-architecture model + tokenizer
@@ -12,15 +15,16 @@ orthojob model stage SRC s3://b/p        # copy base weights (hub id, folder, 't
 orthojob model fetch REF [--link PATH]   # fetch a base model into the cache (an init container's step)
 
 Every DIR may be an ``s3://bucket/prefix`` URI: inputs are downloaded and verified against their
-manifest, outputs (sft --out, a gated s3:// checkpoint) are published with a new manifest. A storage
-failure exits 30. ``--model`` of sft, train and pipeline takes a hub id, a folder or an ``s3://``
-URI (:mod:`orthojob.base_models`: fetched once into the model cache, verified; an adapter records
-the URI as its base).
+manifest, outputs (--out of every stage, a gated s3:// checkpoint) are published with a new manifest. A
+storage failure exits 30. ``--model`` of every stage takes a hub id, a folder or an ``s3://`` URI
+(:mod:`orthojob.base_models`: fetched once into the model cache, verified; an adapter records the
+URI as its base).
 
 Gate refusals (orthojob train's pre-flight, orthojob gate --check) exit with: 10 gate file missing,
 11 gate file unreadable or inconsistent, 12 gate says failed, 13 checkpoint changed since its gate
-(digest mismatch). orthojob gate exits 12 too when the checkpoint it evaluated fails its gate; orthojob
-train and pipeline exit 3 when GRPO's own gate fails. Every code: orthojob/exit_codes.py.
+(digest mismatch). orthojob gate, format-sft, bc-sft and rsft exit 12 too when the checkpoint they
+evaluated fails its gate; orthojob train and pipeline exit 3 when GRPO's own gate fails; rsft exits 2
+when no sample met its keep rule. Every code: orthojob/exit_codes.py.
 """
 
 from __future__ import annotations
@@ -42,10 +46,18 @@ from orthojob.k8s import add_k8s_arguments
 from orthojob.models import tiny_corpus
 from orthojob.pipeline import add_pipeline_arguments, run_pipeline_cli
 from orthojob.registry import DEFAULT_MODEL_NAME
-from orthojob.sft import add_sft_arguments, run_sft_cli
+from orthojob.rsft import add_rsft_arguments, run_rsft_cli
+from orthojob.sft import add_sft_arguments, run_sft_cli, run_sft_stage_cli
 from server.cases import TASK_IDS
 
-TRACKED_STAGES: dict[str, str] = {"sft": "sft0", "gate": "gate", "evaluate": "evaluate"}
+TRACKED_STAGES: dict[str, str] = {
+    "sft": "sft0",
+    "format-sft": "format_sft",
+    "bc-sft": "sft0",
+    "rsft": "rsft",
+    "gate": "gate",
+    "evaluate": "evaluate",
+}
 """Stand-alone stage commands that get an MLflow run of their own (train opens its own; the
 pipeline nests these stages under its parent run)."""
 
@@ -109,6 +121,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     return run_sft_cli(args)
+
+
+def cmd_format_sft(args: argparse.Namespace) -> int:
+    return run_sft_stage_cli(args, "format_sft", "format-sft")
+
+
+def cmd_bc_sft(args: argparse.Namespace) -> int:
+    return run_sft_stage_cli(args, "sft", "bc-sft")
+
+
+def cmd_rsft(args: argparse.Namespace) -> int:
+    return run_rsft_cli(args)
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -257,9 +281,45 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_evaluate)
 
     refusals = "; ".join(f"{int(code)} {code.meaning}" for code in gate.PREFLIGHT_REFUSALS)
-    sf = sub.add_parser("sft", help="SFT stage 0 on oracle demonstrations")
+    stage_codes = epilog(
+        ExitCode.OK, ExitCode.USAGE, ExitCode.GATE_FAILED, ExitCode.STORAGE, ExitCode.TRACKING
+    )
+    fs = sub.add_parser(
+        "format-sft",
+        help="stage 0: format SFT on demonstrations that carry no clinical choice, then its format gate",
+        epilog=stage_codes,
+    )
+    add_sft_arguments(fs, "format_sft", with_gate=True)
+    fs.set_defaults(func=cmd_format_sft)
+
+    bc = sub.add_parser(
+        "bc-sft",
+        help="stage 2: BC SFT on the oracle's safe plans, then its gate (stage sft0)",
+        epilog=stage_codes,
+    )
+    add_sft_arguments(bc, "sft", with_gate=True)
+    bc.set_defaults(func=cmd_bc_sft)
+
+    sf = sub.add_parser("sft", help="stage 2 (BC) without its gate: orthojob gate --stage sft0 writes it")
     add_sft_arguments(sf)
     sf.set_defaults(func=cmd_sft)
+
+    rs = sub.add_parser(
+        "rsft",
+        help="stage 4: rejection fine-tuning (sample k per prompt, keep the env's best, fine-tune), then its gate",
+        epilog=epilog(
+            ExitCode.OK,
+            ExitCode.USAGE,
+            ExitCode.GATE_MISSING,
+            ExitCode.GATE_UNREADABLE,
+            ExitCode.GATE_FAILED,
+            ExitCode.GATE_DIGEST_MISMATCH,
+            ExitCode.STORAGE,
+            ExitCode.TRACKING,
+        ),
+    )
+    add_rsft_arguments(rs)
+    rs.set_defaults(func=cmd_rsft)
 
     ga = sub.add_parser(
         "gate",
@@ -273,7 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument(
         "--check", metavar="DIR", help="only check DIR's (or an s3:// URI's) gate file (GRPO's pre-flight)"
     )
-    ga.add_argument("--stage", default="sft0", help="sft0 (format gate, default) or grpo (quality gate)")
+    ga.add_argument(
+        "--stage",
+        default="sft0",
+        choices=gate.STAGES,
+        help="format_sft, sft0 (BC, default) or rsft (format gates), or grpo (quality gate)",
+    )
     ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
     ga.add_argument("--seeds", type=positive_int, default=50, help="held-out seeds per task (default 50)")
     ga.add_argument("--force-decay", action="store_true")
@@ -291,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     # orthojob train: GRPO (flags generated from orthojob/grpo_config.py)
     tr = sub.add_parser(
         "train",
-        help="GRPO training (stage 3); refuses without a passed SFT gate",
+        help="GRPO training (stage 3); refuses without a passed gate of an earlier stage",
         epilog=epilog(
             ExitCode.OK,
             ExitCode.USAGE,
@@ -309,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(tr)
     tr.set_defaults(func=cmd_train)
 
-    pl = sub.add_parser("pipeline", help="tiny-model -> sft0 -> gate -> grpo -> gate -> evaluate")
+    pl = sub.add_parser(
+        "pipeline", help="tiny-model -> the preset's stages (default sft0, grpo), each gated -> evaluate"
+    )
     add_pipeline_arguments(pl)
     pl.set_defaults(func=cmd_pipeline)
 

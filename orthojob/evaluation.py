@@ -202,9 +202,17 @@ class CheckpointEpisodes:
 
 
 def generate_completions(
-    model, tokenizer, observations: Sequence[dict], max_new_tokens: int = 256, batch_size: int = 16
+    model,
+    tokenizer,
+    observations: Sequence[dict],
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    samples: int = 0,
+    temperature: float = 1.0,
 ) -> tuple[list[str], list[int], list[bool]]:
-    """Greedy completions for the observations' prompts, in batches (left padding).
+    """Greedy completions for the observations' prompts, in batches (left padding); with ``samples``
+    k >= 1, k sampled completions per prompt at ``temperature`` instead (prompt-major: the first
+    prompt's k, then the next prompt's; seed torch for reproducible samples).
 
     Returns (texts, completion token counts, whether each ended with an end-of-turn token before
     ``max_new_tokens``). Texts are decoded without special tokens, as TRL gives them to the rewards.
@@ -234,12 +242,18 @@ def generate_completions(
                 prompts[lo : lo + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
             ).to(device)
             with torch.inference_mode():
+                sampling = (
+                    {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0,
+                     "num_return_sequences": samples}
+                    if samples
+                    else {"do_sample": False}
+                )  # fmt: skip
                 out = model.generate(
                     **batch,
                     max_new_tokens=max_new_tokens,
-                    do_sample=False,
                     eos_token_id=sorted(eos_ids),
                     pad_token_id=pad_id,
+                    **sampling,
                 )
             for seq in out[:, batch["input_ids"].shape[1] :].tolist():
                 n = len(seq)

@@ -26,14 +26,22 @@ code  refusal
 13    :attr:`ExitCode.GATE_DIGEST_MISMATCH`: the checkpoint's weights or config changed since the gate
 ====  =================================================================================
 
+Stages that write a gate (:data:`STAGES`, the seed's numbering): ``format_sft`` (stage 0, format
+SFT), ``sft0`` (stage 2, behaviour cloning of the oracle; the name it has always had in the pipeline),
+``grpo`` (stage 3) and ``rsft`` (stage 4, rejection fine-tuning). :func:`check_gate` accepts a gate
+of any of them (``accept``): GRPO and RSFT start from whichever gated stage came before.
+
 Thresholds (:class:`GateThresholds`, defaults per stage in :data:`DEFAULT_THRESHOLDS`):
-the format gate after SFT stage 0 asks for parse rate >= 0.9 and mean format score >= 0.8; the
-GRPO gate asks the same and, in addition, a mean terminal reward no lower than uniform SLERP's on the
-same cases (margin >= 0). A threshold set to None is not checked (and is recorded as null).
+the SFT stages' gates (format, BC, RSFT) check the format only: parse rate >= 0.9 and mean format
+score >= 0.8, no clinical score; the GRPO gate asks the same and, in addition, a mean terminal reward
+no lower than uniform SLERP's on the same cases (margin >= 0). A threshold set to None is not checked
+(and is recorded as null). :class:`GateSettings` is one gate evaluation's settings (seeds, budget,
+thresholds), as the presets and the stage commands' ``--gate-*`` / ``--min-*`` flags give them.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as _dt
 import json
@@ -41,10 +49,11 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from orthojob.exit_codes import ExitCode
+from orthojob.flags import add_config_arguments, given_values, positive_int
 from orthojob.records import json_value
 from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey
 
@@ -52,6 +61,11 @@ log = logging.getLogger(__name__)
 
 GATE_FILE = "gate_passed.json"
 FORMAT_VERSION = 1
+STAGES: tuple[str, ...] = ("format_sft", "sft0", "grpo", "rsft")
+"""Every stage that writes a gate file: stage 0 format SFT, stage 2 BC SFT (``sft0``), stage 3 GRPO,
+stage 4 RSFT."""
+SFT_STAGES: tuple[str, ...] = ("format_sft", "sft0", "rsft")
+"""The stages trained with TRL's SFTTrainer (:func:`orthojob.sft.run_sft`): their gates check the format."""
 PREFLIGHT_REFUSALS: tuple[ExitCode, ...] = (
     ExitCode.GATE_MISSING,
     ExitCode.GATE_UNREADABLE,
@@ -85,11 +99,22 @@ class GateThresholds:
         min_strategy_accuracy: share of plans declaring the case's optimal strategy.
     """
 
-    min_parse_rate: float | None = 0.9
-    min_format_reward: float | None = 0.8
-    min_margin_over_slerp: float | None = None
-    min_margin_over_oracle: float | None = None
-    min_strategy_accuracy: float | None = None
+    min_parse_rate: float | None = field(
+        default=0.9,
+        metadata={"help": "gate: share of completions holding a JSON plan", "show_default": False},
+    )
+    min_format_reward: float | None = field(
+        default=0.8, metadata={"help": "gate: mean format score", "show_default": False}
+    )
+    min_margin_over_slerp: float | None = field(
+        default=None, metadata={"help": "gate: terminal mean minus uniform SLERP's"}
+    )
+    min_margin_over_oracle: float | None = field(
+        default=None, metadata={"help": "gate: terminal mean minus the oracle's"}
+    )
+    min_strategy_accuracy: float | None = field(
+        default=None, metadata={"help": "gate: share declaring the case's optimal strategy"}
+    )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,10 +135,64 @@ class GateThresholds:
 
 
 DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
+    "format_sft": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
     "sft0": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
     "grpo": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8, min_margin_over_slerp=0.0),
+    "rsft": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
 }
-"""Per stage: the format gate after SFT stage 0, the quality gate after GRPO."""
+"""Per stage: format gates after the SFT stages (format, BC, RSFT), the quality gate after GRPO."""
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """One gate evaluation: held-out seeds per task, completion budget, batch, thresholds.
+
+    The stage commands (``orthojob format-sft``, ``bc-sft``, ``rsft``) take these as ``--gate-seeds``,
+    ``--gate-max-new-tokens``, ``--gate-batch-size`` and the thresholds' ``--min-*`` flags
+    (:func:`add_gate_arguments`)."""
+
+    n_seeds: int = field(
+        default=50,
+        metadata={"help": "gate: held-out seeds per task", "flag": "--gate-seeds", "dest": "gate_n_seeds",
+                  "type": positive_int, "show_default": False},
+    )  # fmt: skip
+    max_new_tokens: int = field(
+        default=512,
+        metadata={"help": "gate: completion budget", "flag": "--gate-max-new-tokens",
+                  "dest": "gate_max_new_tokens", "type": positive_int, "show_default": False},
+    )  # fmt: skip
+    batch_size: int = field(
+        default=16,
+        metadata={"help": "gate: prompts per generate call", "flag": "--gate-batch-size",
+                  "dest": "gate_batch_size", "type": positive_int, "show_default": False},
+    )  # fmt: skip
+    thresholds: GateThresholds = field(
+        default_factory=lambda: DEFAULT_THRESHOLDS["sft0"], metadata={"cli": False}
+    )
+
+
+def add_gate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A stage command's gate flags, generated from :class:`GateSettings` and :class:`GateThresholds`
+    (defaults: the preset's gate settings, else the stage's :data:`DEFAULT_THRESHOLDS`)."""
+    group = parser.add_argument_group("gate (held-out evaluation after training)")
+    add_config_arguments(group, GateSettings)
+    add_config_arguments(group, GateThresholds)
+    return parser
+
+
+def gate_settings_from_args(args: argparse.Namespace | dict, base: GateSettings) -> GateSettings:
+    """``base`` with the gate flags given (:func:`add_gate_arguments`) replaced."""
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    changes = {
+        f.name: given[f.metadata.get("dest", f.name)]
+        for f in dataclasses.fields(GateSettings)
+        if f.metadata.get("cli", True) and f.metadata.get("dest", f.name) in given
+    }
+    limits = given_values(given, GateThresholds)
+    if limits:
+        changes["thresholds"] = base.thresholds.replace(**limits)
+    return dataclasses.replace(base, **changes)
+
 
 _METRIC_OF: dict[str, str] = {
     "min_parse_rate": "parse_rate",
@@ -125,7 +204,7 @@ _METRIC_OF: dict[str, str] = {
 
 
 def thresholds_for(stage: str | None) -> GateThresholds:
-    """The default thresholds of a stage (``sft*`` stages share the format gate's)."""
+    """The default thresholds of a stage (unknown ``sft*`` stages share the format gate's)."""
     if stage in DEFAULT_THRESHOLDS:
         return DEFAULT_THRESHOLDS[stage]
     if stage and stage.startswith("grpo"):
@@ -237,6 +316,28 @@ def gate_report(
             for i in range(min(3, len(ep.texts)))
         ],
     }
+
+
+def run_gate(
+    path: str | Path,
+    stage: str,
+    settings: GateSettings,
+    task_id: str | Sequence[str],
+    force_decay: bool = False,
+) -> dict:
+    """Evaluate the checkpoint at ``path`` with ``settings`` (:func:`gate_report`) and write its gate
+    file (:func:`write_gate`); returns the file's content."""
+    report = gate_report(
+        str(path),
+        n_seeds=settings.n_seeds,
+        task_id=task_id,
+        force_decay=force_decay,
+        max_new_tokens=settings.max_new_tokens,
+        batch_size=settings.batch_size,
+        stage=stage,
+        thresholds=settings.thresholds,
+    )
+    return write_gate(path, report)
 
 
 def _terminal_mean(ep, index: list[int]) -> float:
@@ -355,12 +456,21 @@ def read_gate(checkpoint: str | Path) -> dict:
     return content
 
 
-def check_gate(checkpoint: str | Path) -> None:
-    """GRPO's pre-flight: return if ``checkpoint`` has a passed gate whose digest still matches;
-    else raise :class:`GateError` (exit codes 10-13, see the module docstring)."""
+def check_gate(checkpoint: str | Path, accept: Sequence[str] | None = STAGES) -> dict:
+    """The pre-flight of a stage that starts from a checkpoint (GRPO, RSFT): the gate file's content
+    when ``checkpoint`` has a passed gate of a stage in ``accept`` (None: any) whose digest still
+    matches; else raise :class:`GateError` (exit codes 10-13, see the module docstring; a gate of a
+    stage not in ``accept`` is 11)."""
     from orthojob.models import ModelError, checkpoint_digest
 
     content = read_gate(checkpoint)
+    if accept is not None and content.get("stage") not in accept:
+        raise GateError(
+            ExitCode.GATE_UNREADABLE,
+            f"gate file {gate_path(checkpoint)} is for stage {content.get('stage')!r}, not a stage this one "
+            f"starts from ({', '.join(accept)}). Gate the checkpoint as one: orthojob gate --checkpoint "
+            f"{checkpoint} --stage {accept[0]}.",
+        )
     if not content["passed"]:
         failed = [k for k, ok in (content.get("checks") or {}).items() if not ok]
         metrics = content["metrics"]
@@ -387,6 +497,7 @@ def check_gate(checkpoint: str | Path) -> None:
             f"{digest}, the gate recorded {content['checkpoint_digest']} (files {content.get('digest_files')}). "
             f"Re-run orthojob gate --checkpoint {checkpoint} to evaluate the checkpoint as it is now.",
         )
+    return content
 
 
 def _num(value, spec: str = ".3f") -> str:
@@ -414,13 +525,19 @@ def format_gate(content: dict) -> str:
 __all__ = [
     "DEFAULT_THRESHOLDS",
     "GATE_FILE",
+    "SFT_STAGES",
+    "STAGES",
     "GateError",
+    "GateSettings",
     "GateThresholds",
+    "add_gate_arguments",
     "check_gate",
     "format_gate",
     "gate_checks",
     "gate_report",
+    "gate_settings_from_args",
     "read_gate",
+    "run_gate",
     "thresholds_for",
     "write_gate",
 ]

@@ -256,12 +256,12 @@ def run_grpo(
 def _check_sft_gate(config: GRPOJobConfig, say: Callable[..., Any]) -> int | None:
     """The SFT gate pre-flight: None when training may start, else the exit code (message printed)."""
     if config.from_checkpoint and not config.skip_sft_gate:
-        try:
-            check_gate(config.from_checkpoint)
+        try:  # issue 12: the gate of any earlier stage (format SFT, BC, RSFT, GRPO) is accepted
+            content = check_gate(config.from_checkpoint)
         except GateError as exc:
             print(f"orthojob train: {exc.message}", file=sys.stderr)
             return exc.exit_code
-        say(f"[grpo] SFT gate of {config.from_checkpoint}: passed")
+        say(f"[grpo] SFT gate of {config.from_checkpoint}: passed (stage {content.get('stage')})")
     elif config.skip_sft_gate:
         say("[grpo] WARNING: --skip-sft-gate: not checking the SFT gate (expect format errors early on)")
     return None

@@ -171,9 +171,12 @@ def _stage0_key(cfg: LearnConfig) -> dict:
 
 
 def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
-    """Build the tiny model and train format SFT on random-choice demos; reuse a matching checkpoint."""
+    """Build the tiny model and train format SFT on random-choice demos with the project's one SFT
+    routine (:func:`orthojob.sft.run_sft`, stage 0's :class:`~orthojob.sft_config.FormatSFTConfig`);
+    reuse a matching checkpoint."""
     from orthojob import models
-    from orthojob.format_demos import demo_stats, format_demonstrations
+    from orthojob.sft import run_sft
+    from orthojob.sft_config import FormatSFTConfig
 
     out = Path(cfg.out) / "stage0"
     key = _stage0_key(cfg)
@@ -183,10 +186,6 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
         if meta.get("key") == key:
             log.info("reusing stage 0 checkpoint %s", out)
             return out, meta
-    devices = models.device_info()
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
-
     t0 = time.perf_counter()
     base = models.build_tiny(
         Path(cfg.out) / "base-model",
@@ -199,46 +198,31 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
         max_position_embeddings=2048,
         seed=cfg.model_seed,
     )
-    model, tokenizer = models.load_policy(str(base), lora_r=0, max_seq_length=2048)
-    rows = format_demonstrations(cfg.sft_examples, [cfg.task_id], seed=cfg.demo_seed)
-    stats = demo_stats(rows)
-    log.info("stage 0 demos: %s", stats)
-    dataset = Dataset.from_dict(
-        {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
-    )
-    args = SFTConfig(
-        output_dir=str(out),
-        max_steps=cfg.sft_steps,
-        per_device_train_batch_size=cfg.sft_batch_size,
-        learning_rate=cfg.sft_lr,
-        lr_scheduler_type="cosine",
+    config = FormatSFTConfig(
+        model=str(base),
+        out=str(out),
+        task_ids=[cfg.task_id],
+        examples=cfg.sft_examples,
+        demo_seed=cfg.demo_seed,
+        steps=cfg.sft_steps,
+        batch_size=cfg.sft_batch_size,
+        lr=cfg.sft_lr,
+        lr_scheduler="cosine",
         warmup_steps=10,
+        lora_r=0,
         max_length=2048,
         seed=cfg.model_seed,
         logging_steps=20,
-        save_strategy="no",
-        report_to="none",
-        bf16=False,
-        use_cpu=not devices["cuda"],
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    t_train = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - t_train
-    trainer.save_model(str(out))
-    tokenizer.save_pretrained(str(out))
-    (out / "training_args.bin").unlink(missing_ok=True)
-    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    summary = run_sft(config)
     meta = {
         "key": key,
-        "demos": stats,
-        "parameters": int(sum(p.numel() for p in model.parameters())),
-        "sft_seconds": seconds,
-        "sft_seconds_per_step": seconds / max(1, cfg.sft_steps),
-        "loss_first": losses[0] if losses else None,
-        "loss_last": losses[-1] if losses else None,
+        "demos": {k: v for k, v in summary["demos"].items() if k not in ("source", "examples")},
+        "parameters": summary["parameters"]["total"],
+        "sft_seconds": summary["train_seconds"],
+        "sft_seconds_per_step": summary["seconds_per_step"],
+        "loss_first": summary["first_loss"],
+        "loss_last": summary["final_loss"],
         "wall_seconds": time.perf_counter() - t0,
     }
     meta_file.write_text(json.dumps(meta, indent=1))

@@ -6,25 +6,37 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
    tokenizer trained on the project's prompts (:func:`orthojob.models.build_tiny`); then ``base``
    (``base_eval``): the untrained model's held-out parse rate, format and terminal reward, for
    comparison (no gate file);
-2. ``sft0``: format SFT on oracle demonstrations (:func:`orthojob.sft.run_sft`) -> ``<out>/sft0``;
-3. ``gate_sft0``: held-out format gate (:mod:`orthojob.gate`) -> ``<out>/sft0/gate_passed.json``;
-   a failed gate stops the pipeline (GRPO would refuse it) with exit code 12;
-4. ``grpo``: the preset's GRPO config object with ``from_checkpoint=<out>/sft0``, run by
-   :func:`orthojob.grpo.run_grpo` (what ``orthojob train`` runs; its pre-flight checks the SFT
-   gate) -> ``<out>/grpo``;
-5. ``gate_grpo``: GRPO's own gate, the held-out evaluation after training, written once by the GRPO
-   stage with the preset's ``grpo_gate`` thresholds -> ``<out>/grpo/gate_passed.json`` (read back here);
-6. ``evaluate``: both checkpoints and the baselines on held-out seeds -> ``<out>/evaluation.json``.
+2. the preset's training ``stages`` (:data:`orthojob.presets.PIPELINE_STAGES`), in order, each
+   starting from the previous one's gated checkpoint, each in ``<out>/<name>`` with its own MLflow
+   stage run and gate file:
 
-Exit code (:class:`orthojob.exit_codes.ExitCode`): 0 when every stage ran and both gates passed;
-12 when the SFT gate failed (GRPO is not run); 3 when GRPO trained but its gate failed (the
-evaluation still runs and everything is written); otherwise the failing stage's exit code. The
-summary reports GRPO's mean reward per step, strategy accuracy and every gate metric as
-measured, whether they rise or not.
+   * ``format`` -> ``format_sft``: stage 0, format SFT on demonstrations that carry no clinical
+     choice (:func:`orthojob.sft.run_sft`), then ``gate_format_sft`` (format only);
+   * ``bc`` -> ``sft0``: stage 2, BC SFT on the oracle's safe plans, then ``gate_sft0``;
+   * ``grpo`` -> ``grpo``: stage 3, the preset's GRPO config object with ``from_checkpoint`` = the
+     previous stage, run by :func:`orthojob.grpo.run_grpo` (what ``orthojob train`` runs; its
+     pre-flight accepts the gate of any earlier stage), which writes its own gate (``gate_grpo``)
+     with the preset's ``grpo_gate`` thresholds;
+   * ``rsft`` -> ``rsft``: stage 4, rejection fine-tuning of the previous checkpoint
+     (:func:`orthojob.rsft.run_rsft`), then ``gate_rsft``.
+
+   The default (both presets): ``bc, grpo``, the chain ``make run`` has always run;
+3. ``evaluate``: every trained checkpoint (newest first) and the baselines on held-out seeds ->
+   ``<out>/evaluation.json``.
+
+A failed gate stops the chain: the later training stages are skipped (each would refuse the
+checkpoint), recorded as such. The evaluation runs when at least one stage passed its gate.
+
+Exit code (:class:`orthojob.exit_codes.ExitCode`): 0 when every stage ran and every gate passed;
+12 when an SFT stage's gate (format, BC, RSFT) failed; 3 when GRPO trained but its gate failed; 2
+when RSFT kept no sample; otherwise the failing stage's exit code (GRPO refusing or crashing stops
+the pipeline at once). The summary reports GRPO's mean reward per step, strategy accuracy, RSFT's
+kept counts and every gate metric as measured, whether they rise or not.
 
 :data:`orthojob.presets.PRESETS` holds every hyper-parameter, as config objects. ``overrides``
 (CLI ``--set section.key=value``, value parsed as JSON) change single values, e.g.
-``{"sft.steps": 100, "grpo.steps": 2, "grpo.rewards": ["format"], "grpo.use_vllm": true}``.
+``{"sft.steps": 100, "grpo.steps": 2, "grpo.rewards": ["format"], "grpo.use_vllm": true,
+"stages": "format,grpo"}``.
 """
 
 from __future__ import annotations
@@ -42,12 +54,14 @@ from typing import Any
 from orthojob import gate, mlops, storage, tracking
 from orthojob.evaluation import evaluate_checkpoint, format_table
 from orthojob.exit_codes import ExitCode
+from orthojob.gate import GateSettings
 from orthojob.grpo import run_grpo
 from orthojob.grpo_config import TRAIN_LOG_FILE, ConfigError
 from orthojob.models import TINY_MODEL, build_tiny
-from orthojob.presets import PRESETS, Preset, apply_overrides
+from orthojob.presets import PIPELINE_STAGES, PRESETS, Preset, apply_overrides
 from orthojob.records import json_value
-from orthojob.sft import run_sft
+from orthojob.rsft import RSFTError, log_rsft, run_rsft
+from orthojob.sft import log_stage, run_sft
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +116,9 @@ def run_pipeline(preset: str | Preset, out: str | Path, overrides: dict[str, Any
     returns the summary (also written to ``<out>/pipeline_summary.json``) with ``exit_code``.
 
     ``out`` may be ``s3://bucket/prefix``: the stages run in a local work folder
-    (:func:`orthojob.mlops.local_work_dir`), the gated SFT checkpoint is published to ``<out>/sft0``
-    and GRPO pulls it from there (digests checked) and pushes its result to ``<out>/grpo``."""
+    (:func:`orthojob.mlops.local_work_dir`), each SFT stage's checkpoint is published with its gate
+    file to ``<out>/<name>`` (``<out>/sft0`` for BC), GRPO pulls the previous one from there (digests
+    checked) and pushes its result to ``<out>/grpo``."""
     import mlflow  # heavy: imported when a pipeline runs, not when the CLI parses its flags
 
     cfg = _preset(preset, overrides)
@@ -122,7 +137,7 @@ def run_pipeline(preset: str | Preset, out: str | Path, overrides: dict[str, Any
 def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None = None) -> dict:
     import mlflow  # heavy: see run_pipeline
 
-    out_uri = str(out) if storage.is_s3_uri(out) else None
+    out_uri = str(out).rstrip("/") if storage.is_s3_uri(out) else None
     if out_uri:
         out = mlops.local_work_dir(out_uri)
     out = Path(out)
@@ -132,6 +147,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         "preset": cfg.name,
         "overrides": overrides or {},
         "config": cfg.to_dict(),
+        "chain": [PIPELINE_STAGES[step] for step in cfg.stages],
         "stages": {},
     }
     stages = summary["stages"]
@@ -148,95 +164,163 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
 
     # 1. tiny model
     model = cfg.model
+    sections = {"format": cfg.format_sft, "bc": cfg.sft, "rsft": cfg.rsft}
     if model == TINY_MODEL:
         t = time.perf_counter()
-        tasks = sorted({cfg.task_id, *cfg.sft.task_ids})
+        tasks = sorted({cfg.task_id, *(t for s in cfg.stages if s in sections for t in sections[s].task_ids)})
         model = str(build_tiny(out / "tiny-model", tasks, cfg.force_decay, **cfg.tiny_arch))
         stages["tiny-model"] = {"seconds": time.perf_counter() - t, "path": model}
         save()
 
-    def gate_evaluation(path: str, stage: str) -> dict:
-        """The held-out gate evaluation with the preset's ``sft_gate`` settings."""
-        g = cfg.sft_gate
-        return gate.gate_report(
-            path, n_seeds=g.n_seeds, task_id=cfg.task_id, force_decay=cfg.force_decay,
-            max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, stage=stage, thresholds=g.thresholds,
-        )  # fmt: skip
-
     # 1b. the base model's held-out parse rate and format, before any training (no gate file)
     if cfg.base_eval:
         t = time.perf_counter()
-        base = gate_evaluation(model, "base")
+        g = cfg.sft_gate
+        base = gate.gate_report(
+            model, n_seeds=g.n_seeds, task_id=cfg.task_id, force_decay=cfg.force_decay,
+            max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, stage="base", thresholds=g.thresholds,
+        )  # fmt: skip
         stages["base"] = {"seconds": time.perf_counter() - t, **_gate_view(base)}
         save()
 
-    # 2. SFT stage 0
-    sft_dir = out / "sft0"
-    t = time.perf_counter()
-    sft = dataclasses.replace(cfg.sft, model=model, out=str(sft_dir))
-    with tracking.stage_run(
-        "sft0", params={"sft": sft.to_dict(), "model": model, "force_decay": cfg.force_decay}
-    ):
-        sft_summary = run_sft(sft)
-        tracking.log_metrics({k: v for k, v in sft_summary.items() if isinstance(v, (int, float))})
-    stages["sft0"] = {"seconds": time.perf_counter() - t, **sft_summary}
-    save()
+    def publish(name: str, folder: Path) -> str:
+        """A stage's checkpoint where the next stage reads it: ``<out>/<name>`` (published to S3)."""
+        if not out_uri:
+            return str(folder)
+        return storage.publish(folder, f"{out_uri}/{name}")
 
-    # 3. SFT gate
-    t = time.perf_counter()
-    with tracking.stage_run("gate_sft0", params={"sft_gate": dataclasses.asdict(cfg.sft_gate)}):
-        report = gate_evaluation(str(sft_dir), "sft0")
-        content = gate.write_gate(sft_dir, report)
-        tracking.log_metrics({f"gate/{k}": v for k, v in content["metrics"].items()})
-        mlflow.log_artifact(str(gate.gate_path(sft_dir)))
-        mlflow.set_tag("orthorl.gate_passed", str(content["passed"]).lower())
-    stages["gate_sft0"] = {"seconds": time.perf_counter() - t, **_gate_view(content)}
-    print(gate.format_gate(content))
-    if not content["passed"]:
-        stages["grpo"] = {"skipped": "the SFT gate failed: GRPO refuses an ungated checkpoint (exit 12)"}
-        return finish(ExitCode.GATE_FAILED)
+    def gate_stage(name: str, folder: Path, settings: GateSettings, params_key: str) -> bool:
+        """Evaluate a SFT stage's checkpoint, write its gate file (in its own stage run), publish both."""
+        t = time.perf_counter()
+        with tracking.stage_run(f"gate_{name}", params={params_key: dataclasses.asdict(settings)}):
+            content = gate.run_gate(folder, name, settings, cfg.task_id, cfg.force_decay)
+            tracking.log_metrics({f"gate/{k}": v for k, v in content["metrics"].items()})
+            mlflow.log_artifact(str(gate.gate_path(folder)))
+            mlflow.set_tag("orthorl.gate_passed", str(content["passed"]).lower())
+        stages[f"gate_{name}"] = {"seconds": time.perf_counter() - t, **_gate_view(content)}
+        print(gate.format_gate(content))
+        publish(name, folder)
+        save()
+        return bool(content["passed"])
 
-    # 4. GRPO, which writes its own gate file (5) with the preset's GRPO gate thresholds
-    grpo_dir = out / "grpo"
-    t = time.perf_counter()
-    sft_source, grpo_target = str(sft_dir), str(grpo_dir)
-    if out_uri:  # GRPO pulls the gated SFT checkpoint from S3 and pushes its result there
-        sft_source = storage.publish(sft_dir, f"{out_uri.rstrip('/')}/sft0")
-        grpo_target = f"{out_uri.rstrip('/')}/grpo"
-    grpo = dataclasses.replace(cfg.grpo, model=model, from_checkpoint=str(sft_source), out=grpo_target)
-    rc = run_grpo(grpo, given=grpo.to_dict(), gate_thresholds=cfg.grpo_gate.thresholds)
-    last = mlflow.last_active_run()
-    stages["grpo"] = {
-        "seconds": time.perf_counter() - t,
-        "exit_code": int(rc),
-        "mlflow_run_id": last.info.run_id if last is not None else None,
-        "out": grpo_target,
-        **_grpo_rewards(grpo_dir / TRAIN_LOG_FILE),
-    }
-    save()
-    if rc not in (0, ExitCode.GRPO_GATE_FAILED) or not gate.gate_path(grpo_dir).is_file():
-        stages["grpo"]["error"] = f"orthojob train exited {rc}"
-        return finish(rc or ExitCode.FAILURE)
+    def sft_stage(step: str, previous: Path | None) -> bool:
+        """Stage 0 (format) or 2 (BC): train, then gate."""
+        name = PIPELINE_STAGES[step]
+        key, settings, gate_key = {
+            "format": ("format_sft", cfg.format_gate, "format_gate"),
+            "bc": ("sft", cfg.sft_gate, "sft_gate"),
+        }[step]
+        folder = out / name
+        t = time.perf_counter()
+        config = dataclasses.replace(
+            sections[step], model=model, out=str(folder), from_checkpoint=str(previous) if previous else None
+        )
+        with tracking.stage_run(
+            name, params={key: config.to_dict(), "model": model, "force_decay": cfg.force_decay}
+        ):
+            result = run_sft(config)
+            log_stage(result, None, folder)
+        stages[name] = {"seconds": time.perf_counter() - t, **result}
+        save()
+        return gate_stage(name, folder, settings, gate_key)
 
-    # 5. GRPO gate: read back, as the GRPO stage wrote (and published and logged) it
-    content = gate.read_gate(grpo_dir)
-    stages["gate_grpo"] = {"seconds": content["metrics"].get("eval_seconds"), **_gate_view(content)}
+    def grpo_stage(previous: tuple[str, Path]) -> tuple[bool, int]:
+        """Stage 3, which writes its own gate file: (gate passed, exit code of run_grpo)."""
+        grpo_dir = out / "grpo"
+        t = time.perf_counter()
+        source = f"{out_uri}/{previous[0]}" if out_uri else str(previous[1])  # published by its gate stage
+        target = f"{out_uri}/grpo" if out_uri else str(grpo_dir)
+        grpo = dataclasses.replace(cfg.grpo, model=model, from_checkpoint=source, out=target)
+        rc = run_grpo(grpo, given=grpo.to_dict(), gate_thresholds=cfg.grpo_gate.thresholds)
+        last = mlflow.last_active_run()
+        stages["grpo"] = {
+            "seconds": time.perf_counter() - t,
+            "exit_code": int(rc),
+            "mlflow_run_id": last.info.run_id if last is not None else None,
+            "out": target,
+            "from_checkpoint": source,
+            **_grpo_rewards(grpo_dir / TRAIN_LOG_FILE),
+        }
+        save()
+        if rc not in (0, ExitCode.GRPO_GATE_FAILED) or not gate.gate_path(grpo_dir).is_file():
+            stages["grpo"]["error"] = f"orthojob train exited {rc}"
+            return False, int(rc or ExitCode.FAILURE)
+        content = gate.read_gate(grpo_dir)  # as the GRPO stage wrote (and published and logged) it
+        stages["gate_grpo"] = {"seconds": content["metrics"].get("eval_seconds"), **_gate_view(content)}
+        return bool(content["passed"]), int(rc)
 
-    # 6. evaluate both checkpoints and the baselines
+    def rsft_stage(previous: Path) -> tuple[bool, int]:
+        """Stage 4: sample, keep, fine-tune, then gate. (gate passed, 0) or (False, exit code)."""
+        folder = out / "rsft"
+        t = time.perf_counter()
+        config = dataclasses.replace(cfg.rsft, model=model, out=str(folder), from_checkpoint=str(previous))
+        with tracking.stage_run(
+            "rsft", params={"rsft": config.to_dict(), "model": model, "force_decay": cfg.force_decay}
+        ):
+            try:
+                result = run_rsft(config)
+            except (RSFTError, gate.GateError) as exc:
+                stages["rsft"] = {
+                    "seconds": time.perf_counter() - t,
+                    "error": exc.message,
+                    "exit_code": exc.exit_code,
+                }
+                mlflow.set_tag("orthorl.refused", exc.message[:250])
+                save()
+                return False, int(exc.exit_code)
+            log_stage(result, None, folder)
+            log_rsft(result, folder)
+        stages["rsft"] = {"seconds": time.perf_counter() - t, **result}
+        save()
+        return gate_stage("rsft", folder, cfg.rsft_gate, "rsft_gate"), 0
+
+    # 2. the training stages, each from the previous gated checkpoint
+    trained: list[tuple[str, Path, bool]] = []  # (name, folder, gate passed)
+    code = 0
+    for step in cfg.stages:
+        name = PIPELINE_STAGES[step]
+        if code:
+            stages[name] = {
+                "skipped": f"an earlier gate or stage failed (exit {code}): {name} refuses its checkpoint"
+            }
+            continue
+        previous = trained[-1] if trained else None
+        if step in ("format", "bc"):
+            passed = sft_stage(step, previous[1] if previous else None)
+            trained.append((name, out / name, passed))
+            code = 0 if passed else ExitCode.GATE_FAILED
+        elif step == "grpo":
+            passed, rc = grpo_stage((previous[0], previous[1]))
+            if rc not in (0, ExitCode.GRPO_GATE_FAILED):
+                return finish(rc)
+            trained.append((name, out / name, passed))
+            code = 0 if passed else ExitCode.GRPO_GATE_FAILED
+        else:
+            passed, rc = rsft_stage(previous[1])
+            if rc == 0:
+                trained.append((name, out / name, passed))
+            code = rc or (0 if passed else ExitCode.GATE_FAILED)
+    if not any(passed for _, _, passed in trained):
+        return finish(code)
+
+    # 3. evaluate every trained checkpoint (newest first) and the baselines
     t = time.perf_counter()
     e = cfg.evaluate
     with tracking.stage_run("evaluate", params={"evaluate": dataclasses.asdict(e)}):
         tasks = [cfg.task_id]
         kw = {"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "max_new_tokens": e.max_new_tokens,
               "batch_size": e.batch_size}  # fmt: skip
-        report = evaluate_checkpoint(str(grpo_dir), tasks, baselines=e.baselines, name="grpo", **kw)
-        sft_report = evaluate_checkpoint(str(sft_dir), tasks, baselines=False, name="sft0", **kw)
+        newest_first = [(name, folder) for name, folder, _ in reversed(trained)]
+        first_name, first_folder = newest_first[0]
+        report = evaluate_checkpoint(str(first_folder), tasks, baselines=e.baselines, name=first_name, **kw)
+        rows = {task: {first_name: report[task].pop(first_name)} for task in tasks}
+        for name, folder in newest_first[1:]:
+            other = evaluate_checkpoint(str(folder), tasks, baselines=False, name=name, **kw)
+            for task in tasks:
+                rows[task][name] = other[task][name]
         for task in tasks:
-            report[task] = {
-                "grpo": report[task].pop("grpo"),
-                "sft0": sft_report[task]["sft0"],
-                **report[task],
-            }
+            rows[task].update(report[task])  # the baselines after the checkpoints
+        report = rows
         (out / EVALUATION_FILE).write_text(
             json.dumps({"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "results": report}, indent=2)
         )
@@ -254,7 +338,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
             {f"terminal_mean/{p}": v for p, v in stages["evaluate"]["terminal_mean"].items()}
         )
         mlflow.log_artifact(str(out / EVALUATION_FILE))
-    return finish(0 if content["passed"] else ExitCode.GRPO_GATE_FAILED)
+    return finish(code)
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
@@ -265,47 +349,59 @@ def format_summary(summary: dict) -> str:
     """The pipeline's table: one row per stage with its wall time and key numbers."""
     s = summary["stages"]
     lines = [f"Pipeline {summary['preset']}: {_fmt(summary.get('wall_seconds'), '.0f')} s, exit {summary.get('exit_code')}",
-             f"{'stage':<12}{'seconds':>9}  result", "-" * 100]  # fmt: skip
+             f"{'stage':<15}{'seconds':>9}  result", "-" * 100]  # fmt: skip
     if "tiny-model" in s:
         lines.append(
-            f"{'tiny-model':<12}{_fmt(s['tiny-model']['seconds'], '9.1f')}  {s['tiny-model']['path']}"
+            f"{'tiny-model':<15}{_fmt(s['tiny-model']['seconds'], '9.1f')}  {s['tiny-model']['path']}"
         )
     if "base" in s:
         x = s["base"]
         lines.append(
-            f"{'base':<12}{_fmt(x['seconds'], '9.1f')}  before training: parse {_fmt(x['parse_rate'])}, format "
+            f"{'base':<15}{_fmt(x['seconds'], '9.1f')}  before training: parse {_fmt(x['parse_rate'])}, format "
             f"{_fmt(x['format_reward'])}, terminal {_fmt(x['terminal_mean'])}"
         )
-    if "sft0" in s:
-        x = s["sft0"]
-        lines.append(
-            f"{'sft0':<12}{_fmt(x['seconds'], '9.1f')}  {x['steps']} steps, {x['examples']} demos, loss "
-            f"{_fmt(x['first_loss'])} -> {_fmt(x['final_loss'])}, token acc {_fmt(x['final_token_accuracy'])}, "
-            f"{x['parameters']['trainable']:,} trainable params"
-        )
-    for key in ("gate_sft0", "gate_grpo"):
-        if key in s:
-            x = s[key]
+    for name in summary.get("chain") or ["sft0", "grpo"]:
+        x = s.get(name)
+        if x is None:
+            continue
+        if "skipped" in x:
+            lines.append(f"{name:<15}{'':>9}  skipped: {x['skipped']}")
+            continue
+        if name == "grpo":
             lines.append(
-                f"{key:<12}{_fmt(x['seconds'], '9.1f')}  {'PASSED' if x['passed'] else 'FAILED'}: parse "
-                f"{_fmt(x['parse_rate'])}, format {_fmt(x['format_reward'])}, terminal {_fmt(x['terminal_mean'])} "
-                f"(SLERP {_fmt(x['uniform_slerp_terminal_mean'])}, oracle {_fmt(x['oracle_terminal_mean'])}), "
-                f"strategy acc {_fmt(x['strategy_accuracy'])}"
+                f"{'grpo':<15}{_fmt(x['seconds'], '9.1f')}  exit {x['exit_code']}, {x.get('steps', 0)} steps, "
+                f"reward mean {_fmt(x.get('reward_mean'))} (first half {_fmt(x.get('reward_first_half_mean'))}, "
+                f"second half {_fmt(x.get('reward_second_half_mean'))}), {_fmt(x.get('step_time_mean'), '.2f')} s/step"
             )
-        if key == "gate_sft0" and "grpo" in s:
-            x = s["grpo"]
-            if "skipped" in x:
-                lines.append(f"{'grpo':<12}{'':>9}  skipped: {x['skipped']}")
-            else:
-                lines.append(
-                    f"{'grpo':<12}{_fmt(x['seconds'], '9.1f')}  exit {x['exit_code']}, {x.get('steps', 0)} steps, "
-                    f"reward mean {_fmt(x.get('reward_mean'))} (first half {_fmt(x.get('reward_first_half_mean'))}, "
-                    f"second half {_fmt(x.get('reward_second_half_mean'))}), {_fmt(x.get('step_time_mean'), '.2f')} s/step"
-                )
+        elif "error" in x:
+            lines.append(
+                f"{name:<15}{_fmt(x['seconds'], '9.1f')}  exit {x.get('exit_code')}: {x['error'][:200]}"
+            )
+        else:
+            demos = x.get("demos") or {}
+            what = f"{x['examples']} {demos.get('source', '')} demos"
+            if "filtered_hard_rule" in demos:
+                what += f" ({demos['filtered_hard_rule']} unsafe filtered)"
+            if "rsft" in x:
+                what = f"{x['rsft']['kept']} kept of {x['rsft']['samples']} samples"
+            lines.append(
+                f"{name:<15}{_fmt(x['seconds'], '9.1f')}  {x['steps']} steps, {what}, loss "
+                f"{_fmt(x['first_loss'])} -> {_fmt(x['final_loss'])}, token acc {_fmt(x['final_token_accuracy'])}, "
+                f"{x['parameters']['trainable']:,} trainable params"
+            )
+        key = f"gate_{name}"
+        if key in s:
+            g = s[key]
+            lines.append(
+                f"{key:<15}{_fmt(g['seconds'], '9.1f')}  {'PASSED' if g['passed'] else 'FAILED'}: parse "
+                f"{_fmt(g['parse_rate'])}, format {_fmt(g['format_reward'])}, terminal {_fmt(g['terminal_mean'])} "
+                f"(SLERP {_fmt(g['uniform_slerp_terminal_mean'])}, oracle {_fmt(g['oracle_terminal_mean'])}), "
+                f"strategy acc {_fmt(g['strategy_accuracy'])}"
+            )
     if "evaluate" in s:
         x = s["evaluate"]
         terms = ", ".join(f"{p} {_fmt(v)}" for p, v in x["terminal_mean"].items())
-        lines.append(f"{'evaluate':<12}{_fmt(x['seconds'], '9.1f')}  terminal: {terms}")
+        lines.append(f"{'evaluate':<15}{_fmt(x['seconds'], '9.1f')}  terminal: {terms}")
     return "\n".join(lines)
 
 
@@ -333,7 +429,8 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override one preset value (JSON), e.g. --set sft.steps=100 --set grpo.steps=2 (repeatable)",
+        help="override one preset value (JSON), e.g. --set sft.steps=100 --set grpo.steps=2 "
+        "--set stages=format,bc,grpo,rsft (repeatable)",
     )
     parser.add_argument(
         "--overrides",

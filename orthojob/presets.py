@@ -9,9 +9,17 @@ it). Explicit flags override a preset's values (``orthojob train``), and so does
 The values a stage shares with the others (``model``, ``task_id``, ``force_decay``, ``tiny_arch``)
 are set once on the :class:`Preset` and copied into the stage configs when it is built.
 
+``stages`` chooses the pipeline's training stages, in order, from :data:`PIPELINE_STAGES` (the
+seed's numbering): ``format`` (stage 0, format SFT), ``bc`` (stage 2, behaviour cloning of the
+oracle), ``grpo`` (stage 3), ``rsft`` (stage 4, rejection fine-tuning). Each stage starts from the
+previous stage's gated checkpoint; the first must be an SFT stage that starts from the base model
+(``format`` or ``bc``). Both presets keep ``("bc", "grpo")``, the chain ``make run`` has always run;
+``--set stages=format,grpo`` or ``--set stages=format,bc,grpo,rsft`` selects others.
+
 ``tiny-cpu``: offline, CPU, 2 cores, < 10 min. Its GRPO stage is the one ``make run`` has always
 run (20 steps, 1760-token prompts, 256-token completions, 32 gate seeds); before issue 11,
-``orthojob train --preset tiny-cpu`` used a second table (8 steps, 3072, 128, 8 seeds).
+``orthojob train --preset tiny-cpu`` used a second table (8 steps, 3072, 128, 8 seeds). Its format
+and RSFT stages (not in the default chain) are set by analogy with its BC stage and not tuned.
 """
 
 from __future__ import annotations
@@ -20,20 +28,41 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from orthojob.gate import DEFAULT_THRESHOLDS, GateThresholds
+from orthojob.gate import DEFAULT_THRESHOLDS, GateSettings, GateThresholds
 from orthojob.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.models import TINY_MODEL
-from orthojob.sft_config import SFTJobConfig
+from orthojob.rsft_config import RSFTConfig
+from orthojob.sft_config import FormatSFTConfig, SFTJobConfig
+
+PIPELINE_STAGES: dict[str, str] = {
+    "format": "format_sft",
+    "bc": "sft0",
+    "grpo": "grpo",
+    "rsft": "rsft",
+}
+"""A pipeline stage -> its name: output folder ``<out>/<name>``, MLflow stage run, gate stage
+(:data:`orthojob.gate.STAGES`). The BC stage keeps the name ``sft0`` it has always had (runs,
+folders, scripts and the deploy docs use it)."""
+FIRST_STAGES: tuple[str, ...] = ("format", "bc")
+"""The stages that can start from the base model."""
+DEFAULT_STAGES: tuple[str, ...] = ("bc", "grpo")
 
 
-@dataclass(frozen=True)
-class GateSettings:
-    """A gate evaluation: held-out seeds per task, completion budget, batch, thresholds."""
-
-    n_seeds: int = 50
-    max_new_tokens: int = 512
-    batch_size: int = 16
-    thresholds: GateThresholds = field(default_factory=lambda: DEFAULT_THRESHOLDS["sft0"])
+def stage_list(value: Any) -> tuple[str, ...]:
+    """``stages`` as a tuple, checked: a comma string or a list of :data:`PIPELINE_STAGES`, no stage
+    twice, the first one of :data:`FIRST_STAGES`. Raises :class:`ConfigError`."""
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value or ())
+    stages = tuple(v for v in items if v)
+    unknown = [v for v in stages if v not in PIPELINE_STAGES]
+    if unknown or not stages:
+        raise ConfigError(f"stages must be a comma list of {', '.join(PIPELINE_STAGES)}, got {value!r}")
+    if len(set(stages)) != len(stages):
+        raise ConfigError(f"stages: a stage appears twice in {list(stages)}")
+    if stages[0] not in FIRST_STAGES:
+        raise ConfigError(
+            f"stages: the chain must start with {' or '.join(FIRST_STAGES)} (from the base model), got {list(stages)}"
+        )
+    return stages
 
 
 @dataclass(frozen=True)
@@ -58,8 +87,10 @@ class EvaluateSettings:
 class Preset:
     """Every hyper-parameter of one run: the shared values and one config object per stage.
 
-    ``grpo_gate``: the thresholds of GRPO's own gate, passed into the GRPO stage, which writes
-    its gate file once with them.
+    ``sft``/``sft_gate``: stage 2, BC (the pipeline's ``sft0``); ``format_sft``/``format_gate``:
+    stage 0; ``rsft``/``rsft_gate``: stage 4. ``grpo_gate``: the thresholds of GRPO's own gate, passed
+    into the GRPO stage, which writes its gate file once with them. ``stages``: which of them the
+    pipeline runs (module docstring).
     """
 
     name: str
@@ -74,17 +105,26 @@ class Preset:
     evaluate: EvaluateSettings
     tiny_arch: dict[str, Any] = field(default_factory=dict)
     base_eval: bool = True
+    stages: tuple[str, ...] = DEFAULT_STAGES
+    format_sft: FormatSFTConfig = field(default_factory=FormatSFTConfig)
+    format_gate: GateSettings = field(
+        default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS["format_sft"])
+    )
+    rsft: RSFTConfig = field(default_factory=RSFTConfig)
+    rsft_gate: GateSettings = field(
+        default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS["rsft"])
+    )
 
     def __post_init__(self) -> None:
         # the shared values, copied into the stage configs (one source of truth: the preset's)
-        sft = dataclasses.replace(
-            self.sft, model=self.model, force_decay=self.force_decay, tiny_arch=dict(self.tiny_arch)
-        )
+        shared = {"model": self.model, "force_decay": self.force_decay, "tiny_arch": dict(self.tiny_arch)}
+        for name in ("sft", "format_sft", "rsft"):
+            object.__setattr__(self, name, dataclasses.replace(getattr(self, name), **shared))
         grpo = dataclasses.replace(
             self.grpo, model=self.model, task_id=self.task_id, force_decay=self.force_decay, preset=self.name
         )
-        object.__setattr__(self, "sft", sft)
         object.__setattr__(self, "grpo", grpo)
+        object.__setattr__(self, "stages", stage_list(self.stages))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -143,6 +183,45 @@ TINY_CPU = Preset(
     ),
     grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS["grpo"]),
     evaluate=EvaluateSettings(n_seeds=32, baselines=True, max_new_tokens=256, batch_size=16),
+    stages=DEFAULT_STAGES,
+    format_sft=FormatSFTConfig(
+        # as the BC stage: the same model, steps and learning rate, on format demonstrations
+        model=TINY_MODEL,
+        task_ids=["task_easy"],
+        examples=2400,
+        steps=600,
+        batch_size=4,
+        lr=5e-3,
+        lr_scheduler="cosine",
+        warmup_steps=10,
+        lora_r=0,
+        max_length=2048,
+        logging_steps=20,
+    ),
+    format_gate=GateSettings(
+        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS["format_sft"]
+    ),
+    rsft=RSFTConfig(
+        # best of 4 samples on 32 training prompts, then a short fine-tune at a fifth of SFT's rate
+        model=TINY_MODEL,
+        task_ids=["task_easy"],
+        prompts=32,
+        samples_per_prompt=4,
+        temperature=1.0,
+        max_new_tokens=256,
+        sample_batch_size=8,
+        steps=40,
+        batch_size=4,
+        lr=1e-3,
+        lr_scheduler="constant",
+        warmup_steps=0,
+        lora_r=0,
+        max_length=2048,
+        logging_steps=10,
+    ),
+    rsft_gate=GateSettings(
+        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS["rsft"]
+    ),
 )
 
 QWEN25_3B = Preset(
@@ -186,6 +265,48 @@ QWEN25_3B = Preset(
     ),
     grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS["grpo"]),
     evaluate=EvaluateSettings(n_seeds=200, baselines=True, max_new_tokens=512, batch_size=32),
+    stages=DEFAULT_STAGES,
+    format_sft=FormatSFTConfig(
+        task_ids=["task_easy", "task_medium", "task_hard"],
+        examples=3000,
+        steps=375,
+        batch_size=4,
+        grad_accum=2,
+        lr=2e-4,
+        lr_scheduler="cosine",
+        warmup_steps=20,
+        lora_r=16,
+        lora_alpha=32,
+        max_length=2048,
+        gradient_checkpointing=True,
+        logging_steps=10,
+    ),
+    format_gate=GateSettings(
+        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS["format_sft"]
+    ),
+    rsft=RSFTConfig(
+        # continues the previous stage's LoRA adapter: best of 8 on 512 training prompts
+        task_ids=["task_easy", "task_medium", "task_hard"],
+        prompts=512,
+        samples_per_prompt=8,
+        temperature=1.0,
+        max_new_tokens=512,
+        sample_batch_size=8,
+        steps=200,
+        batch_size=4,
+        grad_accum=2,
+        lr=5e-5,
+        lr_scheduler="cosine",
+        warmup_steps=10,
+        lora_r=16,
+        lora_alpha=32,
+        max_length=2048,
+        gradient_checkpointing=True,
+        logging_steps=10,
+    ),
+    rsft_gate=GateSettings(
+        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS["rsft"]
+    ),
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, QWEN25_3B)}
@@ -227,13 +348,16 @@ def apply_overrides(preset: Preset, overrides: dict[str, Any] | None) -> Preset:
     KeyError; a value a config refuses raises :class:`orthojob.grpo_config.ConfigError`."""
     for dotted, value in (overrides or {}).items():
         path = dotted.split(".")
-        if path[0] in ("sft", "grpo") and len(path) > 1 and path[1] in _SHARED:
+        if path[0] in ("sft", "format_sft", "rsft", "grpo") and len(path) > 1 and path[1] in _SHARED:
             raise KeyError(f"{dotted!r}: set {path[1]!r} for the whole preset (--set {path[1]}=...)")
         preset = _replace(preset, path, value, dotted)
     return preset
 
 
 __all__ = [
+    "DEFAULT_STAGES",
+    "FIRST_STAGES",
+    "PIPELINE_STAGES",
     "PRESETS",
     "ConfigError",
     "EvaluateSettings",
@@ -241,4 +365,5 @@ __all__ = [
     "GateSettings",
     "Preset",
     "apply_overrides",
+    "stage_list",
 ]

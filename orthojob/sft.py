@@ -1,18 +1,33 @@
-"""SFT stage 0 (format SFT): ``orthojob sft``.
+"""The SFT stages, one training routine (:func:`run_sft`) for three demonstration sources.
 
-Demonstrations are written by the environment's rule-based oracle (:func:`server.oracle.oracle_plan`)
-for *training* seeds (from :data:`orthojob.prompts.TRAIN_SEED_START`): each example is the policy's
-own prompt (:func:`orthojob.prompts.prompt_rows`, conversational) and, as the completion, the
-oracle's plan as canonical JSON (:func:`orthojob.prompts.plan_to_completion`). TRL's SFTTrainer
-trains on the completion only (prompt tokens are masked).
+The seed's stages that TRL's SFTTrainer trains, each its own command, MLflow stage run and gate:
+
+* **stage 0, format SFT** (``orthojob format-sft``, :class:`~orthojob.sft_config.FormatSFTConfig`,
+  gate stage ``format_sft``): demonstrations that carry no clinical choice
+  (:func:`orthojob.format_demos.format_demonstrations`: a uniformly random strategy, random feasible
+  groups). Its gate checks the format only (parse rate, format score).
+* **stage 2, BC SFT** (``orthojob bc-sft``, :class:`~orthojob.sft_config.SFTJobConfig`, gate stage
+  ``sft0``, the name the pipeline has always given it): the environment's rule-based oracle
+  (:func:`server.oracle.oracle_plan`) on training seeds, only plans the environment judges safe
+  (:func:`demonstrations`; the number filtered out is logged and recorded). ``orthojob sft`` is the
+  same training without the gate (``orthojob gate`` then writes it).
+* **stage 4, RSFT** (``orthojob rsft``, :mod:`orthojob.rsft`): a checkpoint's own samples that the
+  environment scored best; :mod:`orthojob.rsft` samples and keeps them, then calls :func:`run_sft`
+  with the kept rows.
+
+Each example is the policy's own prompt (:func:`orthojob.prompts.build_messages`, conversational)
+and, as the completion, a plan as canonical JSON (:func:`orthojob.prompts.plan_to_completion`), on
+*training* seeds (from :data:`orthojob.prompts.TRAIN_SEED_START`). TRL's SFTTrainer trains on the
+completion only (prompt tokens are masked).
 
 Models (:func:`orthojob.models.load_policy`): LoRA on real models (Unsloth 4-bit on a GPU when it
-imports, QLoRA with bitsandbytes on a GPU, plain LoRA on CPU), full fine-tuning with ``lora_r 0``.
-The tiny preset fine-tunes fully: LoRA on a randomly initialised base never learns the format.
-bf16 only where the GPU supports it.
+imports, QLoRA with bitsandbytes on a GPU, plain LoRA on CPU), full fine-tuning with ``lora_r 0``;
+``from_checkpoint`` continues an earlier stage's model or adapter. The tiny preset fine-tunes fully:
+LoRA on a randomly initialised base never learns the format. bf16 only where the GPU supports it.
 
-``--out`` receives the model (or adapter) and tokenizer, ``sft_log.json`` (TRL's log history) and
-``sft_config.json``. The gate (:mod:`orthojob.gate`) is a separate step: ``orthojob gate``.
+``--out`` receives the model (or adapter) and tokenizer, ``sft_log.json`` (TRL's log history and the
+summary, with the demonstrations' counts) and ``sft_config.json``; the stage commands add the gate
+file (:func:`orthojob.gate.run_gate`). ``--out`` and ``--from-checkpoint`` take ``s3://`` URIs.
 """
 
 from __future__ import annotations
@@ -23,16 +38,19 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from orthojob import mlops, models, storage
+from orthojob import gate, mlops, models, storage
 from orthojob.exit_codes import ExitCode
 from orthojob.flags import add_config_arguments, given_values
+from orthojob.gate import DEFAULT_THRESHOLDS, GateSettings, add_gate_arguments, gate_settings_from_args
 from orthojob.models import TINY_MODEL, ensure_tiny
 from orthojob.presets import PRESETS
 from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
-from orthojob.sft_config import SFT_CONFIG_FILE, SFT_LOG_FILE, ConfigError, SFTJobConfig
+from orthojob.rsft_config import RSFTConfig
+from orthojob.sft_config import SFT_CONFIG_FILE, SFT_LOG_FILE, ConfigError, FormatSFTConfig, SFTJobConfig
 from server.cases import CaseKey
 from server.oracle import oracle_plan
 from server.treatment import score_plans
@@ -40,13 +58,35 @@ from server.treatment import score_plans
 log = logging.getLogger(__name__)
 
 
+SECTIONS: dict[str, type[SFTJobConfig]] = {
+    "format_sft": FormatSFTConfig,
+    "sft": SFTJobConfig,
+    "rsft": RSFTConfig,
+}
+"""A preset's SFT-stage sections (:class:`orthojob.presets.Preset`) and their config classes."""
+GATE_SECTIONS: dict[str, tuple[str, str]] = {
+    "format_sft": ("format_gate", "format_sft"),
+    "sft": ("sft_gate", "sft0"),
+    "rsft": ("rsft_gate", "rsft"),
+}
+"""Per section: the preset's gate settings and the gate's stage name."""
+
+
 def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -> list[dict]:
-    """``n`` SFT examples ``{"prompt": messages, "completion": [assistant message], "seed", "task_id"}``.
+    """``n`` BC examples ``{"prompt": messages, "completion": [assistant message], "seed", "task_id"}``
+    (:func:`oracle_demonstrations` without its counts)."""
+    return oracle_demonstrations(n, task_ids, force_decay)[0]
+
+
+def oracle_demonstrations(
+    n: int, task_ids: Sequence[str], force_decay: bool = False
+) -> tuple[list[dict], dict]:
+    """``n`` BC examples, and their counts ``{"source", "examples", "filtered_hard_rule"}``.
 
     Seeds run from TRAIN_SEED_START within each task; tasks take turns (``n`` split evenly). Only
     plans the environment judges safe are kept (no hard rule broken, :mod:`server.reward_scaler`):
     a case whose oracle plan breaks one is skipped and the next seed taken; the number skipped is
-    logged.
+    logged and returned.
     """
     tasks = list(task_ids)
     per_task = [n // len(tasks) + (1 if k < n % len(tasks) else 0) for k in range(len(tasks))]
@@ -77,12 +117,32 @@ def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -
     out = []
     for k in range(max(per_task, default=0)):
         out.extend(rows[k] for rows in by_task if k < len(rows))
-    return out
+    return out, {"source": "oracle", "examples": len(out), "filtered_hard_rule": filtered}
+
+
+def demonstration_rows(config: SFTJobConfig) -> tuple[list[dict], dict]:
+    """The demonstrations of ``config.demos`` (``oracle`` or ``format``) and their counts; RSFT's rows
+    come from :func:`orthojob.rsft.sample_and_keep` instead."""
+    if config.demos == "oracle":
+        return oracle_demonstrations(config.examples, config.task_ids, config.force_decay)
+    if config.demos == "format":
+        from orthojob.format_demos import demo_stats, format_demonstrations
+
+        rows = format_demonstrations(
+            config.examples, config.task_ids, config.force_decay, seed=getattr(config, "demo_seed", 0)
+        )
+        stats = demo_stats(rows)
+        log.info("format demonstrations: %s", stats)
+        return rows, {"source": "format", "examples": len(rows), **stats}
+    raise ConfigError(f"demos={config.demos!r} has no built-in source: pass the rows to run_sft")
 
 
 def resolve_model(config: SFTJobConfig) -> str:
     """The base model reference: ``config.model`` (hub id, folder or ``s3://`` URI, resolved by
-    :func:`orthojob.models.load_policy`), or the tiny model built into ``<out>/base-model``."""
+    :func:`orthojob.models.load_policy`), or the tiny model built into ``<out>/base-model`` (with
+    ``from_checkpoint``, the checkpoint is the model and nothing is built)."""
+    if config.from_checkpoint:
+        return config.from_checkpoint
     if config.model != TINY_MODEL:
         return config.model
     return str(
@@ -90,9 +150,14 @@ def resolve_model(config: SFTJobConfig) -> str:
     )
 
 
-def run_sft(config: SFTJobConfig) -> dict:
-    """Train SFT stage 0 and save model + tokenizer to ``config.out``; returns a summary dict
-    (examples, steps, losses, token accuracy, wall times, parameters)."""
+def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info: dict | None = None) -> dict:
+    """Train an SFT stage and save model + tokenizer to ``config.out``; returns a summary dict
+    (examples, steps, losses, token accuracy, wall times, parameters, ``demos``: the counts of the
+    demonstrations).
+
+    ``rows``: the demonstrations (``{"prompt": messages, "completion": [assistant message], ...}``);
+    by default those of ``config.demos`` (:func:`demonstration_rows`). ``demo_info``: their counts,
+    recorded with the summary."""
     devices = models.device_info()  # imports Unsloth (on a GPU) before TRL and transformers
     from datasets import Dataset  # heavy, and only after Unsloth: imported when training starts
     from trl import SFTConfig, SFTTrainer
@@ -101,10 +166,13 @@ def run_sft(config: SFTJobConfig) -> dict:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     base = resolve_model(config)
-    model, tokenizer = models.load_policy(base, lora_r=config.lora_r, lora_alpha=config.lora_alpha,
-                                          max_seq_length=config.max_length)  # fmt: skip
+    model, tokenizer = models.load_policy(base, checkpoint=config.from_checkpoint, lora_r=config.lora_r,
+                                          lora_alpha=config.lora_alpha, max_seq_length=config.max_length)  # fmt: skip
     t_data = time.perf_counter()
-    rows = demonstrations(config.examples, config.task_ids, config.force_decay)
+    if rows is None:
+        rows, demo_info = demonstration_rows(config)
+    if not rows:
+        raise ConfigError("no demonstrations to train on")
     dataset = Dataset.from_dict(
         {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
     )
@@ -142,6 +210,7 @@ def run_sft(config: SFTJobConfig) -> dict:
     accuracy = [row["mean_token_accuracy"] for row in history if "mean_token_accuracy" in row]
     summary = {
         "examples": len(rows),
+        "demos": {"source": config.demos, **(demo_info or {})},
         "steps": trainer.state.global_step,
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
@@ -157,70 +226,164 @@ def run_sft(config: SFTJobConfig) -> dict:
     }
     (out / SFT_LOG_FILE).write_text(json.dumps({"summary": summary, "log_history": history}, indent=1))
     (out / SFT_CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2))
-    log.info("SFT stage 0: %d steps in %.0f s, loss %s -> %s", summary["steps"], train_seconds,
+    log.info("SFT (%s demos): %d steps in %.0f s, loss %s -> %s", config.demos, summary["steps"], train_seconds,
              summary["first_loss"], summary["final_loss"])  # fmt: skip
     return summary
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI
+# CLI: orthojob sft (BC, no gate), format-sft, bc-sft (and rsft, orthojob/rsft.py)
 # ---------------------------------------------------------------------------------------------
 
 
-def add_sft_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``orthojob sft`` flags, generated from :class:`SFTJobConfig`, and ``--preset``."""
+def add_sft_arguments(
+    parser: argparse.ArgumentParser, section: str = "sft", with_gate: bool = False
+) -> argparse.ArgumentParser:
+    """A SFT stage command's flags, generated from its config class (:data:`SECTIONS`), ``--preset``,
+    and with ``with_gate`` the gate's (:func:`orthojob.gate.add_gate_arguments`)."""
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         default=argparse.SUPPRESS,
-        help="take the SFT settings of a preset (orthojob/presets.py)",
+        help=f"take the {section} settings of a preset (orthojob/presets.py)",
     )
-    return add_config_arguments(parser, SFTJobConfig)
+    add_config_arguments(parser, SECTIONS[section])
+    if with_gate:
+        add_gate_arguments(parser)
+    return parser
 
 
-def config_from_args(args: argparse.Namespace | dict) -> SFTJobConfig:
-    """Dataclass defaults < the preset's SFT config < the flags given."""
-    given = given_values(args, SFTJobConfig)
+def _preset_name(args: argparse.Namespace | dict) -> str | None:
     preset = (vars(args) if isinstance(args, argparse.Namespace) else args).get("preset")
-    if preset is None:
-        return SFTJobConfig(**given)
-    if preset not in PRESETS:
+    if preset is not None and preset not in PRESETS:
         raise ConfigError(f"unknown --preset {preset!r}: use one of {', '.join(sorted(PRESETS))}")
-    return dataclasses.replace(PRESETS[preset].sft, **given)
+    return preset
+
+
+def config_from_args(args: argparse.Namespace | dict, section: str = "sft") -> SFTJobConfig:
+    """Dataclass defaults < the preset's config of ``section`` < the flags given."""
+    cls = SECTIONS[section]
+    given = given_values(args, cls)
+    preset = _preset_name(args)
+    if preset is None:
+        return cls(**given)
+    return dataclasses.replace(getattr(PRESETS[preset], section), **given)
+
+
+def gate_settings_for(args: argparse.Namespace | dict, section: str) -> tuple[str, GateSettings]:
+    """The gate's stage name and settings: the stage's defaults < the preset's < the flags given."""
+    key, stage = GATE_SECTIONS[section]
+    preset = _preset_name(args)
+    base = getattr(PRESETS[preset], key) if preset else GateSettings(thresholds=DEFAULT_THRESHOLDS[stage])
+    return stage, gate_settings_from_args(args, base)
+
+
+def localize(config: SFTJobConfig, say: Callable[[str], Any]) -> SFTJobConfig:
+    """``config`` with an ``s3://`` ``from_checkpoint`` downloaded (verified) and an ``s3://`` ``out``
+    replaced by a local work folder (:func:`orthojob.mlops.local_work_dir`; publish to the original
+    when done). An ``s3://`` ``model`` stays a URI: :func:`orthojob.models.load_policy` fetches it
+    into the model cache, and adapters record the URI as their base."""
+    if storage.is_s3_uri(config.out):
+        config = dataclasses.replace(config, out=str(mlops.local_work_dir(config.out)))
+    if config.from_checkpoint and storage.is_s3_uri(config.from_checkpoint):
+        config = dataclasses.replace(
+            config, from_checkpoint=str(mlops.local_input(config.from_checkpoint, say))
+        )
+    return config
+
+
+def log_stage(summary: dict, content: dict | None, out: str | Path, prefix: str = "") -> None:
+    """Into the active MLflow stage run (if any): the training summary's numbers, the demonstrations'
+    counts (``demos/*``), the gate's metrics (``gate/*``), the gate file and its verdict tag."""
+    mlflow = sys.modules.get("mlflow")  # imported by the stage run, when there is one
+    if mlflow is None or mlflow.active_run() is None:
+        return
+    from orthojob import tracking
+
+    numbers = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
+    numbers |= {
+        f"demos/{k}": v for k, v in (summary.get("demos") or {}).items() if isinstance(v, (int, float))
+    }
+    tracking.log_metrics({f"{prefix}{k}": v for k, v in numbers.items()})
+    if content is not None:
+        tracking.log_metrics({f"gate/{k}": v for k, v in content["metrics"].items()})
+        mlflow.log_artifact(str(gate.gate_path(out)))
+        mlflow.set_tag("orthorl.gate_passed", str(content["passed"]).lower())
+
+
+def _demo_line(summary: dict) -> str:
+    demos = summary.get("demos") or {}
+    if demos.get("source") == "oracle":
+        return f"{summary['examples']} safe oracle demonstrations ({demos.get('filtered_hard_rule', 0)} filtered)"
+    return f"{summary['examples']} {demos.get('source', '')} demonstrations"
+
+
+def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str) -> int:
+    """``orthojob format-sft`` / ``bc-sft``: train, gate, publish; 0 when the gate passed, 12 when it
+    failed, 2 on a bad configuration."""
+    try:
+        config = config_from_args(args, section)
+        stage, settings = gate_settings_for(args, section)
+    except (TypeError, ValueError) as exc:
+        print(f"orthojob {command}: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    destination = config.out
+    config = localize(config, lambda m: print(f"[{command}] {m}"))
+    summary = run_sft(config)
+    content = gate.run_gate(config.out, stage, settings, config.task_ids, config.force_decay)
+    print(gate.format_gate(content))
+    log_stage(summary, content, config.out)
+    if destination != config.out:
+        storage.publish(config.out, destination)
+    print(
+        f"[{command}] {summary['steps']} steps on {_demo_line(summary)} in {summary['train_seconds']:.0f} s "
+        f"({summary['seconds_per_step']:.2f} s/step); loss {summary['first_loss']} -> {summary['final_loss']}; "
+        f"gate {stage} {'passed' if content['passed'] else 'FAILED'}; saved to {destination}"
+    )
+    return 0 if content["passed"] else ExitCode.GATE_FAILED
 
 
 def run_sft_cli(args: argparse.Namespace) -> int:
-    """``orthojob sft``: 0 on success, 2 on a bad configuration."""
+    """``orthojob sft`` (stage 2, BC, without the gate): 0 on success, 2 on a bad configuration."""
     try:
         config = config_from_args(args)
     except (TypeError, ValueError) as exc:
         print(f"orthojob sft: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     destination = config.out
-    if storage.is_s3_uri(config.out):  # train in a local work folder, publish when done
-        config = dataclasses.replace(config, out=str(mlops.local_work_dir(config.out)))
     # an s3:// --model stays a URI: load_policy fetches it into the model cache, and the adapter
     # records the URI as its base (orthojob/base_models.py), which resolves in any other pod
+    config = localize(config, lambda m: print(f"[sft] {m}"))
     summary = run_sft(config)
+    log_stage(summary, None, config.out)
     if destination != config.out:
         storage.publish(config.out, destination)
     print(
-        f"[sft] {summary['steps']} steps on {summary['examples']} oracle demonstrations in "
+        f"[sft] {summary['steps']} steps on {_demo_line(summary)} in "
         f"{summary['train_seconds']:.0f} s ({summary['seconds_per_step']:.2f} s/step); loss "
         f"{summary['first_loss']} -> {summary['final_loss']}; saved to {destination}\n"
-        f"[sft] next: orthojob gate --checkpoint {destination} --stage sft0"
+        f"[sft] next: orthojob gate --checkpoint {destination} --stage sft0 (or run orthojob bc-sft, which gates)"
     )
     return 0
 
 
 __all__ = [
+    "GATE_SECTIONS",
+    "SECTIONS",
     "SFT_CONFIG_FILE",
     "SFT_LOG_FILE",
+    "FormatSFTConfig",
     "SFTJobConfig",
     "add_sft_arguments",
     "config_from_args",
+    "demonstration_rows",
     "demonstrations",
+    "gate_settings_for",
+    "localize",
+    "log_stage",
+    "oracle_demonstrations",
     "resolve_model",
     "run_sft",
     "run_sft_cli",
+    "run_sft_stage_cli",
 ]

@@ -1,8 +1,11 @@
-"""SFT stage 0's configuration: :class:`SFTJobConfig`, every ``orthojob sft`` flag.
+"""The SFT stages' configuration: :class:`SFTJobConfig` (stage 2, BC: ``orthojob bc-sft`` / ``sft``)
+and :class:`FormatSFTConfig` (stage 0, format SFT: ``orthojob format-sft``); RSFT's
+(:class:`orthojob.rsft_config.RSFTConfig`, stage 4) extends them.
 
-Like :mod:`orthojob.grpo_config`: a frozen dataclass, help text in the fields' metadata, flags
+Like :mod:`orthojob.grpo_config`: frozen dataclasses, help text in the fields' metadata, flags
 generated from the fields (:func:`orthojob.flags.add_config_arguments`), checks in
-``__post_init__`` (a bad value raises :class:`ConfigError` naming the flag).
+``__post_init__`` (a bad value raises :class:`ConfigError` naming the flag). ``demos`` names where
+:func:`orthojob.sft.run_sft` takes its demonstrations (:data:`DEMO_SOURCES`).
 """
 
 from __future__ import annotations
@@ -18,15 +21,23 @@ from server.cases import TASK_IDS
 
 SFT_LOG_FILE = "sft_log.json"
 SFT_CONFIG_FILE = "sft_config.json"
+DEMO_SOURCES: dict[str, str] = {
+    "oracle": "the oracle's plans the environment judges safe (stage 2, BC; orthojob.sft.demonstrations)",
+    "format": "valid plans with random strategies and random feasible groups, no clinical choice "
+    "(stage 0; orthojob.format_demos)",
+    "rsft": "a checkpoint's own samples the environment scored best (stage 4; orthojob.rsft)",
+}
+"""Where an SFT stage's demonstrations come from (``demos``)."""
 
 
 @dataclass(frozen=True)
 class SFTJobConfig:
-    """Every ``orthojob sft`` flag (field ``x_y`` is flag ``--x-y``).
+    """Every ``orthojob bc-sft`` / ``orthojob sft`` flag (field ``x_y`` is flag ``--x-y``): stage 2, BC.
 
     ``model``: hub id or folder, or ``"tiny"`` (build the offline tiny model into ``<out>/base-model``
-    with ``tiny_arch``). ``examples`` demonstrations are spread evenly over ``task_ids``; ``steps``
-    optimizer steps of ``batch_size x grad_accum`` examples each (epochs repeat as needed).
+    with ``tiny_arch``); ``from_checkpoint``: an earlier stage's output to continue instead (its full
+    model, or its LoRA adapter). ``examples`` demonstrations are spread evenly over ``task_ids``;
+    ``steps`` optimizer steps of ``batch_size x grad_accum`` examples each (epochs repeat as needed).
     """
 
     model: str = field(
@@ -36,6 +47,13 @@ class SFTJobConfig:
         },
     )
     out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
+    from_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "continue an earlier stage's checkpoint (folder or s3:// URI) instead of --model"},
+    )
+    demos: str = field(
+        default="oracle", metadata={"help": "demonstration source (DEMO_SOURCES)", "cli": False}
+    )
     task_ids: list[str] = field(
         default_factory=lambda: ["task_easy"],
         metadata={
@@ -85,7 +103,9 @@ class SFTJobConfig:
             )
         if not self.task_ids or any(t not in TASK_IDS for t in self.task_ids):
             raise ConfigError(f"--task-id must be 'all' or a comma list of {TASK_IDS}, got {self.task_ids!r}")
-        if self.model == TINY_MODEL and self.lora_r > 0:
+        if self.demos not in DEMO_SOURCES:
+            raise ConfigError(f"demos must be one of {sorted(DEMO_SOURCES)}, got {self.demos!r}")
+        if self.model == TINY_MODEL and self.lora_r > 0 and not self.from_checkpoint:
             raise ConfigError(
                 "--model tiny needs --lora-r 0 (full fine-tuning): LoRA on a randomly initialised "
                 "base never learns the plan format"
@@ -95,4 +115,34 @@ class SFTJobConfig:
         return dataclasses.asdict(self)
 
 
-__all__ = ["SFT_CONFIG_FILE", "SFT_LOG_FILE", "ConfigError", "SFTJobConfig"]
+@dataclass(frozen=True)
+class FormatSFTConfig(SFTJobConfig):
+    """Every ``orthojob format-sft`` flag: stage 0, format SFT on demonstrations that carry no clinical
+    choice (:func:`orthojob.format_demos.format_demonstrations`: a uniformly random strategy, random
+    feasible groups), so the policy learns the plan format and starts at chance strategy accuracy."""
+
+    out: str = field(default="./checkpoints/format_sft", metadata={"help": "output folder or s3:// URI"})
+    demos: str = field(default="format", metadata={"help": "demonstration source", "cli": False})
+    examples: int = field(default=2000, metadata={"help": "format demonstrations", "type": positive_int})
+    demo_seed: int = field(
+        default=0,
+        metadata={
+            "help": "seed of the demonstrations' random choices (not of the cases)",
+            "show_default": True,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.demos != "format":
+            raise ConfigError(f"format SFT trains on format demonstrations, got demos={self.demos!r}")
+
+
+__all__ = [
+    "DEMO_SOURCES",
+    "SFT_CONFIG_FILE",
+    "SFT_LOG_FILE",
+    "ConfigError",
+    "FormatSFTConfig",
+    "SFTJobConfig",
+]

@@ -502,6 +502,34 @@ def test_standalone_stages_read_and_write_s3(services, env, tiny, tmp_path):
     assert missing.returncode == 30 and "has no MANIFEST.json" in missing.stderr, missing.stderr[-2000:]
 
 
+def test_stage_commands_read_and_write_s3(services, env, tiny, monkeypatch):
+    """Issue 12's stage commands take s3:// in and out: format-sft publishes its gated checkpoint,
+    rsft downloads it (digests and gate checked) and publishes its own, each with its MLflow run."""
+    from orthojob import rsft
+    from orthojob.cli import main as cli_main
+    from tests.test_stages import GATE_FLAGS, fake_sampler
+
+    s3, server = services
+    source, target = f"s3://{BUCKET}/stages/format_sft", f"s3://{BUCKET}/stages/rsft"
+    fmt = orthojob(["format-sft", "--model", str(tiny), "--lora-r", "0", "--steps", "2", "--batch-size", "2",
+                    "--examples", "4", "--out", source, *GATE_FLAGS], env)  # fmt: skip
+    assert fmt.returncode == 0, fmt.stdout[-2000:] + fmt.stderr[-2000:]
+    assert {"MANIFEST.json", "gate_passed.json", "model.safetensors", "sft_log.json"} <= keys_under(
+        s3, "stages/format_sft/"
+    )
+    # in process, so that sampling can be replaced by known completions (storage, gates and MLflow real)
+    monkeypatch.setattr(rsft, "sample_completions", fake_sampler)
+    rc = cli_main(["rsft", "--from-checkpoint", source, "--out", target, "--lora-r", "0", "--steps", "1",
+                   "--batch-size", "1", "--prompts", "1", "--samples-per-prompt", "6", *GATE_FLAGS])  # fmt: skip
+    assert rc == 0
+    published = keys_under(s3, "stages/rsft/")
+    assert {"MANIFEST.json", "gate_passed.json", "model.safetensors", "rsft_samples.jsonl"} <= published
+    client = mlflow.tracking.MlflowClient(server.uri)
+    (run,) = [r for r in run_by_stage(client, "e2e", "rsft") if r.data.params.get("cli.out") == target]
+    assert run.data.metrics["rsft/kept"] == 1 and run.data.tags["orthorl.gate_passed"] == "true"
+    assert run_by_stage(client, "e2e", "format_sft")
+
+
 class _FlakyClient:
     """An S3 client whose PutObject requests fail (a dropped connection, below botocore's retries)
     ``failures`` times, then work: botocore's own retries absorb a short outage."""

@@ -7,7 +7,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("orthojob", "server")
-STAGE_MODULES = ("grpo", "grpo_config", "grpo_trainer", "sft", "sft_config", "pipeline", "presets", "gate")
+STAGE_MODULES = (
+    "grpo",
+    "grpo_config",
+    "grpo_trainer",
+    "sft",
+    "sft_config",
+    "rsft",
+    "rsft_config",
+    "pipeline",
+    "presets",
+    "gate",
+)
 ENTRY_POINTS = ("orthojob.job",)
 """Above the CLI: the container's command (``python -m orthojob.job``) runs ``orthojob pipeline`` then
 ``orthojob promote`` through it; nothing imports it."""
