@@ -204,12 +204,13 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         sft_source = storage.publish(sft_dir, f"{out_uri.rstrip('/')}/sft0")
         grpo_target = f"{out_uri.rstrip('/')}/grpo"
     grpo = dataclasses.replace(cfg.grpo, model=model, from_checkpoint=str(sft_source), out=grpo_target)
+    before = tracking.last_stage_run("grpo")
     rc = run_grpo(grpo, given=grpo.to_dict(), gate_thresholds=cfg.grpo_gate.thresholds)
-    last = mlflow.last_active_run()
+    grpo_run = tracking.last_stage_run("grpo")  # the child run: last_active_run() is the pipeline's
     stages["grpo"] = {
         "seconds": time.perf_counter() - t,
         "exit_code": int(rc),
-        "mlflow_run_id": last.info.run_id if last is not None else None,
+        "mlflow_run_id": grpo_run if grpo_run != before else None,
         "out": grpo_target,
         **_grpo_rewards(grpo_dir / TRAIN_LOG_FILE),
     }
@@ -365,7 +366,8 @@ def run_pipeline_cli(args: argparse.Namespace) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     summary = run_pipeline(args.preset, args.out, overrides)
-    print(f"wrote {Path(args.out) / SUMMARY_FILE}")
+    local = mlops.local_work_dir(args.out) if storage.is_s3_uri(args.out) else Path(args.out)
+    print(f"wrote {local / SUMMARY_FILE} (and the pipeline run's artifact {SUMMARY_FILE})")
     return int(summary["exit_code"])
 
 
