@@ -328,6 +328,12 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-cpu", help="(default tiny-cpu)")
     parser.add_argument("--out", default="./runs/pipeline", help="output folder (default ./runs/pipeline)")
     parser.add_argument(
+        "--model",
+        default=None,
+        help="base model of every stage: hub id, folder or s3:// URI (the same as --set model=...; "
+        "default: the preset's)",
+    )
+    parser.add_argument(
         "--set",
         dest="overrides",
         type=_assignment,
@@ -354,6 +360,14 @@ def run_pipeline_cli(args: argparse.Namespace) -> int:
         print(f"orthojob pipeline: --overrides: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     overrides = dict(args.overrides) | dict(listed)
+    if args.model:
+        if overrides.get("model", args.model) != args.model:
+            print(
+                f"orthojob pipeline: --model {args.model} and --set model={overrides['model']} disagree",
+                file=sys.stderr,
+            )
+            return ExitCode.USAGE
+        overrides["model"] = args.model
     try:
         cfg = apply_overrides(PRESETS[args.preset], overrides)
     except KeyError as exc:
