@@ -59,7 +59,7 @@ WORKDIR /opt/orthorl
 COPY pyproject.toml README.md ./
 COPY server ./server
 COPY orthojob ./orthojob
-# the accelerate/FSDP config of the multi-node TrainJob (k8s/trainjob.yaml)
+# the accelerate/FSDP config of the multi-node TrainJob (k8s/multinode/trainjob.yaml)
 COPY k8s/config ./config
 RUN pip install --no-deps --no-build-isolation --no-compile . \
     && rm -rf build ./*.egg-info

@@ -134,10 +134,9 @@ def grpo_run_id(p: Plan) -> str | None:
         if summary.is_file():
             return json.loads(summary.read_text()).get("stages", {}).get("grpo", {}).get("mlflow_run_id")
         return None
-    import mlflow
+    from orthojob import tracking
 
-    last = mlflow.last_active_run()
-    return last.info.run_id if last is not None else None
+    return tracking.last_stage_run("grpo")
 
 
 def build_parser() -> argparse.ArgumentParser:

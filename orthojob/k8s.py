@@ -54,6 +54,12 @@ FAIL_FAST_CODES = fail_fast_codes()
 # status exit codes of `orthojob k8s status`
 STATUS_COMPLETE, STATUS_FAILED, STATUS_RUNNING = 0, 1, 4
 
+# every request to the API server: (connect, read) seconds. The client's default is no timeout at
+# all, so an API server that accepts and never answers (a dead VPN, a firewall that drops) held
+# `orthojob k8s submit` forever. A followed log stream has none (a training step may be quiet for
+# long); the requests before it (the pod list) have found the server answering.
+REQUEST_TIMEOUT = (10, 60)
+
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _RUN_ID = re.compile(r"(?:run[_ ]id[\"']?\s*[=:]\s*[\"']?|/runs/)([0-9a-f]{32})\b", re.IGNORECASE)
 _RUN_URL = re.compile(r"(https?://\S+?/#/experiments/[^/\s]+/runs/[0-9a-f]{32})")
@@ -318,7 +324,7 @@ def submit(rendered: Rendered, apis: Apis) -> Submitted:
         if kind not in creators:
             raise K8sError(f"submit does not know how to create a {kind}")
         try:
-            creators[kind](namespace=ns, body=obj)
+            creators[kind](namespace=ns, body=obj, _request_timeout=REQUEST_TIMEOUT)
             created.append(f"{kind}/{obj['metadata']['name']}")
         except Exception as exc:
             status = _status_code(exc)
@@ -328,9 +334,9 @@ def submit(rendered: Rendered, apis: Apis) -> Submitted:
                 raise
             skipped.append(f"{kind}/{obj['metadata']['name']} ({'exists' if status == 409 else 'forbidden'})")
     cm = rendered.config_map
-    apis.core.create_namespaced_config_map(namespace=ns, body=cm)
+    apis.core.create_namespaced_config_map(namespace=ns, body=cm, _request_timeout=REQUEST_TIMEOUT)
     created.append(f"ConfigMap/{cm['metadata']['name']}")
-    job = apis.batch.create_namespaced_job(namespace=ns, body=rendered.job)
+    job = apis.batch.create_namespaced_job(namespace=ns, body=rendered.job, _request_timeout=REQUEST_TIMEOUT)
     name = rendered.job["metadata"]["name"]
     created.append(f"Job/{name}")
     uid = getattr(getattr(job, "metadata", None), "uid", None)
@@ -348,13 +354,17 @@ def submit(rendered: Rendered, apis: Apis) -> Submitted:
                 ]
             }
         }
-        apis.core.patch_namespaced_config_map(name=cm["metadata"]["name"], namespace=ns, body=owner)
+        apis.core.patch_namespaced_config_map(
+            name=cm["metadata"]["name"], namespace=ns, body=owner, _request_timeout=REQUEST_TIMEOUT
+        )
     return Submitted(ns, name, uid, cm["metadata"]["name"], created, skipped)
 
 
 def _pods_of(apis: Apis, namespace: str, job_name: str) -> list[Any]:
     for label in (JOB_NAME_LABEL, LEGACY_JOB_NAME_LABEL):
-        pods = apis.core.list_namespaced_pod(namespace=namespace, label_selector=f"{label}={job_name}").items
+        pods = apis.core.list_namespaced_pod(
+            namespace=namespace, label_selector=f"{label}={job_name}", _request_timeout=REQUEST_TIMEOUT
+        ).items
         if pods:
             return sorted(
                 pods, key=lambda p: p.metadata.creation_timestamp or datetime.min.replace(tzinfo=UTC)
@@ -396,7 +406,11 @@ def follow_logs(
 def _log_lines(apis: Apis, namespace: str, pod: str, follow: bool) -> Iterator[str]:
     if follow:
         resp = apis.core.read_namespaced_pod_log(
-            name=pod, namespace=namespace, container=CONTAINER, follow=True, _preload_content=False
+            name=pod,
+            namespace=namespace,
+            container=CONTAINER,
+            follow=True,
+            _preload_content=False,
         )
         buffer = b""
         for chunk in resp.stream(4096) if hasattr(resp, "stream") else resp:
@@ -407,7 +421,9 @@ def _log_lines(apis: Apis, namespace: str, pod: str, follow: bool) -> Iterator[s
         if buffer:
             yield buffer.decode("utf-8", "replace")
     else:
-        text = apis.core.read_namespaced_pod_log(name=pod, namespace=namespace, container=CONTAINER)
+        text = apis.core.read_namespaced_pod_log(
+            name=pod, namespace=namespace, container=CONTAINER, _request_timeout=REQUEST_TIMEOUT
+        )
         yield from (text or "").splitlines()
 
 
@@ -474,7 +490,9 @@ def _tracking_uri(apis: Apis, namespace: str, job: Any) -> str | None:
         c = next(c for c in job.spec.template.spec.containers if c.name == CONTAINER)
         for src in c.env_from or []:
             if src.config_map_ref is not None:
-                cm = apis.core.read_namespaced_config_map(name=src.config_map_ref.name, namespace=namespace)
+                cm = apis.core.read_namespaced_config_map(
+                    name=src.config_map_ref.name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT
+                )
                 return (cm.data or {}).get("MLFLOW_TRACKING_URI")
     except Exception:
         return None
@@ -483,7 +501,9 @@ def _tracking_uri(apis: Apis, namespace: str, job: Any) -> str | None:
 
 def job_status(apis: Apis, namespace: str, job_name: str, log_tail: int = 5000) -> JobStatus:
     """The Job's state, its latest pod's exit code, and the MLflow run id from that pod's log."""
-    job = apis.batch.read_namespaced_job_status(name=job_name, namespace=namespace)
+    job = apis.batch.read_namespaced_job_status(
+        name=job_name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT
+    )
     st = job.status
     status = JobStatus(
         job_name,
@@ -504,7 +524,11 @@ def job_status(apis: Apis, namespace: str, job_name: str, log_tail: int = 5000) 
         status.exit_code = _terminated_exit_code(pod)
         with contextlib.suppress(Exception):  # no log yet (pod pending) or already garbage-collected
             text = apis.core.read_namespaced_pod_log(
-                name=pod.metadata.name, namespace=namespace, container=CONTAINER, tail_lines=log_tail
+                name=pod.metadata.name,
+                namespace=namespace,
+                container=CONTAINER,
+                tail_lines=log_tail,
+                _request_timeout=REQUEST_TIMEOUT,
             )
             status.run_id, status.run_url = find_run_id(text), find_run_url(text)
     status.tracking_uri = _tracking_uri(apis, namespace, job)
@@ -580,7 +604,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def _guarded(name: str, fn: Callable[[], int]) -> int:
-    """Run a cluster-side command: manifest/override/config problems exit 2, API errors exit 1."""
+    """Run a cluster-side command: manifest/override/config problems and an API server that cannot
+    be reached exit 2, API errors (the server answered: 403, 404, ...) exit 1."""
     try:
         return fn()
     except K8sError as exc:
@@ -588,12 +613,35 @@ def _guarded(name: str, fn: Callable[[], int]) -> int:
         return 2
     except Exception as exc:
         status = _status_code(exc)
+        if status is None and _is_connection_error(exc):
+            print(
+                f"orthojob k8s {name}: cannot reach the Kubernetes API server ({_reason(exc)}); "
+                "check the kubeconfig's cluster and context (KUBECONFIG, --context) and the network "
+                "path to it (VPN, firewall)",
+                file=sys.stderr,
+            )
+            return 2
         if status is None:
             raise
         reason = getattr(exc, "reason", "")
         body = getattr(exc, "body", "") or ""
         print(f"orthojob k8s {name}: Kubernetes API error {status} {reason} {body}".rstrip(), file=sys.stderr)
         return 1
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    """urllib3's connection, DNS and timeout errors (what the kubernetes client raises when no API
+    server answers), and the OS errors beneath them."""
+    try:
+        from urllib3.exceptions import HTTPError
+    except ImportError:  # pragma: no cover - the kubernetes client depends on urllib3
+        return isinstance(exc, OSError)
+    return isinstance(exc, (HTTPError, OSError))
+
+
+def _reason(exc: BaseException) -> str:
+    reason = getattr(exc, "reason", None)  # MaxRetryError: the underlying error
+    return f"{type(exc).__name__}: {reason or exc}"[:500]
 
 
 def cmd_submit(args: argparse.Namespace, apis: Apis | None = None) -> int:

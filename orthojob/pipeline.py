@@ -231,12 +231,13 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         source = f"{out_uri}/{previous[0]}" if out_uri else str(previous[1])  # published by its gate stage
         target = f"{out_uri}/grpo" if out_uri else str(grpo_dir)
         grpo = dataclasses.replace(cfg.grpo, model=model, from_checkpoint=source, out=target)
+        before = tracking.last_stage_run("grpo")
         rc = run_grpo(grpo, given=grpo.to_dict(), gate_thresholds=cfg.grpo_gate.thresholds)
-        last = mlflow.last_active_run()
+        grpo_run = tracking.last_stage_run("grpo")  # the child run: last_active_run() is the pipeline's
         stages["grpo"] = {
             "seconds": time.perf_counter() - t,
             "exit_code": int(rc),
-            "mlflow_run_id": last.info.run_id if last is not None else None,
+            "mlflow_run_id": grpo_run if grpo_run != before else None,
             "out": target,
             "from_checkpoint": source,
             **_grpo_rewards(grpo_dir / TRAIN_LOG_FILE),
@@ -423,6 +424,12 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-cpu", help="(default tiny-cpu)")
     parser.add_argument("--out", default="./runs/pipeline", help="output folder (default ./runs/pipeline)")
     parser.add_argument(
+        "--model",
+        default=None,
+        help="base model of every stage: hub id, folder or s3:// URI (the same as --set model=...; "
+        "default: the preset's)",
+    )
+    parser.add_argument(
         "--set",
         dest="overrides",
         type=_assignment,
@@ -450,6 +457,14 @@ def run_pipeline_cli(args: argparse.Namespace) -> int:
         print(f"orthojob pipeline: --overrides: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     overrides = dict(args.overrides) | dict(listed)
+    if args.model:
+        if overrides.get("model", args.model) != args.model:
+            print(
+                f"orthojob pipeline: --model {args.model} and --set model={overrides['model']} disagree",
+                file=sys.stderr,
+            )
+            return ExitCode.USAGE
+        overrides["model"] = args.model
     try:
         cfg = apply_overrides(PRESETS[args.preset], overrides)
     except KeyError as exc:
@@ -462,7 +477,8 @@ def run_pipeline_cli(args: argparse.Namespace) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     summary = run_pipeline(args.preset, args.out, overrides)
-    print(f"wrote {Path(args.out) / SUMMARY_FILE}")
+    local = mlops.local_work_dir(args.out) if storage.is_s3_uri(args.out) else Path(args.out)
+    print(f"wrote {local / SUMMARY_FILE} (and the pipeline run's artifact {SUMMARY_FILE})")
     return int(summary["exit_code"])
 
 

@@ -60,6 +60,17 @@ class TrackingError(RuntimeError):
     """MLflow could not be reached or refused a request; the message says what to check."""
 
 
+_STAGE_RUNS: dict[str, str] = {}
+"""The run id of the latest :func:`stage_run` of each stage in this process."""
+
+
+def last_stage_run(stage: str) -> str | None:
+    """The MLflow run id of this process's latest ``stage`` run (e.g. ``grpo``, to promote it), or
+    None. Not ``mlflow.last_active_run()``: that returns the *active* run, which under the
+    pipeline is the parent ``pipeline`` run, not the stage that just ended."""
+    return _STAGE_RUNS.get(stage)
+
+
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
@@ -240,6 +251,7 @@ def stage_run(
             experiment_id = active.info.experiment_id
         with _without("MLFLOW_RUN_ID"):
             run = mlflow.start_run(experiment_id=experiment_id, run_name=stage, nested=active is not None)
+    _STAGE_RUNS[stage] = run.info.run_id
     with run:
         k8s = {
             f"k8s.{k[4:].lower()}": v for k in ("K8S_JOB_NAME", "K8S_POD_NAME") if (v := os.environ.get(k))

@@ -1089,11 +1089,13 @@ class Recorder:
 
     def __init__(self, responder=None):
         self.calls: list[tuple[str, str, Any]] = []
+        self.timeouts: list[Any] = []
         self.responder = responder
 
     def __call__(self, method, url, headers=None, body=None, post_params=None, _request_timeout=None):
         body = copy.deepcopy(body)
         self.calls.append((method, url, body))
+        self.timeouts.append(_request_timeout)
         if self.responder is not None:
             got = self.responder(method, url, body)
             if got is not None:
@@ -1454,6 +1456,32 @@ def test_cli_reports_api_errors(capsys):
     args = parser.parse_args(["k8s", "submit"])  # no image: refused before any request
     assert k8s.cmd_submit(args, apis) == 2
     assert "--image" in capsys.readouterr().err
+
+
+def test_an_unreachable_api_server_fails_clearly_and_every_request_has_a_timeout(capsys):
+    """No API server answering (refused, DNS, a firewall that drops): exit 2 with what to check,
+    not a traceback; and no request waits forever (the client's default has no timeout)."""
+    from urllib3.exceptions import MaxRetryError, NewConnectionError
+
+    from orthojob import k8s
+
+    parser = cli_parser()
+
+    def unreachable(method, url, body):
+        raise MaxRetryError(None, url, NewConnectionError(None, "[Errno 111] Connection refused"))
+
+    apis, rec = recording_apis(unreachable)
+    args = parser.parse_args(["k8s", "submit", "--image", TEST_IMAGE])
+    assert k8s.cmd_submit(args, apis) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the Kubernetes API server" in err and "Connection refused" in err
+    assert "Traceback" not in err
+    assert k8s.cmd_status(parser.parse_args(["k8s", "status", "orthorl-grpo"]), apis) == 2
+    assert "cannot reach the Kubernetes API server" in capsys.readouterr().err
+
+    apis, rec = recording_apis()
+    assert k8s.cmd_submit(parser.parse_args(["k8s", "submit", "--image", TEST_IMAGE]), apis) == 0
+    assert rec.timeouts and all(t == k8s.REQUEST_TIMEOUT for t in rec.timeouts), rec.timeouts
 
 
 def test_exit_code_table_everywhere_matches_the_enum():

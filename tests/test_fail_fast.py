@@ -186,14 +186,19 @@ def test_stage_runs_under_mlflow_run_id_are_children(tmp_path, monkeypatch):
             assert child.info.run_id != parent
         with tracking.stage_run("gate_sft0") as child2:
             assert child2.info.run_id not in (parent, child.info.run_id)
+        with tracking.stage_run("grpo") as grpo_run:
+            pass
+        # what the job promotes: the GRPO child, not the parent that last_active_run() returns here
+        assert tracking.last_stage_run("grpo") == grpo_run.info.run_id
+        assert mlflow.last_active_run().info.run_id == parent
         assert client.get_run(parent).info.status == "RUNNING", "the parent must not end early"
     runs = {r.info.run_id: r for r in client.search_runs([exp])}
-    assert len(runs) == 3
+    assert len(runs) == 4
     assert runs[parent].info.run_name == "mlflow-run-parent" and runs[parent].info.status == "FINISHED"
-    for rid in (child.info.run_id, child2.info.run_id):
+    for rid in (child.info.run_id, child2.info.run_id, grpo_run.info.run_id):
         assert runs[rid].data.tags["mlflow.parentRunId"] == parent
         assert runs[rid].info.experiment_id == exp
-    assert {runs[r].data.tags["orthorl.stage"] for r in runs} == {"pipeline", "sft0", "gate_sft0"}
+    assert {runs[r].data.tags["orthorl.stage"] for r in runs} == {"pipeline", "sft0", "gate_sft0", "grpo"}
     while mlflow.active_run():
         mlflow.end_run()
 

@@ -89,6 +89,12 @@ def test_pipeline_cli_show_and_bad_override(capsys):
     assert cli_main(["pipeline", "--show", "--set", "grpo.steps=5"]) == 0
     assert json.loads(capsys.readouterr().out)["grpo"]["steps"] == 5
     assert cli_main(["pipeline", "--show", "--set", "nope.x=1"]) == 2
+    capsys.readouterr()
+    # --model, as sft and train have it (docs/deploy.md, step 3b): the base of every stage
+    assert cli_main(["pipeline", "--show", "--model", "s3://b/models/tiny"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["model"] == shown["sft"]["model"] == shown["grpo"]["model"] == "s3://b/models/tiny"
+    assert cli_main(["pipeline", "--show", "--model", "a/b", "--set", "model=c/d"]) == 2
 
 
 def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
