@@ -54,6 +54,7 @@ import sys
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Annotated, Any
 
+import orjson
 from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError, ResponseValidationError
 from fastapi.responses import JSONResponse, Response
@@ -92,9 +93,11 @@ from server.models import (
     PosesRequest,
     ResetParams,
     TasksResponse,
+    fast_action,
 )
 from server.serialization import (
     NonFiniteOutputError,
+    ObservationEncoder,
     decode_json_body,
     describe_validation_errors,
     encode_json,
@@ -176,10 +179,15 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
         return make_observation(self._step(action))
 
     def step_observation(self, data: Mapping[str, Any]) -> dict[str, Any]:
-        """Validate OpenEnv step data (a :class:`DentalAction`) and step; the observation dict."""
+        """Validate OpenEnv step data (a :class:`DentalAction`) and step; the observation dict.
+        A well-formed action skips pydantic (:func:`server.models.fast_action`)."""
         if self._episode_id is None:  # before validation: the missing reset is the first thing to fix
             self._step(None)
-        return self._step(DentalAction.model_validate(data))
+        fast = fast_action(data)
+        if fast is None:
+            return self._step(DentalAction.model_validate(data))
+        poses, strategy, expected_stage = fast
+        return self._store.step(self._episode_id, poses, strategy=strategy, expected_stage=expected_stage)
 
     def _step(self, action: DentalAction | None) -> dict[str, Any]:
         if self._episode_id is None or action is None:
@@ -318,9 +326,23 @@ ExpectedStageQuery = Annotated[
 
 # --- App ------------------------------------------------------------------------------
 
+HTTP_ENCODER_EPISODES = 256
+"""Episodes whose constant observation fields the episode routes keep encoded (least recently
+used dropped first, about 25 kB each; DELETE drops an episode's)."""
+
 
 def _error(status_code: int, detail: Any, **extra: Any) -> JSONResponse:
     return JSONResponse({"detail": json_safe(detail), **json_safe(extra)}, status_code=status_code)
+
+
+def _server_error(path: str, exc: Exception) -> JSONResponse:
+    """The 500 of a server bug (bad input never gets here), logged; JSON so clients can show
+    the reason. A non-finite number in an output is named as such."""
+    if isinstance(exc, NonFiniteOutputError):
+        logger.error("non-finite output on %s: %s", path, exc)
+        return _error(500, f"internal error: {exc}")
+    logger.error("internal error on %s", path, exc_info=exc)
+    return _error(500, f"internal error: {type(exc).__name__}: {short_repr(str(exc))}")
 
 
 class FastJSONRequest(Request):
@@ -352,6 +374,113 @@ class JSONBytesResponse(Response):
 
     def render(self, content: Any) -> bytes:
         return encode_json(content)
+
+
+_REFUSED_BEFORE_APPLYING = (
+    InvalidActionError,
+    NoEpisodeError,
+    RequestRejectedError,
+    StageConflictError,
+    UnknownEpisodeError,
+)
+"""What ``StepwiseDentalEnvironment.step`` raises before it changes anything."""
+
+
+class FastStepMiddleware:
+    """``POST /episodes/{episode_id}/step`` without FastAPI's request machinery, for a
+    well-formed step.
+
+    Routing through FastAPI's middleware stack, dependency solving and pydantic validation of
+    the body cost more server time than the environment's step itself. This answers a step
+    here when its body is declared (``Content-Length``) within the message limit, is JSON
+    (``application/json`` or no content type), its action passes
+    :func:`server.models.fast_action`, and the environment applies it: 200 with the
+    observation (:class:`server.serialization.ObservationEncoder`, the same bytes as the
+    route's), or for a server bug the app's own 500. Any other request goes on to the app with
+    its body, and so does a step the environment refuses (it has changed nothing; the app then
+    refuses it again, with its status and words): every answer but a successful step is the
+    app's. The route stays the app's, in its OpenAPI.
+    """
+
+    def __init__(
+        self, app: ASGIApp, store: StepwiseDentalEnvironment, encoder: ObservationEncoder, max_body_bytes: int
+    ):
+        self.app = app
+        self.store = store
+        self.encoder = encoder
+        self.max_body_bytes = int(max_body_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        episode_id = self._step_episode_id(scope)
+        if episode_id is None:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > self.max_body_bytes or not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        response = self._answer(episode_id, body, scope["path"]) if size <= self.max_body_bytes else None
+        await (self.app if response is None else response)(scope, replay, send)
+
+    def _step_episode_id(self, scope: Scope) -> str | None:
+        """The episode id of a step request this path may answer; None for anything else."""
+        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
+            return None
+        path = scope["path"]
+        if not (path.startswith("/episodes/") and path.endswith("/step")):
+            return None
+        episode_id = path[10:-5]
+        if not 0 < len(episode_id) <= MAX_EPISODE_ID_CHARS or "/" in episode_id:
+            return None
+        length = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"content-type":
+                if value.lower() != b"application/json":
+                    return None
+            elif name == b"transfer-encoding":
+                return None
+        if length is None or not length.isdigit() or int(length) > self.max_body_bytes:
+            return None
+        return episode_id
+
+    def _answer(self, episode_id: str, body: bytes, path: str) -> Response | None:
+        """The response to an applied step, or None (the app answers)."""
+        try:
+            action = fast_action(orjson.loads(body))
+        except orjson.JSONDecodeError:
+            return None
+        if action is None:
+            return None
+        poses, strategy, expected_stage = action
+        try:
+            obs = self.store.step(episode_id, poses, strategy=strategy, expected_stage=expected_stage)
+        except _REFUSED_BEFORE_APPLYING:
+            return None
+        except Exception as exc:  # a server bug, after the step may have been applied: answered here
+            return _server_error(path, exc)
+        try:
+            return Response(self.encoder.encode(obs), media_type="application/json")
+        except Exception as exc:
+            return _server_error(path, exc)
 
 
 def install_exception_handlers(app: FastAPI) -> None:
@@ -405,14 +534,11 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(NonFiniteOutputError)
     async def _non_finite(request: Request, exc: NonFiniteOutputError) -> JSONResponse:
-        logger.error("non-finite output on %s: %s", request.url.path, exc)
-        return _error(500, f"internal error: {exc}")
+        return _server_error(request.url.path, exc)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        # a server bug (bad input never gets here); JSON so clients can show the reason
-        logger.error("internal error on %s", request.url.path, exc_info=exc)
-        return _error(500, f"internal error: {type(exc).__name__}: {short_repr(str(exc))}")
+        return _server_error(request.url.path, exc)
 
     @app.exception_handler(ResponseValidationError)
     async def _bad_response(request: Request, exc: ResponseValidationError) -> JSONResponse:
@@ -483,6 +609,13 @@ def create_app(
     app.state.websocket_sessions = sessions
     _replace_websocket_route(app, "/ws", sessions.endpoint)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_message_bytes)
+    # the JSON of the episode routes' observations, each episode's constant fields encoded once
+    encoder = ObservationEncoder(max_episodes=HTTP_ENCODER_EPISODES)
+    app.state.observation_encoder = encoder
+    # outside the body limit: it reads only bodies declared within the limit, passes others on
+    app.add_middleware(
+        FastStepMiddleware, store=store, encoder=encoder, max_body_bytes=settings.max_message_bytes
+    )
     install_exception_handlers(app)
 
     existing = {getattr(r, "path", None) for r in app.routes}
@@ -498,6 +631,9 @@ def create_app(
     # millisecond; a thread hop per request costs more than it saves on one core).
     def respond(obj: Any) -> JSONBytesResponse:
         return JSONBytesResponse(obj)
+
+    def observe(obs: dict[str, Any]) -> Response:
+        return Response(encoder.encode(obs), media_type="application/json")
 
     if "/tasks" not in existing:
 
@@ -535,8 +671,8 @@ def create_app(
     )
     async def create_episode(
         request: Annotated[EpisodeResetRequest, Body(default_factory=EpisodeResetRequest)],
-    ) -> JSONBytesResponse:
-        return respond(
+    ) -> Response:
+        return observe(
             store.reset(
                 task_id=request.task_id,
                 seed=request.seed,
@@ -552,8 +688,8 @@ def create_app(
         tags=["Episodes"],
         summary="Current observation",
     )
-    async def get_episode(episode_id: EpisodeIdPath) -> JSONBytesResponse:
-        return respond(store.state(episode_id))
+    async def get_episode(episode_id: EpisodeIdPath) -> Response:
+        return observe(store.state(episode_id))
 
     @app.delete(
         "/episodes/{episode_id}",
@@ -563,6 +699,7 @@ def create_app(
         summary="Close an episode (release it now)",
     )
     async def close_episode(episode_id: EpisodeIdPath) -> JSONBytesResponse:
+        encoder.forget(episode_id)
         if not store.close_episode(episode_id):
             store.state(episode_id)  # raises the 404 that says why it is gone
         return respond({"episode_id": episode_id, "closed": True})
@@ -574,8 +711,9 @@ def create_app(
         tags=["Episodes"],
         summary="Commit the next stage",
     )
-    async def step_episode(episode_id: EpisodeIdPath, action: DentalAction) -> JSONBytesResponse:
-        return respond(
+    async def step_episode(episode_id: EpisodeIdPath, action: DentalAction) -> Response:
+        # a well-formed step that the environment applies is answered by FastStepMiddleware
+        return observe(
             store.step(
                 episode_id, action.poses, strategy=action.strategy, expected_stage=action.expected_stage
             )
@@ -588,8 +726,8 @@ def create_app(
         tags=["Episodes"],
         summary="Simulate the next stage without committing it",
     )
-    async def simulate_episode(episode_id: EpisodeIdPath, request: PosesRequest) -> JSONBytesResponse:
-        return respond(store.simulate_step(episode_id, request.poses))
+    async def simulate_episode(episode_id: EpisodeIdPath, request: PosesRequest) -> Response:
+        return observe(store.simulate_step(episode_id, request.poses))
 
     @app.post(
         "/episodes/{episode_id}/rollback",
@@ -600,8 +738,8 @@ def create_app(
     )
     async def rollback_episode(
         episode_id: EpisodeIdPath, expected_stage: ExpectedStageQuery = None
-    ) -> JSONBytesResponse:
-        return respond(store.rollback_stage(episode_id, expected_stage=expected_stage))
+    ) -> Response:
+        return observe(store.rollback_stage(episode_id, expected_stage=expected_stage))
 
     @app.post(
         "/episodes/{episode_id}/collisions",

@@ -7,6 +7,10 @@ WebSocket messages in (every malformed frame named, never echoed), and error det
 * :func:`observation_payload` -- OpenEnv's ``{"observation", "reward", "done"}`` from the
   environment's observation dict (``reward`` = ``step_reward`` plus, on the last stage,
   ``terminal_reward``).
+* :class:`ObservationEncoder` -- :func:`encode_json` of observations (bare, or as OpenEnv's
+  WebSocket frame), with an episode's constant fields (``initial_config``, ``target_config``,
+  ``case_summary``: two thirds of a step's bytes) encoded once per episode instead of every
+  step. The bytes are those :func:`encode_json` writes.
 * :func:`decode_json_body` -- an HTTP request body (orjson first; the standard parser names
   the error).
 * :func:`decode_message` -- a WebSocket frame to a ``{"type", "data"}`` dict, or
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -69,6 +74,9 @@ def encode_json(obj: Any) -> bytes:
         return orjson.dumps(_to_jsonable_at(obj, ""))
 
 
+_ROW_TYPES = frozenset((list, tuple))
+
+
 def _finite(obj: Any) -> bool:
     """No NaN/inf in ``obj``; one C-level ``sum`` per list of numbers instead of a call per value.
     Other types pass (orjson or the full walk decides)."""
@@ -82,8 +90,8 @@ def _finite(obj: Any) -> bool:
             total = sum(obj, 0.0)
         except TypeError:  # not a list of numbers: perhaps a list of lists of numbers (a 28 x 7 config)
             try:
-                rows_only = all(type(row) is list or type(row) is tuple for row in obj)
-                total = sum(map(sum, obj), 0.0) if rows_only else math.nan
+                rows_only = set(map(type, obj)) <= _ROW_TYPES
+                total = sum(chain.from_iterable(obj), 0.0) if rows_only else math.nan
             except TypeError:
                 total = math.nan
         if total - total == 0.0:
@@ -106,6 +114,85 @@ def observation_payload(obs: dict[str, Any]) -> dict[str, Any]:
     if done and observation.get("terminal_reward") is not None:
         reward += float(observation["terminal_reward"])
     return {"observation": observation, "reward": reward, "done": done}
+
+
+CONSTANT_FIELDS = ("initial_config", "target_config", "case_summary")
+"""Observation fields that are constant over an episode (the case's start, goal and summary)."""
+
+
+class ObservationEncoder:
+    """JSON of observations, the constant fields of each episode encoded once.
+
+    A step's observation repeats its episode's ``initial_config``, ``target_config`` (28 x 7
+    each) and ``case_summary``; checking and formatting their floats every step was most of the
+    encoding. This keeps, for the ``max_episodes`` episode ids last encoded (least recently
+    used dropped first; about 25 kB each), the JSON of each of these fields and a private copy
+    of its value (decoded from that JSON), and splices the JSON in (``orjson.Fragment``) when
+    the observation's value equals the copy (a C-level comparison, about a microsecond): any
+    change of value is re-encoded. A stage-0 observation (a reset: a client may reuse an
+    episode id for a new case) always re-encodes. The environment builds these fields from its
+    case, unchanged over an episode, so the bytes are those :func:`encode_json` writes for the
+    same observation (tested over whole episodes); non-finite numbers are refused the same way.
+    """
+
+    def __init__(self, max_episodes: int = 256):
+        self.max_episodes = max(int(max_episodes), 1)
+        self._cache: dict[str, dict[str, tuple[Any, orjson.Fragment]]] = {}
+
+    def encode(self, obs: dict[str, Any]) -> bytes:
+        """:func:`encode_json` of an observation dict."""
+        return encode_json(self._spliced(obs))
+
+    def frame(self, obs: dict[str, Any]) -> str:
+        """OpenEnv's WebSocket reply ``{"type": "observation", "data": {"observation", "reward",
+        "done"}}`` of an observation dict, as text."""
+        return encode_json({"type": "observation", "data": observation_payload(self._spliced(obs))}).decode()
+
+    def forget(self, episode_id: str | None) -> None:
+        """Drop an episode's entry (it was closed)."""
+        self._cache.pop(episode_id, None)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def _spliced(self, obs: dict[str, Any]) -> dict[str, Any]:
+        episode_id = obs.get("episode_id")
+        if type(episode_id) is not str:
+            return obs
+        entry = self._cache.pop(episode_id, None)
+        if entry is None or obs.get("current_stage") == 0:
+            entry = self._entry(obs)
+            while len(self._cache) >= self.max_episodes:
+                del self._cache[next(iter(self._cache))]
+        self._cache[episode_id] = entry  # the most recently used last
+        out = dict(obs)
+        for name, (copy, fragment) in entry.items():
+            value = out.get(name)
+            if value is not None and value == copy:
+                out[name] = fragment
+        return out
+
+    @staticmethod
+    def _entry(obs: dict[str, Any]) -> dict[str, tuple[Any, orjson.Fragment]]:
+        entry = {}
+        for name in CONSTANT_FIELDS:
+            value = obs.get(name)
+            if not _plain_constant(value) or not _finite(value):
+                continue  # encoded with the rest, every time (a NaN is reported there, with its path)
+            text = orjson.dumps(value)
+            entry[name] = (orjson.loads(text), orjson.Fragment(text))
+        return entry
+
+
+def _plain_constant(value: Any) -> bool:
+    """A list of lists of floats, or a flat dict of strings, ints and floats (the shapes of the
+    constant fields): cached. Anything else is encoded with the rest of the observation."""
+    t = type(value)
+    if t is list:
+        return all(type(row) is list and all(type(v) is float for v in row) for row in value)
+    if t is dict:
+        return all(type(k) is str and type(v) in (str, int, float) for k, v in value.items())
+    return False
 
 
 # --- WebSocket messages in ----------------------------------------------------------
@@ -354,6 +441,8 @@ def _plain(obj: Any) -> Any:
 def _to_jsonable_at(obj: Any, path: str) -> Any:
     """to_jsonable that tracks the path of each value, for the error message."""
     if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if type(obj) is orjson.Fragment:  # JSON already checked and encoded (ObservationEncoder)
         return obj
     if isinstance(obj, int):
         return obj

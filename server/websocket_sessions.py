@@ -23,7 +23,9 @@ What this adds to openenv-core 0.3.0's own ``/ws`` (which it replaces):
   invalid data all get an error reply; the session and its episode stay as they were.
 * **Quiet closes.** A clean or abrupt close is not an error: nothing is logged above debug.
 * **Speed.** Messages are handled in the event loop (no thread hop: a step is a fraction
-  of a millisecond) and answered with :func:`server.serialization.encode_json`.
+  of a millisecond); a well-formed step skips pydantic (:func:`server.models.fast_action`)
+  and its observation is encoded by a per-session
+  :class:`server.serialization.ObservationEncoder` (the episode's constant fields once).
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ from server.errors import (
 from server.serialization import (
     MessageError,
     NonFiniteOutputError,
+    ObservationEncoder,
     decode_message,
     describe_validation_errors,
     encode_json,
     error_frame,
-    observation_payload,
 )
 from server.settings import CAPACITY_REFUSAL_WAIT_S, ENV_VARIABLES, MAX_PENDING_REFUSALS, ServerSettings
 
@@ -128,7 +130,7 @@ class WebSocketSessions:
             env = self._env_factory()
             await websocket.accept()
             self.counters.accepted += 1
-            await self._serve(websocket, env)
+            await self._serve(websocket, env, ObservationEncoder(max_episodes=1))
         except (WebSocketDisconnect, OSError):  # the client went away (abruptly or not): not an error
             pass
         finally:
@@ -138,7 +140,7 @@ class WebSocketSessions:
                 env.close()
             await _close_quietly(websocket, 1000, "")
 
-    async def _serve(self, websocket: WebSocket, env: Any) -> None:
+    async def _serve(self, websocket: WebSocket, env: Any, encoder: ObservationEncoder) -> None:
         while True:
             try:
                 async with asyncio.timeout(self.idle_timeout_s):
@@ -156,21 +158,24 @@ class WebSocketSessions:
             if message["type"] == "websocket.disconnect":
                 return
             text = message.get("text")
-            reply = self._answer(env, text, binary=text is None)
+            reply = self._answer(env, text, binary=text is None, encoder=encoder)
             if reply is None:  # "close"
                 return
             await websocket.send({"type": "websocket.send", "text": reply})
 
-    def _answer(self, env: Any, frame: str | None, binary: bool) -> str | None:
+    def _answer(
+        self, env: Any, frame: str | None, binary: bool, encoder: ObservationEncoder | None = None
+    ) -> str | None:
         """The reply to one frame (None for a close message). Never raises for bad input."""
         kind = "?"
+        encoder = ObservationEncoder(max_episodes=1) if encoder is None else encoder
         try:
             message = decode_message(frame, self.max_message_bytes, binary=binary)
             kind, data = message["type"], message["data"]
             if kind == "step":
-                return _observation_frame(env.step_observation(data))
+                return encoder.frame(env.step_observation(data))
             if kind == "reset":
-                return _observation_frame(env.reset_observation(**data))
+                return encoder.frame(env.reset_observation(**data))
             if kind == "state":
                 return encode_json({"type": "state", "data": env.state_dict()}).decode()
             return None
@@ -222,10 +227,6 @@ class WebSocketSessions:
             pass
         finally:
             self._pending_refusals -= 1
-
-
-def _observation_frame(obs: dict[str, Any]) -> str:
-    return encode_json({"type": "observation", "data": observation_payload(obs)}).decode()
 
 
 async def _send_quietly(websocket: WebSocket, text: str) -> None:

@@ -6,8 +6,10 @@ rollback, inspect, collisions, plan scoring), bad input (NaN/Infinity as raw JSO
 wrong shapes, strings and booleans as numbers, unknown and expired episode ids,
 oversized bodies) answered with a 4xx naming the problem, bounded and never quoting the
 input, and leaving the session unchanged; the episode life cycle (DELETE, ``expected_stage``
-409s for duplicated and out-of-order steps, the 404 of an evicted episode); and a bounded
-schemathesis run over the app's OpenAPI (``not_a_server_error``). Load and misuse of the
+409s for duplicated and out-of-order steps, the 404 of an evicted episode); a bounded
+schemathesis run over the app's OpenAPI (``not_a_server_error``); and the hot path's shortcuts
+giving the same answers (the observation encoder's bytes, ``fast_action`` against the action
+model, the HTTP fast step against the route). Load and misuse of the
 WebSocket sessions: ``tests/test_server_sessions.py``.
 """
 
@@ -29,9 +31,11 @@ import websockets
 from openenv.core.generic_client import GenericEnvClient
 from websockets.sync.client import connect as ws_connect
 
-from server.app import build_app
+from server.app import FastStepMiddleware, build_app
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
+from server.models import DentalAction, fast_action
+from server.serialization import NonFiniteOutputError, ObservationEncoder, encode_json, observation_payload
 from tests.services import running_uvicorn
 
 # --- Server fixtures ----------------------------------------------------------------
@@ -715,3 +719,161 @@ def test_http_error_replies_are_bounded_and_do_not_echo(http: httpx.Client) -> N
         assert response.status_code == 422, response.text[:300]
         assert len(response.content) < 4000 and marker not in response.text, response.text[:300]
     assert stage_of(http, obs["episode_id"]) == 0
+
+
+# --- The hot path (issue 14's server time per step): the same answers, cheaper ----------------
+
+
+def test_observation_encoder_writes_the_bytes_of_encode_json() -> None:
+    """Whole episodes (every task, force decay, non-compliance, rollback, simulate, state, an
+    episode id reused for a new case): the encoder's bytes are encode_json's, frame and bare."""
+
+    def check(obs: dict[str, Any]) -> None:
+        assert encoder.encode(obs) == encode_json(obs)
+        frame = encode_json({"type": "observation", "data": observation_payload(obs)}).decode()
+        assert encoder.frame(obs) == frame
+
+    env = StepwiseDentalEnvironment()
+    encoder = ObservationEncoder(max_episodes=2)
+    for task_id, seed, decay, non_compliance in (
+        ("task_easy", 1, False, False),
+        ("task_medium", 2, True, False),
+        ("task_hard", 3, False, True),
+    ):
+        obs = env.reset(task_id, seed, decay, non_compliance=non_compliance, episode_id="reused")
+        first = obs
+        check(obs)
+        for stage in range(1, N_STAGES + 1):
+            poses = interpolated_poses(first, stage)
+            check(env.simulate_step("reused", poses))
+            check(env.step("reused", poses, expected_stage=stage - 1))
+            if stage == 5:
+                check(env.rollback_stage("reused"))
+                check(env.step("reused", poses))
+            check(env.state("reused"))
+        assert len(encoder) == 1  # one id, re-encoded at each reset
+    changed = env.state("reused")
+    changed["initial_config"][0][4] += 1.0  # a constant field that changed: encoded anew
+    check(changed)
+    for field in ("initial_config", "current_config"):
+        broken = env.state("reused")
+        broken[field][3][4] = math.nan
+        with pytest.raises(NonFiniteOutputError, match=rf"{field}\[3\]\[4\]"):
+            encoder.encode(broken)
+    for seed in range(3):
+        check(env.reset("task_easy", seed))
+    assert len(encoder) == 2  # at most max_episodes kept
+
+
+def test_fast_action_accepts_only_what_the_action_model_accepts_with_the_same_values() -> None:
+    env = StepwiseDentalEnvironment()
+    poses = interpolated_poses(env.reset("task_medium", 5), 3)
+    ints = [[round(v) if j >= 4 else v for j, v in enumerate(row)] for row in poses]
+
+    def with_value(value: Any, row: int = 3, col: int = 4) -> list[list[Any]]:
+        out = [list(r) for r in poses]
+        out[row][col] = value
+        return out
+
+    accepted = [
+        {"poses": poses},
+        {"poses": ints},
+        {"poses": poses, "strategy": "expansion_first"},
+        {"poses": poses, "strategy": None, "expected_stage": None},
+        {"poses": poses, "expected_stage": 0},
+        {"poses": poses, "expected_stage": N_STAGES},
+        {"poses": with_value(1e6)},
+        {"poses": with_value(-1e6)},
+    ]
+    for data in accepted:
+        fast = fast_action(data)
+        assert fast is not None, data.keys()
+        action = DentalAction.model_validate(data)
+        assert fast[0].dtype == np.float64 and np.array_equal(
+            fast[0], np.array(action.poses, dtype=np.float64)
+        )
+        assert (fast[1], fast[2]) == (action.strategy, action.expected_stage)
+    to_pydantic = [
+        None,
+        [1, 2],
+        {},
+        {"poses": None},
+        {"poses": poses[:27]},
+        {"poses": [*poses, poses[0]]},
+        {"poses": [row[:6] for row in poses]},
+        {"poses": [tuple(row) for row in poses]},
+        {"poses": with_value(True)},
+        {"poses": with_value("1.0")},
+        {"poses": with_value(None)},
+        {"poses": with_value([1.0])},
+        {"poses": with_value(math.nan)},
+        {"poses": with_value(math.inf)},
+        {"poses": with_value(1e6 + 1)},
+        {"poses": with_value(10**400)},
+        {"poses": poses, "strategy": "bogus"},
+        {"poses": poses, "strategy": 1},
+        {"poses": poses, "expected_stage": -1},
+        {"poses": poses, "expected_stage": N_STAGES + 1},
+        {"poses": poses, "expected_stage": True},
+        {"poses": poses, "expected_stage": 1.0},
+        {"poses": poses, "expected_stage": "1"},
+        {"poses": poses, "extra": 1},
+        {"poses": poses, "metadata": {"k": 1}},  # accepted by the model: validated there
+    ]
+    for data in to_pydantic:
+        assert fast_action(data) is None, data if not isinstance(data, dict) else data.keys()
+
+
+def test_http_fast_step_answers_as_the_route_and_refusals_are_the_apps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A well-formed step is answered by FastStepMiddleware with the route's bytes; what it does
+    not take (another content type, a chunked body, a refused step) gets the app's own answer."""
+    answered = [0]
+    original = FastStepMiddleware._answer
+
+    def counting(self: FastStepMiddleware, *args: Any) -> Any:
+        response = original(self, *args)
+        answered[0] += response is not None
+        return response
+
+    monkeypatch.setattr(FastStepMiddleware, "_answer", counting)
+    app = build_app()
+    with running_uvicorn(app) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
+        fast_id = new_episode(client, task_id="task_hard", seed=8)["episode_id"]
+        start = new_episode(client, task_id="task_hard", seed=8)
+        route_id = start["episode_id"]
+        for stage in range(1, N_STAGES + 1):
+            body = json.dumps(
+                {"poses": interpolated_poses(start, stage), "expected_stage": stage - 1}
+            ).encode()
+            before = answered[0]
+            fast = client.post(
+                f"/episodes/{fast_id}/step", content=body, headers={"content-type": "application/json"}
+            )
+            assert answered[0] == before + 1 and fast.status_code == 200, fast.text
+            routed = client.post(
+                f"/episodes/{route_id}/step",
+                content=body,
+                headers={"content-type": "application/json; charset=utf-8"},  # not taken: the route
+            )
+            assert answered[0] == before + 1 and routed.status_code == 200, routed.text
+            assert fast.content == routed.content.replace(route_id.encode(), fast_id.encode())
+            assert fast.headers["content-type"] == routed.headers["content-type"] == "application/json"
+        again = client.post(
+            f"/episodes/{fast_id}/step", content=body, headers={"content-type": "application/json"}
+        )
+        assert again.status_code == 409 and again.json()["current_stage"] == N_STAGES  # the app's 409
+        done = client.post(f"/episodes/{fast_id}/step", json={"poses": interpolated_poses(start, 1)})
+        assert done.status_code == 422 and "done" in done.json()["detail"]
+        gone = client.post("/episodes/nope/step", json={"poses": interpolated_poses(start, 1)})
+        assert gone.status_code == 404 and gone.json()["reason"] == "unknown"
+        chunked_id = new_episode(client, task_id="task_hard", seed=8)["episode_id"]
+        body = json.dumps({"poses": interpolated_poses(start, 1)}).encode()
+        chunked = client.post(
+            f"/episodes/{chunked_id}/step",
+            content=iter([body[:100], body[100:]]),
+            headers={"content-type": "application/json"},
+        )
+        assert chunked.status_code == 200 and chunked.json()["current_stage"] == 1
+        assert answered[0] == N_STAGES
