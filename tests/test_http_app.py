@@ -877,3 +877,23 @@ def test_http_fast_step_answers_as_the_route_and_refusals_are_the_apps(
         )
         assert chunked.status_code == 200 and chunked.json()["current_stage"] == 1
         assert answered[0] == N_STAGES
+
+
+def test_encode_json_refuses_every_non_finite_number_after_its_null_scan() -> None:
+    """encode_json trusts orjson's text when it has no more ``null`` than the object's shallow
+    ``None``s; a NaN/inf anywhere (whatever else is null) is still refused, naming its path."""
+    assert (
+        encode_json({"a": None, "b": [None, 1.0], "c": {"d": None}})
+        == b'{"a":null,"b":[null,1.0],"c":{"d":null}}'
+    )
+    assert encode_json({"s": "null", "x": [1.0]}) == b'{"s":"null","x":[1.0]}'
+    for bad in (math.nan, math.inf, -math.inf):
+        for obj, path in (
+            ({"a": None, "x": [[1.0, bad]]}, r"x\[0\]\[1\]"),
+            ({"s": "null", "x": {"y": bad}}, r"x\.y"),
+            ({"a": None, "b": [None], "x": bad}, "at x"),
+            ([None, bad], r"\[1\]"),
+            ({"x": np.array([1.0, bad])}, r"x\[1\]"),
+        ):
+            with pytest.raises(NonFiniteOutputError, match=path):
+                encode_json(obj)
