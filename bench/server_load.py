@@ -332,7 +332,7 @@ def breakdown() -> list[tuple[str, float, float]]:
     from openenv.core.env_server.types import WSObservationResponse
 
     from server.app import DentalOpenEnvAdapter, make_observation
-    from server.models import DentalAction, fast_action
+    from server.models import DentalAction
     from server.serialization import ObservationEncoder, decode_message, encode_json, observation_payload
 
     env = StepwiseDentalEnvironment()
@@ -360,8 +360,8 @@ def breakdown() -> list[tuple[str, float, float]]:
     return [
         ("decode the frame", us(lambda: decode_message(frame, 10**6)), us(lambda: json.loads(frame))),
         (
-            "validate the action (fast_action / pydantic)",
-            us(lambda: fast_action(data)),
+            "validate the action (pydantic; + poses_array here)",
+            us(lambda: DentalAction.model_validate(data).poses_array()),
             us(lambda: DentalAction.model_validate(data)),
         ),
         ("environment step", us(step_env), us(step_env)),

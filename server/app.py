@@ -93,7 +93,6 @@ from server.models import (
     PosesRequest,
     ResetParams,
     TasksResponse,
-    fast_action,
 )
 from server.serialization import (
     NonFiniteOutputError,
@@ -179,15 +178,10 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
         return make_observation(self._step(action))
 
     def step_observation(self, data: Mapping[str, Any]) -> dict[str, Any]:
-        """Validate OpenEnv step data (a :class:`DentalAction`) and step; the observation dict.
-        A well-formed action skips pydantic (:func:`server.models.fast_action`)."""
+        """Validate OpenEnv step data (a :class:`DentalAction`) and step; the observation dict."""
         if self._episode_id is None:  # before validation: the missing reset is the first thing to fix
             self._step(None)
-        fast = fast_action(data)
-        if fast is None:
-            return self._step(DentalAction.model_validate(data))
-        poses, strategy, expected_stage = fast
-        return self._store.step(self._episode_id, poses, strategy=strategy, expected_stage=expected_stage)
+        return self._step(DentalAction.model_validate(data))
 
     def _step(self, action: DentalAction | None) -> dict[str, Any]:
         if self._episode_id is None or action is None:
@@ -196,7 +190,10 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
                 "stateless; use the WebSocket /ws or POST /episodes/{episode_id}/step)"
             )
         return self._store.step(
-            self._episode_id, action.poses, strategy=action.strategy, expected_stage=action.expected_stage
+            self._episode_id,
+            action.poses_array(),
+            strategy=action.strategy,
+            expected_stage=action.expected_stage,
         )
 
     @property
@@ -393,8 +390,8 @@ class FastStepMiddleware:
     Routing through FastAPI's middleware stack, dependency solving and pydantic validation of
     the body cost more server time than the environment's step itself. This answers a step
     here when its body is declared (``Content-Length``) within the message limit, is JSON
-    (``application/json`` or no content type), its action passes
-    :func:`server.models.fast_action`, and the environment applies it: 200 with the
+    (``application/json`` or no content type) that :class:`DentalAction` validates (as the route
+    does, pydantic-core being the cheapest check there is), and the environment applies it: 200 with the
     observation (:class:`server.serialization.ObservationEncoder`, the same bytes as the
     route's), or for a server bug the app's own 500. Any other request goes on to the app with
     its body, and so does a step the environment refuses (it has changed nothing; the app then
@@ -465,14 +462,16 @@ class FastStepMiddleware:
     def _answer(self, episode_id: str, body: bytes, path: str) -> Response | None:
         """The response to an applied step, or None (the app answers)."""
         try:
-            action = fast_action(orjson.loads(body))
-        except orjson.JSONDecodeError:
+            action = DentalAction.model_validate(orjson.loads(body))
+        except (orjson.JSONDecodeError, ValidationError):
             return None
-        if action is None:
-            return None
-        poses, strategy, expected_stage = action
         try:
-            obs = self.store.step(episode_id, poses, strategy=strategy, expected_stage=expected_stage)
+            obs = self.store.step(
+                episode_id,
+                action.poses_array(),
+                strategy=action.strategy,
+                expected_stage=action.expected_stage,
+            )
         except _REFUSED_BEFORE_APPLYING:
             return None
         except Exception as exc:  # a server bug, after the step may have been applied: answered here
@@ -715,7 +714,10 @@ def create_app(
         # a well-formed step that the environment applies is answered by FastStepMiddleware
         return observe(
             store.step(
-                episode_id, action.poses, strategy=action.strategy, expected_stage=action.expected_stage
+                episode_id,
+                action.poses_array(),
+                strategy=action.strategy,
+                expected_stage=action.expected_stage,
             )
         )
 

@@ -101,44 +101,11 @@ class DentalAction(Action):
     strategy: Strategy | None = None
     expected_stage: ExpectedStage | None = None
 
-
-_ACTION_FIELDS = frozenset(("poses", "strategy", "expected_stage"))
-_STRATEGY_SET = frozenset(STRATEGIES)
-_ROW_TYPES = frozenset((list,))
-_NUMBER_TYPES = frozenset((float, int))
-
-
-def fast_action(data: object) -> tuple[np.ndarray, str | None, int | None] | None:
-    """``(poses, strategy, expected_stage)`` of a step's JSON data, ``poses`` a (28, 7) float
-    array, when the data is a well-formed action as a client sends it; else ``None``.
-
-    The hot path's check instead of :class:`DentalAction`'s pydantic validation (about ten
-    times cheaper). It accepts a subset of what :class:`DentalAction` accepts, with the same
-    values: only the fields ``poses``, ``strategy`` and ``expected_stage``; ``poses`` 28 lists
-    of 7 JSON numbers (floats or integers, not booleans), finite and within +-1e6; a declared
-    strategy or null; an integer stage in [0, 24] or null. ``None`` means: validate with
-    :class:`DentalAction`, which accepts it or names the problem.
-    """
-    if type(data) is not dict or not data.keys() <= _ACTION_FIELDS:
-        return None
-    strategy = data.get("strategy")
-    if strategy is not None and (type(strategy) is not str or strategy not in _STRATEGY_SET):
-        return None
-    stage = data.get("expected_stage")
-    if stage is not None and (type(stage) is not int or not 0 <= stage <= N_STAGES):
-        return None
-    poses = data.get("poses")
-    if type(poses) is not list or len(poses) != N_TEETH or not set(map(type, poses)) <= _ROW_TYPES:
-        return None
-    if set(map(len, poses)) != {POSE_DIM} or not set(map(type, chain.from_iterable(poses))) <= _NUMBER_TYPES:
-        return None
-    try:
-        arr = np.array(poses, dtype=np.float64)
-    except OverflowError:  # an integer beyond float range
-        return None
-    if not np.abs(arr).max() <= MAX_ABS_POSE_VALUE:  # also false for NaN (orjson never yields one)
-        return None
-    return arr, strategy, stage
+    def poses_array(self) -> np.ndarray:
+        """The poses as a (28, 7) float array, built without ``np.array``'s shape discovery
+        (about twice as fast: the hot path). The values ``np.array(self.poses)`` holds."""
+        flat = np.fromiter(chain.from_iterable(self.poses), dtype=np.float64, count=N_TEETH * POSE_DIM)
+        return flat.reshape(N_TEETH, POSE_DIM)
 
 
 class PosesRequest(BaseModel):

@@ -23,8 +23,7 @@ What this adds to openenv-core 0.3.0's own ``/ws`` (which it replaces):
   invalid data all get an error reply; the session and its episode stay as they were.
 * **Quiet closes.** A clean or abrupt close is not an error: nothing is logged above debug.
 * **Speed.** Messages are handled in the event loop (no thread hop: a step is a fraction
-  of a millisecond); a well-formed step skips pydantic (:func:`server.models.fast_action`)
-  and its observation is encoded by a per-session
+  of a millisecond); observations are encoded by a per-session
   :class:`server.serialization.ObservationEncoder` (the episode's constant fields once).
 """
 

@@ -8,8 +8,8 @@ oversized bodies) answered with a 4xx naming the problem, bounded and never quot
 input, and leaving the session unchanged; the episode life cycle (DELETE, ``expected_stage``
 409s for duplicated and out-of-order steps, the 404 of an evicted episode); a bounded
 schemathesis run over the app's OpenAPI (``not_a_server_error``); and the hot path's shortcuts
-giving the same answers (the observation encoder's bytes, ``fast_action`` against the action
-model, the HTTP fast step against the route). Load and misuse of the
+giving the same answers (the observation encoder's bytes, the action's pose array, the HTTP
+fast step against the route). Load and misuse of the
 WebSocket sessions: ``tests/test_server_sessions.py``.
 """
 
@@ -34,7 +34,7 @@ from websockets.sync.client import connect as ws_connect
 from server.app import FastStepMiddleware, build_app
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
-from server.models import DentalAction, fast_action
+from server.models import DentalAction
 from server.serialization import NonFiniteOutputError, ObservationEncoder, encode_json, observation_payload
 from tests.services import running_uvicorn
 
@@ -765,63 +765,17 @@ def test_observation_encoder_writes_the_bytes_of_encode_json() -> None:
     assert len(encoder) == 2  # at most max_episodes kept
 
 
-def test_fast_action_accepts_only_what_the_action_model_accepts_with_the_same_values() -> None:
+def test_poses_array_holds_the_values_of_np_array() -> None:
     env = StepwiseDentalEnvironment()
     poses = interpolated_poses(env.reset("task_medium", 5), 3)
     ints = [[round(v) if j >= 4 else v for j, v in enumerate(row)] for row in poses]
-
-    def with_value(value: Any, row: int = 3, col: int = 4) -> list[list[Any]]:
-        out = [list(r) for r in poses]
-        out[row][col] = value
-        return out
-
-    accepted = [
-        {"poses": poses},
-        {"poses": ints},
-        {"poses": poses, "strategy": "expansion_first"},
-        {"poses": poses, "strategy": None, "expected_stage": None},
-        {"poses": poses, "expected_stage": 0},
-        {"poses": poses, "expected_stage": N_STAGES},
-        {"poses": with_value(1e6)},
-        {"poses": with_value(-1e6)},
-    ]
-    for data in accepted:
-        fast = fast_action(data)
-        assert fast is not None, data.keys()
-        action = DentalAction.model_validate(data)
-        assert fast[0].dtype == np.float64 and np.array_equal(
-            fast[0], np.array(action.poses, dtype=np.float64)
-        )
-        assert (fast[1], fast[2]) == (action.strategy, action.expected_stage)
-    to_pydantic = [
-        None,
-        [1, 2],
-        {},
-        {"poses": None},
-        {"poses": poses[:27]},
-        {"poses": [*poses, poses[0]]},
-        {"poses": [row[:6] for row in poses]},
-        {"poses": [tuple(row) for row in poses]},
-        {"poses": with_value(True)},
-        {"poses": with_value("1.0")},
-        {"poses": with_value(None)},
-        {"poses": with_value([1.0])},
-        {"poses": with_value(math.nan)},
-        {"poses": with_value(math.inf)},
-        {"poses": with_value(1e6 + 1)},
-        {"poses": with_value(10**400)},
-        {"poses": poses, "strategy": "bogus"},
-        {"poses": poses, "strategy": 1},
-        {"poses": poses, "expected_stage": -1},
-        {"poses": poses, "expected_stage": N_STAGES + 1},
-        {"poses": poses, "expected_stage": True},
-        {"poses": poses, "expected_stage": 1.0},
-        {"poses": poses, "expected_stage": "1"},
-        {"poses": poses, "extra": 1},
-        {"poses": poses, "metadata": {"k": 1}},  # accepted by the model: validated there
-    ]
-    for data in to_pydantic:
-        assert fast_action(data) is None, data if not isinstance(data, dict) else data.keys()
+    extremes = [[*row[:4], 1e6, -1e6, 5e-324] for row in poses]
+    for rows in (poses, ints, extremes):
+        action = DentalAction.model_validate({"poses": rows})
+        array = action.poses_array()
+        assert array.dtype == np.float64 and array.shape == (N_TEETH, 7)
+        assert array.tobytes() == np.array(action.poses, dtype=np.float64).tobytes()
+        assert array.tobytes() == np.array(rows, dtype=np.float64).tobytes()
 
 
 def test_http_fast_step_answers_as_the_route_and_refusals_are_the_apps(
