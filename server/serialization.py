@@ -75,7 +75,8 @@ def encode_json(obj: Any) -> bytes:
         text = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError:  # a type orjson does not take (e.g. a non-contiguous array): the full walk
         return orjson.dumps(_to_jsonable_at(obj, ""))
-    if b"null" in text and text.count(b"null") != _shallow_nones(obj) and not _finite(obj):
+    nulls = text.count(b"null")
+    if nulls and nulls != _shallow_nones(obj) and not _finite(obj):
         _to_jsonable_at(obj, "")  # raises, naming the path
     return text
 
