@@ -35,6 +35,12 @@ another stage than ``expected_stage``, or without an episode, 409; bodies over t
 message limit 413. Bad input never yields a 500, and a non-finite number in an output is
 reported as a server error instead of being serialised as ``null``.
 
+Speed: a trainer's calls (``POST /episodes``, ``POST /episodes/{episode_id}/step``, ``DELETE
+/episodes/{episode_id}``) are answered by :class:`EpisodeFastPath` without FastAPI's request
+machinery when they succeed (the same bytes; everything else is the routes' own answer), and
+observations carry each episode's constant fields encoded once
+(:class:`server.serialization.ObservationEncoder`).
+
 Configuration: :class:`server.settings.ServerSettings` (the ``ORTHORL_*`` variables:
 WebSocket capacity 256, idle timeout 300 s, message limit 1 MB, episode cap 1024 and TTL
 3600 s). The limits are enforced by the app itself, so they hold however it is launched.
@@ -380,23 +386,23 @@ _REFUSED_BEFORE_APPLYING = (
     StageConflictError,
     UnknownEpisodeError,
 )
-"""What ``StepwiseDentalEnvironment.step`` raises before it changes anything."""
+"""What ``StepwiseDentalEnvironment.step`` and ``.reset`` raise before they change anything."""
 
 
-class FastStepMiddleware:
-    """``POST /episodes/{episode_id}/step`` without FastAPI's request machinery, for a
-    well-formed step.
+class EpisodeFastPath:
+    """The episode routes a trainer calls every step, without FastAPI's request machinery:
+    ``POST /episodes`` (reset), ``POST /episodes/{episode_id}/step`` and ``DELETE
+    /episodes/{episode_id}``.
 
-    Routing through FastAPI's middleware stack, dependency solving and pydantic validation of
-    the body cost more server time than the environment's step itself. This answers a step
-    here when its body is declared (``Content-Length``) within the message limit, is JSON
-    (``application/json`` or no content type) that :class:`DentalAction` validates (as the route
-    does, pydantic-core being the cheapest check there is), and the environment applies it: 200 with the
-    observation (:class:`server.serialization.ObservationEncoder`, the same bytes as the
-    route's), or for a server bug the app's own 500. Any other request goes on to the app with
-    its body, and so does a step the environment refuses (it has changed nothing; the app then
-    refuses it again, with its status and words): every answer but a successful step is the
-    app's. The route stays the app's, in its OpenAPI.
+    Routing through FastAPI's middleware stack and dependency solving cost more server time
+    than the environment's step itself. This answers such a request here when its body is
+    declared (``Content-Length``, none for DELETE) within the message limit and is JSON
+    (``application/json`` or no content type) that the route's model validates (pydantic, as
+    the route does), and the store does what is asked: 200 with the bytes the route would send
+    (observations by :class:`server.serialization.ObservationEncoder`), or for a server bug the
+    app's own 500. Any other request goes on to the app with its body, and so does one the
+    store refuses (it has changed nothing; the app then refuses it again, with its status and
+    words): every answer but a success is the app's. The routes stay the app's, in its OpenAPI.
     """
 
     def __init__(
@@ -408,8 +414,8 @@ class FastStepMiddleware:
         self.max_body_bytes = int(max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        episode_id = self._step_episode_id(scope)
-        if episode_id is None:
+        route = self._route(scope)
+        if route is None:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -433,18 +439,26 @@ class FastStepMiddleware:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        response = self._answer(episode_id, body, scope["path"]) if size <= self.max_body_bytes else None
+        response = None
+        if size <= self.max_body_bytes:
+            response = self._answer(route[0], route[1], body, scope["path"])
         await (self.app if response is None else response)(scope, replay, send)
 
-    def _step_episode_id(self, scope: Scope) -> str | None:
-        """The episode id of a step request this path may answer; None for anything else."""
-        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
+    def _route(self, scope: Scope) -> tuple[str, str] | None:
+        """``(what, episode_id)`` of a request this path may answer ("reset", "step" or
+        "close"; the id empty for a reset); None for anything else."""
+        if scope["type"] != "http" or scope.get("root_path"):
             return None
-        path = scope["path"]
-        if not (path.startswith("/episodes/") and path.endswith("/step")):
+        method, path = scope["method"], scope["path"]
+        if method == "POST" and path.endswith("/step") and path.startswith("/episodes/"):
+            what, episode_id = "step", path[10:-5]
+        elif method == "POST" and path == "/episodes":
+            what, episode_id = "reset", ""
+        elif method == "DELETE" and path.startswith("/episodes/"):
+            what, episode_id = "close", path[10:]
+        else:
             return None
-        episode_id = path[10:-5]
-        if not 0 < len(episode_id) <= MAX_EPISODE_ID_CHARS or "/" in episode_id:
+        if what != "reset" and (not 0 < len(episode_id) <= MAX_EPISODE_ID_CHARS or "/" in episode_id):
             return None
         length = None
         for name, value in scope["headers"]:
@@ -455,26 +469,47 @@ class FastStepMiddleware:
                     return None
             elif name == b"transfer-encoding":
                 return None
+        if what == "close":  # no body
+            return (what, episode_id) if length in (None, b"0") else None
         if length is None or not length.isdigit() or int(length) > self.max_body_bytes:
             return None
-        return episode_id
+        return what, episode_id
 
-    def _answer(self, episode_id: str, body: bytes, path: str) -> Response | None:
-        """The response to an applied step, or None (the app answers)."""
+    def _answer(self, what: str, episode_id: str, body: bytes, path: str) -> Response | None:
+        """The response to a request done here, or None (the app answers)."""
+        if what == "close":
+            self.encoder.forget(episode_id)
+            if not self.store.close_episode(episode_id):
+                return None  # the app's 404 says why it is gone
+            return Response(
+                encode_json({"episode_id": episode_id, "closed": True}), media_type="application/json"
+            )
         try:
-            action = DentalAction.model_validate(orjson.loads(body))
+            data = orjson.loads(body) if body or what == "step" else {}
+            if what == "reset":
+                params = EpisodeResetRequest.model_validate(data)
+            else:
+                action = DentalAction.model_validate(data)
         except (orjson.JSONDecodeError, ValidationError):
             return None
         try:
-            obs = self.store.step(
-                episode_id,
-                action.poses_array(),
-                strategy=action.strategy,
-                expected_stage=action.expected_stage,
-            )
+            if what == "reset":
+                obs = self.store.reset(
+                    task_id=params.task_id,
+                    seed=params.seed,
+                    force_decay=params.force_decay,
+                    non_compliance=params.non_compliance,
+                )
+            else:
+                obs = self.store.step(
+                    episode_id,
+                    action.poses_array(),
+                    strategy=action.strategy,
+                    expected_stage=action.expected_stage,
+                )
         except _REFUSED_BEFORE_APPLYING:
             return None
-        except Exception as exc:  # a server bug, after the step may have been applied: answered here
+        except Exception as exc:  # a server bug, after the store may have changed: answered here
             return _server_error(path, exc)
         try:
             return Response(self.encoder.encode(obs), media_type="application/json")
@@ -613,7 +648,7 @@ def create_app(
     app.state.observation_encoder = encoder
     # outside the body limit: it reads only bodies declared within the limit, passes others on
     app.add_middleware(
-        FastStepMiddleware, store=store, encoder=encoder, max_body_bytes=settings.max_message_bytes
+        EpisodeFastPath, store=store, encoder=encoder, max_body_bytes=settings.max_message_bytes
     )
     install_exception_handlers(app)
 
@@ -711,7 +746,7 @@ def create_app(
         summary="Commit the next stage",
     )
     async def step_episode(episode_id: EpisodeIdPath, action: DentalAction) -> Response:
-        # a well-formed step that the environment applies is answered by FastStepMiddleware
+        # a well-formed step that the environment applies is answered by EpisodeFastPath
         return observe(
             store.step(
                 episode_id,

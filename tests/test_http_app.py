@@ -31,7 +31,7 @@ import websockets
 from openenv.core.generic_client import GenericEnvClient
 from websockets.sync.client import connect as ws_connect
 
-from server.app import FastStepMiddleware, build_app
+from server.app import EpisodeFastPath, build_app
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
 from server.models import DentalAction
@@ -778,50 +778,59 @@ def test_poses_array_holds_the_values_of_np_array() -> None:
         assert array.tobytes() == np.array(rows, dtype=np.float64).tobytes()
 
 
-def test_http_fast_step_answers_as_the_route_and_refusals_are_the_apps(
+def test_http_fast_path_answers_as_the_routes_and_refusals_are_the_apps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A well-formed step is answered by FastStepMiddleware with the route's bytes; what it does
-    not take (another content type, a chunked body, a refused step) gets the app's own answer."""
-    answered = [0]
-    original = FastStepMiddleware._answer
+    """Resets, well-formed steps and closes are answered by EpisodeFastPath with the routes'
+    bytes; what it does not take (another content type, a chunked body, a refused request)
+    gets the app's own answer."""
+    answered: list[str] = []
+    original = EpisodeFastPath._answer
 
-    def counting(self: FastStepMiddleware, *args: Any) -> Any:
-        response = original(self, *args)
-        answered[0] += response is not None
+    def counting(self: EpisodeFastPath, what: str, *args: Any) -> Any:
+        response = original(self, what, *args)
+        if response is not None:
+            answered.append(what)
         return response
 
-    monkeypatch.setattr(FastStepMiddleware, "_answer", counting)
+    def post(client: httpx.Client, path: str, body: Any, routed: bool = False) -> httpx.Response:
+        # "; charset=utf-8" is not taken by the fast path: the route answers
+        content_type = "application/json; charset=utf-8" if routed else "application/json"
+        return client.post(path, content=json.dumps(body).encode(), headers={"content-type": content_type})
+
+    monkeypatch.setattr(EpisodeFastPath, "_answer", counting)
     app = build_app()
     with running_uvicorn(app) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
-        fast_id = new_episode(client, task_id="task_hard", seed=8)["episode_id"]
-        start = new_episode(client, task_id="task_hard", seed=8)
-        route_id = start["episode_id"]
+        case = {"task_id": "task_hard", "seed": 8}
+        fast_start = post(client, "/episodes", case)
+        assert answered == ["reset"] and fast_start.status_code == 200, fast_start.text
+        start = post(client, "/episodes", case, routed=True)
+        assert answered == ["reset"] and start.status_code == 200, start.text
+        fast_id, route_id = fast_start.json()["episode_id"], start.json()["episode_id"]
+        assert fast_start.content == start.content.replace(route_id.encode(), fast_id.encode())
+        default = client.post("/episodes", content=b"", headers={"content-type": "application/json"})
+        assert answered[-1] == "reset" and default.json()["task_id"] == "task_easy"
+        start = start.json()
         for stage in range(1, N_STAGES + 1):
-            body = json.dumps(
-                {"poses": interpolated_poses(start, stage), "expected_stage": stage - 1}
-            ).encode()
-            before = answered[0]
-            fast = client.post(
-                f"/episodes/{fast_id}/step", content=body, headers={"content-type": "application/json"}
-            )
-            assert answered[0] == before + 1 and fast.status_code == 200, fast.text
-            routed = client.post(
-                f"/episodes/{route_id}/step",
-                content=body,
-                headers={"content-type": "application/json; charset=utf-8"},  # not taken: the route
-            )
-            assert answered[0] == before + 1 and routed.status_code == 200, routed.text
+            body = {"poses": interpolated_poses(start, stage), "expected_stage": stage - 1}
+            fast = post(client, f"/episodes/{fast_id}/step", body)
+            assert answered[-1] == "step" and fast.status_code == 200, fast.text
+            n = len(answered)
+            routed = post(client, f"/episodes/{route_id}/step", body, routed=True)
+            assert len(answered) == n and routed.status_code == 200, routed.text
             assert fast.content == routed.content.replace(route_id.encode(), fast_id.encode())
             assert fast.headers["content-type"] == routed.headers["content-type"] == "application/json"
-        again = client.post(
-            f"/episodes/{fast_id}/step", content=body, headers={"content-type": "application/json"}
-        )
+        assert answered.count("step") == N_STAGES
+        n = len(answered)
+        again = post(client, f"/episodes/{fast_id}/step", body)
         assert again.status_code == 409 and again.json()["current_stage"] == N_STAGES  # the app's 409
-        done = client.post(f"/episodes/{fast_id}/step", json={"poses": interpolated_poses(start, 1)})
+        done = post(client, f"/episodes/{fast_id}/step", {"poses": interpolated_poses(start, 1)})
         assert done.status_code == 422 and "done" in done.json()["detail"]
-        gone = client.post("/episodes/nope/step", json={"poses": interpolated_poses(start, 1)})
+        gone = post(client, "/episodes/nope/step", {"poses": interpolated_poses(start, 1)})
         assert gone.status_code == 404 and gone.json()["reason"] == "unknown"
+        bad_reset = post(client, "/episodes", {"task_id": "task_none"})
+        assert bad_reset.status_code == 422 and "task_id" in bad_reset.json()["detail"]
+        assert len(answered) == n  # all of those answered by the app
         chunked_id = new_episode(client, task_id="task_hard", seed=8)["episode_id"]
         body = json.dumps({"poses": interpolated_poses(start, 1)}).encode()
         chunked = client.post(
@@ -830,7 +839,13 @@ def test_http_fast_step_answers_as_the_route_and_refusals_are_the_apps(
             headers={"content-type": "application/json"},
         )
         assert chunked.status_code == 200 and chunked.json()["current_stage"] == 1
-        assert answered[0] == N_STAGES
+        assert answered[-1] == "reset"  # the chunked step was the app's
+        closed = client.delete(f"/episodes/{fast_id}")
+        assert answered[-1] == "close" and closed.status_code == 200
+        assert closed.content == encode_json({"episode_id": fast_id, "closed": True})
+        n = len(answered)
+        again = client.delete(f"/episodes/{fast_id}")
+        assert again.status_code == 404 and again.json()["reason"] == "closed" and len(answered) == n
 
 
 def test_encode_json_refuses_every_non_finite_number_after_its_null_scan() -> None:
