@@ -26,6 +26,7 @@ code paths the server runs (decode, validation, environment step, encoding), nex
 openenv-core 0.3.0's own path (``json``, pydantic observation, ``model_dump_json``).
 
     OMP_NUM_THREADS=1 python bench/server_load.py [--clients 1 8 32 64 128] [--seconds 4]
+    OMP_NUM_THREADS=1 python bench/server_load.py --no-breakdown --clients 64 --episodes 4  # fixed work
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import socket
@@ -105,17 +107,20 @@ class Tally:
         return self.start <= t <= self.stop
 
 
-async def ws_client(url: str, cases: list, k: int, tally: Tally, until: float, deflate: bool) -> None:
-    """Episodes over one connection; a refused or dropped connection counts an error and is
-    opened again (after 50 ms)."""
+async def ws_client(
+    url: str, cases: list, k: int, tally: Tally, until: float, deflate: bool, episodes: int | None = None
+) -> None:
+    """Episodes over one connection (until ``until``, or ``episodes`` of them); a refused or
+    dropped connection counts an error and is opened again (after 50 ms)."""
     compression = "deflate" if deflate else None  # OpenEnv's stock client offers deflate; EnvSession does not
     i = k
-    while time.perf_counter() < until:
+    last = k + episodes if episodes is not None else None
+    while time.perf_counter() < until and (last is None or i < last):
         try:
             async with websockets.connect(
                 url, max_size=2**24, open_timeout=60, compression=compression
             ) as ws:
-                while time.perf_counter() < until:
+                while time.perf_counter() < until and (last is None or i < last):
                     params, stages = cases[i % len(cases)]
                     i += 1
                     await ws.send(orjson.dumps({"type": "reset", "data": params}).decode())
@@ -173,12 +178,20 @@ class KeepAliveHTTP:
 
 
 async def http_client(
-    host: str, port: int, cases: list, k: int, tally: Tally, until: float, legacy: bool = False
+    host: str,
+    port: int,
+    cases: list,
+    k: int,
+    tally: Tally,
+    until: float,
+    legacy: bool = False,
+    episodes: int | None = None,
 ) -> None:
     http = KeepAliveHTTP(host, port)
     i = k
+    last = k + episodes if episodes is not None else None
     try:
-        while time.perf_counter() < until:
+        while time.perf_counter() < until and (last is None or i < last):
             params, stages = cases[i % len(cases)]
             i += 1
             code, body = await http.request("POST", "/episodes", orjson.dumps(params))
@@ -285,22 +298,38 @@ async def run_level(
     seconds: float,
     deflate: bool = False,
     legacy: bool = False,
+    episodes: int | None = None,
 ) -> dict:
+    """One level: a time window after a warm-up, or (``episodes``) a fixed number of episodes
+    per client after one warm-up episode each, the server's CPU taken over exactly that work."""
+
+    def clients(tally: Tally, until: float, episodes: int | None) -> asyncio.Future:
+        if transport == "ws":
+            url = f"ws://127.0.0.1:{port}/ws"
+            tasks = [ws_client(url, cases, k, tally, until, deflate, episodes) for k in range(n_clients)]
+        else:
+            tasks = [
+                http_client("127.0.0.1", port, cases, k, tally, until, legacy, episodes)
+                for k in range(n_clients)
+            ]
+        return asyncio.gather(*tasks)
+
     tally = Tally()
-    now = time.perf_counter()
-    tally.start, tally.stop = now + warmup, now + warmup + seconds
-    until = tally.stop
-    if transport == "ws":
-        url = f"ws://127.0.0.1:{port}/ws"
-        tasks = [ws_client(url, cases, k, tally, until, deflate) for k in range(n_clients)]
+    if episodes is not None:
+        await clients(Tally(), math.inf, 1)
+        cpu0, client0, wait0, t0 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid), time.perf_counter()
+        await clients(tally, math.inf, episodes)
+        cpu1, client1, wait1 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
+        seconds = time.perf_counter() - t0
     else:
-        tasks = [http_client("127.0.0.1", port, cases, k, tally, until, legacy) for k in range(n_clients)]
-    runner = asyncio.gather(*tasks)
-    await asyncio.sleep(max(tally.start - time.perf_counter(), 0))
-    cpu0, client0, wait0 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
-    await asyncio.sleep(max(tally.stop - time.perf_counter(), 0))
-    cpu1, client1, wait1 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
-    await runner
+        now = time.perf_counter()
+        tally.start, tally.stop = now + warmup, now + warmup + seconds
+        runner = clients(tally, tally.stop, None)
+        await asyncio.sleep(max(tally.start - time.perf_counter(), 0))
+        cpu0, client0, wait0 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
+        await asyncio.sleep(max(tally.stop - time.perf_counter(), 0))
+        cpu1, client1, wait1 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
+        await runner
     lat = np.asarray(tally.latencies) * 1e3
     per_episode = N_STAGES + (1 if transport == "ws" or legacy else 2)  # steps, reset (, delete)
     messages = len(lat) * per_episode / N_STAGES
@@ -405,6 +434,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument(
+        "--episodes",
+        type=int,
+        default=None,
+        help="instead of a time window: this many episodes per client, the server's CPU over exactly them "
+        "(fixed work: the figure to compare between checkouts, run alternately)",
+    )
+    parser.add_argument(
         "--launch",
         choices=["module", "uvicorn"],
         default="module",
@@ -459,6 +495,7 @@ def main() -> None:
                         args.seconds,
                         args.deflate,
                         args.legacy_http,
+                        args.episodes,
                     )
                 )
                 rows.append(row)
