@@ -379,8 +379,8 @@ def breakdown() -> list[tuple[str, float, float]]:
     obs = step_env()
     data = json.loads(frame)["data"]
     pydantic_obs = make_observation(obs)
-    encoder = ObservationEncoder(max_episodes=1)
-    encoder.frame(first)  # the episode's constant fields, encoded at its reset
+    encoder = ObservationEncoder()
+    encoder.frame(first)  # the case's constant fields, encoded at its reset
     n = 300
 
     def us(fn) -> float:

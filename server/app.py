@@ -38,7 +38,7 @@ reported as a server error instead of being serialised as ``null``.
 Speed: a trainer's calls (``POST /episodes``, ``POST /episodes/{episode_id}/step``, ``DELETE
 /episodes/{episode_id}``) are answered by :class:`EpisodeFastPath` without FastAPI's request
 machinery when they succeed (the same bytes; everything else is the routes' own answer), and
-observations carry each episode's constant fields encoded once
+observations carry each case's constant fields encoded once
 (:class:`server.serialization.ObservationEncoder`).
 
 Configuration: :class:`server.settings.ServerSettings` (the ``ORTHORL_*`` variables:
@@ -329,9 +329,9 @@ ExpectedStageQuery = Annotated[
 
 # --- App ------------------------------------------------------------------------------
 
-HTTP_ENCODER_EPISODES = 256
-"""Episodes whose constant observation fields the episode routes keep encoded (least recently
-used dropped first, about 25 kB each; DELETE drops an episode's)."""
+ENCODED_CASES = 256
+"""Cases whose constant observation fields the app keeps encoded (least recently used dropped
+first; about 8 kB each)."""
 
 
 def _error(status_code: int, detail: Any, **extra: Any) -> JSONResponse:
@@ -478,7 +478,6 @@ class EpisodeFastPath:
     def _answer(self, what: str, episode_id: str, body: bytes, path: str) -> Response | None:
         """The response to a request done here, or None (the app answers)."""
         if what == "close":
-            self.encoder.forget(episode_id)
             if not self.store.close_episode(episode_id):
                 return None  # the app's 404 says why it is gone
             return Response(
@@ -639,13 +638,13 @@ def create_app(
     app.description = (__doc__ or "").split("Configuration:")[0]
     app.state.store = store
     app.state.settings = settings
-    sessions = WebSocketSessions(env_factory, settings)
+    # the JSON of observations (WebSocket and HTTP), each case's constant fields encoded once
+    encoder = ObservationEncoder(max_cases=ENCODED_CASES)
+    app.state.observation_encoder = encoder
+    sessions = WebSocketSessions(env_factory, settings, encoder)
     app.state.websocket_sessions = sessions
     _replace_websocket_route(app, "/ws", sessions.endpoint)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_message_bytes)
-    # the JSON of the episode routes' observations, each episode's constant fields encoded once
-    encoder = ObservationEncoder(max_episodes=HTTP_ENCODER_EPISODES)
-    app.state.observation_encoder = encoder
     # outside the body limit: it reads only bodies declared within the limit, passes others on
     app.add_middleware(
         EpisodeFastPath, store=store, encoder=encoder, max_body_bytes=settings.max_message_bytes
@@ -733,7 +732,6 @@ def create_app(
         summary="Close an episode (release it now)",
     )
     async def close_episode(episode_id: EpisodeIdPath) -> JSONBytesResponse:
-        encoder.forget(episode_id)
         if not store.close_episode(episode_id):
             store.state(episode_id)  # raises the 404 that says why it is gone
         return respond({"episode_id": episode_id, "closed": True})

@@ -8,8 +8,8 @@ WebSocket messages in (every malformed frame named, never echoed), and error det
   environment's observation dict (``reward`` = ``step_reward`` plus, on the last stage,
   ``terminal_reward``).
 * :class:`ObservationEncoder` -- :func:`encode_json` of observations (bare, or as OpenEnv's
-  WebSocket frame), with an episode's constant fields (``initial_config``, ``target_config``,
-  ``case_summary``: two thirds of a step's bytes) encoded once per episode instead of every
+  WebSocket frame), with a case's constant fields (``initial_config``, ``target_config``,
+  ``case_summary``: two thirds of a step's bytes) encoded once per case instead of every
   step. The bytes are those :func:`encode_json` writes.
 * :func:`decode_json_body` -- an HTTP request body (orjson first; the standard parser names
   the error).
@@ -134,27 +134,35 @@ def observation_payload(obs: dict[str, Any]) -> dict[str, Any]:
 
 
 CONSTANT_FIELDS = ("initial_config", "target_config", "case_summary")
-"""Observation fields that are constant over an episode (the case's start, goal and summary)."""
+"""Observation fields that depend on the case only (its start, goal and summary)."""
+
+CASE_FIELDS = ("task_id", "seed", "force_decay", "non_compliance")
+"""Observation fields naming the case: :func:`server.cases.generate_case` of them (a pure function,
+cached; the behaviour digest pins it) is the case the constant fields come from."""
 
 
 class ObservationEncoder:
-    """JSON of observations, the constant fields of each episode encoded once.
+    """JSON of observations, each case's constant fields encoded once.
 
-    A step's observation repeats its episode's ``initial_config``, ``target_config`` (28 x 7
-    each) and ``case_summary``; checking and formatting their floats every step was most of the
-    encoding. This keeps, for the ``max_episodes`` episode ids last encoded (least recently
-    used dropped first; about 25 kB each), the JSON of each of these fields and a private copy
-    of its value (decoded from that JSON), and splices the JSON in (``orjson.Fragment``) when
-    the observation's value equals the copy (a C-level comparison, about a microsecond): any
-    change of value is re-encoded. A stage-0 observation (a reset: a client may reuse an
-    episode id for a new case) always re-encodes. The environment builds these fields from its
-    case, unchanged over an episode, so the bytes are those :func:`encode_json` writes for the
-    same observation (tested over whole episodes); non-finite numbers are refused the same way.
+    Every observation repeats its case's ``initial_config``, ``target_config`` (28 x 7 each)
+    and ``case_summary``: two thirds of a step's bytes, and most of the work of encoding it.
+    Those fields are a function of the case, which the observation names (``task_id``,
+    ``seed``, ``force_decay``, ``non_compliance``: :data:`CASE_FIELDS`). This keeps the JSON
+    of the constant fields of the ``max_cases`` cases last encoded (least recently used dropped
+    first; about 8 kB each) and splices it in (``orjson.Fragment``) for every observation of
+    the same case: the bytes are those :func:`encode_json` writes for that observation (tested
+    over whole episodes of every task), non-finite numbers refused the same way (a constant
+    field that is not finite is never cached). One encoder serves all sessions and routes of
+    an app (a GRPO group's generations share their case).
+
+    It relies on what :mod:`server.cases` states: a case is a pure function of its key, and its
+    cached lists are never modified (they are copied before being handed out). An observation
+    without the four case fields, or with a constant field of another shape, is encoded in full.
     """
 
-    def __init__(self, max_episodes: int = 256):
-        self.max_episodes = max(int(max_episodes), 1)
-        self._cache: dict[str, dict[str, tuple[Any, orjson.Fragment]]] = {}
+    def __init__(self, max_cases: int = 256):
+        self.max_cases = max(int(max_cases), 1)
+        self._cache: dict[tuple[Any, ...], dict[str, orjson.Fragment]] = {}
 
     def encode(self, obs: dict[str, Any]) -> bytes:
         """:func:`encode_json` of an observation dict."""
@@ -165,40 +173,30 @@ class ObservationEncoder:
         "done"}}`` of an observation dict, as text."""
         return encode_json({"type": "observation", "data": observation_payload(self._spliced(obs))}).decode()
 
-    def forget(self, episode_id: str | None) -> None:
-        """Drop an episode's entry (it was closed)."""
-        self._cache.pop(episode_id, None)  # type: ignore[arg-type]
-
     def __len__(self) -> int:
         return len(self._cache)
 
     def _spliced(self, obs: dict[str, Any]) -> dict[str, Any]:
-        episode_id = obs.get("episode_id")
-        if type(episode_id) is not str:
+        try:
+            key = tuple(obs[name] for name in CASE_FIELDS)
+            fragments = self._cache.pop(key, None)
+        except (KeyError, TypeError):  # no case named, or an unhashable value
             return obs
-        entry = self._cache.pop(episode_id, None)
-        if entry is None or obs.get("current_stage") == 0:
-            entry = self._entry(obs)
-            while len(self._cache) >= self.max_episodes:
+        if fragments is None:
+            fragments = self._fragments(obs)
+            while len(self._cache) >= self.max_cases:
                 del self._cache[next(iter(self._cache))]
-        self._cache[episode_id] = entry  # the most recently used last
-        out = dict(obs)
-        for name, (copy, fragment) in entry.items():
-            value = out.get(name)
-            if value is not None and value == copy:
-                out[name] = fragment
-        return out
+        self._cache[key] = fragments  # the most recently used last
+        return {**obs, **fragments}
 
     @staticmethod
-    def _entry(obs: dict[str, Any]) -> dict[str, tuple[Any, orjson.Fragment]]:
-        entry = {}
+    def _fragments(obs: dict[str, Any]) -> dict[str, orjson.Fragment]:
+        fragments = {}
         for name in CONSTANT_FIELDS:
             value = obs.get(name)
-            if not _plain_constant(value) or not _finite(value):
-                continue  # encoded with the rest, every time (a NaN is reported there, with its path)
-            text = orjson.dumps(value)
-            entry[name] = (orjson.loads(text), orjson.Fragment(text))
-        return entry
+            if _plain_constant(value) and _finite(value):  # else encoded with the rest, every time
+                fragments[name] = orjson.Fragment(orjson.dumps(value))
+        return fragments
 
 
 def _plain_constant(value: Any) -> bool:

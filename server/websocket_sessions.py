@@ -23,8 +23,8 @@ What this adds to openenv-core 0.3.0's own ``/ws`` (which it replaces):
   invalid data all get an error reply; the session and its episode stay as they were.
 * **Quiet closes.** A clean or abrupt close is not an error: nothing is logged above debug.
 * **Speed.** Messages are handled in the event loop (no thread hop: a step is a fraction
-  of a millisecond); observations are encoded by a per-session
-  :class:`server.serialization.ObservationEncoder` (the episode's constant fields once).
+  of a millisecond); observations are encoded by the app's
+  :class:`server.serialization.ObservationEncoder` (each case's constant fields once).
 """
 
 from __future__ import annotations
@@ -92,8 +92,14 @@ class WebSocketSessions:
     ``ValueError``/``ValidationError`` subclasses, answered as error replies.
     """
 
-    def __init__(self, env_factory: Callable[[], Any], settings: ServerSettings):
+    def __init__(
+        self,
+        env_factory: Callable[[], Any],
+        settings: ServerSettings,
+        encoder: ObservationEncoder | None = None,
+    ):
         self._env_factory = env_factory
+        self.encoder = ObservationEncoder() if encoder is None else encoder
         self.max_sessions = settings.max_sessions
         self.idle_timeout_s = settings.ws_idle_timeout_s
         self.max_message_bytes = settings.max_message_bytes
@@ -129,7 +135,7 @@ class WebSocketSessions:
             env = self._env_factory()
             await websocket.accept()
             self.counters.accepted += 1
-            await self._serve(websocket, env, ObservationEncoder(max_episodes=1))
+            await self._serve(websocket, env)
         except (WebSocketDisconnect, OSError):  # the client went away (abruptly or not): not an error
             pass
         finally:
@@ -139,7 +145,7 @@ class WebSocketSessions:
                 env.close()
             await _close_quietly(websocket, 1000, "")
 
-    async def _serve(self, websocket: WebSocket, env: Any, encoder: ObservationEncoder) -> None:
+    async def _serve(self, websocket: WebSocket, env: Any) -> None:
         while True:
             try:
                 async with asyncio.timeout(self.idle_timeout_s):
@@ -157,17 +163,15 @@ class WebSocketSessions:
             if message["type"] == "websocket.disconnect":
                 return
             text = message.get("text")
-            reply = self._answer(env, text, binary=text is None, encoder=encoder)
+            reply = self._answer(env, text, binary=text is None)
             if reply is None:  # "close"
                 return
             await websocket.send({"type": "websocket.send", "text": reply})
 
-    def _answer(
-        self, env: Any, frame: str | None, binary: bool, encoder: ObservationEncoder | None = None
-    ) -> str | None:
+    def _answer(self, env: Any, frame: str | None, binary: bool) -> str | None:
         """The reply to one frame (None for a close message). Never raises for bad input."""
         kind = "?"
-        encoder = ObservationEncoder(max_episodes=1) if encoder is None else encoder
+        encoder = self.encoder
         try:
             message = decode_message(frame, self.max_message_bytes, binary=binary)
             kind, data = message["type"], message["data"]

@@ -726,7 +726,8 @@ def test_http_error_replies_are_bounded_and_do_not_echo(http: httpx.Client) -> N
 
 def test_observation_encoder_writes_the_bytes_of_encode_json() -> None:
     """Whole episodes (every task, force decay, non-compliance, rollback, simulate, state, an
-    episode id reused for a new case): the encoder's bytes are encode_json's, frame and bare."""
+    episode id reused for another case, two episodes of one case): the encoder's bytes are
+    encode_json's, frame and bare."""
 
     def check(obs: dict[str, Any]) -> None:
         assert encoder.encode(obs) == encode_json(obs)
@@ -734,35 +735,37 @@ def test_observation_encoder_writes_the_bytes_of_encode_json() -> None:
         assert encoder.frame(obs) == frame
 
     env = StepwiseDentalEnvironment()
-    encoder = ObservationEncoder(max_episodes=2)
+    encoder = ObservationEncoder(max_cases=2)
     for task_id, seed, decay, non_compliance in (
         ("task_easy", 1, False, False),
         ("task_medium", 2, True, False),
         ("task_hard", 3, False, True),
+        ("task_hard", 3, False, False),
     ):
         obs = env.reset(task_id, seed, decay, non_compliance=non_compliance, episode_id="reused")
+        other = env.reset(task_id, seed, decay, non_compliance=non_compliance)["episode_id"]
         first = obs
         check(obs)
         for stage in range(1, N_STAGES + 1):
             poses = interpolated_poses(first, stage)
             check(env.simulate_step("reused", poses))
             check(env.step("reused", poses, expected_stage=stage - 1))
+            check(env.step(other, interpolated_poses(first, min(stage + 1, N_STAGES))))
             if stage == 5:
                 check(env.rollback_stage("reused"))
                 check(env.step("reused", poses))
             check(env.state("reused"))
-        assert len(encoder) == 1  # one id, re-encoded at each reset
-    changed = env.state("reused")
-    changed["initial_config"][0][4] += 1.0  # a constant field that changed: encoded anew
-    check(changed)
+    assert len(encoder) == 2  # at most max_cases kept
+    fresh = ObservationEncoder()
     for field in ("initial_config", "current_config"):
-        broken = env.state("reused")
+        broken = env.reset("task_easy", 4)
         broken[field][3][4] = math.nan
         with pytest.raises(NonFiniteOutputError, match=rf"{field}\[3\]\[4\]"):
-            encoder.encode(broken)
-    for seed in range(3):
-        check(env.reset("task_easy", seed))
-    assert len(encoder) == 2  # at most max_episodes kept
+            fresh.encode(broken)
+    assert len(fresh) == 1 and "initial_config" not in fresh._cache[("task_easy", 4, False, False)]
+    check(env.reset("task_easy", 4))
+    no_case = {k: v for k, v in obs.items() if k != "seed"}
+    assert encoder.encode(no_case) == encode_json(no_case)
 
 
 def test_poses_array_holds_the_values_of_np_array() -> None:
