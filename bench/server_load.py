@@ -10,14 +10,23 @@ levels and seeds cycle); over HTTP it is ``POST /episodes``, 24 ``POST .../step`
 
 Per level: warm-up, then ``--seconds`` of measurement; episodes/s is the steps answered in
 the window over 24 (counting whole episodes would quantise: clients that start together
-finish together), latencies are per step (send to reply), ``server ms/msg`` is the server's CPU
-time over the messages it answered in the window, RSS the server's resident set after it.
+finish together), latencies are per step (send to reply), ``server CPU ms/step`` is the server's
+CPU time (``utime + stime`` of its process) in the window over the steps answered in it (each
+episode's reset and close included: the figure to hold against the budget below), ``server
+ms/msg`` the same over every message, RSS the server's resident set after the window.
+
+CPU per step is the figure to compare between runs on a shared machine: episodes/s and
+latencies include the time the server waited for its core ("waited"), CPU time does not (it
+still varies by 10-30 % with the load on the other core: caches, frequency). The target, 60
+episodes/s of 24 steps from one core, is a budget of ``1 / (60 * 24)`` s = 0.694 ms of server
+CPU per step; printed with the table.
 
 Before the load it prints where one step's server time goes, measured in-process on the
 code paths the server runs (decode, validation, environment step, encoding), next to
 openenv-core 0.3.0's own path (``json``, pydantic observation, ``model_dump_json``).
 
     OMP_NUM_THREADS=1 python bench/server_load.py [--clients 1 8 32 64 128] [--seconds 4]
+    OMP_NUM_THREADS=1 python bench/server_load.py --no-breakdown --clients 64 --episodes 4  # fixed work
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import socket
@@ -49,6 +59,9 @@ from server.dental_environment import StepwiseDentalEnvironment  # noqa: E402
 
 TASKS = ("task_easy", "task_medium", "task_hard")
 N_CASES = 12
+TARGET_EPISODES_PER_S = 60
+BUDGET_MS_PER_STEP = 1e3 / (TARGET_EPISODES_PER_S * N_STAGES)
+"""Server CPU per step (its episode's reset and close included) that 60 episodes/s on one core allow."""
 
 
 # --- Workload -----------------------------------------------------------------------
@@ -94,17 +107,20 @@ class Tally:
         return self.start <= t <= self.stop
 
 
-async def ws_client(url: str, cases: list, k: int, tally: Tally, until: float, deflate: bool) -> None:
-    """Episodes over one connection; a refused or dropped connection counts an error and is
-    opened again (after 50 ms)."""
+async def ws_client(
+    url: str, cases: list, k: int, tally: Tally, until: float, deflate: bool, episodes: int | None = None
+) -> None:
+    """Episodes over one connection (until ``until``, or ``episodes`` of them); a refused or
+    dropped connection counts an error and is opened again (after 50 ms)."""
     compression = "deflate" if deflate else None  # OpenEnv's stock client offers deflate; EnvSession does not
     i = k
-    while time.perf_counter() < until:
+    last = k + episodes if episodes is not None else None
+    while time.perf_counter() < until and (last is None or i < last):
         try:
             async with websockets.connect(
                 url, max_size=2**24, open_timeout=60, compression=compression
             ) as ws:
-                while time.perf_counter() < until:
+                while time.perf_counter() < until and (last is None or i < last):
                     params, stages = cases[i % len(cases)]
                     i += 1
                     await ws.send(orjson.dumps({"type": "reset", "data": params}).decode())
@@ -162,12 +178,20 @@ class KeepAliveHTTP:
 
 
 async def http_client(
-    host: str, port: int, cases: list, k: int, tally: Tally, until: float, legacy: bool = False
+    host: str,
+    port: int,
+    cases: list,
+    k: int,
+    tally: Tally,
+    until: float,
+    legacy: bool = False,
+    episodes: int | None = None,
 ) -> None:
     http = KeepAliveHTTP(host, port)
     i = k
+    last = k + episodes if episodes is not None else None
     try:
-        while time.perf_counter() < until:
+        while time.perf_counter() < until and (last is None or i < last):
             params, stages = cases[i % len(cases)]
             i += 1
             code, body = await http.request("POST", "/episodes", orjson.dumps(params))
@@ -274,22 +298,38 @@ async def run_level(
     seconds: float,
     deflate: bool = False,
     legacy: bool = False,
+    episodes: int | None = None,
 ) -> dict:
+    """One level: a time window after a warm-up, or (``episodes``) a fixed number of episodes
+    per client after one warm-up episode each, the server's CPU taken over exactly that work."""
+
+    def clients(tally: Tally, until: float, episodes: int | None) -> asyncio.Future:
+        if transport == "ws":
+            url = f"ws://127.0.0.1:{port}/ws"
+            tasks = [ws_client(url, cases, k, tally, until, deflate, episodes) for k in range(n_clients)]
+        else:
+            tasks = [
+                http_client("127.0.0.1", port, cases, k, tally, until, legacy, episodes)
+                for k in range(n_clients)
+            ]
+        return asyncio.gather(*tasks)
+
     tally = Tally()
-    now = time.perf_counter()
-    tally.start, tally.stop = now + warmup, now + warmup + seconds
-    until = tally.stop
-    if transport == "ws":
-        url = f"ws://127.0.0.1:{port}/ws"
-        tasks = [ws_client(url, cases, k, tally, until, deflate) for k in range(n_clients)]
+    if episodes is not None:
+        await clients(Tally(), math.inf, 1)
+        cpu0, client0, wait0, t0 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid), time.perf_counter()
+        await clients(tally, math.inf, episodes)
+        cpu1, client1, wait1 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
+        seconds = time.perf_counter() - t0
     else:
-        tasks = [http_client("127.0.0.1", port, cases, k, tally, until, legacy) for k in range(n_clients)]
-    runner = asyncio.gather(*tasks)
-    await asyncio.sleep(max(tally.start - time.perf_counter(), 0))
-    cpu0, client0, wait0 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
-    await asyncio.sleep(max(tally.stop - time.perf_counter(), 0))
-    cpu1, client1, wait1 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
-    await runner
+        now = time.perf_counter()
+        tally.start, tally.stop = now + warmup, now + warmup + seconds
+        runner = clients(tally, tally.stop, None)
+        await asyncio.sleep(max(tally.start - time.perf_counter(), 0))
+        cpu0, client0, wait0 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
+        await asyncio.sleep(max(tally.stop - time.perf_counter(), 0))
+        cpu1, client1, wait1 = cpu_s(pid), time.process_time(), runqueue_wait_s(pid)
+        await runner
     lat = np.asarray(tally.latencies) * 1e3
     per_episode = N_STAGES + (1 if transport == "ws" or legacy else 2)  # steps, reset (, delete)
     messages = len(lat) * per_episode / N_STAGES
@@ -300,6 +340,7 @@ async def run_level(
         "episodes_per_s": len(lat) / N_STAGES / seconds,
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
+        "server_cpu_ms_per_step": 1e3 * (cpu1 - cpu0) / max(len(lat), 1),
         "server_ms_per_msg": 1e3 * (cpu1 - cpu0) / max(messages, 1),
         "server_cpu_pct": 100 * (cpu1 - cpu0) / seconds,
         "server_cpu_wait_pct": 100 * (wait1 - wait0) / seconds,
@@ -321,7 +362,7 @@ def breakdown() -> list[tuple[str, float, float]]:
 
     from server.app import DentalOpenEnvAdapter, make_observation
     from server.models import DentalAction
-    from server.serialization import decode_message, encode_json, observation_payload
+    from server.serialization import ObservationEncoder, decode_message, encode_json, observation_payload
 
     env = StepwiseDentalEnvironment()
     adapter = DentalOpenEnvAdapter(env)
@@ -338,6 +379,8 @@ def breakdown() -> list[tuple[str, float, float]]:
     obs = step_env()
     data = json.loads(frame)["data"]
     pydantic_obs = make_observation(obs)
+    encoder = ObservationEncoder()
+    encoder.frame(first)  # the case's constant fields, encoded at its reset
     n = 300
 
     def us(fn) -> float:
@@ -346,14 +389,14 @@ def breakdown() -> list[tuple[str, float, float]]:
     return [
         ("decode the frame", us(lambda: decode_message(frame, 10**6)), us(lambda: json.loads(frame))),
         (
-            "validate the action (pydantic)",
-            us(lambda: DentalAction.model_validate(data)),
+            "validate the action (pydantic; + poses_array here)",
+            us(lambda: DentalAction.model_validate(data).poses_array()),
             us(lambda: DentalAction.model_validate(data)),
         ),
         ("environment step", us(step_env), us(step_env)),
         (
             "observation to a JSON frame",
-            us(lambda: encode_json({"type": "observation", "data": observation_payload(obs)})),
+            us(lambda: encoder.frame(obs)),
             us(
                 lambda: WSObservationResponse(
                     data=serialize_observation(make_observation(obs))
@@ -361,6 +404,11 @@ def breakdown() -> list[tuple[str, float, float]]:
             ),
         ),
         ("  of which pydantic observation", 0.0, us(lambda: make_observation(obs))),
+        (
+            "  (encode_json of it, every field every step, for scale)",
+            us(lambda: encode_json({"type": "observation", "data": observation_payload(obs)})),
+            0.0,
+        ),
         (
             "  (stdlib json.dumps of it, for scale)",
             0.0,
@@ -385,6 +433,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--no-breakdown", action="store_true")
+    parser.add_argument(
+        "--episodes",
+        type=int,
+        default=None,
+        help="instead of a time window: this many episodes per client, the server's CPU over exactly them "
+        "(fixed work: the figure to compare between checkouts, run alternately)",
+    )
     parser.add_argument(
         "--launch",
         choices=["module", "uvicorn"],
@@ -418,11 +473,15 @@ def main() -> None:
         print(f"launch: {args.launch}; clients offer deflate: {args.deflate}; {server_stack()}")
         print(f"server RSS at start: {rss_mb(pid):.0f} MB\n")
         print(
-            "| transport | clients | episodes/s | step p50 ms | step p99 ms | server ms/msg "
-            "| server CPU % | server waited for CPU % | episodes/s per server core | client CPU % "
-            "| server RSS MB | errors |"
+            f"budget for {TARGET_EPISODES_PER_S} episodes/s of {N_STAGES} steps on one core: "
+            f"{BUDGET_MS_PER_STEP:.3f} ms of server CPU per step\n"
         )
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print(
+            "| transport | clients | episodes/s | step p50 ms | step p99 ms | server CPU ms/step "
+            "| server ms/msg | server CPU % | server waited for CPU % | episodes/s per server core "
+            "| client CPU % | server RSS MB | errors |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for transport in args.transports:
             for n in args.clients:
                 row = asyncio.run(
@@ -436,11 +495,13 @@ def main() -> None:
                         args.seconds,
                         args.deflate,
                         args.legacy_http,
+                        args.episodes,
                     )
                 )
                 rows.append(row)
                 print(
                     f"| {transport} | {n} | {row['episodes_per_s']:.1f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} "
+                    f"| {row['server_cpu_ms_per_step']:.3f} "
                     f"| {row['server_ms_per_msg']:.2f} | {row['server_cpu_pct']:.0f} | {row['server_cpu_wait_pct']:.0f} "
                     f"| {row['core_episodes_per_s']:.0f} | {row['client_cpu_pct']:.0f} "
                     f"| {row['server_rss_mb']:.0f} | {row['errors']} |",

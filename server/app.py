@@ -35,6 +35,12 @@ another stage than ``expected_stage``, or without an episode, 409; bodies over t
 message limit 413. Bad input never yields a 500, and a non-finite number in an output is
 reported as a server error instead of being serialised as ``null``.
 
+Speed: a trainer's calls (``POST /episodes``, ``POST /episodes/{episode_id}/step``, ``DELETE
+/episodes/{episode_id}``) are answered by :class:`EpisodeFastPath` without FastAPI's request
+machinery when they succeed (the same bytes; everything else is the routes' own answer), and
+observations carry each case's constant fields encoded once
+(:class:`server.serialization.ObservationEncoder`).
+
 Configuration: :class:`server.settings.ServerSettings` (the ``ORTHORL_*`` variables:
 WebSocket capacity 256, idle timeout 300 s, message limit 1 MB, episode cap 1024 and TTL
 3600 s). The limits are enforced by the app itself, so they hold however it is launched.
@@ -54,6 +60,7 @@ import sys
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Annotated, Any
 
+import orjson
 from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError, ResponseValidationError
 from fastapi.responses import JSONResponse, Response
@@ -95,6 +102,7 @@ from server.models import (
 )
 from server.serialization import (
     NonFiniteOutputError,
+    ObservationEncoder,
     decode_json_body,
     describe_validation_errors,
     encode_json,
@@ -188,7 +196,10 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
                 "stateless; use the WebSocket /ws or POST /episodes/{episode_id}/step)"
             )
         return self._store.step(
-            self._episode_id, action.poses, strategy=action.strategy, expected_stage=action.expected_stage
+            self._episode_id,
+            action.poses_array(),
+            strategy=action.strategy,
+            expected_stage=action.expected_stage,
         )
 
     @property
@@ -318,9 +329,23 @@ ExpectedStageQuery = Annotated[
 
 # --- App ------------------------------------------------------------------------------
 
+ENCODED_CASES = 256
+"""Cases whose constant observation fields the app keeps encoded (least recently used dropped
+first; about 8 kB each)."""
+
 
 def _error(status_code: int, detail: Any, **extra: Any) -> JSONResponse:
     return JSONResponse({"detail": json_safe(detail), **json_safe(extra)}, status_code=status_code)
+
+
+def _server_error(path: str, exc: Exception) -> JSONResponse:
+    """The 500 of a server bug (bad input never gets here), logged; JSON so clients can show
+    the reason. A non-finite number in an output is named as such."""
+    if isinstance(exc, NonFiniteOutputError):
+        logger.error("non-finite output on %s: %s", path, exc)
+        return _error(500, f"internal error: {exc}")
+    logger.error("internal error on %s", path, exc_info=exc)
+    return _error(500, f"internal error: {type(exc).__name__}: {short_repr(str(exc))}")
 
 
 class FastJSONRequest(Request):
@@ -352,6 +377,143 @@ class JSONBytesResponse(Response):
 
     def render(self, content: Any) -> bytes:
         return encode_json(content)
+
+
+_REFUSED_BEFORE_APPLYING = (
+    InvalidActionError,
+    NoEpisodeError,
+    RequestRejectedError,
+    StageConflictError,
+    UnknownEpisodeError,
+)
+"""What ``StepwiseDentalEnvironment.step`` and ``.reset`` raise before they change anything."""
+
+
+class EpisodeFastPath:
+    """The episode routes a trainer calls every step, without FastAPI's request machinery:
+    ``POST /episodes`` (reset), ``POST /episodes/{episode_id}/step`` and ``DELETE
+    /episodes/{episode_id}``.
+
+    Routing through FastAPI's middleware stack and dependency solving cost more server time
+    than the environment's step itself. This answers such a request here when its body is
+    declared (``Content-Length``, none for DELETE) within the message limit and is JSON
+    (``application/json`` or no content type) that the route's model validates (pydantic, as
+    the route does), and the store does what is asked: 200 with the bytes the route would send
+    (observations by :class:`server.serialization.ObservationEncoder`), or for a server bug the
+    app's own 500. Any other request goes on to the app with its body, and so does one the
+    store refuses (it has changed nothing; the app then refuses it again, with its status and
+    words): every answer but a success is the app's. The routes stay the app's, in its OpenAPI.
+    """
+
+    def __init__(
+        self, app: ASGIApp, store: StepwiseDentalEnvironment, encoder: ObservationEncoder, max_body_bytes: int
+    ):
+        self.app = app
+        self.store = store
+        self.encoder = encoder
+        self.max_body_bytes = int(max_body_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self._route(scope)
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > self.max_body_bytes or not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        response = None
+        if size <= self.max_body_bytes:
+            response = self._answer(route[0], route[1], body, scope["path"])
+        await (self.app if response is None else response)(scope, replay, send)
+
+    def _route(self, scope: Scope) -> tuple[str, str] | None:
+        """``(what, episode_id)`` of a request this path may answer ("reset", "step" or
+        "close"; the id empty for a reset); None for anything else."""
+        if scope["type"] != "http" or scope.get("root_path"):
+            return None
+        method, path = scope["method"], scope["path"]
+        if method == "POST" and path.endswith("/step") and path.startswith("/episodes/"):
+            what, episode_id = "step", path[10:-5]
+        elif method == "POST" and path == "/episodes":
+            what, episode_id = "reset", ""
+        elif method == "DELETE" and path.startswith("/episodes/"):
+            what, episode_id = "close", path[10:]
+        else:
+            return None
+        if what != "reset" and (not 0 < len(episode_id) <= MAX_EPISODE_ID_CHARS or "/" in episode_id):
+            return None
+        length = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"content-type":
+                if value.lower() != b"application/json":
+                    return None
+            elif name == b"transfer-encoding":
+                return None
+        if what == "close":  # no body
+            return (what, episode_id) if length in (None, b"0") else None
+        if length is None or not length.isdigit() or int(length) > self.max_body_bytes:
+            return None
+        return what, episode_id
+
+    def _answer(self, what: str, episode_id: str, body: bytes, path: str) -> Response | None:
+        """The response to a request done here, or None (the app answers)."""
+        if what == "close":
+            if not self.store.close_episode(episode_id):
+                return None  # the app's 404 says why it is gone
+            return Response(
+                encode_json({"episode_id": episode_id, "closed": True}), media_type="application/json"
+            )
+        try:
+            data = orjson.loads(body) if body or what == "step" else {}
+            if what == "reset":
+                params = EpisodeResetRequest.model_validate(data)
+            else:
+                action = DentalAction.model_validate(data)
+        except (orjson.JSONDecodeError, ValidationError):
+            return None
+        try:
+            if what == "reset":
+                obs = self.store.reset(
+                    task_id=params.task_id,
+                    seed=params.seed,
+                    force_decay=params.force_decay,
+                    non_compliance=params.non_compliance,
+                )
+            else:
+                obs = self.store.step(
+                    episode_id,
+                    action.poses_array(),
+                    strategy=action.strategy,
+                    expected_stage=action.expected_stage,
+                )
+        except _REFUSED_BEFORE_APPLYING:
+            return None
+        except Exception as exc:  # a server bug, after the store may have changed: answered here
+            return _server_error(path, exc)
+        try:
+            return Response(self.encoder.encode(obs), media_type="application/json")
+        except Exception as exc:
+            return _server_error(path, exc)
 
 
 def install_exception_handlers(app: FastAPI) -> None:
@@ -405,14 +567,11 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(NonFiniteOutputError)
     async def _non_finite(request: Request, exc: NonFiniteOutputError) -> JSONResponse:
-        logger.error("non-finite output on %s: %s", request.url.path, exc)
-        return _error(500, f"internal error: {exc}")
+        return _server_error(request.url.path, exc)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        # a server bug (bad input never gets here); JSON so clients can show the reason
-        logger.error("internal error on %s", request.url.path, exc_info=exc)
-        return _error(500, f"internal error: {type(exc).__name__}: {short_repr(str(exc))}")
+        return _server_error(request.url.path, exc)
 
     @app.exception_handler(ResponseValidationError)
     async def _bad_response(request: Request, exc: ResponseValidationError) -> JSONResponse:
@@ -479,10 +638,17 @@ def create_app(
     app.description = (__doc__ or "").split("Configuration:")[0]
     app.state.store = store
     app.state.settings = settings
-    sessions = WebSocketSessions(env_factory, settings)
+    # the JSON of observations (WebSocket and HTTP), each case's constant fields encoded once
+    encoder = ObservationEncoder(max_cases=ENCODED_CASES)
+    app.state.observation_encoder = encoder
+    sessions = WebSocketSessions(env_factory, settings, encoder)
     app.state.websocket_sessions = sessions
     _replace_websocket_route(app, "/ws", sessions.endpoint)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_message_bytes)
+    # outside the body limit: it reads only bodies declared within the limit, passes others on
+    app.add_middleware(
+        EpisodeFastPath, store=store, encoder=encoder, max_body_bytes=settings.max_message_bytes
+    )
     install_exception_handlers(app)
 
     existing = {getattr(r, "path", None) for r in app.routes}
@@ -498,6 +664,9 @@ def create_app(
     # millisecond; a thread hop per request costs more than it saves on one core).
     def respond(obj: Any) -> JSONBytesResponse:
         return JSONBytesResponse(obj)
+
+    def observe(obs: dict[str, Any]) -> Response:
+        return Response(encoder.encode(obs), media_type="application/json")
 
     if "/tasks" not in existing:
 
@@ -535,8 +704,8 @@ def create_app(
     )
     async def create_episode(
         request: Annotated[EpisodeResetRequest, Body(default_factory=EpisodeResetRequest)],
-    ) -> JSONBytesResponse:
-        return respond(
+    ) -> Response:
+        return observe(
             store.reset(
                 task_id=request.task_id,
                 seed=request.seed,
@@ -552,8 +721,8 @@ def create_app(
         tags=["Episodes"],
         summary="Current observation",
     )
-    async def get_episode(episode_id: EpisodeIdPath) -> JSONBytesResponse:
-        return respond(store.state(episode_id))
+    async def get_episode(episode_id: EpisodeIdPath) -> Response:
+        return observe(store.state(episode_id))
 
     @app.delete(
         "/episodes/{episode_id}",
@@ -574,10 +743,14 @@ def create_app(
         tags=["Episodes"],
         summary="Commit the next stage",
     )
-    async def step_episode(episode_id: EpisodeIdPath, action: DentalAction) -> JSONBytesResponse:
-        return respond(
+    async def step_episode(episode_id: EpisodeIdPath, action: DentalAction) -> Response:
+        # a well-formed step that the environment applies is answered by EpisodeFastPath
+        return observe(
             store.step(
-                episode_id, action.poses, strategy=action.strategy, expected_stage=action.expected_stage
+                episode_id,
+                action.poses_array(),
+                strategy=action.strategy,
+                expected_stage=action.expected_stage,
             )
         )
 
@@ -588,8 +761,8 @@ def create_app(
         tags=["Episodes"],
         summary="Simulate the next stage without committing it",
     )
-    async def simulate_episode(episode_id: EpisodeIdPath, request: PosesRequest) -> JSONBytesResponse:
-        return respond(store.simulate_step(episode_id, request.poses))
+    async def simulate_episode(episode_id: EpisodeIdPath, request: PosesRequest) -> Response:
+        return observe(store.simulate_step(episode_id, request.poses))
 
     @app.post(
         "/episodes/{episode_id}/rollback",
@@ -600,8 +773,8 @@ def create_app(
     )
     async def rollback_episode(
         episode_id: EpisodeIdPath, expected_stage: ExpectedStageQuery = None
-    ) -> JSONBytesResponse:
-        return respond(store.rollback_stage(episode_id, expected_stage=expected_stage))
+    ) -> Response:
+        return observe(store.rollback_stage(episode_id, expected_stage=expected_stage))
 
     @app.post(
         "/episodes/{episode_id}/collisions",

@@ -49,7 +49,7 @@ import numpy as np
 
 from server.cases import TASK_IDS, Case, generate_case
 from server.clinical_profiles import STRATEGIES
-from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, penetration_mm
+from server.collisions import COLLISION_TOLERANCE_MM, arch_penetration_mm, collision_severity
 from server.dental_constants import (
     ADJACENT_PAIRS,
     CROWN_HEIGHT_MM,
@@ -94,7 +94,9 @@ def validate_poses(poses: object) -> np.ndarray:
                 f"poses must have shape (28, 7) [teeth x {list(POSE_FIELDS)}], got {arr.shape}"
             )
     elif _all_float_rows(poses):  # the common case (e.g. validated JSON): no per-value checks to name
-        arr = np.array(poses, dtype=np.float64)
+        # 28 rows of 7 floats: fromiter builds the same array about twice as fast as np.array
+        arr = np.fromiter(chain.from_iterable(poses), dtype=np.float64, count=N_TEETH * POSE_DIM)
+        arr = arr.reshape(N_TEETH, POSE_DIM)
     else:
         if not isinstance(poses, (list, tuple)) or len(poses) != N_TEETH:
             n = len(poses) if isinstance(poses, (list, tuple)) else type(poses).__name__
@@ -159,6 +161,15 @@ PAIR_INCREMENT, PAIR_REMAINING, PAIR_MISMATCH, PAIR_ACHIEVED = range(4)
 """Rows of Session.distances: aligner s vs aligner s-1; achieved s vs target; aligner s vs
 achieved s-1 (insertion mismatch); achieved s vs achieved s-1. When the teeth follow the plan
 (ideal dynamics, full wear) only the first two are measured (the others equal the increment)."""
+
+
+def _stack(*arrays: np.ndarray) -> np.ndarray:
+    """``np.stack`` of float64 arrays of one shape, without its checks (the stepwise hot path:
+    a third of the cost of ``np.stack`` there); the same array."""
+    out = np.empty((len(arrays), *arrays[0].shape))
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return out
 
 
 def _lag_pairs(case: Case) -> tuple[int, int]:
@@ -453,7 +464,7 @@ class StepwiseDentalEnvironment:
                 arr = session.achieved[session.stage].copy()
         else:
             arr = validate_poses(poses)
-        pen = penetration_mm(arr, session.case.crown_width_mm, session.case.crown_depth_mm)
+        pen = arch_penetration_mm(arr, session.case.crown_width_mm, session.case.crown_depth_mm)
         hits = np.flatnonzero(pen > COLLISION_TOLERANCE_MM)
         return {
             "collision_free": bool(hits.size == 0),
@@ -509,18 +520,16 @@ class StepwiseDentalEnvironment:
             )
             if case.wear is not None:
                 achieved = apply_wear(prev_achieved, achieved, case.wear[s - 1])
-            pairs_a = np.stack((poses, case.target, poses, achieved))
-            pairs_b = np.stack((session.planned[s - 1], achieved, prev_achieved, prev_achieved))
+            pairs_a = _stack(poses, case.target, poses, achieved)
+            pairs_b = _stack(session.planned[s - 1], achieved, prev_achieved, prev_achieved)
         else:  # the teeth sit exactly in the aligner: mismatch = achieved increment = increment
             achieved = poses
-            pairs_a = np.stack((poses, case.target))
-            pairs_b = np.stack((session.planned[s - 1], achieved))
+            pairs_a = _stack(poses, case.target)
+            pairs_b = _stack(session.planned[s - 1], achieved)
         mismatch = _lag_pairs(case)[0]
-        dist = np.stack(
-            (
-                vector_norm(pairs_a[..., 4:] - pairs_b[..., 4:]),
-                np.degrees(quaternion_angle(pairs_a[..., :4], pairs_b[..., :4])),
-            )
+        dist = _stack(
+            vector_norm(pairs_a[..., 4:] - pairs_b[..., 4:]),
+            np.degrees(quaternion_angle(pairs_a[..., :4], pairs_b[..., :4])),
         )  # (2, pairs, 28)
         inc = dist[:, PAIR_INCREMENT]
         if not case.follows_plan:  # the aligner engages at most SEAT_FACTOR of its step (server.dynamics)
@@ -529,7 +538,7 @@ class StepwiseDentalEnvironment:
         pdl_events = int(
             np.count_nonzero(pdl_stress_kpa(dist[0, mismatch], dist[1, mismatch]) > PDL_CRITICAL_KPA)
         )
-        pen = penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
+        pen = arch_penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
         colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
         acc_after = _accuracy(dist[:, PAIR_REMAINING], case.need_mm)
         penalty = STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))

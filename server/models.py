@@ -20,8 +20,10 @@ the environment and is reported as such instead of being serialised as ``null``.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -98,6 +100,12 @@ class DentalAction(Action):
     poses: Poses
     strategy: Strategy | None = None
     expected_stage: ExpectedStage | None = None
+
+    def poses_array(self) -> np.ndarray:
+        """The poses as a (28, 7) float array, built without ``np.array``'s shape discovery
+        (about twice as fast: the hot path). The values ``np.array(self.poses)`` holds."""
+        flat = np.fromiter(chain.from_iterable(self.poses), dtype=np.float64, count=N_TEETH * POSE_DIM)
+        return flat.reshape(N_TEETH, POSE_DIM)
 
 
 class PosesRequest(BaseModel):

@@ -7,6 +7,10 @@ WebSocket messages in (every malformed frame named, never echoed), and error det
 * :func:`observation_payload` -- OpenEnv's ``{"observation", "reward", "done"}`` from the
   environment's observation dict (``reward`` = ``step_reward`` plus, on the last stage,
   ``terminal_reward``).
+* :class:`ObservationEncoder` -- :func:`encode_json` of observations (bare, or as OpenEnv's
+  WebSocket frame), with a case's constant fields (``initial_config``, ``target_config``,
+  ``case_summary``: two thirds of a step's bytes) encoded once per case instead of every
+  step. The bytes are those :func:`encode_json` writes.
 * :func:`decode_json_body` -- an HTTP request body (orjson first; the standard parser names
   the error).
 * :func:`decode_message` -- a WebSocket frame to a ``{"type", "data"}`` dict, or
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -60,13 +65,33 @@ def encode_json(obj: Any) -> bytes:
     """UTF-8 JSON of an environment output (plain types, numpy arrays and scalars).
 
     Raises :class:`NonFiniteOutputError` naming the path of the first NaN/inf.
+
+    orjson writes NaN and infinities as ``null``. So when the text has no more ``null`` than
+    the ``None`` values found in the object's top level and its dicts (a lower bound of all its
+    ``None``), there was no NaN/inf: one scan of the bytes instead of a walk of every number.
+    Otherwise (a ``None`` deeper down, ``null`` inside a string, or a NaN) every number is checked.
     """
-    if not _finite(obj):
-        _to_jsonable_at(obj, "")  # raises, naming the path
     try:
-        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+        text = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError:  # a type orjson does not take (e.g. a non-contiguous array): the full walk
         return orjson.dumps(_to_jsonable_at(obj, ""))
+    nulls = text.count(b"null")
+    if nulls and nulls != _shallow_nones(obj) and not _finite(obj):
+        _to_jsonable_at(obj, "")  # raises, naming the path
+    return text
+
+
+def _shallow_nones(obj: Any, depth: int = 0) -> int:
+    """``None`` values of ``obj`` itself and of its dicts' values, three dicts deep (lists are
+    not entered): at most the number of its ``None``."""
+    if obj is None:
+        return 1
+    if type(obj) is not dict or depth > 2:
+        return 0
+    return sum(_shallow_nones(v, depth + 1) for v in obj.values() if v is None or type(v) is dict)
+
+
+_ROW_TYPES = frozenset((list, tuple))
 
 
 def _finite(obj: Any) -> bool:
@@ -82,8 +107,8 @@ def _finite(obj: Any) -> bool:
             total = sum(obj, 0.0)
         except TypeError:  # not a list of numbers: perhaps a list of lists of numbers (a 28 x 7 config)
             try:
-                rows_only = all(type(row) is list or type(row) is tuple for row in obj)
-                total = sum(map(sum, obj), 0.0) if rows_only else math.nan
+                rows_only = set(map(type, obj)) <= _ROW_TYPES
+                total = sum(chain.from_iterable(obj), 0.0) if rows_only else math.nan
             except TypeError:
                 total = math.nan
         if total - total == 0.0:
@@ -106,6 +131,83 @@ def observation_payload(obs: dict[str, Any]) -> dict[str, Any]:
     if done and observation.get("terminal_reward") is not None:
         reward += float(observation["terminal_reward"])
     return {"observation": observation, "reward": reward, "done": done}
+
+
+CONSTANT_FIELDS = ("initial_config", "target_config", "case_summary")
+"""Observation fields that depend on the case only (its start, goal and summary)."""
+
+CASE_FIELDS = ("task_id", "seed", "force_decay", "non_compliance")
+"""Observation fields naming the case: :func:`server.cases.generate_case` of them (a pure function,
+cached; the behaviour digest pins it) is the case the constant fields come from."""
+
+
+class ObservationEncoder:
+    """JSON of observations, each case's constant fields encoded once.
+
+    Every observation repeats its case's ``initial_config``, ``target_config`` (28 x 7 each)
+    and ``case_summary``: two thirds of a step's bytes, and most of the work of encoding it.
+    Those fields are a function of the case, which the observation names (``task_id``,
+    ``seed``, ``force_decay``, ``non_compliance``: :data:`CASE_FIELDS`). This keeps the JSON
+    of the constant fields of the ``max_cases`` cases last encoded (least recently used dropped
+    first; about 8 kB each) and splices it in (``orjson.Fragment``) for every observation of
+    the same case: the bytes are those :func:`encode_json` writes for that observation (tested
+    over whole episodes of every task), non-finite numbers refused the same way (a constant
+    field that is not finite is never cached). One encoder serves all sessions and routes of
+    an app (a GRPO group's generations share their case).
+
+    It relies on what :mod:`server.cases` states: a case is a pure function of its key, and its
+    cached lists are never modified (they are copied before being handed out). An observation
+    without the four case fields, or with a constant field of another shape, is encoded in full.
+    """
+
+    def __init__(self, max_cases: int = 256):
+        self.max_cases = max(int(max_cases), 1)
+        self._cache: dict[tuple[Any, ...], dict[str, orjson.Fragment]] = {}
+
+    def encode(self, obs: dict[str, Any]) -> bytes:
+        """:func:`encode_json` of an observation dict."""
+        return encode_json(self._spliced(obs))
+
+    def frame(self, obs: dict[str, Any]) -> str:
+        """OpenEnv's WebSocket reply ``{"type": "observation", "data": {"observation", "reward",
+        "done"}}`` of an observation dict, as text."""
+        return encode_json({"type": "observation", "data": observation_payload(self._spliced(obs))}).decode()
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def _spliced(self, obs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            key = tuple(obs[name] for name in CASE_FIELDS)
+            fragments = self._cache.pop(key, None)
+        except (KeyError, TypeError):  # no case named, or an unhashable value
+            return obs
+        if fragments is None:
+            fragments = self._fragments(obs)
+            while len(self._cache) >= self.max_cases:
+                del self._cache[next(iter(self._cache))]
+        self._cache[key] = fragments  # the most recently used last
+        return {**obs, **fragments}
+
+    @staticmethod
+    def _fragments(obs: dict[str, Any]) -> dict[str, orjson.Fragment]:
+        fragments = {}
+        for name in CONSTANT_FIELDS:
+            value = obs.get(name)
+            if _plain_constant(value) and _finite(value):  # else encoded with the rest, every time
+                fragments[name] = orjson.Fragment(orjson.dumps(value))
+        return fragments
+
+
+def _plain_constant(value: Any) -> bool:
+    """A list of lists of floats, or a flat dict of strings, ints and floats (the shapes of the
+    constant fields): cached. Anything else is encoded with the rest of the observation."""
+    t = type(value)
+    if t is list:
+        return all(type(row) is list and all(type(v) is float for v in row) for row in value)
+    if t is dict:
+        return all(type(k) is str and type(v) in (str, int, float) for k, v in value.items())
+    return False
 
 
 # --- WebSocket messages in ----------------------------------------------------------
@@ -354,6 +456,8 @@ def _plain(obj: Any) -> Any:
 def _to_jsonable_at(obj: Any, path: str) -> Any:
     """to_jsonable that tracks the path of each value, for the error message."""
     if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if type(obj) is orjson.Fragment:  # JSON already checked and encoded (ObservationEncoder)
         return obj
     if isinstance(obj, int):
         return obj

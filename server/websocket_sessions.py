@@ -23,7 +23,8 @@ What this adds to openenv-core 0.3.0's own ``/ws`` (which it replaces):
   invalid data all get an error reply; the session and its episode stay as they were.
 * **Quiet closes.** A clean or abrupt close is not an error: nothing is logged above debug.
 * **Speed.** Messages are handled in the event loop (no thread hop: a step is a fraction
-  of a millisecond) and answered with :func:`server.serialization.encode_json`.
+  of a millisecond); observations are encoded by the app's
+  :class:`server.serialization.ObservationEncoder` (each case's constant fields once).
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ from server.errors import (
 from server.serialization import (
     MessageError,
     NonFiniteOutputError,
+    ObservationEncoder,
     decode_message,
     describe_validation_errors,
     encode_json,
     error_frame,
-    observation_payload,
 )
 from server.settings import CAPACITY_REFUSAL_WAIT_S, ENV_VARIABLES, MAX_PENDING_REFUSALS, ServerSettings
 
@@ -91,8 +92,14 @@ class WebSocketSessions:
     ``ValueError``/``ValidationError`` subclasses, answered as error replies.
     """
 
-    def __init__(self, env_factory: Callable[[], Any], settings: ServerSettings):
+    def __init__(
+        self,
+        env_factory: Callable[[], Any],
+        settings: ServerSettings,
+        encoder: ObservationEncoder | None = None,
+    ):
         self._env_factory = env_factory
+        self.encoder = ObservationEncoder() if encoder is None else encoder
         self.max_sessions = settings.max_sessions
         self.idle_timeout_s = settings.ws_idle_timeout_s
         self.max_message_bytes = settings.max_message_bytes
@@ -164,13 +171,14 @@ class WebSocketSessions:
     def _answer(self, env: Any, frame: str | None, binary: bool) -> str | None:
         """The reply to one frame (None for a close message). Never raises for bad input."""
         kind = "?"
+        encoder = self.encoder
         try:
             message = decode_message(frame, self.max_message_bytes, binary=binary)
             kind, data = message["type"], message["data"]
             if kind == "step":
-                return _observation_frame(env.step_observation(data))
+                return encoder.frame(env.step_observation(data))
             if kind == "reset":
-                return _observation_frame(env.reset_observation(**data))
+                return encoder.frame(env.reset_observation(**data))
             if kind == "state":
                 return encode_json({"type": "state", "data": env.state_dict()}).decode()
             return None
@@ -222,10 +230,6 @@ class WebSocketSessions:
             pass
         finally:
             self._pending_refusals -= 1
-
-
-def _observation_frame(obs: dict[str, Any]) -> str:
-    return encode_json({"type": "observation", "data": observation_payload(obs)}).decode()
 
 
 async def _send_quietly(websocket: WebSocket, text: str) -> None:

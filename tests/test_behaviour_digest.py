@@ -3,7 +3,9 @@
 Refactors of ``orthojob/`` (issue 11) must not change what the environment generates or what the
 rewards return. The digest hashes, for seeds 0-49 of every task (with and without force decay):
 the case arrays and labels; the first prompt built from the case's observation; and the five
-reward functions' values on the oracle's plan, uniform SLERP, do-nothing and a non-plan.
+reward functions' values on the oracle's plan, uniform SLERP, do-nothing and a non-plan; and every
+observation of stepwise episodes (the environment server's per-step rewards; recorded on main
+before issue 14's hot-path changes, which keep it).
 A legitimate change to the environment or the rewards updates :data:`EXPECTED` in the same commit.
 """
 
@@ -18,12 +20,14 @@ from orthojob.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
 from orthojob.prompts import build_prompt, plan_to_completion
 from orthojob.rewards import REWARD_FUNCS
 from server.cases import TASK_IDS, generate_case
+from server.dental_environment import StepwiseDentalEnvironment
 from server.oracle import oracle_plan
 
 SEEDS = range(50)
 EXPECTED = {
     "cases": "37e501ac32777fa9dabad2b9a146a13bf4b8d6c9988f6e2720c1aa990a56d06f",
     "rewards": "080fe4bb6a74cc4e3fe0c79adbbd91ffa8cf218931ad40163ec5850e2f9e6274",
+    "stepwise": "a14e7e0f14e173a2cc6d3ba63135133a0c7ef2758388d7235c967198fab9962c",
 }
 
 
@@ -69,6 +73,34 @@ def rewards_digest() -> str:
     return h.hexdigest()
 
 
+def stepwise_digest() -> str:
+    """Every observation of stepwise episodes (each task, force decay, non-compliance; noisy
+    straight-line plans, as lists and as arrays) and a collision check at the end."""
+    env = StepwiseDentalEnvironment()
+    h = hashlib.sha256()
+    rng = np.random.default_rng(1)
+    for task_id in TASK_IDS:
+        for seed in range(6):
+            for decay, non_compliance in ((False, False), (True, False), (False, task_id == "task_hard")):
+                obs = env.reset(task_id, seed, decay, non_compliance=non_compliance)
+                episode_id = obs["episode_id"]
+                initial = np.asarray(obs["initial_config"])
+                target = np.asarray(obs["target_config"]).copy()
+                target[np.sum(initial[:, :4] * target[:, :4], 1) < 0, :4] *= -1
+                for s in range(1, 25):
+                    poses = (
+                        (1 - s / 24) * initial
+                        + s / 24 * target
+                        + rng.normal(0, 0.15, initial.shape) * (seed % 3)
+                    )
+                    poses[:, :4] /= np.linalg.norm(poses[:, :4], axis=1, keepdims=True)
+                    step = env.step(episode_id, poses.tolist() if s % 2 else poses)
+                    step.pop("episode_id")
+                    h.update(json.dumps(step, sort_keys=True).encode())
+                h.update(json.dumps(env.check_collisions(episode_id), sort_keys=True).encode())
+    return h.hexdigest()
+
+
 def test_cases_digest_unchanged():
     assert cases_digest() == EXPECTED["cases"]
 
@@ -77,5 +109,13 @@ def test_prompts_and_rewards_digest_unchanged():
     assert rewards_digest() == EXPECTED["rewards"]
 
 
+def test_stepwise_episodes_digest_unchanged():
+    assert stepwise_digest() == EXPECTED["stepwise"]
+
+
 if __name__ == "__main__":
-    print(json.dumps({"cases": cases_digest(), "rewards": rewards_digest()}, indent=1))
+    print(
+        json.dumps(
+            {"cases": cases_digest(), "rewards": rewards_digest(), "stepwise": stepwise_digest()}, indent=1
+        )
+    )

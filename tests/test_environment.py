@@ -12,6 +12,7 @@ import pytest
 
 from server import cases as cases_module
 from server.cases import TASK_IDS, generate_case
+from server.collisions import arch_penetration_mm, penetration_mm
 from server.dental_constants import N_STAGES, TOOTH_IDS, TOOTH_INDEX
 from server.dental_environment import MAX_ROLLBACKS, StepwiseDentalEnvironment
 from server.errors import InvalidActionError, StageConflictError, UnknownEpisodeError
@@ -593,3 +594,21 @@ def test_expected_stage_refuses_a_duplicated_step():
     with pytest.raises(StageConflictError) as conflict:
         env.step(obs["episode_id"], row, expected_stage=0)
     assert conflict.value.current_stage == 1 and env.state(obs["episode_id"])["current_stage"] == 1
+
+
+def test_arch_penetration_is_bit_identical_to_the_general_path() -> None:
+    """The stepwise hot path's one-arch penetration gives the batch function's bits (the
+    episode's rewards and the plan scorer's stay equal), coinciding centroids included."""
+    rng = np.random.default_rng(14)
+    for task_id in TASK_IDS:
+        for seed in range(8):
+            case = generate_case(task_id, seed, seed % 2 == 1)
+            width, depth = case.crown_width_mm, case.crown_depth_mm
+            for k in range(12):
+                s = k / 11
+                poses = (1 - s) * case.initial + s * case.target + rng.normal(0.0, 0.2 * (k % 3), (28, 7))
+                poses[:, :4] /= np.linalg.norm(poses[:, :4], axis=1, keepdims=True)
+                if k == 5:
+                    poses[6, 4:6] = poses[5, 4:6]  # two centroids at one place
+                fast = arch_penetration_mm(poses, width, depth)
+                assert fast.tobytes() == penetration_mm(poses, width, depth).tobytes()

@@ -6,8 +6,10 @@ rollback, inspect, collisions, plan scoring), bad input (NaN/Infinity as raw JSO
 wrong shapes, strings and booleans as numbers, unknown and expired episode ids,
 oversized bodies) answered with a 4xx naming the problem, bounded and never quoting the
 input, and leaving the session unchanged; the episode life cycle (DELETE, ``expected_stage``
-409s for duplicated and out-of-order steps, the 404 of an evicted episode); and a bounded
-schemathesis run over the app's OpenAPI (``not_a_server_error``). Load and misuse of the
+409s for duplicated and out-of-order steps, the 404 of an evicted episode); a bounded
+schemathesis run over the app's OpenAPI (``not_a_server_error``); and the hot path's shortcuts
+giving the same answers (the observation encoder's bytes, the action's pose array, the HTTP
+fast step against the route). Load and misuse of the
 WebSocket sessions: ``tests/test_server_sessions.py``.
 """
 
@@ -29,9 +31,11 @@ import websockets
 from openenv.core.generic_client import GenericEnvClient
 from websockets.sync.client import connect as ws_connect
 
-from server.app import build_app
+from server.app import EpisodeFastPath, build_app
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
+from server.models import DentalAction
+from server.serialization import NonFiniteOutputError, ObservationEncoder, encode_json, observation_payload
 from tests.services import running_uvicorn
 
 # --- Server fixtures ----------------------------------------------------------------
@@ -715,3 +719,153 @@ def test_http_error_replies_are_bounded_and_do_not_echo(http: httpx.Client) -> N
         assert response.status_code == 422, response.text[:300]
         assert len(response.content) < 4000 and marker not in response.text, response.text[:300]
     assert stage_of(http, obs["episode_id"]) == 0
+
+
+# --- The hot path (issue 14's server time per step): the same answers, cheaper ----------------
+
+
+def test_observation_encoder_writes_the_bytes_of_encode_json() -> None:
+    """Whole episodes (every task, force decay, non-compliance, rollback, simulate, state, an
+    episode id reused for another case, two episodes of one case): the encoder's bytes are
+    encode_json's, frame and bare."""
+
+    def check(obs: dict[str, Any]) -> None:
+        assert encoder.encode(obs) == encode_json(obs)
+        frame = encode_json({"type": "observation", "data": observation_payload(obs)}).decode()
+        assert encoder.frame(obs) == frame
+
+    env = StepwiseDentalEnvironment()
+    encoder = ObservationEncoder(max_cases=2)
+    for task_id, seed, decay, non_compliance in (
+        ("task_easy", 1, False, False),
+        ("task_medium", 2, True, False),
+        ("task_hard", 3, False, True),
+        ("task_hard", 3, False, False),
+    ):
+        obs = env.reset(task_id, seed, decay, non_compliance=non_compliance, episode_id="reused")
+        other = env.reset(task_id, seed, decay, non_compliance=non_compliance)["episode_id"]
+        first = obs
+        check(obs)
+        for stage in range(1, N_STAGES + 1):
+            poses = interpolated_poses(first, stage)
+            check(env.simulate_step("reused", poses))
+            check(env.step("reused", poses, expected_stage=stage - 1))
+            check(env.step(other, interpolated_poses(first, min(stage + 1, N_STAGES))))
+            if stage == 5:
+                check(env.rollback_stage("reused"))
+                check(env.step("reused", poses))
+            check(env.state("reused"))
+    assert len(encoder) == 2  # at most max_cases kept
+    fresh = ObservationEncoder()
+    for field in ("initial_config", "current_config"):
+        broken = env.reset("task_easy", 4)
+        broken[field][3][4] = math.nan
+        with pytest.raises(NonFiniteOutputError, match=rf"{field}\[3\]\[4\]"):
+            fresh.encode(broken)
+    assert len(fresh) == 1 and "initial_config" not in fresh._cache[("task_easy", 4, False, False)]
+    check(env.reset("task_easy", 4))
+    no_case = {k: v for k, v in obs.items() if k != "seed"}
+    assert encoder.encode(no_case) == encode_json(no_case)
+
+
+def test_poses_array_holds_the_values_of_np_array() -> None:
+    env = StepwiseDentalEnvironment()
+    poses = interpolated_poses(env.reset("task_medium", 5), 3)
+    ints = [[round(v) if j >= 4 else v for j, v in enumerate(row)] for row in poses]
+    extremes = [[*row[:4], 1e6, -1e6, 5e-324] for row in poses]
+    for rows in (poses, ints, extremes):
+        action = DentalAction.model_validate({"poses": rows})
+        array = action.poses_array()
+        assert array.dtype == np.float64 and array.shape == (N_TEETH, 7)
+        assert array.tobytes() == np.array(action.poses, dtype=np.float64).tobytes()
+        assert array.tobytes() == np.array(rows, dtype=np.float64).tobytes()
+
+
+def test_http_fast_path_answers_as_the_routes_and_refusals_are_the_apps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Resets, well-formed steps and closes are answered by EpisodeFastPath with the routes'
+    bytes; what it does not take (another content type, a chunked body, a refused request)
+    gets the app's own answer."""
+    answered: list[str] = []
+    original = EpisodeFastPath._answer
+
+    def counting(self: EpisodeFastPath, what: str, *args: Any) -> Any:
+        response = original(self, what, *args)
+        if response is not None:
+            answered.append(what)
+        return response
+
+    def post(client: httpx.Client, path: str, body: Any, routed: bool = False) -> httpx.Response:
+        # "; charset=utf-8" is not taken by the fast path: the route answers
+        content_type = "application/json; charset=utf-8" if routed else "application/json"
+        return client.post(path, content=json.dumps(body).encode(), headers={"content-type": content_type})
+
+    monkeypatch.setattr(EpisodeFastPath, "_answer", counting)
+    app = build_app()
+    with running_uvicorn(app) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
+        case = {"task_id": "task_hard", "seed": 8}
+        fast_start = post(client, "/episodes", case)
+        assert answered == ["reset"] and fast_start.status_code == 200, fast_start.text
+        start = post(client, "/episodes", case, routed=True)
+        assert answered == ["reset"] and start.status_code == 200, start.text
+        fast_id, route_id = fast_start.json()["episode_id"], start.json()["episode_id"]
+        assert fast_start.content == start.content.replace(route_id.encode(), fast_id.encode())
+        default = client.post("/episodes", content=b"", headers={"content-type": "application/json"})
+        assert answered[-1] == "reset" and default.json()["task_id"] == "task_easy"
+        start = start.json()
+        for stage in range(1, N_STAGES + 1):
+            body = {"poses": interpolated_poses(start, stage), "expected_stage": stage - 1}
+            fast = post(client, f"/episodes/{fast_id}/step", body)
+            assert answered[-1] == "step" and fast.status_code == 200, fast.text
+            n = len(answered)
+            routed = post(client, f"/episodes/{route_id}/step", body, routed=True)
+            assert len(answered) == n and routed.status_code == 200, routed.text
+            assert fast.content == routed.content.replace(route_id.encode(), fast_id.encode())
+            assert fast.headers["content-type"] == routed.headers["content-type"] == "application/json"
+        assert answered.count("step") == N_STAGES
+        n = len(answered)
+        again = post(client, f"/episodes/{fast_id}/step", body)
+        assert again.status_code == 409 and again.json()["current_stage"] == N_STAGES  # the app's 409
+        done = post(client, f"/episodes/{fast_id}/step", {"poses": interpolated_poses(start, 1)})
+        assert done.status_code == 422 and "done" in done.json()["detail"]
+        gone = post(client, "/episodes/nope/step", {"poses": interpolated_poses(start, 1)})
+        assert gone.status_code == 404 and gone.json()["reason"] == "unknown"
+        bad_reset = post(client, "/episodes", {"task_id": "task_none"})
+        assert bad_reset.status_code == 422 and "task_id" in bad_reset.json()["detail"]
+        assert len(answered) == n  # all of those answered by the app
+        chunked_id = new_episode(client, task_id="task_hard", seed=8)["episode_id"]
+        body = json.dumps({"poses": interpolated_poses(start, 1)}).encode()
+        chunked = client.post(
+            f"/episodes/{chunked_id}/step",
+            content=iter([body[:100], body[100:]]),
+            headers={"content-type": "application/json"},
+        )
+        assert chunked.status_code == 200 and chunked.json()["current_stage"] == 1
+        assert answered[-1] == "reset"  # the chunked step was the app's
+        closed = client.delete(f"/episodes/{fast_id}")
+        assert answered[-1] == "close" and closed.status_code == 200
+        assert closed.content == encode_json({"episode_id": fast_id, "closed": True})
+        n = len(answered)
+        again = client.delete(f"/episodes/{fast_id}")
+        assert again.status_code == 404 and again.json()["reason"] == "closed" and len(answered) == n
+
+
+def test_encode_json_refuses_every_non_finite_number_after_its_null_scan() -> None:
+    """encode_json trusts orjson's text when it has no more ``null`` than the object's shallow
+    ``None``s; a NaN/inf anywhere (whatever else is null) is still refused, naming its path."""
+    assert (
+        encode_json({"a": None, "b": [None, 1.0], "c": {"d": None}})
+        == b'{"a":null,"b":[null,1.0],"c":{"d":null}}'
+    )
+    assert encode_json({"s": "null", "x": [1.0]}) == b'{"s":"null","x":[1.0]}'
+    for bad in (math.nan, math.inf, -math.inf):
+        for obj, path in (
+            ({"a": None, "x": [[1.0, bad]]}, r"x\[0\]\[1\]"),
+            ({"s": "null", "x": {"y": bad}}, r"x\.y"),
+            ({"a": None, "b": [None], "x": bad}, "at x"),
+            ([None, bad], r"\[1\]"),
+            ({"x": np.array([1.0, bad])}, r"x\[1\]"),
+        ):
+            with pytest.raises(NonFiniteOutputError, match=path):
+                encode_json(obj)
