@@ -130,6 +130,33 @@ class Preset:
         return dataclasses.asdict(self)
 
 
+def _format_stage(bc: SFTJobConfig) -> FormatSFTConfig:
+    """Stage 0 trained as the BC stage is (the same model, examples, steps and optimiser), on format
+    demonstrations instead of the oracle's."""
+    shared = {
+        f.name: getattr(bc, f.name)
+        for f in dataclasses.fields(SFTJobConfig)
+        if f.name not in ("out", "demos")
+    }
+    return FormatSFTConfig(**shared)
+
+
+TINY_SFT = SFTJobConfig(
+    model=TINY_MODEL,
+    task_ids=["task_easy"],
+    examples=2400,
+    steps=600,
+    batch_size=4,
+    grad_accum=1,
+    lr=5e-3,
+    lr_scheduler="cosine",
+    warmup_steps=10,
+    lora_r=0,
+    max_length=2048,
+    gradient_checkpointing=False,
+    logging_steps=20,
+)
+
 TINY_CPU = Preset(
     name="tiny-cpu",
     description=(
@@ -149,21 +176,7 @@ TINY_CPU = Preset(
     },
     task_id="task_easy",
     force_decay=False,
-    sft=SFTJobConfig(
-        model=TINY_MODEL,
-        task_ids=["task_easy"],
-        examples=2400,
-        steps=600,
-        batch_size=4,
-        grad_accum=1,
-        lr=5e-3,
-        lr_scheduler="cosine",
-        warmup_steps=10,
-        lora_r=0,
-        max_length=2048,
-        gradient_checkpointing=False,
-        logging_steps=20,
-    ),
+    sft=TINY_SFT,
     sft_gate=GateSettings(
         n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS["sft0"]
     ),
@@ -184,20 +197,7 @@ TINY_CPU = Preset(
     grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS["grpo"]),
     evaluate=EvaluateSettings(n_seeds=32, baselines=True, max_new_tokens=256, batch_size=16),
     stages=DEFAULT_STAGES,
-    format_sft=FormatSFTConfig(
-        # as the BC stage: the same model, steps and learning rate, on format demonstrations
-        model=TINY_MODEL,
-        task_ids=["task_easy"],
-        examples=2400,
-        steps=600,
-        batch_size=4,
-        lr=5e-3,
-        lr_scheduler="cosine",
-        warmup_steps=10,
-        lora_r=0,
-        max_length=2048,
-        logging_steps=20,
-    ),
+    format_sft=_format_stage(TINY_SFT),
     format_gate=GateSettings(
         n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS["format_sft"]
     ),
@@ -224,27 +224,29 @@ TINY_CPU = Preset(
     ),
 )
 
+QWEN25_3B_SFT = SFTJobConfig(
+    task_ids=["task_easy", "task_medium", "task_hard"],
+    examples=3000,
+    steps=375,
+    batch_size=4,
+    grad_accum=2,
+    lr=2e-4,
+    lr_scheduler="cosine",
+    warmup_steps=20,
+    lora_r=16,
+    lora_alpha=32,
+    max_length=2048,
+    gradient_checkpointing=True,
+    logging_steps=10,
+)
+
 QWEN25_3B = Preset(
     name="qwen2.5-3b",
     description="one GPU: Qwen2.5-3B-Instruct, LoRA r 16 (Unsloth 4-bit when it imports), SFT then GRPO",
     model="Qwen/Qwen2.5-3B-Instruct",
     task_id="task_easy",
     force_decay=False,
-    sft=SFTJobConfig(
-        task_ids=["task_easy", "task_medium", "task_hard"],
-        examples=3000,
-        steps=375,
-        batch_size=4,
-        grad_accum=2,
-        lr=2e-4,
-        lr_scheduler="cosine",
-        warmup_steps=20,
-        lora_r=16,
-        lora_alpha=32,
-        max_length=2048,
-        gradient_checkpointing=True,
-        logging_steps=10,
-    ),
+    sft=QWEN25_3B_SFT,
     sft_gate=GateSettings(
         n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS["sft0"]
     ),
@@ -266,21 +268,7 @@ QWEN25_3B = Preset(
     grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS["grpo"]),
     evaluate=EvaluateSettings(n_seeds=200, baselines=True, max_new_tokens=512, batch_size=32),
     stages=DEFAULT_STAGES,
-    format_sft=FormatSFTConfig(
-        task_ids=["task_easy", "task_medium", "task_hard"],
-        examples=3000,
-        steps=375,
-        batch_size=4,
-        grad_accum=2,
-        lr=2e-4,
-        lr_scheduler="cosine",
-        warmup_steps=20,
-        lora_r=16,
-        lora_alpha=32,
-        max_length=2048,
-        gradient_checkpointing=True,
-        logging_steps=10,
-    ),
+    format_sft=_format_stage(QWEN25_3B_SFT),
     format_gate=GateSettings(
         n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS["format_sft"]
     ),

@@ -318,53 +318,45 @@ def _demo_line(summary: dict) -> str:
     return f"{summary['examples']} {demos.get('source', '')} demonstrations"
 
 
-def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str) -> int:
+def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gated: bool = True) -> int:
     """``orthojob format-sft`` / ``bc-sft``: train, gate, publish; 0 when the gate passed, 12 when it
-    failed, 2 on a bad configuration."""
+    failed, 2 on a bad configuration. ``gated=False`` is ``orthojob sft`` (stage 2 without its gate):
+    0 on success.
+
+    An ``s3://`` ``--model`` stays a URI (:func:`localize`): the adapter records it as its base."""
     try:
         config = config_from_args(args, section)
-        stage, settings = gate_settings_for(args, section)
+        stage, settings = gate_settings_for(args, section) if gated else (None, None)
     except (TypeError, ValueError) as exc:
         print(f"orthojob {command}: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     destination = config.out
     config = localize(config, lambda m: print(f"[{command}] {m}"))
     summary = run_sft(config)
-    content = gate.run_gate(config.out, stage, settings, config.task_ids, config.force_decay)
-    print(gate.format_gate(content))
+    content = None
+    if gated:
+        content = gate.run_gate(config.out, stage, settings, config.task_ids, config.force_decay)
+        print(gate.format_gate(content))
     log_stage(summary, content, config.out)
     if destination != config.out:
         storage.publish(config.out, destination)
+    verdict = f"gate {stage} {'passed' if content['passed'] else 'FAILED'}; " if gated else ""
     print(
         f"[{command}] {summary['steps']} steps on {_demo_line(summary)} in {summary['train_seconds']:.0f} s "
         f"({summary['seconds_per_step']:.2f} s/step); loss {summary['first_loss']} -> {summary['final_loss']}; "
-        f"gate {stage} {'passed' if content['passed'] else 'FAILED'}; saved to {destination}"
+        f"{verdict}saved to {destination}"
     )
+    if not gated:
+        print(
+            f"[{command}] next: orthojob gate --checkpoint {destination} --stage sft0 (or run orthojob bc-sft, which gates)"
+        )
+        return 0
     return 0 if content["passed"] else ExitCode.GATE_FAILED
 
 
 def run_sft_cli(args: argparse.Namespace) -> int:
     """``orthojob sft`` (stage 2, BC, without the gate): 0 on success, 2 on a bad configuration."""
-    try:
-        config = config_from_args(args)
-    except (TypeError, ValueError) as exc:
-        print(f"orthojob sft: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
-    destination = config.out
-    # an s3:// --model stays a URI: load_policy fetches it into the model cache, and the adapter
-    # records the URI as its base (orthojob/base_models.py), which resolves in any other pod
-    config = localize(config, lambda m: print(f"[sft] {m}"))
-    summary = run_sft(config)
-    log_stage(summary, None, config.out)
-    if destination != config.out:
-        storage.publish(config.out, destination)
-    print(
-        f"[sft] {summary['steps']} steps on {_demo_line(summary)} in "
-        f"{summary['train_seconds']:.0f} s ({summary['seconds_per_step']:.2f} s/step); loss "
-        f"{summary['first_loss']} -> {summary['final_loss']}; saved to {destination}\n"
-        f"[sft] next: orthojob gate --checkpoint {destination} --stage sft0 (or run orthojob bc-sft, which gates)"
-    )
-    return 0
+    return run_sft_stage_cli(args, "sft", "sft", gated=False)
 
 
 __all__ = [

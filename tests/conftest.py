@@ -38,6 +38,23 @@ def _isolated_mlflow(tmp_path_factory):
         os.environ.pop("ORTHORL_MODEL_CACHE", None)
 
 
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real SeaweedFS S3 endpoint for one test module (tests/services.py)."""
+    from tests.services import seaweedfs
+
+    with seaweedfs(tmp_path_factory.mktemp("weed")) as service:
+        yield service
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch):
+    """:func:`s3`'s keys and endpoint in the environment, as a pod gets them."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    return s3
+
+
 LONGEST_FIRST = (
     "test_pipeline.py",
     "test_e2e_mlflow_s3.py",

@@ -21,24 +21,11 @@ import pytest
 
 from orthojob import base_models, storage
 from orthojob.exit_codes import ExitCode
-from tests.services import run_process_group, seaweedfs
+from tests.services import run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "orthorl"
 BASE = f"s3://{BUCKET}/models/tiny"
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    with seaweedfs(tmp_path_factory.mktemp("weed")) as service:
-        yield service
-
-
-@pytest.fixture
-def s3_env(s3, monkeypatch):
-    for k, v in s3.env().items():
-        monkeypatch.setenv(k, v)
-    return s3
 
 
 @pytest.fixture(scope="module")

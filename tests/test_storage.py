@@ -9,20 +9,6 @@ from pathlib import Path
 import pytest
 
 from orthojob import storage
-from tests.services import seaweedfs
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    with seaweedfs(tmp_path_factory.mktemp("weed")) as service:
-        yield service
-
-
-@pytest.fixture
-def s3_env(s3, monkeypatch):
-    for k, v in s3.env().items():
-        monkeypatch.setenv(k, v)
-    return s3
 
 
 def _folder(root: Path) -> Path:
