@@ -49,7 +49,7 @@ import numpy as np
 
 from server.cases import TASK_IDS, Case, generate_case
 from server.clinical_profiles import STRATEGIES
-from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, penetration_mm
+from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, contact_penetration_mm
 from server.dental_constants import (
     ADJACENT_PAIRS,
     CROWN_HEIGHT_MM,
@@ -453,7 +453,7 @@ class StepwiseDentalEnvironment:
                 arr = session.achieved[session.stage].copy()
         else:
             arr = validate_poses(poses)
-        pen = penetration_mm(arr, session.case.crown_width_mm, session.case.crown_depth_mm)
+        pen = contact_penetration_mm(arr, session.case.contacts)
         hits = np.flatnonzero(pen > COLLISION_TOLERANCE_MM)
         return {
             "collision_free": bool(hits.size == 0),
@@ -529,7 +529,7 @@ class StepwiseDentalEnvironment:
         pdl_events = int(
             np.count_nonzero(pdl_stress_kpa(dist[0, mismatch], dist[1, mismatch]) > PDL_CRITICAL_KPA)
         )
-        pen = penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
+        pen = contact_penetration_mm(achieved, case.contacts)
         colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
         acc_after = _accuracy(dist[:, PAIR_REMAINING], case.need_mm)
         penalty = STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))
