@@ -509,14 +509,14 @@ class StepwiseDentalEnvironment:
             )
             if case.wear is not None:
                 achieved = apply_wear(prev_achieved, achieved, case.wear[s - 1])
-            pairs_a = np.stack((poses, case.target, poses, achieved))
-            pairs_b = np.stack((session.planned[s - 1], achieved, prev_achieved, prev_achieved))
+            pairs_a = np.array((poses, case.target, poses, achieved))
+            pairs_b = np.array((session.planned[s - 1], achieved, prev_achieved, prev_achieved))
         else:  # the teeth sit exactly in the aligner: mismatch = achieved increment = increment
             achieved = poses
-            pairs_a = np.stack((poses, case.target))
-            pairs_b = np.stack((session.planned[s - 1], achieved))
+            pairs_a = np.array((poses, case.target))
+            pairs_b = np.array((session.planned[s - 1], achieved))
         mismatch = _lag_pairs(case)[0]
-        dist = np.stack(
+        dist = np.array(
             (
                 vector_norm(pairs_a[..., 4:] - pairs_b[..., 4:]),
                 np.degrees(quaternion_angle(pairs_a[..., :4], pairs_b[..., :4])),

@@ -61,7 +61,10 @@ _LEFT_SIGN = np.array([[1, -1, -1, -1], [1, 1, -1, 1], [1, 1, 1, -1], [1, -1, 1,
 def quaternion_inverse(q: np.ndarray) -> np.ndarray:
     """Inverse of unit quaternion(s): the conjugate."""
     q = np.asarray(q, dtype=np.float64)
-    return q * np.array([1.0, -1.0, -1.0, -1.0])
+    return q * _CONJUGATE
+
+
+_CONJUGATE = np.array([1.0, -1.0, -1.0, -1.0])
 
 
 def quaternion_angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -78,7 +78,7 @@ from server.dental_constants import (
     PDL_OPTIMAL_KPA,
     ROOT_AREA_MM2,
 )
-from server.dynamics import engaged
+from server.dynamics import designed_steps, engaged
 from server.movement_priors import CombinedPrior
 from server.occlusion import occlusion_composite
 from server.quaternion_utils import quaternion_angle, vector_norm
@@ -124,9 +124,8 @@ def movement_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def increments(poses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Translation (mm) and rotation (deg) from each stage to the next: (..., S-1, 28) each."""
-    t = vector_norm(np.diff(poses[..., 4:], axis=-3))
-    r = np.degrees(quaternion_angle(poses[..., 1:, :, :4], poses[..., :-1, :, :4]))
-    return t, r
+    t, r = designed_steps(poses)
+    return t, np.degrees(r)
 
 
 def limit_ratio(inc_t: np.ndarray, inc_r: np.ndarray) -> np.ndarray:
@@ -214,21 +213,48 @@ class StageMeasures:
 
 
 def stage_measures(
-    planned: np.ndarray, achieved: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
+    planned: np.ndarray,
+    achieved: np.ndarray,
+    width_mm: np.ndarray,
+    depth_mm: np.ndarray,
+    lagging: np.ndarray | None = None,
+    steps: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> StageMeasures:
-    """StageMeasures of (B, 25, 28, 7) planned and achieved trajectories; ``achieved is
-    planned`` (ideal dynamics) skips the second pass."""
-    inc_t, inc_r = increments(planned)
+    """StageMeasures of (B, 25, 28, 7) planned and achieved trajectories.
+
+    ``achieved is planned`` (ideal dynamics) skips the second pass; ``lagging`` (B,) bool marks
+    the rows whose teeth may lag the plan (the others' achieved trajectory is their planned one, so
+    their mismatches and achieved increments are the planned increments: only the lagging rows
+    are measured twice); None: every row. ``steps``: the planned trajectories' designed steps (mm,
+    rad), (B, 24, 28) each, when at hand (:func:`server.dynamics.designed_steps`).
+    """
+    inc_t, inc_r = designed_steps(planned) if steps is None else steps
+    inc_r = np.degrees(inc_r)
+    if lagging is not None and not lagging.any():
+        achieved = planned
     if achieved is planned:  # the teeth sit exactly in the previous aligner
         mis_t, mis_r = inc_t, inc_r
         achieved_mm = np.hypot(inc_t, MM_PER_DEG * inc_r)
+    elif lagging is None or lagging.all():
+        mis_t, mis_r, achieved_mm = _lag_measures(planned, achieved, inc_t, inc_r)
     else:
-        mis_t = engaged(vector_norm(planned[:, 1:, :, 4:] - achieved[:, :-1, :, 4:]), inc_t)
-        mis_r = engaged(np.degrees(quaternion_angle(planned[:, 1:, :, :4], achieved[:, :-1, :, :4])), inc_r)
-        a_t, a_r = increments(achieved)
-        achieved_mm = np.hypot(a_t, MM_PER_DEG * a_r)
+        mis_t, mis_r, achieved_mm = inc_t.copy(), inc_r.copy(), np.hypot(inc_t, MM_PER_DEG * inc_r)
+        mis_t[lagging], mis_r[lagging], achieved_mm[lagging] = _lag_measures(
+            planned[lagging], achieved[lagging], inc_t[lagging], inc_r[lagging]
+        )
     pen = penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None])
     return StageMeasures(inc_t, inc_r, mis_t, mis_r, achieved_mm, pen)
+
+
+def _lag_measures(
+    planned: np.ndarray, achieved: np.ndarray, inc_t: np.ndarray, inc_r: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """StageMeasures' ``mis_t``, ``mis_r`` and ``achieved_mm`` of trajectories whose teeth lag the
+    plan, given their planned increments (mm, deg)."""
+    mis_t = engaged(vector_norm(planned[:, 1:, :, 4:] - achieved[:, :-1, :, 4:]), inc_t)
+    mis_r = engaged(np.degrees(quaternion_angle(planned[:, 1:, :, :4], achieved[:, :-1, :, :4])), inc_r)
+    a_t, a_r = increments(achieved)
+    return mis_t, mis_r, np.hypot(a_t, MM_PER_DEG * a_r)
 
 
 def hard_rule_breaches(
