@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from server.dental_constants import ADJACENT_PAIRS
-from server.quaternion_utils import vector_norm
+from server.quaternion_utils import stack_components, vector_norm
 
 COLLISION_TOLERANCE_MM: float = 0.1
 """Penetration below this is interproximal contact, not a collision (model resolution)."""
@@ -30,7 +30,7 @@ per-tooth values (..., 28) with it gives (..., 2, 26), both crowns of every cont
 def mesiodistal_axis_xy(q: np.ndarray) -> np.ndarray:
     """Unit local-x axes of crowns (..., 4) projected on the occlusal plane: (..., 2)."""
     w, x, y, z = q[..., 0], q[..., 1], q[..., 2], q[..., 3]
-    ax = np.stack((1.0 - 2.0 * (y * y + z * z), 2.0 * (x * y + w * z)), axis=-1)
+    ax = stack_components((1.0 - 2.0 * (y * y + z * z), 2.0 * (x * y + w * z)))
     return ax / np.maximum(vector_norm(ax), 1e-12)[..., None]
 
 

@@ -36,7 +36,13 @@ from server.dental_constants import (
     UPPER_PAIRS,
     side_mean,
 )
-from server.quaternion_utils import quaternion_inverse, quaternion_multiply, quaternion_to_rotvec, vector_norm
+from server.quaternion_utils import (
+    quaternion_inverse,
+    quaternion_multiply,
+    quaternion_to_rotvec,
+    stack_components,
+    vector_norm,
+)
 
 OCCLUSION_WEIGHTS: dict[str, float] = {
     "molar_relation": 0.20,
@@ -187,15 +193,14 @@ def six_keys(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> dic
     measures = np.concatenate(
         (
             np.abs(molar_relation_mm(poses)),
-            np.stack(
+            stack_components(
                 (
                     overjet_mm(poses, edge),
                     overbite_mm(poses, edge),
                     curve_of_spee_mm(poses, edge),
                     asymmetry_mm(poses),
                     np.abs(midline_mm(poses)),
-                ),
-                axis=-1,
+                )
             ),
         ),
         axis=-1,
@@ -239,7 +244,7 @@ _ROTATION_BANDS: tuple[np.ndarray, np.ndarray, np.ndarray] = (
 def occlusion_composite(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
     """Weighted six-keys composite in [0, 1], shape (...,)."""
     keys = six_keys(poses, target, width_mm)
-    return np.stack([keys[k] for k in OCCLUSION_WEIGHTS], axis=-1) @ _WEIGHT_VECTOR
+    return stack_components([keys[k] for k in OCCLUSION_WEIGHTS]) @ _WEIGHT_VECTOR
 
 
 _WEIGHT_VECTOR = np.array(list(OCCLUSION_WEIGHTS.values()))

@@ -12,6 +12,17 @@ import numpy as np
 _EPS = 1e-12
 
 
+def stack_components(parts: tuple[np.ndarray, ...] | list[np.ndarray]) -> np.ndarray:
+    """``np.stack(parts, axis=-1)`` of k float arrays of one shape (...): a C-ordered (..., k) float64
+    array, filled component by component (np.stack's Python overhead is most of its cost on the
+    small arrays of the hot path)."""
+    first = np.asarray(parts[0])
+    out = np.empty((*first.shape, len(parts)))
+    for i, part in enumerate(parts):
+        out[..., i] = part
+    return out
+
+
 def vector_norm(v: np.ndarray) -> np.ndarray:
     """Euclidean norm over the last axis, (..., n) -> (...) (np.linalg.norm's overhead is
     most of its cost on the small arrays of the hot path)."""
@@ -39,14 +50,13 @@ def quaternion_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return (a[..., _LEFT_INDEX] * _LEFT_SIGN @ b[..., None])[..., 0]
     aw, ax, ay, az = a[..., 0], a[..., 1], a[..., 2], a[..., 3]
     bw, bx, by, bz = b[..., 0], b[..., 1], b[..., 2], b[..., 3]
-    return np.stack(
+    return stack_components(
         (
             aw * bw - ax * bx - ay * by - az * bz,
             aw * bx + ax * bw + ay * bz - az * by,
             aw * by - ax * bz + ay * bw + az * bx,
             aw * bz + ax * by - ay * bx + az * bw,
-        ),
-        axis=-1,
+        )
     )
 
 
@@ -148,14 +158,14 @@ def quaternion_axis(q: np.ndarray, k: int) -> np.ndarray:
         row = (2.0 * (x * y - w * z), 1.0 - 2.0 * (x * x + z * z), 2.0 * (y * z + w * x))
     else:
         row = (2.0 * (x * z + w * y), 2.0 * (y * z - w * x), 1.0 - 2.0 * (x * x + y * y))
-    return np.stack(row, axis=-1)
+    return stack_components(row)
 
 
 def _cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """np.cross for (..., 3) arrays without its axis bookkeeping (hot path)."""
     a0, a1, a2 = a[..., 0], a[..., 1], a[..., 2]
     b0, b1, b2 = b[..., 0], b[..., 1], b[..., 2]
-    return np.stack((a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0), axis=-1)
+    return stack_components((a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0))
 
 
 def quaternion_about_axis(axis: np.ndarray, angle: np.ndarray) -> np.ndarray:

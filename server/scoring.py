@@ -111,6 +111,9 @@ OCCLUSION_CHECKPOINTS: tuple[int, ...] = (4, 8, 12, 16, 20, 24)
 """Aligners at which ``occlusion_course`` judges the achieved bite (24 = the final one)."""
 OCCLUSION_GAIN_FLOOR: float = 0.02
 """Smallest occlusion gap (target - initial) a gain is measured against."""
+_CHECKPOINTS = np.array(OCCLUSION_CHECKPOINTS)
+_NO_LEVELS = np.zeros(28, dtype=np.int64)
+_ALL_TEETH = np.ones(28, dtype=bool)
 
 _PRIOR = CombinedPrior()
 
@@ -325,7 +328,11 @@ def score_episodes(
     """
     b = initial.shape[0]
     final = achieved[:, -1]
-    need = movement_mm(initial, target)  # (B, 28)
+    # every per-tooth distance in one pass: initial -> target (the need), last aligner -> target,
+    # final -> target, initial -> final (the movement delivered)
+    need, plan_error, final_error, delivered = movement_mm(
+        np.array((initial, planned[:, -1], final, initial)), np.array((target, target, target, final))
+    )  # (B, 28) each
     treated = need > MOVEMENT_EPS_MM
 
     m = stage_measures(planned, achieved, width_mm, depth_mm) if measures is None else measures
@@ -336,9 +343,10 @@ def score_episodes(
 
     ratio = limit_ratio(inc_t, inc_r)
     violations = ratio > 1.0 + LIMIT_TOLERANCE
-    limits = _masked_mean(np.clip(1.0 - (ratio.max(axis=-2) - 1.0 - LIMIT_TOLERANCE), 0.0, 1.0), judged, 1.0)
-    reaches = movement_mm(planned[:, -1], target) <= MOVEMENT_EPS_MM
-    executable = _masked_mean((ratio.max(axis=-2) <= 1.0 + LIMIT_TOLERANCE) & reaches, treated, 1.0)
+    peak_ratio = ratio.max(axis=-2)
+    limits = _masked_mean(np.clip(1.0 - (peak_ratio - 1.0 - LIMIT_TOLERANCE), 0.0, 1.0), judged, 1.0)
+    reaches = plan_error <= MOVEMENT_EPS_MM
+    executable = _masked_mean((peak_ratio <= 1.0 + LIMIT_TOLERANCE) & reaches, treated, 1.0)
 
     stress = pdl_stress_kpa(m.mis_t, m.mis_r)  # (B, 24, 28)
     breaches = hard_rule_breaches(m, ratio, stress)
@@ -348,8 +356,8 @@ def score_episodes(
     pen = m.penetration  # (B, 24, 26)
     collision_free = 1.0 - collision_severity(pen).mean(axis=-1)
 
-    accuracy = np.clip(1.0 - movement_mm(final, target).sum(-1) / np.maximum(need.sum(-1), 1e-9), 0.0, 1.0)
-    checkpoints = np.array(OCCLUSION_CHECKPOINTS)
+    accuracy = np.clip(1.0 - final_error.sum(-1) / np.maximum(need.sum(-1), 1e-9), 0.0, 1.0)
+    checkpoints = _CHECKPOINTS
     occ = occlusion_composite(
         np.concatenate((achieved[:, checkpoints], initial[:, None], target[:, None]), axis=1),
         target[:, None],
@@ -368,8 +376,8 @@ def score_episodes(
 
     starts = start_stages(inc_mm)
     declared = [s if s in STRATEGY_LEVELS else None for s in strategies]
-    levels = np.stack([STRATEGY_LEVELS[s] if s else np.zeros(28, dtype=np.int64) for s in declared])
-    sequenced = np.stack([SEQUENCED_TEETH[s] if s else np.ones(28, dtype=bool) for s in declared])
+    levels = np.array([STRATEGY_LEVELS[s] if s else _NO_LEVELS for s in declared])
+    sequenced = np.array([SEQUENCED_TEETH[s] if s else _ALL_TEETH for s in declared])
     rho = sequence_concordance(levels, movement_centroid(inc_mm), treated & sequenced)
     has_strategy = np.array([s is not None for s in declared])
     staging = np.where(has_strategy, (rho + 1.0) / 2.0, 0.5)
@@ -386,7 +394,7 @@ def score_episodes(
 
     realism, anchorage, prior = (
         np.asarray(x, dtype=float).reshape(b)
-        for x in _PRIOR.parts_from_movement(movement_mm(initial, final), stage_mm=m.achieved_mm)
+        for x in _PRIOR.parts_from_movement(delivered, stage_mm=m.achieved_mm)
     )
 
     components = {
