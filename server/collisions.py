@@ -68,7 +68,7 @@ def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
 
 def contact_penetration_mm(poses: np.ndarray, crowns: CrownContacts) -> np.ndarray:
     """:func:`penetration_mm` of poses (..., 28, 7) with the crowns' CrownContacts at hand -> (..., 26)."""
-    pairs = poses[..., CONTACT_CROWNS, :]  # (..., 2, 26, 7): both crowns of every contact
+    pairs = np.take(poses, CONTACT_CROWNS, axis=-2)  # (..., 2, 26, 7): both crowns of every contact
     return penetration_along_axes(_axes(pairs), pairs[..., 4:6], crowns)
 
 
@@ -80,7 +80,7 @@ def pair_axes(poses: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     share rotations and differ in translation (a case being resolved) reuse them in
     :func:`penetration_along_axes`.
     """
-    return _axes(poses[..., CONTACT_CROWNS, :4])
+    return _axes(np.take(poses, CONTACT_CROWNS, axis=-2))
 
 
 def _axes(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -110,7 +110,10 @@ def penetration_along_axes(
     dot = ax * dx[..., None, :] + ay * dy[..., None, :]
     c2 = np.minimum(dot * dot / np.maximum(n2 * dist2[..., None, :], 1e-300), 1.0)
     r = 1.0 / np.sqrt(crowns.inv_d2 + c2 * crowns.k2)
-    return r[..., 0, :] + r[..., 1, :] - dist
+    # (..., 26) laid out contact-major in memory, as indexing per-tooth arrays by contact lays it
+    # out: sums over contacts and stages downstream add in that order
+    pen = np.moveaxis(np.empty((r.shape[-1], *r.shape[:-2])), 0, -1)
+    return np.subtract(r[..., 0, :] + r[..., 1, :], dist, out=pen)
 
 
 def collision_severity(penetration: np.ndarray) -> np.ndarray:
