@@ -110,10 +110,14 @@ def penetration_along_axes(
     dot = ax * dx[..., None, :] + ay * dy[..., None, :]
     c2 = np.minimum(dot * dot / np.maximum(n2 * dist2[..., None, :], 1e-300), 1.0)
     r = 1.0 / np.sqrt(crowns.inv_d2 + c2 * crowns.k2)
-    # (..., 26) laid out contact-major in memory, as indexing per-tooth arrays by contact lays it
-    # out: sums over contacts and stages downstream add in that order
-    pen = np.moveaxis(np.empty((r.shape[-1], *r.shape[:-2])), 0, -1)
-    return np.subtract(r[..., 0, :] + r[..., 1, :], dist, out=pen)
+    return np.subtract(r[..., 0, :] + r[..., 1, :], dist, out=contact_major(r.shape[:-2]))
+
+
+def contact_major(shape: tuple[int, ...]) -> np.ndarray:
+    """An empty (*shape, 26) float array laid out contact-major in memory, as indexing per-tooth
+    arrays (..., 28) by contact lays out its result: per-contact values written into it keep the
+    order in which sums over contacts (and over stages) downstream add them."""
+    return np.moveaxis(np.empty((len(ADJACENT_PAIRS), *shape)), 0, -1)
 
 
 def collision_severity(penetration: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from server.arch import occlusal_points
-from server.collisions import mesiodistal_axis_xy
+from server.collisions import contact_major, mesiodistal_axis_xy
 from server.dental_constants import (
     ADJACENT_PAIRS,
     ANTERIOR_CONTACTS,
@@ -109,17 +109,22 @@ def contact_vectors(poses: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
 
 
 def _contact_vectors(poses: np.ndarray, width_mm: np.ndarray, axis: np.ndarray) -> np.ndarray:
-    """contact_vectors given the crowns' mesiodistal_axis_xy ``axis``."""
-    half = (np.asarray(width_mm) / 2)[..., None]
-    a, b = ADJACENT_PAIRS[:, 0], ADJACENT_PAIRS[:, 1]
-    p_a = poses[..., a, 4:6] + half[..., a, :] * axis[..., a, :]
-    p_b = poses[..., b, 4:6] - half[..., b, :] * axis[..., b, :]
-    return p_b - p_a
+    """contact_vectors given the crowns' mesiodistal_axis_xy ``axis``: each crown's distal and
+    mesial contact points (centroid -/+ half its width along its axis), then their differences."""
+    xy = poses[..., 4:6]
+    reach = (np.asarray(width_mm) / 2)[..., None] * axis  # (..., 28, 2) centroid -> contact point
+    return np.take(xy - reach, ADJACENT_PAIRS[:, 1], axis=-2) - np.take(
+        xy + reach, ADJACENT_PAIRS[:, 0], axis=-2
+    )
 
 
 def contact_distance_mm(poses: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
-    """(..., 26) contact-point displacement of neighbours."""
-    return vector_norm(contact_vectors(poses, width_mm))
+    """(..., 26) contact-point displacement of neighbours (laid out contact-major,
+    :func:`server.collisions.contact_major`)."""
+    d = vector_norm(contact_vectors(poses, width_mm))
+    out = contact_major(d.shape[:-1])
+    out[...] = d
+    return out
 
 
 def arch_irregularity_mm(poses: np.ndarray, width_mm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -168,8 +173,11 @@ def rotation_errors_deg(poses: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 def asymmetry_mm(poses: np.ndarray) -> np.ndarray:
     """Mean distance between each crown and the mirror image of its contralateral twin."""
-    mirror = poses[..., MIRROR_INDEX, 4:6] * np.array([-1.0, 1.0])
+    mirror = np.take(poses[..., 4:6], MIRROR_INDEX, axis=-2) * _MIRROR_XY
     return np.mean(vector_norm(poses[..., 4:6] - mirror), axis=-1)
+
+
+_MIRROR_XY = np.array([-1.0, 1.0])
 
 
 def arch_widths_mm(poses: np.ndarray) -> dict[str, np.ndarray]:
