@@ -217,10 +217,10 @@ def _resolve_penetration(
         pen = penetration_along_axes(axes, start + _STACK_PROGRESS * (end - start), crowns)
         excess = pen[0] - INITIAL_CLEARANCE_MM
         over = excess > 0.0
-        if not over.any():
+        if not np.count_nonzero(over):
             excess = pen[1:].max(axis=0) - SWEEP_CLEARANCE_MM
             over = excess > 0.0
-            if not over.any():
+            if not np.count_nonzero(over):
                 break
         # each tooth is pushed by its contacts' largest excess (+ 0.1 mm); 0 for the others
         excess = np.where(over, excess + 0.1, 0.0)

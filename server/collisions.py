@@ -105,19 +105,22 @@ def penetration_along_axes(
     dist = np.sqrt(dist2)
     # coinciding centroids have no line between them: use the first crown's own axis
     same = dist <= 1e-9
-    if same.any():
+    if np.count_nonzero(same):
         dx, dy, dist2 = (np.where(same, a[..., 0, :], b) for a, b in ((ax, dx), (ay, dy), (n2, dist2)))
     dot = ax * dx[..., None, :] + ay * dy[..., None, :]
     c2 = np.minimum(dot * dot / np.maximum(n2 * dist2[..., None, :], 1e-300), 1.0)
     r = 1.0 / np.sqrt(crowns.inv_d2 + c2 * crowns.k2)
-    return np.subtract(r[..., 0, :] + r[..., 1, :], dist, out=contact_major(r.shape[:-2]))
+    return r[..., 0, :] + r[..., 1, :] - dist
 
 
-def contact_major(shape: tuple[int, ...]) -> np.ndarray:
-    """An empty (*shape, 26) float array laid out contact-major in memory, as indexing per-tooth
-    arrays (..., 28) by contact lays out its result: per-contact values written into it keep the
-    order in which sums over contacts (and over stages) downstream add them."""
-    return np.moveaxis(np.empty((len(ADJACENT_PAIRS), *shape)), 0, -1)
+def contact_major(per_contact: np.ndarray) -> np.ndarray:
+    """A copy of per-contact values (..., 26) laid out contact-major in memory, as indexing
+    per-tooth arrays (..., 28) by contact lays out its result: sums over contacts (and over
+    stages) of the copy add in the order they always have."""
+    n = per_contact.ndim
+    out = np.empty((per_contact.shape[-1], *per_contact.shape[:-1])).transpose(*range(1, n), 0)
+    out[...] = per_contact
+    return out
 
 
 def collision_severity(penetration: np.ndarray) -> np.ndarray:

@@ -616,9 +616,9 @@ def observation(session: Session, step_reward: float, breakdown: dict) -> dict:
         "non_compliance": case.non_compliance,
         "current_stage": s,
         "stages_remaining": N_STAGES - s,
-        "initial_config": [row[:] for row in case.initial_list],
+        "initial_config": list(map(list.copy, case.initial_list)),
         "current_config": current.tolist(),
-        "target_config": [row[:] for row in case.target_list],
+        "target_config": list(map(list.copy, case.target_list)),
         "per_tooth_progress": {
             "translation": progress[0],
             "rotation": progress[1],

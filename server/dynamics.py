@@ -52,7 +52,7 @@ from server.dental_constants import (
 from server.quaternion_utils import (
     quaternion_angle,
     quaternion_from_rotvec,
-    quaternion_inverse,
+    quaternion_inverse_multiply,
     quaternion_multiply,
     quaternion_normalize,
     quaternion_slerp,
@@ -127,8 +127,7 @@ def express_stage(
         achieved,
         long_axis,
         force_decay,
-        SEAT_FACTOR * step_t,
-        SEAT_FACTOR * step_r,
+        SEAT_FACTOR * np.array((step_t, step_r)),
         bool(force_decay and step_t.size and _cap_binds(step_t.max(), BIOLOGICAL_CAP_MM)),
         bool(force_decay and step_r.size and _cap_binds(step_r.max(), _CAP_RAD)),
     )
@@ -145,17 +144,20 @@ def _express(
     achieved: np.ndarray,
     long_axis: np.ndarray | None,
     force_decay: bool,
-    engage_t: np.ndarray,
-    engage_r: np.ndarray,
+    engage: np.ndarray,
     cap_t: bool,
     cap_r: bool,
 ) -> np.ndarray:
-    """:func:`express_stage` given the stage's engagement limits ``SEAT_FACTOR * step`` (..., 28)
-    (mm, rad) and whether the biological caps can bind (:func:`_cap_binds`)."""
-    gap = planned[..., 4:] - achieved[..., 4:]
-    act = _shrink(gap, vector_norm(gap), engage_t)
-    rel = quaternion_to_rotvec(quaternion_multiply(quaternion_inverse(achieved[..., :4]), planned[..., :4]))
-    rel = _shrink(rel, vector_norm(rel), engage_r)
+    """:func:`express_stage` given the stage's engagement limits ``SEAT_FACTOR * step``, (2, ..., 28)
+    (translation mm, rotation rad), and whether the biological caps can bind (:func:`_cap_binds`)."""
+    # the translation and rotation still to make, each shortened to the engaged step
+    both = np.array(
+        (
+            planned[..., 4:] - achieved[..., 4:],
+            quaternion_to_rotvec(quaternion_inverse_multiply(achieved[..., :4], planned[..., :4])),
+        )
+    )
+    act, rel = _shrink(both, vector_norm(both), engage)
     if force_decay:
         # R diag(t, t, v) R^T act with R the crown frame, t the bodily rate and v the vertical rate
         # along the long axis z: t act + (v - t) (act . z) z
@@ -214,7 +216,7 @@ def simulate(
     steps_t, steps_r = designed_steps(planned) if steps is None else steps
     # what does not depend on the achieved poses, for every stage at once
     n = planned.shape[-3] - 1
-    engage_t, engage_r = SEAT_FACTOR * steps_t, SEAT_FACTOR * steps_r
+    engage = SEAT_FACTOR * np.array((steps_t, steps_r))  # (2, ..., 24, 28)
     cap_t = cap_r = np.zeros(n, dtype=bool)
     if force_decay and steps_t.size:  # each aligner's largest step over the batch and the teeth
         cap_t = _cap_binds(steps_t.reshape(-1, n, N_TEETH).max(axis=(0, 2)), BIOLOGICAL_CAP_MM)
@@ -226,8 +228,7 @@ def simulate(
             previous,
             long_axis,
             force_decay,
-            engage_t[..., s - 1, :],
-            engage_r[..., s - 1, :],
+            engage[..., s - 1, :],
             bool(cap_t[s - 1]),
             bool(cap_r[s - 1]),
         )

@@ -37,8 +37,7 @@ from server.dental_constants import (
     side_mean,
 )
 from server.quaternion_utils import (
-    quaternion_inverse,
-    quaternion_multiply,
+    quaternion_inverse_multiply,
     quaternion_to_rotvec,
     stack_components,
     vector_norm,
@@ -121,10 +120,7 @@ def _contact_vectors(poses: np.ndarray, width_mm: np.ndarray, axis: np.ndarray) 
 def contact_distance_mm(poses: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
     """(..., 26) contact-point displacement of neighbours (laid out contact-major,
     :func:`server.collisions.contact_major`)."""
-    d = vector_norm(contact_vectors(poses, width_mm))
-    out = contact_major(d.shape[:-1])
-    out[...] = d
-    return out
+    return contact_major(vector_norm(contact_vectors(poses, width_mm)))
 
 
 def arch_irregularity_mm(poses: np.ndarray, width_mm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -167,7 +163,7 @@ _UPPER_CONTACTS = IS_UPPER[ADJACENT_PAIRS[:, 0]]
 
 def rotation_errors_deg(poses: np.ndarray, target: np.ndarray) -> np.ndarray:
     """(..., 28, 3) |torque|, |tip|, |rotation| errors of achieved vs target crowns (unit quaternions)."""
-    rel = quaternion_multiply(quaternion_inverse(target[..., :4]), poses[..., :4])
+    rel = quaternion_inverse_multiply(target[..., :4], poses[..., :4])
     return np.abs(np.degrees(quaternion_to_rotvec(rel)))
 
 

@@ -34,7 +34,8 @@ def quaternion_normalize(q: np.ndarray) -> np.ndarray:
     q = np.asarray(q, dtype=np.float64)
     n = vector_norm(q)[..., None]
     q = q / np.maximum(n, _EPS)
-    return np.where(q[..., :1] < 0.0, -q, q)
+    negative = q[..., :1] < 0.0
+    return np.where(negative, -q, q) if np.count_nonzero(negative) else q
 
 
 def quaternion_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -68,6 +69,17 @@ _LEFT_SIGN = np.array([[1, -1, -1, -1], [1, 1, -1, 1], [1, 1, 1, -1], [1, -1, 1,
 """``L(a) = a[_LEFT_INDEX] * _LEFT_SIGN`` is the matrix with ``a * b = L(a) @ b``."""
 
 
+def quaternion_inverse_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``quaternion_multiply(quaternion_inverse(a), b)`` for unit ``a``: the rotation from ``a`` to
+    ``b`` in ``a``'s frame. Up to SMALL_BATCH quaternions the conjugation is folded into the
+    product's matrix (signs only: the same numbers)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.size <= 4 * SMALL_BATCH and b.size <= 4 * SMALL_BATCH:
+        return (a[..., _LEFT_INDEX] * _CONJUGATE_LEFT_SIGN @ b[..., None])[..., 0]
+    return quaternion_multiply(quaternion_inverse(a), b)
+
+
 def quaternion_inverse(q: np.ndarray) -> np.ndarray:
     """Inverse of unit quaternion(s): the conjugate."""
     q = np.asarray(q, dtype=np.float64)
@@ -75,6 +87,8 @@ def quaternion_inverse(q: np.ndarray) -> np.ndarray:
 
 
 _CONJUGATE = np.array([1.0, -1.0, -1.0, -1.0])
+_CONJUGATE_LEFT_SIGN = _CONJUGATE[_LEFT_INDEX] * _LEFT_SIGN
+"""``L(conj(a)) = a[_LEFT_INDEX] * _CONJUGATE_LEFT_SIGN``."""
 
 
 def quaternion_angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -106,9 +120,13 @@ def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> n
     theta = np.arccos(dot)
     sin_theta = np.sin(theta)
     small = sin_theta < 1e-6
-    safe = np.where(small, 1.0, sin_theta)
-    w0 = np.where(small, 1.0 - t, np.sin((1.0 - t) * theta) / safe)
-    w1 = np.where(small, t, np.sin(t * theta) / safe)
+    u = 1.0 - t
+    if np.count_nonzero(small):
+        safe = np.where(small, 1.0, sin_theta)
+        w0 = np.where(small, u, np.sin(u * theta) / safe)
+        w1 = np.where(small, t, np.sin(t * theta) / safe)
+    else:
+        w0, w1 = np.sin(u * theta) / sin_theta, np.sin(t * theta) / sin_theta
     return quaternion_normalize(w0 * q0 + w1 * q1)
 
 

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from server.clinical_profiles import SEQUENCED_TEETH, STRATEGY_LEVELS, strategy_multiplier_class
-from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, penetration_mm
+from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, contact_major, penetration_mm
 from server.dental_constants import (
     ALIGNER_FORCE_N_PER_DEG,
     ALIGNER_FORCE_N_PER_MM,
@@ -245,7 +245,7 @@ def stage_measures(
         mis_t[lagging], mis_r[lagging], achieved_mm[lagging] = _lag_measures(
             planned[lagging], achieved[lagging], inc_t[lagging], inc_r[lagging]
         )
-    pen = penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None])
+    pen = contact_major(penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None]))
     return StageMeasures(inc_t, inc_r, mis_t, mis_r, achieved_mm, pen)
 
 
