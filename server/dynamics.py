@@ -50,6 +50,8 @@ from server.dental_constants import (
     TOOTH_CLASS,
 )
 from server.quaternion_utils import (
+    components,
+    pose_distances,
     quaternion_angle,
     quaternion_from_rotvec,
     quaternion_inverse_multiply,
@@ -190,9 +192,8 @@ def apply_wear(previous: np.ndarray, expressed: np.ndarray, wear: np.ndarray) ->
 def designed_steps(planned: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each aligner's designed step from the previous one: translation (mm) and rotation (rad),
     (..., S - 1, 28) each, of a planned trajectory (..., S, 28, 7)."""
-    t = vector_norm(np.diff(planned[..., 4:], axis=-3))
-    r = quaternion_angle(planned[..., 1:, :, :4], planned[..., :-1, :, :4])
-    return t, r
+    poses = components(planned)  # (7, ..., S, 28)
+    return pose_distances(poses[..., 1:, :], poses[..., :-1, :])
 
 
 def simulate(

@@ -111,6 +111,18 @@ def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> n
 
     ``t`` broadcasts against the leading axes of q0/q1 (``t[..., None]`` is applied).
     """
+    qc = slerp_components(q0, q1, t)
+    out = np.empty((*qc.shape[1:], 4))
+    out[...] = np.moveaxis(qc, 0, -1)
+    return out
+
+
+def slerp_components(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> np.ndarray:
+    """:func:`quaternion_slerp`, component-major: a C-ordered (4, ...) array (w, x, y, z planes).
+
+    The same numbers: the blend and its normalisation (quaternion_normalize's arithmetic) run
+    plane by plane, so the weights broadcast over long inner loops instead of over the
+    quaternions' four components (what makes big batches slow)."""
     q0 = np.asarray(q0, dtype=np.float64)
     q1 = np.asarray(q1, dtype=np.float64)
     t = np.asarray(t, dtype=np.float64)[..., None]
@@ -127,7 +139,42 @@ def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> n
         w1 = np.where(small, t, np.sin(t * theta) / safe)
     else:
         w0, w1 = np.sin(u * theta) / sin_theta, np.sin(t * theta) / sin_theta
-    return quaternion_normalize(w0 * q0 + w1 * q1)
+    w0, w1 = w0[None, ..., 0], w1[None, ..., 0]
+    q = w0 * components(q0) + w1 * components(q1)  # (4, ...)
+    q = q / np.maximum(np.sqrt(_norm2(q)), _EPS)
+    if np.count_nonzero(q[0] < 0.0):
+        q = np.where(q[0] < 0.0, -q, q)
+    return q
+
+
+def components(v: np.ndarray) -> np.ndarray:
+    """A C-ordered copy of vectors (..., n) component-major: (n, ...)."""
+    return np.ascontiguousarray(np.moveaxis(v, -1, 0))
+
+
+def pose_distances(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Translation (mm) and rotation (rad) between poses given component-major, (7, ...) each
+    (:func:`components` of (..., 7) poses): ``vector_norm`` of the translations' difference and
+    ``quaternion_angle`` of the rotations, with their arithmetic (the squared norms summed in the
+    order their einsum adds contiguous components), plane by plane: fast on big batches."""
+    dt = a[4:] - b[4:]
+    t = np.sqrt(_norm2_3(dt))
+    chord2 = np.minimum(_norm2(a[:4] - b[:4]), _norm2(a[:4] + b[:4]))
+    return t, 4.0 * np.arcsin(np.minimum(0.5 * np.sqrt(chord2), 1.0))
+
+
+def _norm2_3(v: np.ndarray) -> np.ndarray:
+    """Squared norm of 3-vectors stored component-major (3, ...), in the order :func:`vector_norm`'s
+    einsum adds three contiguous components: ``(x^2 + z^2) + y^2``."""
+    x, y, z = v
+    return (x * x + z * z) + y * y
+
+
+def _norm2(q: np.ndarray) -> np.ndarray:
+    """Squared norm of quaternions stored component-major (4, ...): the sum in the order
+    :func:`vector_norm`'s einsum adds four contiguous components, ``(w^2 + y^2) + (x^2 + z^2)``."""
+    w, x, y, z = q
+    return (w * w + y * y) + (x * x + z * z)
 
 
 def quaternion_from_rotvec(v: np.ndarray) -> np.ndarray:

@@ -81,7 +81,7 @@ from server.dental_constants import (
 from server.dynamics import designed_steps, engaged
 from server.movement_priors import CombinedPrior
 from server.occlusion import occlusion_composite
-from server.quaternion_utils import quaternion_angle, vector_norm
+from server.quaternion_utils import components, pose_distances, quaternion_angle, vector_norm
 from server.reward_scaler import scale_rewards
 
 MOVEMENT_EPS_MM: float = 0.05
@@ -254,10 +254,14 @@ def _lag_measures(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """StageMeasures' ``mis_t``, ``mis_r`` and ``achieved_mm`` of trajectories whose teeth lag the
     plan, given their planned increments (mm, deg)."""
-    mis_t = engaged(vector_norm(planned[:, 1:, :, 4:] - achieved[:, :-1, :, 4:]), inc_t)
-    mis_r = engaged(np.degrees(quaternion_angle(planned[:, 1:, :, :4], achieved[:, :-1, :, :4])), inc_r)
-    a_t, a_r = increments(achieved)
-    return mis_t, mis_r, np.hypot(a_t, MM_PER_DEG * a_r)
+    planned, achieved = components(planned), components(achieved)  # (7, B, 25, 28)
+    mis_t, mis_r = pose_distances(planned[..., 1:, :], achieved[..., :-1, :])
+    a_t, a_r = pose_distances(achieved[..., 1:, :], achieved[..., :-1, :])
+    return (
+        engaged(mis_t, inc_t),
+        engaged(np.degrees(mis_r), inc_r),
+        np.hypot(a_t, MM_PER_DEG * np.degrees(a_r)),
+    )
 
 
 def hard_rule_breaches(
