@@ -127,4 +127,4 @@ def collision_severity(penetration: np.ndarray) -> np.ndarray:
     """Per-stage collision severity in [0, 1] from (..., 26) penetrations: summed
     penetration beyond the contact tolerance over PENETRATION_SCALE_MM, capped at 1."""
     excess = np.maximum(penetration - COLLISION_TOLERANCE_MM, 0.0)
-    return np.minimum(np.sum(excess, axis=-1) / PENETRATION_SCALE_MM, 1.0)
+    return np.minimum(np.add.reduce(excess, axis=-1) / PENETRATION_SCALE_MM, 1.0)

@@ -112,10 +112,10 @@ def validate_poses(poses: object) -> np.ndarray:
                         f"got {type(v).__name__} {v!r:.40}"
                     )
         arr = np.array(poses, dtype=np.float64)
-    if not np.abs(arr).max() <= 1e6:  # also false for NaN
+    if not np.maximum.reduce(np.abs(arr), axis=None) <= 1e6:  # also false for NaN
         _raise_out_of_range(arr)
     norms = vector_norm(arr[:, :4])
-    if norms.min() < 1e-9:
+    if np.minimum.reduce(norms) < 1e-9:
         i = int(np.argmax(norms < 1e-9))
         raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
     arr[:, :4] /= norms[:, None]
@@ -651,7 +651,7 @@ def _check_stage(session: Session, expected_stage: int | None, what: str) -> Non
 def _accuracy(remaining: np.ndarray, need_mm: float) -> float:
     """Share of the required movement achieved (as server.scoring's accuracy), from the
     (2, 28) translation (mm) and rotation (deg) still to do and the summed need (mm-equivalent)."""
-    err = float(np.hypot(remaining[0], MM_PER_DEG * remaining[1]).sum())
+    err = float(np.add.reduce(np.hypot(remaining[0], MM_PER_DEG * remaining[1])))
     return min(max(1.0 - err / max(need_mm, 1e-9), 0.0), 1.0)
 
 

@@ -130,8 +130,12 @@ def express_stage(
         long_axis,
         force_decay,
         SEAT_FACTOR * np.array((step_t, step_r)),
-        bool(force_decay and step_t.size and _cap_binds(step_t.max(), BIOLOGICAL_CAP_MM)),
-        bool(force_decay and step_r.size and _cap_binds(step_r.max(), _CAP_RAD)),
+        bool(
+            force_decay
+            and step_t.size
+            and _cap_binds(np.maximum.reduce(step_t, axis=None), BIOLOGICAL_CAP_MM)
+        ),
+        bool(force_decay and step_r.size and _cap_binds(np.maximum.reduce(step_r, axis=None), _CAP_RAD)),
     )
 
 
