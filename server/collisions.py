@@ -68,8 +68,54 @@ def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
 
 def contact_penetration_mm(poses: np.ndarray, crowns: CrownContacts) -> np.ndarray:
     """:func:`penetration_mm` of poses (..., 28, 7) with the crowns' CrownContacts at hand -> (..., 26)."""
-    pairs = np.take(poses, CONTACT_CROWNS, axis=-2)  # (..., 2, 26, 7): both crowns of every contact
-    return penetration_along_axes(_axes(pairs), pairs[..., 4:6], crowns)
+    if poses.size <= _FEW_POSES:  # both crowns of every contact, (..., 2, 26, 7), in one gather
+        pairs = np.take(poses, CONTACT_CROWNS, axis=-2)
+        return penetration_along_axes(_axes(pairs), pairs[..., 4:6], crowns)
+    # many poses: tooth-major planes (each tooth's values for every pose contiguous), teeth in arch
+    # order so that each contact's first and second crowns are two slices; the same arithmetic as
+    # penetration_along_axes on long inner loops
+    lead = poses.shape[:-2]
+    teeth = np.moveaxis(poses, (-2, -1), (1, 0))[:, _ARCH_ORDER]  # (7, 28, *lead)
+    ax, ay, n2 = _axes_of(teeth[0], teeth[1], teeth[2], teeth[3])
+    arch = np.array((ax, ay, n2, teeth[4], teeth[5])).reshape(5, 2, 14, *lead)  # (upper, lower) x 14
+    ax_a, ay_a, n2_a, x_a, y_a = arch[:, :, :-1]  # (2, 13, *lead) each: contact k of an arch is
+    ax_b, ay_b, n2_b, x_b, y_b = arch[:, :, 1:]  # between its teeth k and k + 1
+    inv_d2_a, k2_a, inv_d2_b, k2_b = (
+        _arch_major(term[..., c, :], len(lead)) for c in (0, 1) for term in (crowns.inv_d2, crowns.k2)
+    )
+    dx = x_b - x_a
+    dy = y_b - y_a
+    dist2 = dx * dx + dy * dy
+    dist = np.sqrt(dist2)
+    same = dist <= 1e-9
+    if np.count_nonzero(same):
+        dx, dy, dist2 = np.where(same, ax_a, dx), np.where(same, ay_a, dy), np.where(same, n2_a, dist2)
+    dot_a = ax_a * dx + ay_a * dy
+    dot_b = ax_b * dx + ay_b * dy
+    c2_a = np.minimum(dot_a * dot_a / np.maximum(n2_a * dist2, 1e-300), 1.0)
+    c2_b = np.minimum(dot_b * dot_b / np.maximum(n2_b * dist2, 1e-300), 1.0)
+    r_a = 1.0 / np.sqrt(inv_d2_a + c2_a * k2_a)
+    r_b = 1.0 / np.sqrt(inv_d2_b + c2_b * k2_b)
+    pen = r_a + r_b - dist  # (2, 13, *lead): ADJACENT_PAIRS order, contact-major
+    return np.moveaxis(pen.reshape(len(ADJACENT_PAIRS), *lead), 0, -1)
+
+
+def _arch_major(per_contact: np.ndarray, ndim: int) -> np.ndarray:
+    """Per-contact values (..., 26) as (2, 13, ...) broadcasting against (2, 13, *lead) with
+    ``len(lead) == ndim``."""
+    values = np.moveaxis(per_contact, -1, 0)
+    return values.reshape(2, 13, *(1,) * (ndim - (values.ndim - 1)), *values.shape[1:])
+
+
+_ARCH_ORDER: np.ndarray = np.concatenate(
+    (CONTACT_CROWNS[0, :13], CONTACT_CROWNS[1, 12:13], CONTACT_CROWNS[0, 13:], CONTACT_CROWNS[1, 25:])
+)
+"""(28,) the teeth in order along each arch, upper then lower: contact k of ADJACENT_PAIRS is between
+``_ARCH_ORDER[k + k // 13]`` and the tooth after it."""
+
+
+_FEW_POSES = 8 * 28 * 7
+"""Poses (numbers) up to which :func:`contact_penetration_mm` gathers whole poses (fewer calls)."""
 
 
 def pair_axes(poses: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -85,7 +131,14 @@ def pair_axes(poses: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _axes(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`pair_axes` of the contacts' crowns' poses (..., 2, 26, >= 4)."""
-    w, x, y, z = pairs[..., 0], pairs[..., 1], pairs[..., 2], pairs[..., 3]
+    return _axes_of(pairs[..., 0], pairs[..., 1], pairs[..., 2], pairs[..., 3])
+
+
+def _axes_of(
+    w: np.ndarray, x: np.ndarray, y: np.ndarray, z: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Crowns' unnormalised mesiodistal axes in the occlusal plane (x, y, squared norm) from their
+    rotations' components."""
     ax = 1.0 - 2.0 * (y * y + z * z)  # local x axis in the occlusal plane, unnormalised
     ay = 2.0 * (x * y + w * z)
     return ax, ay, ax * ax + ay * ay
