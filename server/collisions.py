@@ -71,20 +71,20 @@ def contact_penetration_mm(poses: np.ndarray, crowns: CrownContacts) -> np.ndarr
     if poses.size <= _FEW_POSES:  # both crowns of every contact, (..., 2, 26, 7), in one gather
         pairs = np.take(poses, CONTACT_CROWNS, axis=-2)
         return penetration_along_axes(_axes(pairs), pairs[..., 4:6], crowns)
-    # many poses: tooth-major planes (each tooth's values for every pose contiguous), teeth in arch
-    # order so that each contact's first and second crowns are two slices; the same arithmetic as
-    # penetration_along_axes on long inner loops
-    lead = poses.shape[:-2]
-    teeth = np.moveaxis(poses, (-2, -1), (1, 0))[:, _ARCH_ORDER]  # (7, 28, *lead)
-    ax, ay, n2 = _axes_of(teeth[0], teeth[1], teeth[2], teeth[3])
-    arch = np.array((ax, ay, n2, teeth[4], teeth[5])).reshape(5, 2, 14, *lead)  # (upper, lower) x 14
-    ax_a, ay_a, n2_a, x_a, y_a = arch[:, :, :-1]  # (2, 13, *lead) each: contact k of an arch is
-    ax_b, ay_b, n2_b, x_b, y_b = arch[:, :, 1:]  # between its teeth k and k + 1
-    inv_d2_a, k2_a, inv_d2_b, k2_b = (
-        _arch_major(term[..., c, :], len(lead)) for c in (0, 1) for term in (crowns.inv_d2, crowns.k2)
+    # many poses: each tooth's axis once, then each value gathered by contact along the last axis
+    # (a contact-major result; whole-pose gathers are slow on big batches)
+    ax, ay, n2 = _axes_of(poses[..., 0], poses[..., 1], poses[..., 2], poses[..., 3])
+    a, b = CONTACT_CROWNS
+    dx = poses[..., b, 4] - poses[..., a, 4]
+    dy = poses[..., b, 5] - poses[..., a, 5]
+    ax_a, ay_a, n2_a, ax_b, ay_b, n2_b = (
+        ax[..., a],
+        ay[..., a],
+        n2[..., a],
+        ax[..., b],
+        ay[..., b],
+        n2[..., b],
     )
-    dx = x_b - x_a
-    dy = y_b - y_a
     dist2 = dx * dx + dy * dy
     dist = np.sqrt(dist2)
     same = dist <= 1e-9
@@ -94,24 +94,9 @@ def contact_penetration_mm(poses: np.ndarray, crowns: CrownContacts) -> np.ndarr
     dot_b = ax_b * dx + ay_b * dy
     c2_a = np.minimum(dot_a * dot_a / np.maximum(n2_a * dist2, 1e-300), 1.0)
     c2_b = np.minimum(dot_b * dot_b / np.maximum(n2_b * dist2, 1e-300), 1.0)
-    r_a = 1.0 / np.sqrt(inv_d2_a + c2_a * k2_a)
-    r_b = 1.0 / np.sqrt(inv_d2_b + c2_b * k2_b)
-    pen = r_a + r_b - dist  # (2, 13, *lead): ADJACENT_PAIRS order, contact-major
-    return np.moveaxis(pen.reshape(len(ADJACENT_PAIRS), *lead), 0, -1)
-
-
-def _arch_major(per_contact: np.ndarray, ndim: int) -> np.ndarray:
-    """Per-contact values (..., 26) as (2, 13, ...) broadcasting against (2, 13, *lead) with
-    ``len(lead) == ndim``."""
-    values = np.moveaxis(per_contact, -1, 0)
-    return values.reshape(2, 13, *(1,) * (ndim - (values.ndim - 1)), *values.shape[1:])
-
-
-_ARCH_ORDER: np.ndarray = np.concatenate(
-    (CONTACT_CROWNS[0, :13], CONTACT_CROWNS[1, 12:13], CONTACT_CROWNS[0, 13:], CONTACT_CROWNS[1, 25:])
-)
-"""(28,) the teeth in order along each arch, upper then lower: contact k of ADJACENT_PAIRS is between
-``_ARCH_ORDER[k + k // 13]`` and the tooth after it."""
+    r_a = 1.0 / np.sqrt(crowns.inv_d2[..., 0, :] + c2_a * crowns.k2[..., 0, :])
+    r_b = 1.0 / np.sqrt(crowns.inv_d2[..., 1, :] + c2_b * crowns.k2[..., 1, :])
+    return r_a + r_b - dist
 
 
 _FEW_POSES = 8 * 28 * 7
@@ -167,11 +152,13 @@ def penetration_along_axes(
 
 
 def contact_major(per_contact: np.ndarray) -> np.ndarray:
-    """A copy of per-contact values (..., 26) laid out contact-major in memory, as indexing
-    per-tooth arrays (..., 28) by contact lays out its result: sums over contacts (and over
-    stages) of the copy add in the order they always have."""
+    """Per-contact values (..., 26) laid out contact-major in memory (the array itself when it is,
+    else a copy), as indexing per-tooth arrays (..., 28) by contact lays out its result: sums over
+    contacts (and over stages) add in the order they always have."""
     n = per_contact.ndim
     out = np.empty((per_contact.shape[-1], *per_contact.shape[:-1])).transpose(*range(1, n), 0)
+    if per_contact.strides == out.strides:  # laid out so already
+        return per_contact
     out[...] = per_contact
     return out
 

@@ -100,9 +100,15 @@ def quaternion_angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
-    ds = a[..., None, :] + b[..., None, :] * _MINUS_PLUS  # (..., 2, 4): a - b, a + b
-    chord2 = np.einsum("...i,...i->...", ds, ds)
-    return 4.0 * np.arcsin(np.minimum(0.5 * np.sqrt(np.minimum(chord2[..., 0], chord2[..., 1])), 1.0))
+    if a.size <= 4 * SMALL_BATCH and b.size <= 4 * SMALL_BATCH:  # one array, one einsum: fewer calls
+        ds = a[..., None, :] + b[..., None, :] * _MINUS_PLUS  # (..., 2, 4): a - b, a + b
+        chord2 = np.einsum("...i,...i->...", ds, ds)
+        chord2 = np.minimum(chord2[..., 0], chord2[..., 1])
+    else:  # (broadcasting the signs over four components is slow on big batches)
+        d = a - b
+        s = a + b
+        chord2 = np.minimum(np.einsum("...i,...i->...", d, d), np.einsum("...i,...i->...", s, s))
+    return 4.0 * np.arcsin(np.minimum(0.5 * np.sqrt(chord2), 1.0))
 
 
 _MINUS_PLUS = np.array([[-1.0], [1.0]])
