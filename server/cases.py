@@ -218,7 +218,7 @@ def _resolve_penetration(
         excess = pen[0] - INITIAL_CLEARANCE_MM
         over = excess > 0.0
         if not np.count_nonzero(over):
-            excess = pen[1:].max(axis=0) - SWEEP_CLEARANCE_MM
+            excess = np.maximum.reduce(pen[1:], axis=0) - SWEEP_CLEARANCE_MM
             over = excess > 0.0
             if not np.count_nonzero(over):
                 break

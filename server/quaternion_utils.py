@@ -119,24 +119,35 @@ def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> n
 
     ``t`` broadcasts against the leading axes of q0/q1 (``t[..., None]`` is applied).
     """
-    qc = slerp_components(q0, q1, t)
+    w0, w1, q0, q1 = _slerp_weights(q0, q1, t)
+    if w0.size <= SMALL_BATCH:  # few quaternions: blended whole (fewer calls)
+        return quaternion_normalize(w0 * q0 + w1 * q1)
+    qc = _blend_components(w0, w1, q0, q1)
     out = np.empty((*qc.shape[1:], 4))
     out[...] = np.moveaxis(qc, 0, -1)
     return out
 
 
 def slerp_components(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> np.ndarray:
-    """:func:`quaternion_slerp`, component-major: a C-ordered (4, ...) array (w, x, y, z planes).
+    """:func:`quaternion_slerp`, component-major: a C-ordered (4, ...) array (w, x, y, z planes)."""
+    w0, w1, q0, q1 = _slerp_weights(q0, q1, t)
+    if w0.size <= SMALL_BATCH:
+        return components(quaternion_normalize(w0 * q0 + w1 * q1))
+    return _blend_components(w0, w1, q0, q1)
 
-    The same numbers: the blend and its normalisation (quaternion_normalize's arithmetic) run
-    plane by plane, so the weights broadcast over long inner loops instead of over the
-    quaternions' four components (what makes big batches slow)."""
+
+def _slerp_weights(
+    q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """SLERP's weights of q0 and q1, (..., 1) each, and the two quaternions (q1 sign-aligned with q0)."""
     q0 = np.asarray(q0, dtype=np.float64)
     q1 = np.asarray(q1, dtype=np.float64)
     t = np.asarray(t, dtype=np.float64)[..., None]
-    dot = np.sum(q0 * q1, axis=-1, keepdims=True)
-    q1 = np.where(dot < 0.0, -q1, q1)
-    dot = np.clip(np.abs(dot), 0.0, 1.0)
+    dot = np.add.reduce(q0 * q1, axis=-1, keepdims=True)
+    opposite = dot < 0.0
+    if np.count_nonzero(opposite):
+        q1 = np.where(opposite, -q1, q1)
+    dot = np.minimum(np.abs(dot), 1.0)  # clip(|dot|, 0, 1)
     theta = np.arccos(dot)
     sin_theta = np.sin(theta)
     small = sin_theta < 1e-6
@@ -147,8 +158,15 @@ def slerp_components(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> n
         w1 = np.where(small, t, np.sin(t * theta) / safe)
     else:
         w0, w1 = np.sin(u * theta) / sin_theta, np.sin(t * theta) / sin_theta
+    return w0, w1, q0, q1
+
+
+def _blend_components(w0: np.ndarray, w1: np.ndarray, q0: np.ndarray, q1: np.ndarray) -> np.ndarray:
+    """``quaternion_normalize(w0 * q0 + w1 * q1)`` with its arithmetic, component-major (4, ...): the
+    weights broadcast over long inner loops instead of over the quaternions' four components
+    (what makes big batches slow)."""
     w0, w1 = w0[None, ..., 0], w1[None, ..., 0]
-    q = w0 * components(q0) + w1 * components(q1)  # (4, ...)
+    q = w0 * components(q0) + w1 * components(q1)
     q = q / np.maximum(np.sqrt(_norm2(q)), _EPS)
     if np.count_nonzero(q[0] < 0.0):
         q = np.where(q[0] < 0.0, -q, q)
