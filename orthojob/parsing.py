@@ -74,6 +74,14 @@ def _float_sized_int(text: str) -> int | None:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_no_value, parse_float=_finite_float, parse_int=_float_sized_int)
+_PLAIN_DECODER = json.JSONDecoder()
+"""Python's own number parsing, for a text in which no number can be non-finite (see
+:data:`_NON_FINITE`): the same values as :data:`_DECODER` without its per-number Python calls."""
+_NON_FINITE = re.compile(r"NaN|Infinity|[0-9][eE]|[0-9]{309}")
+"""Where a non-finite number can hide: a NaN or Infinity literal, an exponent, or more than 308
+digits in a row (overflowing floats and integers beyond any float); texts without it decode the
+same with :data:`_PLAIN_DECODER`."""
+_CONTAINERS = frozenset((dict, list))
 
 
 def _decode(candidate: str) -> dict | None:
@@ -86,14 +94,36 @@ def _decode(candidate: str) -> dict | None:
     return value
 
 
+def _nested_within(value: dict | list, depth: int) -> bool:
+    """Whether the decoded JSON container ``value`` nests at most ``depth`` levels (itself is 1)."""
+    if depth < 1:
+        return False
+    children = value.values() if type(value) is dict else value
+    if _CONTAINERS.isdisjoint(map(type, children)):
+        return True
+    return all(_nested_within(c, depth - 1) for c in children if type(c) in _CONTAINERS)
+
+
 def _objects(text: str):
-    """The decodable top-level JSON objects of ``text``, in order (see the module docstring)."""
+    """The decodable top-level JSON objects of ``text``, in order (see the module docstring).
+
+    A candidate that is valid JSON is decoded where it starts (the JSON decoder finds its end,
+    which is where the bracket scan below ends it); the bracket scan decides the others."""
     text = text[:MAX_COMPLETION_CHARS]
+    decoder = _DECODER if _NON_FINITE.search(text) else _PLAIN_DECODER
     pos = 0
     for _ in range(MAX_CANDIDATES):
         start = text.find("{", pos)
         if start < 0:
             return
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except (ValueError, RecursionError):  # not valid JSON from here: the scan decides
+            value = None
+        if value is not None and _nested_within(value, MAX_JSON_DEPTH):
+            yield value
+            pos = end
+            continue
         depth = 0
         deepest = 0
         end = -1
@@ -164,7 +194,7 @@ def _text(value: object, level: int) -> str:
         return bytes(value[: 4 * MAX_COMPLETION_CHARS]).decode("utf-8", errors="replace")
     if level > 3:
         return ""
-    if isinstance(value, Mapping):
+    if type(value) is dict or isinstance(value, Mapping):  # (a plain dict skips the ABC check)
         if "content" in value:
             return _text(value["content"], level + 1)
         if "text" in value:
@@ -172,7 +202,7 @@ def _text(value: object, level: int) -> str:
         return ""
     if isinstance(value, (list, tuple)):
         items = list(value)
-        messages = [m for m in items if isinstance(m, Mapping)]
+        messages = [m for m in items if type(m) is dict or isinstance(m, Mapping)]
         assistant = [m for m in messages if m.get("role") == "assistant"]
         chosen = assistant or items
         return "".join(_text(m, level + 1) for m in chosen)
@@ -181,6 +211,16 @@ def _text(value: object, level: int) -> str:
 
 def _is_tooth(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x in TOOTH_INDEX
+
+
+def _all_teeth(items: list) -> bool:
+    """``all(_is_tooth(t) for t in items)``, at C speed when every item is a plain int."""
+    if _INT_ONLY.issuperset(map(type, items)):
+        return all(map(TOOTH_INDEX.__contains__, items))
+    return all(_is_tooth(t) for t in items)
+
+
+_INT_ONLY = frozenset((int,))
 
 
 def _is_stage(x: object) -> bool:
@@ -242,7 +282,7 @@ def format_checks(plan: dict | None, plan_objects: int = 1) -> dict[str, float]:
             teeth_ok = (
                 bool(teeth)
                 and all(isinstance(g.get("teeth"), list) for g in dicts)
-                and all(_is_tooth(t) for t in teeth)
+                and _all_teeth(teeth)
                 and len(set(teeth)) == len(teeth)
             )
             out["teeth_ints"] = float(all_dicts and teeth_ok)

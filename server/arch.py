@@ -38,7 +38,13 @@ from server.dental_constants import (
     UPPER_PAIRS,
     side_mean,
 )
-from server.quaternion_utils import quaternion_about_axis, quaternion_axis, quaternion_multiply, vector_norm
+from server.quaternion_utils import (
+    quaternion_about_axis,
+    quaternion_axis,
+    quaternion_multiply,
+    stack_components,
+    vector_norm,
+)
 
 _X = np.array([1.0, 0.0, 0.0])
 _Y = np.array([0.0, 1.0, 0.0])
@@ -196,7 +202,7 @@ def build_ideal_arch(params: ArchParameters) -> IdealArch:
     qw, qx, qy, qz, offset_y, offset_z = _orient(sx, sy)
     # z: put each crown's occlusal point at its level
     z = _occlusal_levels(y, params.curve_of_spee_mm) - offset_z
-    poses = np.stack((qw, qx, qy, qz, x, y, z), axis=-1)
+    poses = stack_components((qw, qx, qy, qz, x, y, z))
     edge_y = y + offset_y
     dy = side_mean(edge_y[_U1]) - overjet - side_mean(edge_y[_L1])
     poses[~upper, 5] += dy

@@ -27,7 +27,15 @@ from server.clinical_profiles import (
     Displacement,
     optimal_strategy,
 )
-from server.collisions import COLLISION_TOLERANCE_MM, pair_axes, penetration_along_axes, penetration_mm
+from server.collisions import (
+    COLLISION_TOLERANCE_MM,
+    CONTACT_CROWNS,
+    CrownContacts,
+    crown_contacts,
+    pair_axes,
+    penetration_along_axes,
+    penetration_mm,
+)
 from server.compliance import COMPLIANCE_TASKS, compliance_schedule
 from server.dental_constants import (
     ADJACENT_PAIRS,
@@ -53,6 +61,7 @@ from server.quaternion_utils import (
     quaternion_axis,
     quaternion_from_rotvec,
     quaternion_multiply,
+    quaternion_slerp,
     vector_norm,
 )
 
@@ -121,6 +130,11 @@ class Case:
         return quaternion_axis(self.target[:, :4], 2)
 
     @cached_property
+    def contacts(self) -> CrownContacts:
+        """The crowns' ellipse terms at each contact (:func:`server.collisions.crown_contacts`)."""
+        return crown_contacts(self.crown_width_mm, self.crown_depth_mm)
+
+    @cached_property
     def need(self) -> np.ndarray:
         """(2, 28) translation (mm) and rotation (deg) of each tooth from initial to target."""
         need = np.stack(
@@ -176,6 +190,8 @@ def sweep_penetration_mm(
 
 
 _SWEEP_PROGRESS: np.ndarray = np.broadcast_to(SWEEP_SAMPLES[:, None], (SWEEP_SAMPLES.size, 28))
+_STACK_PROGRESS: np.ndarray = np.concatenate(([0.0], SWEEP_SAMPLES))[:, None, None, None]
+"""(12, 1, 1, 1) progress of :func:`_resolve_penetration`'s rows: the poses, then the sweep."""
 
 
 def _resolve_penetration(
@@ -189,31 +205,31 @@ def _resolve_penetration(
     therefore has a safe plan; plans that rush some teeth ahead of others still collide."""
     t = d.translation.copy()
     poses = _apply(target, d)  # the rotations stay; only translations change below
-    # one penetration pass a round: row 0 the poses, rows 1.. the sweep; the rotations' SLERP and
-    # the crown axes are computed once (only translations change)
-    stack = np.concatenate((poses[None], interpolate_poses(poses, target, _SWEEP_PROGRESS)))
-    axes = pair_axes(stack)
-    t1 = target[None, :, 4:]
+    # one penetration pass a round over the contacts' crowns: row 0 the poses, rows 1.. the sweep;
+    # the rotations' SLERP, the crown axes and the crowns' contact terms are computed once
+    q = poses[None, :, :4]
+    axes = pair_axes(np.concatenate((q, quaternion_slerp(q, target[None, :, :4], _SWEEP_PROGRESS))))
+    crowns = crown_contacts(width, depth)
+    end = target[CONTACT_CROWNS, 4:6]  # (2, 26, 2) the contacts' crowns' target positions
     for _ in range(60):
-        pen = penetration_along_axes(axes, stack, width, depth)
+        start = end + t[CONTACT_CROWNS, :2]  # the poses' positions (target + t, as below)
+        # the same arithmetic as interpolate_poses' translation (row 0: start + 0)
+        pen = penetration_along_axes(axes, start + _STACK_PROGRESS * (end - start), crowns)
         excess = pen[0] - INITIAL_CLEARANCE_MM
-        if not (excess > 0.0).any():
-            excess = pen[1:].max(axis=0) - SWEEP_CLEARANCE_MM
-        over = np.flatnonzero(excess > 0.0)
-        if over.size == 0:
-            break
-        push = np.zeros(28)
-        np.maximum.at(push, _BLOCKED_OUT[over], excess[over] + 0.1)
-        moved = np.flatnonzero(push)
-        bl = np.einsum("ij,ij->i", t[moved], labial[moved])
+        over = excess > 0.0
+        if not np.count_nonzero(over):
+            excess = np.maximum.reduce(pen[1:], axis=0) - SWEEP_CLEARANCE_MM
+            over = excess > 0.0
+            if not np.count_nonzero(over):
+                break
+        # each tooth is pushed by its contacts' largest excess (+ 0.1 mm); 0 for the others
+        excess = np.where(over, excess + 0.1, 0.0)
+        push = np.maximum(excess[_PUSHED_BY[0]], excess[_PUSHED_BY[1]]) * _PUSHABLE
         # keep the side a tooth was already displaced to; else block it out labially (on a
         # convex arch a lingual push first moves a crown towards its neighbours)
-        sign = np.where(bl < -0.5, -1.0, 1.0)
-        t[moved] += labial[moved] * (sign * push[moved])[:, None]
-        poses[:, 4:7] = target[:, 4:7] + t
-        stack[0, :, 4:] = poses[:, 4:]
-        t0 = poses[None, :, 4:]  # the same arithmetic as interpolate_poses' translation
-        stack[1:, :, 4:] = t0 + _SWEEP_PROGRESS[..., None] * (t1 - t0)
+        sign = np.where(np.einsum("ij,ij->i", t, labial) < -0.5, -1.0, 1.0)
+        t += labial * (sign * push)[:, None]
+    poses[:, 4:7] = target[:, 4:7] + t
     return poses
 
 
@@ -224,6 +240,12 @@ _BLOCKED_OUT: np.ndarray = np.where(
 )
 """(26,) the tooth of each contact that a penetration pushes: the more anterior one
 (incisors and canines get blocked out)."""
+_PUSHED_BY: np.ndarray = np.array(
+    [(([k for k, tooth in enumerate(_BLOCKED_OUT) if tooth == i] or [0]) * 2)[:2] for i in range(28)]
+).T
+"""(2, 28) the (at most two) contacts that push each tooth (a tooth with one listed twice)."""
+_PUSHABLE: np.ndarray = np.isin(np.arange(28), _BLOCKED_OUT).astype(float)
+"""(28,) 1 for a tooth some contact pushes, 0 for the others (the second molars)."""
 
 
 def _within_caps(initial: np.ndarray, target: np.ndarray) -> bool:

@@ -10,25 +10,44 @@ buccolingually or rotated therefore clear their neighbours, as in the mouth.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from server.dental_constants import ADJACENT_PAIRS
-from server.quaternion_utils import vector_norm
+from server.quaternion_utils import stack_components, vector_norm
 
 COLLISION_TOLERANCE_MM: float = 0.1
 """Penetration below this is interproximal contact, not a collision (model resolution)."""
 PENETRATION_SCALE_MM: float = 1.0
 """Penetration summed over one stage's contacts that makes that stage fully colliding."""
 
-_A = ADJACENT_PAIRS[:, 0]
-_B = ADJACENT_PAIRS[:, 1]
+CONTACT_CROWNS: np.ndarray = np.ascontiguousarray(ADJACENT_PAIRS.T)
+"""(2, 26) the first and the second crown of each contact (ADJACENT_PAIRS transposed): indexing
+per-tooth values (..., 28) with it gives (..., 2, 26), both crowns of every contact in one gather."""
 
 
 def mesiodistal_axis_xy(q: np.ndarray) -> np.ndarray:
     """Unit local-x axes of crowns (..., 4) projected on the occlusal plane: (..., 2)."""
     w, x, y, z = q[..., 0], q[..., 1], q[..., 2], q[..., 3]
-    ax = np.stack((1.0 - 2.0 * (y * y + z * z), 2.0 * (x * y + w * z)), axis=-1)
+    ax = stack_components((1.0 - 2.0 * (y * y + z * z), 2.0 * (x * y + w * z)))
     return ax / np.maximum(vector_norm(ax), 1e-12)[..., None]
+
+
+class CrownContacts(NamedTuple):
+    """The two crowns' ellipse terms at each contact, (..., 2, 26) each (first, second crown x
+    contact): ``inv_d2 = 1 / (half depth)^2`` and ``k2 = 1 / (half width)^2 - inv_d2``. Constant
+    per case (:attr:`server.cases.Case.contacts`)."""
+
+    inv_d2: np.ndarray
+    k2: np.ndarray
+
+
+def crown_contacts(width_mm: np.ndarray, depth_mm: np.ndarray) -> CrownContacts:
+    """CrownContacts of crowns of mesiodistal widths and buccolingual depths (28,) or (..., 28) mm."""
+    inv_d2 = 4.0 / np.square(depth_mm)  # 1 / (half depth)^2
+    k2 = 4.0 / np.square(width_mm) - inv_d2
+    return CrownContacts(inv_d2[..., CONTACT_CROWNS], k2[..., CONTACT_CROWNS])
 
 
 def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
@@ -44,78 +63,108 @@ def penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
     radius is ``1 / sqrt(c^2 / a^2 + (1 - c^2) / b^2)`` (semi-axes a, b), so only
     ``c^2`` is needed: this is the training loop's hot path.
     """
-    return penetration_along_axes(pair_axes(poses), poses, width_mm, depth_mm)
+    return contact_penetration_mm(poses, crown_contacts(width_mm, depth_mm))
 
 
-def pair_axes(poses: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Each contact's two crowns' unnormalised mesiodistal axes in the occlusal plane.
-
-    poses: (..., 28, 7) (only the rotations are read). Returns six (..., 26) arrays: x, y and
-    squared norm of the first crown's axis, then of the second's. Poses that share rotations and
-    differ in translation (a case being resolved) reuse them in :func:`penetration_along_axes`.
-    """
-    w, x, y, z = poses[..., 0], poses[..., 1], poses[..., 2], poses[..., 3]
-    ax = 1.0 - 2.0 * (y * y + z * z)  # (..., 28) local x axis in the occlusal plane, unnormalised
-    ay = 2.0 * (x * y + w * z)
-    n2 = ax * ax + ay * ay
-    return ax[..., _A], ay[..., _A], n2[..., _A], ax[..., _B], ay[..., _B], n2[..., _B]
-
-
-def penetration_along_axes(
-    axes: tuple[np.ndarray, ...], poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
-) -> np.ndarray:
-    """:func:`penetration_mm` with the crowns' axes given (:func:`pair_axes` of the same
-    rotations); only the translations of ``poses`` (..., 28, 7) are read."""
-    ax_a, ay_a, n2_a, ax_b, ay_b, n2_b = axes
-    dx = poses[..., _B, 4] - poses[..., _A, 4]
-    dy = poses[..., _B, 5] - poses[..., _A, 5]
+def contact_penetration_mm(poses: np.ndarray, crowns: CrownContacts) -> np.ndarray:
+    """:func:`penetration_mm` of poses (..., 28, 7) with the crowns' CrownContacts at hand -> (..., 26)."""
+    if poses.size <= _FEW_POSES:  # both crowns of every contact, (..., 2, 26, 7), in one gather
+        pairs = np.take(poses, CONTACT_CROWNS, axis=-2)
+        return penetration_along_axes(_axes(pairs), pairs[..., 4:6], crowns)
+    # many poses: each tooth's axis once, then each value gathered by contact along the last axis
+    # (a contact-major result; whole-pose gathers are slow on big batches)
+    ax, ay, n2 = _axes_of(poses[..., 0], poses[..., 1], poses[..., 2], poses[..., 3])
+    a, b = CONTACT_CROWNS
+    dx = poses[..., b, 4] - poses[..., a, 4]
+    dy = poses[..., b, 5] - poses[..., a, 5]
+    ax_a, ay_a, n2_a, ax_b, ay_b, n2_b = (
+        ax[..., a],
+        ay[..., a],
+        n2[..., a],
+        ax[..., b],
+        ay[..., b],
+        n2[..., b],
+    )
     dist2 = dx * dx + dy * dy
     dist = np.sqrt(dist2)
-    # coinciding centroids have no line between them: use the first crown's own axis
     same = dist <= 1e-9
-    if same.any():
+    if np.count_nonzero(same):
         dx, dy, dist2 = np.where(same, ax_a, dx), np.where(same, ay_a, dy), np.where(same, n2_a, dist2)
     dot_a = ax_a * dx + ay_a * dy
     dot_b = ax_b * dx + ay_b * dy
     c2_a = np.minimum(dot_a * dot_a / np.maximum(n2_a * dist2, 1e-300), 1.0)
     c2_b = np.minimum(dot_b * dot_b / np.maximum(n2_b * dist2, 1e-300), 1.0)
-    inv_d2 = 4.0 / np.square(depth_mm)  # 1 / (half depth)^2
-    k2 = 4.0 / np.square(width_mm) - inv_d2
-    r_a = 1.0 / np.sqrt(inv_d2[..., _A] + c2_a * k2[..., _A])
-    r_b = 1.0 / np.sqrt(inv_d2[..., _B] + c2_b * k2[..., _B])
+    r_a = 1.0 / np.sqrt(crowns.inv_d2[..., 0, :] + c2_a * crowns.k2[..., 0, :])
+    r_b = 1.0 / np.sqrt(crowns.inv_d2[..., 1, :] + c2_b * crowns.k2[..., 1, :])
     return r_a + r_b - dist
 
 
-_AB = np.concatenate((_A, _B))
-_AB_ROWS = _AB.reshape(2, -1)
+_FEW_POSES = 8 * 28 * 7
+"""Poses (numbers) up to which :func:`contact_penetration_mm` gathers whole poses (fewer calls)."""
 
 
-def arch_penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
-    """:func:`penetration_mm` of one arch (poses (28, 7), widths and depths (28,)), in half the
-    numpy calls (the stepwise environment's hot path: call overhead, not arithmetic): both
-    crowns of every contact in one (2, 26) array. The same operations on the same numbers,
-    element by element, so the same bits (tested)."""
-    q = poses[_AB]  # (52, 7): the first crowns of the 26 contacts, then the second ones
-    w, x, y, z = q[:, 0], q[:, 1], q[:, 2], q[:, 3]
-    ax = (1.0 - 2.0 * (y * y + z * z)).reshape(2, -1)
-    ay = (2.0 * (x * y + w * z)).reshape(2, -1)
-    n2 = ax * ax + ay * ay
-    d = poses[_B, 4:6] - poses[_A, 4:6]
-    dx, dy = d[:, 0], d[:, 1]
+def pair_axes(poses: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each contact's two crowns' unnormalised mesiodistal axes in the occlusal plane.
+
+    poses: (..., 28, >= 4) (only the rotations, the first four, are read). Returns three
+    (..., 2, 26) arrays (first, second crown x contact): the axes' x, y and squared norm. Poses that
+    share rotations and differ in translation (a case being resolved) reuse them in
+    :func:`penetration_along_axes`.
+    """
+    return _axes(np.take(poses, CONTACT_CROWNS, axis=-2))
+
+
+def _axes(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`pair_axes` of the contacts' crowns' poses (..., 2, 26, >= 4)."""
+    return _axes_of(pairs[..., 0], pairs[..., 1], pairs[..., 2], pairs[..., 3])
+
+
+def _axes_of(
+    w: np.ndarray, x: np.ndarray, y: np.ndarray, z: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Crowns' unnormalised mesiodistal axes in the occlusal plane (x, y, squared norm) from their
+    rotations' components."""
+    ax = 1.0 - 2.0 * (y * y + z * z)  # local x axis in the occlusal plane, unnormalised
+    ay = 2.0 * (x * y + w * z)
+    return ax, ay, ax * ax + ay * ay
+
+
+def penetration_along_axes(
+    axes: tuple[np.ndarray, np.ndarray, np.ndarray], xy: np.ndarray, crowns: CrownContacts
+) -> np.ndarray:
+    """:func:`penetration_mm` with the crowns' axes (:func:`pair_axes` of the same rotations) and
+    CrownContacts given, and the crowns' occlusal-plane positions ``xy`` (..., 2, 26, 2) (first,
+    second crown x contact x (x, y) mm: ``poses[..., CONTACT_CROWNS, 4:6]``). -> (..., 26)."""
+    ax, ay, n2 = axes
+    x, y = xy[..., 0], xy[..., 1]
+    dx = x[..., 1, :] - x[..., 0, :]
+    dy = y[..., 1, :] - y[..., 0, :]
     dist2 = dx * dx + dy * dy
     dist = np.sqrt(dist2)
-    if (dist <= 1e-9).any():  # coinciding centroids: the general path handles them
-        return penetration_mm(poses, width_mm, depth_mm)
-    dot = ax * dx + ay * dy
-    c2 = np.minimum(dot * dot / np.maximum(n2 * dist2, 1e-300), 1.0)
-    inv_d2 = 4.0 / np.square(depth_mm)
-    k2 = 4.0 / np.square(width_mm) - inv_d2
-    r = 1.0 / np.sqrt(inv_d2[_AB_ROWS] + c2 * k2[_AB_ROWS])
-    return r[0] + r[1] - dist
+    # coinciding centroids have no line between them: use the first crown's own axis
+    same = dist <= 1e-9
+    if np.count_nonzero(same):
+        dx, dy, dist2 = (np.where(same, a[..., 0, :], b) for a, b in ((ax, dx), (ay, dy), (n2, dist2)))
+    dot = ax * dx[..., None, :] + ay * dy[..., None, :]
+    c2 = np.minimum(dot * dot / np.maximum(n2 * dist2[..., None, :], 1e-300), 1.0)
+    r = 1.0 / np.sqrt(crowns.inv_d2 + c2 * crowns.k2)
+    return r[..., 0, :] + r[..., 1, :] - dist
+
+
+def contact_major(per_contact: np.ndarray) -> np.ndarray:
+    """Per-contact values (..., 26) laid out contact-major in memory (the array itself when it is,
+    else a copy), as indexing per-tooth arrays (..., 28) by contact lays out its result: sums over
+    contacts (and over stages) add in the order they always have."""
+    n = per_contact.ndim
+    out = np.empty((per_contact.shape[-1], *per_contact.shape[:-1])).transpose(*range(1, n), 0)
+    if per_contact.strides == out.strides:  # laid out so already
+        return per_contact
+    out[...] = per_contact
+    return out
 
 
 def collision_severity(penetration: np.ndarray) -> np.ndarray:
     """Per-stage collision severity in [0, 1] from (..., 26) penetrations: summed
     penetration beyond the contact tolerance over PENETRATION_SCALE_MM, capped at 1."""
     excess = np.maximum(penetration - COLLISION_TOLERANCE_MM, 0.0)
-    return np.minimum(np.sum(excess, axis=-1) / PENETRATION_SCALE_MM, 1.0)
+    return np.minimum(np.add.reduce(excess, axis=-1) / PENETRATION_SCALE_MM, 1.0)

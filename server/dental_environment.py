@@ -49,7 +49,7 @@ import numpy as np
 
 from server.cases import TASK_IDS, Case, generate_case
 from server.clinical_profiles import STRATEGIES
-from server.collisions import COLLISION_TOLERANCE_MM, arch_penetration_mm, collision_severity
+from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, contact_penetration_mm
 from server.dental_constants import (
     ADJACENT_PAIRS,
     CROWN_HEIGHT_MM,
@@ -114,10 +114,10 @@ def validate_poses(poses: object) -> np.ndarray:
                         f"got {type(v).__name__} {v!r:.40}"
                     )
         arr = np.array(poses, dtype=np.float64)
-    if not np.abs(arr).max() <= 1e6:  # also false for NaN
+    if not np.maximum.reduce(np.abs(arr), axis=None) <= 1e6:  # also false for NaN
         _raise_out_of_range(arr)
     norms = vector_norm(arr[:, :4])
-    if norms.min() < 1e-9:
+    if np.minimum.reduce(norms) < 1e-9:
         i = int(np.argmax(norms < 1e-9))
         raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
     arr[:, :4] /= norms[:, None]
@@ -464,7 +464,7 @@ class StepwiseDentalEnvironment:
                 arr = session.achieved[session.stage].copy()
         else:
             arr = validate_poses(poses)
-        pen = arch_penetration_mm(arr, session.case.crown_width_mm, session.case.crown_depth_mm)
+        pen = contact_penetration_mm(arr, session.case.contacts)
         hits = np.flatnonzero(pen > COLLISION_TOLERANCE_MM)
         return {
             "collision_free": bool(hits.size == 0),
@@ -538,7 +538,7 @@ class StepwiseDentalEnvironment:
         pdl_events = int(
             np.count_nonzero(pdl_stress_kpa(dist[0, mismatch], dist[1, mismatch]) > PDL_CRITICAL_KPA)
         )
-        pen = arch_penetration_mm(achieved, case.crown_width_mm, case.crown_depth_mm)
+        pen = contact_penetration_mm(achieved, case.contacts)
         colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
         acc_after = _accuracy(dist[:, PAIR_REMAINING], case.need_mm)
         penalty = STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))
@@ -625,9 +625,9 @@ def observation(session: Session, step_reward: float, breakdown: dict) -> dict:
         "non_compliance": case.non_compliance,
         "current_stage": s,
         "stages_remaining": N_STAGES - s,
-        "initial_config": [row[:] for row in case.initial_list],
+        "initial_config": list(map(list.copy, case.initial_list)),
         "current_config": current.tolist(),
-        "target_config": [row[:] for row in case.target_list],
+        "target_config": list(map(list.copy, case.target_list)),
         "per_tooth_progress": {
             "translation": progress[0],
             "rotation": progress[1],
@@ -660,7 +660,7 @@ def _check_stage(session: Session, expected_stage: int | None, what: str) -> Non
 def _accuracy(remaining: np.ndarray, need_mm: float) -> float:
     """Share of the required movement achieved (as server.scoring's accuracy), from the
     (2, 28) translation (mm) and rotation (deg) still to do and the summed need (mm-equivalent)."""
-    err = float(np.hypot(remaining[0], MM_PER_DEG * remaining[1]).sum())
+    err = float(np.add.reduce(np.hypot(remaining[0], MM_PER_DEG * remaining[1])))
     return min(max(1.0 - err / max(need_mm, 1e-9), 0.0), 1.0)
 
 

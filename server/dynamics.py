@@ -46,12 +46,15 @@ from server.dental_constants import (
     EXPRESSION_TRANSLATION,
     IS_UPPER,
     MM_PER_DEG,
+    N_TEETH,
     TOOTH_CLASS,
 )
 from server.quaternion_utils import (
+    components,
+    pose_distances,
     quaternion_angle,
     quaternion_from_rotvec,
-    quaternion_inverse,
+    quaternion_inverse_multiply,
     quaternion_multiply,
     quaternion_normalize,
     quaternion_slerp,
@@ -76,6 +79,7 @@ _ROTATION_RATES = (
     )
     / SEAT_FACTOR
 )  # (28, 3): torque, tip, rotation (per aligner)
+_TRANSLATION_RATE_COLUMN = _TRANSLATION_RATE[:, None]
 _INTRUSION_SIGN = np.where(IS_UPPER, 1.0, -1.0)
 _MAX_RATE = float(
     max(_TRANSLATION_RATE.max(), _INTRUSION_RATE.max(), _EXTRUSION_RATE.max(), _ROTATION_RATES.max())
@@ -120,23 +124,56 @@ def express_stage(
         step_t = vector_norm(planned[..., 4:] - planned_prev[..., 4:])
     if step_r is None:
         step_r = quaternion_angle(planned[..., :4], planned_prev[..., :4])
-    gap = planned[..., 4:] - achieved[..., 4:]
-    act = _shrink(gap, vector_norm(gap), SEAT_FACTOR * step_t)
-    rel = quaternion_to_rotvec(quaternion_multiply(quaternion_inverse(achieved[..., :4]), planned[..., :4]))
-    rel = _shrink(rel, vector_norm(rel), SEAT_FACTOR * step_r)
+    return _express(
+        planned,
+        achieved,
+        long_axis,
+        force_decay,
+        SEAT_FACTOR * np.array((step_t, step_r)),
+        bool(
+            force_decay
+            and step_t.size
+            and _cap_binds(np.maximum.reduce(step_t, axis=None), BIOLOGICAL_CAP_MM)
+        ),
+        bool(force_decay and step_r.size and _cap_binds(np.maximum.reduce(step_r, axis=None), _CAP_RAD)),
+    )
+
+
+def _cap_binds(peak_step: np.ndarray | float, cap: float) -> np.ndarray | bool:
+    """Whether the biological ``cap`` (mm or rad) can bind on an aligner whose largest designed step
+    is ``peak_step``: the engaged step times the highest rate bounds the movement."""
+    return SEAT_FACTOR * _MAX_RATE * peak_step > cap
+
+
+def _express(
+    planned: np.ndarray,
+    achieved: np.ndarray,
+    long_axis: np.ndarray | None,
+    force_decay: bool,
+    engage: np.ndarray,
+    cap_t: bool,
+    cap_r: bool,
+) -> np.ndarray:
+    """:func:`express_stage` given the stage's engagement limits ``SEAT_FACTOR * step``, (2, ..., 28)
+    (translation mm, rotation rad), and whether the biological caps can bind (:func:`_cap_binds`)."""
+    # the translation and rotation still to make, each shortened to the engaged step
+    both = np.array(
+        (
+            planned[..., 4:] - achieved[..., 4:],
+            quaternion_to_rotvec(quaternion_inverse_multiply(achieved[..., :4], planned[..., :4])),
+        )
+    )
+    act, rel = _shrink(both, vector_norm(both), engage)
     if force_decay:
         # R diag(t, t, v) R^T act with R the crown frame, t the bodily rate and v the vertical rate
         # along the long axis z: t act + (v - t) (act . z) z
         along = np.einsum("...i,...i->...", act, long_axis)
         vertical = np.where(along * _INTRUSION_SIGN > 0.0, _INTRUSION_RATE, _EXTRUSION_RATE)
-        act = (
-            _TRANSLATION_RATE[:, None] * act + ((vertical - _TRANSLATION_RATE) * along)[..., None] * long_axis
-        )
+        act = _TRANSLATION_RATE_COLUMN * act + ((vertical - _TRANSLATION_RATE) * along)[..., None] * long_axis
         rel = rel * _ROTATION_RATES
-        # the engaged step times the highest rate bounds the movement: cap only when it can bind
-        if step_t.size and SEAT_FACTOR * _MAX_RATE * float(step_t.max()) > BIOLOGICAL_CAP_MM:
+        if cap_t:
             act = _shrink(act, vector_norm(act), BIOLOGICAL_CAP_MM)
-        if step_r.size and SEAT_FACTOR * _MAX_RATE * float(step_r.max()) > _CAP_RAD:
+        if cap_r:
             rel = _shrink(rel, vector_norm(rel), _CAP_RAD)
     q = quaternion_normalize(quaternion_multiply(achieved[..., :4], quaternion_from_rotvec(rel)))
     return np.concatenate((q, achieved[..., 4:] + act), axis=-1)
@@ -156,31 +193,49 @@ def apply_wear(previous: np.ndarray, expressed: np.ndarray, wear: np.ndarray) ->
     return np.concatenate((q, t), axis=-1)
 
 
+def designed_steps(planned: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each aligner's designed step from the previous one: translation (mm) and rotation (rad),
+    (..., S - 1, 28) each, of a planned trajectory (..., S, 28, 7)."""
+    poses = components(planned)  # (7, ..., S, 28)
+    return pose_distances(poses[..., 1:, :], poses[..., :-1, :])
+
+
 def simulate(
-    planned: np.ndarray, force_decay: bool, long_axis: np.ndarray | None, wear: np.ndarray | None = None
+    planned: np.ndarray,
+    force_decay: bool,
+    long_axis: np.ndarray | None,
+    wear: np.ndarray | None = None,
+    steps: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Achieved trajectory (..., 25, 28, 7) from a planned one (stage 0 = initial).
 
     ``long_axis``: (..., 28, 3) the target crowns' long axes (:attr:`server.cases.Case.long_axis`),
     needed (not None) under force decay only. ``wear``: (..., 24, 28) compliance schedule of the cases, None for
-    full wear.
+    full wear. ``steps``: the planned trajectory's designed steps (mm, rad), (..., 24, 28) each, when
+    already at hand (:func:`designed_steps`).
     """
     if not force_decay and wear is None:
         return planned
     achieved = np.empty_like(planned)
     achieved[..., 0, :, :] = planned[..., 0, :, :]
-    steps_t = vector_norm(np.diff(planned[..., 4:], axis=-3))  # (..., 24, 28) designed steps
-    steps_r = quaternion_angle(planned[..., 1:, :, :4], planned[..., :-1, :, :4])
-    for s in range(1, planned.shape[-3]):
+    steps_t, steps_r = designed_steps(planned) if steps is None else steps
+    # what does not depend on the achieved poses, for every stage at once
+    n = planned.shape[-3] - 1
+    engage = SEAT_FACTOR * np.array((steps_t, steps_r))  # (2, ..., 24, 28)
+    cap_t = cap_r = np.zeros(n, dtype=bool)
+    if force_decay and steps_t.size:  # each aligner's largest step over the batch and the teeth
+        cap_t = _cap_binds(steps_t.reshape(-1, n, N_TEETH).max(axis=(0, 2)), BIOLOGICAL_CAP_MM)
+        cap_r = _cap_binds(steps_r.reshape(-1, n, N_TEETH).max(axis=(0, 2)), _CAP_RAD)
+    for s in range(1, n + 1):
         previous = achieved[..., s - 1, :, :]
-        stage = express_stage(
+        stage = _express(
             planned[..., s, :, :],
-            planned[..., s - 1, :, :],
             previous,
             long_axis,
             force_decay,
-            steps_t[..., s - 1, :],
-            steps_r[..., s - 1, :],
+            engage[..., s - 1, :],
+            bool(cap_t[s - 1]),
+            bool(cap_r[s - 1]),
         )
         if wear is not None:
             stage = apply_wear(previous, stage, wear[..., s - 1, :])

@@ -39,7 +39,7 @@ import numpy as np
 
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import DEFAULT_PRIORITY, N_STAGES, N_TEETH, PRIORITY_START_STAGE, TOOTH_INDEX
-from server.quaternion_utils import quaternion_slerp
+from server.quaternion_utils import components, slerp_components
 
 UNIFORM_FRACTION: float = 1.0 / N_STAGES
 MAX_OVERCORRECTION: float = 1.0
@@ -94,13 +94,10 @@ def _is_number(x: object) -> bool:
 
 def normalize_plan(plan: object) -> PlanSpec:
     """Reduce any JSON-like value to a PlanSpec, applying the semantics above. Never raises."""
-    start = np.ones(N_TEETH, dtype=np.int64)
-    fraction = np.full(N_TEETH, UNIFORM_FRACTION)
-    over = np.zeros(N_TEETH)
     fmt = PlanFormat()
     strategy = None
     if not isinstance(plan, dict):
-        return PlanSpec(start, fraction, None, fmt)
+        return _plan_spec(None, None, None, None, fmt)
     fmt.is_object = True
     raw_strategy = plan.get("strategy")
     if isinstance(raw_strategy, str) and raw_strategy in STRATEGIES:
@@ -108,10 +105,14 @@ def normalize_plan(plan: object) -> PlanSpec:
         fmt.strategy_known = True
     groups = plan.get("tooth_groups")
     if not isinstance(groups, list):
-        return PlanSpec(start, fraction, strategy, fmt)
+        return _plan_spec(None, None, None, strategy, fmt)
     fmt.has_groups = True
     fmt.groups = len(groups)
-    assigned = np.zeros(N_TEETH, dtype=bool)
+    # per-tooth values as Python lists (one array each at the end)
+    start = [1] * N_TEETH
+    fraction = [UNIFORM_FRACTION] * N_TEETH
+    over = [0.0] * N_TEETH
+    assigned = [False] * N_TEETH
     for k, group in enumerate(groups):
         if k >= MAX_GROUPS:
             fmt.ignored_groups = len(groups) - MAX_GROUPS
@@ -146,8 +147,9 @@ def normalize_plan(plan: object) -> PlanSpec:
             continue
         fmt.valid_groups += 1
         set_any = False
+        f = float(f)
         for tooth in teeth[: N_TEETH * 4]:
-            index = TOOTH_INDEX.get(tooth) if isinstance(tooth, int) and not isinstance(tooth, bool) else None
+            index = TOOTH_INDEX.get(tooth) if type(tooth) is int or _is_tooth_id(tooth) else None
             if index is None:
                 fmt.invalid_teeth += 1
             elif assigned[index]:
@@ -156,10 +158,28 @@ def normalize_plan(plan: object) -> PlanSpec:
                 assigned[index] = True
                 set_any = True
                 start[index] = first
-                fraction[index] = float(f)
+                fraction[index] = f
                 over[index] = oc
         fmt.usable_groups += set_any
-    return PlanSpec(start, fraction, strategy, fmt, over if over.any() else None)
+    return _plan_spec(start, fraction, over, strategy, fmt)
+
+
+def _is_tooth_id(x: object) -> bool:
+    """An integer that can be a tooth id (booleans are not)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _plan_spec(
+    start: list | None, fraction: list | None, over: list | None, strategy: str | None, fmt: PlanFormat
+) -> PlanSpec:
+    """The PlanSpec of per-tooth lists (None: uniform SLERP from stage 1, no overcorrection)."""
+    return PlanSpec(
+        np.ones(N_TEETH, dtype=np.int64) if start is None else np.array(start, dtype=np.int64),
+        np.full(N_TEETH, UNIFORM_FRACTION) if fraction is None else np.array(fraction, dtype=np.float64),
+        strategy,
+        fmt,
+        np.array(over, dtype=np.float64) if over is not None and any(over) else None,
+    )
 
 
 def planned_progress(
@@ -184,6 +204,8 @@ def interpolate_poses(initial: np.ndarray, target: np.ndarray, progress: np.ndar
     q1 = target[..., None, :, :4]
     t0 = initial[..., None, :, 4:]
     t1 = target[..., None, :, 4:]
-    q = quaternion_slerp(q0, q1, progress)
-    t = t0 + progress[..., None] * (t1 - t0)
-    return np.concatenate((q, t), axis=-1)
+    out = np.empty((*np.broadcast_shapes(progress.shape, t0.shape[:-1]), 7))
+    planes = np.moveaxis(out, -1, 0)  # computed plane by plane (long inner loops), the same numbers
+    planes[:4] = slerp_components(q0, q1, progress)
+    planes[4:] = components(t0) + progress * components(t1 - t0)
+    return out

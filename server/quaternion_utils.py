@@ -12,6 +12,17 @@ import numpy as np
 _EPS = 1e-12
 
 
+def stack_components(parts: tuple[np.ndarray, ...] | list[np.ndarray]) -> np.ndarray:
+    """``np.stack(parts, axis=-1)`` of k float arrays of one shape (...): a C-ordered (..., k) float64
+    array, filled component by component (np.stack's Python overhead is most of its cost on the
+    small arrays of the hot path)."""
+    first = np.asarray(parts[0])
+    out = np.empty((*first.shape, len(parts)))
+    for i, part in enumerate(parts):
+        out[..., i] = part
+    return out
+
+
 def vector_norm(v: np.ndarray) -> np.ndarray:
     """Euclidean norm over the last axis, (..., n) -> (...) (np.linalg.norm's overhead is
     most of its cost on the small arrays of the hot path)."""
@@ -23,7 +34,8 @@ def quaternion_normalize(q: np.ndarray) -> np.ndarray:
     q = np.asarray(q, dtype=np.float64)
     n = vector_norm(q)[..., None]
     q = q / np.maximum(n, _EPS)
-    return np.where(q[..., :1] < 0.0, -q, q)
+    negative = q[..., :1] < 0.0
+    return np.where(negative, -q, q) if np.count_nonzero(negative) else q
 
 
 def quaternion_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -39,14 +51,13 @@ def quaternion_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return (a[..., _LEFT_INDEX] * _LEFT_SIGN @ b[..., None])[..., 0]
     aw, ax, ay, az = a[..., 0], a[..., 1], a[..., 2], a[..., 3]
     bw, bx, by, bz = b[..., 0], b[..., 1], b[..., 2], b[..., 3]
-    return np.stack(
+    return stack_components(
         (
             aw * bw - ax * bx - ay * by - az * bz,
             aw * bx + ax * bw + ay * bz - az * by,
             aw * by - ax * bz + ay * bw + az * bx,
             aw * bz + ax * by - ay * bx + az * bw,
-        ),
-        axis=-1,
+        )
     )
 
 
@@ -58,10 +69,26 @@ _LEFT_SIGN = np.array([[1, -1, -1, -1], [1, 1, -1, 1], [1, 1, 1, -1], [1, -1, 1,
 """``L(a) = a[_LEFT_INDEX] * _LEFT_SIGN`` is the matrix with ``a * b = L(a) @ b``."""
 
 
+def quaternion_inverse_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``quaternion_multiply(quaternion_inverse(a), b)`` for unit ``a``: the rotation from ``a`` to
+    ``b`` in ``a``'s frame. Up to SMALL_BATCH quaternions the conjugation is folded into the
+    product's matrix (signs only: the same numbers)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.size <= 4 * SMALL_BATCH and b.size <= 4 * SMALL_BATCH:
+        return (a[..., _LEFT_INDEX] * _CONJUGATE_LEFT_SIGN @ b[..., None])[..., 0]
+    return quaternion_multiply(quaternion_inverse(a), b)
+
+
 def quaternion_inverse(q: np.ndarray) -> np.ndarray:
     """Inverse of unit quaternion(s): the conjugate."""
     q = np.asarray(q, dtype=np.float64)
-    return q * np.array([1.0, -1.0, -1.0, -1.0])
+    return q * _CONJUGATE
+
+
+_CONJUGATE = np.array([1.0, -1.0, -1.0, -1.0])
+_CONJUGATE_LEFT_SIGN = _CONJUGATE[_LEFT_INDEX] * _LEFT_SIGN
+"""``L(conj(a)) = a[_LEFT_INDEX] * _CONJUGATE_LEFT_SIGN``."""
 
 
 def quaternion_angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -73,10 +100,18 @@ def quaternion_angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
-    d = a - b
-    s = a + b
-    chord2 = np.minimum(np.einsum("...i,...i->...", d, d), np.einsum("...i,...i->...", s, s))
+    if a.size <= 4 * SMALL_BATCH and b.size <= 4 * SMALL_BATCH:  # one array, one einsum: fewer calls
+        ds = a[..., None, :] + b[..., None, :] * _MINUS_PLUS  # (..., 2, 4): a - b, a + b
+        chord2 = np.einsum("...i,...i->...", ds, ds)
+        chord2 = np.minimum(chord2[..., 0], chord2[..., 1])
+    else:  # (broadcasting the signs over four components is slow on big batches)
+        d = a - b
+        s = a + b
+        chord2 = np.minimum(np.einsum("...i,...i->...", d, d), np.einsum("...i,...i->...", s, s))
     return 4.0 * np.arcsin(np.minimum(0.5 * np.sqrt(chord2), 1.0))
+
+
+_MINUS_PLUS = np.array([[-1.0], [1.0]])
 
 
 def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> np.ndarray:
@@ -84,19 +119,88 @@ def quaternion_slerp(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> n
 
     ``t`` broadcasts against the leading axes of q0/q1 (``t[..., None]`` is applied).
     """
+    w0, w1, q0, q1 = _slerp_weights(q0, q1, t)
+    if w0.size <= SMALL_BATCH:  # few quaternions: blended whole (fewer calls)
+        return quaternion_normalize(w0 * q0 + w1 * q1)
+    qc = _blend_components(w0, w1, q0, q1)
+    out = np.empty((*qc.shape[1:], 4))
+    out[...] = np.moveaxis(qc, 0, -1)
+    return out
+
+
+def slerp_components(q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float) -> np.ndarray:
+    """:func:`quaternion_slerp`, component-major: a C-ordered (4, ...) array (w, x, y, z planes)."""
+    w0, w1, q0, q1 = _slerp_weights(q0, q1, t)
+    if w0.size <= SMALL_BATCH:
+        return components(quaternion_normalize(w0 * q0 + w1 * q1))
+    return _blend_components(w0, w1, q0, q1)
+
+
+def _slerp_weights(
+    q0: np.ndarray, q1: np.ndarray, t: np.ndarray | float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """SLERP's weights of q0 and q1, (..., 1) each, and the two quaternions (q1 sign-aligned with q0)."""
     q0 = np.asarray(q0, dtype=np.float64)
     q1 = np.asarray(q1, dtype=np.float64)
     t = np.asarray(t, dtype=np.float64)[..., None]
-    dot = np.sum(q0 * q1, axis=-1, keepdims=True)
-    q1 = np.where(dot < 0.0, -q1, q1)
-    dot = np.clip(np.abs(dot), 0.0, 1.0)
+    dot = np.add.reduce(q0 * q1, axis=-1, keepdims=True)
+    opposite = dot < 0.0
+    if np.count_nonzero(opposite):
+        q1 = np.where(opposite, -q1, q1)
+    dot = np.minimum(np.abs(dot), 1.0)  # clip(|dot|, 0, 1)
     theta = np.arccos(dot)
     sin_theta = np.sin(theta)
     small = sin_theta < 1e-6
-    safe = np.where(small, 1.0, sin_theta)
-    w0 = np.where(small, 1.0 - t, np.sin((1.0 - t) * theta) / safe)
-    w1 = np.where(small, t, np.sin(t * theta) / safe)
-    return quaternion_normalize(w0 * q0 + w1 * q1)
+    u = 1.0 - t
+    if np.count_nonzero(small):
+        safe = np.where(small, 1.0, sin_theta)
+        w0 = np.where(small, u, np.sin(u * theta) / safe)
+        w1 = np.where(small, t, np.sin(t * theta) / safe)
+    else:
+        w0, w1 = np.sin(u * theta) / sin_theta, np.sin(t * theta) / sin_theta
+    return w0, w1, q0, q1
+
+
+def _blend_components(w0: np.ndarray, w1: np.ndarray, q0: np.ndarray, q1: np.ndarray) -> np.ndarray:
+    """``quaternion_normalize(w0 * q0 + w1 * q1)`` with its arithmetic, component-major (4, ...): the
+    weights broadcast over long inner loops instead of over the quaternions' four components
+    (what makes big batches slow)."""
+    w0, w1 = w0[None, ..., 0], w1[None, ..., 0]
+    q = w0 * components(q0) + w1 * components(q1)
+    q = q / np.maximum(np.sqrt(_norm2(q)), _EPS)
+    if np.count_nonzero(q[0] < 0.0):
+        q = np.where(q[0] < 0.0, -q, q)
+    return q
+
+
+def components(v: np.ndarray) -> np.ndarray:
+    """A C-ordered copy of vectors (..., n) component-major: (n, ...)."""
+    return np.ascontiguousarray(np.moveaxis(v, -1, 0))
+
+
+def pose_distances(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Translation (mm) and rotation (rad) between poses given component-major, (7, ...) each
+    (:func:`components` of (..., 7) poses): ``vector_norm`` of the translations' difference and
+    ``quaternion_angle`` of the rotations, with their arithmetic (the squared norms summed in the
+    order their einsum adds contiguous components), plane by plane: fast on big batches."""
+    dt = a[4:] - b[4:]
+    t = np.sqrt(_norm2_3(dt))
+    chord2 = np.minimum(_norm2(a[:4] - b[:4]), _norm2(a[:4] + b[:4]))
+    return t, 4.0 * np.arcsin(np.minimum(0.5 * np.sqrt(chord2), 1.0))
+
+
+def _norm2_3(v: np.ndarray) -> np.ndarray:
+    """Squared norm of 3-vectors stored component-major (3, ...), in the order :func:`vector_norm`'s
+    einsum adds three contiguous components: ``(x^2 + z^2) + y^2``."""
+    x, y, z = v
+    return (x * x + z * z) + y * y
+
+
+def _norm2(q: np.ndarray) -> np.ndarray:
+    """Squared norm of quaternions stored component-major (4, ...): the sum in the order
+    :func:`vector_norm`'s einsum adds four contiguous components, ``(w^2 + y^2) + (x^2 + z^2)``."""
+    w, x, y, z = q
+    return (w * w + y * y) + (x * x + z * z)
 
 
 def quaternion_from_rotvec(v: np.ndarray) -> np.ndarray:
@@ -145,14 +249,14 @@ def quaternion_axis(q: np.ndarray, k: int) -> np.ndarray:
         row = (2.0 * (x * y - w * z), 1.0 - 2.0 * (x * x + z * z), 2.0 * (y * z + w * x))
     else:
         row = (2.0 * (x * z + w * y), 2.0 * (y * z - w * x), 1.0 - 2.0 * (x * x + y * y))
-    return np.stack(row, axis=-1)
+    return stack_components(row)
 
 
 def _cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """np.cross for (..., 3) arrays without its axis bookkeeping (hot path)."""
     a0, a1, a2 = a[..., 0], a[..., 1], a[..., 2]
     b0, b1, b2 = b[..., 0], b[..., 1], b[..., 2]
-    return np.stack((a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0), axis=-1)
+    return stack_components((a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0))
 
 
 def quaternion_about_axis(axis: np.ndarray, angle: np.ndarray) -> np.ndarray:

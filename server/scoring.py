@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from server.clinical_profiles import SEQUENCED_TEETH, STRATEGY_LEVELS, strategy_multiplier_class
-from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, penetration_mm
+from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, contact_major, penetration_mm
 from server.dental_constants import (
     ALIGNER_FORCE_N_PER_DEG,
     ALIGNER_FORCE_N_PER_MM,
@@ -78,10 +78,10 @@ from server.dental_constants import (
     PDL_OPTIMAL_KPA,
     ROOT_AREA_MM2,
 )
-from server.dynamics import engaged
+from server.dynamics import designed_steps, engaged
 from server.movement_priors import CombinedPrior
 from server.occlusion import occlusion_composite
-from server.quaternion_utils import quaternion_angle, vector_norm
+from server.quaternion_utils import components, pose_distances, quaternion_angle, vector_norm
 from server.reward_scaler import scale_rewards
 
 MOVEMENT_EPS_MM: float = 0.05
@@ -111,6 +111,9 @@ OCCLUSION_CHECKPOINTS: tuple[int, ...] = (4, 8, 12, 16, 20, 24)
 """Aligners at which ``occlusion_course`` judges the achieved bite (24 = the final one)."""
 OCCLUSION_GAIN_FLOOR: float = 0.02
 """Smallest occlusion gap (target - initial) a gain is measured against."""
+_CHECKPOINTS = np.array(OCCLUSION_CHECKPOINTS)
+_NO_LEVELS = np.zeros(28, dtype=np.int64)
+_ALL_TEETH = np.ones(28, dtype=bool)
 
 _PRIOR = CombinedPrior()
 
@@ -124,9 +127,8 @@ def movement_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def increments(poses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Translation (mm) and rotation (deg) from each stage to the next: (..., S-1, 28) each."""
-    t = vector_norm(np.diff(poses[..., 4:], axis=-3))
-    r = np.degrees(quaternion_angle(poses[..., 1:, :, :4], poses[..., :-1, :, :4]))
-    return t, r
+    t, r = designed_steps(poses)
+    return t, np.degrees(r)
 
 
 def limit_ratio(inc_t: np.ndarray, inc_r: np.ndarray) -> np.ndarray:
@@ -214,21 +216,52 @@ class StageMeasures:
 
 
 def stage_measures(
-    planned: np.ndarray, achieved: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
+    planned: np.ndarray,
+    achieved: np.ndarray,
+    width_mm: np.ndarray,
+    depth_mm: np.ndarray,
+    lagging: np.ndarray | None = None,
+    steps: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> StageMeasures:
-    """StageMeasures of (B, 25, 28, 7) planned and achieved trajectories; ``achieved is
-    planned`` (ideal dynamics) skips the second pass."""
-    inc_t, inc_r = increments(planned)
+    """StageMeasures of (B, 25, 28, 7) planned and achieved trajectories.
+
+    ``achieved is planned`` (ideal dynamics) skips the second pass; ``lagging`` (B,) bool marks
+    the rows whose teeth may lag the plan (the others' achieved trajectory is their planned one, so
+    their mismatches and achieved increments are the planned increments: only the lagging rows
+    are measured twice); None: every row. ``steps``: the planned trajectories' designed steps (mm,
+    rad), (B, 24, 28) each, when at hand (:func:`server.dynamics.designed_steps`).
+    """
+    inc_t, inc_r = designed_steps(planned) if steps is None else steps
+    inc_r = np.degrees(inc_r)
+    if lagging is not None and not lagging.any():
+        achieved = planned
     if achieved is planned:  # the teeth sit exactly in the previous aligner
         mis_t, mis_r = inc_t, inc_r
         achieved_mm = np.hypot(inc_t, MM_PER_DEG * inc_r)
+    elif lagging is None or lagging.all():
+        mis_t, mis_r, achieved_mm = _lag_measures(planned, achieved, inc_t, inc_r)
     else:
-        mis_t = engaged(vector_norm(planned[:, 1:, :, 4:] - achieved[:, :-1, :, 4:]), inc_t)
-        mis_r = engaged(np.degrees(quaternion_angle(planned[:, 1:, :, :4], achieved[:, :-1, :, :4])), inc_r)
-        a_t, a_r = increments(achieved)
-        achieved_mm = np.hypot(a_t, MM_PER_DEG * a_r)
-    pen = penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None])
+        mis_t, mis_r, achieved_mm = inc_t.copy(), inc_r.copy(), np.hypot(inc_t, MM_PER_DEG * inc_r)
+        mis_t[lagging], mis_r[lagging], achieved_mm[lagging] = _lag_measures(
+            planned[lagging], achieved[lagging], inc_t[lagging], inc_r[lagging]
+        )
+    pen = contact_major(penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None]))
     return StageMeasures(inc_t, inc_r, mis_t, mis_r, achieved_mm, pen)
+
+
+def _lag_measures(
+    planned: np.ndarray, achieved: np.ndarray, inc_t: np.ndarray, inc_r: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """StageMeasures' ``mis_t``, ``mis_r`` and ``achieved_mm`` of trajectories whose teeth lag the
+    plan, given their planned increments (mm, deg)."""
+    planned, achieved = components(planned), components(achieved)  # (7, B, 25, 28)
+    mis_t, mis_r = pose_distances(planned[..., 1:, :], achieved[..., :-1, :])
+    a_t, a_r = pose_distances(achieved[..., 1:, :], achieved[..., :-1, :])
+    return (
+        engaged(mis_t, inc_t),
+        engaged(np.degrees(mis_r), inc_r),
+        np.hypot(a_t, MM_PER_DEG * np.degrees(a_r)),
+    )
 
 
 def hard_rule_breaches(
@@ -299,7 +332,11 @@ def score_episodes(
     """
     b = initial.shape[0]
     final = achieved[:, -1]
-    need = movement_mm(initial, target)  # (B, 28)
+    # every per-tooth distance in one pass: initial -> target (the need), last aligner -> target,
+    # final -> target, initial -> final (the movement delivered)
+    need, plan_error, final_error, delivered = movement_mm(
+        np.array((initial, planned[:, -1], final, initial)), np.array((target, target, target, final))
+    )  # (B, 28) each
     treated = need > MOVEMENT_EPS_MM
 
     m = stage_measures(planned, achieved, width_mm, depth_mm) if measures is None else measures
@@ -310,9 +347,10 @@ def score_episodes(
 
     ratio = limit_ratio(inc_t, inc_r)
     violations = ratio > 1.0 + LIMIT_TOLERANCE
-    limits = _masked_mean(np.clip(1.0 - (ratio.max(axis=-2) - 1.0 - LIMIT_TOLERANCE), 0.0, 1.0), judged, 1.0)
-    reaches = movement_mm(planned[:, -1], target) <= MOVEMENT_EPS_MM
-    executable = _masked_mean((ratio.max(axis=-2) <= 1.0 + LIMIT_TOLERANCE) & reaches, treated, 1.0)
+    peak_ratio = ratio.max(axis=-2)
+    limits = _masked_mean(np.clip(1.0 - (peak_ratio - 1.0 - LIMIT_TOLERANCE), 0.0, 1.0), judged, 1.0)
+    reaches = plan_error <= MOVEMENT_EPS_MM
+    executable = _masked_mean((peak_ratio <= 1.0 + LIMIT_TOLERANCE) & reaches, treated, 1.0)
 
     stress = pdl_stress_kpa(m.mis_t, m.mis_r)  # (B, 24, 28)
     breaches = hard_rule_breaches(m, ratio, stress)
@@ -322,8 +360,8 @@ def score_episodes(
     pen = m.penetration  # (B, 24, 26)
     collision_free = 1.0 - collision_severity(pen).mean(axis=-1)
 
-    accuracy = np.clip(1.0 - movement_mm(final, target).sum(-1) / np.maximum(need.sum(-1), 1e-9), 0.0, 1.0)
-    checkpoints = np.array(OCCLUSION_CHECKPOINTS)
+    accuracy = np.clip(1.0 - final_error.sum(-1) / np.maximum(need.sum(-1), 1e-9), 0.0, 1.0)
+    checkpoints = _CHECKPOINTS
     occ = occlusion_composite(
         np.concatenate((achieved[:, checkpoints], initial[:, None], target[:, None]), axis=1),
         target[:, None],
@@ -342,8 +380,8 @@ def score_episodes(
 
     starts = start_stages(inc_mm)
     declared = [s if s in STRATEGY_LEVELS else None for s in strategies]
-    levels = np.stack([STRATEGY_LEVELS[s] if s else np.zeros(28, dtype=np.int64) for s in declared])
-    sequenced = np.stack([SEQUENCED_TEETH[s] if s else np.ones(28, dtype=bool) for s in declared])
+    levels = np.array([STRATEGY_LEVELS[s] if s else _NO_LEVELS for s in declared])
+    sequenced = np.array([SEQUENCED_TEETH[s] if s else _ALL_TEETH for s in declared])
     rho = sequence_concordance(levels, movement_centroid(inc_mm), treated & sequenced)
     has_strategy = np.array([s is not None for s in declared])
     staging = np.where(has_strategy, (rho + 1.0) / 2.0, 0.5)
@@ -360,7 +398,7 @@ def score_episodes(
 
     realism, anchorage, prior = (
         np.asarray(x, dtype=float).reshape(b)
-        for x in _PRIOR.parts_from_movement(movement_mm(initial, final), stage_mm=m.achieved_mm)
+        for x in _PRIOR.parts_from_movement(delivered, stage_mm=m.achieved_mm)
     )
 
     components = {

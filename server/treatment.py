@@ -7,10 +7,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from server.cases import Case, CaseKey, generate_case
-from server.dynamics import simulate
+from server.dynamics import designed_steps, simulate
 from server.plans import PlanSpec, interpolate_poses, normalize_plan, planned_progress
 from server.reward_scaler import broken_rules
-from server.scoring import score_episodes
+from server.scoring import score_episodes, stage_measures
 
 BATCH_CHUNK: int = 128
 """Plans scored per vectorised chunk: bounds memory (~25 MB a chunk) at full speed."""
@@ -33,6 +33,14 @@ def plan_result(spec: PlanSpec, scores, i: int) -> dict:
 
 def rollout_plans(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> tuple[np.ndarray, np.ndarray]:
     """Planned and achieved trajectories (B, 25, 28, 7) of plans on their cases."""
+    return _rollout(specs, cases)[:2]
+
+
+def _rollout(
+    specs: Sequence[PlanSpec], cases: Sequence[Case]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """:func:`rollout_plans`, with the rows whose teeth may lag the plan (B,) bool and, when some
+    do, the planned trajectories' designed steps (:func:`server.dynamics.designed_steps`)."""
     initial = np.stack([c.initial for c in cases])
     target = np.stack([c.target for c in cases])
     over = None
@@ -45,14 +53,19 @@ def rollout_plans(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> tuple[np.
     achieved = planned
     decay = np.array([c.force_decay for c in cases])
     worn = np.array([c.non_compliance for c in cases])
+    lagging = decay | worn
+    steps = None
     for force_decay, non_compliance in {(d, w) for d, w in zip(decay, worn) if d or w}:
         if achieved is planned:
             achieved = planned.copy()
+            steps = designed_steps(planned)
         rows = (decay == force_decay) & (worn == non_compliance)
         wear = np.stack([c.wear for c, r in zip(cases, rows) if r]) if non_compliance else None
         long_axis = np.stack([c.long_axis for c, r in zip(cases, rows) if r]) if force_decay else None
-        achieved[rows] = simulate(planned[rows], bool(force_decay), long_axis, wear)
-    return planned, achieved
+        achieved[rows] = simulate(
+            planned[rows], bool(force_decay), long_axis, wear, (steps[0][rows], steps[1][rows])
+        )
+    return planned, achieved, lagging, steps
 
 
 def score_plan_specs(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> list[dict]:
@@ -62,18 +75,21 @@ def score_plan_specs(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> list[d
     out: list[dict] = []
     for lo in range(0, len(specs), BATCH_CHUNK):
         s_chunk, c_chunk = specs[lo : lo + BATCH_CHUNK], cases[lo : lo + BATCH_CHUNK]
-        planned, achieved = rollout_plans(s_chunk, c_chunk)
+        planned, achieved, lagging, steps = _rollout(s_chunk, c_chunk)
+        width_mm = np.stack([c.crown_width_mm for c in c_chunk])
+        depth_mm = np.stack([c.crown_depth_mm for c in c_chunk])
         scores = score_episodes(
             initial=planned[:, 0],
             target=np.stack([c.target for c in c_chunk]),
-            width_mm=np.stack([c.crown_width_mm for c in c_chunk]),
-            depth_mm=np.stack([c.crown_depth_mm for c in c_chunk]),
+            width_mm=width_mm,
+            depth_mm=depth_mm,
             planned=planned,
             achieved=achieved,
             profiles=[c.profile for c in c_chunk],
             secondary_profiles=[c.secondary_profile for c in c_chunk],
             strategies=[s.strategy for s in s_chunk],
             validity=np.array([s.format.validity for s in s_chunk]),
+            measures=stage_measures(planned, achieved, width_mm, depth_mm, lagging, steps),
         )
         out.extend(plan_result(s, scores, i) for i, s in enumerate(s_chunk))
     return out

@@ -12,7 +12,7 @@ import pytest
 
 from server import cases as cases_module
 from server.cases import TASK_IDS, generate_case
-from server.collisions import arch_penetration_mm, penetration_mm
+from server.collisions import contact_penetration_mm, penetration_mm
 from server.dental_constants import N_STAGES, TOOTH_IDS, TOOTH_INDEX
 from server.dental_environment import MAX_ROLLBACKS, StepwiseDentalEnvironment
 from server.errors import InvalidActionError, StageConflictError, UnknownEpisodeError
@@ -596,7 +596,7 @@ def test_expected_stage_refuses_a_duplicated_step():
     assert conflict.value.current_stage == 1 and env.state(obs["episode_id"])["current_stage"] == 1
 
 
-def test_arch_penetration_is_bit_identical_to_the_general_path() -> None:
+def test_one_arch_penetration_is_bit_identical_to_the_general_path() -> None:
     """The stepwise hot path's one-arch penetration gives the batch function's bits (the
     episode's rewards and the plan scorer's stay equal), coinciding centroids included."""
     rng = np.random.default_rng(14)
@@ -610,5 +610,5 @@ def test_arch_penetration_is_bit_identical_to_the_general_path() -> None:
                 poses[:, :4] /= np.linalg.norm(poses[:, :4], axis=1, keepdims=True)
                 if k == 5:
                     poses[6, 4:6] = poses[5, 4:6]  # two centroids at one place
-                fast = arch_penetration_mm(poses, width, depth)
+                fast = contact_penetration_mm(poses, case.contacts)
                 assert fast.tobytes() == penetration_mm(poses, width, depth).tobytes()
