@@ -209,16 +209,22 @@ def _resolve_penetration(
     # the rotations' SLERP, the crown axes and the crowns' contact terms are computed once
     q = poses[None, :, :4]
     axes = pair_axes(np.concatenate((q, quaternion_slerp(q, target[None, :, :4], _SWEEP_PROGRESS))))
+    # the poses' row alone until it clears (most rounds), then the sweep's rows: element by element
+    # the same numbers as one pass over all rows
+    axes_poses = tuple(a[:1] for a in axes)
+    axes_sweep = tuple(a[1:] for a in axes)
     crowns = crown_contacts(width, depth)
     end = target[CONTACT_CROWNS, 4:6]  # (2, 26, 2) the contacts' crowns' target positions
     for _ in range(60):
         start = end + t[CONTACT_CROWNS, :2]  # the poses' positions (target + t, as below)
         # the same arithmetic as interpolate_poses' translation (row 0: start + 0)
-        pen = penetration_along_axes(axes, start + _STACK_PROGRESS * (end - start), crowns)
+        delta = end - start
+        pen = penetration_along_axes(axes_poses, start + _STACK_PROGRESS[:1] * delta, crowns)
         excess = pen[0] - INITIAL_CLEARANCE_MM
         over = excess > 0.0
         if not np.count_nonzero(over):
-            excess = np.maximum.reduce(pen[1:], axis=0) - SWEEP_CLEARANCE_MM
+            pen = penetration_along_axes(axes_sweep, start + _STACK_PROGRESS[1:] * delta, crowns)
+            excess = np.maximum.reduce(pen, axis=0) - SWEEP_CLEARANCE_MM
             over = excess > 0.0
             if not np.count_nonzero(over):
                 break

@@ -51,6 +51,7 @@ from server.dental_constants import (
 )
 from server.quaternion_utils import (
     components,
+    dot_last,
     pose_distances,
     quaternion_angle,
     quaternion_from_rotvec,
@@ -167,7 +168,7 @@ def _express(
     if force_decay:
         # R diag(t, t, v) R^T act with R the crown frame, t the bodily rate and v the vertical rate
         # along the long axis z: t act + (v - t) (act . z) z
-        along = np.einsum("...i,...i->...", act, long_axis)
+        along = dot_last(act, long_axis)
         vertical = np.where(along * _INTRUSION_SIGN > 0.0, _INTRUSION_RATE, _EXTRUSION_RATE)
         act = _TRANSLATION_RATE_COLUMN * act + ((vertical - _TRANSLATION_RATE) * along)[..., None] * long_axis
         rel = rel * _ROTATION_RATES

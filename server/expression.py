@@ -24,6 +24,7 @@ import numpy as np
 
 from server.dental_constants import IS_UPPER, MM_PER_DEG, TOOTH_CLASS, TOOTH_CLASSES
 from server.quaternion_utils import (
+    dot_last,
     quaternion_inverse,
     quaternion_multiply,
     quaternion_to_rotvec,
@@ -44,19 +45,19 @@ def components(initial: np.ndarray, target: np.ndarray, final: np.ndarray, long_
     need = target[..., 4:] - initial[..., 4:]
     got = final[..., 4:] - initial[..., 4:]
     z = long_axis
-    need_v = np.einsum("...i,...i->...", need, z)
-    got_v = np.einsum("...i,...i->...", got, z)
+    need_v = dot_last(need, z)
+    got_v = dot_last(got, z)
     need_h = need - need_v[..., None] * z
     got_h = got - got_v[..., None] * z
     need_h_len = np.linalg.norm(need_h, axis=-1)
-    got_h_on = np.einsum("...i,...i->...", got_h, need_h) / np.maximum(need_h_len, 1e-12)
+    got_h_on = dot_last(got_h, need_h) / np.maximum(need_h_len, 1e-12)
     intrudes = need_v * _INTRUSION_SIGN > 0.0
     # rotations in the initial crown's frame: about its local z (the long axis) and the other two
     q0_inv = quaternion_inverse(initial[..., :4])
     need_r = np.degrees(quaternion_to_rotvec(quaternion_multiply(q0_inv, target[..., :4])))
     got_r = np.degrees(quaternion_to_rotvec(quaternion_multiply(q0_inv, final[..., :4])))
     need_tt = np.linalg.norm(need_r[..., :2], axis=-1)
-    got_tt_on = np.einsum("...i,...i->...", got_r[..., :2], need_r[..., :2]) / np.maximum(need_tt, 1e-12)
+    got_tt_on = dot_last(got_r[..., :2], need_r[..., :2]) / np.maximum(need_tt, 1e-12)
     need_rot = np.abs(need_r[..., 2])
     got_rot_on = got_r[..., 2] * np.sign(need_r[..., 2])
     vertical_need = np.abs(need_v)
