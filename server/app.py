@@ -83,6 +83,7 @@ from server.errors import (
     StageConflictError,
     UnknownEpisodeError,
 )
+from server.json_values import NonFiniteOutputError
 from server.models import (
     MAX_EPISODE_ID_CHARS,
     CollisionReport,
@@ -101,7 +102,6 @@ from server.models import (
     TasksResponse,
 )
 from server.serialization import (
-    NonFiniteOutputError,
     ObservationEncoder,
     decode_json_body,
     describe_validation_errors,

@@ -19,6 +19,10 @@ WebSocket messages in (every malformed frame named, never echoed), and error det
   :data:`server.settings.MAX_ERROR_CHARS`: the input is never echoed, beyond a short excerpt
   (at most 40 characters) of one offending value in a validation message.
 * :func:`describe_validation_errors`, :func:`json_safe` -- readable, JSON-safe pydantic errors.
+
+Outputs that orjson does not take directly go through the one JSON walk,
+:func:`server.json_values.json_value`, strict (a NaN is refused, naming its path);
+:func:`json_safe` is not a walk of outputs but a size-bounded summary of untrusted input.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import orjson
 
 from server.dental_constants import N_TEETH, TOOTH_IDS
 from server.dental_environment import POSE_FIELDS
+from server.json_values import json_value
 from server.settings import ENV_VARIABLES, MAX_ERROR_CHARS
 
 _MAX_REPORTED_ERRORS = 10
@@ -44,10 +49,6 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
 MESSAGE_TYPES = ("reset", "step", "state", "close")
 """The OpenEnv WebSocket message types this server answers."""
-
-
-class NonFiniteOutputError(RuntimeError):
-    """The environment produced NaN/inf: a server bug, never serialised as ``null``."""
 
 
 class MessageError(ValueError):
@@ -454,33 +455,6 @@ def _plain(obj: Any) -> Any:
 
 
 def _to_jsonable_at(obj: Any, path: str) -> Any:
-    """to_jsonable that tracks the path of each value, for the error message."""
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return obj
-    if type(obj) is orjson.Fragment:  # JSON already checked and encoded (ObservationEncoder)
-        return obj
-    if isinstance(obj, int):
-        return obj
-    if isinstance(obj, float):
-        if not math.isfinite(obj):
-            raise NonFiniteOutputError(
-                f"the environment produced a non-finite number ({obj}) at {path or 'the top level'}"
-            )
-        return float(obj)
-    if isinstance(obj, dict):
-        return {str(k): _to_jsonable_at(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_to_jsonable_at(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, np.ndarray):
-        return _to_jsonable_at(obj.tolist(), path)
-    if isinstance(obj, np.bool_):
-        return bool(obj)
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.floating):
-        return _to_jsonable_at(float(obj), path)
-    if hasattr(obj, "model_dump"):
-        return _to_jsonable_at(obj.model_dump(), path)
-    raise NonFiniteOutputError(
-        f"the environment produced a non-JSON value of type {type(obj).__name__} at {path}"
-    )
+    """to_jsonable that tracks the path of each value, for the error message: the one JSON walk
+    (:func:`server.json_values.json_value`), strict, JSON already encoded kept as it is."""
+    return json_value(obj, "raise", path, keep=(orjson.Fragment,))

@@ -47,9 +47,9 @@ from server.errors import (
     StageConflictError,
     UnknownEpisodeError,
 )
+from server.json_values import NonFiniteOutputError
 from server.serialization import (
     MessageError,
-    NonFiniteOutputError,
     ObservationEncoder,
     decode_message,
     describe_validation_errors,

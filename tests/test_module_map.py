@@ -121,3 +121,34 @@ def test_the_cli_imports_no_heavy_dependency():
     code = "import sys, orthojob.cli; print(sorted(m for m in ('torch', 'trl', 'transformers', 'mlflow') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_one_json_walk_with_two_policies():
+    """The job's files and the server's outputs take one walk (server.json_values); they differ
+    only in what a non-finite number becomes: null in a file, a refusal naming its path on the wire."""
+    import math
+
+    import numpy as np
+    import pytest
+    import torch
+
+    from orthojob.records import json_value
+    from server.json_values import NonFiniteOutputError
+    from server.serialization import to_jsonable
+
+    value = {
+        "a": np.float32(0.5),
+        1: (np.int64(3), np.bool_(True)),
+        "t": torch.tensor([1.5, 2.0]),
+        "s": torch.tensor(4),
+    }
+    plain = {"a": 0.5, "1": [3, True], "t": [1.5, 2.0], "s": 4}
+    assert json_value(value) == to_jsonable(value) == plain
+    assert [type(v) for v in json_value(value)["1"]] == [int, bool]
+    bad = {"x": [1.0, {"y": np.array([0.0, math.nan])}]}
+    assert json_value(bad) == {"x": [1.0, {"y": [0.0, None]}]}
+    with pytest.raises(NonFiniteOutputError, match=r"x\[1\]\.y\[1\]"):
+        to_jsonable(bad)
+    assert json_value({"o": object}) == {"o": str(object)}  # a file never fails on an odd type
+    with pytest.raises(NonFiniteOutputError, match="type"):
+        to_jsonable({"o": object})
