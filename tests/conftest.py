@@ -63,7 +63,9 @@ LONGEST_FIRST = (
     "test_base_models.py",
 )
 """Files whose tests take longest (the tiny-cpu pipeline's SFT steps above all). ``make test`` runs
-the suite on both cores (pytest-xdist, one file per worker at a time, in collection order), so they
+the suite on both cores (pytest-xdist, one file per worker at a time, in collection order: the
+Makefile passes ``--no-loadscope-reorder``, without which xdist reorders files by their number of
+tests and the pipeline's one long test started last, leaving one core idle for ~15 min), so they
 start first and the short files fill the other core around them."""
 
 

@@ -36,6 +36,48 @@ SMALL = {
 }
 
 
+# First in the file: pytest-xdist queues another file on this worker once two of its tests are
+# left, so a long test at the end would hold that file back for its whole run.
+def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # MLflow's embedded artifact store (./mlartifacts) lands here
+    out = tmp_path / "run"
+    summary = run_pipeline("tiny-cpu", out, SMALL)
+    text = capsys.readouterr().out
+    stages = summary["stages"]
+    assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == summary["exit_code"]
+
+    # SFT stage 0 lifts the greedy parse rate of the random tiny model to the gate's threshold
+    assert stages["sft0"]["steps"] == SMALL["sft.steps"]
+    assert stages["sft0"]["final_loss"] < stages["sft0"]["first_loss"]
+    sft_gate = stages["gate_sft0"]
+    assert sft_gate["parse_rate"] >= SMALL["sft_gate.thresholds.min_parse_rate"], sft_gate
+    assert sft_gate["passed"] is True
+    gate.check_gate(out / "sft0")  # the file GRPO's pre-flight accepted
+
+    # GRPO ran its steps, its rewards are reported as measured, and its own gate was evaluated
+    grpo = stages["grpo"]
+    assert grpo["exit_code"] in (0, ExitCode.GRPO_GATE_FAILED)
+    assert grpo["steps"] == 2 and len(grpo["reward_per_step"]) == 2
+    assert all(math.isfinite(r) for r in grpo["reward_per_step"])
+    content = gate.read_gate(out / "grpo")  # consistent: passed follows from its metrics
+    assert content["stage"] == "grpo" and content["metrics"]["n"] == 8
+    # written once, by the GRPO stage, with the thresholds the pipeline asked for
+    assert content["thresholds"]["min_margin_over_slerp"] == -5.0
+    assert "gate grpo:" in text and text.count("gate grpo:") == 1
+    assert stages["gate_grpo"]["passed"] is content["passed"]
+    assert summary["exit_code"] == (0 if content["passed"] else ExitCode.GRPO_GATE_FAILED)
+
+    # the evaluation compares both checkpoints with the baselines on the same held-out seeds
+    results = json.loads((out / "evaluation.json").read_text())["results"]["task_easy"]
+    assert list(results) == ["grpo", "sft0", "oracle", "uniform_slerp", "do_nothing"]
+    for name in ("grpo", "sft0"):
+        m = results[name]["model_metrics"]
+        assert m["n"] == 6 and 0 <= m["strategy_accuracy"] <= 1
+    assert results["sft0"]["model_metrics"]["parse_rate"] >= 0.5
+    for stage in ("tiny-model", "sft0", "gate_sft0", "grpo", "gate_grpo", "evaluate"):
+        assert stage in text and stages[stage]["seconds"] is not None
+
+
 def test_presets_hold_a_config_object_per_stage():
     for name, preset in PRESETS.items():
         assert isinstance(preset, Preset) and preset.name == name
@@ -95,43 +137,3 @@ def test_pipeline_cli_show_and_bad_override(capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["model"] == shown["sft"]["model"] == shown["grpo"]["model"] == "s3://b/models/tiny"
     assert cli_main(["pipeline", "--show", "--model", "a/b", "--set", "model=c/d"]) == 2
-
-
-def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # MLflow's embedded artifact store (./mlartifacts) lands here
-    out = tmp_path / "run"
-    summary = run_pipeline("tiny-cpu", out, SMALL)
-    text = capsys.readouterr().out
-    stages = summary["stages"]
-    assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == summary["exit_code"]
-
-    # SFT stage 0 lifts the greedy parse rate of the random tiny model to the gate's threshold
-    assert stages["sft0"]["steps"] == SMALL["sft.steps"]
-    assert stages["sft0"]["final_loss"] < stages["sft0"]["first_loss"]
-    sft_gate = stages["gate_sft0"]
-    assert sft_gate["parse_rate"] >= SMALL["sft_gate.thresholds.min_parse_rate"], sft_gate
-    assert sft_gate["passed"] is True
-    gate.check_gate(out / "sft0")  # the file GRPO's pre-flight accepted
-
-    # GRPO ran its steps, its rewards are reported as measured, and its own gate was evaluated
-    grpo = stages["grpo"]
-    assert grpo["exit_code"] in (0, ExitCode.GRPO_GATE_FAILED)
-    assert grpo["steps"] == 2 and len(grpo["reward_per_step"]) == 2
-    assert all(math.isfinite(r) for r in grpo["reward_per_step"])
-    content = gate.read_gate(out / "grpo")  # consistent: passed follows from its metrics
-    assert content["stage"] == "grpo" and content["metrics"]["n"] == 8
-    # written once, by the GRPO stage, with the thresholds the pipeline asked for
-    assert content["thresholds"]["min_margin_over_slerp"] == -5.0
-    assert "gate grpo:" in text and text.count("gate grpo:") == 1
-    assert stages["gate_grpo"]["passed"] is content["passed"]
-    assert summary["exit_code"] == (0 if content["passed"] else ExitCode.GRPO_GATE_FAILED)
-
-    # the evaluation compares both checkpoints with the baselines on the same held-out seeds
-    results = json.loads((out / "evaluation.json").read_text())["results"]["task_easy"]
-    assert list(results) == ["grpo", "sft0", "oracle", "uniform_slerp", "do_nothing"]
-    for name in ("grpo", "sft0"):
-        m = results[name]["model_metrics"]
-        assert m["n"] == 6 and 0 <= m["strategy_accuracy"] <= 1
-    assert results["sft0"]["model_metrics"]["parse_rate"] >= 0.5
-    for stage in ("tiny-model", "sft0", "gate_sft0", "grpo", "gate_grpo", "evaluate"):
-        assert stage in text and stages[stage]["seconds"] is not None
