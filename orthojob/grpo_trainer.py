@@ -12,6 +12,10 @@
 * :func:`train`: loads the policy through :mod:`orthojob.models` (Unsloth 4-bit on a GPU when it
   imports, else PEFT LoRA, QLoRA on a GPU; full fine-tuning with ``lora_r 0``), trains, saves, and
   calls ``on_saved(out)`` on rank 0 before the ranks part (the job runs the GRPO gate there).
+* ``--mode agentic``: the trainer gets ``environment_factory=DentalToolEnv`` and the environment's reward
+  (:mod:`orthojob.agentic`); the tokenizer a tool-calling chat template where it lacks one; the tool
+  metrics (``agentic/*``) come from the reward function's ``log_metric``; the one-shot table and
+  ``env/*`` diagnostics are skipped and ``completions.jsonl`` holds each rollout's messages.
 * Data parallel: launch with ``torchrun --nproc_per_node N -m orthojob.cli train ...``. Only rank 0
   writes files; every rank ends with ``destroy_process_group``.
 

@@ -218,7 +218,7 @@ def tiny_agentic_model(tmp_path_factory) -> Path:
     from orthojob.agentic import prepare_tokenizer
     from orthojob.tiny_model import build_tiny_model, train_tokenizer
 
-    rows = agentic_rows(3, TRAIN_SEED_START, "task_easy", False)
+    rows = agentic_rows(2, TRAIN_SEED_START, "task_easy", False)
     env = DentalToolEnv()
     tools = [getattr(env, n) for n in TOOL_NAMES]
     tok = prepare_tokenizer(train_tokenizer(["x y"]))
@@ -279,7 +279,7 @@ def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkey
     state = _scripted_turns(monkeypatch, tiny_agentic_model, plan_text)
     values = {"preset": "tiny-cpu", "model": str(tiny_agentic_model), "steps": 2, "mode": "agentic",
               "max_tool_turns": 2, "num_generations": 2, "batch_size": 4, "max_prompt_length": 7000,
-              "max_completion_length": 600, "max_seq_length": 7600, "out": str(tmp_path / "grpo"),
+              "max_completion_length": 320, "max_seq_length": 7400, "out": str(tmp_path / "grpo"),
               "skip_sft_gate": True}  # fmt: skip
     config = config_from_args(values)
     validate(config)
