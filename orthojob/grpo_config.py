@@ -33,6 +33,10 @@ to ``dapo``; clip ratios are logged for all but ``cispo``, which logs ``cispo_cl
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 """How TRL divides the centred rewards into advantages (``GRPOConfig.scale_rewards``; default ``group``)."""
 LR_SCHEDULERS: tuple[str, ...] = ("linear", "constant", "cosine", "constant_with_warmup")
+MODES: tuple[str, ...] = ("oneshot", "agentic")
+"""``oneshot``: the policy writes a whole plan, scored by the five rewards. ``agentic``: the policy
+calls the environment's tools (:mod:`orthojob.agentic`, TRL's ``environment_factory``) and is scored
+by the environment's reward (:func:`orthojob.agentic.reward_agentic`)."""
 COMPLETIONS_FILE = "completions.jsonl"
 """In ``--out``: every training completion with its step, case and rewards (``--analyze`` reads it)."""
 TRAIN_LOG_FILE = "train_log.json"
@@ -179,6 +183,21 @@ class GRPOJobConfig:
     gate_seeds: int = field(
         default=50, metadata={"help": "held-out seeds of the GRPO gate", "type": positive_int}
     )
+    mode: str = field(
+        default="oneshot",
+        metadata={
+            "help": "oneshot: write the whole plan (five rewards); agentic: plan with the environment's "
+            "tools (TRL environment_factory, the environment's reward)",
+            "choices": MODES,
+        },
+    )
+    max_tool_turns: int = field(
+        default=8,
+        metadata={
+            "help": "agentic mode: most tool-calling turns per rollout (TRL max_tool_calling_iterations)",
+            "type": positive_int,
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -190,6 +209,7 @@ class GRPOJobConfig:
             "max_prompt_length",
             "max_seq_length",
             "gate_seeds",
+            "max_tool_turns",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -230,6 +250,13 @@ class GRPOJobConfig:
                 f"--prompt-seed-start must be below the held-out seeds ({HELDOUT_SEED_START}), "
                 f"got {self.prompt_seed_start}"
             )
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "agentic" and (self.rewards is not None or self.reward_weights):
+            raise ConfigError(
+                "--mode agentic is scored by the environment's reward alone (orthojob.agentic.reward_agentic): "
+                "drop --rewards and --reward-weight"
+            )
         if self.task_id not in TASK_IDS:
             raise ConfigError(f"--task-id must be one of {', '.join(TASK_IDS)}, got {self.task_id!r}")
         if self.vllm_mode not in VLLM_MODES:
@@ -246,12 +273,18 @@ class GRPOJobConfig:
     @functools.cached_property
     def reward_funcs(self) -> list:
         """The active reward functions (:func:`orthojob.rewards.active_reward_funcs`), in order,
-        resolved once per config."""
+        resolved once per config; in agentic mode the environment's (:func:`orthojob.agentic.reward_agentic`)."""
+        if self.mode == "agentic":
+            from orthojob.agentic import reward_agentic  # the environment: only where it is used
+
+            return [reward_agentic]
         return active_reward_funcs(self.rewards)
 
     @functools.cached_property
     def weights(self) -> list[float]:
         """GRPOConfig.reward_weights of :attr:`reward_funcs` (:func:`orthojob.rewards.reward_weights`)."""
+        if self.mode == "agentic":
+            return [1.0]
         return reward_weights(self.reward_funcs, self.reward_weights)
 
     def to_dict(self) -> dict:
@@ -307,6 +340,7 @@ __all__ = [
     "COMPLETIONS_TABLE",
     "LOSS_TYPES",
     "LR_SCHEDULERS",
+    "MODES",
     "SCALE_REWARDS",
     "TRAIN_LOG_FILE",
     "VLLM_MODES",

@@ -12,6 +12,10 @@
 * :func:`train`: loads the policy through :mod:`orthojob.models` (Unsloth 4-bit on a GPU when it
   imports, else PEFT LoRA, QLoRA on a GPU; full fine-tuning with ``lora_r 0``), trains, saves, and
   calls ``on_saved(out)`` on rank 0 before the ranks part (the job runs the GRPO gate there).
+* ``--mode agentic``: the trainer gets ``environment_factory=DentalToolEnv`` and the environment's reward
+  (:mod:`orthojob.agentic`); the tokenizer a tool-calling chat template where it lacks one; the tool
+  metrics (``agentic/*``) come from the reward function's ``log_metric``; the one-shot table and
+  ``env/*`` diagnostics are skipped and ``completions.jsonl`` holds each rollout's messages.
 * Data parallel: launch with ``torchrun --nproc_per_node N -m orthojob.cli train ...``. Only rank 0
   writes files; every rank ends with ``destroy_process_group``.
 
@@ -103,6 +107,8 @@ def build_grpo_args(
         "log_completions": False,
         "use_vllm": config.use_vllm,
     }
+    if config.mode == "agentic":
+        kwargs["max_tool_calling_iterations"] = config.max_tool_turns
     if n_processes > 1 and not devices["cuda"]:
         kwargs["ddp_backend"] = "gloo"
     if config.use_vllm:
@@ -170,6 +176,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
     """
 
     record_completions: bool = False  # set on every rank: the gather below is collective
+    agentic: bool = False  # tool rollouts (orthojob.agentic): no one-shot table rows or env/* diagnostics
     completions_path: Path | None = None  # set on rank 0 only
     table_rows: int = 0  # rows per logging step for the MLflow table (rank 0); 0 = no table
     table_file: str = COMPLETIONS_TABLE
@@ -235,7 +242,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
                 self._record_warned = True
             return
         step = self.state.global_step + 1  # the first optimizer step that trains on this batch
-        texts = [completion_text(t) for t in texts]
+        texts = [_conversation_text(t) if self.agentic else completion_text(t) for t in texts]
         if self.completions_path is not None:
             with open(self.completions_path, "a", encoding="utf-8") as fh:
                 for i, case in enumerate(cases):
@@ -249,6 +256,8 @@ class RecordingGRPOTrainer(GRPOTrainer):
                         "advantage": json_value(float(advantages[i])),
                     }
                     fh.write(json.dumps(rec) + "\n")
+        if self.agentic:  # the one-shot table and env/* score completion texts as plans: not these
+            return
         if self.table_rows:
             try:
                 self._table_rows(step, texts, rewards, advantages, cases)
@@ -319,6 +328,17 @@ class RecordingGRPOTrainer(GRPOTrainer):
             self._metrics["train"][key].append(value)
 
 
+def _conversation_text(completion: object) -> str:
+    """A tool rollout as text for ``completions.jsonl``: its messages (tool calls and tool results
+    included) as JSON; a plain string as it is."""
+    if isinstance(completion, str):
+        return completion
+    try:
+        return json.dumps(json_value(completion), ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return completion_text(completion)
+
+
 class StepTimer(TrainerCallback):
     """Wall time per optimizer step (generation + scoring + update)."""
 
@@ -368,9 +388,19 @@ def _resolve_model(config: GRPOJobConfig, is_main: bool, wait) -> str:
     return str(path)
 
 
-def _prompt_lengths(tokenizer, rows: Sequence[dict]) -> list[int]:
+def _prompt_lengths(tokenizer, rows: Sequence[dict], tools: Sequence | None = None) -> list[int]:
+    """Tokens of each row's prompt as the policy sees it (with ``tools``: the agentic prompt, the case
+    appended and the tool schemas rendered, :func:`orthojob.agentic.full_prompt`)."""
     lengths = []
     for row in rows:
+        if tools:
+            from orthojob.agentic import full_prompt
+
+            text = tokenizer.apply_chat_template(
+                full_prompt(row), tools=list(tools), add_generation_prompt=True, tokenize=False
+            )
+            lengths.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+            continue
         text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         lengths.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return lengths
@@ -443,8 +473,20 @@ def train(
             f"--prompt-seed-start {config.prompt_seed_start} + {n_prompts} prompts reaches the held-out "
             f"seeds ({HELDOUT_SEED_START})"
         )
-    rows = prompt_rows(n_prompts, config.prompt_seed_start, config.task_id, config.force_decay)
-    longest = max(_prompt_lengths(tokenizer, rows))
+    agentic = config.mode == "agentic"
+    extra: dict[str, Any] = {}
+    tools = None
+    if agentic:
+        from orthojob.agentic import TOOL_NAMES, DentalToolEnv, agentic_rows, prepare_tokenizer
+
+        tokenizer = prepare_tokenizer(tokenizer)  # a chat template TRL can parse tool calls with
+        rows = agentic_rows(n_prompts, config.prompt_seed_start, config.task_id, config.force_decay)
+        probe = DentalToolEnv()
+        tools = [getattr(probe, name) for name in TOOL_NAMES]
+        extra["environment_factory"] = DentalToolEnv
+    else:
+        rows = prompt_rows(n_prompts, config.prompt_seed_start, config.task_id, config.force_decay)
+    longest = max(_prompt_lengths(tokenizer, rows, tools))
     if longest > config.max_prompt_length:
         raise ConfigError(
             f"the longest training prompt is {longest} tokens, over --max-prompt-length "
@@ -459,7 +501,9 @@ def train(
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         callbacks=_callbacks(timer, is_main, sync_to, identity, callbacks),
+        **extra,
     )
+    trainer.agentic = agentic
     trainer.record_completions = True
     trainer.completions_path = out / COMPLETIONS_FILE if is_main else None
     trainer.table_rows = config.completions_table_rows if is_main else 0

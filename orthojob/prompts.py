@@ -139,7 +139,15 @@ def _summary_rows(summary: dict) -> list[str]:
 
 
 def build_prompt(observation: dict) -> str:
-    """The user message for a reset observation of the environment."""
+    """The user message for a reset observation of the environment: :func:`case_description` and
+    the plan format (:data:`PLAN_SEMANTICS`)."""
+    return "\n".join([case_description(observation), "", PLAN_SEMANTICS])
+
+
+def case_description(observation: dict) -> str:
+    """The case part of :func:`build_prompt`: the task, the clinical summary, the teeth furthest
+    from target and the per-stage limits (the agentic mode's first observation,
+    :mod:`orthojob.agentic`)."""
     decay = bool(observation.get("force_decay"))
     lines = [
         f"Plan a clear-aligner treatment of {N_STAGES} aligners (stages 1-{N_STAGES}; stage 0 is the "
@@ -161,8 +169,6 @@ def build_prompt(observation: dict) -> str:
         "",
         f"Constraints: at most {_fmt(MAX_TRANSLATION_MM)} mm translation and {_fmt(MAX_ROTATION_DEG)} deg "
         "rotation per tooth per stage.",
-        "",
-        PLAN_SEMANTICS,
     ]
     return "\n".join(lines)
 
@@ -224,6 +230,7 @@ __all__ = [
     "TRAIN_SEED_START",
     "build_messages",
     "build_prompt",
+    "case_description",
     "plan_to_completion",
     "prompt_cases",
     "prompt_rows",

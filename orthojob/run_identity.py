@@ -57,6 +57,11 @@ NOT_IDENTITY: frozenset[str] = frozenset(
 )
 
 
+ADDED_DEFAULTS: dict[str, Any] = {"mode": "oneshot", "max_tool_turns": 8}
+"""Fields added to a config after checkpoints recorded identities (issue 15's agentic mode): left
+out of the identity while they hold these defaults, so a one-shot run keeps the digest it had."""
+
+
 class RunIdentityError(RuntimeError):
     """The output holds checkpoints of another config; ``exit_code`` is the job's exit status."""
 
@@ -70,6 +75,8 @@ def identity_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         if key in NOT_IDENTITY or key.startswith("_"):
             continue
         value = config[key]
+        if key in ADDED_DEFAULTS and value == ADDED_DEFAULTS[key]:
+            continue
         out[key] = json.loads(json.dumps(value, default=str, sort_keys=True))
     return out
 

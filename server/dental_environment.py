@@ -68,6 +68,7 @@ from server.dental_constants import (
 from server.dynamics import apply_wear, engaged, express_stage
 from server.errors import InvalidActionError, StageConflictError, UnknownEpisodeError
 from server.quaternion_utils import quaternion_angle, vector_norm
+from server.reward_scaler import broken_rules
 from server.scoring import StageMeasures, limit_ratio, pdl_stress_kpa, score_episodes
 from server.settings import MAX_FORGOTTEN_EPISODES
 from server.treatment import score_plans
@@ -569,6 +570,8 @@ class StepwiseDentalEnvironment:
 
     @staticmethod
     def _terminal(session: Session) -> dict:
+        """The episode's terminal score, its breakdown, and its scaled reward and broken hard rules
+        (:mod:`server.reward_scaler`, as :func:`server.treatment.plan_result`)."""
         case = session.case
         scores = score_episodes(
             initial=case.initial[None],
@@ -582,7 +585,13 @@ class StepwiseDentalEnvironment:
             strategies=[session.strategy],
             measures=session.stage_measures(),
         )
-        return {"terminal_reward": float(scores.terminal[0]), "reward_breakdown": scores.breakdown(0)}
+        diagnostics = {k: float(v[0]) for k, v in scores.diagnostics.items()}
+        return {
+            "terminal_reward": float(scores.terminal[0]),
+            "reward_breakdown": scores.breakdown(0),
+            "scaled_reward": diagnostics["scaled_reward"],
+            "broken_rules": broken_rules(diagnostics),
+        }
 
     def _observation(self, session: Session, step_reward: float, breakdown: dict) -> dict:
         return observation(session, step_reward, breakdown)
