@@ -55,7 +55,7 @@ import numpy as np
 
 from orthojob.prompts import PLAN_SEMANTICS, case_description, reset_observation
 from orthojob.rollouts import NO_PLAN, score_texts
-from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey
+from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import (
     MAX_ROTATION_DEG,
@@ -185,9 +185,15 @@ class DentalToolEnv:
     :attr:`reward`, :attr:`result`, :attr:`metrics`, :attr:`finished`.
     """
 
-    def __init__(self) -> None:
-        # one episode at a time: a small store, and a TTL no generation outlasts
-        self._env = StepwiseDentalEnvironment(max_sessions=2, ttl_seconds=1e9)
+    def __init__(self, env_url: str | None = None) -> None:
+        # in process: one episode at a time, a small store and a TTL no generation outlasts;
+        # with env_url: the server's episode, over one WebSocket (RemoteStepwise)
+        self._env = (
+            StepwiseDentalEnvironment(max_sessions=2, ttl_seconds=1e9)
+            if env_url is None
+            else RemoteStepwise(env_url)
+        )
+        self._violations: list[dict] = []
         self._episode_id: str | None = None
         self._case = None
         self._key: CaseKey | None = None
@@ -213,7 +219,12 @@ class DentalToolEnv:
         self._key = CaseKey(task_id, int(seed), bool(force_decay))
         obs = self._env.reset(task_id=task_id, seed=int(seed), force_decay=bool(force_decay))
         self._episode_id = obs["episode_id"]
-        self._case = self._env.sessions.get(self._episode_id).case
+        self._case = (
+            self._env.sessions.get(self._episode_id).case
+            if isinstance(self._env, StepwiseDentalEnvironment)
+            else generate_case(*self._key)  # the server's case: a pure function of its key
+        )
+        self._violations = [obs["violations"]]
         self._progress = [np.zeros(N_TEETH)]
         self._result = None
         self._metrics = EpisodeMetrics()
@@ -324,10 +335,15 @@ class DentalToolEnv:
         poses, progress = self._stage_poses(groups)
         obs = self._env.commit_stage(self._episode_id, poses, _strategy(strategy))
         self._progress.append(progress)
+        self._violations.append(obs["violations"])
         self._metrics.stages_committed = obs["current_stage"]
         report = self._stage_report(obs, committed=True)
         if obs["done"]:
-            terminal = self._env.sessions.get(self._episode_id).terminal
+            terminal = (
+                self._env.sessions.get(self._episode_id).terminal
+                if isinstance(self._env, StepwiseDentalEnvironment)
+                else self._env.terminal()
+            )
             self._finish("commit_stage", terminal)
             report["score"] = self._score_report()
         return _compact(report)
@@ -341,6 +357,7 @@ class DentalToolEnv:
         """
         obs = self._env.rollback_stage(self._episode_id)
         self._progress.pop()
+        self._violations.pop()
         self._metrics.rollbacks += 1
         self._metrics.stages_committed = obs["current_stage"]
         return _compact(
@@ -393,11 +410,10 @@ class DentalToolEnv:
         return poses, progress
 
     def _stage_report(self, obs: dict, committed: bool) -> dict:
-        session = self._env.sessions.get(self._episode_id)
         stage = obs["current_stage"]
-        before = session.violations[stage - 1] if committed else session.violations[session.stage]
+        before = self._violations[-2] if committed else self._violations[-1]
         after = obs["violations"]
-        new = dict(zip(("limits", "collisions", "pdl"), (after[k] - int(b) for k, b in zip(after, before))))
+        new = {k: int(after[k]) - int(before[k]) for k in ("limits", "collisions", "pdl")}
         contacts = self._env.check_collisions(self._episode_id, obs["current_config"])
         report = {
             "stage": stage,
@@ -476,6 +492,98 @@ def _stage_increment(groups: object) -> np.ndarray:
             seen[int(tooth)] = k
             increment[TOOTH_INDEX[int(tooth)]] = float(f)
     return increment
+
+
+class RemoteStepwise:
+    """What :class:`DentalToolEnv` asks of :class:`StepwiseDentalEnvironment`, over the environment
+    server (``python -m server.app``): one WebSocket session (:class:`orthojob.env_client.EnvSession`,
+    OpenEnv's client) per environment, reset and commits as OpenEnv's reset/step messages (with
+    ``expected_stage``), the other tools as the server's ``tool`` message on the session's own
+    episode. A refused action comes back as the same :class:`InvalidActionError` message as in
+    process; a lost episode (server restart, idle reaping) as a :class:`ToolError`. A plan given to
+    ``submit_plan`` is scored in process (the one-shot rewards' scoring), as without a server."""
+
+    def __init__(self, url: str, message_timeout_s: float = 60.0) -> None:
+        from orthojob.env_client import EnvSession
+
+        self.url = url
+        self.session = EnvSession(url, message_timeout_s=message_timeout_s)
+
+    def _guard(self, call: Callable) -> dict:
+        from orthojob.env_client import EnvServerError, EpisodeLostError
+
+        try:
+            return call()
+        except EnvServerError as exc:
+            message = str(exc.data.get("message") or exc)
+            if exc.code == "STAGE_CONFLICT":
+                raise StageConflictError(message, exc.data.get("current_stage")) from None
+            raise InvalidActionError(message) from None
+        except EpisodeLostError as exc:
+            raise ToolError(f"the environment server lost this episode: {exc}") from None
+
+    def reset(self, task_id: str, seed: int, force_decay: bool) -> dict:
+        return self.session.reset(task_id=task_id, seed=seed, force_decay=force_decay).observation
+
+    def close_episode(self, episode_id: str) -> bool:
+        return False  # the next reset releases it on the server; close() closes the session
+
+    def inspect_tooth(self, episode_id: str, tooth_id: int) -> dict:
+        return self._guard(lambda: self.session.tool("inspect_tooth", tooth_id=int(tooth_id)))
+
+    def simulate_step(self, episode_id: str, poses: np.ndarray, strategy: str | None = None) -> dict:
+        return self._guard(lambda: self.session.tool("simulate", poses=_listed(poses), strategy=strategy))
+
+    def check_collisions(self, episode_id: str, poses: object | None = None) -> dict:
+        return self._guard(
+            lambda: self.session.tool("collisions", poses=None if poses is None else _listed(poses))
+        )
+
+    def commit_stage(self, episode_id: str, poses: np.ndarray, strategy: str | None = None) -> dict:
+        result = self._guard(lambda: self.session.step(_listed(poses), strategy))
+        return {**result.observation, "done": result.done}  # OpenEnv's frame carries done beside it
+
+    def rollback_stage(self, episode_id: str) -> dict:
+        return self._guard(lambda: self.session.tool("rollback", expected_stage=self.session.stage))
+
+    def terminal(self) -> dict:
+        return self._guard(lambda: self.session.tool("terminal"))["terminal"]
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _listed(poses: object) -> object:
+    return poses.tolist() if isinstance(poses, np.ndarray) else poses
+
+
+def check_server_capacity(url: str, needed: int, timeout_s: float = 10.0) -> dict:
+    """The server's WebSocket settings (``GET /status``), when it can hold ``needed`` sessions at
+    once (one per rollout of a generation batch); else a ValueError that says what to change."""
+    import urllib.error
+    import urllib.request
+
+    status_url = url.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(status_url, timeout=timeout_s) as response:
+            status = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ValueError(
+            f"--env-url {url}: the environment server's {status_url} did not answer ({exc})"
+        ) from None
+    ws = status.get("websocket_sessions") or {}
+    capacity, live = ws.get("max_sessions"), ws.get("live", 0)
+    if not isinstance(capacity, int):
+        raise ValueError(
+            f"--env-url {url}: {status_url} reports no WebSocket capacity (websocket_sessions.max_sessions)"
+        )
+    if capacity - live < needed:
+        raise ValueError(
+            f"--env-url {url}: the server holds {capacity} WebSocket sessions ({live} in use), fewer than the "
+            f"{needed} rollouts of a generation batch, each holding one; start it with --max-sessions {needed + live} "
+            f"(ORTHORL_MAX_SESSIONS) or lower --batch-size"
+        )
+    return ws
 
 
 # --- the dataset and the reward ---------------------------------------------------------------
@@ -611,9 +719,11 @@ __all__ = [
     "TOOL_NAMES",
     "DentalToolEnv",
     "EpisodeMetrics",
+    "RemoteStepwise",
     "ToolError",
     "agentic_messages",
     "agentic_rows",
+    "check_server_capacity",
     "episode_metrics",
     "full_prompt",
     "prepare_tokenizer",

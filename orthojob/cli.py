@@ -2,6 +2,7 @@
 
 orthojob pipeline --preset tiny-cpu      # tiny-model -> the preset's stages (default: BC sft0, grpo), each gated -> evaluate
 orthojob format-sft --out DIR            # stage 0: format SFT on demonstrations without clinical choice, + format gate
+orthojob tool-sft --out DIR              # stage 1: tool-use SFT on the oracle's tool conversations, + tool-call gate
 orthojob bc-sft --out DIR                # stage 2: BC SFT on the oracle's safe plans, + gate (stage sft0)
 orthojob sft --out DIR                   # stage 2 without its gate (orthojob gate writes it)
 orthojob train --from-checkpoint DIR     # stage 3: GRPO (refuses without a passed, matching gate of an earlier stage)
@@ -53,6 +54,7 @@ from server.cases import TASK_IDS
 TRACKED_STAGES: dict[str, str] = {
     "sft": "sft0",
     "format-sft": "format_sft",
+    "tool-sft": "tool_sft",
     "bc-sft": "sft0",
     "rsft": "rsft",
     "gate": "gate",
@@ -66,6 +68,8 @@ GATE_THRESHOLD_FLAGS: tuple[tuple[str, str], ...] = (
     ("min_format_reward", "mean format score"),
     ("min_margin_over_slerp", "terminal mean minus uniform SLERP's"),
     ("min_strategy_accuracy", "share declaring the case's optimal strategy"),
+    ("min_tool_call_rate", "tool_sft: share of episodes whose first turn is a parseable tool call"),
+    ("min_finished_rate", "tool_sft: share of episodes that finish"),
 )
 """``orthojob gate``'s threshold overrides: (argparse dest and Thresholds field, what it bounds)."""
 
@@ -127,6 +131,10 @@ def cmd_format_sft(args: argparse.Namespace) -> int:
     return run_sft_stage_cli(args, "format_sft", "format-sft")
 
 
+def cmd_tool_sft(args: argparse.Namespace) -> int:
+    return run_sft_stage_cli(args, "tool_sft", "tool-sft")
+
+
 def cmd_bc_sft(args: argparse.Namespace) -> int:
     return run_sft_stage_cli(args, "sft", "bc-sft")
 
@@ -168,6 +176,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         stage=args.stage,
         thresholds=limits,
+        max_tool_turns=args.tool_turns,
     )
     content = gate.write_gate(str(checkpoint), report)
     print(gate.format_gate(content))
@@ -292,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sft_arguments(fs, "format_sft", with_gate=True)
     fs.set_defaults(func=cmd_format_sft)
 
+    ts = sub.add_parser(
+        "tool-sft",
+        help="stage 1: tool-use SFT on the oracle's tool conversations, then its tool-call gate",
+        epilog=stage_codes,
+    )
+    add_sft_arguments(ts, "tool_sft", with_gate=True)
+    ts.set_defaults(func=cmd_tool_sft)
+
     bc = sub.add_parser(
         "bc-sft",
         help="stage 2: BC SFT on the oracle's safe plans, then its gate (stage sft0)",
@@ -337,13 +354,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--stage",
         default="sft0",
         choices=gate.STAGES,
-        help="format_sft, sft0 (BC, default) or rsft (format gates), or grpo (quality gate)",
+        help="format_sft, sft0 (BC, default) or rsft (format gates), tool_sft (tool-call gate), or grpo (quality gate)",
     )
     ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
     ga.add_argument("--seeds", type=positive_int, default=50, help="held-out seeds per task (default 50)")
     ga.add_argument("--force-decay", action="store_true")
     ga.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default 512)")
     ga.add_argument("--batch-size", type=positive_int, default=16, help="(default 16)")
+    ga.add_argument(
+        "--tool-turns", type=positive_int, default=4, help="tool_sft: turns per episode (default 4)"
+    )
     for name, what in GATE_THRESHOLD_FLAGS:
         ga.add_argument(
             f"--{name.replace('_', '-')}",

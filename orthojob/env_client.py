@@ -206,6 +206,19 @@ class EnvSession:
         """The server's state of this session's episode."""
         return self._call(self._sync.state)
 
+    def tool(self, name: str, **data: Any) -> dict[str, Any]:
+        """One agentic tool on this session's episode (the server's ``tool`` message, sent through
+        OpenEnv's client connection): ``inspect_tooth``, ``simulate``, ``collisions``, ``rollback``,
+        ``terminal``. A refused argument raises :class:`EnvServerError` (``EXECUTION_ERROR``)."""
+        if self.episode_id is None:
+            raise EpisodeLostError("this session has no episode: call reset() first", None, None)
+        message = {"type": "tool", "data": {"name": name, **{k: v for k, v in data.items() if v is not None}}}
+        response = self._call(lambda: self._sync._run(self._client._send_and_receive(message)))
+        result = response.get("data") or {}
+        if name == "rollback":
+            self.stage = int(result.get("current_stage", self.stage or 0))
+        return result
+
     def _call(self, method: Any, *args: Any) -> Any:
         try:
             return method(*args)

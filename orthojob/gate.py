@@ -27,7 +27,7 @@ code  refusal
 ====  =================================================================================
 
 Stages that write a gate (:data:`STAGES`, the seed's numbering): ``format_sft`` (stage 0, format
-SFT), ``sft0`` (stage 2, behaviour cloning of the oracle; the name it has always had in the pipeline),
+SFT), ``tool_sft`` (stage 1, tool-use SFT: greedy agentic episodes, :mod:`orthojob.tool_sft`), ``sft0`` (stage 2, behaviour cloning of the oracle; the name it has always had in the pipeline),
 ``grpo`` (stage 3) and ``rsft`` (stage 4, rejection fine-tuning). :func:`check_gate` accepts a gate
 of any of them (``accept``): GRPO and RSFT start from whichever gated stage came before.
 
@@ -61,11 +61,12 @@ log = logging.getLogger(__name__)
 
 GATE_FILE = "gate_passed.json"
 FORMAT_VERSION = 1
-STAGES: tuple[str, ...] = ("format_sft", "sft0", "grpo", "rsft")
-"""Every stage that writes a gate file: stage 0 format SFT, stage 2 BC SFT (``sft0``), stage 3 GRPO,
-stage 4 RSFT."""
+STAGES: tuple[str, ...] = ("format_sft", "tool_sft", "sft0", "grpo", "rsft")
+"""Every stage that writes a gate file: stage 0 format SFT, stage 1 tool-use SFT, stage 2 BC SFT
+(``sft0``), stage 3 GRPO, stage 4 RSFT."""
 SFT_STAGES: tuple[str, ...] = ("format_sft", "sft0", "rsft")
-"""The stages trained with TRL's SFTTrainer (:func:`orthojob.sft.run_sft`): their gates check the format."""
+"""The stages trained with TRL's SFTTrainer (:func:`orthojob.sft.run_sft`) whose gates check the plan
+format (stage 1, ``tool_sft``, is trained the same way; its gate checks tool calls)."""
 PREFLIGHT_REFUSALS: tuple[ExitCode, ...] = (
     ExitCode.GATE_MISSING,
     ExitCode.GATE_UNREADABLE,
@@ -97,6 +98,10 @@ class GateThresholds:
         min_margin_over_slerp: terminal mean minus uniform SLERP's terminal mean on the same cases.
         min_margin_over_oracle: terminal mean minus the oracle's (usually negative or None).
         min_strategy_accuracy: share of plans declaring the case's optimal strategy.
+        min_tool_call_rate: (tool_sft) share of agentic episodes whose first turn is a parseable call
+            of a known tool.
+        min_finished_rate: (tool_sft) share of agentic episodes that finish (a plan submitted, or 24
+            stages committed) within the gate's turns.
     """
 
     min_parse_rate: float | None = field(
@@ -114,6 +119,14 @@ class GateThresholds:
     )
     min_strategy_accuracy: float | None = field(
         default=None, metadata={"help": "gate: share declaring the case's optimal strategy"}
+    )
+    min_tool_call_rate: float | None = field(
+        default=None,
+        metadata={"help": "gate (tool_sft): share of episodes whose first turn is a parseable tool call"},
+    )
+    min_finished_rate: float | None = field(
+        default=None,
+        metadata={"help": "gate (tool_sft): share of episodes that submit a plan (or commit 24 stages)"},
     )
 
     def to_dict(self) -> dict:
@@ -136,11 +149,15 @@ class GateThresholds:
 
 DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
     "format_sft": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
+    "tool_sft": GateThresholds(
+        min_parse_rate=None, min_format_reward=None, min_tool_call_rate=0.9, min_finished_rate=0.8
+    ),
     "sft0": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
     "grpo": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8, min_margin_over_slerp=0.0),
     "rsft": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
 }
-"""Per stage: format gates after the SFT stages (format, BC, RSFT), the quality gate after GRPO."""
+"""Per stage: format gates after the SFT stages (format, BC, RSFT), the tool-call gate after tool-use
+SFT, the quality gate after GRPO."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +182,11 @@ class GateSettings:
         default=16,
         metadata={"help": "gate: prompts per generate call", "flag": "--gate-batch-size",
                   "dest": "gate_batch_size", "type": positive_int, "show_default": False},
+    )  # fmt: skip
+    tool_turns: int = field(
+        default=4,
+        metadata={"help": "gate (tool_sft): assistant turns per agentic episode", "flag": "--gate-tool-turns",
+                  "dest": "gate_tool_turns", "type": positive_int, "show_default": False},
     )  # fmt: skip
     thresholds: GateThresholds = field(
         default_factory=lambda: DEFAULT_THRESHOLDS["sft0"], metadata={"cli": False}
@@ -200,6 +222,8 @@ _METRIC_OF: dict[str, str] = {
     "min_margin_over_slerp": "margin_over_slerp",
     "min_margin_over_oracle": "margin_over_oracle",
     "min_strategy_accuracy": "strategy_accuracy",
+    "min_tool_call_rate": "tool_call_rate",
+    "min_finished_rate": "finished_rate",
 }
 
 
@@ -253,6 +277,7 @@ def gate_report(
     thresholds: GateThresholds | None = None,
     model=None,
     tokenizer=None,
+    max_tool_turns: int = 4,
 ) -> dict:
     """Held-out gate evaluation of the checkpoint at ``path`` (or of an already loaded model).
 
@@ -262,6 +287,11 @@ def gate_report(
     oracle_terminal_mean, margin_over_slerp, margin_over_oracle, strategy_accuracy (and the oracle's),
     mean_completion_tokens, truncated_rate, per-task terminal means, timings.
     """
+    if stage == "tool_sft":  # stage 1's gate: greedy agentic episodes through the tools
+        from orthojob.tool_sft import tool_gate_report
+
+        return tool_gate_report(path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_tool_turns,
+                                seed_start, stage, thresholds, model, tokenizer)  # fmt: skip
     from orthojob.evaluation import BASELINES, episode_metrics, run_checkpoint
     from server.treatment import score_plans
 
@@ -336,6 +366,7 @@ def run_gate(
         batch_size=settings.batch_size,
         stage=stage,
         thresholds=settings.thresholds,
+        max_tool_turns=settings.tool_turns,
     )
     return write_gate(path, report)
 

@@ -198,6 +198,14 @@ class GRPOJobConfig:
             "type": positive_int,
         },
     )
+    env_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "agentic mode: run the tools on the environment server at this URL (python -m server.app; "
+            "one WebSocket session per rollout: its --max-sessions must hold a generation batch) instead of "
+            "in process"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -252,6 +260,12 @@ class GRPOJobConfig:
             )
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.env_url is not None and (
+            self.mode != "agentic" or not self.env_url.startswith(("http://", "https://"))
+        ):
+            raise ConfigError(
+                f"--env-url needs --mode agentic and an http(s):// URL, got {self.env_url!r} ({self.mode})"
+            )
         if self.mode == "agentic" and (self.rewards is not None or self.reward_weights):
             raise ConfigError(
                 "--mode agentic is scored by the environment's reward alone (orthojob.agentic.reward_agentic): "

@@ -484,6 +484,16 @@ def train(
         probe = DentalToolEnv()
         tools = [getattr(probe, name) for name in TOOL_NAMES]
         extra["environment_factory"] = DentalToolEnv
+        if config.env_url:  # the tools over the server: one WebSocket session per rollout
+            import functools
+
+            from orthojob.agentic import check_server_capacity
+
+            try:
+                check_server_capacity(config.env_url, generation_batch(config, n_processes))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            extra["environment_factory"] = functools.partial(DentalToolEnv, env_url=config.env_url)
     else:
         rows = prompt_rows(n_prompts, config.prompt_seed_start, config.task_id, config.force_decay)
     longest = max(_prompt_lengths(tokenizer, rows, tools))

@@ -32,7 +32,7 @@ from orthojob.gate import DEFAULT_THRESHOLDS, GateSettings, GateThresholds
 from orthojob.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.models import TINY_MODEL
 from orthojob.rsft_config import RSFTConfig
-from orthojob.sft_config import FormatSFTConfig, SFTJobConfig
+from orthojob.sft_config import FormatSFTConfig, SFTJobConfig, ToolSFTConfig
 
 PIPELINE_STAGES: dict[str, str] = {
     "format": "format_sft",
@@ -88,7 +88,8 @@ class Preset:
     """Every hyper-parameter of one run: the shared values and one config object per stage.
 
     ``sft``/``sft_gate``: stage 2, BC (the pipeline's ``sft0``); ``format_sft``/``format_gate``:
-    stage 0; ``rsft``/``rsft_gate``: stage 4. ``grpo_gate``: the thresholds of GRPO's own gate, passed
+    stage 0; ``tool_sft``/``tool_sft_gate``: stage 1 (by default trained as the BC stage is);
+    ``rsft``/``rsft_gate``: stage 4. ``grpo_gate``: the thresholds of GRPO's own gate, passed
     into the GRPO stage, which writes its gate file once with them. ``stages``: which of them the
     pipeline runs (module docstring).
     """
@@ -110,6 +111,10 @@ class Preset:
     format_gate: GateSettings = field(
         default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS["format_sft"])
     )
+    tool_sft: ToolSFTConfig | None = None  # None: trained as the BC stage is (_tool_stage)
+    tool_sft_gate: GateSettings = field(
+        default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS["tool_sft"])
+    )
     rsft: RSFTConfig = field(default_factory=RSFTConfig)
     rsft_gate: GateSettings = field(
         default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS["rsft"])
@@ -118,7 +123,9 @@ class Preset:
     def __post_init__(self) -> None:
         # the shared values, copied into the stage configs (one source of truth: the preset's)
         shared = {"model": self.model, "force_decay": self.force_decay, "tiny_arch": dict(self.tiny_arch)}
-        for name in ("sft", "format_sft", "rsft"):
+        if self.tool_sft is None:
+            object.__setattr__(self, "tool_sft", _tool_stage(self.sft))
+        for name in ("sft", "format_sft", "tool_sft", "rsft"):
             object.__setattr__(self, name, dataclasses.replace(getattr(self, name), **shared))
         grpo = dataclasses.replace(
             self.grpo, model=self.model, task_id=self.task_id, force_decay=self.force_decay, preset=self.name
@@ -128,6 +135,17 @@ class Preset:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _tool_stage(bc: SFTJobConfig) -> ToolSFTConfig:
+    """Stage 1 trained as the BC stage is (the same model, steps and optimiser), on tool
+    conversations, with room for the tools' schemas in the prompt (at least 4096 tokens)."""
+    shared = {
+        f.name: getattr(bc, f.name)
+        for f in dataclasses.fields(SFTJobConfig)
+        if f.name not in ("out", "demos", "max_length")
+    }
+    return ToolSFTConfig(**shared, max_length=max(bc.max_length, 4096))
 
 
 def _format_stage(bc: SFTJobConfig) -> FormatSFTConfig:

@@ -50,7 +50,14 @@ from orthojob.models import TINY_MODEL, ensure_tiny
 from orthojob.presets import PRESETS
 from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
 from orthojob.rsft_config import RSFTConfig
-from orthojob.sft_config import SFT_CONFIG_FILE, SFT_LOG_FILE, ConfigError, FormatSFTConfig, SFTJobConfig
+from orthojob.sft_config import (
+    SFT_CONFIG_FILE,
+    SFT_LOG_FILE,
+    ConfigError,
+    FormatSFTConfig,
+    SFTJobConfig,
+    ToolSFTConfig,
+)
 from server.cases import CaseKey
 from server.oracle import oracle_plan
 from server.treatment import score_plans
@@ -60,12 +67,14 @@ log = logging.getLogger(__name__)
 
 SECTIONS: dict[str, type[SFTJobConfig]] = {
     "format_sft": FormatSFTConfig,
+    "tool_sft": ToolSFTConfig,
     "sft": SFTJobConfig,
     "rsft": RSFTConfig,
 }
 """A preset's SFT-stage sections (:class:`orthojob.presets.Preset`) and their config classes."""
 GATE_SECTIONS: dict[str, tuple[str, str]] = {
     "format_sft": ("format_gate", "format_sft"),
+    "tool_sft": ("tool_sft_gate", "tool_sft"),
     "sft": ("sft_gate", "sft0"),
     "rsft": ("rsft_gate", "rsft"),
 }
@@ -134,6 +143,12 @@ def demonstration_rows(config: SFTJobConfig) -> tuple[list[dict], dict]:
         stats = demo_stats(rows)
         log.info("format demonstrations: %s", stats)
         return rows, {"source": "format", "examples": len(rows), **stats}
+    if config.demos == "tool":
+        from orthojob.tool_sft import tool_demonstrations
+
+        return tool_demonstrations(
+            config.examples, config.task_ids, config.force_decay, seed=getattr(config, "demo_seed", 0)
+        )
     raise ConfigError(f"demos={config.demos!r} has no built-in source: pass the rows to run_sft")
 
 
@@ -145,6 +160,14 @@ def resolve_model(config: SFTJobConfig) -> str:
         return config.from_checkpoint
     if config.model != TINY_MODEL:
         return config.model
+    if config.demos == "tool":  # stage 1: a tokenizer that knows the tool conversations, longer context
+        from orthojob.tool_sft import build_tiny_tool_model
+
+        return str(
+            build_tiny_tool_model(
+                Path(config.out) / "base-model", config.task_ids, config.force_decay, **config.tiny_arch
+            )
+        )
     return str(
         ensure_tiny(Path(config.out) / "base-model", config.task_ids, config.force_decay, **config.tiny_arch)
     )
@@ -173,6 +196,12 @@ def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info:
         rows, demo_info = demonstration_rows(config)
     if not rows:
         raise ConfigError("no demonstrations to train on")
+    if config.demos == "tool":  # stage 1: tool conversations, rendered with the tool-calling template
+        from orthojob.agentic import prepare_tokenizer
+        from orthojob.tool_sft import render_rows
+
+        tokenizer = prepare_tokenizer(tokenizer)
+        rows = render_rows(rows, tokenizer)
     dataset = Dataset.from_dict(
         {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
     )

@@ -25,6 +25,8 @@ DEMO_SOURCES: dict[str, str] = {
     "oracle": "the oracle's plans the environment judges safe (stage 2, BC; orthojob.sft.demonstrations)",
     "format": "valid plans with random strategies and random feasible groups, no clinical choice "
     "(stage 0; orthojob.format_demos)",
+    "tool": "the oracle's episodes through the agentic tools: inspect, check collisions, submit its plan "
+    "(stage 1; orthojob.tool_sft)",
     "rsft": "a checkpoint's own samples the environment scored best (stage 4; orthojob.rsft)",
 }
 """Where an SFT stage's demonstrations come from (``demos``)."""
@@ -138,6 +140,37 @@ class FormatSFTConfig(SFTJobConfig):
             raise ConfigError(f"format SFT trains on format demonstrations, got demos={self.demos!r}")
 
 
+@dataclass(frozen=True)
+class ToolSFTConfig(SFTJobConfig):
+    """Every ``orthojob tool-sft`` flag: stage 1, tool-use SFT on the oracle's tool conversations
+    (:func:`orthojob.tool_sft.tool_demonstrations`: inspect a tooth or two, check collisions, submit the
+    oracle's plan), with the tool-calling chat template (:func:`orthojob.agentic.prepare_tokenizer`).
+    Its gate runs greedy agentic episodes (:func:`orthojob.tool_sft.tool_gate_report`)."""
+
+    out: str = field(default="./checkpoints/tool_sft", metadata={"help": "output folder or s3:// URI"})
+    demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})
+    examples: int = field(default=1000, metadata={"help": "tool-call demonstrations", "type": positive_int})
+    max_length: int = field(
+        default=4096,
+        metadata={
+            "help": "longest example in tokens (the tools' schemas make prompts long)",
+            "type": positive_int,
+        },
+    )
+    demo_seed: int = field(
+        default=0,
+        metadata={
+            "help": "seed of the demonstrations' choices (which teeth are inspected)",
+            "show_default": True,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.demos != "tool":
+            raise ConfigError(f"tool-use SFT trains on tool demonstrations, got demos={self.demos!r}")
+
+
 __all__ = [
     "DEMO_SOURCES",
     "SFT_CONFIG_FILE",
@@ -145,4 +178,5 @@ __all__ = [
     "ConfigError",
     "FormatSFTConfig",
     "SFTJobConfig",
+    "ToolSFTConfig",
 ]

@@ -119,6 +119,15 @@ logger = logging.getLogger(__name__)
 
 # --- OpenEnv adapter ------------------------------------------------------------------
 
+TOOL_ARGUMENTS: dict[str, frozenset[str]] = {
+    "inspect_tooth": frozenset({"tooth_id"}),
+    "simulate": frozenset({"poses", "strategy"}),
+    "collisions": frozenset({"poses"}),
+    "rollback": frozenset({"expected_stage"}),
+    "terminal": frozenset(),
+}
+"""The WebSocket ``tool`` message's tools and their arguments (:meth:`DentalOpenEnvAdapter.tool_dict`)."""
+
 
 class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalState]):
     """OpenEnv ``Environment`` over the shared episode store.
@@ -205,6 +214,36 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
     @property
     def state(self) -> DentalState:
         return DentalState.model_validate(self.state_dict())
+
+    def tool_dict(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """One agentic tool on this session's episode (the WebSocket ``tool`` message):
+        ``{"name": "inspect_tooth", "tooth_id"}``, ``{"name": "simulate", "poses", "strategy"?}``,
+        ``{"name": "collisions", "poses"?}``, ``{"name": "rollback", "expected_stage"?}`` or
+        ``{"name": "terminal"}`` (the finished episode's score, or null)."""
+        if self._episode_id is None:
+            raise NoEpisodeError("this session has no episode: send a reset first")
+        if not isinstance(data, Mapping):
+            raise RequestRejectedError('tool data must be an object {"name": ..., ...}')
+        name, args = data.get("name"), {k: v for k, v in data.items() if k != "name"}
+        allowed = TOOL_ARGUMENTS.get(name) if isinstance(name, str) else None
+        if allowed is None:
+            raise RequestRejectedError(f"unknown tool {name!r:.40}: use one of {', '.join(TOOL_ARGUMENTS)}")
+        if set(args) - allowed:
+            raise RequestRejectedError(
+                f"tool {name} takes {sorted(allowed) or 'no arguments'}, got {sorted(args)}"
+            )
+        eid, store = self._episode_id, self._store
+        if name == "inspect_tooth":
+            return store.inspect_tooth(eid, args.get("tooth_id"))
+        if name == "simulate":
+            return store.simulate_step(eid, args.get("poses"), args.get("strategy"))
+        if name == "collisions":
+            return store.check_collisions(eid, args.get("poses"))
+        if name == "rollback":
+            return store.rollback_stage(eid, expected_stage=args.get("expected_stage"))
+        session = store.sessions.get(eid)
+        with session.lock:
+            return {"terminal": session.terminal}
 
     def state_dict(self) -> dict[str, Any]:
         """OpenEnv state of this session (its current episode) as a dict."""

@@ -47,8 +47,9 @@ _MAX_EXCERPT = 40
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
-MESSAGE_TYPES = ("reset", "step", "state", "close")
-"""The OpenEnv WebSocket message types this server answers."""
+MESSAGE_TYPES = ("reset", "step", "state", "close", "tool")
+"""The WebSocket message types this server answers: OpenEnv's four, and ``tool`` (the agentic
+tools on the session's own episode, :meth:`server.app.DentalOpenEnvAdapter.tool_dict`)."""
 
 
 class MessageError(ValueError):
@@ -222,7 +223,7 @@ def decode_message(frame: str | bytes | None, max_bytes: int, binary: bool = Fal
     validation of the step names the tooth and field), JSON nested too deep, and JSON that
     is not a message object. The reason never quotes the frame.
     """
-    shape = 'a JSON object {"type": "reset" | "step" | "state" | "close", "data": {...}}'
+    shape = 'a JSON object {"type": "reset" | "step" | "state" | "close" | "tool", "data": {...}}'
     if binary or frame is None:
         raise MessageError("INVALID_JSON", f"binary frames are not accepted: send {shape} as a text frame")
     size, bound = len(frame), ""

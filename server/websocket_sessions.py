@@ -5,7 +5,10 @@ episode at a time) per connection, speaking OpenEnv's protocol, so its clients
 Protocol (JSON text frames): the client sends ``{"type": "reset" | "step" | "state" |
 "close", "data": {...}}``; the server answers each with ``{"type": "observation", "data":
 {"observation", "reward", "done"}}``, ``{"type": "state", "data": {...}}`` or ``{"type":
-"error", "data": {"message", "code"}}``. ``close`` ends the session.
+"error", "data": {"message", "code"}}``. ``close`` ends the session. Beyond OpenEnv's four, a
+``{"type": "tool", "data": {"name": ..., ...}}`` message runs one of the agentic tools on the
+session's own episode (inspect_tooth, simulate, collisions, rollback, terminal; answered
+``{"type": "tool", "data": {...}}``), so an agentic rollout needs one connection only.
 
 What this adds to openenv-core 0.3.0's own ``/ws`` (which it replaces):
 
@@ -181,6 +184,8 @@ class WebSocketSessions:
                 return encoder.frame(env.reset_observation(**data))
             if kind == "state":
                 return encode_json({"type": "state", "data": env.state_dict()}).decode()
+            if kind == "tool":
+                return encode_json({"type": "tool", "data": env.tool_dict(data)}).decode()
             return None
         except MessageError as exc:
             self.counters.bad_messages += 1

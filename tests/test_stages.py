@@ -71,7 +71,7 @@ def test_stage_configs_flags_and_presets():
         parser.parse_args(["rsft", "--preset", "tiny-cpu", "--samples-per-prompt", "6"]), "rsft"
     )
     assert isinstance(r, RSFTConfig) and r.samples_per_prompt == 6 and r.demos == "rsft"
-    assert set(SECTIONS) == {"format_sft", "sft", "rsft"}
+    assert set(SECTIONS) == {"format_sft", "tool_sft", "sft", "rsft"}
     for name, preset in PRESETS.items():  # the shared values reach the new stages too
         assert preset.format_sft.model == preset.rsft.model == preset.model, name
         assert preset.stages == ("bc", "grpo")  # make run's chain, unchanged
