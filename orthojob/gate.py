@@ -265,6 +265,48 @@ def _task_list(task_id: str | Sequence[str]) -> list[str]:
     return list(task_id)
 
 
+def _tool_gate_report(
+    path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_turns, seed_start, stage, thresholds,
+    model, tokenizer,
+) -> dict:  # fmt: skip
+    """:func:`gate_report` of stage 1 (tool-use SFT): :func:`orthojob.tool_sft.tool_gate_metrics` on the
+    held-out seeds, checked against the stage's thresholds."""
+    from orthojob.tool_sft import tool_gate_metrics
+
+    t0 = time.perf_counter()
+    tasks = _task_list(task_id)
+    unknown = [t for t in tasks if t not in TASK_IDS]
+    if unknown:
+        raise ValueError(f"unknown task ids {unknown}: use {TASK_IDS}")
+    if model is None or tokenizer is None:
+        from orthojob.models import load_for_inference
+
+        model, tokenizer = load_for_inference(path)
+    rows = [
+        {"seed": s, "task_id": t, "force_decay": bool(force_decay)}
+        for t in tasks
+        for s in range(seed_start, seed_start + n_seeds)
+    ]
+    metrics, samples = tool_gate_metrics(model, tokenizer, rows, max_turns, max_new_tokens, batch_size)
+    metrics["eval_seconds"] = time.perf_counter() - t0
+    limits = thresholds or thresholds_for(stage)
+    checks = gate_checks(metrics, limits)
+    return {
+        "stage": stage,
+        "checkpoint": str(path),
+        "task_ids": tasks,
+        "n_seeds": n_seeds,
+        "seed_start": seed_start,
+        "force_decay": bool(force_decay),
+        "max_new_tokens": max_new_tokens,
+        "metrics": metrics,
+        "thresholds": limits.to_dict(),
+        "checks": checks,
+        "passed": bool(checks) and all(checks.values()),
+        "samples": samples,
+    }
+
+
 def gate_report(
     path: str,
     n_seeds: int = 50,
@@ -288,10 +330,8 @@ def gate_report(
     mean_completion_tokens, truncated_rate, per-task terminal means, timings.
     """
     if stage == "tool_sft":  # stage 1's gate: greedy agentic episodes through the tools
-        from orthojob.tool_sft import tool_gate_report
-
-        return tool_gate_report(path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_tool_turns,
-                                seed_start, stage, thresholds, model, tokenizer)  # fmt: skip
+        return _tool_gate_report(path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_tool_turns,
+                                 seed_start, stage, thresholds, model, tokenizer)  # fmt: skip
     from orthojob.evaluation import BASELINES, episode_metrics, run_checkpoint
     from server.treatment import score_plans
 

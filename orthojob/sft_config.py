@@ -145,7 +145,7 @@ class ToolSFTConfig(SFTJobConfig):
     """Every ``orthojob tool-sft`` flag: stage 1, tool-use SFT on the oracle's tool conversations
     (:func:`orthojob.tool_sft.tool_demonstrations`: inspect a tooth or two, check collisions, submit the
     oracle's plan), with the tool-calling chat template (:func:`orthojob.agentic.prepare_tokenizer`).
-    Its gate runs greedy agentic episodes (:func:`orthojob.tool_sft.tool_gate_report`)."""
+    Its gate runs greedy agentic episodes (:func:`orthojob.tool_sft.tool_gate_metrics`)."""
 
     out: str = field(default="./checkpoints/tool_sft", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})

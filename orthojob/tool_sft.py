@@ -15,7 +15,7 @@ with the reward the environment gave it, the one-shot reward of the oracle's pla
 :func:`orthojob.agentic.prepare_tokenizer`). The completion is the whole conversation after the
 prompt, tool results included (TRL's completion-only loss; the results are the environment's text).
 
-**Gate** (stage ``tool_sft``, :func:`tool_gate_report`): greedy agentic rollouts on held-out seeds,
+**Gate** (stage ``tool_sft``, :func:`tool_gate_metrics`, checked by :func:`orthojob.gate.gate_report`): greedy agentic rollouts on held-out seeds,
 up to ``GateSettings.tool_turns`` assistant turns each, the tools run on :class:`DentalToolEnv`.
 Metrics: ``tool_call_rate`` (share of episodes whose first turn is a parseable call of a known
 tool), ``finished_rate`` (share that submitted a plan or committed 24 stages), ``valid_call_rate``,
@@ -36,7 +36,6 @@ import numpy as np
 
 from orthojob.agentic import TOOL_NAMES, DentalToolEnv, agentic_messages, agentic_rows, full_prompt
 from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
-from server.cases import HELDOUT_SEED_START, TASK_IDS
 from server.dental_constants import MM_PER_DEG, TOOTH_IDS
 from server.oracle import oracle_plan
 
@@ -268,37 +267,18 @@ def agentic_rollouts(
     ]
 
 
-def tool_gate_report(
-    path: str,
-    n_seeds: int = 50,
-    task_id: str | Sequence[str] = "task_easy",
-    force_decay: bool = False,
+def tool_gate_metrics(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    max_turns: int = 4,
     max_new_tokens: int = 512,
     batch_size: int = 16,
-    max_turns: int = 4,
-    seed_start: int = HELDOUT_SEED_START,
-    stage: str = TOOL_SFT_STAGE,
-    thresholds=None,
-    model=None,
-    tokenizer=None,
-) -> dict:
-    """The tool-use gate's report (as :func:`orthojob.gate.gate_report`'s; module docstring)."""
-    from orthojob.gate import _task_list, gate_checks, thresholds_for
-
-    t0 = time.perf_counter()
-    tasks = _task_list(task_id)
-    if model is None or tokenizer is None:
-        from orthojob.models import load_for_inference
-
-        model, tokenizer = load_for_inference(path)
-    unknown = [t for t in tasks if t not in TASK_IDS]
-    if unknown:
-        raise ValueError(f"unknown task ids {unknown}: use {TASK_IDS}")
-    rows = [
-        {"prompt": agentic_messages(), "seed": s, "task_id": t, "force_decay": bool(force_decay)}
-        for t in tasks
-        for s in range(seed_start, seed_start + n_seeds)
-    ]
+) -> tuple[dict, list[dict]]:
+    """The tool-use gate's metrics (module docstring) over greedy agentic episodes of ``rows``
+    (``seed``, ``task_id``, ``force_decay``), and three sample episodes. :func:`orthojob.gate.gate_report`
+    checks them against the stage's thresholds and writes the report."""
+    rows = [{"prompt": agentic_messages(), **r} for r in rows]
     t_gen = time.perf_counter()
     episodes = agentic_rollouts(model, tokenizer, rows, max_turns, max_new_tokens, batch_size)
     n = len(episodes)
@@ -311,27 +291,12 @@ def tool_gate_report(
         "turns_mean": float(np.mean([e["turns"] for e in episodes])),
         "calls_mean": calls / n,
         "generate_seconds": time.perf_counter() - t_gen,
-        "eval_seconds": time.perf_counter() - t0,
     }
-    limits = thresholds or thresholds_for(stage)
-    checks = gate_checks(metrics, limits)
-    return {
-        "stage": stage,
-        "checkpoint": str(path),
-        "task_ids": tasks,
-        "n_seeds": n_seeds,
-        "seed_start": seed_start,
-        "force_decay": bool(force_decay),
-        "max_new_tokens": max_new_tokens,
-        "metrics": metrics,
-        "thresholds": limits.to_dict(),
-        "checks": checks,
-        "passed": bool(checks) and all(checks.values()),
-        "samples": [
-            {"task_id": r["task_id"], "seed": r["seed"], "completion": json.dumps(e["messages"][2:])[:2000]}
-            for r, e in zip(rows[:3], episodes[:3])
-        ],
-    }
+    samples = [
+        {"task_id": r["task_id"], "seed": r["seed"], "completion": json.dumps(e["messages"][2:])[:2000]}
+        for r, e in zip(rows[:3], episodes[:3])
+    ]
+    return metrics, samples
 
 
 __all__ = [
@@ -344,6 +309,6 @@ __all__ = [
     "render_rows",
     "tiny_tool_corpus",
     "tool_demonstrations",
-    "tool_gate_report",
+    "tool_gate_metrics",
     "tool_schemas",
 ]

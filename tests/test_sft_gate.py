@@ -139,7 +139,8 @@ def test_gate_file_contents_and_digest(tmp_path):
     assert content["passed"] is True and content["stage"] == "grpo"
     assert content["metrics"] == PASSING
     assert content["thresholds"] == {"min_parse_rate": 0.9, "min_format_reward": 0.8, "min_margin_over_slerp": 0.0,
-                                     "min_margin_over_oracle": None, "min_strategy_accuracy": None}  # fmt: skip
+                                     "min_margin_over_oracle": None, "min_strategy_accuracy": None,
+                                     "min_tool_call_rate": None, "min_finished_rate": None}  # fmt: skip
     assert content["checks"] == {"parse_rate": True, "format_reward": True, "margin_over_slerp": True}
     assert content["checkpoint_digest"] == models.checkpoint_digest(ckpt)
     assert content["digest_files"] == ["config.json", "model.safetensors", "tokenizer.json"]
