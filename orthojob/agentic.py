@@ -48,6 +48,7 @@ import inspect
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -122,6 +123,7 @@ class EpisodeMetrics:
     rollbacks: int = 0
     stages_committed: int = 0
     finished_by: str | None = None  # "submit_plan" or "commit_stage" (24 stages), None if unfinished
+    env_seconds: float = 0.0  # wall time inside reset and the tools (the environment's share of a step)
 
 
 def _tool(func: Callable) -> Callable:
@@ -135,6 +137,7 @@ def _tool(func: Callable) -> Callable:
         name = func.__name__
         metrics = self._metrics
         metrics.calls[name] = metrics.calls.get(name, 0) + 1
+        t0 = time.perf_counter()
         try:
             try:
                 signature.bind(self, *args, **kwargs)
@@ -155,6 +158,8 @@ def _tool(func: Callable) -> Callable:
             metrics.invalid += 1
             log.warning("tool %s failed: %s: %s", name, type(exc).__name__, exc)
             return f"error: {name} failed ({type(exc).__name__}: {str(exc)[:200]})"
+        finally:
+            metrics.env_seconds += time.perf_counter() - t0
 
     return tool
 
@@ -214,6 +219,7 @@ class DentalToolEnv:
             raise ValueError(f"column 'seed' must hold integers, got {seed!r:.40}")
         if task_id not in TASK_IDS:
             raise ValueError(f"column 'task_id' must be one of {TASK_IDS}, got {task_id!r:.40}")
+        t0 = time.perf_counter()
         if self._episode_id is not None:
             self._env.close_episode(self._episode_id)
         self._key = CaseKey(task_id, int(seed), bool(force_decay))
@@ -228,7 +234,9 @@ class DentalToolEnv:
         self._progress = [np.zeros(N_TEETH)]
         self._result = None
         self._metrics = EpisodeMetrics()
-        return _case_text(obs)
+        text = _case_text(obs)
+        self._metrics.env_seconds = time.perf_counter() - t0
+        return text
 
     @property
     def finished(self) -> bool:
@@ -656,6 +664,12 @@ def episode_metrics(
     out["agentic/finished_share"] = sum(e.finished for e in envs) / n
     out["agentic/submitted_share"] = sum(e.metrics.finished_by == "submit_plan" for e in envs) / n
     out["agentic/reward"] = sum(e.reward for e in envs) / n
+    # the environment's wall time in this batch (this rank): reset and every tool call; over the
+    # step's wall time (``step_time``) it is the environment's share of an agentic GRPO step
+    out["agentic/env_seconds"] = sum(e.metrics.env_seconds for e in envs)
+    calls = sum(sum(e.metrics.calls.values()) for e in envs)
+    if calls:
+        out["agentic/env_ms_per_call"] = 1e3 * sum(e.metrics.env_seconds for e in envs) / calls
     if completions is not None:
         out["agentic/turns"] = sum(_turns(c) for c in completions) / max(len(completions), 1)
     done = [e.result for e in envs if e.result is not None]

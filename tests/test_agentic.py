@@ -295,6 +295,13 @@ def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkey
         assert r["agentic/turns"] >= 2 and r["tools/call_frequency"] >= 1.5
         assert math.isfinite(r["rewards/reward_agentic/mean"]) and math.isfinite(r["loss"])
         assert "agentic/component/collision_free" in r
+        # the environment's own time (reset + tools) is measured, and is a part of the step
+        assert r["agentic/env_seconds"] > 0 and 0 < r["agentic/env_ms_per_call"] < 1000
+        if "step_time" in r:
+            assert r["agentic/env_seconds"] < r["step_time"]
+            print(
+                f"agentic step {r['step']}: environment {r['agentic/env_seconds']:.4f} s of {r['step_time']:.2f} s"
+            )
     client = MlflowClient()
     for key in ("agentic/calls/inspect_tooth", "agentic/invalid_calls", "agentic/rollbacks", "agentic/turns",
                 "agentic/finished_share", "rewards/reward_agentic/mean"):  # fmt: skip
