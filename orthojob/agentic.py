@@ -123,7 +123,7 @@ class EpisodeMetrics:
     rollbacks: int = 0
     stages_committed: int = 0
     finished_by: str | None = None  # "submit_plan" or "commit_stage" (24 stages), None if unfinished
-    env_seconds: float = 0.0  # wall time inside reset and the tools (the environment's share of a step)
+    env_seconds: float = field(default=0.0, compare=False)  # wall time in reset and the tools (not compared)
 
 
 def _tool(func: Callable) -> Callable:
