@@ -265,6 +265,29 @@ def _task_list(task_id: str | Sequence[str]) -> list[str]:
     return list(task_id)
 
 
+def _checked_report(
+    path, stage, tasks, n_seeds, seed_start, force_decay, max_new_tokens, metrics, thresholds, samples
+) -> dict:
+    """A gate report: the evaluation's settings, its metrics checked against the stage's thresholds
+    (``thresholds`` or the stage's defaults), the verdict and a few sample completions."""
+    limits = thresholds or thresholds_for(stage)
+    checks = gate_checks(metrics, limits)
+    return {
+        "stage": stage,
+        "checkpoint": str(path),
+        "task_ids": tasks,
+        "n_seeds": n_seeds,
+        "seed_start": seed_start,
+        "force_decay": bool(force_decay),
+        "max_new_tokens": max_new_tokens,
+        "metrics": metrics,
+        "thresholds": limits.to_dict(),
+        "checks": checks,
+        "passed": bool(checks) and all(checks.values()),
+        "samples": samples,
+    }
+
+
 def _tool_gate_report(
     path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_turns, seed_start, stage, thresholds,
     model, tokenizer,
@@ -289,22 +312,9 @@ def _tool_gate_report(
     ]
     metrics, samples = tool_gate_metrics(model, tokenizer, rows, max_turns, max_new_tokens, batch_size)
     metrics["eval_seconds"] = time.perf_counter() - t0
-    limits = thresholds or thresholds_for(stage)
-    checks = gate_checks(metrics, limits)
-    return {
-        "stage": stage,
-        "checkpoint": str(path),
-        "task_ids": tasks,
-        "n_seeds": n_seeds,
-        "seed_start": seed_start,
-        "force_decay": bool(force_decay),
-        "max_new_tokens": max_new_tokens,
-        "metrics": metrics,
-        "thresholds": limits.to_dict(),
-        "checks": checks,
-        "passed": bool(checks) and all(checks.values()),
-        "samples": samples,
-    }
+    return _checked_report(
+        path, stage, tasks, n_seeds, seed_start, force_decay, max_new_tokens, metrics, thresholds, samples
+    )
 
 
 def gate_report(
@@ -367,25 +377,13 @@ def gate_report(
             "eval_seconds": time.perf_counter() - t0,
         }
     )
-    limits = thresholds or thresholds_for(stage)
-    checks = gate_checks(metrics, limits)
-    return {
-        "stage": stage,
-        "checkpoint": str(path),
-        "task_ids": tasks,
-        "n_seeds": n_seeds,
-        "seed_start": seed_start,
-        "force_decay": bool(force_decay),
-        "max_new_tokens": max_new_tokens,
-        "metrics": metrics,
-        "thresholds": limits.to_dict(),
-        "checks": checks,
-        "passed": bool(checks) and all(checks.values()),
-        "samples": [
-            {"task_id": ep.task_ids[i], "seed": ep.seeds[i], "completion": ep.texts[i][:2000]}
-            for i in range(min(3, len(ep.texts)))
-        ],
-    }
+    samples = [
+        {"task_id": ep.task_ids[i], "seed": ep.seeds[i], "completion": ep.texts[i][:2000]}
+        for i in range(min(3, len(ep.texts)))
+    ]
+    return _checked_report(
+        path, stage, tasks, n_seeds, seed_start, force_decay, max_new_tokens, metrics, thresholds, samples
+    )
 
 
 def run_gate(
