@@ -48,7 +48,13 @@ from orthojob.flags import add_config_arguments, given_values
 from orthojob.gate import DEFAULT_THRESHOLDS, GateSettings, add_gate_arguments, gate_settings_from_args
 from orthojob.models import TINY_MODEL, ensure_tiny
 from orthojob.presets import PRESETS
-from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
+from orthojob.prompts import (
+    TRAIN_SEED_START,
+    build_messages,
+    plan_to_completion,
+    prompt_format_of,
+    reset_observation,
+)
 from orthojob.rsft_config import RSFTConfig
 from orthojob.sft_config import (
     SFT_CONFIG_FILE,
@@ -88,7 +94,7 @@ def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -
 
 
 def oracle_demonstrations(
-    n: int, task_ids: Sequence[str], force_decay: bool = False
+    n: int, task_ids: Sequence[str], force_decay: bool = False, prompt_format: str = "full"
 ) -> tuple[list[dict], dict]:
     """``n`` BC examples, and their counts ``{"source", "examples", "filtered_hard_rule"}``.
 
@@ -112,7 +118,7 @@ def oracle_demonstrations(
             else:
                 rows.append(
                     {
-                        "prompt": build_messages(obs),
+                        "prompt": build_messages(obs, prompt_format),
                         "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
                         "seed": seed,
                         "task_id": task_id,
@@ -129,16 +135,20 @@ def oracle_demonstrations(
     return out, {"source": "oracle", "examples": len(out), "filtered_hard_rule": filtered}
 
 
-def demonstration_rows(config: SFTJobConfig) -> tuple[list[dict], dict]:
-    """The demonstrations of ``config.demos`` (``oracle`` or ``format``) and their counts; RSFT's rows
-    come from :func:`orthojob.rsft.sample_and_keep` instead."""
+def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tuple[list[dict], dict]:
+    """The demonstrations of ``config.demos`` (``oracle`` or ``format``) and their counts, prompts in
+    the policy's ``prompt_format``; RSFT's rows come from :func:`orthojob.rsft.sample_and_keep` instead."""
     if config.demos == "oracle":
-        return oracle_demonstrations(config.examples, config.task_ids, config.force_decay)
+        return oracle_demonstrations(config.examples, config.task_ids, config.force_decay, prompt_format)
     if config.demos == "format":
         from orthojob.format_demos import demo_stats, format_demonstrations
 
         rows = format_demonstrations(
-            config.examples, config.task_ids, config.force_decay, seed=getattr(config, "demo_seed", 0)
+            config.examples,
+            config.task_ids,
+            config.force_decay,
+            seed=getattr(config, "demo_seed", 0),
+            prompt_format=prompt_format,
         )
         stats = demo_stats(rows)
         log.info("format demonstrations: %s", stats)
@@ -193,7 +203,7 @@ def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info:
                                           lora_alpha=config.lora_alpha, max_seq_length=config.max_length)  # fmt: skip
     t_data = time.perf_counter()
     if rows is None:
-        rows, demo_info = demonstration_rows(config)
+        rows, demo_info = demonstration_rows(config, prompt_format_of(model))
     if not rows:
         raise ConfigError("no demonstrations to train on")
     if config.demos == "tool":  # stage 1: tool conversations, rendered with the tool-calling template
