@@ -1120,6 +1120,8 @@ def test_agentic_component_runs_the_job_against_the_env_server(
     namespace, and port), the Service and the server's port agree, the session cap holds the Job's
     generation batch twice over, probes on the server's health route, and a NetworkPolicy that admits
     the training pods only."""
+    # enabled as docs/deploy.md says: one commented line of k8s/kustomization.yaml
+    assert "\n  # - agentic\n" in (K8S / "kustomization.yaml").read_text()
     docs = load_all(agentic_output)
     base = load_all(kustomize_output)
     assert sorted(d["kind"] for d in docs) == sorted(
