@@ -139,13 +139,14 @@ class Preset:
 
 def _tool_stage(bc: SFTJobConfig) -> ToolSFTConfig:
     """Stage 1 trained as the BC stage is (the same model, steps and optimiser), on tool
-    conversations, with room for the tools' schemas in the prompt (at least 4096 tokens)."""
+    conversations, with room for the tools' schemas in the prompt (at least
+    :class:`~orthojob.sft_config.ToolSFTConfig`'s default ``max_length``)."""
     shared = {
         f.name: getattr(bc, f.name)
         for f in dataclasses.fields(SFTJobConfig)
         if f.name not in ("out", "demos", "max_length")
     }
-    return ToolSFTConfig(**shared, max_length=max(bc.max_length, 4096))
+    return ToolSFTConfig(**shared, max_length=max(bc.max_length, ToolSFTConfig.max_length))
 
 
 def _format_stage(bc: SFTJobConfig) -> FormatSFTConfig:
