@@ -1,6 +1,7 @@
 """Stage 1, tool-use SFT (issue 15, :mod:`orthojob.tool_sft`): the oracle's tool conversations score
 as its one-shot plans do; the loss covers the assistant's turns only; ``orthojob tool-sft`` trains on
-them, writes its tool-call gate and MLflow stage run; GRPO's pre-flight accepts that gate."""
+them, writes its tool-call gate and MLflow stage run; GRPO's pre-flight accepts that gate; the
+pipeline runs the stage from a preset's chain. (``tests/test_e2e_mlflow_s3.py``: s3:// in and out.)"""
 
 from __future__ import annotations
 
@@ -149,3 +150,40 @@ def test_tool_sft_cli_gate_mlflow_and_grpo_preflight(tiny_tool_base, tmp_path, m
     rc = cli_main(["gate", "--checkpoint", str(out), "--stage", "tool_sft", "--seeds", "1", "--max-new-tokens", "8",
                    "--tool-turns", "1"])  # fmt: skip
     assert rc == 12 and gate.read_gate(out)["passed"] is False
+
+
+def test_pipeline_runs_tool_use_sft_from_a_presets_chain(tmp_path, monkeypatch, capsys):
+    """``stages=tool``: the pipeline builds the tiny model with a tokenizer that knows the tool
+    conversations, trains stage 1 on the assistant's turns, gates it (MLflow runs, gate file); GRPO's
+    agentic pre-flight accepts the checkpoint. (GRPO's agentic training: tests/test_agentic.py.)"""
+    from orthojob.pipeline import run_pipeline
+
+    monkeypatch.chdir(tmp_path)
+    overrides = {
+        "stages": "tool",
+        "base_eval": False,
+        **{f"tool_sft.{k}": v for k, v in {"steps": 1, "examples": 2, "batch_size": 1}.items()},
+        **{f"tool_sft_gate.{k}": v for k, v in {"n_seeds": 1, "max_new_tokens": 8, "tool_turns": 1}.items()},
+        "tool_sft_gate.thresholds.min_tool_call_rate": 0,
+        "tool_sft_gate.thresholds.min_finished_rate": 0,
+        "evaluate.n_seeds": 1,
+        "evaluate.max_new_tokens": 8,
+        "evaluate.baselines": False,
+    }
+    out = tmp_path / "run"
+    summary = run_pipeline("tiny-cpu", out, overrides)
+    assert summary["exit_code"] == 0, format(summary["stages"])
+    assert summary["chain"] == ["tool_sft"]
+    stages = summary["stages"]
+    tiny = json.loads((out / "tiny-model" / "config.json").read_text())
+    assert stages["tiny-model"]["path"] == str(out / "tiny-model") and tiny["max_position_embeddings"] == 8192
+    tool = stages["tool_sft"]
+    assert tool["demos"]["source"] == "tool" and tool["assistant_only_loss"] is True
+    assert tool["examples_at_max_length"] == 0 and 0 < tool["loss_tokens"] < tool["tokens"]
+    content = gate.read_gate(out / "tool_sft")
+    assert content["stage"] == "tool_sft" and stages["gate_tool_sft"]["passed"] is True
+    assert stages["gate_tool_sft"]["tool_call_rate"] == content["metrics"]["tool_call_rate"]
+    assert "gate_tool_sft" in capsys.readouterr().out  # the summary table's line
+    capsys.readouterr()
+    rc = cli_main(["train", "--from-checkpoint", str(out / "tool_sft"), "--mode", "agentic", "--test"])
+    assert rc == 0 and "passed (stage tool_sft)" in capsys.readouterr().out
