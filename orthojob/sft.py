@@ -183,17 +183,81 @@ def resolve_model(config: SFTJobConfig) -> str:
     )
 
 
+def sft_trainer(config: SFTJobConfig, model, tokenizer, rows: Sequence[dict], devices: dict):
+    """TRL's SFTTrainer for ``rows`` (``{"prompt": messages, "completion": messages, ...}``), its
+    dataset prepared (tokenized, ``labels`` built), not trained yet.
+
+    The loss: the completion's tokens (TRL's completion-only loss). Stage 1 (``demos="tool"``) trains
+    on the assistant's turns only (TRL's ``assistant_only_loss``): its completions hold the tools'
+    results as ``tool`` messages, the environment's text, not the policy's; the tokenizer gets the
+    tool-calling template (:func:`orthojob.agentic.prepare_tokenizer`), and SFTTrainer renders with
+    its training variant, which marks the assistant's turns (:func:`orthojob.tool_sft.conversation_dataset`)."""
+    from datasets import Dataset  # heavy, and only after Unsloth: imported when training starts
+    from trl import SFTConfig, SFTTrainer
+
+    tool = config.demos == "tool"
+    if tool:
+        from orthojob.agentic import prepare_tokenizer
+        from orthojob.tool_sft import conversation_dataset
+
+        tokenizer = prepare_tokenizer(tokenizer)
+        dataset = conversation_dataset(rows)
+    else:
+        dataset = Dataset.from_dict(
+            {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
+        )
+    args = SFTConfig(
+        output_dir=str(config.out),
+        max_steps=config.steps,
+        per_device_train_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.lr,
+        lr_scheduler_type=config.lr_scheduler,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        max_length=config.max_length,
+        assistant_only_loss=tool,
+        seed=config.seed,
+        logging_steps=max(1, min(config.logging_steps, config.steps // 2)),
+        save_strategy="no",
+        report_to="none",
+        bf16=devices["bf16"],
+        fp16=False,
+        use_cpu=not devices["cuda"],
+        gradient_checkpointing=config.gradient_checkpointing,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def token_counts(trainer, max_length: int) -> dict:
+    """The prepared training set's size in tokens: ``tokens``, ``loss_tokens`` (the tokens the loss
+    is computed on) and ``examples_at_max_length`` (examples that reach ``max_length``: TRL cut
+    their end, a warning is logged)."""
+    columns = trainer.train_dataset.column_names
+    ids = trainer.train_dataset["input_ids"]
+    labels = trainer.train_dataset["labels"] if "labels" in columns else ids
+    counts = {
+        "tokens": sum(len(x) for x in ids),
+        "loss_tokens": sum(sum(1 for t in x if t != -100) for x in labels),
+        "examples_at_max_length": sum(len(x) >= max_length for x in ids),
+    }
+    if counts["examples_at_max_length"]:
+        log.warning("%d of %d examples reach max_length %d: their end is cut from training (raise --max-length)",
+                    counts["examples_at_max_length"], len(ids), max_length)  # fmt: skip
+    return counts
+
+
 def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info: dict | None = None) -> dict:
     """Train an SFT stage and save model + tokenizer to ``config.out``; returns a summary dict
-    (examples, steps, losses, token accuracy, wall times, parameters, ``demos``: the counts of the
-    demonstrations).
+    (examples, steps, losses, token accuracy, tokens and loss tokens, wall times, parameters,
+    ``demos``: the counts of the demonstrations).
 
     ``rows``: the demonstrations (``{"prompt": messages, "completion": [assistant message], ...}``);
     by default those of ``config.demos`` (:func:`demonstration_rows`). ``demo_info``: their counts,
     recorded with the summary."""
     devices = models.device_info()  # imports Unsloth (on a GPU) before TRL and transformers
-    from datasets import Dataset  # heavy, and only after Unsloth: imported when training starts
-    from trl import SFTConfig, SFTTrainer
 
     t0 = time.perf_counter()
     out = Path(config.out)
@@ -206,38 +270,10 @@ def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info:
         rows, demo_info = demonstration_rows(config, prompt_format_of(model))
     if not rows:
         raise ConfigError("no demonstrations to train on")
-    if config.demos == "tool":  # stage 1: tool conversations, rendered with the tool-calling template
-        from orthojob.agentic import prepare_tokenizer
-        from orthojob.tool_sft import render_rows
-
-        tokenizer = prepare_tokenizer(tokenizer)
-        rows = render_rows(rows, tokenizer)
-    dataset = Dataset.from_dict(
-        {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
-    )
+    trainer = sft_trainer(config, model, tokenizer, rows, devices)
+    tokenizer = trainer.processing_class
+    counts = token_counts(trainer, config.max_length)
     data_seconds = time.perf_counter() - t_data
-    args = SFTConfig(
-        output_dir=str(out),
-        max_steps=config.steps,
-        per_device_train_batch_size=config.batch_size,
-        gradient_accumulation_steps=config.grad_accum,
-        learning_rate=config.lr,
-        lr_scheduler_type=config.lr_scheduler,
-        warmup_steps=config.warmup_steps,
-        weight_decay=config.weight_decay,
-        max_length=config.max_length,
-        seed=config.seed,
-        logging_steps=max(1, min(config.logging_steps, config.steps // 2)),
-        save_strategy="no",
-        report_to="none",
-        bf16=devices["bf16"],
-        fp16=False,
-        use_cpu=not devices["cuda"],
-        gradient_checkpointing=config.gradient_checkpointing,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     t_train = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - t_train
@@ -254,6 +290,8 @@ def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info:
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
         "final_token_accuracy": accuracy[-1] if accuracy else None,
+        **counts,
+        "assistant_only_loss": bool(trainer.args.assistant_only_loss),
         "parameters": models.count_parameters(model),
         "base_model": base,
         "data_seconds": data_seconds,
@@ -417,4 +455,6 @@ __all__ = [
     "run_sft",
     "run_sft_cli",
     "run_sft_stage_cli",
+    "sft_trainer",
+    "token_counts",
 ]
