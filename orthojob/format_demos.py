@@ -100,10 +100,12 @@ def format_demonstrations(
     seed: int = 0,
     seed_start: int = TRAIN_SEED_START,
     prompt_format: str = "full",
+    strategy_last: bool = False,
 ) -> list[dict]:
     """``n`` SFT rows ``{"prompt", "completion", "seed", "task_id", "force_decay", "plan"}`` on training
     seeds from ``seed_start`` (tasks take turns), each with a random format plan (``seed`` seeds the
-    random choices, not the cases), prompts in ``prompt_format`` (:data:`orthojob.prompts.PROMPT_FORMATS`)."""
+    random choices, not the cases), prompts in ``prompt_format`` (:data:`orthojob.prompts.PROMPT_FORMATS`); ``strategy_last`` writes
+    the strategy after the tooth groups."""
     rng = random.Random(seed)
     tasks = list(task_ids)
     rows = []
@@ -115,7 +117,7 @@ def format_demonstrations(
         rows.append(
             {
                 "prompt": build_messages(reset_observation(case_seed, task_id, force_decay), prompt_format),
-                "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
+                "completion": [{"role": "assistant", "content": plan_to_completion(plan, strategy_last)}],
                 "seed": case_seed,
                 "task_id": task_id,
                 "force_decay": bool(force_decay),

@@ -72,35 +72,36 @@ class LearnConfig:
     prompt_format: str = "compact"
     # stage 0
     sft_examples: int = 1600
-    sft_steps: int = 240
+    sft_steps: int = 500
     sft_batch_size: int = 4
     sft_lr: float = 3e-3
     demo_seed: int = 0
+    strategy_last: bool = True
     fresh_stage0: bool = False
     # GRPO
-    steps: int = 100
+    steps: int = 90
     num_generations: int = 8
-    prompts_per_step: int = 1
-    num_prompts: int = 32
-    lr: float = 2e-4
-    temperature: float = 1.0
+    prompts_per_step: int = 4
+    num_prompts: int = 1000
+    lr: float = 3e-4
+    temperature: float = 0.8
     beta: float = 0.0
     loss_type: str = "dapo"
     scale_rewards: str = "group"
-    strategy_weight: float = 1.0
-    max_completion_length: int = 160
+    strategy_weight: float = 3.0
+    max_completion_length: int = 128
     seed: int = 0
     # baselines on the same held-out seeds (a second process, the other core): BC and RSFT
-    no_baselines: bool = False
+    baselines: bool = True
     baselines_only: bool = False
     bc_steps: int = 240
     rsft_prompts: int = 128
     rsft_samples: int = 8
     rsft_steps: int = 120
     # evaluation
-    eval_every: int = 20
+    eval_every: int = 15
     eval_seeds: int = 48
-    time_limit_min: float = 13.0
+    time_limit_min: float = 45.0
 
 
 def _ci(values: Sequence[float]) -> dict:
@@ -144,6 +145,74 @@ def reference_rows(cases: Sequence[CaseKey]) -> dict[str, dict]:
     return rows
 
 
+STRATEGY_KEY = '"strategy": "'
+"""Where a plan names its strategy: the probe reads the next token's distribution there."""
+
+
+def strategy_distribution(model, tokenizer, cases: Sequence[CaseKey], texts: Sequence[str]) -> np.ndarray:
+    """(n_cases, 5) the policy's probabilities of each strategy (:data:`server.clinical_profiles.STRATEGIES`
+    order) where its own greedy plan (``texts``) names one: the next-token probabilities of each
+    strategy's first token after the plan's text up to ``"strategy": "``, renormalised over the five
+    (one forward pass per case; NaN where the plan names none)."""
+    import torch
+
+    from orthojob.prompts import build_messages, prompt_format_of, reset_observation
+    from server.clinical_profiles import STRATEGIES
+
+    head = tokenizer(STRATEGY_KEY, add_special_tokens=False)["input_ids"]
+    first = []
+    for s in STRATEGIES:  # the token after the key as the policy writes it
+        ids = tokenizer(STRATEGY_KEY + s, add_special_tokens=False)["input_ids"]
+        if ids[: len(head)] != head:
+            raise ValueError(f"the tokenizer splits {STRATEGY_KEY!r} differently before {s!r}; cannot probe")
+        first.append(ids[len(head)])
+    if len(set(first)) != len(first):
+        raise ValueError("two strategies share a first token; cannot probe strategies")
+    fmt = prompt_format_of(model)
+    device = next(model.parameters()).device
+    out = np.full((len(cases), len(STRATEGIES)), np.nan)
+    with torch.inference_mode():
+        for i, (c, text) in enumerate(zip(cases, texts)):
+            at = text.find(STRATEGY_KEY)
+            if at < 0:
+                continue
+            messages = build_messages(reset_observation(c.seed, c.task_id, c.force_decay), fmt)
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(
+                prompt + text[: at + len(STRATEGY_KEY)], return_tensors="pt", add_special_tokens=False
+            )
+            p = torch.softmax(model(input_ids=ids["input_ids"].to(device)).logits[0, -1].float(), dim=-1)[
+                first
+            ]
+            out[i] = (p / p.sum()).cpu().numpy()
+    return out
+
+
+def strategy_conditioning(probs: np.ndarray, optimal: Sequence[str]) -> dict:
+    """How much the policy's strategy depends on the case: ``p_optimal`` (mean probability of the
+    case's optimal strategy; a case-blind uniform policy has 0.2), ``case_dependence`` (mean total
+    variation distance between a case's distribution and the mean over cases: 0 = the same
+    distribution for every case), and the mean distribution by the case's optimal strategy, over the
+    cases whose plan names a strategy (rows of ``probs`` without NaN)."""
+    from server.clinical_profiles import STRATEGIES
+
+    named = ~np.isnan(probs).any(axis=1)
+    probs = probs[named]
+    index = [STRATEGIES.index(o) for o, n in zip(optimal, named) if n]
+    if not index:
+        return {"p_optimal": _ci([]), "case_dependence": _ci([]), "by_optimal": {}}
+    mean = probs.mean(axis=0)
+    return {
+        "p_optimal": _ci(probs[np.arange(len(index)), index].tolist()),
+        "case_dependence": _ci((0.5 * np.abs(probs - mean).sum(axis=1)).tolist()),
+        "by_optimal": {
+            s: np.round(probs[[k for k, i in enumerate(index) if i == j]].mean(axis=0), 4).tolist()
+            for j, s in enumerate(STRATEGIES)
+            if j in index
+        },
+    }
+
+
 def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> dict:
     """Greedy plans of ``model`` for the held-out cases, scored as the rewards score them."""
     from orthojob.evaluation import generate_completions
@@ -155,6 +224,7 @@ def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: i
     t0 = time.perf_counter()
     obs = [reset_observation(c.seed, c.task_id, c.force_decay) for c in cases]
     texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size=16)
+    probs = strategy_distribution(model, tokenizer, cases, texts)
     if was_training:
         model.train()
     rolls = score_texts(texts, list(cases))
@@ -166,6 +236,9 @@ def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: i
     summary["strategies"] = {
         s: sum(str(r.strategy) == s for r in rolls) for s in sorted({str(r.strategy) for r in rolls})
     }
+    summary["strategy_conditioning"] = strategy_conditioning(
+        probs, [generate_case(*c).optimal_strategy for c in cases]
+    )
     summary["mean_tokens"] = float(np.mean(counts))
     summary["truncated"] = float(np.mean([not e for e in ended]))
     summary["eval_seconds"] = time.perf_counter() - t0
@@ -180,7 +253,7 @@ def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: i
 
 def _stage0_key(cfg: LearnConfig) -> dict:
     keys = ("task_id", "prompt_format", "hidden_size", "layers", "heads", "kv_heads", "intermediate", "model_seed",
-            "sft_examples", "sft_steps", "sft_batch_size", "sft_lr", "demo_seed")  # fmt: skip
+            "sft_examples", "sft_steps", "sft_batch_size", "sft_lr", "demo_seed", "strategy_last")  # fmt: skip
     return {k: getattr(cfg, k) for k in keys}
 
 
@@ -252,6 +325,7 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
         task_ids=[cfg.task_id],
         examples=cfg.sft_examples,
         demo_seed=cfg.demo_seed,
+        strategy_last=cfg.strategy_last,
         steps=cfg.sft_steps,
         batch_size=cfg.sft_batch_size,
         lr=cfg.sft_lr,
@@ -494,7 +568,7 @@ def _argv(cfg: LearnConfig, **changes) -> list[str]:
     for name, value in {**dataclasses.asdict(cfg), **changes}.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
-            argv += [flag] if value else []
+            argv.append(flag if value else "--no-" + flag[2:])
         else:
             argv += [flag, str(value)]
     return argv
@@ -571,7 +645,7 @@ def _run(cfg: LearnConfig) -> dict:
         (out / "stage0" / "stage0.json").unlink(missing_ok=True)
     (out / BASELINES_FILE).unlink(missing_ok=True)
     baselines = None
-    if not cfg.no_baselines:  # the other core: BC from the base model while stage 0 trains, then RSFT
+    if cfg.baselines:  # the other core: BC from the base model while stage 0 trains, then RSFT
         with (out / "baselines.log").open("w") as log_file:
             baselines = subprocess.Popen(
                 [sys.executable, "-m", "orthojob.learning", *_argv(cfg, baselines_only=True, fresh_stage0=False)],
@@ -622,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for f in dataclasses.fields(LearnConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
             parser.add_argument(flag, type=kind, default=f.default)

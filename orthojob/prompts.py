@@ -270,15 +270,18 @@ def prompt_rows(
     return [row for row, _obs in prompt_cases(n, seed_start, task_id, force_decay, prompt_format)]
 
 
-def plan_to_completion(plan: dict) -> str:
-    """Canonical one-line JSON text of a plan (the SFT target): ``strategy`` then ``tooth_groups``,
-    each group ``teeth``, ``fraction``, ``priority``, ``start_stage``; other keys are dropped."""
+def plan_to_completion(plan: dict, strategy_last: bool = False) -> str:
+    """Canonical one-line JSON text of a plan (the SFT target): ``strategy`` then ``tooth_groups``
+    (``strategy_last``: the other way round), each group ``teeth``, ``fraction``, ``priority``,
+    ``start_stage``; other keys are dropped."""
     groups = []
     for g in plan.get("tooth_groups") or []:
         if not isinstance(g, dict):
             continue
         out = {k: g[k] for k in ("teeth", "fraction", "priority", "start_stage", "overcorrection") if k in g}
         groups.append(out)
+    if strategy_last:
+        return json.dumps({"tooth_groups": groups, "strategy": plan.get("strategy")}, allow_nan=False)
     return json.dumps({"strategy": plan.get("strategy"), "tooth_groups": groups}, allow_nan=False)
 
 

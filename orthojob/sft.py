@@ -149,6 +149,7 @@ def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tup
             config.force_decay,
             seed=getattr(config, "demo_seed", 0),
             prompt_format=prompt_format,
+            strategy_last=getattr(config, "strategy_last", False),
         )
         stats = demo_stats(rows)
         log.info("format demonstrations: %s", stats)

@@ -133,6 +133,13 @@ class FormatSFTConfig(SFTJobConfig):
             "show_default": True,
         },
     )
+    strategy_last: bool = field(
+        default=False,
+        metadata={
+            "help": "write the strategy after the tooth groups, so the policy names it having read the case "
+            "and written its plan (any key order parses)"
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

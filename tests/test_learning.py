@@ -6,6 +6,7 @@ import dataclasses
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from orthojob.format_demos import format_demonstrations, random_format_plan
@@ -81,17 +82,23 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
     job = grpo_job_config(cfg, tmp_path / "stage0")
     validate(job, n_processes=1, cuda=False)
     args, funcs = build_grpo_args(job, {"cuda": False, "bf16": False}, 1)
+    # 4 prompts x 8 generations a step, one optimizer step per generation batch
     assert (args.per_device_train_batch_size, args.num_generations, args.gradient_accumulation_steps) == (
-        8,
+        32,
         8,
         1,
     )
-    assert (args.loss_type, args.scale_rewards, args.temperature, args.beta) == ("dapo", "group", 1.0, 0.0)
-    assert args.lr_scheduler_type == "constant" and args.learning_rate == cfg.lr
-    assert args.max_completion_length == 160 and args.max_steps == cfg.steps and args.seed == cfg.seed
-    assert args.reward_weights == [1.0] * 5 and len(funcs) == 5 and not args.gradient_checkpointing
+    assert (args.loss_type, args.scale_rewards, args.temperature, args.beta) == ("dapo", "group", 0.8, 0.0)
+    assert args.lr_scheduler_type == "constant" and args.learning_rate == cfg.lr == 3e-4
+    assert args.max_completion_length == 128 and args.max_steps == cfg.steps and args.seed == cfg.seed
+    names = [f.__name__ for f in funcs]
+    assert dict(zip(names, args.reward_weights)) == {
+        "reward_terminal": 1.0, "reward_occlusion": 1.0, "reward_strategy": 3.0, "reward_format": 1.0, "reward_anchorage": 1.0
+    }  # fmt: skip
+    assert not args.gradient_checkpointing
     assert (
-        job.num_prompts == 32 and job.prompt_seed_start == GRPO_PROMPT_SEED_START == TRAIN_SEED_START + 50_000
+        job.num_prompts == 1000
+        and job.prompt_seed_start == GRPO_PROMPT_SEED_START == TRAIN_SEED_START + 50_000
     )
 
 
@@ -103,7 +110,7 @@ def test_baselines_process_gets_the_same_settings_and_the_table_has_every_planne
 
     from orthojob import learning
 
-    cfg = learning.LearnConfig(out=str(tmp_path), steps=7, lr=1e-3, no_baselines=False)
+    cfg = learning.LearnConfig(out=str(tmp_path), steps=7, lr=1e-3, strategy_last=False, prompt_format="full")
     argv = learning._argv(cfg, baselines_only=True)
     seen = {}
     with contextlib.redirect_stdout(io.StringIO()):
@@ -132,3 +139,52 @@ def test_baselines_process_gets_the_same_settings_and_the_table_has_every_planne
     assert len(table) == 2 + 6 and "3.000 [2.900, 3.100]" in table[5]
     del report["baselines"]  # --no-baselines: the table has what was run
     assert [r["planner"] for r in learning.comparison(report)][1] == "GRPO step 40"
+
+
+def test_strategy_conditioning_tells_a_case_blind_policy_from_one_that_reads_the_case():
+    from orthojob.learning import strategy_conditioning
+
+    optimal = list(STRATEGIES) * 4
+    blind = np.tile([0.6, 0.1, 0.1, 0.1, 0.1], (len(optimal), 1))
+    reads = np.array([[0.8 if s == o else 0.05 for s in STRATEGIES] for o in optimal])
+    b, r = strategy_conditioning(blind, optimal), strategy_conditioning(reads, optimal)
+    assert b["case_dependence"]["mean"] == pytest.approx(0.0) and b["p_optimal"]["mean"] == pytest.approx(0.2)
+    assert r["case_dependence"]["mean"] == pytest.approx(0.6) and r["p_optimal"]["mean"] == pytest.approx(0.8)
+    assert r["by_optimal"]["distal_first"] == pytest.approx([0.05, 0.8, 0.05, 0.05, 0.05])
+    reads[0] = np.nan  # a plan naming no strategy is left out
+    assert strategy_conditioning(reads, optimal)["p_optimal"]["n"] == len(optimal) - 1
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from orthojob import models
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny"
+    return models.build_tiny(path, ["task_easy"], prompt_format="compact", hidden_size=32, layers=1, heads=2,
+                             kv_heads=1, intermediate=32)  # fmt: skip
+
+
+def test_strategy_probe_reads_the_policy_where_its_plan_names_the_strategy(tiny_model):
+    """On the tiny model: the probe finds the strategy key in either key order, gives a distribution
+    over the five per case, and NaN for a text that names no strategy."""
+    from orthojob import models
+    from orthojob.learning import strategy_distribution
+    from orthojob.prompts import plan_to_completion
+
+    model, tokenizer = models.load_policy(str(tiny_model), lora_r=0, max_seq_length=2048)
+    cases = heldout_cases("task_easy", 3)
+    plan = {"strategy": "distal_first", "tooth_groups": [{"teeth": [11], "fraction": 0.1}]}
+    texts = [plan_to_completion(plan), plan_to_completion(plan, strategy_last=True), "no plan"]
+    probs = strategy_distribution(model, tokenizer, cases, texts)
+    assert probs.shape == (3, len(STRATEGIES))
+    assert np.allclose(probs[:2].sum(axis=1), 1.0) and np.isnan(probs[2]).all()
+
+
+def test_strategy_last_demos_are_the_same_plans_in_the_other_key_order():
+    first = format_demonstrations(6, ["task_easy"], seed=3)
+    last = format_demonstrations(6, ["task_easy"], seed=3, strategy_last=True)
+    cols = {"seed": [d["seed"] for d in last], "task_id": ["task_easy"] * 6, "force_decay": [False] * 6}
+    texts = [d["completion"][0]["content"] for d in last]
+    assert all(t.startswith('{"tooth_groups": ') and '"strategy": "' in t for t in texts)
+    assert [json.loads(t) for t in texts] == [json.loads(d["completion"][0]["content"]) for d in first]
+    assert reward_format(texts, **cols) == pytest.approx([1.0] * 6)
