@@ -68,7 +68,7 @@ from server.dental_constants import (
 )
 from server.dental_environment import MAX_ROLLBACKS, StepwiseDentalEnvironment
 from server.errors import InvalidActionError, StageConflictError, UnknownEpisodeError
-from server.plans import interpolate_poses
+from server.plans import interpolate_poses, normalize_plan
 from server.reward_scaler import REWARD_MAX, REWARD_MIN
 
 log = logging.getLogger(__name__)
@@ -631,6 +631,22 @@ def full_prompt(row: dict) -> list[dict]:
     return messages
 
 
+def plan_stages(plan: dict) -> list[list[dict]]:
+    """A plan (the plan format) as the ``groups`` of its 24 stages, for ``commit_stage``: at stage s
+    each tooth whose group has started (``priority`` / ``start_stage``) moves its ``fraction``; teeth
+    of one fraction share a group. Overcorrection is dropped (a stage stops at the target). What an
+    agent following the oracle's plan stage by stage commits (the benchmark's stepwise episode)."""
+    spec = normalize_plan(plan)
+    stages = []
+    for s in range(1, N_STAGES + 1):
+        by_fraction: dict[float, list[int]] = {}
+        for i, tooth in enumerate(TOOTH_IDS):
+            if spec.start[i] <= s and spec.fraction[i] > 0:
+                by_fraction.setdefault(float(spec.fraction[i]), []).append(tooth)
+        stages.append([{"teeth": teeth, "fraction": f} for f, teeth in sorted(by_fraction.items())])
+    return stages
+
+
 def _case_text(observation: dict) -> str:
     """What ``reset`` returns (TRL appends it to the last user message): the case, after a blank line."""
     return "\n\n" + case_description(observation)
@@ -740,6 +756,7 @@ __all__ = [
     "check_server_capacity",
     "episode_metrics",
     "full_prompt",
+    "plan_stages",
     "prepare_tokenizer",
     "reward_agentic",
 ]

@@ -17,13 +17,21 @@ import numpy as np
 import pytest
 from transformers.utils import get_json_schema
 
-from orthojob.agentic import TOOL_NAMES, DentalToolEnv, agentic_rows, full_prompt, reward_agentic
+from orthojob.agentic import (
+    TOOL_NAMES,
+    DentalToolEnv,
+    agentic_rows,
+    full_prompt,
+    plan_stages,
+    reward_agentic,
+)
 from orthojob.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from orthojob.rewards import reward_terminal
 from orthojob.rollouts import DEFAULT_CACHE
 from orthojob.run_identity import config_digest
-from server.dental_constants import N_STAGES
+from server.cases import TASK_IDS
+from server.dental_constants import N_STAGES, TOOTH_IDS
 from server.dental_environment import MAX_ROLLBACKS
 from server.oracle import oracle_plan
 from server.reward_scaler import REWARD_MIN
@@ -184,6 +192,68 @@ def test_committing_24_stages_finishes_with_the_stepwise_score():
     plan = {"strategy": "anterior_first", "tooth_groups": uniform}
     (one_shot,) = reward_terminal([json.dumps(plan)], **{k: [v] for k, v in CASE.items()})
     assert env.reward == pytest.approx(one_shot, abs=1e-6) and env.reward > 0
+
+
+# --- tool results are unchanged by speed work -------------------------------------------------------
+
+TOOLS_DIGEST = "d79f0d0b293474d328db862bbfd2d1b9bb2ca4e33d0060de023b4e806e3395dc"
+"""sha256 of :func:`tool_transcript`'s results for 4 seeds x 3 tasks x force decay on and off, recorded
+on main at 8fc2757, before issue 15's speed work on simulate_stage/commit_stage (the stage report's
+colliding pairs, the stage poses, the argument checks)."""
+ALTERNATE = [{"teeth": list(TOOTH_IDS[::2]), "fraction": 1.0}]  # every other tooth at once: collides
+HALF = [{"teeth": list(TOOTH_IDS[1::2]), "fraction": 0.5}]
+
+
+def tool_transcript(task_id: str, seed: int, force_decay: bool, submit: bool) -> list[str]:
+    """Every tool's text on one episode: inspections, collision checks, stages that collide and
+    break the limits (committed, then rolled back), the oracle's plan stage by stage (simulated,
+    then committed), finished by the 24th commit or by submitting the plan at stage 10."""
+    plan = oracle_plan(reset_observation(seed, task_id, force_decay))
+    env = DentalToolEnv()
+    out = [env.reset(seed=seed, task_id=task_id, force_decay=force_decay)]
+    out += [
+        env.inspect_tooth(13),
+        env.inspect_tooth(36),
+        env.check_collisions(),
+        env.check_collisions(ALTERNATE),
+        env.simulate_stage(ALTERNATE, strategy=plan["strategy"]),
+        env.simulate_stage(HALF),
+    ]
+    for s, groups in enumerate(plan_stages(plan), start=1):
+        if submit and s == 10:
+            out.append(env.submit_plan(plan_to_completion(plan)))
+            break
+        if s in (5, 12):
+            out.append(env.simulate_stage(HALF))
+            out += [env.commit_stage(ALTERNATE), env.check_collisions(), env.rollback_stage()]
+        out.append(env.simulate_stage(groups))
+        out.append(env.commit_stage(groups, strategy=plan["strategy"] if s == 1 else None))
+        if s % 6 == 0:
+            out.append(env.inspect_tooth(TOOTH_IDS[s]))
+    assert env.finished
+    return out
+
+
+def test_tool_results_digest_unchanged():
+    import hashlib
+
+    h = hashlib.sha256()
+    texts = [
+        text
+        for task_id in TASK_IDS
+        for decay in (False, True)
+        for k in range(4)
+        for text in tool_transcript(task_id, TRAIN_SEED_START + k, decay, submit=k % 2 == 1)
+    ]
+    for text in texts:
+        h.update(text.encode())
+        h.update(b"\0")
+    errors = [t for t in texts if t.startswith("error: ")]
+    assert len(texts) == 1176 and len(errors) == 12  # the inspection after each 24th commit
+    assert all(t.startswith("error: the episode is finished") for t in errors)
+    # the digest covers stage reports with colliding pairs, not only collision-free ones
+    assert sum('"committed":' in t and '"colliding_pairs":[{' in t for t in texts) >= 20
+    assert h.hexdigest() == TOOLS_DIGEST
 
 
 # --- config ----------------------------------------------------------------------------------------
