@@ -31,7 +31,7 @@ from orthojob.rewards import reward_terminal
 from orthojob.rollouts import DEFAULT_CACHE
 from orthojob.run_identity import config_digest
 from server.cases import TASK_IDS
-from server.dental_constants import N_STAGES, TOOTH_IDS
+from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import MAX_ROLLBACKS
 from server.oracle import oracle_plan
 from server.reward_scaler import REWARD_MIN
@@ -254,6 +254,29 @@ def test_tool_results_digest_unchanged():
     # the digest covers stage reports with colliding pairs, not only collision-free ones
     assert sum('"committed":' in t and '"colliding_pairs":[{' in t for t in texts) >= 20
     assert h.hexdigest() == TOOLS_DIGEST
+
+
+def test_stage_poses_are_interpolate_poses_bit_for_bit():
+    from server.cases import generate_case
+    from server.plans import StagePoses, interpolate_poses
+
+    rng = np.random.default_rng(15)
+    for task_id in TASK_IDS:
+        for seed in range(4):
+            case = generate_case(task_id, seed, seed % 2 == 1)
+            target = case.target.copy()
+            if seed == 3:  # teeth without rotation (SLERP's small-angle branch), one sign-flipped
+                target[:3, :4] = case.initial[:3, :4]
+                target[3, :4] = -case.initial[3, :4]
+            stage_poses = StagePoses(case.initial, target)
+            for progress in (
+                np.zeros(N_TEETH),
+                np.ones(N_TEETH),
+                rng.uniform(0.0, 1.0, N_TEETH),
+                np.where(rng.uniform(size=N_TEETH) < 0.5, 0.0, rng.uniform(0.0, 1.6, N_TEETH)),
+            ):
+                expected = interpolate_poses(case.initial, target, progress[None])[0]
+                assert stage_poses(progress).tobytes() == expected.tobytes(), (task_id, seed)
 
 
 # --- config ----------------------------------------------------------------------------------------
