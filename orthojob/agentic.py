@@ -246,6 +246,16 @@ class DentalToolEnv:
         self._metrics.env_seconds = time.perf_counter() - t0
         return text
 
+    def _close(self) -> None:
+        """Release the episode: over the server, close the WebSocket session (the server drops its
+        episode); in process, forget it. Private, so not a tool; for the end of a run (TRL calls no
+        tool after training)."""
+        if isinstance(self._env, RemoteStepwise):
+            self._env.close()
+        elif self._episode_id is not None:
+            self._env.close_episode(self._episode_id)
+        self._episode_id = None
+
     @property
     def finished(self) -> bool:
         """Whether the episode ended (a plan submitted, or all 24 stages committed)."""
@@ -578,6 +588,30 @@ def _listed(poses: object) -> object:
     return poses.tolist() if isinstance(poses, np.ndarray) else poses
 
 
+class RemoteToolEnvFactory:
+    """TRL's ``environment_factory`` for ``--env-url``: ``factory()`` is a :class:`DentalToolEnv` on
+    the server at ``env_url`` (its WebSocket session opened at its first ``reset``). It keeps what it
+    made, so that :meth:`close` can close their sessions when training ends: TRL pools its
+    environments for the whole run and never closes them; the server would otherwise hold them
+    until its idle timeout reaps them."""
+
+    def __init__(self, env_url: str) -> None:
+        self.env_url = env_url
+        self.made: list[DentalToolEnv] = []
+
+    def __call__(self) -> DentalToolEnv:
+        env = DentalToolEnv(env_url=self.env_url)
+        self.made.append(env)
+        return env
+
+    def close(self) -> int:
+        """Close every session made so far; how many environments that was."""
+        made, self.made = self.made, []
+        for env in made:
+            env._close()
+        return len(made)
+
+
 def check_server_capacity(url: str, needed: int, timeout_s: float = 10.0) -> dict:
     """The server's WebSocket settings (``GET /status``), when it can hold ``needed`` sessions at
     once (one per rollout of a generation batch); else a ValueError that says what to change."""
@@ -763,6 +797,7 @@ __all__ = [
     "DentalToolEnv",
     "EpisodeMetrics",
     "RemoteStepwise",
+    "RemoteToolEnvFactory",
     "ToolError",
     "agentic_messages",
     "agentic_rows",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -357,7 +358,48 @@ def _scripted_turns(monkeypatch, tokenizer_path: Path, plan_text: str) -> dict:
     return state
 
 
-def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkeypatch):
+def _server_status(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/status", timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.parametrize("over_server", [False, True], ids=["in_process", "env_url"])
+def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkeypatch, over_server):
+    """The 2-step run; with ``over_server``, ``--env-url`` to a real local server (uvicorn in a thread):
+    reset and commits through OpenEnv's client, the other tools as WebSocket ``tool`` messages, and the
+    sessions closed when training ends."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        url = None
+        if over_server:
+            from server.app import create_app
+            from server.settings import ServerSettings
+            from tests.services import running_uvicorn
+
+            settings = ServerSettings(max_sessions=8, ws_idle_timeout_s=300)
+            url = stack.enter_context(running_uvicorn(create_app(settings)))
+        result, config = _two_agentic_steps(tiny_agentic_model, tmp_path, monkeypatch, url)
+        if over_server:
+            # every rollout's environment held one WebSocket session; all closed by the run, none
+            # left for the idle timeout, no episode left on the server
+            environments = [e for pool in result.trainer._environment_pool.values() for e in pool]
+            assert len(environments) == config.batch_size
+            assert all(type(e._env).__name__ == "RemoteStepwise" for e in environments)
+            deadline = time.monotonic() + 10  # the server handles the closes on its own thread
+            status = _server_status(url)
+            while status["websocket_sessions"]["live"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+                status = _server_status(url)
+            ws = status["websocket_sessions"]
+            assert ws["live"] == 0 and ws["accepted"] == ws["closed"] == config.batch_size, ws
+            assert ws["reaped_idle"] == 0 and ws["bad_messages"] == 0, ws
+            assert status["episodes"]["live"] == 0, status
+
+
+def _two_agentic_steps(tiny_agentic_model: Path, tmp_path: Path, monkeypatch, env_url: str | None):
     from mlflow.tracking import MlflowClient
 
     from orthojob import grpo_trainer, tracking
@@ -373,7 +415,7 @@ def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkey
     values = {"preset": "tiny-cpu", "model": str(tiny_agentic_model), "steps": 2, "mode": "agentic",
               "max_tool_turns": 2, "num_generations": 2, "batch_size": 4, "max_prompt_length": 7000,
               "max_completion_length": 320, "max_seq_length": 7400, "out": str(tmp_path / "grpo"),
-              "skip_sft_gate": True}  # fmt: skip
+              "skip_sft_gate": True, "env_url": env_url}  # fmt: skip
     config = config_from_args(values)
     validate(config)
     with tracking.stage_run("grpo", experiment="agentic") as run:
@@ -417,3 +459,4 @@ def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkey
         value = rec["rewards"]["reward_agentic"]
         assert value == pytest.approx(expected[0] if submitted else REWARD_MIN, abs=1e-5), rec["seed"]
     assert np.isfinite([r["advantage"] for r in records]).all()
+    return result, config
