@@ -219,7 +219,7 @@ def generate_completions(
     """
     import torch
 
-    from orthojob.prompts import build_messages
+    from orthojob.prompts import build_messages, prompt_format_of
 
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -229,8 +229,11 @@ def generate_completions(
     texts: list[str] = []
     counts: list[int] = []
     ended: list[bool] = []
+    prompt_format = prompt_format_of(model)  # the policy's own format (its config.json)
     prompts = [
-        tokenizer.apply_chat_template(build_messages(o), add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(
+            build_messages(o, prompt_format), add_generation_prompt=True, tokenize=False
+        )
         for o in observations
     ]
     side = tokenizer.padding_side

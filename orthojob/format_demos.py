@@ -99,10 +99,11 @@ def format_demonstrations(
     force_decay: bool = False,
     seed: int = 0,
     seed_start: int = TRAIN_SEED_START,
+    prompt_format: str = "full",
 ) -> list[dict]:
     """``n`` SFT rows ``{"prompt", "completion", "seed", "task_id", "force_decay", "plan"}`` on training
     seeds from ``seed_start`` (tasks take turns), each with a random format plan (``seed`` seeds the
-    random choices, not the cases)."""
+    random choices, not the cases), prompts in ``prompt_format`` (:data:`orthojob.prompts.PROMPT_FORMATS`)."""
     rng = random.Random(seed)
     tasks = list(task_ids)
     rows = []
@@ -113,7 +114,7 @@ def format_demonstrations(
         plan = random_format_plan(case, rng)
         rows.append(
             {
-                "prompt": build_messages(reset_observation(case_seed, task_id, force_decay)),
+                "prompt": build_messages(reset_observation(case_seed, task_id, force_decay), prompt_format),
                 "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
                 "seed": case_seed,
                 "task_id": task_id,

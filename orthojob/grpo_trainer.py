@@ -61,7 +61,7 @@ from orthojob.grpo_config import (
 )
 from orthojob.mlops import checkpoint_sync_callback, env_diagnostics
 from orthojob.parsing import completion_text
-from orthojob.prompts import prompt_rows
+from orthojob.prompts import prompt_format_of, prompt_rows
 from orthojob.records import json_value
 from orthojob.rewards import RewardFunc, reward_weights
 from orthojob.rollouts import DEFAULT_CACHE
@@ -495,7 +495,9 @@ def train(
                 raise ConfigError(str(exc)) from None
             extra["environment_factory"] = RemoteToolEnvFactory(config.env_url)
     else:
-        rows = prompt_rows(n_prompts, config.prompt_seed_start, config.task_id, config.force_decay)
+        rows = prompt_rows(
+            n_prompts, config.prompt_seed_start, config.task_id, config.force_decay, prompt_format_of(model)
+        )
     longest = max(_prompt_lengths(tokenizer, rows, tools))
     if longest > config.max_prompt_length:
         raise ConfigError(

@@ -20,6 +20,11 @@ the Job through the downward API). A pod retried by the same Job gets the same p
 its checkpoints; a new Job (re-applied, or submitted again) never shares one. Set ``--run-name``
 (the ConfigMap's ``RUN_NAME``) to continue a named run on purpose.
 
+Agentic GRPO (``--mode agentic``; k8s/agentic/): the GRPO stage runs ``--mode agentic``, with
+``--env-url URL`` its tools on the environment server at URL (``python -m server.app``) instead of
+in process: ``--mode agentic --env-url URL`` on ``train``, ``--set grpo.mode=agentic --set
+grpo.env_url=URL`` on ``pipeline``. The other stages do not use the server.
+
 Base weights (``--model``, the ConfigMap's ``MODEL``): a hub id, an ``s3://bucket/prefix`` staged
 with ``orthojob model stage``, or a folder on a mounted volume; every stage fetches an ``s3://``
 base once into the model cache (``ORTHORL_MODEL_CACHE``, on the pod's persistent ``/cache``), and
@@ -46,6 +51,9 @@ from pathlib import Path
 from orthojob.exit_codes import ExitCode
 
 TINY_PRESETS = ("tiny-cpu",)
+MODES = ("oneshot", "agentic")
+"""GRPO's modes (:data:`orthojob.grpo_config.MODES`, which this module does not import: it is the
+container's command and stays light; a test keeps the two equal)."""
 ALLOW_CPU_ENV = "ORTHORL_ALLOW_CPU"
 
 
@@ -95,6 +103,9 @@ class Plan:
 def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     """What the job will run, without running anything (tests assert it)."""
     out = output_prefix(args, env)
+    env_url = _given(args.env_url)
+    if env_url and args.mode != "agentic":
+        raise ValueError(f"--env-url {env_url} needs --mode agentic (the tools it serves are agentic mode's)")
     checkpoint = _given(args.from_checkpoint)
     if checkpoint:
         chain = ["train", "--preset", args.preset, "--steps", str(args.steps), "--task-id", args.task_id]
@@ -103,11 +114,19 @@ def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
             chain += ["--model", args.model]
         if args.use_vllm:
             chain.append("--use-vllm")
+        if args.mode != "oneshot":
+            chain += ["--mode", args.mode]
+        if env_url:
+            chain += ["--env-url", env_url]
     else:
         chain = ["pipeline", "--preset", args.preset, "--out", out]
         chain += ["--set", f"grpo.steps={int(args.steps)}", "--set", f"task_id={args.task_id}"]
         if _given(args.model):
             chain += ["--set", f"model={args.model}"]
+        if args.mode != "oneshot":  # before env_url: each --set is checked as it is applied
+            chain += ["--set", f"grpo.mode={args.mode}"]
+        if env_url:
+            chain += ["--set", f"grpo.env_url={env_url}"]
     return Plan(out, chain, not args.no_register, args.model_name)
 
 
@@ -165,6 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-base", default="", help="where per-run prefixes go (the ConfigMap's OUTPUT_URI)")
     p.add_argument("--run-name", default="", help="continue this named run ('' = <job name>-<uid[:8]>)")
     p.add_argument("--use-vllm", action="store_true", help="GRPO generation with vLLM (train path)")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="oneshot",
+        help="GRPO's mode: oneshot (the whole plan, default) or agentic (the environment's tools)",
+    )
+    p.add_argument(
+        "--env-url",
+        default="",
+        help="agentic mode: the environment server's URL (python -m server.app; '' = tools in process)",
+    )
     p.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="registered model name")
     p.add_argument("--no-register", action="store_true", help="stop after the gates and the evaluation")
     p.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")

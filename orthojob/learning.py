@@ -51,6 +51,11 @@ from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, CaseKey, generate
 log = logging.getLogger("orthojob.learning")
 
 
+GRPO_PROMPT_SEED_START = TRAIN_SEED_START + 50_000
+"""The GRPO training prompts' first seed (away from the stage-0 demonstrations' seeds)."""
+MAX_SEQ_LENGTH = 2048
+
+
 @dataclass(frozen=True)
 class LearnConfig:
     """Every setting of one learning run (the CLI flags are generated from these fields)."""
@@ -64,6 +69,7 @@ class LearnConfig:
     kv_heads: int = 2
     intermediate: int = 256
     model_seed: int = 0
+    prompt_format: str = "compact"
     # stage 0
     sft_examples: int = 1600
     sft_steps: int = 240
@@ -81,8 +87,16 @@ class LearnConfig:
     beta: float = 0.0
     loss_type: str = "dapo"
     scale_rewards: str = "group"
+    strategy_weight: float = 1.0
     max_completion_length: int = 160
     seed: int = 0
+    # baselines on the same held-out seeds (a second process, the other core): BC and RSFT
+    no_baselines: bool = False
+    baselines_only: bool = False
+    bc_steps: int = 240
+    rsft_prompts: int = 128
+    rsft_samples: int = 8
+    rsft_steps: int = 120
     # evaluation
     eval_every: int = 20
     eval_seeds: int = 48
@@ -165,39 +179,73 @@ def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: i
 
 
 def _stage0_key(cfg: LearnConfig) -> dict:
-    keys = ("task_id", "hidden_size", "layers", "heads", "kv_heads", "intermediate", "model_seed",
+    keys = ("task_id", "prompt_format", "hidden_size", "layers", "heads", "kv_heads", "intermediate", "model_seed",
             "sft_examples", "sft_steps", "sft_batch_size", "sft_lr", "demo_seed")  # fmt: skip
     return {k: getattr(cfg, k) for k in keys}
 
 
-def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
-    """Build the tiny model and train format SFT on random-choice demos with the project's one SFT
-    routine (:func:`orthojob.sft.run_sft`, stage 0's :class:`~orthojob.sft_config.FormatSFTConfig`);
-    reuse a matching checkpoint."""
+def base_model(cfg: LearnConfig) -> Path:
+    """The experiment's tiny base model in ``<out>/base-model`` (built unless one with the same
+    settings is there), in ``cfg.prompt_format``."""
     from orthojob import models
+
+    path = Path(cfg.out) / "base-model"
+    keys = (
+        "task_id",
+        "prompt_format",
+        "hidden_size",
+        "layers",
+        "heads",
+        "kv_heads",
+        "intermediate",
+        "model_seed",
+    )
+    key = {k: getattr(cfg, k) for k in keys}
+    key_file = path / "learn_base.json"
+    if key_file.is_file() and json.loads(key_file.read_text()) == key:  # built deterministically
+        return path
+    models.build_tiny(path, [cfg.task_id], prompt_format=cfg.prompt_format, hidden_size=cfg.hidden_size,
+                      layers=cfg.layers, heads=cfg.heads, kv_heads=cfg.kv_heads, intermediate=cfg.intermediate,
+                      max_position_embeddings=MAX_SEQ_LENGTH, seed=cfg.model_seed)  # fmt: skip
+    key_file.write_text(json.dumps(key))
+    return path
+
+
+def _cached_stage0(cfg: LearnConfig) -> dict | None:
+    meta_file = Path(cfg.out) / "stage0" / "stage0.json"
+    if meta_file.is_file():
+        meta = json.loads(meta_file.read_text())
+        if meta.get("key") == _stage0_key(cfg):
+            return meta
+    return None
+
+
+def wait_for_stage0(cfg: LearnConfig, timeout_s: float) -> Path:
+    """Stage 0's checkpoint once the main process has saved it (the baselines' process, for RSFT)."""
+    deadline = time.monotonic() + timeout_s
+    while _cached_stage0(cfg) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no stage 0 checkpoint in {Path(cfg.out) / 'stage0'} after {timeout_s:.0f} s")
+        time.sleep(5)
+    return Path(cfg.out) / "stage0"
+
+
+def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
+    """Train format SFT on random-choice demos from :func:`base_model` with the project's one SFT
+    routine (:func:`orthojob.sft.run_sft`, stage 0's :class:`~orthojob.sft_config.FormatSFTConfig`);
+    reuse a matching checkpoint unless ``fresh_stage0``."""
     from orthojob.sft import run_sft
     from orthojob.sft_config import FormatSFTConfig
 
     out = Path(cfg.out) / "stage0"
     key = _stage0_key(cfg)
     meta_file = out / "stage0.json"
-    if not cfg.fresh_stage0 and meta_file.is_file():
-        meta = json.loads(meta_file.read_text())
-        if meta.get("key") == key:
-            log.info("reusing stage 0 checkpoint %s", out)
-            return out, meta
+    if not cfg.fresh_stage0 and (meta := _cached_stage0(cfg)) is not None:
+        log.info("reusing stage 0 checkpoint %s", out)
+        return out, meta
+    meta_file.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    base = models.build_tiny(
-        Path(cfg.out) / "base-model",
-        [cfg.task_id],
-        hidden_size=cfg.hidden_size,
-        layers=cfg.layers,
-        heads=cfg.heads,
-        kv_heads=cfg.kv_heads,
-        intermediate=cfg.intermediate,
-        max_position_embeddings=2048,
-        seed=cfg.model_seed,
-    )
+    base = base_model(cfg)
     config = FormatSFTConfig(
         model=str(base),
         out=str(out),
@@ -230,6 +278,79 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Baselines: stage 2 (BC) and stage 4 (RSFT)
+# ---------------------------------------------------------------------------------------------
+
+BASELINES_FILE = "baselines.json"
+
+
+def _sft_stage_config(cfg: LearnConfig, **changes):
+    """An SFT stage of the experiment with stage 0's optimiser settings (full fine-tuning)."""
+    from orthojob.sft_config import SFTJobConfig
+
+    settings = dict(task_ids=[cfg.task_id], batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, lr_scheduler="cosine",
+                    warmup_steps=10, lora_r=0, max_length=MAX_SEQ_LENGTH, seed=cfg.model_seed, logging_steps=20)  # fmt: skip
+    return SFTJobConfig(**{**settings, **changes})
+
+
+def run_baselines(cfg: LearnConfig, cases: Sequence[CaseKey]) -> dict:
+    """The other stages on the experiment's model and held-out seeds, for one table with GRPO:
+
+    * **BC** (stage 2): the base model fine-tuned on the oracle's safe plans
+      (:func:`orthojob.sft.oracle_demonstrations`), as many examples and ``bc_steps`` steps;
+    * **RSFT** (stage 4): stage 0 samples ``rsft_samples`` completions per training prompt at
+      temperature 1, keeps each prompt's best plan that breaks no hard rule and scores above doing
+      nothing (:class:`orthojob.rsft.KeepRule`'s default), and fine-tunes for ``rsft_steps``.
+
+    Each is evaluated greedily as GRPO's steps are. Written to ``<out>/baselines.json``."""
+    import dataclasses as dc
+
+    from orthojob import models
+    from orthojob.prompts import prompt_format_of
+    from orthojob.rsft import run_rsft
+    from orthojob.rsft_config import RSFTConfig
+    from orthojob.sft import oracle_demonstrations, run_sft
+
+    out = Path(cfg.out)
+    base = base_model(cfg)
+    rows: dict = {}
+
+    def evaluate(name: str, checkpoint: Path, summary: dict) -> None:
+        model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=MAX_SEQ_LENGTH)
+        rows[name] = {
+            **evaluate_model(model, tokenizer, cases, cfg.max_completion_length),
+            "train_seconds": summary.get("train_seconds"),
+            **({"rsft": summary["rsft"]} if "rsft" in summary else {}),
+        }
+        (out / BASELINES_FILE).write_text(json.dumps(rows, indent=1, default=float))
+
+    t0 = time.perf_counter()
+    demos, info = oracle_demonstrations(cfg.sft_examples, [cfg.task_id], False, prompt_format_of(base))
+    bc = _sft_stage_config(
+        cfg, model=str(base), out=str(out / "bc"), examples=cfg.sft_examples, steps=cfg.bc_steps
+    )
+    evaluate("bc", out / "bc", run_sft(bc, demos, info))
+    log.info("BC done in %.0f s", time.perf_counter() - t0)
+    stage0_dir = wait_for_stage0(cfg, timeout_s=3600)
+    t0 = time.perf_counter()
+    rsft = RSFTConfig(
+        **{k: v for k, v in dc.asdict(_sft_stage_config(cfg, steps=cfg.rsft_steps)).items() if k not in ("demos", "examples", "out", "model")},
+        model=str(base),
+        out=str(out / "rsft"),
+        from_checkpoint=str(stage0_dir),
+        prompts=cfg.rsft_prompts,
+        prompt_seed_start=GRPO_PROMPT_SEED_START,
+        samples_per_prompt=cfg.rsft_samples,
+        max_new_tokens=cfg.max_completion_length,
+        skip_gate_check=True,  # stage 0 is not gated in the experiment; its step-0 row is its evaluation
+    )  # fmt: skip
+    summary = run_rsft(rsft)
+    log.info("RSFT kept %s in %.0f s", summary["rsft"], time.perf_counter() - t0)
+    evaluate("rsft", out / "rsft", summary)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # GRPO
 # ---------------------------------------------------------------------------------------------
 
@@ -238,11 +359,6 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
 class Progress:
     evals: list = field(default_factory=list)
     step_seconds: list = field(default_factory=list)
-
-
-GRPO_PROMPT_SEED_START = TRAIN_SEED_START + 50_000
-"""The GRPO training prompts' first seed (away from the stage-0 demonstrations' seeds)."""
-MAX_SEQ_LENGTH = 2048
 
 
 def grpo_job_config(cfg: LearnConfig, checkpoint: Path):
@@ -273,6 +389,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path):
         temperature=cfg.temperature,
         loss_type=cfg.loss_type,
         scale_rewards=cfg.scale_rewards,
+        reward_weights={"reward_strategy": cfg.strategy_weight} if cfg.strategy_weight != 1.0 else {},
         gradient_checkpointing=False,
         save_steps=0,
     )
@@ -371,7 +488,75 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _argv(cfg: LearnConfig, **changes) -> list[str]:
+    """The command-line flags that rebuild ``cfg`` with ``changes`` (for the baselines' process)."""
+    argv = []
+    for name, value in {**dataclasses.asdict(cfg), **changes}.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def comparison(report: dict) -> list[dict]:
+    """One row per planner on the held-out seeds: stage 0, BC, RSFT, GRPO (last evaluation), the
+    oracle and uniform SLERP; each metric's mean and 95 % CI."""
+    rows = [("stage 0 (format SFT)", report["evaluations"][0]), *[
+        (name, report.get("baselines", {}).get(key)) for name, key in (("BC (stage 2)", "bc"), ("RSFT (stage 4)", "rsft"))
+    ], (f"GRPO step {report['evaluations'][-1]['step']}", report["evaluations"][-1]),
+        ("oracle", report["references"]["oracle"]), ("uniform SLERP", report["references"]["uniform_slerp"])]  # fmt: skip
+    return [{"planner": name, **{m: row[m] for m in METRICS}} for name, row in rows if row]
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    """The comparison as a markdown table: mean [95 % CI] per metric."""
+
+    def cell(ci: dict) -> str:
+        if ci["mean"] is None:
+            return "-"
+        return (
+            f"{ci['mean']:.3f} [{ci['lo']:.3f}, {ci['hi']:.3f}]"
+            if ci["n"] > 1 and ci["hi"] != ci["lo"]
+            else f"{ci['mean']:.3f}"
+        )
+
+    lines = ["| planner | " + " | ".join(METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
+    lines += ["| " + r["planner"] + " | " + " | ".join(cell(r[m]) for m in METRICS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def run(cfg: LearnConfig) -> dict:
+    """Stage 0, then GRPO with evaluations (this process) beside BC and RSFT (a second process);
+    inside an MLflow stage run ``learn`` (the embedded sqlite store unless MLFLOW_TRACKING_URI)."""
+    from orthojob import tracking
+
+    with tracking.stage_run("learn", params=dataclasses.asdict(cfg)):
+        report = _run(cfg)
+        _log_report(report, Path(cfg.out))
+    return report
+
+
+def _log_report(report: dict, out: Path) -> None:
+    """Evaluations as step metrics, the comparison and both files as artifacts of the active run."""
+    import mlflow
+
+    from orthojob import tracking
+
+    for e in report["evaluations"]:
+        tracking.log_metrics(
+            {f"heldout/{m}": e[m]["mean"] for m in METRICS if e[m]["mean"] is not None}, step=e["step"]
+        )
+    tracking.log_table_rows([{"planner": r["planner"], **{m: r[m]["mean"] for m in METRICS}} for r in report["comparison"]], "comparison.json")  # fmt: skip
+    for name in ("learning.json", "learning.png", "comparison.md"):
+        if (out / name).is_file():
+            mlflow.log_artifact(str(out / name))
+
+
+def _run(cfg: LearnConfig) -> dict:
+    import subprocess
+
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -381,6 +566,17 @@ def run(cfg: LearnConfig) -> dict:
         "threads": os.environ.get("OMP_NUM_THREADS"),
         "references": reference_rows(cases),
     }
+    base_model(cfg)
+    if cfg.fresh_stage0:
+        (out / "stage0" / "stage0.json").unlink(missing_ok=True)
+    (out / BASELINES_FILE).unlink(missing_ok=True)
+    baselines = None
+    if not cfg.no_baselines:  # the other core: BC from the base model while stage 0 trains, then RSFT
+        with (out / "baselines.log").open("w") as log_file:
+            baselines = subprocess.Popen(
+                [sys.executable, "-m", "orthojob.learning", *_argv(cfg, baselines_only=True, fresh_stage0=False)],
+                stdout=log_file, stderr=subprocess.STDOUT,
+            )  # fmt: skip
     checkpoint, meta = stage0(cfg)
     report["stage0"] = meta
     progress = Progress()
@@ -396,6 +592,15 @@ def run(cfg: LearnConfig) -> dict:
     del model
     save()
     report["grpo"] = run_grpo(cfg, checkpoint, cases, progress, save)
+    if baselines is not None:
+        code = baselines.wait()
+        if code == 0 and (out / BASELINES_FILE).is_file():
+            report["baselines"] = json.loads((out / BASELINES_FILE).read_text())
+        else:
+            log.warning("the baselines' process exited %s: see %s", code, out / "baselines.log")
+            report["baselines_error"] = f"exit {code}, see baselines.log"
+    report["comparison"] = comparison(report)
+    (out / "comparison.md").write_text(markdown_table(report["comparison"]) + "\n")
     first, last = progress.evals[0]["terminal"], progress.evals[-1]["terminal"]
     report["verdict"] = {
         "terminal_stage0": first,
@@ -423,8 +628,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.add_argument(flag, type=kind, default=f.default)
     cfg = LearnConfig(**vars(parser.parse_args(argv)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
+    if cfg.baselines_only:
+        run_baselines(cfg, heldout_cases(cfg.task_id, cfg.eval_seeds))
+        return 0
     report = run(cfg)
     v = report["verdict"]
+    print(markdown_table(report["comparison"]))
     print(json.dumps({"verdict": v, "seconds_per_step": report["grpo"]["seconds_per_step"]}, indent=1))
     return 0
 

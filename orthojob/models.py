@@ -193,16 +193,29 @@ def tiny_corpus(task_ids: Sequence[str], force_decay: bool = False, n_per_task: 
     return corpus
 
 
-def build_tiny(out_dir: str | Path, task_ids: Sequence[str], force_decay: bool = False, **arch: Any) -> Path:
+def build_tiny(
+    out_dir: str | Path,
+    task_ids: Sequence[str],
+    force_decay: bool = False,
+    prompt_format: str = "full",
+    **arch: Any,
+) -> Path:
     """Build the offline tiny Qwen2 model with a tokenizer trained on the project's prompts.
 
     ``arch``: :func:`orthojob.tiny_model.build_tiny_model` keywords (``hidden_size``, ``layers``,
-    ``vocab_size``, ``max_position_embeddings``, ``seed``, ...).
+    ``vocab_size``, ``max_position_embeddings``, ``seed``, ...). ``prompt_format``: the prompt format
+    the model is trained and evaluated with (:data:`orthojob.prompts.PROMPT_FORMATS`, recorded in its
+    ``config.json``).
     """
+    from orthojob.prompts import check_prompt_format, set_prompt_format
     from orthojob.tiny_model import build_tiny_model
 
+    check_prompt_format(prompt_format)
     arch = {"vocab_size": 1024, **arch}
-    return build_tiny_model(out_dir, corpus=tiny_corpus(task_ids, force_decay), **arch)
+    path = build_tiny_model(out_dir, corpus=tiny_corpus(task_ids, force_decay), **arch)
+    if prompt_format != "full":
+        set_prompt_format(path, prompt_format)
+    return path
 
 
 def ensure_tiny(out_dir: str | Path, task_ids: Sequence[str], force_decay: bool = False, **arch: Any) -> Path:

@@ -3,7 +3,9 @@
 Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
 
 1. ``tiny-model`` (only when the preset's model is ``"tiny"``): the offline tiny Qwen2 model, its
-   tokenizer trained on the project's prompts (:func:`orthojob.models.build_tiny`); then ``base``
+   tokenizer trained on the project's prompts (:func:`orthojob.models.build_tiny`; with ``tool`` in
+   the chain also on tool conversations, with 8192 positions,
+   :func:`orthojob.tool_sft.build_tiny_tool_model`); then ``base``
    (``base_eval``): the untrained model's held-out parse rate, format and terminal reward, for
    comparison (no gate file);
 2. the preset's training ``stages`` (:data:`orthojob.presets.PIPELINE_STAGES`), in order, each
@@ -12,6 +14,8 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
 
    * ``format`` -> ``format_sft``: stage 0, format SFT on demonstrations that carry no clinical
      choice (:func:`orthojob.sft.run_sft`), then ``gate_format_sft`` (format only);
+   * ``tool`` -> ``tool_sft``: stage 1, tool-use SFT on the oracle's tool conversations (the loss on
+     the assistant's turns), then ``gate_tool_sft`` (greedy agentic episodes: tool calls, finished);
    * ``bc`` -> ``sft0``: stage 2, BC SFT on the oracle's safe plans, then ``gate_sft0``;
    * ``grpo`` -> ``grpo``: stage 3, the preset's GRPO config object with ``from_checkpoint`` = the
      previous stage, run by :func:`orthojob.grpo.run_grpo` (what ``orthojob train`` runs; its
@@ -28,7 +32,7 @@ A failed gate stops the chain: the later training stages are skipped (each would
 checkpoint), recorded as such. The evaluation runs when at least one stage passed its gate.
 
 Exit code (:class:`orthojob.exit_codes.ExitCode`): 0 when every stage ran and every gate passed;
-12 when an SFT stage's gate (format, BC, RSFT) failed; 3 when GRPO trained but its gate failed; 2
+12 when an SFT stage's gate (format, tool-use, BC, RSFT) failed; 3 when GRPO trained but its gate failed; 2
 when RSFT kept no sample; otherwise the failing stage's exit code (GRPO refusing or crashing stops
 the pipeline at once). The summary reports GRPO's mean reward per step, strategy accuracy, RSFT's
 kept counts and every gate metric as measured, whether they rise or not.
@@ -62,6 +66,7 @@ from orthojob.presets import PIPELINE_STAGES, PRESETS, Preset, apply_overrides
 from orthojob.records import json_value
 from orthojob.rsft import RSFTError, log_rsft, run_rsft
 from orthojob.sft import log_stage, run_sft
+from orthojob.tool_sft import build_tiny_tool_model
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +107,8 @@ def _grpo_rewards(train_log: Path) -> dict:
 
 def _gate_view(content: dict) -> dict:
     keys = ("parse_rate", "format_reward", "terminal_mean", "uniform_slerp_terminal_mean", "oracle_terminal_mean",
-            "margin_over_slerp", "strategy_accuracy", "truncated_rate", "mean_completion_tokens", "eval_seconds")  # fmt: skip
+            "margin_over_slerp", "strategy_accuracy", "truncated_rate", "mean_completion_tokens", "eval_seconds",
+            "tool_call_rate", "finished_rate", "valid_call_rate", "reward_mean")  # fmt: skip
     m = content.get("metrics", {})
     return {"passed": content.get("passed"), "checks": content.get("checks")} | {k: m.get(k) for k in keys}
 
@@ -164,11 +170,12 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
 
     # 1. tiny model
     model = cfg.model
-    sections = {"format": cfg.format_sft, "bc": cfg.sft, "rsft": cfg.rsft}
+    sections = {"format": cfg.format_sft, "tool": cfg.tool_sft, "bc": cfg.sft, "rsft": cfg.rsft}
     if model == TINY_MODEL:
         t = time.perf_counter()
         tasks = sorted({cfg.task_id, *(t for s in cfg.stages if s in sections for t in sections[s].task_ids)})
-        model = str(build_tiny(out / "tiny-model", tasks, cfg.force_decay, **cfg.tiny_arch))
+        build = build_tiny_tool_model if "tool" in cfg.stages else build_tiny
+        model = str(build(out / "tiny-model", tasks, cfg.force_decay, **cfg.tiny_arch))
         stages["tiny-model"] = {"seconds": time.perf_counter() - t, "path": model}
         save()
 
@@ -204,10 +211,11 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         return bool(content["passed"])
 
     def sft_stage(step: str, previous: Path | None) -> bool:
-        """Stage 0 (format) or 2 (BC): train, then gate."""
+        """Stage 0 (format), 1 (tool-use) or 2 (BC): train, then gate."""
         name = PIPELINE_STAGES[step]
         key, settings, gate_key = {
             "format": ("format_sft", cfg.format_gate, "format_gate"),
+            "tool": ("tool_sft", cfg.tool_sft_gate, "tool_sft_gate"),
             "bc": ("sft", cfg.sft_gate, "sft_gate"),
         }[step]
         folder = out / name
@@ -286,7 +294,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
             }
             continue
         previous = trained[-1] if trained else None
-        if step in ("format", "bc"):
+        if step in ("format", "tool", "bc"):
             passed = sft_stage(step, previous[1] if previous else None)
             trained.append((name, out / name, passed))
             code = 0 if passed else ExitCode.GATE_FAILED
@@ -393,12 +401,19 @@ def format_summary(summary: dict) -> str:
         key = f"gate_{name}"
         if key in s:
             g = s[key]
-            lines.append(
-                f"{key:<15}{_fmt(g['seconds'], '9.1f')}  {'PASSED' if g['passed'] else 'FAILED'}: parse "
-                f"{_fmt(g['parse_rate'])}, format {_fmt(g['format_reward'])}, terminal {_fmt(g['terminal_mean'])} "
-                f"(SLERP {_fmt(g['uniform_slerp_terminal_mean'])}, oracle {_fmt(g['oracle_terminal_mean'])}), "
-                f"strategy acc {_fmt(g['strategy_accuracy'])}"
-            )
+            if name == "tool_sft":
+                lines.append(
+                    f"{key:<15}{_fmt(g['seconds'], '9.1f')}  {'PASSED' if g['passed'] else 'FAILED'}: tool calls "
+                    f"{_fmt(g['tool_call_rate'])}, finished {_fmt(g['finished_rate'])}, valid calls "
+                    f"{_fmt(g['valid_call_rate'])}, reward {_fmt(g['reward_mean'])}"
+                )
+            else:
+                lines.append(
+                    f"{key:<15}{_fmt(g['seconds'], '9.1f')}  {'PASSED' if g['passed'] else 'FAILED'}: parse "
+                    f"{_fmt(g['parse_rate'])}, format {_fmt(g['format_reward'])}, terminal {_fmt(g['terminal_mean'])} "
+                    f"(SLERP {_fmt(g['uniform_slerp_terminal_mean'])}, oracle {_fmt(g['oracle_terminal_mean'])}), "
+                    f"strategy acc {_fmt(g['strategy_accuracy'])}"
+                )
     if "evaluate" in s:
         x = s["evaluate"]
         terms = ", ".join(f"{p} {_fmt(v)}" for p, v in x["terminal_mean"].items())

@@ -10,11 +10,14 @@ The values a stage shares with the others (``model``, ``task_id``, ``force_decay
 are set once on the :class:`Preset` and copied into the stage configs when it is built.
 
 ``stages`` chooses the pipeline's training stages, in order, from :data:`PIPELINE_STAGES` (the
-seed's numbering): ``format`` (stage 0, format SFT), ``bc`` (stage 2, behaviour cloning of the
-oracle), ``grpo`` (stage 3), ``rsft`` (stage 4, rejection fine-tuning). Each stage starts from the
-previous stage's gated checkpoint; the first must be an SFT stage that starts from the base model
-(``format`` or ``bc``). Both presets keep ``("bc", "grpo")``, the chain ``make run`` has always run;
-``--set stages=format,grpo`` or ``--set stages=format,bc,grpo,rsft`` selects others.
+seed's numbering): ``format`` (stage 0, format SFT), ``tool`` (stage 1, tool-use SFT), ``bc``
+(stage 2, behaviour cloning of the oracle), ``grpo`` (stage 3), ``rsft`` (stage 4, rejection
+fine-tuning). Each stage starts from the previous stage's gated checkpoint; the first must be an SFT
+stage that starts from the base model (``format``, ``tool`` or ``bc``). Both presets keep
+``("bc", "grpo")``, the chain ``make run`` has always run; ``--set stages=format,grpo`` or
+``--set stages=format,bc,grpo,rsft`` selects others. A chain with ``tool`` and ``grpo`` trains GRPO in
+agentic mode, the tool calls stage 1 teaches (``--set stages=format,tool,grpo --set
+grpo.mode=agentic``; a one-shot GRPO there is refused).
 
 ``tiny-cpu``: offline, CPU, 2 cores, < 10 min. Its GRPO stage is the one ``make run`` has always
 run (20 steps, 1760-token prompts, 256-token completions, 32 gate seeds); before issue 11,
@@ -36,6 +39,7 @@ from orthojob.sft_config import FormatSFTConfig, SFTJobConfig, ToolSFTConfig
 
 PIPELINE_STAGES: dict[str, str] = {
     "format": "format_sft",
+    "tool": "tool_sft",
     "bc": "sft0",
     "grpo": "grpo",
     "rsft": "rsft",
@@ -43,7 +47,7 @@ PIPELINE_STAGES: dict[str, str] = {
 """A pipeline stage -> its name: output folder ``<out>/<name>``, MLflow stage run, gate stage
 (:data:`orthojob.gate.STAGES`). The BC stage keeps the name ``sft0`` it has always had (runs,
 folders, scripts and the deploy docs use it)."""
-FIRST_STAGES: tuple[str, ...] = ("format", "bc")
+FIRST_STAGES: tuple[str, ...] = ("format", "tool", "bc")
 """The stages that can start from the base model."""
 DEFAULT_STAGES: tuple[str, ...] = ("bc", "grpo")
 
@@ -139,13 +143,14 @@ class Preset:
 
 def _tool_stage(bc: SFTJobConfig) -> ToolSFTConfig:
     """Stage 1 trained as the BC stage is (the same model, steps and optimiser), on tool
-    conversations, with room for the tools' schemas in the prompt (at least 4096 tokens)."""
+    conversations, with room for the tools' schemas in the prompt (at least
+    :class:`~orthojob.sft_config.ToolSFTConfig`'s default ``max_length``)."""
     shared = {
         f.name: getattr(bc, f.name)
         for f in dataclasses.fields(SFTJobConfig)
         if f.name not in ("out", "demos", "max_length")
     }
-    return ToolSFTConfig(**shared, max_length=max(bc.max_length, 4096))
+    return ToolSFTConfig(**shared, max_length=max(bc.max_length, ToolSFTConfig.max_length))
 
 
 def _format_stage(bc: SFTJobConfig) -> FormatSFTConfig:
@@ -348,16 +353,33 @@ def _replace(obj: Any, path: list[str], value: Any, dotted: str) -> Any:
     return dataclasses.replace(obj, **{head: new_value})
 
 
+def check_chain(preset: Preset) -> Preset:
+    """``preset``, when its stages fit together: a chain with ``tool`` (stage 1) and ``grpo`` needs
+    GRPO's agentic mode, whose tool calls stage 1 teaches. Raises :class:`ConfigError`."""
+    if "tool" in preset.stages and "grpo" in preset.stages and preset.grpo.mode != "agentic":
+        raise ConfigError(
+            f"stages {','.join(preset.stages)}: tool-use SFT teaches the tool calls of GRPO's agentic mode; "
+            f"set grpo.mode=agentic (got {preset.grpo.mode!r}), or leave tool out"
+        )
+    return preset
+
+
 def apply_overrides(preset: Preset, overrides: dict[str, Any] | None) -> Preset:
     """``preset`` with dotted settings replaced (``{"grpo.steps": 3, "sft_gate.thresholds.min_parse_rate":
     0.5, "grpo.reward_weights.format": 2}``); the preset itself is untouched. Unknown keys raise
-    KeyError; a value a config refuses raises :class:`orthojob.grpo_config.ConfigError`."""
+    KeyError; a value a config refuses, or a chain whose stages do not fit together
+    (:func:`check_chain`, checked once every value is set), raises
+    :class:`orthojob.grpo_config.ConfigError`."""
     for dotted, value in (overrides or {}).items():
         path = dotted.split(".")
-        if path[0] in ("sft", "format_sft", "rsft", "grpo") and len(path) > 1 and path[1] in _SHARED:
+        if (
+            path[0] in ("sft", "format_sft", "tool_sft", "rsft", "grpo")
+            and len(path) > 1
+            and path[1] in _SHARED
+        ):
             raise KeyError(f"{dotted!r}: set {path[1]!r} for the whole preset (--set {path[1]}=...)")
         preset = _replace(preset, path, value, dotted)
-    return preset
+    return check_chain(preset)
 
 
 __all__ = [
@@ -371,5 +393,6 @@ __all__ = [
     "GateSettings",
     "Preset",
     "apply_overrides",
+    "check_chain",
     "stage_list",
 ]

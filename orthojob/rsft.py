@@ -205,13 +205,14 @@ def sample_and_keep(config: RSFTConfig, checkpoint: str | Path) -> list[dict]:
     return select(samples, KeepRule.of(config))
 
 
-def training_rows(samples: Sequence[dict], force_decay: bool) -> list[dict]:
-    """The kept samples as SFT rows (the policy's prompt, the sampled completion as it was written)."""
+def training_rows(samples: Sequence[dict], force_decay: bool, prompt_format: str = "full") -> list[dict]:
+    """The kept samples as SFT rows (the policy's prompt in its ``prompt_format``, the sampled
+    completion as it was written)."""
     from orthojob.prompts import build_messages, reset_observation
 
     return [
         {
-            "prompt": build_messages(reset_observation(s["seed"], s["task_id"], force_decay)),
+            "prompt": build_messages(reset_observation(s["seed"], s["task_id"], force_decay), prompt_format),
             "completion": [{"role": "assistant", "content": s["completion"]}],
             "seed": s["seed"],
             "task_id": s["task_id"],
@@ -240,7 +241,9 @@ def run_rsft(config: RSFTConfig) -> dict:
             f.write(json.dumps(s) + "\n")
     tally = counts(samples)
     log.info("RSFT samples: %s", tally)
-    rows = training_rows(samples, config.force_decay)
+    from orthojob.prompts import prompt_format_of
+
+    rows = training_rows(samples, config.force_decay, prompt_format_of(config.from_checkpoint))
     if not rows:
         raise RSFTError(
             ExitCode.USAGE,

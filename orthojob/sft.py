@@ -48,7 +48,13 @@ from orthojob.flags import add_config_arguments, given_values
 from orthojob.gate import DEFAULT_THRESHOLDS, GateSettings, add_gate_arguments, gate_settings_from_args
 from orthojob.models import TINY_MODEL, ensure_tiny
 from orthojob.presets import PRESETS
-from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
+from orthojob.prompts import (
+    TRAIN_SEED_START,
+    build_messages,
+    plan_to_completion,
+    prompt_format_of,
+    reset_observation,
+)
 from orthojob.rsft_config import RSFTConfig
 from orthojob.sft_config import (
     SFT_CONFIG_FILE,
@@ -88,7 +94,7 @@ def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -
 
 
 def oracle_demonstrations(
-    n: int, task_ids: Sequence[str], force_decay: bool = False
+    n: int, task_ids: Sequence[str], force_decay: bool = False, prompt_format: str = "full"
 ) -> tuple[list[dict], dict]:
     """``n`` BC examples, and their counts ``{"source", "examples", "filtered_hard_rule"}``.
 
@@ -112,7 +118,7 @@ def oracle_demonstrations(
             else:
                 rows.append(
                     {
-                        "prompt": build_messages(obs),
+                        "prompt": build_messages(obs, prompt_format),
                         "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
                         "seed": seed,
                         "task_id": task_id,
@@ -129,16 +135,20 @@ def oracle_demonstrations(
     return out, {"source": "oracle", "examples": len(out), "filtered_hard_rule": filtered}
 
 
-def demonstration_rows(config: SFTJobConfig) -> tuple[list[dict], dict]:
-    """The demonstrations of ``config.demos`` (``oracle`` or ``format``) and their counts; RSFT's rows
-    come from :func:`orthojob.rsft.sample_and_keep` instead."""
+def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tuple[list[dict], dict]:
+    """The demonstrations of ``config.demos`` (``oracle`` or ``format``) and their counts, prompts in
+    the policy's ``prompt_format``; RSFT's rows come from :func:`orthojob.rsft.sample_and_keep` instead."""
     if config.demos == "oracle":
-        return oracle_demonstrations(config.examples, config.task_ids, config.force_decay)
+        return oracle_demonstrations(config.examples, config.task_ids, config.force_decay, prompt_format)
     if config.demos == "format":
         from orthojob.format_demos import demo_stats, format_demonstrations
 
         rows = format_demonstrations(
-            config.examples, config.task_ids, config.force_decay, seed=getattr(config, "demo_seed", 0)
+            config.examples,
+            config.task_ids,
+            config.force_decay,
+            seed=getattr(config, "demo_seed", 0),
+            prompt_format=prompt_format,
         )
         stats = demo_stats(rows)
         log.info("format demonstrations: %s", stats)
@@ -173,41 +183,31 @@ def resolve_model(config: SFTJobConfig) -> str:
     )
 
 
-def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info: dict | None = None) -> dict:
-    """Train an SFT stage and save model + tokenizer to ``config.out``; returns a summary dict
-    (examples, steps, losses, token accuracy, wall times, parameters, ``demos``: the counts of the
-    demonstrations).
+def sft_trainer(config: SFTJobConfig, model, tokenizer, rows: Sequence[dict], devices: dict):
+    """TRL's SFTTrainer for ``rows`` (``{"prompt": messages, "completion": messages, ...}``), its
+    dataset prepared (tokenized, ``labels`` built), not trained yet.
 
-    ``rows``: the demonstrations (``{"prompt": messages, "completion": [assistant message], ...}``);
-    by default those of ``config.demos`` (:func:`demonstration_rows`). ``demo_info``: their counts,
-    recorded with the summary."""
-    devices = models.device_info()  # imports Unsloth (on a GPU) before TRL and transformers
+    The loss: the completion's tokens (TRL's completion-only loss). Stage 1 (``demos="tool"``) trains
+    on the assistant's turns only (TRL's ``assistant_only_loss``): its completions hold the tools'
+    results as ``tool`` messages, the environment's text, not the policy's; the tokenizer gets the
+    tool-calling template (:func:`orthojob.agentic.prepare_tokenizer`), and SFTTrainer renders with
+    its training variant, which marks the assistant's turns (:func:`orthojob.tool_sft.conversation_dataset`)."""
     from datasets import Dataset  # heavy, and only after Unsloth: imported when training starts
     from trl import SFTConfig, SFTTrainer
 
-    t0 = time.perf_counter()
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    base = resolve_model(config)
-    model, tokenizer = models.load_policy(base, checkpoint=config.from_checkpoint, lora_r=config.lora_r,
-                                          lora_alpha=config.lora_alpha, max_seq_length=config.max_length)  # fmt: skip
-    t_data = time.perf_counter()
-    if rows is None:
-        rows, demo_info = demonstration_rows(config)
-    if not rows:
-        raise ConfigError("no demonstrations to train on")
-    if config.demos == "tool":  # stage 1: tool conversations, rendered with the tool-calling template
+    tool = config.demos == "tool"
+    if tool:
         from orthojob.agentic import prepare_tokenizer
-        from orthojob.tool_sft import render_rows
+        from orthojob.tool_sft import conversation_dataset
 
         tokenizer = prepare_tokenizer(tokenizer)
-        rows = render_rows(rows, tokenizer)
-    dataset = Dataset.from_dict(
-        {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
-    )
-    data_seconds = time.perf_counter() - t_data
+        dataset = conversation_dataset(rows)
+    else:
+        dataset = Dataset.from_dict(
+            {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
+        )
     args = SFTConfig(
-        output_dir=str(out),
+        output_dir=str(config.out),
         max_steps=config.steps,
         per_device_train_batch_size=config.batch_size,
         gradient_accumulation_steps=config.grad_accum,
@@ -216,6 +216,7 @@ def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info:
         warmup_steps=config.warmup_steps,
         weight_decay=config.weight_decay,
         max_length=config.max_length,
+        assistant_only_loss=tool,
         seed=config.seed,
         logging_steps=max(1, min(config.logging_steps, config.steps // 2)),
         save_strategy="no",
@@ -227,7 +228,52 @@ def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def token_counts(trainer, max_length: int) -> dict:
+    """The prepared training set's size in tokens: ``tokens``, ``loss_tokens`` (the tokens the loss
+    is computed on) and ``examples_at_max_length`` (examples that reach ``max_length``: TRL cut
+    their end, a warning is logged)."""
+    columns = trainer.train_dataset.column_names
+    ids = trainer.train_dataset["input_ids"]
+    labels = trainer.train_dataset["labels"] if "labels" in columns else ids
+    counts = {
+        "tokens": sum(len(x) for x in ids),
+        "loss_tokens": sum(sum(1 for t in x if t != -100) for x in labels),
+        "examples_at_max_length": sum(len(x) >= max_length for x in ids),
+    }
+    if counts["examples_at_max_length"]:
+        log.warning("%d of %d examples reach max_length %d: their end is cut from training (raise --max-length)",
+                    counts["examples_at_max_length"], len(ids), max_length)  # fmt: skip
+    return counts
+
+
+def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info: dict | None = None) -> dict:
+    """Train an SFT stage and save model + tokenizer to ``config.out``; returns a summary dict
+    (examples, steps, losses, token accuracy, tokens and loss tokens, wall times, parameters,
+    ``demos``: the counts of the demonstrations).
+
+    ``rows``: the demonstrations (``{"prompt": messages, "completion": [assistant message], ...}``);
+    by default those of ``config.demos`` (:func:`demonstration_rows`). ``demo_info``: their counts,
+    recorded with the summary."""
+    devices = models.device_info()  # imports Unsloth (on a GPU) before TRL and transformers
+
+    t0 = time.perf_counter()
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = resolve_model(config)
+    model, tokenizer = models.load_policy(base, checkpoint=config.from_checkpoint, lora_r=config.lora_r,
+                                          lora_alpha=config.lora_alpha, max_seq_length=config.max_length)  # fmt: skip
+    t_data = time.perf_counter()
+    if rows is None:
+        rows, demo_info = demonstration_rows(config, prompt_format_of(model))
+    if not rows:
+        raise ConfigError("no demonstrations to train on")
+    trainer = sft_trainer(config, model, tokenizer, rows, devices)
+    tokenizer = trainer.processing_class
+    counts = token_counts(trainer, config.max_length)
+    data_seconds = time.perf_counter() - t_data
     t_train = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - t_train
@@ -244,6 +290,8 @@ def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info:
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
         "final_token_accuracy": accuracy[-1] if accuracy else None,
+        **counts,
+        "assistant_only_loss": bool(trainer.args.assistant_only_loss),
         "parameters": models.count_parameters(model),
         "base_model": base,
         "data_seconds": data_seconds,
@@ -407,4 +455,6 @@ __all__ = [
     "run_sft",
     "run_sft_cli",
     "run_sft_stage_cli",
+    "sft_trainer",
+    "token_counts",
 ]

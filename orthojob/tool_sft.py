@@ -12,8 +12,13 @@ does). Traces whose plan breaks a hard rule are skipped (as stage 2 does; counte
 with the reward the environment gave it, the one-shot reward of the oracle's plan.
 
 **Training** is :func:`orthojob.sft.run_sft` (the tokenizer gets the tool-calling template,
-:func:`orthojob.agentic.prepare_tokenizer`). The completion is the whole conversation after the
-prompt, tool results included (TRL's completion-only loss; the results are the environment's text).
+:func:`orthojob.agentic.prepare_tokenizer`) on the conversations as messages
+(:func:`conversation_dataset`). The loss covers the assistant's turns only, each tool call's JSON and
+the closing turn with their end-of-turn tokens: not the prompt, not the tools' results (the
+environment's text). TRL's SFTTrainer (``assistant_only_loss``) renders each conversation with the
+training variant of the template, which marks the assistant's turns with ``{% generation %}`` (for
+TRL's Qwen2.5 template, its ``qwen2_5_training``: the same text), and trains on the marked tokens;
+the checkpoint keeps the inference template, the one GRPO's agentic mode recognises.
 
 **Gate** (stage ``tool_sft``, :func:`tool_gate_metrics`, checked by :func:`orthojob.gate.gate_report`): greedy agentic rollouts on held-out seeds,
 up to ``GateSettings.tool_turns`` assistant turns each, the tools run on :class:`DentalToolEnv`.
@@ -127,12 +132,28 @@ def tool_demonstrations(
     return rows, info
 
 
+def conversation_dataset(rows: Sequence[dict]):
+    """The rows as a conversational prompt/completion dataset with the tools' schemas (column
+    ``tools``, JSON), what SFTTrainer's ``assistant_only_loss`` trains on. The completions are stored
+    as JSON (``datasets``' ``Json`` type): each tool call keeps its own arguments (Arrow records would
+    unify them into one record type, adding null fields to every call)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {
+            "prompt": [r["prompt"] for r in rows],
+            "completion": [r["completion"] for r in rows],
+            "tools": [r["tools"] if isinstance(r["tools"], str) else json.dumps(r["tools"]) for r in rows],
+        },
+        on_mixed_types="use_json",
+    )
+
+
 def render_rows(rows: Sequence[dict], tokenizer) -> list[dict]:
     """The rows as text prompt/completion pairs, rendered with ``tokenizer``'s tool-calling template
     (the tools' schemas in the system message, as GRPO's agentic prompts): the prompt up to the first
-    assistant turn's header, the completion the rest of the conversation. Rendering here, not in the
-    dataset, keeps each tool call's own arguments (a dataset would unify them into one record type,
-    adding null fields)."""
+    assistant turn's header, the completion the rest of the conversation (the tiny model's tokenizer
+    corpus, :func:`tiny_tool_corpus`)."""
     out = []
     for row in rows:
         tools = json.loads(row["tools"]) if isinstance(row["tools"], str) else row["tools"]
@@ -304,6 +325,7 @@ __all__ = [
     "TOOL_SFT_STAGE",
     "agentic_rollouts",
     "build_tiny_tool_model",
+    "conversation_dataset",
     "oracle_tool_trace",
     "parse_tool_call",
     "render_rows",

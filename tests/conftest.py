@@ -47,6 +47,15 @@ def s3(tmp_path_factory):
         yield service
 
 
+@pytest.fixture(scope="module")
+def tiny_tool_base(tmp_path_factory):
+    """The offline tiny model of stage 1 (:func:`orthojob.tool_sft.build_tiny_tool_model`): its
+    tokenizer knows the tool conversations, 8192 positions. ~20 s to build, once per test module."""
+    from orthojob.tool_sft import build_tiny_tool_model
+
+    return build_tiny_tool_model(tmp_path_factory.mktemp("tiny-tool") / "base", ["task_easy"])
+
+
 @pytest.fixture
 def s3_env(s3, monkeypatch):
     """:func:`s3`'s keys and endpoint in the environment, as a pod gets them."""

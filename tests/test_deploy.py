@@ -11,6 +11,9 @@ strongest offline means there is:
   (one run over the Dockerfile and every manifest), `kubectl kustomize`, and the TrainJob against
   the Kubeflow CRD schema (k8s/schemas/), validated strictly.
 * Every command line of every manifest and MLproject entry point parses with the real CLI parser.
+* Agentic GRPO (the component k8s/agentic/): the environment server's container command is run for
+  real (its probes answer, the trainer's capacity check passes for the Job's generation batch), the
+  Job's agentic command line parses and names the Service, the NetworkPolicy admits the trainers only.
 * render -> submit: the request bodies the kubernetes client sends, captured at its REST layer,
   checked field by field against the manifest and the overrides; the same for the Job that
   MLflow's Kubernetes backend builds from k8s/mlflow-k8s/.
@@ -33,6 +36,8 @@ import shutil
 import subprocess
 import sys
 import types
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +58,14 @@ TRAINJOB_SCHEMA = K8S / "schemas" / "trainjob.trainer.kubeflow.org-v1alpha1.sche
 BUILTIN_MANIFESTS = [
     K8S / "grpo-job.yaml",
     K8S / "multinode" / "vllm.yaml",
+    K8S / "agentic" / "env-server.yaml",
     K8S / "secret.example.yaml",
     K8S / "mlflow-k8s" / "job-template.yaml",
     K8S / "mlflow-k8s" / "job-template-cpu.yaml",
 ]
 TRAINJOB = K8S / "multinode" / "trainjob.yaml"
 VLLM = K8S / "multinode" / "vllm.yaml"
+ENV_SERVER = K8S / "agentic" / "env-server.yaml"
 ALL_MANIFESTS = [*BUILTIN_MANIFESTS, TRAINJOB]
 TEST_IMAGE = "reg.test/orthorl/train@sha256:" + "ab" * 32
 
@@ -161,6 +168,14 @@ def cache_variants(k8s_with_image, tmp_path_factory) -> dict[str, Path]:
         files[name] = out / f"{name}.yaml"
         files[name].write_text(yaml.safe_dump_all(with_components(k8s_with_image, folder, components)))
     return files
+
+
+@pytest.fixture(scope="module")
+def agentic_output(k8s_with_image, tmp_path_factory) -> Path:
+    """`kubectl kustomize k8s/` with the agentic component enabled, as docs/deploy.md says."""
+    out = tmp_path_factory.mktemp("kustomize") / "agentic-output.yaml"
+    out.write_text(yaml.safe_dump_all(with_components(k8s_with_image, ".", ["agentic"])))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +295,8 @@ def checkov_binary() -> str:
     return str(exe)
 
 
-def test_checkov_clean(kustomize_output, multinode_output, render_output, cache_variants):
-    variants = [cache_variants["k8s-emptydir"], cache_variants["multinode-shared"]]
+def test_checkov_clean(kustomize_output, multinode_output, render_output, cache_variants, agentic_output):
+    variants = [cache_variants["k8s-emptydir"], cache_variants["multinode-shared"], agentic_output]
     files = [
         ROOT / "Dockerfile",
         *ALL_MANIFESTS,
@@ -330,7 +345,9 @@ def test_checkov_clean(kustomize_output, multinode_output, render_output, cache_
 # kubernetes-validate --strict, 1.29 .. 1.37
 
 
-def test_kubernetes_validate_strict_all_versions(kustomize_output, render_output, cache_variants, tmp_path):
+def test_kubernetes_validate_strict_all_versions(
+    kustomize_output, render_output, cache_variants, agentic_output, tmp_path
+):
     kv = tool("kubernetes-validate")
     if kv is None:
         pytest.skip("kubernetes-validate not installed (the dev extra has it)")
@@ -345,6 +362,7 @@ def test_kubernetes_validate_strict_all_versions(kustomize_output, render_output
         builtin.append(tmp_path / f"{name}-builtin.yaml")
         builtin[-1].write_text(yaml.safe_dump_all([d for d in load_all(path) if d["kind"] != "TrainJob"]))
     files = [str(f) for f in [*BUILTIN_MANIFESTS, kustomize_output, render_output, multinode, *builtin]]
+    files.append(str(agentic_output))
     problems = []
     for version in KUBE_VERSIONS:
         proc = run([kv, "--strict", "--quiet", "-k", version, *files])
@@ -371,19 +389,24 @@ def api_image_errors(docs: list[dict]) -> list[str]:
     return errors
 
 
-def test_an_unset_image_cannot_be_deployed():
+def test_an_unset_image_cannot_be_deployed(tmp_path):
     """Nothing deploys a placeholder: the base manifests (kubectl apply -f) and the shipped
     kustomization (kubectl apply -k, image not yet set) carry an empty image, which the API server
     refuses for the Job and the vLLM Deployment; the TrainJob's runtime cannot start it either.
     `orthojob k8s render` refuses without --image."""
     from orthojob.k8s import K8sError, render
 
-    for manifest in (K8S / "grpo-job.yaml", VLLM):
+    for manifest in (K8S / "grpo-job.yaml", VLLM, ENV_SERVER):
         assert api_image_errors(load_all(manifest)), f"{manifest} would deploy an image unset"
     assert one(load_all(TRAINJOB), "TrainJob")["spec"]["trainer"]["image"] == ""
     shipped = kustomize(K8S)
     assert shipped.returncode == 0, shipped.stderr
     assert api_image_errors(list(yaml.safe_load_all(shipped.stdout)))
+    # with the agentic component and the image unset: the Job, its init container and the server
+    work = tmp_path / "k8s"
+    shutil.copytree(K8S, work)
+    unset = api_image_errors(with_components(work, ".", ["agentic"]))
+    assert len(unset) == 3 and any("orthorl-env" in e for e in unset), unset
     with pytest.raises(K8sError, match="--image"):
         render()
     # no placeholder registry left anywhere a deploy reads an image from
@@ -393,9 +416,9 @@ def test_an_unset_image_cannot_be_deployed():
         assert "registry.example.com/orthorl/train:" not in path.read_text(), path
 
 
-def test_the_image_is_set_once_for_every_workload(kustomize_output, multinode_output):
-    """One edit (k8s/image) reaches the Job, the vLLM Deployment and the TrainJob, and the
-    IMAGE_DIGEST their MLflow runs are tagged with."""
+def test_the_image_is_set_once_for_every_workload(kustomize_output, multinode_output, agentic_output):
+    """One edit (k8s/image) reaches the Job, the vLLM Deployment and the TrainJob, the environment
+    server and the agentic Job's init container, and the IMAGE_DIGEST their MLflow runs are tagged with."""
     docs = load_all(kustomize_output)
     assert sorted(d["kind"] for d in docs) == [
         "ConfigMap",
@@ -418,6 +441,21 @@ def test_the_image_is_set_once_for_every_workload(kustomize_output, multinode_ou
     assert [c["image"] for c in vllm_pod["initContainers"] + vllm_pod["containers"]] == [TEST_IMAGE] * 2
     assert trainjob_errors(one(multi, "TrainJob")) == []
     assert not api_image_errors(multi)
+    agentic = load_all(agentic_output)
+    images = {
+        (d["kind"], c["name"]): c["image"]
+        for d in agentic
+        for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+        + d.get("spec", {}).get("template", {}).get("spec", {}).get("initContainers", [])
+    }
+    assert images == {
+        ("Job", "grpo"): TEST_IMAGE,
+        ("Job", "wait-for-env-server"): TEST_IMAGE,
+        ("Deployment", "env-server"): TEST_IMAGE,
+    }
+    assert {e["name"]: e.get("value") for e in grpo_job_container(one(agentic, "Job"))["env"]}[
+        "IMAGE_DIGEST"
+    ] == TEST_IMAGE
     # the image appears in exactly one file a user edits
     setters = [p for p in K8S.rglob("*.yaml") if "newName" in p.read_text()]
     assert setters == [K8S / "image" / "kustomization.yaml"]
@@ -909,6 +947,12 @@ def job_chain(argv: list[str], env: dict[str, str] | None = None) -> list[str]:
 
 @pytest.mark.parametrize(("where", "argv"), COMMAND_LINES, ids=[w for w, _ in COMMAND_LINES])
 def test_command_line_parses_with_the_real_cli(where, argv, capsys, monkeypatch):
+    check_command_line(where, argv, capsys, monkeypatch)
+
+
+def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None:
+    """``argv`` parses with the real CLI (through ``python -m orthojob.job``'s parser and chain when
+    it is the Job's command), and the chain's GRPO config passes its pre-flight checks."""
     parser = cli_parser()
     args = orthojob_argv(argv)
     if "orthojob.job" in argv:  # the chain: its own parser, then the CLI command it runs
@@ -1020,6 +1064,233 @@ def test_job_registers_only_a_passed_chain(tmp_path, monkeypatch):
         assert [c[0] for c in calls] == (["pipeline", "promote"] if promoted else ["pipeline"])
         if promoted:
             assert calls[1] == ["promote", "--run-id", "r" * 32, "--model-name", "orthorl-planner"]
+
+
+# ---------------------------------------------------------------------------------------------
+# agentic GRPO: the environment server (k8s/agentic/) and the Job that uses it
+
+
+def env_server(docs: list[dict]) -> tuple[dict, dict]:
+    """The environment server's Deployment and its container."""
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "orthorl-env")
+    return dep, one(
+        [{"kind": c["name"], **c} for c in dep["spec"]["template"]["spec"]["containers"]], "env-server"
+    )
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, "only matchLabels is evaluated here"
+    return selector["matchLabels"].items() <= labels.items()
+
+
+def agentic_chains(docs: list[dict], capsys, monkeypatch) -> dict[str, int]:
+    """The agentic Job's command line, as the kubelet runs it, for the whole chain (CHECKPOINT_URI
+    empty: `orthojob pipeline`) and from a checkpoint (`orthojob train`): each parses with the real
+    CLI, runs GRPO in agentic mode against ENV_URL, and passes its pre-flight. Returns the
+    generation batch of each (one process: the Job's command is no distributed launcher)."""
+    from orthojob.grpo_config import generation_batch
+    from orthojob.presets import PRESETS, apply_overrides
+
+    job_doc, cm = one(docs, "Job"), one(docs, "ConfigMap")
+    url = cm["data"]["ENV_URL"]
+    batches = {}
+    for checkpoint in ("", "s3://orthorl/runs/tool-sft/tool_sft"):
+        data = {**cm["data"], "CHECKPOINT_URI": checkpoint}
+        argv = job_argv(job_doc, {**cm, "data": data}, "0f1e2d3c-4b5a-6978-8695-a4b3c2d1e0f9")
+        assert argv[:3] == ["python", "-m", "orthojob.job"]
+        assert argv[argv.index("--mode") + 1] == "agentic" and argv[argv.index("--env-url") + 1] == url
+        check_command_line("k8s/agentic Job", argv, capsys, monkeypatch)
+        chain = job_chain(argv[3:], {"K8S_JOB_NAME": "j", "K8S_JOB_UID": "u" * 36})
+        parsed = cli_parser().parse_args(chain)
+        if chain[0] == "pipeline":
+            assert not checkpoint
+            config = apply_overrides(PRESETS[parsed.preset], dict(parsed.overrides)).grpo
+        else:
+            assert chain[0] == "train" and checkpoint
+            config = pytest.importorskip("orthojob.grpo").config_from_args(parsed)
+        assert config.mode == "agentic" and config.env_url == url, chain
+        batches[chain[0]] = generation_batch(config, 1)
+    return batches
+
+
+def test_agentic_component_runs_the_job_against_the_env_server(
+    agentic_output, kustomize_output, capsys, monkeypatch
+):
+    """k8s/agentic/: the Job in agentic mode with --env-url naming the Service (its name, in the Job's
+    namespace, and port), the Service and the server's port agree, the session cap holds the Job's
+    generation batch twice over, probes on the server's health route, and a NetworkPolicy that admits
+    the training pods only."""
+    # enabled as docs/deploy.md says: one commented line of k8s/kustomization.yaml
+    assert "\n  # - agentic\n" in (K8S / "kustomization.yaml").read_text()
+    docs = load_all(agentic_output)
+    base = load_all(kustomize_output)
+    assert sorted(d["kind"] for d in docs) == sorted(
+        [d["kind"] for d in base] + ["Deployment", "NetworkPolicy", "Service"]
+    )
+    assert {d["metadata"]["namespace"] for d in docs} == {"orthorl"}
+    job_doc, cm = one(docs, "Job"), one(docs, "ConfigMap")
+    # the rest of the Job is the base's: only the args grow and an init container comes first
+    base_job = copy.deepcopy(one(base, "Job"))
+    agentic_job = copy.deepcopy(job_doc)
+    init = agentic_job["spec"]["template"]["spec"].pop("initContainers")
+    grpo_args = grpo_job_container(agentic_job)["args"]
+    assert grpo_args[-4:] == ["--mode", "agentic", "--env-url", "$(ENV_URL)"]
+    del grpo_args[-4:]
+    assert agentic_job == base_job
+    assert {k: v for k, v in cm["data"].items() if k != "ENV_URL"} == one(base, "ConfigMap")["data"]
+
+    # --env-url: http://<the Service>:<its port>, resolved in the Job's own namespace
+    svc = one(docs, "Service")
+    dep, server = env_server(docs)
+    url = urllib.parse.urlsplit(cm["data"]["ENV_URL"])
+    assert url.scheme == "http" and url.path in ("", "/")
+    assert svc["metadata"]["namespace"] == job_doc["metadata"]["namespace"]
+    assert url.hostname in (
+        svc["metadata"]["name"],
+        f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc",
+    )
+    (port,) = svc["spec"]["ports"]
+    assert url.port == port["port"] == 8000 and svc["spec"]["type"] == "ClusterIP"
+    # the Service reaches the server's port, which is the port the server binds, on every address
+    pod = dep["spec"]["template"]
+    assert selects({"matchLabels": svc["spec"]["selector"]}, pod["metadata"]["labels"])
+    assert selects(dep["spec"]["selector"], pod["metadata"]["labels"])
+    (container_port,) = server["ports"]
+    assert port["targetPort"] in (container_port["name"], container_port["containerPort"])
+    args = server["args"]
+    assert server["command"] == ["python", "-m", "server.app"]
+    assert args[args.index("--host") + 1] == "0.0.0.0", "a Service cannot reach a server bound to loopback"
+    assert int(args[args.index("--port") + 1]) == container_port["containerPort"]
+    # one server process holds the episodes (server/app.py refuses more workers)
+    assert dep["spec"]["replicas"] == 1 and "--workers" not in args
+    assert "WEB_CONCURRENCY" not in {e["name"] for e in server.get("env", [])}
+    # probes on the health route the app serves (run for real in the next test)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert server[probe]["httpGet"] == {"path": "/health", "port": container_port["name"]}, probe
+    # the session cap: >= twice the generation batch of the Job's chain, whichever way it starts (a
+    # retried trainer pod connects while the sessions of the one before may still be open)
+    from server.settings import ServerSettings
+
+    env = {e["name"]: e["value"] for e in server["env"]}
+    settings = ServerSettings.from_env(env)
+    batches = agentic_chains(docs, capsys, monkeypatch)
+    assert set(batches) == {"pipeline", "train"}
+    for how, batch in batches.items():
+        assert settings.max_sessions >= 2 * batch, f"{how}: {settings.max_sessions} sessions < 2 x {batch}"
+    assert settings.max_episodes >= settings.max_sessions
+    # the init container waits for the same URL (the ConfigMap's key) on the same route
+    (wait,) = init
+    assert wait["command"][:2] == ["python", "-c"] and wait["command"][3] == "$(ENV_URL)"
+    assert {e["name"]: e["valueFrom"] for e in wait["env"]} == {
+        "ENV_URL": {"configMapKeyRef": {"name": cm["metadata"]["name"], "key": "ENV_URL"}}
+    }
+    assert '"/health"' in wait["command"][2]
+    for c in (server, wait):
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False
+        assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert ephemeral_limit_covers_emptydirs(pod["spec"])
+    assert "nvidia.com/gpu" not in server["resources"]["limits"]
+
+    # the NetworkPolicy: selects the server, admits the training pods (this Job's and the MLflow
+    # backend's) on the server's port only, and nothing else; no egress
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "orthorl-env")
+    assert selects(policy["spec"]["podSelector"], pod["metadata"]["labels"])
+    assert sorted(policy["spec"]["policyTypes"]) == ["Egress", "Ingress"] and not policy["spec"].get("egress")
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": container_port["containerPort"]}]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}, "no namespaceSelector / ipBlock: pods of this namespace only"
+    admitted = {
+        "the GRPO Job": (job_doc["spec"]["template"]["metadata"]["labels"], True),
+        "the MLflow backend's Job": (
+            load_all(K8S / "mlflow-k8s" / "job-template.yaml")[0]["spec"]["template"]["metadata"]["labels"],
+            True,
+        ),
+        "the server itself": (pod["metadata"]["labels"], False),
+        "the vLLM server": (
+            one(load_all(VLLM), "Deployment")["spec"]["template"]["metadata"]["labels"],
+            False,
+        ),
+    }
+    for who, (labels, allowed) in admitted.items():
+        assert selects(peer["podSelector"], labels) is allowed, who
+    # the base's deny-ingress policy for the training pods does not select the server
+    deny = next(d for d in docs if d["metadata"]["name"] == "orthorl-batch-deny-ingress")
+    assert not selects(deny["spec"]["podSelector"], pod["metadata"]["labels"])
+
+
+def test_the_env_server_container_runs_and_passes_the_trainers_check(
+    agentic_output, tmp_path, capsys, monkeypatch
+):
+    """The server's container command, run for real (the host and port swapped for a free loopback
+    port; HOME and the cache folder unwritable, as on the read-only root file system): its probe
+    route answers, the trainer's own capacity check passes for the Job's generation batch (and
+    refuses one session more than the cap), and the Job's init container returns once it answers and
+    fails, naming the URL, when nothing does."""
+    from orthojob.agentic import check_server_capacity
+    from tests.services import free_port, start_server_process
+
+    docs = load_all(agentic_output)
+    _, server = env_server(docs)
+    batch = max(agentic_chains(docs, capsys, monkeypatch).values())
+    assert server["command"][:1] == ["python"]
+    port = free_port()
+    args = list(server["args"])
+    args[args.index("--host") + 1] = "127.0.0.1"
+    args[args.index("--port") + 1] = str(port)
+    blocked = tmp_path / "read-only"
+    blocked.write_text("")  # a file: nothing can be created below it, not even by root
+    scratch = tmp_path / "tmp"  # the pod's /tmp emptyDir
+    scratch.mkdir()
+    env = {e["name"]: e["value"] for e in server["env"]}
+    env |= {"HOME": str(blocked / "home"), "XDG_CACHE_HOME": str(blocked / "cache"), "TMPDIR": str(scratch)}
+    env |= {"PYTHONDONTWRITEBYTECODE": "1"}
+    proc = start_server_process(
+        [sys.executable, *server["command"][1:], *args], port, tmp_path / "server.log", env
+    )
+    url = proc.url
+    try:
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            with urllib.request.urlopen(url + server[probe]["httpGet"]["path"], timeout=10) as answer:
+                assert answer.status == 200, probe
+        sessions = check_server_capacity(url, batch)  # GET /status's websocket_sessions
+        cap = sessions["max_sessions"]
+        assert cap == int(env["ORTHORL_MAX_SESSIONS"]) >= 2 * batch
+        assert sessions["idle_timeout_s"] == float(env["ORTHORL_WS_IDLE_TIMEOUT_S"])
+        with pytest.raises(ValueError, match="fewer than"):
+            check_server_capacity(url, cap + 1)
+        (wait,) = one(docs, "Job")["spec"]["template"]["spec"]["initContainers"]
+        cmd = [sys.executable, *expand(wait["command"][1:], {"ENV_URL": url})]
+        done = run(cmd, timeout=60)
+        assert done.returncode == 0 and "HTTP 200" in done.stdout, done.stderr
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.output(), proc.output()[-3000:]
+    cmd[-1] = "1"  # the time limit: nothing answers any more
+    failed = run(cmd, timeout=60)
+    assert failed.returncode == 1 and f"did not answer {url}/health" in failed.stderr, failed.stderr
+
+
+def test_job_mode_flags_pass_into_the_chain(capsys):
+    """`python -m orthojob.job --mode agentic [--env-url URL]`: GRPO's mode and server on either
+    chain; --env-url without agentic mode is refused before anything runs."""
+    from orthojob import job
+    from orthojob.grpo_config import MODES
+
+    assert job.MODES == MODES
+    env = {"K8S_JOB_NAME": "j", "K8S_JOB_UID": "u" * 36}
+    base = ["--out", "/tmp/x"]
+    assert "--mode" not in job_chain(base, env) and not any("grpo.mode" in a for a in job_chain(base, env))
+    chain = job_chain([*base, "--mode", "agentic"], env)
+    assert chain[-2:] == ["--set", "grpo.mode=agentic"]
+    chain = job_chain(
+        [*base, "--from-checkpoint", "s3://b/c", "--mode", "agentic", "--env-url", "http://e:8000"], env
+    )
+    assert chain[-4:] == ["--mode", "agentic", "--env-url", "http://e:8000"]
+    code = job.main([*base, "--env-url", "http://e:8000"], env={}, cli=lambda argv: pytest.fail(str(argv)))
+    assert code == ExitCode.USAGE and "needs --mode agentic" in capsys.readouterr().err
 
 
 def test_every_entry_point_is_in_both_mlprojects():

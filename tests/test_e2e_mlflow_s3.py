@@ -502,32 +502,50 @@ def test_standalone_stages_read_and_write_s3(services, env, tiny, tmp_path):
     assert missing.returncode == 30 and "has no MANIFEST.json" in missing.stderr, missing.stderr[-2000:]
 
 
-def test_stage_commands_read_and_write_s3(services, env, tiny, monkeypatch):
-    """Issue 12's stage commands take s3:// in and out: format-sft publishes its gated checkpoint,
-    rsft downloads it (digests and gate checked) and publishes its own, each with its MLflow run."""
+@pytest.mark.parametrize("stage", ["format_sft", "tool_sft"])
+def test_stage_commands_read_and_write_s3(services, env, tiny, tmp_path, monkeypatch, request, stage):
+    """Issue 12's and 15's stage commands take s3:// in and out: format-sft (from a local base) and
+    tool-sft (its base model an s3:// URI) publish their gated checkpoint with their MLflow run; a
+    fresh pod's pre-flight (gate --check, GRPO's) downloads it, digests and gate checked; rsft
+    continues the format checkpoint from S3 and publishes its own."""
     from orthojob import rsft
     from orthojob.cli import main as cli_main
     from tests.test_stages import GATE_FLAGS, fake_sampler
+    from tests.test_tool_sft import TOOL_GATE_FLAGS
 
     s3, server = services
-    source, target = f"s3://{BUCKET}/stages/format_sft", f"s3://{BUCKET}/stages/rsft"
-    fmt = orthojob(["format-sft", "--model", str(tiny), "--lora-r", "0", "--steps", "2", "--batch-size", "2",
-                    "--examples", "4", "--out", source, *GATE_FLAGS], env)  # fmt: skip
-    assert fmt.returncode == 0, fmt.stdout[-2000:] + fmt.stderr[-2000:]
+    source = f"s3://{BUCKET}/stages/{stage}"
+    if stage == "format_sft":
+        base = str(tiny)
+        argv = ["format-sft", "--batch-size", "2", "--examples", "4", *GATE_FLAGS]
+    else:
+        base = storage.publish(request.getfixturevalue("tiny_tool_base"), f"s3://{BUCKET}/stages/tiny-tool")
+        argv = ["tool-sft", "--batch-size", "1", "--examples", "2", *TOOL_GATE_FLAGS]
+    res = orthojob([*argv, "--model", base, "--lora-r", "0", "--steps", "2", "--out", source], env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert {"MANIFEST.json", "gate_passed.json", "model.safetensors", "sft_log.json"} <= keys_under(
-        s3, "stages/format_sft/"
+        s3, f"stages/{stage}/"
     )
+    client = mlflow.tracking.MlflowClient(server.uri)
+    (run,) = [r for r in run_by_stage(client, "e2e", stage) if r.data.params.get("cli.out") == source]
+    assert run.data.params["cli.model"] == base and run.data.tags["orthorl.gate_passed"] == "true"
+    fresh = {**env, "ORTHORL_WORK_DIR": str(tmp_path / "other-pod")}  # nothing cached: a download
+    checked = orthojob(["gate", "--check", source], fresh)
+    assert checked.returncode == 0 and "passed, digest matches" in checked.stdout, checked.stderr[-2000:]
+    if stage == "tool_sft":
+        metrics = run.data.metrics
+        assert "gate/tool_call_rate" in metrics and 0 < metrics["loss_tokens"] < metrics["tokens"] / 5
+        return
     # in process, so that sampling can be replaced by known completions (storage, gates and MLflow real)
+    target = f"s3://{BUCKET}/stages/rsft"
     monkeypatch.setattr(rsft, "sample_completions", fake_sampler)
     rc = cli_main(["rsft", "--from-checkpoint", source, "--out", target, "--lora-r", "0", "--steps", "1",
                    "--batch-size", "1", "--prompts", "1", "--samples-per-prompt", "6", *GATE_FLAGS])  # fmt: skip
     assert rc == 0
     published = keys_under(s3, "stages/rsft/")
     assert {"MANIFEST.json", "gate_passed.json", "model.safetensors", "rsft_samples.jsonl"} <= published
-    client = mlflow.tracking.MlflowClient(server.uri)
     (run,) = [r for r in run_by_stage(client, "e2e", "rsft") if r.data.params.get("cli.out") == target]
     assert run.data.metrics["rsft/kept"] == 1 and run.data.tags["orthorl.gate_passed"] == "true"
-    assert run_by_stage(client, "e2e", "format_sft")
 
 
 class _FlakyClient:

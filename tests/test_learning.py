@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -92,3 +93,42 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
     assert (
         job.num_prompts == 32 and job.prompt_seed_start == GRPO_PROMPT_SEED_START == TRAIN_SEED_START + 50_000
     )
+
+
+def test_baselines_process_gets_the_same_settings_and_the_table_has_every_planner(tmp_path):
+    """The BC/RSFT process is started with flags that rebuild the experiment's config; the comparison
+    table has stage 0, BC, RSFT, GRPO's last evaluation, the oracle and SLERP, each with its CI."""
+    import contextlib
+    import io
+
+    from orthojob import learning
+
+    cfg = learning.LearnConfig(out=str(tmp_path), steps=7, lr=1e-3, no_baselines=False)
+    argv = learning._argv(cfg, baselines_only=True)
+    seen = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        original = learning.run_baselines
+        learning.run_baselines = lambda c, cases: seen.setdefault("cfg", c)
+        try:
+            assert learning.main(argv) == 0
+        finally:
+            learning.run_baselines = original
+    assert seen["cfg"] == dataclasses.replace(cfg, baselines_only=True)
+
+    def row(value: float) -> dict:
+        return {m: {"mean": value, "lo": value - 0.1, "hi": value + 0.1, "n": 8} for m in METRICS}
+
+    report = {
+        "evaluations": [{"step": 0, **row(1.0)}, {"step": 40, **row(3.0)}],
+        "baselines": {"bc": row(2.0), "rsft": row(2.5)},
+        "references": {"oracle": row(7.8), "uniform_slerp": row(6.4)},
+    }
+    rows = learning.comparison(report)
+    assert [r["planner"] for r in rows] == [
+        "stage 0 (format SFT)", "BC (stage 2)", "RSFT (stage 4)", "GRPO step 40", "oracle", "uniform SLERP"
+    ]  # fmt: skip
+    assert [r["terminal"]["mean"] for r in rows] == [1.0, 2.0, 2.5, 3.0, 7.8, 6.4]
+    table = learning.markdown_table(rows).splitlines()
+    assert len(table) == 2 + 6 and "3.000 [2.900, 3.100]" in table[5]
+    del report["baselines"]  # --no-baselines: the table has what was run
+    assert [r["planner"] for r in learning.comparison(report)][1] == "GRPO step 40"

@@ -173,3 +173,42 @@ def test_plan_to_completion_refuses_non_finite() -> None:
         plan_to_completion(
             {"strategy": "anterior_first", "tooth_groups": [{"teeth": [11], "fraction": float("nan")}]}
         )
+
+
+def test_compact_prompt_format_is_the_case_alone_and_travels_with_the_model(obs: dict, tmp_path) -> None:
+    """The compact format drops the plan semantics only; a model's format is read from its config.json,
+    survives save/load, and every stage builds that model's prompts (SFT demos, GRPO rows, evaluation)."""
+    from transformers import AutoConfig, Qwen2Config
+
+    from orthojob.format_demos import format_demonstrations
+    from orthojob.rsft import training_rows
+    from orthojob.sft import oracle_demonstrations
+
+    compact = prompts.build_prompt(obs, "compact")
+    assert compact == prompts.case_description(obs)
+    assert prompts.build_prompt(obs) == compact + "\n\n" + prompts.PLAN_SEMANTICS
+    assert prompts.PLAN_SEMANTICS not in compact and "Plan semantics" not in compact
+    with pytest.raises(ValueError, match="compact"):
+        prompts.build_prompt(obs, "short")
+
+    Qwen2Config(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=8,
+                num_hidden_layers=1, vocab_size=16).save_pretrained(tmp_path)  # fmt: skip
+    assert prompts.prompt_format_of(tmp_path) == "full"  # a model that records none: the full prompt
+    prompts.set_prompt_format(tmp_path, "compact")
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert prompts.prompt_format_of(config) == "compact"
+    config.save_pretrained(tmp_path / "again")  # a later stage's save keeps it
+    assert prompts.prompt_format_of(tmp_path / "again") == "compact"
+    with pytest.raises(ValueError, match="not one of"):
+        prompts.set_prompt_format(tmp_path, "tiny")
+
+    def user(rows):
+        return {r["prompt"][-1]["content"] for r in rows}
+
+    seeds = range(TRAIN_SEED_START, TRAIN_SEED_START + 2)
+    expected = {prompts.case_description(prompts.reset_observation(s, "task_easy", False)) for s in seeds}
+    assert user(prompt_rows(2, TRAIN_SEED_START, "task_easy", False, "compact")) == expected
+    assert user(format_demonstrations(2, ["task_easy"], prompt_format="compact")) == expected
+    assert user(oracle_demonstrations(2, ["task_easy"], False, "compact")[0]) == expected
+    kept = [{"seed": s, "task_id": "task_easy", "completion": "{}", "kept": True} for s in seeds]
+    assert user(training_rows(kept, False, "compact")) == expected

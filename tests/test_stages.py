@@ -89,6 +89,28 @@ def test_stage_configs_flags_and_presets():
     assert cli_main(["pipeline", "--show", "--set", "stages=rsft,grpo"]) == ExitCode.USAGE
 
 
+def test_a_chain_with_tool_use_sft_trains_grpo_in_agentic_mode():
+    """Stage 1 in a preset's chain: format -> tool_sft -> agentic GRPO (whose pre-flight accepts the
+    tool_sft gate: tests/test_tool_sft.py); tool-use SFT may start the chain; a one-shot GRPO after it
+    is refused, whatever order the overrides come in."""
+    tiny = PRESETS["tiny-cpu"]
+    agentic = {"stages": "format,tool,grpo", "grpo.mode": "agentic"}
+    for overrides in (agentic, dict(reversed(agentic.items()))):
+        chain = apply_overrides(tiny, overrides)
+        assert [PIPELINE_STAGES[s] for s in chain.stages] == ["format_sft", "tool_sft", "grpo"]
+        assert chain.grpo.mode == "agentic" and chain.tool_sft.demos == "tool"
+    assert apply_overrides(tiny, {"stages": "tool,bc"}).stages == ("tool", "bc")  # no GRPO: no mode needed
+    assert tiny.tool_sft.max_length == 8192 and tiny.tool_sft.steps == tiny.sft.steps
+    for stages in ("format,tool,grpo", "tool,grpo,rsft"):
+        with pytest.raises(ConfigError, match=r"grpo\.mode=agentic"):
+            apply_overrides(tiny, {"stages": stages})
+    shown = ["pipeline", "--show", "--set", "stages=format,tool,grpo"]
+    assert cli_main(shown) == ExitCode.USAGE
+    assert cli_main([*shown, "--set", "grpo.mode=agentic"]) == 0
+    with pytest.raises(KeyError, match="for the whole preset"):
+        apply_overrides(tiny, {"tool_sft.model": "x"})
+
+
 # --- RSFT's keep rule --------------------------------------------------------------------------------
 
 
