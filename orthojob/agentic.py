@@ -68,7 +68,7 @@ from server.dental_constants import (
 )
 from server.dental_environment import MAX_ROLLBACKS, StepwiseDentalEnvironment
 from server.errors import InvalidActionError, StageConflictError, UnknownEpisodeError
-from server.plans import interpolate_poses
+from server.plans import StagePoses, normalize_plan
 from server.reward_scaler import REWARD_MAX, REWARD_MIN
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,9 @@ def _tool(func: Callable) -> Callable:
     ``"error: ..."`` string (counted as invalid) and never raises. Signature and docstring are
     kept (``functools.wraps``), so TRL derives the same schema as for the bare method."""
     signature = inspect.signature(func)
+    params = list(signature.parameters.values())[1:]  # after self
+    names = frozenset(p.name for p in params)
+    required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty)
 
     @functools.wraps(func)
     def tool(self: DentalToolEnv, *args, **kwargs) -> str:
@@ -139,10 +142,13 @@ def _tool(func: Callable) -> Callable:
         metrics.calls[name] = metrics.calls.get(name, 0) + 1
         t0 = time.perf_counter()
         try:
-            try:
-                signature.bind(self, *args, **kwargs)
-            except TypeError as exc:
-                raise ToolError(f"bad arguments for {name}: {exc}") from None
+            # TRL calls with keywords: known names, the required ones present, bind not needed (its
+            # cost is a tenth of a fast tool's); anything else is bound for the exact message
+            if args or not (required <= kwargs.keys() <= names):
+                try:
+                    signature.bind(self, *args, **kwargs)
+                except TypeError as exc:
+                    raise ToolError(f"bad arguments for {name}: {exc}") from None
             if self._case is None:
                 raise ToolError("no episode: the environment was not reset")
             if metrics.finished_by is not None:
@@ -201,6 +207,7 @@ class DentalToolEnv:
         self._violations: list[dict] = []
         self._episode_id: str | None = None
         self._case = None
+        self._stage_poses_of: StagePoses | None = None
         self._key: CaseKey | None = None
         self._progress: list[np.ndarray] = []
         self._result: dict | None = None
@@ -230,6 +237,7 @@ class DentalToolEnv:
             if isinstance(self._env, StepwiseDentalEnvironment)
             else generate_case(*self._key)  # the server's case: a pure function of its key
         )
+        self._stage_poses_of = StagePoses(self._case.initial, self._case.target)
         self._violations = [obs["violations"]]
         self._progress = [np.zeros(N_TEETH)]
         self._result = None
@@ -237,6 +245,16 @@ class DentalToolEnv:
         text = _case_text(obs)
         self._metrics.env_seconds = time.perf_counter() - t0
         return text
+
+    def _close(self) -> None:
+        """Release the episode: over the server, close the WebSocket session (the server drops its
+        episode); in process, forget it. Private, so not a tool; for the end of a run (TRL calls no
+        tool after training)."""
+        if isinstance(self._env, RemoteStepwise):
+            self._env.close()
+        elif self._episode_id is not None:
+            self._env.close_episode(self._episode_id)
+        self._episode_id = None
 
     @property
     def finished(self) -> bool:
@@ -414,22 +432,27 @@ class DentalToolEnv:
         """The next aligner's poses (28, 7) and planned progress (28,) of a stage's groups."""
         increment = _stage_increment(groups)
         progress = np.minimum(self._progress[-1] + increment, 1.0)
-        poses = interpolate_poses(self._case.initial, self._case.target, progress[None])[0]
-        return poses, progress
+        return self._stage_poses_of(progress), progress
 
     def _stage_report(self, obs: dict, committed: bool) -> dict:
         stage = obs["current_stage"]
         before = self._violations[-2] if committed else self._violations[-1]
         after = obs["violations"]
         new = {k: int(after[k]) - int(before[k]) for k in ("limits", "collisions", "pdl")}
-        contacts = self._env.check_collisions(self._episode_id, obs["current_config"])
+        # the colliding pairs, only when the step counted a colliding contact (most stages have
+        # none: then the list is empty and the arch is not checked a second time)
+        pairs = (
+            self._env.check_collisions(self._episode_id, obs["current_config"])["pairs"]
+            if new["collisions"]
+            else []
+        )
         report = {
             "stage": stage,
             "committed": committed,
             "step_reward": obs["step_reward"],
             "accuracy": obs["reward_breakdown"].get("accuracy"),
             "new_violations": new,
-            "colliding_pairs": contacts["pairs"],
+            "colliding_pairs": pairs,
         }
         if committed:
             report["stages_remaining"] = obs["stages_remaining"]
@@ -565,6 +588,30 @@ def _listed(poses: object) -> object:
     return poses.tolist() if isinstance(poses, np.ndarray) else poses
 
 
+class RemoteToolEnvFactory:
+    """TRL's ``environment_factory`` for ``--env-url``: ``factory()`` is a :class:`DentalToolEnv` on
+    the server at ``env_url`` (its WebSocket session opened at its first ``reset``). It keeps what it
+    made, so that :meth:`close` can close their sessions when training ends: TRL pools its
+    environments for the whole run and never closes them; the server would otherwise hold them
+    until its idle timeout reaps them."""
+
+    def __init__(self, env_url: str) -> None:
+        self.env_url = env_url
+        self.made: list[DentalToolEnv] = []
+
+    def __call__(self) -> DentalToolEnv:
+        env = DentalToolEnv(env_url=self.env_url)
+        self.made.append(env)
+        return env
+
+    def close(self) -> int:
+        """Close every session made so far; how many environments that was."""
+        made, self.made = self.made, []
+        for env in made:
+            env._close()
+        return len(made)
+
+
 def check_server_capacity(url: str, needed: int, timeout_s: float = 10.0) -> dict:
     """The server's WebSocket settings (``GET /status``), when it can hold ``needed`` sessions at
     once (one per rollout of a generation batch); else a ValueError that says what to change."""
@@ -629,6 +676,22 @@ def full_prompt(row: dict) -> list[dict]:
     messages = [dict(m) for m in row["prompt"]]
     messages[-1]["content"] += _case_text(obs)
     return messages
+
+
+def plan_stages(plan: dict) -> list[list[dict]]:
+    """A plan (the plan format) as the ``groups`` of its 24 stages, for ``commit_stage``: at stage s
+    each tooth whose group has started (``priority`` / ``start_stage``) moves its ``fraction``; teeth
+    of one fraction share a group. Overcorrection is dropped (a stage stops at the target). What an
+    agent following the oracle's plan stage by stage commits (the benchmark's stepwise episode)."""
+    spec = normalize_plan(plan)
+    stages = []
+    for s in range(1, N_STAGES + 1):
+        by_fraction: dict[float, list[int]] = {}
+        for i, tooth in enumerate(TOOTH_IDS):
+            if spec.start[i] <= s and spec.fraction[i] > 0:
+                by_fraction.setdefault(float(spec.fraction[i]), []).append(tooth)
+        stages.append([{"teeth": teeth, "fraction": f} for f, teeth in sorted(by_fraction.items())])
+    return stages
 
 
 def _case_text(observation: dict) -> str:
@@ -734,12 +797,14 @@ __all__ = [
     "DentalToolEnv",
     "EpisodeMetrics",
     "RemoteStepwise",
+    "RemoteToolEnvFactory",
     "ToolError",
     "agentic_messages",
     "agentic_rows",
     "check_server_capacity",
     "episode_metrics",
     "full_prompt",
+    "plan_stages",
     "prepare_tokenizer",
     "reward_agentic",
 ]

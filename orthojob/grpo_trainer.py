@@ -15,7 +15,9 @@
 * ``--mode agentic``: the trainer gets ``environment_factory=DentalToolEnv`` and the environment's reward
   (:mod:`orthojob.agentic`); the tokenizer a tool-calling chat template where it lacks one; the tool
   metrics (``agentic/*``) come from the reward function's ``log_metric``; the one-shot table and
-  ``env/*`` diagnostics are skipped and ``completions.jsonl`` holds each rollout's messages.
+  ``env/*`` diagnostics are skipped and ``completions.jsonl`` holds each rollout's messages. With
+  ``--env-url`` the factory is :class:`orthojob.agentic.RemoteToolEnvFactory` (the tools over the
+  environment server), whose WebSocket sessions are closed when training ends, or fails.
 * Data parallel: launch with ``torchrun --nproc_per_node N -m orthojob.cli train ...``. Only rank 0
   writes files; every rank ends with ``destroy_process_group``.
 
@@ -485,15 +487,13 @@ def train(
         tools = [getattr(probe, name) for name in TOOL_NAMES]
         extra["environment_factory"] = DentalToolEnv
         if config.env_url:  # the tools over the server: one WebSocket session per rollout
-            import functools
-
-            from orthojob.agentic import check_server_capacity
+            from orthojob.agentic import RemoteToolEnvFactory, check_server_capacity
 
             try:
                 check_server_capacity(config.env_url, generation_batch(config, n_processes))
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-            extra["environment_factory"] = functools.partial(DentalToolEnv, env_url=config.env_url)
+            extra["environment_factory"] = RemoteToolEnvFactory(config.env_url)
     else:
         rows = prompt_rows(
             n_prompts, config.prompt_seed_start, config.task_id, config.force_decay, prompt_format_of(model)
@@ -519,7 +519,12 @@ def train(
     trainer.record_completions = True
     trainer.completions_path = out / COMPLETIONS_FILE if is_main else None
     trainer.table_rows = config.completions_table_rows if is_main else 0
-    trainer.train(resume_from_checkpoint=resume_from)
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+    finally:  # the environments' server sessions (--env-url): TRL never closes its pooled environments
+        close_environments = getattr(extra.get("environment_factory"), "close", None)
+        if callable(close_environments):
+            close_environments()
     trainer.save_model(str(out))
     result = TrainResult(
         trainer=trainer, out=out, step_times=list(timer.times), reward_seconds=trainer.reward_seconds

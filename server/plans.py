@@ -39,7 +39,7 @@ import numpy as np
 
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import DEFAULT_PRIORITY, N_STAGES, N_TEETH, PRIORITY_START_STAGE, TOOTH_INDEX
-from server.quaternion_utils import components, slerp_components
+from server.quaternion_utils import components, quaternion_normalize, slerp_components
 
 UNIFORM_FRACTION: float = 1.0 / N_STAGES
 MAX_OVERCORRECTION: float = 1.0
@@ -209,3 +209,48 @@ def interpolate_poses(initial: np.ndarray, target: np.ndarray, progress: np.ndar
     planes[:4] = slerp_components(q0, q1, progress)
     planes[4:] = components(t0) + progress * components(t1 - t0)
     return out
+
+
+class StagePoses:
+    """:func:`interpolate_poses` of one case for one progress vector at a time, the same numbers:
+    ``StagePoses(initial, target)(progress)`` equals ``interpolate_poses(initial, target,
+    progress[None])[0]`` bit for bit. What does not depend on the progress (each tooth's SLERP
+    angle, the sign-aligned target rotations, the translations' span) is computed once, so a
+    stage costs a few small numpy calls (the agentic tools' hot path, :mod:`orthojob.agentic`).
+
+    initial, target: (28, 7) poses; progress: (28,) shares (above 1: overcorrection).
+    """
+
+    def __init__(self, initial: np.ndarray, target: np.ndarray) -> None:
+        initial = np.asarray(initial, dtype=np.float64)
+        target = np.asarray(target, dtype=np.float64)
+        # the progress-free part of SLERP's weights (server.quaternion_utils._slerp_weights): the
+        # target rotations sign-aligned with the initial ones, each tooth's angle and its sine
+        q0, q1 = initial[:, :4], target[:, :4]
+        dot = np.add.reduce(q0 * q1, axis=-1, keepdims=True)
+        opposite = dot < 0.0
+        self._q0 = np.ascontiguousarray(q0)
+        self._q1 = np.ascontiguousarray(np.where(opposite, -q1, q1) if np.count_nonzero(opposite) else q1)
+        dot = np.minimum(np.abs(dot), 1.0)
+        self._theta = np.arccos(dot)
+        sin_theta = np.sin(self._theta)
+        self._small = sin_theta < 1e-6
+        self._any_small = bool(np.count_nonzero(self._small))
+        self._sin_theta = np.where(self._small, 1.0, sin_theta) if self._any_small else sin_theta
+        self._t0 = np.ascontiguousarray(initial[:, 4:])
+        self._span = target[:, 4:] - initial[:, 4:]
+
+    def __call__(self, progress: np.ndarray) -> np.ndarray:
+        """(28, 7) poses a share ``progress`` (28,) of the way from initial to target."""
+        t = np.asarray(progress, dtype=np.float64)[:, None]
+        u = 1.0 - t
+        theta, sin_theta = self._theta, self._sin_theta
+        w0 = np.sin(u * theta) / sin_theta
+        w1 = np.sin(t * theta) / sin_theta
+        if self._any_small:
+            w0 = np.where(self._small, u, w0)
+            w1 = np.where(self._small, t, w1)
+        out = np.empty((N_TEETH, 7))
+        out[:, :4] = quaternion_normalize(w0 * self._q0 + w1 * self._q1)
+        out[:, 4:] = self._t0 + t * self._span
+        return out

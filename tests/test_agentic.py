@@ -11,19 +11,28 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from transformers.utils import get_json_schema
 
-from orthojob.agentic import TOOL_NAMES, DentalToolEnv, agentic_rows, full_prompt, reward_agentic
+from orthojob.agentic import (
+    TOOL_NAMES,
+    DentalToolEnv,
+    agentic_rows,
+    full_prompt,
+    plan_stages,
+    reward_agentic,
+)
 from orthojob.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from orthojob.rewards import reward_terminal
 from orthojob.rollouts import DEFAULT_CACHE
 from orthojob.run_identity import config_digest
-from server.dental_constants import N_STAGES
+from server.cases import TASK_IDS
+from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import MAX_ROLLBACKS
 from server.oracle import oracle_plan
 from server.reward_scaler import REWARD_MIN
@@ -186,6 +195,91 @@ def test_committing_24_stages_finishes_with_the_stepwise_score():
     assert env.reward == pytest.approx(one_shot, abs=1e-6) and env.reward > 0
 
 
+# --- tool results are unchanged by speed work -------------------------------------------------------
+
+TOOLS_DIGEST = "d79f0d0b293474d328db862bbfd2d1b9bb2ca4e33d0060de023b4e806e3395dc"
+"""sha256 of :func:`tool_transcript`'s results for 4 seeds x 3 tasks x force decay on and off, recorded
+on main at 8fc2757, before issue 15's speed work on simulate_stage/commit_stage (the stage report's
+colliding pairs, the stage poses, the argument checks)."""
+ALTERNATE = [{"teeth": list(TOOTH_IDS[::2]), "fraction": 1.0}]  # every other tooth at once: collides
+HALF = [{"teeth": list(TOOTH_IDS[1::2]), "fraction": 0.5}]
+
+
+def tool_transcript(task_id: str, seed: int, force_decay: bool, submit: bool) -> list[str]:
+    """Every tool's text on one episode: inspections, collision checks, stages that collide and
+    break the limits (committed, then rolled back), the oracle's plan stage by stage (simulated,
+    then committed), finished by the 24th commit or by submitting the plan at stage 10."""
+    plan = oracle_plan(reset_observation(seed, task_id, force_decay))
+    env = DentalToolEnv()
+    out = [env.reset(seed=seed, task_id=task_id, force_decay=force_decay)]
+    out += [
+        env.inspect_tooth(13),
+        env.inspect_tooth(36),
+        env.check_collisions(),
+        env.check_collisions(ALTERNATE),
+        env.simulate_stage(ALTERNATE, strategy=plan["strategy"]),
+        env.simulate_stage(HALF),
+    ]
+    for s, groups in enumerate(plan_stages(plan), start=1):
+        if submit and s == 10:
+            out.append(env.submit_plan(plan_to_completion(plan)))
+            break
+        if s in (5, 12):
+            out.append(env.simulate_stage(HALF))
+            out += [env.commit_stage(ALTERNATE), env.check_collisions(), env.rollback_stage()]
+        out.append(env.simulate_stage(groups))
+        out.append(env.commit_stage(groups, strategy=plan["strategy"] if s == 1 else None))
+        if s % 6 == 0:
+            out.append(env.inspect_tooth(TOOTH_IDS[s]))
+    assert env.finished
+    return out
+
+
+def test_tool_results_digest_unchanged():
+    import hashlib
+
+    h = hashlib.sha256()
+    texts = [
+        text
+        for task_id in TASK_IDS
+        for decay in (False, True)
+        for k in range(4)
+        for text in tool_transcript(task_id, TRAIN_SEED_START + k, decay, submit=k % 2 == 1)
+    ]
+    for text in texts:
+        h.update(text.encode())
+        h.update(b"\0")
+    errors = [t for t in texts if t.startswith("error: ")]
+    assert len(texts) == 1176 and len(errors) == 12  # the inspection after each 24th commit
+    assert all(t.startswith("error: the episode is finished") for t in errors)
+    # the digest covers stage reports with colliding pairs, not only collision-free ones
+    assert sum('"committed":' in t and '"colliding_pairs":[{' in t for t in texts) >= 20
+    assert h.hexdigest() == TOOLS_DIGEST
+
+
+def test_stage_poses_are_interpolate_poses_bit_for_bit():
+    from server.cases import generate_case
+    from server.plans import StagePoses, interpolate_poses
+
+    rng = np.random.default_rng(15)
+    for task_id in TASK_IDS:
+        for seed in range(4):
+            case = generate_case(task_id, seed, seed % 2 == 1)
+            target = case.target.copy()
+            if seed == 3:  # teeth without rotation (SLERP's small-angle branch), one sign-flipped
+                target[:3, :4] = case.initial[:3, :4]
+                target[3, :4] = -case.initial[3, :4]
+            stage_poses = StagePoses(case.initial, target)
+            for progress in (
+                np.zeros(N_TEETH),
+                np.ones(N_TEETH),
+                rng.uniform(0.0, 1.0, N_TEETH),
+                np.where(rng.uniform(size=N_TEETH) < 0.5, 0.0, rng.uniform(0.0, 1.6, N_TEETH)),
+            ):
+                expected = interpolate_poses(case.initial, target, progress[None])[0]
+                assert stage_poses(progress).tobytes() == expected.tobytes(), (task_id, seed)
+
+
 # --- config ----------------------------------------------------------------------------------------
 
 
@@ -264,7 +358,48 @@ def _scripted_turns(monkeypatch, tokenizer_path: Path, plan_text: str) -> dict:
     return state
 
 
-def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkeypatch):
+def _server_status(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/status", timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.parametrize("over_server", [False, True], ids=["in_process", "env_url"])
+def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkeypatch, over_server):
+    """The 2-step run; with ``over_server``, ``--env-url`` to a real local server (uvicorn in a thread):
+    reset and commits through OpenEnv's client, the other tools as WebSocket ``tool`` messages, and the
+    sessions closed when training ends."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        url = None
+        if over_server:
+            from server.app import create_app
+            from server.settings import ServerSettings
+            from tests.services import running_uvicorn
+
+            settings = ServerSettings(max_sessions=8, ws_idle_timeout_s=300)
+            url = stack.enter_context(running_uvicorn(create_app(settings)))
+        result, config = _two_agentic_steps(tiny_agentic_model, tmp_path, monkeypatch, url)
+        if over_server:
+            # every rollout's environment held one WebSocket session; all closed by the run, none
+            # left for the idle timeout, no episode left on the server
+            environments = [e for pool in result.trainer._environment_pool.values() for e in pool]
+            assert len(environments) == config.batch_size
+            assert all(type(e._env).__name__ == "RemoteStepwise" for e in environments)
+            deadline = time.monotonic() + 10  # the server handles the closes on its own thread
+            status = _server_status(url)
+            while status["websocket_sessions"]["live"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+                status = _server_status(url)
+            ws = status["websocket_sessions"]
+            assert ws["live"] == 0 and ws["accepted"] == ws["closed"] == config.batch_size, ws
+            assert ws["reaped_idle"] == 0 and ws["bad_messages"] == 0, ws
+            assert status["episodes"]["live"] == 0, status
+
+
+def _two_agentic_steps(tiny_agentic_model: Path, tmp_path: Path, monkeypatch, env_url: str | None):
     from mlflow.tracking import MlflowClient
 
     from orthojob import grpo_trainer, tracking
@@ -280,7 +415,7 @@ def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkey
     values = {"preset": "tiny-cpu", "model": str(tiny_agentic_model), "steps": 2, "mode": "agentic",
               "max_tool_turns": 2, "num_generations": 2, "batch_size": 4, "max_prompt_length": 7000,
               "max_completion_length": 320, "max_seq_length": 7400, "out": str(tmp_path / "grpo"),
-              "skip_sft_gate": True}  # fmt: skip
+              "skip_sft_gate": True, "env_url": env_url}  # fmt: skip
     config = config_from_args(values)
     validate(config)
     with tracking.stage_run("grpo", experiment="agentic") as run:
@@ -324,3 +459,4 @@ def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkey
         value = rec["rewards"]["reward_agentic"]
         assert value == pytest.approx(expected[0] if submitted else REWARD_MIN, abs=1e-5), rec["seed"]
     assert np.isfinite([r["advantage"] for r in records]).all()
+    return result, config
