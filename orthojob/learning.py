@@ -381,7 +381,7 @@ def run_baselines(cfg: LearnConfig, cases: Sequence[CaseKey]) -> dict:
 
     from orthojob import models
     from orthojob.prompts import prompt_format_of
-    from orthojob.rsft import run_rsft
+    from orthojob.rsft import RSFTError, run_rsft
     from orthojob.rsft_config import RSFTConfig
     from orthojob.sft import oracle_demonstrations, run_sft
 
@@ -408,7 +408,7 @@ def run_baselines(cfg: LearnConfig, cases: Sequence[CaseKey]) -> dict:
     stage0_dir = wait_for_stage0(cfg, timeout_s=3600)
     t0 = time.perf_counter()
     rsft = RSFTConfig(
-        **{k: v for k, v in dc.asdict(_sft_stage_config(cfg, steps=cfg.rsft_steps)).items() if k not in ("demos", "examples", "out", "model")},
+        **{k: v for k, v in dc.asdict(_sft_stage_config(cfg, steps=cfg.rsft_steps)).items() if k not in ("demos", "examples", "out", "model", "from_checkpoint")},
         model=str(base),
         out=str(out / "rsft"),
         from_checkpoint=str(stage0_dir),
@@ -418,7 +418,12 @@ def run_baselines(cfg: LearnConfig, cases: Sequence[CaseKey]) -> dict:
         max_new_tokens=cfg.max_completion_length,
         skip_gate_check=True,  # stage 0 is not gated in the experiment; its step-0 row is its evaluation
     )  # fmt: skip
-    summary = run_rsft(rsft)
+    try:
+        summary = run_rsft(rsft)
+    except RSFTError as exc:  # nothing met the keep rule: a row that says so, not a crash
+        rows["rsft"] = {"error": str(exc)}
+        (out / BASELINES_FILE).write_text(json.dumps(rows, indent=1, default=float))
+        return rows
     log.info("RSFT kept %s in %.0f s", summary["rsft"], time.perf_counter() - t0)
     evaluate("rsft", out / "rsft", summary)
     return rows
@@ -581,7 +586,9 @@ def comparison(report: dict) -> list[dict]:
         (name, report.get("baselines", {}).get(key)) for name, key in (("BC (stage 2)", "bc"), ("RSFT (stage 4)", "rsft"))
     ], (f"GRPO step {report['evaluations'][-1]['step']}", report["evaluations"][-1]),
         ("oracle", report["references"]["oracle"]), ("uniform SLERP", report["references"]["uniform_slerp"])]  # fmt: skip
-    return [{"planner": name, **{m: row[m] for m in METRICS}} for name, row in rows if row]
+    return [
+        {"planner": name, **{m: row[m] for m in METRICS}} for name, row in rows if row and "error" not in row
+    ]
 
 
 def markdown_table(rows: Sequence[dict]) -> str:

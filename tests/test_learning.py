@@ -188,3 +188,29 @@ def test_strategy_last_demos_are_the_same_plans_in_the_other_key_order():
     assert all(t.startswith('{"tooth_groups": ') and '"strategy": "' in t for t in texts)
     assert [json.loads(t) for t in texts] == [json.loads(d["completion"][0]["content"]) for d in first]
     assert reward_format(texts, **cols) == pytest.approx([1.0] * 6)
+
+
+def test_baselines_train_bc_and_rsft_and_evaluate_them(tmp_path):
+    """The BC and RSFT rows on a 1-layer model and a few steps: BC trains from the base model on the
+    oracle's plans, RSFT samples stage 0 and keeps what the rule keeps (here, from an untrained stage 0,
+    nothing: the row says why instead of failing the run), and both land in baselines.json."""
+    from orthojob import learning
+
+    cfg = learning.LearnConfig(out=str(tmp_path), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate=32,
+                               sft_examples=8, sft_steps=2, bc_steps=2, rsft_prompts=2, rsft_samples=2, rsft_steps=1,
+                               eval_seeds=2, max_completion_length=24)  # fmt: skip
+    learning.stage0(cfg)
+    rows = learning.run_baselines(cfg, learning.heldout_cases(cfg.task_id, cfg.eval_seeds))
+    assert (
+        set(rows) == {"bc", "rsft"}
+        and json.loads((tmp_path / learning.BASELINES_FILE).read_text()).keys() == rows.keys()
+    )
+    assert rows["bc"]["terminal"]["n"] == 2 and "strategy_conditioning" in rows["bc"]
+    assert (tmp_path / "bc" / "model.safetensors").is_file()
+    if "error" in rows["rsft"]:
+        assert "keep rule" in rows["rsft"]["error"]
+    else:
+        assert rows["rsft"]["rsft"]["samples"] == 4
+    report = {"evaluations": [{"step": 0, **rows["bc"]}], "baselines": rows,
+              "references": {"oracle": rows["bc"], "uniform_slerp": rows["bc"]}}  # fmt: skip
+    assert "BC (stage 2)" in [r["planner"] for r in learning.comparison(report)]
