@@ -7,7 +7,7 @@ The seed's stages that TRL's SFTTrainer trains, each its own command, MLflow sta
   (:func:`orthojob.format_demos.format_demonstrations`: a uniformly random strategy, random feasible
   groups). Its gate checks the format only (parse rate, format score).
 * **stage 2, BC SFT** (``orthojob bc-sft``, :class:`~orthojob.sft_config.SFTJobConfig`, gate stage
-  ``sft0``, the name the pipeline has always given it): the environment's rule-based oracle
+  ``bc_sft``, ``sft0`` in earlier versions): the environment's rule-based oracle
   (:func:`server.oracle.oracle_plan`) on training seeds, only plans the environment judges safe
   (:func:`demonstrations`; the number filtered out is logged and recorded). ``orthojob sft`` is the
   same training without the gate (``orthojob gate`` then writes it).
@@ -79,12 +79,12 @@ SECTIONS: dict[str, type[SFTJobConfig]] = {
 }
 """A preset's SFT-stage sections (:class:`orthojob.presets.Preset`) and their config classes."""
 GATE_SECTIONS: dict[str, tuple[str, str]] = {
-    "format_sft": ("format_gate", "format_sft"),
-    "tool_sft": ("tool_sft_gate", "tool_sft"),
-    "sft": ("sft_gate", "sft0"),
-    "rsft": ("rsft_gate", "rsft"),
+    "format_sft": ("format_gate", gate.FORMAT_SFT),
+    "tool_sft": ("tool_sft_gate", gate.TOOL_SFT),
+    "sft": ("sft_gate", gate.BC_SFT),
+    "rsft": ("rsft_gate", gate.RSFT),
 }
-"""Per section: the preset's gate settings and the gate's stage name."""
+"""Per section: the preset's gate settings and the gate's stage name (:data:`orthojob.gate.STAGES`)."""
 
 
 def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -> list[dict]:
@@ -425,7 +425,7 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
     )
     if not gated:
         print(
-            f"[{command}] next: orthojob gate --checkpoint {destination} --stage sft0 (or run orthojob bc-sft, which gates)"
+            f"[{command}] next: orthojob gate --checkpoint {destination} --stage {gate.BC_SFT} (or run orthojob bc-sft, which gates)"
         )
         return 0
     return 0 if content["passed"] else ExitCode.GATE_FAILED

@@ -82,7 +82,7 @@ def test_stage_configs_flags_and_presets():
     # the stages a pipeline runs: --set stages=..., checked
     assert apply_overrides(PRESETS["tiny-cpu"], {"stages": "format,grpo"}).stages == ("format", "grpo")
     seed_chain = apply_overrides(PRESETS["tiny-cpu"], {"stages": ["format", "bc", "grpo", "rsft"]})
-    assert [PIPELINE_STAGES[s] for s in seed_chain.stages] == ["format_sft", "sft0", "grpo", "rsft"]
+    assert [PIPELINE_STAGES[s] for s in seed_chain.stages] == ["format_sft", "bc_sft", "grpo", "rsft"]
     for bad in ("grpo", "format,format", "format,dpo", ""):
         with pytest.raises(ConfigError):
             apply_overrides(PRESETS["tiny-cpu"], {"stages": bad})
@@ -275,7 +275,7 @@ def test_bc_sft_cli_gates_and_rsft_with_real_sampling_that_keeps_nothing(
                    "--gate-max-new-tokens", "16"])  # fmt: skip
     assert rc == ExitCode.GATE_FAILED
     content = gate.read_gate(bc)
-    assert content["stage"] == "sft0" and content["passed"] is False
+    assert content["stage"] == "bc_sft" and content["passed"] is False
     demos = json.loads((bc / "sft_log.json").read_text())["summary"]["demos"]
     assert demos["source"] == "oracle" and demos["filtered_hard_rule"] >= 0
     with pytest.raises(gate.GateError) as refused:
@@ -283,7 +283,7 @@ def test_bc_sft_cli_gates_and_rsft_with_real_sampling_that_keeps_nothing(
     assert refused.value.exit_code == ExitCode.GATE_FAILED
     # RSFT on the (passed) gate of the same checkpoint, real sampling: the untrained model writes no
     # plan, nothing is kept, and the stage says what to change (exit 2)
-    gate.write_gate(bc, {"parse_rate": 1.0, "format_reward": 1.0}, stage="sft0")
+    gate.write_gate(bc, {"parse_rate": 1.0, "format_reward": 1.0}, stage="bc_sft")
     capsys.readouterr()
     argv = ["rsft", "--from-checkpoint", str(bc), "--out", str(tmp_path / "rsft"), "--lora-r", "0",
             "--prompts", "1", "--samples-per-prompt", "2", "--max-new-tokens", "8"]  # fmt: skip
@@ -342,27 +342,28 @@ def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch
     out = tmp_path / "run"
     summary = run_pipeline("tiny-cpu", out, overrides)
     assert summary["exit_code"] == 0, format(summary["stages"])
-    assert summary["chain"] == ["format_sft", "sft0", "grpo", "rsft"]
+    assert summary["chain"] == ["format_sft", "bc_sft", "grpo", "rsft"]
     stages = summary["stages"]
     for name in summary["chain"]:
         assert gate.read_gate(out / name)["stage"] == name and stages[f"gate_{name}"]["passed"] is True
     assert (
-        stages["format_sft"]["demos"]["source"] == "format" and stages["sft0"]["demos"]["source"] == "oracle"
+        stages["format_sft"]["demos"]["source"] == "format"
+        and stages["bc_sft"]["demos"]["source"] == "oracle"
     )
-    assert stages["grpo"]["from_checkpoint"] == str(out / "sft0")
+    assert stages["grpo"]["from_checkpoint"] == str(out / "bc_sft")
     assert stages["rsft"]["rsft"]["kept"] == 1
-    sft_config = json.loads((out / "sft0" / "sft_config.json").read_text())
+    sft_config = json.loads((out / "bc_sft" / "sft_config.json").read_text())
     assert sft_config["from_checkpoint"] == str(out / "format_sft")  # BC continues the format stage
     assert json.loads((out / "rsft" / "sft_config.json").read_text())["from_checkpoint"] == str(out / "grpo")
     results = json.loads((out / "evaluation.json").read_text())["results"]["task_easy"]
-    assert list(results)[:4] == ["rsft", "grpo", "sft0", "format_sft"]
+    assert list(results)[:4] == ["rsft", "grpo", "bc_sft", "format_sft"]
     assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == 0
     names = {r.data.tags["orthorl.stage"] for r in stage_runs_under(summary["mlflow_run_id"])}
     assert {
         "format_sft",
         "gate_format_sft",
-        "sft0",
-        "gate_sft0",
+        "bc_sft",
+        "gate_bc_sft",
         "grpo",
         "rsft",
         "gate_rsft",
