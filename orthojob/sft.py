@@ -395,6 +395,26 @@ def _demo_line(summary: dict) -> str:
     return f"{summary['examples']} {demos.get('source', '')} demonstrations"
 
 
+def _other_stage_at_default_out(args: argparse.Namespace, section: str, config: SFTJobConfig) -> str | None:
+    """What another stage left in ``config.out`` when that is the command's default (no ``--out``
+    given): its gate file's stage, else its ``sft_config.json``'s demonstrations; None when the folder
+    holds nothing of another stage. The default folders moved (``./checkpoints/sft0`` was BC's and is
+    format SFT's now), and a default must never overwrite another stage's checkpoint."""
+    if "out" in given_values(args, SECTIONS[section]) or storage.is_s3_uri(config.out):
+        return None
+    folder = Path(config.out)
+    try:
+        stage = gate.read_gate(folder).get("stage")
+        return f"stage {stage}" if stage != GATE_SECTIONS[section][1] else None
+    except gate.GateError:
+        pass  # no readable gate file: what trained it, if anything did
+    try:
+        demos = json.loads((folder / SFT_CONFIG_FILE).read_text()).get("demos")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return f"{demos} demonstrations" if demos != config.demos else None
+
+
 def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gated: bool = True) -> int:
     """``orthojob format-sft`` / ``bc-sft``: train, gate, publish; 0 when the gate passed, 12 when it
     failed, 2 on a bad configuration. ``gated=False`` is ``orthojob sft`` (stage 2 without its gate):
@@ -406,6 +426,15 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
         stage, settings = gate_settings_for(args, section) if gated else (None, None)
     except (TypeError, ValueError) as exc:
         print(f"orthojob {command}: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    other = _other_stage_at_default_out(args, section, config)
+    if other:
+        print(
+            f"orthojob {command}: the default --out {config.out} holds another stage's checkpoint ({other}; earlier "
+            f"versions wrote BC SFT to ./checkpoints/sft0; it is format SFT's default folder now, BC's is "
+            f"./checkpoints/sft2). Pass --out: another folder, or --out {config.out} to overwrite it.",
+            file=sys.stderr,
+        )
         return ExitCode.USAGE
     destination = config.out
     config = localize(config, lambda m: print(f"[{command}] {m}"))

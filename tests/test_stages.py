@@ -5,6 +5,7 @@ gate; the pipeline preset choosing the stages; RSFT's keep rule, on real environ
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,68 @@ def stage_runs(stage: str) -> list:
 
 
 # --- configs, presets ----------------------------------------------------------------------------
+
+
+def test_stage_names_and_default_folders_follow_the_seed():
+    # one list of stage names (gate.STAGES), in the seed's order; the pipeline's stages are those names
+    assert gate.STAGES == ("format_sft", "tool_sft", "bc_sft", "grpo", "rsft")
+    assert list(PIPELINE_STAGES.values()) == list(gate.STAGES)
+    assert set(gate.DEFAULT_THRESHOLDS) == set(gate.STAGES)
+    assert gate.canonical_stage("sft0") == "bc_sft" and gate.canonical_stage("grpo") == "grpo"
+    # the stand-alone commands' default --out: checkpoints/sft0 (format), sft1 (tool-use), sft2 (BC)
+    parser = build_parser()
+    outs = {
+        command: config_from_args(parser.parse_args([command]), section).out
+        for command, section in (("format-sft", "format_sft"), ("tool-sft", "tool_sft"), ("bc-sft", "sft"),
+                                 ("sft", "sft"), ("rsft", "rsft"))
+    }  # fmt: skip
+    assert outs == {
+        "format-sft": "./checkpoints/sft0",
+        "tool-sft": "./checkpoints/sft1",
+        "bc-sft": "./checkpoints/sft2",
+        "sft": "./checkpoints/sft2",
+        "rsft": "./checkpoints/rsft",
+    }
+
+
+class _TrainedError(Exception):
+    """run_sft was reached (the command did not refuse its output folder)."""
+
+
+def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monkeypatch, capsys):
+    """./checkpoints/sft0 was BC's default folder and is format SFT's now: format-sft without --out
+    refuses a BC checkpoint there (ungated, or with an old "sft0" gate file); --out overrides."""
+    import orthojob.sft
+
+    def trained(config):
+        raise _TrainedError(config.out)
+
+    def command(*argv: str) -> int:
+        """The command itself, outside an MLflow stage run (the CLI tests below count those)."""
+        args = build_parser().parse_args(list(argv))
+        return args.func(args)
+
+    monkeypatch.setattr(orthojob.sft, "run_sft", trained)
+    monkeypatch.chdir(tmp_path)
+    old_bc = tmp_path / "checkpoints" / "sft0"
+    old_bc.mkdir(parents=True)
+    (old_bc / "sft_config.json").write_text(json.dumps({"demos": "oracle"}))  # an earlier orthojob sft
+    assert command("format-sft", "--model", "tiny", "--lora-r", "0") == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert "./checkpoints/sft0" in err and "oracle demonstrations" in err and "--out" in err
+    # an earlier bc-sft's gate file ("stage": "sft0") names the stage, under its name now
+    (old_bc / "config.json").write_text("{}")
+    (old_bc / "model.safetensors").write_bytes(b"weights")
+    content = gate.write_gate(old_bc, {"parse_rate": 1.0, "format_reward": 1.0})
+    (old_bc / gate.GATE_FILE).write_text(json.dumps(content | {"stage": "sft0"}))
+    assert command("format-sft", "--model", "tiny", "--lora-r", "0") == ExitCode.USAGE
+    assert "stage bc_sft" in capsys.readouterr().err
+    with pytest.raises(_TrainedError, match="checkpoints/sft0"):  # asked for by name: overwritten
+        command("format-sft", "--model", "tiny", "--lora-r", "0", "--out", "./checkpoints/sft0")
+    # a stage's own folder is no other stage's: BC retrains into ./checkpoints/sft2 over its gate
+    shutil.copytree(old_bc, tmp_path / "checkpoints" / "sft2")
+    with pytest.raises(_TrainedError, match="checkpoints/sft2"):
+        command("bc-sft", "--model", "tiny", "--lora-r", "0")
 
 
 def test_stage_configs_flags_and_presets():
