@@ -1,9 +1,9 @@
 """``orthojob`` command line: one subcommand per pipeline stage.
 
-orthojob pipeline --preset tiny-cpu      # tiny-model -> the preset's stages (default: BC sft0, grpo), each gated -> evaluate
+orthojob pipeline --preset tiny-cpu      # tiny-model -> the preset's stages (default: bc_sft, grpo), each gated -> evaluate
 orthojob format-sft --out DIR            # stage 0: format SFT on demonstrations without clinical choice, + format gate
 orthojob tool-sft --out DIR              # stage 1: tool-use SFT on the oracle's tool conversations, + tool-call gate
-orthojob bc-sft --out DIR                # stage 2: BC SFT on the oracle's safe plans, + gate (stage sft0)
+orthojob bc-sft --out DIR                # stage 2: BC SFT on the oracle's safe plans, + gate (stage bc_sft)
 orthojob sft --out DIR                   # stage 2 without its gate (orthojob gate writes it)
 orthojob train --from-checkpoint DIR     # stage 3: GRPO (refuses without a passed, matching gate of an earlier stage)
 orthojob rsft --from-checkpoint DIR --out DIR   # stage 4: rejection fine-tuning (best of k samples), + gate
@@ -52,11 +52,11 @@ from orthojob.sft import add_sft_arguments, run_sft_cli, run_sft_stage_cli
 from server.cases import TASK_IDS
 
 TRACKED_STAGES: dict[str, str] = {
-    "sft": "sft0",
-    "format-sft": "format_sft",
-    "tool-sft": "tool_sft",
-    "bc-sft": "sft0",
-    "rsft": "rsft",
+    "sft": gate.BC_SFT,
+    "format-sft": gate.FORMAT_SFT,
+    "tool-sft": gate.TOOL_SFT,
+    "bc-sft": gate.BC_SFT,
+    "rsft": gate.RSFT,
     "gate": "gate",
     "evaluate": "evaluate",
 }
@@ -72,6 +72,19 @@ GATE_THRESHOLD_FLAGS: tuple[tuple[str, str], ...] = (
     ("min_finished_rate", "tool_sft: share of episodes that finish"),
 )
 """``orthojob gate``'s threshold overrides: (argparse dest and Thresholds field, what it bounds)."""
+
+
+def gate_stage(value: str) -> str:
+    """``orthojob gate --stage``: a stage of :data:`orthojob.gate.STAGES`; a deprecated name
+    (:data:`orthojob.gate.STAGE_ALIASES`, ``sft0``) is taken as the stage it names now, with a warning."""
+    stage = gate.canonical_stage(value)
+    if stage != value:
+        print(
+            f"orthojob gate: --stage {value} is deprecated, use --stage {stage} (the BC stage's name now; "
+            f"{value} was its name in earlier versions)",
+            file=sys.stderr,
+        )
+    return stage
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -311,13 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bc = sub.add_parser(
         "bc-sft",
-        help="stage 2: BC SFT on the oracle's safe plans, then its gate (stage sft0)",
+        help=f"stage 2: BC SFT on the oracle's safe plans, then its gate (stage {gate.BC_SFT})",
         epilog=stage_codes,
     )
     add_sft_arguments(bc, "sft", with_gate=True)
     bc.set_defaults(func=cmd_bc_sft)
 
-    sf = sub.add_parser("sft", help="stage 2 (BC) without its gate: orthojob gate --stage sft0 writes it")
+    sf = sub.add_parser(
+        "sft", help=f"stage 2 (BC) without its gate: orthojob gate --stage {gate.BC_SFT} writes it"
+    )
     add_sft_arguments(sf)
     sf.set_defaults(func=cmd_sft)
 
@@ -352,9 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ga.add_argument(
         "--stage",
-        default="sft0",
+        default=gate.BC_SFT,
+        type=gate_stage,
         choices=gate.STAGES,
-        help="format_sft, sft0 (BC, default) or rsft (format gates), tool_sft (tool-call gate), or grpo (quality gate)",
+        help=f"{gate.FORMAT_SFT}, {gate.BC_SFT} (BC, default) or {gate.RSFT} (format gates), {gate.TOOL_SFT} "
+        f"(tool-call gate), or {gate.GRPO} (quality gate); sft0 is a deprecated alias of {gate.BC_SFT}",
     )
     ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
     ga.add_argument("--seeds", type=positive_int, default=50, help="held-out seeds per task (default 50)")
@@ -395,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_train)
 
     pl = sub.add_parser(
-        "pipeline", help="tiny-model -> the preset's stages (default sft0, grpo), each gated -> evaluate"
+        "pipeline", help="tiny-model -> the preset's stages (default bc_sft, grpo), each gated -> evaluate"
     )
     add_pipeline_arguments(pl)
     pl.set_defaults(func=cmd_pipeline)

@@ -5,7 +5,7 @@ plan for each held-out case (seeds from :data:`server.cases.HELDOUT_SEED_START`)
 as the GRPO rewards do, and compares it with uniform SLERP and the oracle on the same cases;
 :func:`write_gate` writes ``<checkpoint>/gate_passed.json``::
 
-    {"passed": true | false, "stage": "sft0" | "grpo" | ..., "metrics": {...}, "thresholds": {...},
+    {"passed": true | false, "stage": "bc_sft" | "grpo" | ..., "metrics": {...}, "thresholds": {...},
      "checks": {"parse_rate": true, ...}, "checkpoint_digest": "<sha256>", "digest_files": [...],
      "created_at": "...", "format_version": 1}
 
@@ -26,10 +26,17 @@ code  refusal
 13    :attr:`ExitCode.GATE_DIGEST_MISMATCH`: the checkpoint's weights or config changed since the gate
 ====  =================================================================================
 
-Stages that write a gate (:data:`STAGES`, the seed's numbering): ``format_sft`` (stage 0, format
-SFT), ``tool_sft`` (stage 1, tool-use SFT: greedy agentic episodes, :mod:`orthojob.tool_sft`), ``sft0`` (stage 2, behaviour cloning of the oracle; the name it has always had in the pipeline),
-``grpo`` (stage 3) and ``rsft`` (stage 4, rejection fine-tuning). :func:`check_gate` accepts a gate
-of any of them (``accept``): GRPO and RSFT start from whichever gated stage came before.
+Stages that write a gate (:data:`STAGES`, the seed's numbering; the one list of stage names, which
+the pipeline, the CLI and the presets import): ``format_sft`` (stage 0, format SFT),
+``tool_sft`` (stage 1, tool-use SFT: greedy agentic episodes, :mod:`orthojob.tool_sft`), ``bc_sft``
+(stage 2, behaviour cloning of the oracle), ``grpo`` (stage 3) and ``rsft`` (stage 4, rejection
+fine-tuning). :func:`check_gate` accepts a gate of any of them (``accept``): GRPO and RSFT start from
+whichever gated stage came before.
+
+Earlier versions named the BC stage ``sft0`` (the seed's folder of stage 0, format SFT).
+:data:`STAGE_ALIASES` keeps that name readable: a gate file that says ``"stage": "sft0"`` is read
+as ``bc_sft`` (:func:`read_gate`, :func:`check_gate`), and ``orthojob gate --stage sft0`` is a
+deprecated alias of ``--stage bc_sft`` (:func:`canonical_stage`).
 
 Thresholds (:class:`GateThresholds`, defaults per stage in :data:`DEFAULT_THRESHOLDS`):
 the SFT stages' gates (format, BC, RSFT) check the format only: parse rate >= 0.9 and mean format
@@ -61,10 +68,19 @@ log = logging.getLogger(__name__)
 
 GATE_FILE = "gate_passed.json"
 FORMAT_VERSION = 1
-STAGES: tuple[str, ...] = ("format_sft", "tool_sft", "sft0", "grpo", "rsft")
-"""Every stage that writes a gate file: stage 0 format SFT, stage 1 tool-use SFT, stage 2 BC SFT
-(``sft0``), stage 3 GRPO, stage 4 RSFT."""
-SFT_STAGES: tuple[str, ...] = ("format_sft", "sft0", "rsft")
+FORMAT_SFT = "format_sft"
+TOOL_SFT = "tool_sft"
+BC_SFT = "bc_sft"
+GRPO = "grpo"
+RSFT = "rsft"
+STAGES: tuple[str, ...] = (FORMAT_SFT, TOOL_SFT, BC_SFT, GRPO, RSFT)
+"""Every stage that writes a gate file, in the seed's order: stage 0 format SFT, stage 1 tool-use
+SFT, stage 2 BC SFT, stage 3 GRPO, stage 4 RSFT. Each is also the stage's pipeline folder
+(``<out>/<name>``) and MLflow stage run (:data:`orthojob.presets.PIPELINE_STAGES`)."""
+STAGE_ALIASES: dict[str, str] = {"sft0": BC_SFT}
+"""Deprecated stage names -> the stage they name now: ``sft0``, the BC stage's name in earlier
+versions (in the gate files they wrote, and in ``orthojob gate --stage``)."""
+SFT_STAGES: tuple[str, ...] = (FORMAT_SFT, BC_SFT, RSFT)
 """The stages trained with TRL's SFTTrainer (:func:`orthojob.sft.run_sft`) whose gates check the plan
 format (stage 1, ``tool_sft``, is trained the same way; its gate checks tool calls)."""
 PREFLIGHT_REFUSALS: tuple[ExitCode, ...] = (
@@ -148,13 +164,13 @@ class GateThresholds:
 
 
 DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
-    "format_sft": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
-    "tool_sft": GateThresholds(
+    FORMAT_SFT: GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
+    TOOL_SFT: GateThresholds(
         min_parse_rate=None, min_format_reward=None, min_tool_call_rate=0.9, min_finished_rate=0.8
     ),
-    "sft0": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
-    "grpo": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8, min_margin_over_slerp=0.0),
-    "rsft": GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
+    BC_SFT: GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
+    GRPO: GateThresholds(min_parse_rate=0.9, min_format_reward=0.8, min_margin_over_slerp=0.0),
+    RSFT: GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
 }
 """Per stage: format gates after the SFT stages (format, BC, RSFT), the tool-call gate after tool-use
 SFT, the quality gate after GRPO."""
@@ -189,7 +205,7 @@ class GateSettings:
                   "dest": "gate_tool_turns", "type": positive_int, "show_default": False},
     )  # fmt: skip
     thresholds: GateThresholds = field(
-        default_factory=lambda: DEFAULT_THRESHOLDS["sft0"], metadata={"cli": False}
+        default_factory=lambda: DEFAULT_THRESHOLDS[BC_SFT], metadata={"cli": False}
     )
 
 
@@ -227,13 +243,21 @@ _METRIC_OF: dict[str, str] = {
 }
 
 
+def canonical_stage(stage: str | None) -> str | None:
+    """``stage`` under its current name: a deprecated one (:data:`STAGE_ALIASES`, e.g. ``sft0``) ->
+    the stage it names now (``bc_sft``); any other name unchanged."""
+    return STAGE_ALIASES.get(stage, stage) if isinstance(stage, str) else stage
+
+
 def thresholds_for(stage: str | None) -> GateThresholds:
-    """The default thresholds of a stage (unknown ``sft*`` stages share the format gate's)."""
+    """The default thresholds of a stage (an alias is resolved; unknown ``sft*`` stages share the
+    format gate's)."""
+    stage = canonical_stage(stage)
     if stage in DEFAULT_THRESHOLDS:
         return DEFAULT_THRESHOLDS[stage]
-    if stage and stage.startswith("grpo"):
-        return DEFAULT_THRESHOLDS["grpo"]
-    return DEFAULT_THRESHOLDS["sft0"]
+    if stage and stage.startswith(GRPO):
+        return DEFAULT_THRESHOLDS[GRPO]
+    return DEFAULT_THRESHOLDS[BC_SFT]
 
 
 def gate_checks(metrics: dict, thresholds: GateThresholds | dict) -> dict[str, bool]:
@@ -339,7 +363,8 @@ def gate_report(
     oracle_terminal_mean, margin_over_slerp, margin_over_oracle, strategy_accuracy (and the oracle's),
     mean_completion_tokens, truncated_rate, per-task terminal means, timings.
     """
-    if stage == "tool_sft":  # stage 1's gate: greedy agentic episodes through the tools
+    stage = canonical_stage(stage)
+    if stage == TOOL_SFT:  # stage 1's gate: greedy agentic episodes through the tools
         return _tool_gate_report(path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_tool_turns,
                                  seed_start, stage, thresholds, model, tokenizer)  # fmt: skip
     from orthojob.evaluation import BASELINES, episode_metrics, run_checkpoint
@@ -433,13 +458,15 @@ def write_gate(
     ``metrics``: the metrics dict of an evaluation, or a whole report of :func:`gate_report`
     (its metrics, thresholds, stage and context are then used unless given here). ``passed`` is
     recomputed here from the metrics and the thresholds; a ``passed`` in the input is ignored.
+    ``stage`` (default: the report's, else ``bc_sft``) is written under its current name
+    (:func:`canonical_stage`).
     """
     report: dict = {}
     if isinstance(metrics, dict) and isinstance(metrics.get("metrics"), dict):
         report, metrics = metrics, metrics["metrics"]
     if not isinstance(metrics, dict) or not metrics:
         raise ValueError("write_gate needs the metrics of an evaluation (orthojob.gate.gate_report)")
-    stage = stage or report.get("stage") or "sft0"
+    stage = canonical_stage(stage or report.get("stage") or BC_SFT)
     if thresholds is None:
         thresholds = report.get("thresholds") or thresholds_for(stage)
     if isinstance(thresholds, dict):
@@ -473,10 +500,13 @@ def write_gate(
 
 
 def read_gate(checkpoint: str | Path) -> dict:
-    """The parsed gate file; raises GateError 10 (missing) or 11 (unreadable / inconsistent)."""
+    """The parsed gate file; raises GateError 10 (missing) or 11 (unreadable / inconsistent).
+
+    A stage written under a deprecated name (:data:`STAGE_ALIASES`: ``"sft0"``, written by earlier versions) is
+    returned under its current one (``"bc_sft"``), the name as written in ``"stage_as_written"``."""
     target = gate_path(checkpoint)
     redo = (
-        f"Re-run the gate: orthojob gate --checkpoint {checkpoint} --stage sft0 (after orthojob sft --out "
+        f"Re-run the gate: orthojob gate --checkpoint {checkpoint} --stage {BC_SFT} (after orthojob sft --out "
         f"{checkpoint})."
     )
     if not target.is_file():
@@ -522,6 +552,11 @@ def read_gate(checkpoint: str | Path) -> dict:
             f"gate file {target} says passed={content['passed']}, but its own metrics and thresholds give "
             f"{checks}: the file was edited, not written by an evaluation. {redo}",
         )
+    if content.get("stage") in STAGE_ALIASES:
+        written = content["stage"]
+        content["stage"] = canonical_stage(written)
+        content["stage_as_written"] = written
+        log.info("gate file %s: stage %r (a deprecated name) read as %r", target, written, content["stage"])
     return content
 
 
@@ -533,6 +568,8 @@ def check_gate(checkpoint: str | Path, accept: Sequence[str] | None = STAGES) ->
     from orthojob.models import ModelError, checkpoint_digest
 
     content = read_gate(checkpoint)
+    if accept is not None:
+        accept = [canonical_stage(name) for name in accept]
     if accept is not None and content.get("stage") not in accept:
         raise GateError(
             ExitCode.GATE_UNREADABLE,
@@ -592,14 +629,21 @@ def format_gate(content: dict) -> str:
 
 
 __all__ = [
+    "BC_SFT",
     "DEFAULT_THRESHOLDS",
+    "FORMAT_SFT",
     "GATE_FILE",
+    "GRPO",
+    "RSFT",
     "SFT_STAGES",
     "STAGES",
+    "STAGE_ALIASES",
+    "TOOL_SFT",
     "GateError",
     "GateSettings",
     "GateThresholds",
     "add_gate_arguments",
+    "canonical_stage",
     "check_gate",
     "format_gate",
     "gate_checks",

@@ -6,11 +6,11 @@
 What runs (each step through the ``orthojob`` CLI, in this process):
 
 1. without ``--from-checkpoint``: ``orthojob pipeline --preset P --out OUT`` (tiny model when the
-   preset says so, SFT stage 0, its gate, GRPO, GRPO's gate, evaluation), with ``--set
-   grpo.steps=N --set task_id=T [--set model=M]``; the GRPO run's id comes from the pipeline's
-   summary. With ``--from-checkpoint`` (an already gated SFT checkpoint): ``orthojob train
-   --from-checkpoint URI --out OUT/grpo`` (its pre-flight checks the gate file; its own GRPO gate
-   runs at the end);
+   preset says so, the preset's SFT stages (by default BC SFT, stage 2) and their gates, GRPO,
+   GRPO's gate, evaluation), with ``--set grpo.steps=N --set task_id=T [--set model=M]``; the GRPO
+   run's id comes from the pipeline's summary. With ``--from-checkpoint`` (an already gated SFT
+   checkpoint): ``orthojob train --from-checkpoint URI --out OUT/grpo`` (its pre-flight checks the
+   gate file; its own GRPO gate runs at the end);
 2. when the chain passed its gates (exit 0): ``orthojob promote --run-id RUN``: the adapter is
    registered, alias ``candidate`` (``champion`` only when it beats the current one).
 
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--from-checkpoint",
         default="",
-        help="a gated SFT checkpoint: skip stage 0 and its gate ('' = full chain)",
+        help="a gated SFT checkpoint: skip the SFT stages and their gates ('' = full chain)",
     )
     p.add_argument("--out", default="", help="the exact output prefix (default: --out-base/--run-name)")
     p.add_argument("--out-base", default="", help="where per-run prefixes go (the ConfigMap's OUTPUT_URI)")

@@ -16,7 +16,8 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
      choice (:func:`orthojob.sft.run_sft`), then ``gate_format_sft`` (format only);
    * ``tool`` -> ``tool_sft``: stage 1, tool-use SFT on the oracle's tool conversations (the loss on
      the assistant's turns), then ``gate_tool_sft`` (greedy agentic episodes: tool calls, finished);
-   * ``bc`` -> ``sft0``: stage 2, BC SFT on the oracle's safe plans, then ``gate_sft0``;
+   * ``bc`` -> ``bc_sft``: stage 2, BC SFT on the oracle's safe plans, then ``gate_bc_sft`` (the
+     stage was named ``sft0`` in earlier versions: folder ``<out>/sft0``, runs ``sft0`` and ``gate_sft0``);
    * ``grpo`` -> ``grpo``: stage 3, the preset's GRPO config object with ``from_checkpoint`` = the
      previous stage, run by :func:`orthojob.grpo.run_grpo` (what ``orthojob train`` runs; its
      pre-flight accepts the gate of any earlier stage), which writes its own gate (``gate_grpo``)
@@ -62,7 +63,7 @@ from orthojob.gate import GateSettings
 from orthojob.grpo import run_grpo
 from orthojob.grpo_config import TRAIN_LOG_FILE, ConfigError
 from orthojob.models import TINY_MODEL, build_tiny
-from orthojob.presets import PIPELINE_STAGES, PRESETS, Preset, apply_overrides
+from orthojob.presets import DEFAULT_STAGES, PIPELINE_STAGES, PRESETS, Preset, apply_overrides
 from orthojob.records import json_value
 from orthojob.rsft import RSFTError, log_rsft, run_rsft
 from orthojob.sft import log_stage, run_sft
@@ -123,7 +124,7 @@ def run_pipeline(preset: str | Preset, out: str | Path, overrides: dict[str, Any
 
     ``out`` may be ``s3://bucket/prefix``: the stages run in a local work folder
     (:func:`orthojob.mlops.local_work_dir`), each SFT stage's checkpoint is published with its gate
-    file to ``<out>/<name>`` (``<out>/sft0`` for BC), GRPO pulls the previous one from there (digests
+    file to ``<out>/<name>`` (``<out>/bc_sft`` for BC), GRPO pulls the previous one from there (digests
     checked) and pushes its result to ``<out>/grpo``."""
     import mlflow  # heavy: imported when a pipeline runs, not when the CLI parses its flags
 
@@ -369,7 +370,7 @@ def format_summary(summary: dict) -> str:
             f"{'base':<15}{_fmt(x['seconds'], '9.1f')}  before training: parse {_fmt(x['parse_rate'])}, format "
             f"{_fmt(x['format_reward'])}, terminal {_fmt(x['terminal_mean'])}"
         )
-    for name in summary.get("chain") or ["sft0", "grpo"]:
+    for name in summary.get("chain") or [PIPELINE_STAGES[step] for step in DEFAULT_STAGES]:
         x = s.get(name)
         if x is None:
             continue

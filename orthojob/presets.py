@@ -31,22 +31,31 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from orthojob.gate import DEFAULT_THRESHOLDS, GateSettings, GateThresholds
+from orthojob.gate import (
+    BC_SFT,
+    DEFAULT_THRESHOLDS,
+    FORMAT_SFT,
+    GRPO,
+    RSFT,
+    TOOL_SFT,
+    GateSettings,
+    GateThresholds,
+)
 from orthojob.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.models import TINY_MODEL
 from orthojob.rsft_config import RSFTConfig
 from orthojob.sft_config import FormatSFTConfig, SFTJobConfig, ToolSFTConfig
 
 PIPELINE_STAGES: dict[str, str] = {
-    "format": "format_sft",
-    "tool": "tool_sft",
-    "bc": "sft0",
-    "grpo": "grpo",
-    "rsft": "rsft",
+    "format": FORMAT_SFT,
+    "tool": TOOL_SFT,
+    "bc": BC_SFT,
+    "grpo": GRPO,
+    "rsft": RSFT,
 }
-"""A pipeline stage -> its name: output folder ``<out>/<name>``, MLflow stage run, gate stage
-(:data:`orthojob.gate.STAGES`). The BC stage keeps the name ``sft0`` it has always had (runs,
-folders, scripts and the deploy docs use it)."""
+"""A pipeline stage -> its name (:data:`orthojob.gate.STAGES`, where the names are defined): output
+folder ``<out>/<name>``, MLflow stage run, gate stage. The BC stage is ``bc_sft`` (``sft0`` in earlier
+versions; :data:`orthojob.gate.STAGE_ALIASES`)."""
 FIRST_STAGES: tuple[str, ...] = ("format", "tool", "bc")
 """The stages that can start from the base model."""
 DEFAULT_STAGES: tuple[str, ...] = ("bc", "grpo")
@@ -74,7 +83,7 @@ class GRPOGateSettings:
     """GRPO's own gate: its thresholds. Its held-out seeds and completion budget are the GRPO
     config's ``gate_seeds`` and ``max_completion_length``."""
 
-    thresholds: GateThresholds = field(default_factory=lambda: DEFAULT_THRESHOLDS["grpo"])
+    thresholds: GateThresholds = field(default_factory=lambda: DEFAULT_THRESHOLDS[GRPO])
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,7 @@ class EvaluateSettings:
 class Preset:
     """Every hyper-parameter of one run: the shared values and one config object per stage.
 
-    ``sft``/``sft_gate``: stage 2, BC (the pipeline's ``sft0``); ``format_sft``/``format_gate``:
+    ``sft``/``sft_gate``: stage 2, BC (the pipeline's ``bc_sft``); ``format_sft``/``format_gate``:
     stage 0; ``tool_sft``/``tool_sft_gate``: stage 1 (by default trained as the BC stage is);
     ``rsft``/``rsft_gate``: stage 4. ``grpo_gate``: the thresholds of GRPO's own gate, passed
     into the GRPO stage, which writes its gate file once with them. ``stages``: which of them the
@@ -113,16 +122,14 @@ class Preset:
     stages: tuple[str, ...] = DEFAULT_STAGES
     format_sft: FormatSFTConfig = field(default_factory=FormatSFTConfig)
     format_gate: GateSettings = field(
-        default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS["format_sft"])
+        default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS[FORMAT_SFT])
     )
     tool_sft: ToolSFTConfig | None = None  # None: trained as the BC stage is (_tool_stage)
     tool_sft_gate: GateSettings = field(
-        default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS["tool_sft"])
+        default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS[TOOL_SFT])
     )
     rsft: RSFTConfig = field(default_factory=RSFTConfig)
-    rsft_gate: GateSettings = field(
-        default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS["rsft"])
-    )
+    rsft_gate: GateSettings = field(default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS[RSFT]))
 
     def __post_init__(self) -> None:
         # the shared values, copied into the stage configs (one source of truth: the preset's)
@@ -201,7 +208,7 @@ TINY_CPU = Preset(
     force_decay=False,
     sft=TINY_SFT,
     sft_gate=GateSettings(
-        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS["sft0"]
+        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
     ),
     grpo=GRPOJobConfig(
         # the offline tiny model, fully fine-tuned on CPU: proves the loop, learns little
@@ -217,12 +224,12 @@ TINY_CPU = Preset(
         gradient_checkpointing=False,
         gate_seeds=32,
     ),
-    grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS["grpo"]),
+    grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS[GRPO]),
     evaluate=EvaluateSettings(n_seeds=32, baselines=True, max_new_tokens=256, batch_size=16),
     stages=DEFAULT_STAGES,
     format_sft=_format_stage(TINY_SFT),
     format_gate=GateSettings(
-        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS["format_sft"]
+        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS[FORMAT_SFT]
     ),
     rsft=RSFTConfig(
         # best of 4 samples on 32 training prompts, then a short fine-tune at a fifth of SFT's rate
@@ -243,7 +250,7 @@ TINY_CPU = Preset(
         logging_steps=10,
     ),
     rsft_gate=GateSettings(
-        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS["rsft"]
+        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS[RSFT]
     ),
 )
 
@@ -271,7 +278,7 @@ QWEN25_3B = Preset(
     force_decay=False,
     sft=QWEN25_3B_SFT,
     sft_gate=GateSettings(
-        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS["sft0"]
+        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
     ),
     grpo=GRPOJobConfig(
         # the Unsloth Qwen2.5-3B GRPO recipe on one GPU: LoRA r 16, 8 completions per prompt
@@ -288,12 +295,12 @@ QWEN25_3B = Preset(
         save_steps=60,
         gate_seeds=50,
     ),
-    grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS["grpo"]),
+    grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS[GRPO]),
     evaluate=EvaluateSettings(n_seeds=200, baselines=True, max_new_tokens=512, batch_size=32),
     stages=DEFAULT_STAGES,
     format_sft=_format_stage(QWEN25_3B_SFT),
     format_gate=GateSettings(
-        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS["format_sft"]
+        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[FORMAT_SFT]
     ),
     rsft=RSFTConfig(
         # continues the previous stage's LoRA adapter: best of 8 on 512 training prompts
@@ -316,7 +323,7 @@ QWEN25_3B = Preset(
         logging_steps=10,
     ),
     rsft_gate=GateSettings(
-        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS["rsft"]
+        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[RSFT]
     ),
 )
 

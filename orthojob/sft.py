@@ -7,7 +7,7 @@ The seed's stages that TRL's SFTTrainer trains, each its own command, MLflow sta
   (:func:`orthojob.format_demos.format_demonstrations`: a uniformly random strategy, random feasible
   groups). Its gate checks the format only (parse rate, format score).
 * **stage 2, BC SFT** (``orthojob bc-sft``, :class:`~orthojob.sft_config.SFTJobConfig`, gate stage
-  ``sft0``, the name the pipeline has always given it): the environment's rule-based oracle
+  ``bc_sft``, ``sft0`` in earlier versions): the environment's rule-based oracle
   (:func:`server.oracle.oracle_plan`) on training seeds, only plans the environment judges safe
   (:func:`demonstrations`; the number filtered out is logged and recorded). ``orthojob sft`` is the
   same training without the gate (``orthojob gate`` then writes it).
@@ -79,12 +79,12 @@ SECTIONS: dict[str, type[SFTJobConfig]] = {
 }
 """A preset's SFT-stage sections (:class:`orthojob.presets.Preset`) and their config classes."""
 GATE_SECTIONS: dict[str, tuple[str, str]] = {
-    "format_sft": ("format_gate", "format_sft"),
-    "tool_sft": ("tool_sft_gate", "tool_sft"),
-    "sft": ("sft_gate", "sft0"),
-    "rsft": ("rsft_gate", "rsft"),
+    "format_sft": ("format_gate", gate.FORMAT_SFT),
+    "tool_sft": ("tool_sft_gate", gate.TOOL_SFT),
+    "sft": ("sft_gate", gate.BC_SFT),
+    "rsft": ("rsft_gate", gate.RSFT),
 }
-"""Per section: the preset's gate settings and the gate's stage name."""
+"""Per section: the preset's gate settings and the gate's stage name (:data:`orthojob.gate.STAGES`)."""
 
 
 def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -> list[dict]:
@@ -396,6 +396,26 @@ def _demo_line(summary: dict) -> str:
     return f"{summary['examples']} {demos.get('source', '')} demonstrations"
 
 
+def _other_stage_at_default_out(args: argparse.Namespace, section: str, config: SFTJobConfig) -> str | None:
+    """What another stage left in ``config.out`` when that is the command's default (no ``--out``
+    given): its gate file's stage, else its ``sft_config.json``'s demonstrations; None when the folder
+    holds nothing of another stage. The default folders moved (``./checkpoints/sft0`` was BC's and is
+    format SFT's now), and a default must never overwrite another stage's checkpoint."""
+    if "out" in given_values(args, SECTIONS[section]) or storage.is_s3_uri(config.out):
+        return None
+    folder = Path(config.out)
+    try:
+        stage = gate.read_gate(folder).get("stage")
+        return f"stage {stage}" if stage != GATE_SECTIONS[section][1] else None
+    except gate.GateError:
+        pass  # no readable gate file: what trained it, if anything did
+    try:
+        demos = json.loads((folder / SFT_CONFIG_FILE).read_text()).get("demos")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return f"{demos} demonstrations" if demos != config.demos else None
+
+
 def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gated: bool = True) -> int:
     """``orthojob format-sft`` / ``bc-sft``: train, gate, publish; 0 when the gate passed, 12 when it
     failed, 2 on a bad configuration. ``gated=False`` is ``orthojob sft`` (stage 2 without its gate):
@@ -407,6 +427,15 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
         stage, settings = gate_settings_for(args, section) if gated else (None, None)
     except (TypeError, ValueError) as exc:
         print(f"orthojob {command}: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    other = _other_stage_at_default_out(args, section, config)
+    if other:
+        print(
+            f"orthojob {command}: the default --out {config.out} holds another stage's checkpoint ({other}; earlier "
+            f"versions wrote BC SFT to ./checkpoints/sft0; it is format SFT's default folder now, BC's is "
+            f"./checkpoints/sft2). Pass --out: another folder, or --out {config.out} to overwrite it.",
+            file=sys.stderr,
+        )
         return ExitCode.USAGE
     destination = config.out
     config = localize(config, lambda m: print(f"[{command}] {m}"))
@@ -426,7 +455,7 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
     )
     if not gated:
         print(
-            f"[{command}] next: orthojob gate --checkpoint {destination} --stage sft0 (or run orthojob bc-sft, which gates)"
+            f"[{command}] next: orthojob gate --checkpoint {destination} --stage {gate.BC_SFT} (or run orthojob bc-sft, which gates)"
         )
         return 0
     return 0 if content["passed"] else ExitCode.GATE_FAILED

@@ -6,6 +6,12 @@ Like :mod:`orthojob.grpo_config`: frozen dataclasses, help text in the fields' m
 generated from the fields (:func:`orthojob.flags.add_config_arguments`), checks in
 ``__post_init__`` (a bad value raises :class:`ConfigError` naming the flag). ``demos`` names where
 :func:`orthojob.sft.run_sft` takes its demonstrations (:data:`DEMO_SOURCES`).
+
+Default output folders, as the seed numbers them (``train_grpo.py``): ``./checkpoints/sft0`` (stage 0,
+format SFT), ``./checkpoints/sft1`` (stage 1, tool-use SFT), ``./checkpoints/sft2`` (stage 2, BC SFT);
+GRPO's is ``./checkpoints/grpo``, RSFT's ``./checkpoints/rsft``. In earlier versions
+``./checkpoints/sft0`` was BC's. The pipeline names its stage folders after the gate stages instead
+(``<out>/format_sft``, ``<out>/tool_sft``, ``<out>/bc_sft``, ...; :data:`orthojob.gate.STAGES`).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class SFTJobConfig:
             "help": f"base model: hub id, folder or s3:// URI (fetched once, cached), or '{TINY_MODEL}'"
         },
     )
-    out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
+    out: str = field(default="./checkpoints/sft2", metadata={"help": "output folder or s3:// URI"})
     from_checkpoint: str | None = field(
         default=None,
         metadata={"help": "continue an earlier stage's checkpoint (folder or s3:// URI) instead of --model"},
@@ -123,7 +129,7 @@ class FormatSFTConfig(SFTJobConfig):
     choice (:func:`orthojob.format_demos.format_demonstrations`: a uniformly random strategy, random
     feasible groups), so the policy learns the plan format and starts at chance strategy accuracy."""
 
-    out: str = field(default="./checkpoints/format_sft", metadata={"help": "output folder or s3:// URI"})
+    out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="format", metadata={"help": "demonstration source", "cli": False})
     examples: int = field(default=2000, metadata={"help": "format demonstrations", "type": positive_int})
     demo_seed: int = field(
@@ -154,7 +160,7 @@ class ToolSFTConfig(SFTJobConfig):
     oracle's plan), with the tool-calling chat template (:func:`orthojob.agentic.prepare_tokenizer`).
     Its gate runs greedy agentic episodes (:func:`orthojob.tool_sft.tool_gate_metrics`)."""
 
-    out: str = field(default="./checkpoints/tool_sft", metadata={"help": "output folder or s3:// URI"})
+    out: str = field(default="./checkpoints/sft1", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})
     examples: int = field(default=1000, metadata={"help": "tool-call demonstrations", "type": positive_int})
     max_length: int = field(

@@ -995,7 +995,7 @@ def job_argv(job: dict, cm: dict, uid: str) -> list[str]:
 
 
 def test_render_runs_the_whole_chain_into_a_per_job_prefix():
-    """The default Job: the whole chain (pipeline: SFT stage 0 -> gate -> GRPO -> gate -> evaluate,
+    """The default Job: the whole chain (pipeline: BC SFT, stage 2 -> gate -> GRPO -> gate -> evaluate,
     then promote -> alias candidate) below OUTPUT_URI/<job name>-<uid[:8]>. Two Jobs never share a
     prefix; a retried pod (same Job) does. CHECKPOINT_URI set: GRPO from that checkpoint."""
     from orthojob import job
@@ -1024,12 +1024,12 @@ def test_render_runs_the_whole_chain_into_a_per_job_prefix():
     assert other.out != plan.out
     assert job.plan(args, {"K8S_JOB_NAME": r.job["metadata"]["name"], "K8S_JOB_UID": uid_a}).out == plan.out
     # from a gated checkpoint
-    r = render(Overrides(image=TEST_IMAGE, checkpoint_uri="s3://b/sft0", steps=120, run_name="exp-7"))
+    r = render(Overrides(image=TEST_IMAGE, checkpoint_uri="s3://b/bc_sft", steps=120, run_name="exp-7"))
     argv = job_argv(r.job, r.config_map, uid_a)
     plan = job.plan(job.build_parser().parse_args(argv[3:]), {"K8S_JOB_NAME": "x", "K8S_JOB_UID": uid_a})
     assert plan.out == "s3://orthorl/runs/exp-7"
     assert plan.chain[0] == "train"
-    assert plan.chain[plan.chain.index("--from-checkpoint") + 1] == "s3://b/sft0"
+    assert plan.chain[plan.chain.index("--from-checkpoint") + 1] == "s3://b/bc_sft"
     assert plan.chain[plan.chain.index("--out") + 1] == "s3://orthorl/runs/exp-7/grpo"
     assert plan.chain[plan.chain.index("--steps") + 1] == "120"
 
@@ -1303,7 +1303,7 @@ def test_every_entry_point_is_in_both_mlprojects():
     # main is the gated chain (orthojob/job.py), never GRPO from the base model without a gate
     for project in (root, k8s):
         assert project["entry_points"]["main"]["command"].startswith("python -m orthojob.job ")
-        # gate has no default checkpoint (a default overwrote the GRPO gate file with --stage sft0)
+        # gate has no default checkpoint (a default overwrote the GRPO gate file: --stage sft0, now bc_sft)
         gate = project["entry_points"]["gate"]
         assert "default" not in gate["parameters"]["checkpoint"] and "--stage {stage}" in gate["command"]
     # the pipeline keeps its outputs: --out (root), a per-Job prefix below out_base (Kubernetes)
@@ -1408,7 +1408,7 @@ OVERRIDES = dict(
     task_id="task_hard",
     model="Qwen/Qwen2.5-7B-Instruct",
     preset="qwen2.5-3b",
-    checkpoint_uri="s3://bucket/run7/sft0",
+    checkpoint_uri="s3://bucket/run7/bc_sft",
     output_uri="s3://bucket/run7/grpo",
     run_name="exp-7",
     tracking_uri="http://mlflow.test:5000",

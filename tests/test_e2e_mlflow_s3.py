@@ -189,7 +189,7 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
     )
     children = {r.data.tags["orthorl.stage"]: r for r in family}
     assert len(children) == len(family), "one run per stage"
-    assert set(children) == {"sft0", "gate_sft0", "grpo", "evaluate"}
+    assert set(children) == {"bc_sft", "gate_bc_sft", "grpo", "evaluate"}
     assert all(r.info.status == "FINISHED" for r in family)
     projects = [r for r in client.search_runs([parent.info.experiment_id])
                 if r.data.tags.get("mlflow.project.entryPoint")]  # fmt: skip
@@ -199,12 +199,12 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
 
     # params: CLI arguments, GRPO config, LoRA, environment, git commit, image digest
     p = grpo.data.params
-    assert p["cli.from_checkpoint"] == f"s3://{BUCKET}/e2e/run1/sft0"
+    assert p["cli.from_checkpoint"] == f"s3://{BUCKET}/e2e/run1/bc_sft"
     assert p["cli.out"] == f"s3://{BUCKET}/e2e/run1/grpo"
     assert p["grpo.steps"] == "2" and p["lora.r"] == "4" and p["env.task_id"] == "task_easy"
     assert p["image_digest"] == IMAGE_DIGEST and p["git_commit"]
     assert grpo.data.tags["image_digest"] == IMAGE_DIGEST
-    assert children["sft0"].data.params["sft.steps"] == "30"
+    assert children["bc_sft"].data.params["sft.steps"] == "30"
 
     # per-step metric histories: one point per step for each reward, plus environment diagnostics
     run_id = grpo.info.run_id
@@ -230,7 +230,7 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
     assert keys_under(s3, "mlflow/"), "the server stores artifacts in s3://orthorl/mlflow"
 
     # the bucket: SFT checkpoint (pulled by GRPO) and GRPO's adapter + gate file, each with a manifest
-    sft_keys = keys_under(s3, "e2e/run1/sft0/")
+    sft_keys = keys_under(s3, "e2e/run1/bc_sft/")
     assert {"MANIFEST.json", "gate_passed.json", "config.json"} <= sft_keys
     grpo_keys = keys_under(s3, "e2e/run1/grpo/")
     assert {
@@ -418,17 +418,17 @@ def _gated_checkpoint(tiny: Path, folder: Path, passed: bool) -> Path:
     shutil.copytree(tiny, folder)
     good = {"parse_rate": 1.0, "format_reward": 1.0, "margin_over_slerp": 0.1, "terminal_mean": 0.9}
     bad = {"parse_rate": 0.0, "format_reward": 0.0, "margin_over_slerp": -1.0, "terminal_mean": 0.0}
-    gate.write_gate(folder, good if passed else bad, stage="sft0")
+    gate.write_gate(folder, good if passed else bad, stage="bc_sft")
     return folder
 
 
 def test_wrong_s3_keys_are_a_clear_error(services, env, tiny, tmp_path, monkeypatch):
     s3, server = services
-    storage.upload_dir(_gated_checkpoint(tiny, tmp_path / "sft", True), f"s3://{BUCKET}/keys/sft0")
+    storage.upload_dir(_gated_checkpoint(tiny, tmp_path / "sft", True), f"s3://{BUCKET}/keys/bc_sft")
     wrong = "wrong-secret-key-7e1f0a"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
     res = orthojob(train_args(tiny, f"s3://{BUCKET}/keys/grpo", 2, "--from-checkpoint",
-                              f"s3://{BUCKET}/keys/sft0"), {**os.environ})  # fmt: skip
+                              f"s3://{BUCKET}/keys/bc_sft"), {**os.environ})  # fmt: skip
     assert res.returncode == 30, res.stderr[-2000:]
     assert "refused the credentials" in res.stderr and "AWS_SECRET_ACCESS_KEY" in res.stderr
     assert wrong not in res.stdout + res.stderr
@@ -446,9 +446,9 @@ def test_bad_gate_of_an_s3_checkpoint_is_refused(services, env, tiny, tmp_path, 
         (folder / "gate_passed.json").unlink()
     elif case == "unparseable":
         (folder / "gate_passed.json").write_text("{not json")
-    storage.upload_dir(folder, f"s3://{BUCKET}/gate-{case}/sft0")
+    storage.upload_dir(folder, f"s3://{BUCKET}/gate-{case}/bc_sft")
     res = orthojob(train_args(tiny, f"s3://{BUCKET}/gate-{case}/grpo", 2, "--from-checkpoint",
-                              f"s3://{BUCKET}/gate-{case}/sft0"), {**os.environ})  # fmt: skip
+                              f"s3://{BUCKET}/gate-{case}/bc_sft"), {**os.environ})  # fmt: skip
     assert res.returncode == code, res.stderr[-2000:]
     assert "gate" in res.stderr
     assert keys_under(s3, f"gate-{case}/grpo/") == set()
@@ -456,21 +456,21 @@ def test_bad_gate_of_an_s3_checkpoint_is_refused(services, env, tiny, tmp_path, 
 
 def test_corrupt_s3_checkpoint_is_refused(services, env, tiny, tmp_path):
     s3, _ = services
-    storage.upload_dir(_gated_checkpoint(tiny, tmp_path / "sft", True), f"s3://{BUCKET}/corrupt/sft0")
-    s3_client(s3).put_object(Bucket=BUCKET, Key="corrupt/sft0/config.json", Body=b"{}")
+    storage.upload_dir(_gated_checkpoint(tiny, tmp_path / "sft", True), f"s3://{BUCKET}/corrupt/bc_sft")
+    s3_client(s3).put_object(Bucket=BUCKET, Key="corrupt/bc_sft/config.json", Body=b"{}")
     res = orthojob(train_args(tiny, f"s3://{BUCKET}/corrupt/grpo", 2, "--from-checkpoint",
-                              f"s3://{BUCKET}/corrupt/sft0"), {**os.environ})  # fmt: skip
+                              f"s3://{BUCKET}/corrupt/bc_sft"), {**os.environ})  # fmt: skip
     assert res.returncode == 30 and "does not match the manifest" in res.stderr, res.stderr[-2000:]
 
 
 def test_standalone_stages_read_and_write_s3(services, env, tiny, tmp_path):
     """sft --out, gate --checkpoint / --check and evaluate --checkpoint take s3:// URIs."""
     s3, _ = services
-    uri = f"s3://{BUCKET}/solo/sft0"
+    uri = f"s3://{BUCKET}/solo/bc_sft"
     sft = orthojob(["sft", "--model", str(tiny), "--lora-r", "0", "--steps", "2", "--examples", "8",
                     "--out", uri], env)  # fmt: skip
     assert sft.returncode == 0, sft.stdout[-2000:] + sft.stderr[-2000:]
-    published = keys_under(s3, "solo/sft0/")
+    published = keys_under(s3, "solo/bc_sft/")
     assert {"MANIFEST.json", "config.json", "model.safetensors", "sft_log.json"} <= published
     assert not any(k.startswith("checkpoint-") for k in published)
 
@@ -480,7 +480,7 @@ def test_standalone_stages_read_and_write_s3(services, env, tiny, tmp_path):
                      "--min-parse-rate", "0", "--min-format-reward", "0"], env)  # fmt: skip
     assert gate.returncode == 0, gate.stdout[-2000:] + gate.stderr[-2000:]
     manifest = json.loads(
-        s3_client(s3).get_object(Bucket=BUCKET, Key="solo/sft0/MANIFEST.json")["Body"].read()
+        s3_client(s3).get_object(Bucket=BUCKET, Key="solo/bc_sft/MANIFEST.json")["Body"].read()
     )
     assert "gate_passed.json" in manifest["files"]  # published again, with the gate in the manifest
     fresh = {**env, "ORTHORL_WORK_DIR": str(tmp_path / "other-pod")}  # nothing cached: a download
@@ -493,7 +493,7 @@ def test_standalone_stages_read_and_write_s3(services, env, tiny, tmp_path):
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert json.loads(report.read_text())["checkpoint"] == uri
 
-    s3_client(s3).put_object(Bucket=BUCKET, Key="solo/sft0/config.json", Body=b"{}")
+    s3_client(s3).put_object(Bucket=BUCKET, Key="solo/bc_sft/config.json", Body=b"{}")
     corrupt = orthojob(["gate", "--check", uri], {**env, "ORTHORL_WORK_DIR": str(tmp_path / "third-pod")})
     assert corrupt.returncode == 30 and "does not match the manifest" in corrupt.stderr, corrupt.stderr[
         -2000:

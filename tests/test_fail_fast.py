@@ -109,7 +109,7 @@ def test_dead_s3_endpoint_exits_30_after_botocore_retries(tmp_path):
         AWS_DEFAULT_REGION="us-east-1",
         ORTHORL_WORK_DIR=str(tmp_path / "work"),
     )
-    code, seconds, out = run_cli(["orthojob.cli", "gate", "--check", "s3://orthorl/sft0"], env, tmp_path)
+    code, seconds, out = run_cli(["orthojob.cli", "gate", "--check", "s3://orthorl/bc_sft"], env, tmp_path)
     print(f"dead S3 endpoint: exit {code} after {seconds:.1f} s")
     assert code == ExitCode.STORAGE, out[-3000:]
     assert seconds < 60
@@ -182,9 +182,9 @@ def test_stage_runs_under_mlflow_run_id_are_children(tmp_path, monkeypatch):
     with tracking.stage_run("pipeline") as top:
         assert top.info.run_id == parent
         assert "MLFLOW_RUN_ID" not in os.environ
-        with tracking.stage_run("sft0") as child:
+        with tracking.stage_run("bc_sft") as child:
             assert child.info.run_id != parent
-        with tracking.stage_run("gate_sft0") as child2:
+        with tracking.stage_run("gate_bc_sft") as child2:
             assert child2.info.run_id not in (parent, child.info.run_id)
         with tracking.stage_run("grpo") as grpo_run:
             pass
@@ -198,7 +198,7 @@ def test_stage_runs_under_mlflow_run_id_are_children(tmp_path, monkeypatch):
     for rid in (child.info.run_id, child2.info.run_id, grpo_run.info.run_id):
         assert runs[rid].data.tags["mlflow.parentRunId"] == parent
         assert runs[rid].info.experiment_id == exp
-    assert {runs[r].data.tags["orthorl.stage"] for r in runs} == {"pipeline", "sft0", "gate_sft0", "grpo"}
+    assert {runs[r].data.tags["orthorl.stage"] for r in runs} == {"pipeline", "bc_sft", "gate_bc_sft", "grpo"}
     while mlflow.active_run():
         mlflow.end_run()
 

@@ -147,15 +147,20 @@ def test_sft_gate_preflight_passes_and_fails_on_the_gate_file(no_model_load, tin
 
     from orthojob.gate import write_gate
 
-    checkpoint = tmp_path / "sft0"
+    checkpoint = tmp_path / "bc_sft"
     shutil.copytree(tiny_model, checkpoint)
     good = {"parse_rate": 1.0, "format_reward": 1.0}  # stands in for an evaluation's metrics
-    write_gate(checkpoint, good, stage="sft0")
+    write_gate(checkpoint, good, stage="bc_sft")
     assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == 0
     assert "SFT gate of" in capsys.readouterr().out
-    write_gate(checkpoint, {"parse_rate": 0.1, "format_reward": 0.2}, stage="sft0")
+    write_gate(checkpoint, {"parse_rate": 0.1, "format_reward": 0.2}, stage="bc_sft")
     assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == ExitCode.GATE_FAILED
-    assert "failed its sft0 gate" in capsys.readouterr().err
+    assert "failed its bc_sft gate" in capsys.readouterr().err
+    # a gate file an earlier version wrote for the BC stage ("stage": "sft0") is accepted as bc_sft
+    content = write_gate(checkpoint, good)
+    (checkpoint / "gate_passed.json").write_text(json.dumps(content | {"stage": "sft0"}))
+    assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == 0
+    assert "passed (stage bc_sft)" in capsys.readouterr().out
     # --skip-sft-gate bypasses the pre-flight (with a warning)
     assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint), "--skip-sft-gate"])) == 0
     assert "WARNING" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The tiny-cpu pipeline end to end, offline on CPU: tiny model -> SFT stage 0 -> gate -> GRPO ->
+"""The tiny-cpu pipeline end to end, offline on CPU: tiny model -> BC SFT (stage 2) -> gate -> GRPO ->
 GRPO gate -> evaluate. SFT runs exactly as the preset (it must lift the tiny model's greedy parse
 rate from 0 to >= 0.9); GRPO and the evaluations use fewer steps and seeds to keep the test to a few
 minutes. GRPO's rewards and the gates' metrics are checked for being reported, not for rising."""
@@ -46,13 +46,13 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     stages = summary["stages"]
     assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == summary["exit_code"]
 
-    # SFT stage 0 lifts the greedy parse rate of the random tiny model to the gate's threshold
-    assert stages["sft0"]["steps"] == SMALL["sft.steps"]
-    assert stages["sft0"]["final_loss"] < stages["sft0"]["first_loss"]
-    sft_gate = stages["gate_sft0"]
+    # BC SFT (stage 2) lifts the greedy parse rate of the random tiny model to the gate's threshold
+    assert stages["bc_sft"]["steps"] == SMALL["sft.steps"]
+    assert stages["bc_sft"]["final_loss"] < stages["bc_sft"]["first_loss"]
+    sft_gate = stages["gate_bc_sft"]
     assert sft_gate["parse_rate"] >= SMALL["sft_gate.thresholds.min_parse_rate"], sft_gate
     assert sft_gate["passed"] is True
-    gate.check_gate(out / "sft0")  # the file GRPO's pre-flight accepted
+    gate.check_gate(out / "bc_sft")  # the file GRPO's pre-flight accepted
 
     # GRPO ran its steps, its rewards are reported as measured, and its own gate was evaluated
     grpo = stages["grpo"]
@@ -69,12 +69,12 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
 
     # the evaluation compares both checkpoints with the baselines on the same held-out seeds
     results = json.loads((out / "evaluation.json").read_text())["results"]["task_easy"]
-    assert list(results) == ["grpo", "sft0", "oracle", "uniform_slerp", "do_nothing"]
-    for name in ("grpo", "sft0"):
+    assert list(results) == ["grpo", "bc_sft", "oracle", "uniform_slerp", "do_nothing"]
+    for name in ("grpo", "bc_sft"):
         m = results[name]["model_metrics"]
         assert m["n"] == 6 and 0 <= m["strategy_accuracy"] <= 1
-    assert results["sft0"]["model_metrics"]["parse_rate"] >= 0.5
-    for stage in ("tiny-model", "sft0", "gate_sft0", "grpo", "gate_grpo", "evaluate"):
+    assert results["bc_sft"]["model_metrics"]["parse_rate"] >= 0.5
+    for stage in ("tiny-model", "bc_sft", "gate_bc_sft", "grpo", "gate_grpo", "evaluate"):
         assert stage in text and stages[stage]["seconds"] is not None
 
 

@@ -5,6 +5,7 @@ gate; the pipeline preset choosing the stages; RSFT's keep rule, on real environ
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,68 @@ def stage_runs(stage: str) -> list:
 # --- configs, presets ----------------------------------------------------------------------------
 
 
+def test_stage_names_and_default_folders_follow_the_seed():
+    # one list of stage names (gate.STAGES), in the seed's order; the pipeline's stages are those names
+    assert gate.STAGES == ("format_sft", "tool_sft", "bc_sft", "grpo", "rsft")
+    assert list(PIPELINE_STAGES.values()) == list(gate.STAGES)
+    assert set(gate.DEFAULT_THRESHOLDS) == set(gate.STAGES)
+    assert gate.canonical_stage("sft0") == "bc_sft" and gate.canonical_stage("grpo") == "grpo"
+    # the stand-alone commands' default --out: checkpoints/sft0 (format), sft1 (tool-use), sft2 (BC)
+    parser = build_parser()
+    outs = {
+        command: config_from_args(parser.parse_args([command]), section).out
+        for command, section in (("format-sft", "format_sft"), ("tool-sft", "tool_sft"), ("bc-sft", "sft"),
+                                 ("sft", "sft"), ("rsft", "rsft"))
+    }  # fmt: skip
+    assert outs == {
+        "format-sft": "./checkpoints/sft0",
+        "tool-sft": "./checkpoints/sft1",
+        "bc-sft": "./checkpoints/sft2",
+        "sft": "./checkpoints/sft2",
+        "rsft": "./checkpoints/rsft",
+    }
+
+
+class _TrainedError(Exception):
+    """run_sft was reached (the command did not refuse its output folder)."""
+
+
+def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monkeypatch, capsys):
+    """./checkpoints/sft0 was BC's default folder and is format SFT's now: format-sft without --out
+    refuses a BC checkpoint there (ungated, or with an old "sft0" gate file); --out overrides."""
+    import orthojob.sft
+
+    def trained(config):
+        raise _TrainedError(config.out)
+
+    def command(*argv: str) -> int:
+        """The command itself, outside an MLflow stage run (the CLI tests below count those)."""
+        args = build_parser().parse_args(list(argv))
+        return args.func(args)
+
+    monkeypatch.setattr(orthojob.sft, "run_sft", trained)
+    monkeypatch.chdir(tmp_path)
+    old_bc = tmp_path / "checkpoints" / "sft0"
+    old_bc.mkdir(parents=True)
+    (old_bc / "sft_config.json").write_text(json.dumps({"demos": "oracle"}))  # an earlier orthojob sft
+    assert command("format-sft", "--model", "tiny", "--lora-r", "0") == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert "./checkpoints/sft0" in err and "oracle demonstrations" in err and "--out" in err
+    # an earlier bc-sft's gate file ("stage": "sft0") names the stage, under its name now
+    (old_bc / "config.json").write_text("{}")
+    (old_bc / "model.safetensors").write_bytes(b"weights")
+    content = gate.write_gate(old_bc, {"parse_rate": 1.0, "format_reward": 1.0})
+    (old_bc / gate.GATE_FILE).write_text(json.dumps(content | {"stage": "sft0"}))
+    assert command("format-sft", "--model", "tiny", "--lora-r", "0") == ExitCode.USAGE
+    assert "stage bc_sft" in capsys.readouterr().err
+    with pytest.raises(_TrainedError, match="checkpoints/sft0"):  # asked for by name: overwritten
+        command("format-sft", "--model", "tiny", "--lora-r", "0", "--out", "./checkpoints/sft0")
+    # a stage's own folder is no other stage's: BC retrains into ./checkpoints/sft2 over its gate
+    shutil.copytree(old_bc, tmp_path / "checkpoints" / "sft2")
+    with pytest.raises(_TrainedError, match="checkpoints/sft2"):
+        command("bc-sft", "--model", "tiny", "--lora-r", "0")
+
+
 def test_stage_configs_flags_and_presets():
     parser = build_parser()
     fmt = config_from_args(
@@ -82,7 +145,7 @@ def test_stage_configs_flags_and_presets():
     # the stages a pipeline runs: --set stages=..., checked
     assert apply_overrides(PRESETS["tiny-cpu"], {"stages": "format,grpo"}).stages == ("format", "grpo")
     seed_chain = apply_overrides(PRESETS["tiny-cpu"], {"stages": ["format", "bc", "grpo", "rsft"]})
-    assert [PIPELINE_STAGES[s] for s in seed_chain.stages] == ["format_sft", "sft0", "grpo", "rsft"]
+    assert [PIPELINE_STAGES[s] for s in seed_chain.stages] == ["format_sft", "bc_sft", "grpo", "rsft"]
     for bad in ("grpo", "format,format", "format,dpo", ""):
         with pytest.raises(ConfigError):
             apply_overrides(PRESETS["tiny-cpu"], {"stages": bad})
@@ -275,7 +338,7 @@ def test_bc_sft_cli_gates_and_rsft_with_real_sampling_that_keeps_nothing(
                    "--gate-max-new-tokens", "16"])  # fmt: skip
     assert rc == ExitCode.GATE_FAILED
     content = gate.read_gate(bc)
-    assert content["stage"] == "sft0" and content["passed"] is False
+    assert content["stage"] == "bc_sft" and content["passed"] is False
     demos = json.loads((bc / "sft_log.json").read_text())["summary"]["demos"]
     assert demos["source"] == "oracle" and demos["filtered_hard_rule"] >= 0
     with pytest.raises(gate.GateError) as refused:
@@ -283,7 +346,7 @@ def test_bc_sft_cli_gates_and_rsft_with_real_sampling_that_keeps_nothing(
     assert refused.value.exit_code == ExitCode.GATE_FAILED
     # RSFT on the (passed) gate of the same checkpoint, real sampling: the untrained model writes no
     # plan, nothing is kept, and the stage says what to change (exit 2)
-    gate.write_gate(bc, {"parse_rate": 1.0, "format_reward": 1.0}, stage="sft0")
+    gate.write_gate(bc, {"parse_rate": 1.0, "format_reward": 1.0}, stage="bc_sft")
     capsys.readouterr()
     argv = ["rsft", "--from-checkpoint", str(bc), "--out", str(tmp_path / "rsft"), "--lora-r", "0",
             "--prompts", "1", "--samples-per-prompt", "2", "--max-new-tokens", "8"]  # fmt: skip
@@ -342,27 +405,28 @@ def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch
     out = tmp_path / "run"
     summary = run_pipeline("tiny-cpu", out, overrides)
     assert summary["exit_code"] == 0, format(summary["stages"])
-    assert summary["chain"] == ["format_sft", "sft0", "grpo", "rsft"]
+    assert summary["chain"] == ["format_sft", "bc_sft", "grpo", "rsft"]
     stages = summary["stages"]
     for name in summary["chain"]:
         assert gate.read_gate(out / name)["stage"] == name and stages[f"gate_{name}"]["passed"] is True
     assert (
-        stages["format_sft"]["demos"]["source"] == "format" and stages["sft0"]["demos"]["source"] == "oracle"
+        stages["format_sft"]["demos"]["source"] == "format"
+        and stages["bc_sft"]["demos"]["source"] == "oracle"
     )
-    assert stages["grpo"]["from_checkpoint"] == str(out / "sft0")
+    assert stages["grpo"]["from_checkpoint"] == str(out / "bc_sft")
     assert stages["rsft"]["rsft"]["kept"] == 1
-    sft_config = json.loads((out / "sft0" / "sft_config.json").read_text())
+    sft_config = json.loads((out / "bc_sft" / "sft_config.json").read_text())
     assert sft_config["from_checkpoint"] == str(out / "format_sft")  # BC continues the format stage
     assert json.loads((out / "rsft" / "sft_config.json").read_text())["from_checkpoint"] == str(out / "grpo")
     results = json.loads((out / "evaluation.json").read_text())["results"]["task_easy"]
-    assert list(results)[:4] == ["rsft", "grpo", "sft0", "format_sft"]
+    assert list(results)[:4] == ["rsft", "grpo", "bc_sft", "format_sft"]
     assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == 0
     names = {r.data.tags["orthorl.stage"] for r in stage_runs_under(summary["mlflow_run_id"])}
     assert {
         "format_sft",
         "gate_format_sft",
-        "sft0",
-        "gate_sft0",
+        "bc_sft",
+        "gate_bc_sft",
         "grpo",
         "rsft",
         "gate_rsft",
