@@ -698,7 +698,8 @@ def _run(cfg: LearnConfig) -> dict:
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m orthojob.learning``'s flags, one per :class:`LearnConfig` field."""
     parser = argparse.ArgumentParser(prog="orthojob.learning", description=__doc__.splitlines()[0])
     for f in dataclasses.fields(LearnConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -707,6 +708,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
             parser.add_argument(flag, type=kind, default=f.default)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     cfg = LearnConfig(**vars(parser.parse_args(argv)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
     if cfg.baselines_only:

@@ -953,6 +953,11 @@ def test_command_line_parses_with_the_real_cli(where, argv, capsys, monkeypatch)
 def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None:
     """``argv`` parses with the real CLI (through ``python -m orthojob.job``'s parser and chain when
     it is the Job's command), and the chain's GRPO config passes its pre-flight checks."""
+    if "orthojob.learning" in argv:  # make learn's module: its own flags
+        from orthojob import learning
+
+        learning.build_parser().parse_args(argv[argv.index("orthojob.learning") + 1 :])
+        return
     parser = cli_parser()
     args = orthojob_argv(argv)
     if "orthojob.job" in argv:  # the chain: its own parser, then the CLI command it runs
@@ -1296,8 +1301,14 @@ def test_job_mode_flags_pass_into_the_chain(capsys):
 def test_every_entry_point_is_in_both_mlprojects():
     root = yaml.safe_load((ROOT / "MLproject").read_text())
     k8s = yaml.safe_load((ROOT / "mlflow-k8s" / "MLproject").read_text())
-    wanted = {"main", "sft", "gate", "evaluate", "promote", "pipeline"}
-    assert set(root["entry_points"]) == wanted == set(k8s["entry_points"])
+    stages = {"format_sft", "tool_sft", "bc_sft", "rsft"}
+    wanted = {"main", "sft", "gate", "evaluate", "promote", "pipeline"} | stages
+    assert set(root["entry_points"]) == wanted | {"learn"} and set(k8s["entry_points"]) == wanted
+    for project in (root, k8s):  # each stage entry runs its own CLI subcommand
+        for entry in stages:
+            assert (
+                f" {entry.replace('_', '-')} --preset {{preset}}" in project["entry_points"][entry]["command"]
+            )
     assert "docker_env" not in root and "docker_env" in k8s
     assert "steps" in root["entry_points"]["main"]["parameters"]
     # main is the gated chain (orthojob/job.py), never GRPO from the base model without a gate
@@ -1323,7 +1334,7 @@ def test_every_entry_point_is_in_both_mlprojects():
         template = yaml.safe_load((ROOT / backend["kube-job-template-path"]).read_text())
         limits = template["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
         gpu = "nvidia.com/gpu" in limits
-        assert gpu == (entry in ("main", "pipeline", "sft", "gate")), (entry, config)
+        assert gpu == (entry in ("main", "pipeline", "sft", "gate", *stages)), (entry, config)
 
 
 # ---------------------------------------------------------------------------------------------
