@@ -101,6 +101,7 @@ class LearnConfig:
     # evaluation
     eval_every: int = 15
     eval_seeds: int = 48
+    eval_max_new_tokens: int = 256  # every planner's budget (the oracle's plans, BC's, take 145-249 tokens)
     time_limit_min: float = 45.0
 
 
@@ -392,7 +393,7 @@ def run_baselines(cfg: LearnConfig, cases: Sequence[CaseKey]) -> dict:
     def evaluate(name: str, checkpoint: Path, summary: dict) -> None:
         model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=MAX_SEQ_LENGTH)
         rows[name] = {
-            **evaluate_model(model, tokenizer, cases, cfg.max_completion_length),
+            **evaluate_model(model, tokenizer, cases, cfg.eval_max_new_tokens),
             "train_seconds": summary.get("train_seconds"),
             **({"rsft": summary["rsft"]} if "rsft" in summary else {}),
         }
@@ -415,7 +416,7 @@ def run_baselines(cfg: LearnConfig, cases: Sequence[CaseKey]) -> dict:
         prompts=cfg.rsft_prompts,
         prompt_seed_start=GRPO_PROMPT_SEED_START,
         samples_per_prompt=cfg.rsft_samples,
-        max_new_tokens=cfg.max_completion_length,
+        max_new_tokens=cfg.eval_max_new_tokens,
         skip_gate_check=True,  # stage 0 is not gated in the experiment; its step-0 row is its evaluation
     )  # fmt: skip
     try:
@@ -509,7 +510,7 @@ def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progr
             if step % cfg.eval_every == 0 or step == cfg.steps or time.monotonic() > deadline:
                 row = {
                     "step": step,
-                    **evaluate_model(kw["model"], kw["processing_class"], cases, cfg.max_completion_length),
+                    **evaluate_model(kw["model"], kw["processing_class"], cases, cfg.eval_max_new_tokens),
                 }
                 progress.evals.append(row)
                 log.info("step %d: terminal %s, strategy %s", step, row["terminal"], row["strategy_accuracy"])
@@ -669,7 +670,7 @@ def _run(cfg: LearnConfig) -> dict:
     from orthojob import models
 
     model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=2048)
-    progress.evals.append({"step": 0, **evaluate_model(model, tokenizer, cases, cfg.max_completion_length)})
+    progress.evals.append({"step": 0, **evaluate_model(model, tokenizer, cases, cfg.eval_max_new_tokens)})
     del model
     save()
     report["grpo"] = run_grpo(cfg, checkpoint, cases, progress, save)
