@@ -320,23 +320,10 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
     meta_file.unlink(missing_ok=True)
     t0 = time.perf_counter()
     base = base_model(cfg)
-    config = FormatSFTConfig(
-        model=str(base),
-        out=str(out),
-        task_ids=[cfg.task_id],
-        examples=cfg.sft_examples,
-        demo_seed=cfg.demo_seed,
-        strategy_last=cfg.strategy_last,
-        steps=cfg.sft_steps,
-        batch_size=cfg.sft_batch_size,
-        lr=cfg.sft_lr,
-        lr_scheduler="cosine",
-        warmup_steps=10,
-        lora_r=0,
-        max_length=2048,
-        seed=cfg.model_seed,
-        logging_steps=20,
-    )
+    config = _sft_stage_config(
+        cfg, FormatSFTConfig, model=str(base), out=str(out), examples=cfg.sft_examples, demo_seed=cfg.demo_seed,
+        strategy_last=cfg.strategy_last, steps=cfg.sft_steps,
+    )  # fmt: skip
     summary = run_sft(config)
     meta = {
         "key": key,
@@ -359,13 +346,15 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
 BASELINES_FILE = "baselines.json"
 
 
-def _sft_stage_config(cfg: LearnConfig, **changes):
-    """An SFT stage of the experiment with stage 0's optimiser settings (full fine-tuning)."""
+def _sft_stage_config(cfg: LearnConfig, kind: type | None = None, **changes):
+    """An SFT stage's config (``kind``, default :class:`~orthojob.sft_config.SFTJobConfig`) with the
+    experiment's one set of SFT optimiser settings (full fine-tuning), for stage 0, BC and RSFT."""
     from orthojob.sft_config import SFTJobConfig
 
+    kind = kind or SFTJobConfig
     settings = dict(task_ids=[cfg.task_id], batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, lr_scheduler="cosine",
                     warmup_steps=10, lora_r=0, max_length=MAX_SEQ_LENGTH, seed=cfg.model_seed, logging_steps=20)  # fmt: skip
-    return SFTJobConfig(**{**settings, **changes})
+    return kind(**{**settings, **changes})
 
 
 def run_baselines(cfg: LearnConfig, cases: Sequence[CaseKey]) -> dict:
