@@ -1,32 +1,35 @@
-"""The learning experiment (issue 12): format stage 0, then GRPO, evaluated on held-out seeds.
+"""The learning experiment (issue 12): format stage 0, then GRPO, beside BC and RSFT, on held-out seeds.
 
-``make learn`` (or ``python -m orthojob.learning``) runs, on CPU and offline:
+``make learn`` (or ``python -m orthojob.learning``; docs/learning_experiment.md) runs, on CPU and
+offline, in two processes (one per core):
 
-1. **model**: the offline tiny Qwen2 (:func:`orthojob.models.build_tiny`), larger than the
-   tiny-cpu preset's (default hidden 128, 4 layers, ~1.1M parameters), tokenizer trained on training
-   prompts only;
+1. **model**: the offline tiny Qwen2 (:func:`base_model`, :func:`orthojob.models.build_tiny`; hidden
+   96, 3 layers, ~0.5M parameters), tokenizer trained on training prompts only, in the ``compact``
+   prompt format (:data:`orthojob.prompts.PROMPT_FORMATS`: the case without the plan-format text);
 2. **stage 0 (format SFT)** on :func:`orthojob.format_demos.format_demonstrations`: valid,
-   executable plans with random strategies and random feasible groups (no clinical choice). The
-   checkpoint is kept in ``<out>/stage0`` and reused by later runs with the same settings
-   (``--fresh-stage0`` rebuilds it);
-3. **GRPO** through the job's trainer (:func:`orthojob.grpo_trainer.train` with the
+   executable plans with random strategies and random feasible groups (no clinical choice), the
+   strategy written after the groups. The checkpoint is kept in ``<out>/stage0`` and reused by later
+   runs with the same settings (``--fresh-stage0`` rebuilds it);
+3. **BC and RSFT** (:func:`run_baselines`, the second process, started before stage 0): BC from the
+   base model on the oracle's safe plans, RSFT from stage 0 on its best-of-k samples;
+4. **GRPO** through the job's trainer (:func:`orthojob.grpo_trainer.train` with the
    :class:`~orthojob.grpo_config.GRPOJobConfig` of :func:`grpo_job_config`: TRL's GRPOTrainer, the
-   project's five reward functions, weight 1 each) from stage 0,
-   with settings chosen so that a group has reward variance: temperature 1, 8 completions per
-   prompt, few training prompts reused across steps, ``beta`` 0, DAPO loss, group-scaled rewards,
-   a learning rate that moves a 1M-parameter model;
-4. **evaluation** every ``--eval-every`` steps (and at step 0 = stage 0) on held-out seeds
-   (:data:`server.cases.HELDOUT_SEED_START`), greedy decoding: the scaled terminal reward, strategy
-   accuracy, and clinical canaries that are NOT in the reward (limit violations, colliding contacts,
-   peak PDL kPa, hard-rule share, degenerate-plan share, :func:`orthojob.plan_search.degenerate_form`),
-   each as mean and 95 % t-interval over the seeds. The oracle and uniform SLERP are scored on the same
-   seeds as reference rows.
+   project's five reward functions, ``reward_strategy`` weighted ``strategy_weight``) from stage 0:
+   4 prompts x 8 completions per step, temperature 0.8, ``beta`` 0, DAPO loss, group-scaled rewards;
+5. **evaluation** every ``--eval-every`` steps (and at step 0 = stage 0), and of BC and RSFT, on
+   held-out seeds (:data:`server.cases.HELDOUT_SEED_START`), greedy decoding: the scaled terminal
+   reward, strategy accuracy, and clinical canaries that are NOT in the reward (limit violations,
+   colliding contacts, peak PDL kPa, hard-rule share, degenerate-plan share,
+   :func:`orthojob.plan_search.degenerate_form`), each as mean and 95 % t-interval over the seeds, and
+   the strategy probe (:func:`strategy_distribution`, :func:`strategy_conditioning`). The oracle and
+   uniform SLERP are scored on the same seeds as reference rows.
 
-Writes ``<out>/learning.json`` (settings, references, per-step evaluations, TRL's log history with
-``frac_reward_zero_std``, entropy, KL, clip ratios, completion lengths, per-reward std and
-within-group std, ``reward_time_share`` per step) and ``<out>/learning.png``. Inside an active MLflow
-run the GRPO stage also logs its metrics and the completion table there (README, "What a GRPO run
-logs to MLflow").
+Writes ``<out>/learning.json`` (settings, references, per-step evaluations, the BC and RSFT rows, the
+comparison, TRL's log history with ``frac_reward_zero_std``, entropy, clip ratios, completion lengths,
+per-reward std and within-group std, ``reward_time_share`` per step), ``<out>/learning.png`` and
+``<out>/comparison.md``, inside an MLflow run ``learn`` (:func:`run`): the evaluations as
+``heldout/<metric>`` per step, the comparison table, the files as artifacts, and GRPO's own metrics
+and completion table (README, "What a GRPO run logs to MLflow").
 """
 
 from __future__ import annotations
