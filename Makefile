@@ -30,6 +30,7 @@ test: lint
 bench: install
 	$(BIN)/python bench/env_throughput.py
 
-# issue 12's learning experiment: format stage 0, then GRPO, held-out curve in runs/learn/
+# issue 12's learning experiment: format stage 0 then GRPO (one process), BC and RSFT (a second),
+# one thread each on the two cores; held-out curves and the comparison in runs/learn/
 learn: install
-	$(BIN)/python -m orthojob.learning --out runs/learn
+	OMP_NUM_THREADS=1 $(BIN)/python -m orthojob.learning --out runs/learn
