@@ -59,6 +59,10 @@ GRPO_PROMPT_SEED_START = TRAIN_SEED_START + 50_000
 MAX_SEQ_LENGTH = 2048
 
 
+_SWITCH = {"negatable": True}
+"""A switch's flag pair --x / --no-x (:func:`orthojob.flags.add_config_arguments`)."""
+
+
 @dataclass(frozen=True)
 class LearnConfig:
     """Every setting of one learning run (the CLI flags are generated from these fields)."""
@@ -79,8 +83,8 @@ class LearnConfig:
     sft_batch_size: int = 4
     sft_lr: float = 3e-3
     demo_seed: int = 0
-    strategy_last: bool = True
-    fresh_stage0: bool = False
+    strategy_last: bool = field(default=True, metadata=_SWITCH)
+    fresh_stage0: bool = field(default=False, metadata=_SWITCH)
     # GRPO
     steps: int = 90
     num_generations: int = 8
@@ -95,8 +99,8 @@ class LearnConfig:
     max_completion_length: int = 128
     seed: int = 0
     # baselines on the same held-out seeds (a second process, the other core): BC and RSFT
-    baselines: bool = True
-    baselines_only: bool = False
+    baselines: bool = field(default=True, metadata=_SWITCH)
+    baselines_only: bool = field(default=False, metadata=_SWITCH)
     bc_steps: int = 240
     rsft_prompts: int = 128
     rsft_samples: int = 8
@@ -692,16 +696,12 @@ def _run(cfg: LearnConfig) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``python -m orthojob.learning``'s flags, one per :class:`LearnConfig` field."""
+    """``python -m orthojob.learning``'s flags, one per :class:`LearnConfig` field (the project's one
+    flag generator, :func:`orthojob.flags.add_config_arguments`)."""
+    from orthojob.flags import add_config_arguments
+
     parser = argparse.ArgumentParser(prog="orthojob.learning", description=__doc__.splitlines()[0])
-    for f in dataclasses.fields(LearnConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            parser.add_argument(flag, type=kind, default=f.default)
-    return parser
+    return add_config_arguments(parser, LearnConfig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
