@@ -24,6 +24,7 @@ from orthojob.flags import CollectPairs, name_list, name_weight, non_negative_in
 from orthojob.models import TINY_MODEL
 from orthojob.rewards import active_reward_funcs, reward_weights
 from orthojob.run_identity import POLICIES
+from orthojob.strategy_advantage import STRATEGY_ADVANTAGES
 from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START
 
 VLLM_MODES: tuple[str, ...] = ("colocate", "server")
@@ -141,6 +142,19 @@ class GRPOJobConfig:
             "choices": SCALE_REWARDS,
         },
     )
+    strategy_advantage: str = field(
+        default="sequence",
+        metadata={
+            "help": "sequence: TRL's advantage on every token; centred: the tokens naming the strategy get "
+            "it less their strategy's batch mean, so GRPO learns which strategy fits which case rather "
+            "than one strategy for all (orthojob.strategy_advantage)",
+            "choices": STRATEGY_ADVANTAGES,
+        },
+    )
+    strategy_advantage_scale: float = field(
+        default=1.0,
+        metadata={"help": "centred: multiplies the strategy tokens' advantage"},
+    )
     lr_scheduler_type: str = field(
         default="linear", metadata={"help": "learning-rate schedule (no warm-up)", "choices": LR_SCHEDULERS}
     )
@@ -236,6 +250,14 @@ class GRPOJobConfig:
             raise ConfigError(f"--lora-r must be >= 0 (0 = full fine-tuning), got {self.lora_r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.strategy_advantage_scale) and self.strategy_advantage_scale > 0):
+            raise ConfigError(
+                f"--strategy-advantage-scale must be a finite number > 0, got {self.strategy_advantage_scale}"
+            )
+        if self.strategy_advantage != "sequence" and self.mode == "agentic":
+            raise ConfigError(
+                "--strategy-advantage centred is for --mode oneshot (a tool rollout names no strategy)"
+            )
         if self.beta < 0 or self.temperature <= 0:
             raise ConfigError(
                 f"--beta must be >= 0 and --temperature > 0, got {self.beta}, {self.temperature}"
@@ -244,6 +266,7 @@ class GRPOJobConfig:
             ("loss_type", LOSS_TYPES),
             ("scale_rewards", SCALE_REWARDS),
             ("lr_scheduler_type", LR_SCHEDULERS),
+            ("strategy_advantage", STRATEGY_ADVANTAGES),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(

@@ -65,6 +65,7 @@ from orthojob.prompts import prompt_format_of, prompt_rows
 from orthojob.records import json_value
 from orthojob.rewards import RewardFunc, reward_weights
 from orthojob.rollouts import DEFAULT_CACHE
+from orthojob.strategy_advantage import strategy_token_advantages
 from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,8 @@ class RecordingGRPOTrainer(GRPOTrainer):
     completions_path: Path | None = None  # set on rank 0 only
     table_rows: int = 0  # rows per logging step for the MLflow table (rank 0); 0 = no table
     table_file: str = COMPLETIONS_TABLE
+    strategy_advantage: str = "sequence"  # orthojob.strategy_advantage.STRATEGY_ADVANTAGES
+    strategy_advantage_scale: float = 1.0
     _record_warned = False
 
     def __init__(self, model, reward_funcs, *args, **kwargs):
@@ -208,6 +211,8 @@ class RecordingGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
+        if self.model.training and not self.agentic and self.strategy_advantage == "centred":
+            self._centre_strategy_advantages(output)
         if self.model.training:
             self._log_group_std(len(inputs) * self.accelerator.num_processes)
             if self.record_completions:
@@ -217,6 +222,26 @@ class RecordingGRPOTrainer(GRPOTrainer):
                 ):
                     self._record([CaseKey(*c) for c in cases])
         return output
+
+    def _centre_strategy_advantages(self, output: dict) -> None:
+        """Token-level advantages (B, T) in place of TRL's (B,): the tokens naming the strategy get
+        the centred advantage (:func:`orthojob.strategy_advantage.strategy_token_advantages`, over
+        this process's batch), every other token TRL's. Logs ``strategy_advantage/named`` and
+        ``strategy_advantage/marginal``."""
+        advantages = output["advantages"]
+        decode = self.processing_class.decode
+        pieces = [
+            [decode([t], skip_special_tokens=True) if keep else "" for t, keep in zip(ids, mask)]
+            for ids, mask in zip(output["completion_ids"].tolist(), output["completion_mask"].tolist())
+        ]
+        token_advantages, diagnostics = strategy_token_advantages(
+            advantages.detach().float().cpu().numpy(), pieces, self.strategy_advantage_scale
+        )
+        output["advantages"] = torch.as_tensor(
+            token_advantages, dtype=advantages.dtype, device=advantages.device
+        )
+        for key, value in diagnostics.items():
+            self._metrics["train"][f"strategy_advantage/{key}"].append(value)
 
     def _log_group_std(self, n: int) -> None:
         """``rewards/<name>/group_std`` of the batch just scored (``n`` completions, every rank)."""
@@ -519,6 +544,8 @@ def train(
     trainer.record_completions = True
     trainer.completions_path = out / COMPLETIONS_FILE if is_main else None
     trainer.table_rows = config.completions_table_rows if is_main else 0
+    trainer.strategy_advantage = config.strategy_advantage
+    trainer.strategy_advantage_scale = config.strategy_advantage_scale
     try:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:  # the environments' server sessions (--env-url): TRL never closes its pooled environments

@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from orthojob.canaries import CANARIES, METRICS, episode_values, rollout_record  # noqa: F401 (re-exported)
+from orthojob.strategy_advantage import STRATEGY_ADVANTAGES
 from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, CaseKey, generate_case
 
 log = logging.getLogger("orthojob.learning")
@@ -96,6 +97,8 @@ class LearnConfig:
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     strategy_weight: float = 3.0
+    strategy_advantage: str = field(default="centred", metadata={"choices": STRATEGY_ADVANTAGES})
+    strategy_advantage_scale: float = 1.0
     max_completion_length: int = 128
     seed: int = 0
     # baselines on the same held-out seeds (a second process, the other core): BC and RSFT
@@ -466,6 +469,8 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path):
         loss_type=cfg.loss_type,
         scale_rewards=cfg.scale_rewards,
         reward_weights={"reward_strategy": cfg.strategy_weight} if cfg.strategy_weight != 1.0 else {},
+        strategy_advantage=cfg.strategy_advantage,
+        strategy_advantage_scale=cfg.strategy_advantage_scale,
         gradient_checkpointing=False,
         save_steps=0,
     )

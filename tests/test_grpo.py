@@ -107,6 +107,12 @@ def test_other_bad_configs_are_named():
         validate(GRPOJobConfig(reward_weights={"nonsense": 1.0}), 1, False)
     with pytest.raises(ConfigError, match="reward"):
         validate(GRPOJobConfig(rewards=["format"], reward_weights={"terminal": 1.0}), 1, False)
+    with pytest.raises(ConfigError, match="--strategy-advantage must be one of sequence, centred"):
+        GRPOJobConfig(strategy_advantage="per-token")
+    with pytest.raises(ConfigError, match="--strategy-advantage-scale"):
+        GRPOJobConfig(strategy_advantage="centred", strategy_advantage_scale=0.0)
+    with pytest.raises(ConfigError, match="--mode oneshot"):
+        GRPOJobConfig(strategy_advantage="centred", mode="agentic")
 
 
 def test_cpu_training_arguments_have_no_bf16(tmp_path):
@@ -363,6 +369,8 @@ def test_learning_grpo_runs_through_the_job_trainer(tiny_model, tmp_path):
     rows = [r for r in report["log_history"] if "reward" in r]
     assert [r["learning_rate"] for r in rows] == [cfg.lr, cfg.lr]
     assert all(0 < r["reward_time_share"] < 1 for r in rows)
+    # the experiment's centred strategy advantage ran (token-level advantages through TRL's loss)
+    assert cfg.strategy_advantage == "centred" and all(0 <= r["strategy_advantage/named"] <= 1 for r in rows)
     records = [json.loads(x) for x in (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()]
     assert {r["seed"] for r in records} <= {learning.GRPO_PROMPT_SEED_START + i for i in range(2)}
 

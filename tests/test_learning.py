@@ -96,6 +96,7 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
         "reward_terminal": 1.0, "reward_occlusion": 1.0, "reward_strategy": 3.0, "reward_format": 1.0, "reward_anchorage": 1.0
     }  # fmt: skip
     assert not args.gradient_checkpointing
+    assert (job.strategy_advantage, job.strategy_advantage_scale) == ("centred", cfg.strategy_advantage_scale)
     assert (
         job.num_prompts == 1000
         and job.prompt_seed_start == GRPO_PROMPT_SEED_START == TRAIN_SEED_START + 50_000
