@@ -155,6 +155,13 @@ class GRPOJobConfig:
         default=1.0,
         metadata={"help": "centred: multiplies the strategy tokens' advantage"},
     )
+    head_lr_scale: float = field(
+        default=1.0,
+        metadata={
+            "help": "the output layer (lm_head) learns at --lr x this; full fine-tuning only (an adapter "
+            "does not train it)"
+        },
+    )
     lr_scheduler_type: str = field(
         default="linear", metadata={"help": "learning-rate schedule (no warm-up)", "choices": LR_SCHEDULERS}
     )
@@ -253,6 +260,12 @@ class GRPOJobConfig:
         if not (math.isfinite(self.strategy_advantage_scale) and self.strategy_advantage_scale > 0):
             raise ConfigError(
                 f"--strategy-advantage-scale must be a finite number > 0, got {self.strategy_advantage_scale}"
+            )
+        if not (math.isfinite(self.head_lr_scale) and self.head_lr_scale > 0):
+            raise ConfigError(f"--head-lr-scale must be a finite number > 0, got {self.head_lr_scale}")
+        if self.head_lr_scale != 1.0 and self.lora_r > 0:
+            raise ConfigError(
+                "--head-lr-scale needs full fine-tuning (--lora-r 0): a LoRA adapter leaves lm_head frozen"
             )
         if self.strategy_advantage != "sequence" and self.mode == "agentic":
             raise ConfigError(

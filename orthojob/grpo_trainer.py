@@ -185,6 +185,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
     table_file: str = COMPLETIONS_TABLE
     strategy_advantage: str = "sequence"  # orthojob.strategy_advantage.STRATEGY_ADVANTAGES
     strategy_advantage_scale: float = 1.0
+    head_lr_scale: float = 1.0  # GRPOJobConfig.head_lr_scale; set before train() builds the optimizer
     _record_warned = False
 
     def __init__(self, model, reward_funcs, *args, **kwargs):
@@ -197,6 +198,34 @@ class RecordingGRPOTrainer(GRPOTrainer):
             reward_funcs = self._timed(reward_funcs)
         super().__init__(model, reward_funcs, *args, **kwargs)
         self.callback_handler.callbacks.insert(0, _RewardClock(self))
+
+    def create_optimizer(self):
+        """TRL's optimizer; with :attr:`head_lr_scale` != 1 the output layer is its own parameter
+        group at ``learning_rate x head_lr_scale`` (the scheduler scales every group alike)."""
+        if self.head_lr_scale == 1.0 or self.optimizer is not None:
+            return super().create_optimizer()
+        head = {id(p) for p in self.model.get_output_embeddings().parameters() if p.requires_grad}
+        if not head:
+            raise ValueError("head_lr_scale needs a trainable output layer (full fine-tuning)")
+        decay = set(self.get_decay_parameter_names(self.model))
+        groups: dict[tuple[bool, bool], list] = {}
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                groups.setdefault((id(p) in head, name in decay), []).append(p)
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        lr = optimizer_kwargs.pop("lr", self.args.learning_rate)
+        self.optimizer = optimizer_cls(
+            [
+                {
+                    "params": params,
+                    "lr": lr * (self.head_lr_scale if is_head else 1.0),
+                    "weight_decay": self.args.weight_decay if decays else 0.0,
+                }
+                for (is_head, decays), params in groups.items()
+            ],
+            **optimizer_kwargs,
+        )
+        return self.optimizer
 
     def _timed(self, func: Callable) -> Callable:
         @functools.wraps(func)
@@ -211,8 +240,8 @@ class RecordingGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if self.model.training and not self.agentic and self.strategy_advantage == "centred":
-            self._centre_strategy_advantages(output)
+        if self.model.training and not self.agentic and self.strategy_advantage != "sequence":
+            self._strategy_token_advantages(output, [CaseKey.of_row(x) for x in inputs])
         if self.model.training:
             self._log_group_std(len(inputs) * self.accelerator.num_processes)
             if self.record_completions:
@@ -223,11 +252,12 @@ class RecordingGRPOTrainer(GRPOTrainer):
                     self._record([CaseKey(*c) for c in cases])
         return output
 
-    def _centre_strategy_advantages(self, output: dict) -> None:
+    def _strategy_token_advantages(self, output: dict, cases: list[CaseKey]) -> None:
         """Token-level advantages (B, T) in place of TRL's (B,): the tokens naming the strategy get
-        the centred advantage (:func:`orthojob.strategy_advantage.strategy_token_advantages`, over
-        this process's batch), every other token TRL's. Logs ``strategy_advantage/named`` and
-        ``strategy_advantage/marginal``."""
+        :attr:`strategy_advantage`'s value (:func:`orthojob.strategy_advantage.strategy_token_advantages`,
+        over this process's batch; ``counterfactual`` scores each plan under the five strategies
+        with this trainer's reward functions and weights), every other token TRL's. Logs
+        ``strategy_advantage/<diagnostic>``."""
         advantages = output["advantages"]
         decode = self.processing_class.decode
         pieces = [
@@ -235,13 +265,31 @@ class RecordingGRPOTrainer(GRPOTrainer):
             for ids, mask in zip(output["completion_ids"].tolist(), output["completion_mask"].tolist())
         ]
         token_advantages, diagnostics = strategy_token_advantages(
-            advantages.detach().float().cpu().numpy(), pieces, self.strategy_advantage_scale
+            advantages.detach().float().cpu().numpy(),
+            pieces,
+            self.strategy_advantage_scale,
+            kind=self.strategy_advantage,
+            score=lambda texts, rows: self._weighted_reward(texts, [cases[r] for r in rows]),
         )
         output["advantages"] = torch.as_tensor(
             token_advantages, dtype=advantages.dtype, device=advantages.device
         )
         for key, value in diagnostics.items():
             self._metrics["train"][f"strategy_advantage/{key}"].append(value)
+
+    def _weighted_reward(self, texts: list[str], cases: list[CaseKey]):
+        """(len(texts),) the reward functions' weighted sum (NaN-skipping, as TRL sums them) of
+        each text as a completion for its case."""
+        columns = {
+            "seed": [c.seed for c in cases],
+            "task_id": [c.task_id for c in cases],
+            "force_decay": [c.force_decay for c in cases],
+        }
+        total = torch.zeros(len(texts))
+        for func, weight in zip(self.reward_funcs, self.reward_weights.tolist()):
+            values = torch.tensor([math.nan if v is None else float(v) for v in func(texts, **columns)])
+            total += torch.nan_to_num(values * weight, nan=0.0)
+        return total.numpy()
 
     def _log_group_std(self, n: int) -> None:
         """``rewards/<name>/group_std`` of the batch just scored (``n`` completions, every rank)."""
@@ -546,6 +594,7 @@ def train(
     trainer.table_rows = config.completions_table_rows if is_main else 0
     trainer.strategy_advantage = config.strategy_advantage
     trainer.strategy_advantage_scale = config.strategy_advantage_scale
+    trainer.head_lr_scale = config.head_lr_scale
     try:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:  # the environments' server sessions (--env-url): TRL never closes its pooled environments

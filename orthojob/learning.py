@@ -99,6 +99,7 @@ class LearnConfig:
     strategy_weight: float = 3.0
     strategy_advantage: str = field(default="centred", metadata={"choices": STRATEGY_ADVANTAGES})
     strategy_advantage_scale: float = 1.0
+    head_lr_scale: float = 1.0
     max_completion_length: int = 128
     seed: int = 0
     # baselines on the same held-out seeds (a second process, the other core): BC and RSFT
@@ -471,6 +472,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path):
         reward_weights={"reward_strategy": cfg.strategy_weight} if cfg.strategy_weight != 1.0 else {},
         strategy_advantage=cfg.strategy_advantage,
         strategy_advantage_scale=cfg.strategy_advantage_scale,
+        head_lr_scale=cfg.head_lr_scale,
         gradient_checkpointing=False,
         save_steps=0,
     )

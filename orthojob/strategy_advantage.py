@@ -10,11 +10,10 @@ distribution shared by every case (docs/learning_experiment.md, runs B-H: ``ante
 for all 48 held-out cases, ``case dependence`` flat).
 
 ``centred`` removes the marginal part from the strategy tokens only. Each strategy-naming
-completion's strategy tokens get its advantage less its strategy's mean advantage over the batch
-(plus the mean over every strategy-naming completion, so naming a valid strategy at all keeps its
-credit against non-plans). Within each strategy the advantages are unchanged, so on the strategy
-tokens the batch's gradient is the conditional part alone: a strategy gains on the cases where it
-beats the strategies named for other cases. Every other token keeps TRL's advantage, so the
+completion's strategy tokens get its advantage less its strategy's mean advantage over the batch.
+Within each strategy the differences are unchanged, so on the strategy tokens the batch's
+gradient is the conditional part alone: a strategy gains on the cases where it beats the
+strategies named for other cases. Every other token keeps TRL's advantage, so the
 staging learns exactly as before. The same idea as a per-action baseline (a state-independent
 baseline per arm); it is biased for the marginal by design.
 
@@ -25,16 +24,19 @@ to the token-level advantages TRL accepts with shape ``(B, T)``.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from orthojob.parsing import extract_plan
 from server.clinical_profiles import STRATEGIES
 
-STRATEGY_ADVANTAGES: tuple[str, ...] = ("sequence", "centred")
+STRATEGY_ADVANTAGES: tuple[str, ...] = ("sequence", "centred", "counterfactual")
 """``sequence``: TRL's, one advantage per completion. ``centred``: the strategy tokens' advantage
-less their strategy's batch mean (:func:`centred_strategy_advantages`)."""
+less their strategy's batch mean (:func:`centred_strategy_advantages`). ``counterfactual``: the
+strategy tokens' advantage is the reward of the plan as written less the mean reward of the same
+plan under each of the five strategies (:func:`counterfactual_strategy_advantages`), then centred
+the same way."""
 
 _STRATEGY_VALUE = re.compile(r'"strategy"\s*:\s*"([A-Za-z_]+)"')
 
@@ -51,24 +53,56 @@ def strategy_spans(text: str) -> tuple[str | None, list[tuple[int, int]]]:
 
 
 def centred_strategy_advantages(advantages: np.ndarray, strategies: Sequence[str | None]) -> np.ndarray:
-    """``advantages`` (B,) less each named strategy's mean over the batch, plus the mean over every
-    completion that names one; completions naming none (None) keep theirs. Returns (B,) float.
+    """``advantages`` (B,) less each named strategy's mean over the batch; completions naming none
+    (None) keep theirs. Returns (B,) float.
 
-    Over the completions naming strategy ``s`` the result sums to ``n_s`` times the named mean, the
-    same for every ``s``: no strategy gains on every case at once.
+    Over the completions naming any one strategy the result sums to 0: no strategy gains or loses
+    on every case at once, not even by the chance of being sampled more often in this batch
+    (adding back a shared mean would make each strategy's push proportional to its sample count,
+    a random walk of the marginal). Differences within a strategy are kept.
     """
     a = np.asarray(advantages, dtype=float)
     if a.ndim != 1 or len(a) != len(strategies):
         raise ValueError(f"advantages {a.shape} and {len(strategies)} strategies do not match")
     names = np.array([s if s is not None else "" for s in strategies], dtype=object)
-    named = names != ""
     out = a.copy()
-    if not named.any():
-        return out
-    overall = a[named].mean()
-    for s in np.unique(names[named]):
+    for s in np.unique(names[names != ""]):
         rows = names == s
-        out[rows] = a[rows] - a[rows].mean() + overall
+        out[rows] = a[rows] - a[rows].mean()
+    return out
+
+
+def with_strategy(text: str, spans: Sequence[tuple[int, int]], strategy: str) -> str:
+    """``text`` with each span of :func:`strategy_spans` replaced by ``strategy``."""
+    out, end = [], 0
+    for a, b in sorted(spans):
+        out += [text[end:a], strategy]
+        end = b
+    return "".join(out) + text[end:]
+
+
+def counterfactual_strategy_advantages(q: np.ndarray, chosen: Sequence[str | None]) -> np.ndarray:
+    """The counterfactual advantage of each completion's strategy (COMA's baseline, Foerster et al.
+    2018, with a uniform weighting): ``q[i, k]`` (B, 5) is the summed, weighted reward of
+    completion i's plan with its strategy replaced by ``STRATEGIES[k]``; the result (B,) is
+    ``q[i, chosen] - mean_k q[i, k]``, divided by the std of the chosen rewards over the batch (as
+    TRL's ``scale_rewards=batch``). NaN for completions that name no strategy.
+
+    The baseline holds everything but the strategy fixed, so the plan's own quality cancels, and it
+    does not depend on the sampled strategy, so the policy gradient stays unbiased.
+    """
+    q = np.asarray(q, dtype=float)
+    if q.ndim != 2 or q.shape != (len(chosen), len(STRATEGIES)):
+        raise ValueError(f"q {q.shape} must be ({len(chosen)}, {len(STRATEGIES)})")
+    out = np.full(len(chosen), np.nan)
+    rows = [i for i, s in enumerate(chosen) if s is not None]
+    if not rows:
+        return out
+    cols = [STRATEGIES.index(chosen[i]) for i in rows]
+    mine = q[rows, cols]
+    diff = mine - np.nanmean(q[rows], axis=1)
+    scale = float(np.nanstd(mine)) if len(rows) > 1 else 0.0
+    out[rows] = diff / (scale + 1e-4)
     return out
 
 
@@ -87,36 +121,61 @@ def strategy_token_advantages(
     advantages: np.ndarray,
     pieces: Sequence[Sequence[str]],
     scale: float = 1.0,
+    kind: str = "centred",
+    score: Callable[[list[str], list[int]], np.ndarray] | None = None,
 ) -> tuple[np.ndarray, dict[str, float]]:
-    """Token-level advantages (B, T) for ``centred``: every token keeps its completion's advantage
-    except those naming the strategy, which get :func:`centred_strategy_advantages` x ``scale``.
+    """Token-level advantages (B, T): every token keeps its completion's advantage except those
+    naming the strategy, which get ``kind``'s strategy advantage x ``scale``:
+    :func:`centred_strategy_advantages` or :func:`counterfactual_strategy_advantages`.
 
     ``advantages`` (B,): TRL's; ``pieces``: per completion, the decoded text of each of its T
-    (padded) completion tokens, padding as ''. Also returns diagnostics: ``named`` (share of
-    completions with strategy tokens) and ``marginal`` (mean |removed marginal| over them).
+    (padded) completion tokens, padding as ''. ``score(texts, rows) -> (len(texts),)`` (for
+    ``counterfactual``): the summed, weighted reward of each text, a plan of completion ``rows[j]``'s
+    case. Also returns diagnostics: ``named`` (share of completions with strategy tokens) and
+    ``marginal`` (centred: mean |removed marginal|) or ``gap`` (counterfactual: mean of the best
+    strategy's reward less the mean strategy's, per plan).
     """
+    if kind not in STRATEGY_ADVANTAGES[1:]:
+        raise ValueError(f"kind must be one of {', '.join(STRATEGY_ADVANTAGES[1:])}, got {kind!r}")
     a = np.asarray(advantages, dtype=float)
     width = max((len(p) for p in pieces), default=0)
     out = np.repeat(a[:, None], width, axis=1)
-    found = [strategy_spans("".join(p)) for p in pieces]
+    texts = ["".join(p) for p in pieces]
+    found = [strategy_spans(t) for t in texts]
     strategies = [s for s, _ in found]
-    centred = centred_strategy_advantages(a, strategies)
+    named = np.array([s is not None for s in strategies], dtype=bool)
+    diagnostics = {"named": float(named.mean()) if len(named) else 0.0}
+    if kind == "centred":
+        strategy_adv = centred_strategy_advantages(a, strategies)
+        diagnostics["marginal"] = float(np.abs(a - strategy_adv)[named].mean()) if named.any() else 0.0
+    else:
+        if score is None:
+            raise ValueError("counterfactual strategy advantages need score(texts, rows)")
+        rows = [i for i in range(len(texts)) if named[i]]
+        q = np.full((len(texts), len(STRATEGIES)), np.nan)
+        if rows:
+            variants = [with_strategy(texts[i], found[i][1], s) for i in rows for s in STRATEGIES]
+            owners = [i for i in rows for _ in STRATEGIES]
+            q[rows] = np.asarray(score(variants, owners), dtype=float).reshape(len(rows), len(STRATEGIES))
+        strategy_adv = centred_strategy_advantages(
+            counterfactual_strategy_advantages(q, strategies), strategies
+        )
+        diagnostics["gap"] = (
+            float(np.nanmean(np.nanmax(q[rows], 1) - np.nanmean(q[rows], 1))) if rows else 0.0
+        )
     for row, (p, (strategy, spans)) in enumerate(zip(pieces, found)):
-        if strategy is not None:
+        if strategy is not None and np.isfinite(strategy_adv[row]):
             mask = token_spans_mask(p, spans)
-            out[row, : len(p)][mask] = centred[row] * scale
-    named = np.array([s is not None for s in strategies])
-    diagnostics = {
-        "named": float(named.mean()) if len(named) else 0.0,
-        "marginal": float(np.abs(a - centred)[named].mean()) if named.any() else 0.0,
-    }
+            out[row, : len(p)][mask] = strategy_adv[row] * scale
     return out, diagnostics
 
 
 __all__ = [
     "STRATEGY_ADVANTAGES",
     "centred_strategy_advantages",
+    "counterfactual_strategy_advantages",
     "strategy_spans",
     "strategy_token_advantages",
     "token_spans_mask",
+    "with_strategy",
 ]

@@ -13,9 +13,13 @@ import torch
 
 from orthojob.strategy_advantage import (
     centred_strategy_advantages,
+    counterfactual_strategy_advantages,
     strategy_spans,
     token_spans_mask,
+    with_strategy,
 )
+from server.cases import CaseKey, generate_case
+from server.clinical_profiles import STRATEGIES
 
 PLAN_GROUPS = [{"teeth": [11, 21], "fraction": 1.0, "priority": 1, "start_stage": 1}]
 
@@ -41,9 +45,8 @@ def test_centring_removes_each_strategys_batch_mean_and_keeps_everything_else():
     strategies = ["anterior_first"] * 5 + ["distal_first"] * 3 + [None] * 2
     a = rng.normal(size=10) + np.array([1.0] * 5 + [-1.0] * 3 + [-2.0] * 2)
     c = centred_strategy_advantages(a, strategies)
-    named = a[:8].mean()
-    # every strategy's centred mean is the mean over all strategy-naming completions: no marginal left
-    assert c[:5].mean() == pytest.approx(named) and c[5:8].mean() == pytest.approx(named)
+    # every strategy's centred advantages sum to zero: no marginal push, whatever its sample count
+    assert c[:5].sum() == pytest.approx(0.0) and c[5:8].sum() == pytest.approx(0.0)
     # the differences within a strategy, and the non-plans, are untouched
     assert np.allclose(np.diff(c[:5]), np.diff(a[:5])) and np.allclose(np.diff(c[5:8]), np.diff(a[5:8]))
     assert np.array_equal(c[8:], a[8:])
@@ -68,6 +71,18 @@ def test_token_mask_covers_exactly_the_tokens_that_overlap_the_name():
     text = "".join(pieces)
     _, spans = strategy_spans(text)
     assert token_spans_mask(pieces, spans).tolist() == [False] * 4 + [True, True, False]
+
+
+def test_counterfactual_advantage_compares_the_same_plan_under_every_strategy():
+    q = np.array([[1.0, 2.0, 3.0, 4.0, 5.0], [5.0, 5.0, 5.0, 5.0, 5.0], [0.0] * 5])
+    chosen = [STRATEGIES[4], STRATEGIES[0], None]
+    adv = counterfactual_strategy_advantages(q, chosen)
+    scale = np.std([5.0, 5.0]) + 1e-4
+    assert adv[0] == pytest.approx((5.0 - 3.0) / scale) and adv[1] == pytest.approx(0.0) and np.isnan(adv[2])
+    with pytest.raises(ValueError, match="must be"):
+        counterfactual_strategy_advantages(q[:, :3], chosen)
+    text = _plan("anterior_first")
+    assert with_strategy(text, strategy_spans(text)[1], "distal_first") == _plan("distal_first")
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +118,10 @@ def test_trainer_hook_gives_the_strategy_tokens_the_centred_advantage(tokenizer)
         mask[row, : len(e)] = 1
     advantages = torch.tensor([1.5, 0.5, -0.5, -1.5])
     trainer = SimpleNamespace(processing_class=tokenizer, strategy_advantage_scale=2.0,
-                              _metrics={"train": defaultdict(list)})  # fmt: skip
+                              strategy_advantage="centred", _metrics={"train": defaultdict(list)})  # fmt: skip
     output = {"completion_ids": ids, "completion_mask": mask, "advantages": advantages}
-    RecordingGRPOTrainer._centre_strategy_advantages(trainer, output)
+    cases = [CaseKey("task_easy", 1_000_000 + i, False) for i in range(4)]
+    RecordingGRPOTrainer._strategy_token_advantages(trainer, output, cases)
 
     token_adv = output["advantages"]
     assert token_adv.shape == (4, width)
@@ -123,4 +139,79 @@ def test_trainer_hook_gives_the_strategy_tokens_the_centred_advantage(tokenizer)
         else:
             assert changed == []
     assert trainer._metrics["train"]["strategy_advantage/named"] == [0.75]
-    assert trainer._metrics["train"]["strategy_advantage/marginal"][0] == pytest.approx(2 / 3)
+    assert trainer._metrics["train"]["strategy_advantage/marginal"][0] == pytest.approx(5 / 6)
+
+
+def test_counterfactual_hook_scores_the_plan_under_the_five_strategies_with_the_real_rewards(tokenizer):
+    """counterfactual on real cases: the strategy tokens of a plan naming its case's optimal strategy
+    get a positive advantage, of a plan naming a wrong one a negative advantage, each the same plan's
+    weighted reward under its strategy less the mean over the five (the project's reward functions)."""
+    from orthojob.grpo_trainer import RecordingGRPOTrainer
+    from orthojob.rewards import active_reward_funcs
+    from server.clinical_profiles import strategy_multiplier_class
+
+    cases, texts = [], []
+    for seed in range(1_000_000, 1_000_200):
+        case = generate_case("task_easy", seed, False)
+        wrong = next(s for s in STRATEGIES if strategy_multiplier_class(case.profile, s) == "wrong")
+        for strategy in (case.optimal_strategy, wrong):
+            cases.append(CaseKey("task_easy", seed, False))
+            texts.append(_plan(strategy))
+        if len(cases) == 6:
+            break
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(map(len, encoded))
+    ids = torch.full((len(texts), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(texts), width), dtype=torch.long)
+    for row, e in enumerate(encoded):
+        ids[row, : len(e)], mask[row, : len(e)] = torch.tensor(e), 1
+    funcs = active_reward_funcs()
+    trainer = SimpleNamespace(processing_class=tokenizer, strategy_advantage_scale=1.0, reward_funcs=funcs,
+                              reward_weights=torch.ones(len(funcs)), strategy_advantage="counterfactual",
+                              _metrics={"train": defaultdict(list)})  # fmt: skip
+    trainer._weighted_reward = lambda t, c: RecordingGRPOTrainer._weighted_reward(trainer, t, c)
+    advantages = torch.zeros(len(texts))
+    output = {"completion_ids": ids, "completion_mask": mask, "advantages": advantages}
+    RecordingGRPOTrainer._strategy_token_advantages(trainer, output, cases)
+    token_adv = output["advantages"]
+    # the same plans re-scored here under each strategy: q (6, 5), COMA's advantage, then centred
+    q = np.array([[sum(float(f([with_strategy(t, strategy_spans(t)[1], s)], seed=[c.seed], task_id=[c.task_id],
+                                  force_decay=[c.force_decay])[0]) for f in funcs) for s in STRATEGIES]
+                  for t, c in zip(texts, cases)])  # fmt: skip
+    chosen = [strategy_spans(t)[0] for t in texts]
+    coma = counterfactual_strategy_advantages(q, chosen)
+    assert all(coma[0::2] > 0) and all(coma[1::2] < 0), (
+        coma
+    )  # the optimal strategy beats the mean, a wrong one not
+    expected = centred_strategy_advantages(coma, chosen)
+    for row in range(len(texts)):  # TRL's advantages are 0 here: only strategy tokens can differ
+        changed = token_adv[row][token_adv[row] != 0]
+        assert torch.allclose(changed, torch.full_like(changed, float(expected[row])), atol=1e-5)
+        assert (len(changed) > 0) == (abs(expected[row]) > 1e-6)
+    assert sum(abs(expected) > 1e-6) >= 2  # a strategy named for two cases: centring keeps their difference
+    assert trainer._metrics["train"]["strategy_advantage/gap"][0] > 0
+
+
+def test_head_lr_scale_puts_the_output_layer_in_its_own_faster_group(tmp_path):
+    """RecordingGRPOTrainer.create_optimizer with head_lr_scale 10: lm_head's parameters learn at
+    10x the learning rate, every other trainable parameter at the learning rate, none twice."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from orthojob import models
+    from orthojob.grpo_trainer import RecordingGRPOTrainer
+
+    path = models.build_tiny(tmp_path / "tiny", ["task_easy"], prompt_format="compact", hidden_size=32, layers=1,
+                             heads=2, kv_heads=1, intermediate=32)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(path)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), learning_rate=3e-4, report_to=[], use_cpu=True)
+    fake = SimpleNamespace(head_lr_scale=10.0, optimizer=None, model=model, args=args,
+                           get_optimizer_cls_and_kwargs=Trainer.get_optimizer_cls_and_kwargs)  # fmt: skip
+    fake.get_decay_parameter_names = lambda m: Trainer.get_decay_parameter_names(fake, m)
+    optimizer = RecordingGRPOTrainer.create_optimizer(fake)
+    head = {id(p) for p in model.get_output_embeddings().parameters()}
+    seen = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    for group in optimizer.param_groups:
+        in_head = {id(p) in head for p in group["params"]}
+        assert len(in_head) == 1
+        assert group["lr"] == pytest.approx(3e-3 if in_head.pop() else 3e-4)
