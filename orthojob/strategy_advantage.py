@@ -41,15 +41,23 @@ the same way."""
 _STRATEGY_VALUE = re.compile(r'"strategy"\s*:\s*"([A-Za-z_]+)"')
 
 
+INVALID = "(invalid)"
+"""The arm of a plan that declares a strategy outside :data:`STRATEGIES` (``"strategy": "medium"``):
+centred with the five, so writing a non-strategy is no way around their centring."""
+
+
 def strategy_spans(text: str) -> tuple[str | None, list[tuple[int, int]]]:
-    """The strategy the plan in ``text`` names (one of :data:`STRATEGIES`, else None) and the
-    character spans ``[start, end)`` of its name wherever ``"strategy": "<name>"`` writes it."""
+    """The strategy arm of the plan in ``text`` -- its strategy if one of :data:`STRATEGIES`,
+    :data:`INVALID` for any other string, None where it declares no string -- and the character
+    spans ``[start, end)`` of the declared value wherever ``"strategy": "<value>"`` writes it."""
     plan = extract_plan(text)
-    strategy = plan.get("strategy") if isinstance(plan, dict) else None
-    if strategy not in STRATEGIES:
+    declared = plan.get("strategy") if isinstance(plan, dict) else None
+    if not isinstance(declared, str):
         return None, []
-    spans = [m.span(1) for m in _STRATEGY_VALUE.finditer(text) if m.group(1) == strategy]
-    return (strategy, spans) if spans else (None, [])
+    spans = [m.span(1) for m in _STRATEGY_VALUE.finditer(text) if m.group(1) == declared]
+    if not spans:
+        return None, []
+    return (declared if declared in STRATEGIES else INVALID), spans
 
 
 def centred_strategy_advantages(advantages: np.ndarray, strategies: Sequence[str | None]) -> np.ndarray:
@@ -83,26 +91,25 @@ def with_strategy(text: str, spans: Sequence[tuple[int, int]], strategy: str) ->
 
 def counterfactual_strategy_advantages(q: np.ndarray, chosen: Sequence[str | None]) -> np.ndarray:
     """The counterfactual advantage of each completion's strategy (COMA's baseline, Foerster et al.
-    2018, with a uniform weighting): ``q[i, k]`` (B, 5) is the summed, weighted reward of
-    completion i's plan with its strategy replaced by ``STRATEGIES[k]``; the result (B,) is
-    ``q[i, chosen] - mean_k q[i, k]``, divided by the std of the chosen rewards over the batch (as
-    TRL's ``scale_rewards=batch``). NaN for completions that name no strategy.
+    2018, with a uniform weighting). ``q`` (B, 6): columns 0-4 the summed, weighted reward of
+    completion i's plan with its strategy replaced by ``STRATEGIES[k]``, column 5 of the plan as
+    written. The result (B,) is ``q[i, 5] - mean_k q[i, :5]``, divided by the std of ``q[:, 5]``
+    over the batch (as TRL's ``scale_rewards=batch``); NaN where ``chosen`` (the arms of
+    :func:`strategy_spans`) is None.
 
     The baseline holds everything but the strategy fixed, so the plan's own quality cancels, and it
     does not depend on the sampled strategy, so the policy gradient stays unbiased.
     """
     q = np.asarray(q, dtype=float)
-    if q.ndim != 2 or q.shape != (len(chosen), len(STRATEGIES)):
-        raise ValueError(f"q {q.shape} must be ({len(chosen)}, {len(STRATEGIES)})")
+    if q.shape != (len(chosen), len(STRATEGIES) + 1):
+        raise ValueError(f"q {q.shape} must be ({len(chosen)}, {len(STRATEGIES) + 1})")
     out = np.full(len(chosen), np.nan)
     rows = [i for i, s in enumerate(chosen) if s is not None]
     if not rows:
         return out
-    cols = [STRATEGIES.index(chosen[i]) for i in rows]
-    mine = q[rows, cols]
-    diff = mine - np.nanmean(q[rows], axis=1)
+    mine = q[rows, -1]
     scale = float(np.nanstd(mine)) if len(rows) > 1 else 0.0
-    out[rows] = diff / (scale + 1e-4)
+    out[rows] = (mine - np.nanmean(q[rows, :-1], axis=1)) / (scale + 1e-4)
     return out
 
 
@@ -131,7 +138,8 @@ def strategy_token_advantages(
     ``advantages`` (B,): TRL's; ``pieces``: per completion, the decoded text of each of its T
     (padded) completion tokens, padding as ''. ``score(texts, rows) -> (len(texts),)`` (for
     ``counterfactual``): the summed, weighted reward of each text, a plan of completion ``rows[j]``'s
-    case. Also returns diagnostics: ``named`` (share of completions with strategy tokens) and
+    case. Also returns diagnostics: ``named`` (share of completions with strategy tokens),
+    ``invalid`` (share declaring a non-strategy) and
     ``marginal`` (centred: mean |removed marginal|) or ``gap`` (counterfactual: mean of the best
     strategy's reward less the mean strategy's, per plan).
     """
@@ -144,7 +152,10 @@ def strategy_token_advantages(
     found = [strategy_spans(t) for t in texts]
     strategies = [s for s, _ in found]
     named = np.array([s is not None for s in strategies], dtype=bool)
-    diagnostics = {"named": float(named.mean()) if len(named) else 0.0}
+    diagnostics = {
+        "named": float(named.mean()) if len(named) else 0.0,
+        "invalid": float(np.mean([s == INVALID for s in strategies])) if strategies else 0.0,
+    }
     if kind == "centred":
         strategy_adv = centred_strategy_advantages(a, strategies)
         diagnostics["marginal"] = float(np.abs(a - strategy_adv)[named].mean()) if named.any() else 0.0
@@ -152,16 +163,20 @@ def strategy_token_advantages(
         if score is None:
             raise ValueError("counterfactual strategy advantages need score(texts, rows)")
         rows = [i for i in range(len(texts)) if named[i]]
-        q = np.full((len(texts), len(STRATEGIES)), np.nan)
+        q = np.full((len(texts), len(STRATEGIES) + 1), np.nan)
         if rows:
-            variants = [with_strategy(texts[i], found[i][1], s) for i in rows for s in STRATEGIES]
-            owners = [i for i in rows for _ in STRATEGIES]
-            q[rows] = np.asarray(score(variants, owners), dtype=float).reshape(len(rows), len(STRATEGIES))
+            variants = [
+                v
+                for i in rows
+                for v in (*(with_strategy(texts[i], found[i][1], s) for s in STRATEGIES), texts[i])
+            ]
+            owners = [i for i in rows for _ in range(len(STRATEGIES) + 1)]
+            q[rows] = np.asarray(score(variants, owners), dtype=float).reshape(len(rows), len(STRATEGIES) + 1)
         strategy_adv = centred_strategy_advantages(
             counterfactual_strategy_advantages(q, strategies), strategies
         )
         diagnostics["gap"] = (
-            float(np.nanmean(np.nanmax(q[rows], 1) - np.nanmean(q[rows], 1))) if rows else 0.0
+            float(np.nanmean(np.nanmax(q[rows, :-1], 1) - np.nanmean(q[rows, :-1], 1))) if rows else 0.0
         )
     for row, (p, (strategy, spans)) in enumerate(zip(pieces, found)):
         if strategy is not None and np.isfinite(strategy_adv[row]):
@@ -171,6 +186,7 @@ def strategy_token_advantages(
 
 
 __all__ = [
+    "INVALID",
     "STRATEGY_ADVANTAGES",
     "centred_strategy_advantages",
     "counterfactual_strategy_advantages",

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from orthojob.strategy_advantage import (
+    INVALID,
     centred_strategy_advantages,
     counterfactual_strategy_advantages,
     strategy_spans,
@@ -35,7 +36,9 @@ def test_strategy_spans_find_the_name_in_either_key_order_and_only_a_valid_one()
         text = _plan("distal_first", last)
         strategy, spans = strategy_spans(text)
         assert strategy == "distal_first" and [text[a:b] for a, b in spans] == ["distal_first"]
-    assert strategy_spans(_plan("sideways_first")) == (None, [])
+    text = _plan("sideways_first")  # not a strategy: its own arm, centred with the five
+    strategy, spans = strategy_spans(text)
+    assert strategy == INVALID and [text[a:b] for a, b in spans] == ["sideways_first"]
     assert strategy_spans(_plan(None)) == (None, [])
     assert strategy_spans("no plan here") == (None, [])
 
@@ -73,14 +76,17 @@ def test_token_mask_covers_exactly_the_tokens_that_overlap_the_name():
     assert token_spans_mask(pieces, spans).tolist() == [False] * 4 + [True, True, False]
 
 
-def test_counterfactual_advantage_compares_the_same_plan_under_every_strategy():
-    q = np.array([[1.0, 2.0, 3.0, 4.0, 5.0], [5.0, 5.0, 5.0, 5.0, 5.0], [0.0] * 5])
-    chosen = [STRATEGIES[4], STRATEGIES[0], None]
+def test_counterfactual_advantage_compares_the_plan_as_written_with_it_under_every_strategy():
+    # columns: the five strategies, then the plan as written
+    q = np.array(
+        [[1.0, 2.0, 3.0, 4.0, 5.0, 5.0], [5.0, 5.0, 5.0, 5.0, 5.0, 5.0], [2.0] * 5 + [1.0], [0.0] * 6]
+    )
+    chosen = [STRATEGIES[4], STRATEGIES[0], INVALID, None]
     adv = counterfactual_strategy_advantages(q, chosen)
-    scale = np.std([5.0, 5.0]) + 1e-4
-    assert adv[0] == pytest.approx((5.0 - 3.0) / scale) and adv[1] == pytest.approx(0.0) and np.isnan(adv[2])
+    scale = np.std([5.0, 5.0, 1.0]) + 1e-4
+    assert adv[:3] == pytest.approx([(5.0 - 3.0) / scale, 0.0, (1.0 - 2.0) / scale]) and np.isnan(adv[3])
     with pytest.raises(ValueError, match="must be"):
-        counterfactual_strategy_advantages(q[:, :3], chosen)
+        counterfactual_strategy_advantages(q[:, :5], chosen)
     text = _plan("anterior_first")
     assert with_strategy(text, strategy_spans(text)[1], "distal_first") == _plan("distal_first")
 
@@ -174,9 +180,15 @@ def test_counterfactual_hook_scores_the_plan_under_the_five_strategies_with_the_
     output = {"completion_ids": ids, "completion_mask": mask, "advantages": advantages}
     RecordingGRPOTrainer._strategy_token_advantages(trainer, output, cases)
     token_adv = output["advantages"]
+
     # the same plans re-scored here under each strategy: q (6, 5), COMA's advantage, then centred
-    q = np.array([[sum(float(f([with_strategy(t, strategy_spans(t)[1], s)], seed=[c.seed], task_id=[c.task_id],
-                                  force_decay=[c.force_decay])[0]) for f in funcs) for s in STRATEGIES]
+    def total(text, c):
+        return sum(
+            float(f([text], seed=[c.seed], task_id=[c.task_id], force_decay=[c.force_decay])[0])
+            for f in funcs
+        )
+
+    q = np.array([[total(with_strategy(t, strategy_spans(t)[1], s), c) for s in STRATEGIES] + [total(t, c)]
                   for t, c in zip(texts, cases)])  # fmt: skip
     chosen = [strategy_spans(t)[0] for t in texts]
     coma = counterfactual_strategy_advantages(q, chosen)
