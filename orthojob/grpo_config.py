@@ -153,13 +153,13 @@ class GRPOJobConfig:
     )
     strategy_advantage_scale: float = field(
         default=1.0,
-        metadata={"help": "centred: multiplies the strategy tokens' advantage"},
+        metadata={"help": "centred, counterfactual: multiplies the strategy tokens' advantage"},
     )
-    head_lr_scale: float = field(
+    strategy_lr_scale: float = field(
         default=1.0,
         metadata={
-            "help": "the output layer (lm_head) learns at --lr x this; full fine-tuning only (an adapter "
-            "does not train it)"
+            "help": "the output layer's rows of the tokens that spell the five strategies (the diagnosis "
+            "read-out) learn at --lr x this; full fine-tuning only (an adapter leaves lm_head frozen)"
         },
     )
     lr_scheduler_type: str = field(
@@ -261,15 +261,17 @@ class GRPOJobConfig:
             raise ConfigError(
                 f"--strategy-advantage-scale must be a finite number > 0, got {self.strategy_advantage_scale}"
             )
-        if not (math.isfinite(self.head_lr_scale) and self.head_lr_scale > 0):
-            raise ConfigError(f"--head-lr-scale must be a finite number > 0, got {self.head_lr_scale}")
-        if self.head_lr_scale != 1.0 and self.lora_r > 0:
+        if not (math.isfinite(self.strategy_lr_scale) and self.strategy_lr_scale > 0):
             raise ConfigError(
-                "--head-lr-scale needs full fine-tuning (--lora-r 0): a LoRA adapter leaves lm_head frozen"
+                f"--strategy-lr-scale must be a finite number > 0, got {self.strategy_lr_scale}"
+            )
+        if self.strategy_lr_scale != 1.0 and self.lora_r > 0:
+            raise ConfigError(
+                "--strategy-lr-scale needs full fine-tuning (--lora-r 0): a LoRA adapter leaves lm_head frozen"
             )
         if self.strategy_advantage != "sequence" and self.mode == "agentic":
             raise ConfigError(
-                "--strategy-advantage centred is for --mode oneshot (a tool rollout names no strategy)"
+                "--strategy-advantage centred or counterfactual is for --mode oneshot (a tool rollout names no strategy)"
             )
         if self.beta < 0 or self.temperature <= 0:
             raise ConfigError(

@@ -65,7 +65,7 @@ from orthojob.prompts import prompt_format_of, prompt_rows
 from orthojob.records import json_value
 from orthojob.rewards import RewardFunc, reward_weights
 from orthojob.rollouts import DEFAULT_CACHE
-from orthojob.strategy_advantage import strategy_token_advantages
+from orthojob.strategy_advantage import strategy_token_advantages, strategy_token_ids
 from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
     table_file: str = COMPLETIONS_TABLE
     strategy_advantage: str = "sequence"  # orthojob.strategy_advantage.STRATEGY_ADVANTAGES
     strategy_advantage_scale: float = 1.0
-    head_lr_scale: float = 1.0  # GRPOJobConfig.head_lr_scale; set before train() builds the optimizer
+    strategy_lr_scale: float = 1.0  # GRPOJobConfig.strategy_lr_scale; set before train() builds the optimizer
     _record_warned = False
 
     def __init__(self, model, reward_funcs, *args, **kwargs):
@@ -200,31 +200,49 @@ class RecordingGRPOTrainer(GRPOTrainer):
         self.callback_handler.callbacks.insert(0, _RewardClock(self))
 
     def create_optimizer(self):
-        """TRL's optimizer; with :attr:`head_lr_scale` != 1 the output layer is its own parameter
-        group at ``learning_rate x head_lr_scale`` (the scheduler scales every group alike)."""
-        if self.head_lr_scale == 1.0 or self.optimizer is not None:
+        """TRL's optimizer; with :attr:`strategy_lr_scale` != 1 the rows of the output layer that
+        spell the five strategies (:func:`orthojob.strategy_advantage.strategy_token_ids`) learn
+        at ``learning_rate x strategy_lr_scale``, every other parameter at the learning rate.
+
+        Adam has no per-row rate: the output layer gets its own group at the scaled rate, and a
+        step hook brings every other row of it back to the unscaled step (old + step / scale)."""
+        if self.strategy_lr_scale == 1.0 or self.optimizer is not None:
             return super().create_optimizer()
-        head = {id(p) for p in self.model.get_output_embeddings().parameters() if p.requires_grad}
-        if not head:
-            raise ValueError("head_lr_scale needs a trainable output layer (full fine-tuning)")
+        head = self.model.get_output_embeddings().weight
+        if not head.requires_grad:
+            raise ValueError("strategy_lr_scale needs a trainable output layer (full fine-tuning)")
         decay = set(self.get_decay_parameter_names(self.model))
         groups: dict[tuple[bool, bool], list] = {}
         for name, p in self.model.named_parameters():
             if p.requires_grad:
-                groups.setdefault((id(p) in head, name in decay), []).append(p)
+                groups.setdefault((p is head, name in decay), []).append(p)
         optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
         lr = optimizer_kwargs.pop("lr", self.args.learning_rate)
+        scale = self.strategy_lr_scale
         self.optimizer = optimizer_cls(
             [
                 {
                     "params": params,
-                    "lr": lr * (self.head_lr_scale if is_head else 1.0),
+                    "lr": lr * (scale if is_head else 1.0),
                     "weight_decay": self.args.weight_decay if decays else 0.0,
                 }
                 for (is_head, decays), params in groups.items()
             ],
             **optimizer_kwargs,
         )
+        others = torch.ones(head.shape[0], dtype=torch.bool, device=head.device)
+        others[strategy_token_ids(self.processing_class)] = False
+        before: list[torch.Tensor] = []
+
+        def keep(optimizer, args, kwargs):
+            before[:] = [head.detach()[others].clone()]
+
+        def unscale(optimizer, args, kwargs):
+            with torch.no_grad():
+                head[others] = before[0] + (head[others] - before[0]) / scale
+
+        self.optimizer.register_step_pre_hook(keep)
+        self.optimizer.register_step_post_hook(unscale)
         return self.optimizer
 
     def _timed(self, func: Callable) -> Callable:
@@ -594,7 +612,7 @@ def train(
     trainer.table_rows = config.completions_table_rows if is_main else 0
     trainer.strategy_advantage = config.strategy_advantage
     trainer.strategy_advantage_scale = config.strategy_advantage_scale
-    trainer.head_lr_scale = config.head_lr_scale
+    trainer.strategy_lr_scale = config.strategy_lr_scale
     try:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:  # the environments' server sessions (--env-url): TRL never closes its pooled environments

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from orthojob.canaries import CANARIES, METRICS, episode_values, rollout_record  # noqa: F401 (re-exported)
-from orthojob.strategy_advantage import STRATEGY_ADVANTAGES
+from orthojob.strategy_advantage import STRATEGY_ADVANTAGES, STRATEGY_KEY
 from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, CaseKey, generate_case
 
 log = logging.getLogger("orthojob.learning")
@@ -99,7 +99,7 @@ class LearnConfig:
     strategy_weight: float = 3.0
     strategy_advantage: str = field(default="centred", metadata={"choices": STRATEGY_ADVANTAGES})
     strategy_advantage_scale: float = 1.0
-    head_lr_scale: float = 1.0
+    strategy_lr_scale: float = 1.0
     max_completion_length: int = 128
     seed: int = 0
     # baselines on the same held-out seeds (a second process, the other core): BC and RSFT
@@ -157,7 +157,6 @@ def reference_rows(cases: Sequence[CaseKey]) -> dict[str, dict]:
     return rows
 
 
-STRATEGY_KEY = '"strategy": "'
 """Where a plan names its strategy: the probe reads the next token's distribution there."""
 
 
@@ -472,7 +471,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path):
         reward_weights={"reward_strategy": cfg.strategy_weight} if cfg.strategy_weight != 1.0 else {},
         strategy_advantage=cfg.strategy_advantage,
         strategy_advantage_scale=cfg.strategy_advantage_scale,
-        head_lr_scale=cfg.head_lr_scale,
+        strategy_lr_scale=cfg.strategy_lr_scale,
         gradient_checkpointing=False,
         save_steps=0,
     )

@@ -38,6 +38,10 @@ strategy tokens' advantage is the reward of the plan as written less the mean re
 plan under each of the five strategies (:func:`counterfactual_strategy_advantages`), then centred
 the same way."""
 
+STRATEGY_KEY = '"strategy": "'
+"""What a plan writes before its strategy's name (the canonical JSON of
+:func:`orthojob.prompts.plan_to_completion`)."""
+
 _STRATEGY_VALUE = re.compile(r'"strategy"\s*:\s*"([A-Za-z_]+)"')
 
 
@@ -111,6 +115,21 @@ def counterfactual_strategy_advantages(q: np.ndarray, chosen: Sequence[str | Non
     scale = float(np.nanstd(mine)) if len(rows) > 1 else 0.0
     out[rows] = (mine - np.nanmean(q[rows, :-1], axis=1)) / (scale + 1e-4)
     return out
+
+
+def strategy_token_ids(tokenizer) -> list[int]:
+    """The token ids that spell the five strategy names after :data:`STRATEGY_KEY` (sorted): the
+    rows of the output layer that read out the diagnosis."""
+    head = tokenizer(STRATEGY_KEY, add_special_tokens=False)["input_ids"]
+    ids: set[int] = set()
+    for s in STRATEGIES:
+        full = tokenizer(STRATEGY_KEY + s, add_special_tokens=False)["input_ids"]
+        ids.update(
+            full[len(head) :]
+            if full[: len(head)] == head
+            else tokenizer(s, add_special_tokens=False)["input_ids"]
+        )
+    return sorted(ids)
 
 
 def token_spans_mask(pieces: Sequence[str], spans: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -188,10 +207,12 @@ def strategy_token_advantages(
 __all__ = [
     "INVALID",
     "STRATEGY_ADVANTAGES",
+    "STRATEGY_KEY",
     "centred_strategy_advantages",
     "counterfactual_strategy_advantages",
     "strategy_spans",
     "strategy_token_advantages",
+    "strategy_token_ids",
     "token_spans_mask",
     "with_strategy",
 ]

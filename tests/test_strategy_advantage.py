@@ -204,26 +204,48 @@ def test_counterfactual_hook_scores_the_plan_under_the_five_strategies_with_the_
     assert trainer._metrics["train"]["strategy_advantage/gap"][0] > 0
 
 
-def test_head_lr_scale_puts_the_output_layer_in_its_own_faster_group(tmp_path):
-    """RecordingGRPOTrainer.create_optimizer with head_lr_scale 10: lm_head's parameters learn at
-    10x the learning rate, every other trainable parameter at the learning rate, none twice."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+def test_strategy_lr_scale_speeds_up_only_the_strategy_rows_of_the_output_layer(tmp_path):
+    """RecordingGRPOTrainer.create_optimizer with strategy_lr_scale 10: every trainable parameter
+    is in one group; after an Adam step on the same gradient everywhere, the output layer's rows of
+    the strategy tokens moved 10x as far as with scale 1, every other row (and every other
+    parameter) as far."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     from orthojob import models
     from orthojob.grpo_trainer import RecordingGRPOTrainer
+    from orthojob.strategy_advantage import strategy_token_ids
 
     path = models.build_tiny(tmp_path / "tiny", ["task_easy"], prompt_format="compact", hidden_size=32, layers=1,
                              heads=2, kv_heads=1, intermediate=32)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(path)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), learning_rate=3e-4, report_to=[], use_cpu=True)
-    fake = SimpleNamespace(head_lr_scale=10.0, optimizer=None, model=model, args=args,
-                           get_optimizer_cls_and_kwargs=Trainer.get_optimizer_cls_and_kwargs)  # fmt: skip
-    fake.get_decay_parameter_names = lambda m: Trainer.get_decay_parameter_names(fake, m)
-    optimizer = RecordingGRPOTrainer.create_optimizer(fake)
-    head = {id(p) for p in model.get_output_embeddings().parameters()}
-    seen = [id(p) for g in optimizer.param_groups for p in g["params"]]
-    assert sorted(seen) == sorted(id(p) for p in model.parameters() if p.requires_grad)
-    for group in optimizer.param_groups:
-        in_head = {id(p) in head for p in group["params"]}
-        assert len(in_head) == 1
-        assert group["lr"] == pytest.approx(3e-3 if in_head.pop() else 3e-4)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rows = strategy_token_ids(tokenizer)
+    assert rows and all(tokenizer.decode([r]) in "".join(STRATEGIES) for r in rows)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), learning_rate=1e-3, report_to=[], use_cpu=True)
+
+    def one_step(scale: float) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if scale == 1.0:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        else:
+            fake = SimpleNamespace(strategy_lr_scale=scale, optimizer=None, model=model, args=args,
+                                   processing_class=tokenizer,
+                                   get_optimizer_cls_and_kwargs=Trainer.get_optimizer_cls_and_kwargs)  # fmt: skip
+            fake.get_decay_parameter_names = lambda m: Trainer.get_decay_parameter_names(fake, m)
+            optimizer = RecordingGRPOTrainer.create_optimizer(fake)
+            ids = sorted(id(p) for g in optimizer.param_groups for p in g["params"])
+            assert ids == sorted(id(p) for p in model.parameters() if p.requires_grad)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        return {n: p.detach() - start[n] for n, p in model.named_parameters()}
+
+    base, fast = one_step(1.0), one_step(10.0)
+    head = "lm_head.weight"
+    others = [r for r in range(base[head].shape[0]) if r not in rows]
+    assert torch.allclose(fast[head][rows], 10 * base[head][rows], rtol=1e-4)
+    assert torch.allclose(fast[head][others], base[head][others], rtol=1e-4, atol=1e-9)
+    for name in base:
+        if name != head:
+            assert torch.allclose(fast[name], base[name], rtol=1e-4, atol=1e-9), name
