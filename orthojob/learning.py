@@ -15,7 +15,13 @@ offline, in two processes (one per core):
 4. **GRPO** through the job's trainer (:func:`orthojob.grpo_trainer.train` with the
    :class:`~orthojob.grpo_config.GRPOJobConfig` of :func:`grpo_job_config`: TRL's GRPOTrainer, the
    project's five reward functions, ``reward_strategy`` weighted ``strategy_weight``) from stage 0:
-   4 prompts x 8 completions per step, temperature 0.8, ``beta`` 0, DAPO loss, group-scaled rewards;
+   4 prompts x 8 completions per step, temperature 0.8, DAPO loss, group-scaled rewards, and three
+   settings that let it learn the case-dependent strategy (docs/learning_experiment.md, runs K-Q):
+   the tokens naming the strategy get the ``counterfactual`` advantage
+   (:mod:`orthojob.strategy_advantage`: the plan as written against the same plan under each of the
+   five strategies, centred per strategy over the batch), the output layer's strategy rows learn
+   at ``strategy_lr_scale`` x the learning rate, and a KL anchor to stage 0 (``beta`` 0.1) holds the
+   strategy distribution of every case near stage 0's until the case-dependent part wins;
 5. **evaluation** every ``--eval-every`` steps (and at step 0 = stage 0), and of BC and RSFT, on
    held-out seeds (:data:`server.cases.HELDOUT_SEED_START`), greedy decoding: the scaled terminal
    reward, strategy accuracy, and clinical canaries that are NOT in the reward (limit violations,
@@ -93,13 +99,13 @@ class LearnConfig:
     num_prompts: int = 1000
     lr: float = 3e-4
     temperature: float = 0.8
-    beta: float = 0.0
+    beta: float = 0.1
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     strategy_weight: float = 3.0
-    strategy_advantage: str = field(default="centred", metadata={"choices": STRATEGY_ADVANTAGES})
+    strategy_advantage: str = field(default="counterfactual", metadata={"choices": STRATEGY_ADVANTAGES})
     strategy_advantage_scale: float = 1.0
-    strategy_lr_scale: float = 1.0
+    strategy_lr_scale: float = 10.0
     max_completion_length: int = 128
     seed: int = 0
     # baselines on the same held-out seeds (a second process, the other core): BC and RSFT

@@ -370,7 +370,9 @@ def test_learning_grpo_runs_through_the_job_trainer(tiny_model, tmp_path):
     assert [r["learning_rate"] for r in rows] == [cfg.lr, cfg.lr]
     assert all(0 < r["reward_time_share"] < 1 for r in rows)
     # the experiment's centred strategy advantage ran (token-level advantages through TRL's loss)
-    assert cfg.strategy_advantage == "centred" and all(0 <= r["strategy_advantage/named"] <= 1 for r in rows)
+    assert cfg.strategy_advantage == "counterfactual" and all(
+        0 <= r["strategy_advantage/named"] <= 1 for r in rows
+    )
     records = [json.loads(x) for x in (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()]
     assert {r["seed"] for r in records} <= {learning.GRPO_PROMPT_SEED_START + i for i in range(2)}
 

@@ -88,7 +88,7 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
         8,
         1,
     )
-    assert (args.loss_type, args.scale_rewards, args.temperature, args.beta) == ("dapo", "group", 0.8, 0.0)
+    assert (args.loss_type, args.scale_rewards, args.temperature, args.beta) == ("dapo", "group", 0.8, 0.1)
     assert args.lr_scheduler_type == "constant" and args.learning_rate == cfg.lr == 3e-4
     assert args.max_completion_length == 128 and args.max_steps == cfg.steps and args.seed == cfg.seed
     names = [f.__name__ for f in funcs]
@@ -96,7 +96,7 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
         "reward_terminal": 1.0, "reward_occlusion": 1.0, "reward_strategy": 3.0, "reward_format": 1.0, "reward_anchorage": 1.0
     }  # fmt: skip
     assert not args.gradient_checkpointing
-    assert (job.strategy_advantage, job.strategy_advantage_scale) == ("centred", cfg.strategy_advantage_scale)
+    assert (job.strategy_advantage, job.strategy_lr_scale) == ("counterfactual", 10.0)
     assert (
         job.num_prompts == 1000
         and job.prompt_seed_start == GRPO_PROMPT_SEED_START == TRAIN_SEED_START + 50_000
