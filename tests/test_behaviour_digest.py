@@ -25,11 +25,24 @@ from server.dental_environment import StepwiseDentalEnvironment
 from server.oracle import oracle_plan
 
 SEEDS = range(50)
-EXPECTED = {
-    "cases": "37e501ac32777fa9dabad2b9a146a13bf4b8d6c9988f6e2720c1aa990a56d06f",
-    "rewards": "080fe4bb6a74cc4e3fe0c79adbbd91ffa8cf218931ad40163ec5850e2f9e6274",
-    "stepwise": "a14e7e0f14e173a2cc6d3ba63135133a0c7ef2758388d7235c967198fab9962c",
+EXPECTED = {  # one digest per machine type: the float bits differ between them (below)
+    "cases": (
+        "37e501ac32777fa9dabad2b9a146a13bf4b8d6c9988f6e2720c1aa990a56d06f",
+        "7ac52f1268abbce101d5d8af96488fa1e840d17fb8c477f005d2665555782527",
+    ),
+    "rewards": (
+        "080fe4bb6a74cc4e3fe0c79adbbd91ffa8cf218931ad40163ec5850e2f9e6274",
+        "ebac12827f3a8f607ab7607865cf396d872b21f0340a695c4dfc48ecfefaac62",
+    ),
+    "stepwise": (
+        "a14e7e0f14e173a2cc6d3ba63135133a0c7ef2758388d7235c967198fab9962c",
+        "14e7d4cc4c02b6f8631ef50dc602064f9143415042e66fd4b9cc42a6b93cbd74",
+    ),
 }
+"""Accepted digests. The first of each pair was recorded on main on the machines of sessions 1-6; the
+second on session 7's machine (AMD EPYC, numpy 2.4.6 dispatching AVX512_ICL), where main at d9967e0
+gives it: the same code computes other float bits there (the SIMD and BLAS kernels differ; every
+tolerance test passes on both). A change of behaviour changes both; record the new pair together."""
 
 
 def observation_of(task_id: str, seed: int, force_decay: bool) -> dict:
@@ -106,15 +119,15 @@ def stepwise_digest() -> str:
 
 
 def test_cases_digest_unchanged():
-    assert cases_digest() == EXPECTED["cases"]
+    assert cases_digest() in EXPECTED["cases"]
 
 
 def test_prompts_and_rewards_digest_unchanged():
-    assert rewards_digest() == EXPECTED["rewards"]
+    assert rewards_digest() in EXPECTED["rewards"]
 
 
 def test_stepwise_episodes_digest_unchanged():
-    assert stepwise_digest() == EXPECTED["stepwise"]
+    assert stepwise_digest() in EXPECTED["stepwise"]
 
 
 if __name__ == "__main__":
