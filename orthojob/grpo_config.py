@@ -146,8 +146,9 @@ class GRPOJobConfig:
         default="sequence",
         metadata={
             "help": "sequence: TRL's advantage on every token; centred: the tokens naming the strategy get "
-            "it less their strategy's batch mean, so GRPO learns which strategy fits which case rather "
-            "than one strategy for all (orthojob.strategy_advantage)",
+            "it less their strategy's batch mean; counterfactual: they get the plan's reward less its "
+            "mean under the five strategies, then centred; so GRPO learns which strategy fits which "
+            "case rather than one strategy for all (orthojob.strategy_advantage)",
             "choices": STRATEGY_ADVANTAGES,
         },
     )

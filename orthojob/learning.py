@@ -16,7 +16,7 @@ offline, in two processes (one per core):
    :class:`~orthojob.grpo_config.GRPOJobConfig` of :func:`grpo_job_config`: TRL's GRPOTrainer, the
    project's five reward functions, ``reward_strategy`` weighted ``strategy_weight``) from stage 0:
    4 prompts x 8 completions per step, temperature 0.8, DAPO loss, group-scaled rewards, and three
-   settings that let it learn the case-dependent strategy (docs/learning_experiment.md, runs K-Q):
+   settings that let it learn the case-dependent strategy (docs/learning_experiment.md, runs 7A-7Q):
    the tokens naming the strategy get the ``counterfactual`` advantage
    (:mod:`orthojob.strategy_advantage`: the plan as written against the same plan under each of the
    five strategies, centred per strategy over the batch), the output layer's strategy rows learn
