@@ -277,10 +277,12 @@ class RecordingGRPOTrainer(GRPOTrainer):
         with this trainer's reward functions and weights), every other token TRL's. Logs
         ``strategy_advantage/<diagnostic>``."""
         advantages = output["advantages"]
-        decode = self.processing_class.decode
+        ids, mask = output["completion_ids"].tolist(), output["completion_mask"].tolist()
+        width = len(ids[0]) if ids else 0
+        flat = self.processing_class.batch_decode([[t] for row in ids for t in row], skip_special_tokens=True)
         pieces = [
-            [decode([t], skip_special_tokens=True) if keep else "" for t, keep in zip(ids, mask)]
-            for ids, mask in zip(output["completion_ids"].tolist(), output["completion_mask"].tolist())
+            [p if keep else "" for p, keep in zip(flat[r * width : (r + 1) * width], mask[r])]
+            for r in range(len(ids))
         ]
         token_advantages, diagnostics = strategy_token_advantages(
             advantages.detach().float().cpu().numpy(),
