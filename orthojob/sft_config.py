@@ -97,7 +97,11 @@ class SFTJobConfig:
     )
     logging_steps: int = field(default=10, metadata={"help": "log every N steps", "cli": False})
     tiny_arch: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "the tiny model's architecture (presets)", "cli": False}
+        default_factory=dict,
+        metadata={
+            "help": "the tiny model's build keywords: architecture and prompt_format (presets)",
+            "cli": False,
+        },
     )
 
     def __post_init__(self) -> None:

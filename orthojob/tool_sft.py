@@ -184,17 +184,23 @@ def tiny_tool_corpus(task_ids: Sequence[str], force_decay: bool = False, n_per_t
 
 def build_tiny_tool_model(out_dir, task_ids: Sequence[str], force_decay: bool = False, **arch):
     """The offline tiny model (:func:`orthojob.tiny_model.build_tiny_model`) with a tokenizer that also
-    knows the tool conversations and room for them (at least 8192 positions)."""
+    knows the tool conversations and room for them (at least 8192 positions). ``arch`` may name a
+    ``prompt_format`` (:func:`orthojob.models.build_tiny`), recorded in its ``config.json``."""
     from pathlib import Path
 
+    from orthojob.prompts import check_prompt_format, set_prompt_format
     from orthojob.tiny_model import build_tiny_model
 
     path = Path(out_dir)
     if (path / "config.json").is_file():
         return path
     arch = {"vocab_size": 1024, **arch}
+    prompt_format = check_prompt_format(arch.pop("prompt_format", "full"))
     arch["max_position_embeddings"] = max(int(arch.get("max_position_embeddings", 0)), 8192)
-    return build_tiny_model(path, corpus=tiny_tool_corpus(task_ids, force_decay), **arch)
+    build_tiny_model(path, corpus=tiny_tool_corpus(task_ids, force_decay), **arch)
+    if prompt_format != "full":
+        set_prompt_format(path, prompt_format)
+    return path
 
 
 # --- the gate: greedy agentic rollouts -----------------------------------------------------------

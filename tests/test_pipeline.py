@@ -18,15 +18,12 @@ from orthojob.grpo import config_from_args
 from orthojob.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.pipeline import SUMMARY_FILE, run_pipeline
 from orthojob.presets import PRESETS, Preset, apply_overrides
+from orthojob.prompts import prompt_format_of
 from orthojob.sft import config_from_args as sft_config_from_args
 from orthojob.sft_config import SFTJobConfig
 
 SMALL = {
-    # half make run's 600 SFT steps (CI time: an SFT step is the suite's longest wait); measured with
-    # the full 2,400 demonstrations: greedy parse rate 0.938 on 32 held-out seeds after 300 steps
-    # (1.0 after 600), so the gate asks for 0.8 here
-    "sft.steps": 300,
-    "sft_gate.thresholds.min_parse_rate": 0.8,
+    # SFT exactly as make run's (its gate's thresholds too); fewer held-out seeds
     "sft_gate.n_seeds": 20,
     "grpo.steps": 2,
     "grpo.gate_seeds": 8,
@@ -46,11 +43,18 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     stages = summary["stages"]
     assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == summary["exit_code"]
 
+    # the tiny model is built for the preset's prompt format, and every stage's checkpoint keeps it
+    expected_format = PRESETS["tiny-cpu"].tiny_arch["prompt_format"]
+    assert expected_format == "compact"
+    for folder in ("tiny-model", "bc_sft", "grpo"):
+        assert prompt_format_of(out / folder) == expected_format, folder
+
     # BC SFT (stage 2) lifts the greedy parse rate of the random tiny model to the gate's threshold
-    assert stages["bc_sft"]["steps"] == SMALL["sft.steps"]
+    preset_sft = PRESETS["tiny-cpu"]
+    assert stages["bc_sft"]["steps"] == preset_sft.sft.steps
     assert stages["bc_sft"]["final_loss"] < stages["bc_sft"]["first_loss"]
     sft_gate = stages["gate_bc_sft"]
-    assert sft_gate["parse_rate"] >= SMALL["sft_gate.thresholds.min_parse_rate"], sft_gate
+    assert sft_gate["parse_rate"] >= preset_sft.sft_gate.thresholds.min_parse_rate, sft_gate
     assert sft_gate["passed"] is True
     gate.check_gate(out / "bc_sft")  # the file GRPO's pre-flight accepted
 

@@ -13,7 +13,8 @@ import pytest
 
 from orthojob import gate, models
 from orthojob.cli import main as cli_main
-from orthojob.prompts import TRAIN_SEED_START, plan_to_completion
+from orthojob.presets import PRESETS
+from orthojob.prompts import PROMPT_FORMAT_KEY, TRAIN_SEED_START, plan_to_completion
 from orthojob.rewards import reward_terminal
 from orthojob.rollouts import DEFAULT_CACHE
 from orthojob.tool_sft import (
@@ -177,6 +178,7 @@ def test_pipeline_runs_tool_use_sft_from_a_presets_chain(tmp_path, monkeypatch, 
     stages = summary["stages"]
     tiny = json.loads((out / "tiny-model" / "config.json").read_text())
     assert stages["tiny-model"]["path"] == str(out / "tiny-model") and tiny["max_position_embeddings"] == 8192
+    assert tiny[PROMPT_FORMAT_KEY] == PRESETS["tiny-cpu"].tiny_arch["prompt_format"]  # the preset's, recorded
     tool = stages["tool_sft"]
     assert tool["demos"]["source"] == "tool" and tool["assistant_only_loss"] is True
     assert tool["examples_at_max_length"] == 0 and 0 < tool["loss_tokens"] < tool["tokens"]
