@@ -17,8 +17,9 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
+# one process: both cores for its torch threads (the 1 above is for make test's two workers)
 run: install
-	$(BIN)/orthojob pipeline --preset tiny-cpu
+	OMP_NUM_THREADS=2 $(BIN)/orthojob pipeline --preset tiny-cpu
 
 lint: install
 	$(BIN)/ruff check .
