@@ -50,11 +50,11 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
         assert prompt_format_of(out / folder) == expected_format, folder
 
     # BC SFT (stage 2) lifts the greedy parse rate of the random tiny model to the gate's threshold
-    preset_sft = PRESETS["tiny-cpu"]
-    assert stages["bc_sft"]["steps"] == preset_sft.sft.steps
+    preset = PRESETS["tiny-cpu"]
+    assert stages["bc_sft"]["steps"] == preset.sft.steps
     assert stages["bc_sft"]["final_loss"] < stages["bc_sft"]["first_loss"]
     sft_gate = stages["gate_bc_sft"]
-    assert sft_gate["parse_rate"] >= preset_sft.sft_gate.thresholds.min_parse_rate, sft_gate
+    assert sft_gate["parse_rate"] >= preset.sft_gate.thresholds.min_parse_rate, sft_gate
     assert sft_gate["passed"] is True
     gate.check_gate(out / "bc_sft")  # the file GRPO's pre-flight accepted
 
