@@ -178,9 +178,9 @@ TINY_SFT = SFTJobConfig(
     model=TINY_MODEL,
     task_ids=["task_easy"],
     examples=2400,
-    # 4/3 epochs of the compact-prompt demonstrations. Greedy parse rate on 64 held-out seeds,
-    # 2026-12-01: 0.969 here; 600 steps 1.000 but half as long again; 600 at batch 6 0.969; batch 4:
-    # 0.94-0.97 over two seeds, 0.875 at 900 steps; lr 3e-3 or 8e-3 0.75-0.78
+    # 4/3 epochs of the compact-prompt demonstrations. Held-out greedy parse rate, 2026-12-01 (64
+    # seeds; 32 where the gate failed): 0.969 here; 600 steps 1.000 but half as long again; 600 at
+    # batch 6 0.969; 600 at batch 4 0.94-0.97 over three seeds, 0.875 at 900; lr 3e-3 or 8e-3 0.75-0.78
     steps=400,
     batch_size=8,
     grad_accum=1,
