@@ -198,6 +198,7 @@ def build_tiny(
     task_ids: Sequence[str],
     force_decay: bool = False,
     prompt_format: str = "full",
+    corpus: Sequence[str] | None = None,
     **arch: Any,
 ) -> Path:
     """Build the offline tiny Qwen2 model with a tokenizer trained on the project's prompts.
@@ -205,14 +206,15 @@ def build_tiny(
     ``arch``: :func:`orthojob.tiny_model.build_tiny_model` keywords (``hidden_size``, ``layers``,
     ``vocab_size``, ``max_position_embeddings``, ``seed``, ...). ``prompt_format``: the prompt format
     the model is trained and evaluated with (:data:`orthojob.prompts.PROMPT_FORMATS`, recorded in its
-    ``config.json``).
+    ``config.json``). ``corpus``: the tokenizer's training texts (default :func:`tiny_corpus`).
     """
     from orthojob.prompts import check_prompt_format, set_prompt_format
     from orthojob.tiny_model import build_tiny_model
 
     check_prompt_format(prompt_format)
     arch = {"vocab_size": 1024, **arch}
-    path = build_tiny_model(out_dir, corpus=tiny_corpus(task_ids, force_decay), **arch)
+    corpus = tiny_corpus(task_ids, force_decay) if corpus is None else corpus
+    path = build_tiny_model(out_dir, corpus=corpus, **arch)
     if prompt_format != "full":
         set_prompt_format(path, prompt_format)
     return path

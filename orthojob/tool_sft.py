@@ -188,19 +188,13 @@ def build_tiny_tool_model(out_dir, task_ids: Sequence[str], force_decay: bool = 
     ``prompt_format`` (:func:`orthojob.models.build_tiny`), recorded in its ``config.json``."""
     from pathlib import Path
 
-    from orthojob.prompts import check_prompt_format, set_prompt_format
-    from orthojob.tiny_model import build_tiny_model
+    from orthojob.models import build_tiny
 
     path = Path(out_dir)
     if (path / "config.json").is_file():
         return path
-    arch = {"vocab_size": 1024, **arch}
-    prompt_format = check_prompt_format(arch.pop("prompt_format", "full"))
-    arch["max_position_embeddings"] = max(int(arch.get("max_position_embeddings", 0)), 8192)
-    build_tiny_model(path, corpus=tiny_tool_corpus(task_ids, force_decay), **arch)
-    if prompt_format != "full":
-        set_prompt_format(path, prompt_format)
-    return path
+    arch = {**arch, "max_position_embeddings": max(int(arch.get("max_position_embeddings", 0)), 8192)}
+    return build_tiny(path, task_ids, force_decay, corpus=tiny_tool_corpus(task_ids, force_decay), **arch)
 
 
 # --- the gate: greedy agentic rollouts -----------------------------------------------------------
