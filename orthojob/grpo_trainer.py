@@ -19,7 +19,8 @@
   ``--env-url`` the factory is :class:`orthojob.agentic.RemoteToolEnvFactory` (the tools over the
   environment server), whose WebSocket sessions are closed when training ends, or fails.
 * Data parallel: launch with ``torchrun --nproc_per_node N -m orthojob.cli train ...``. Only rank 0
-  writes files; every rank ends with ``destroy_process_group``.
+  writes files; every rank ends the process group in :func:`end_process_group`, which first lets go
+  of the DDP wrapper that keeps it alive.
 
 Import this module after :func:`orthojob.models.device_info` has run: Unsloth must be imported
 before TRL where it is used, which is why :mod:`orthojob.grpo` imports this module lazily.
@@ -632,9 +633,44 @@ def train(
         if on_saved is not None:
             result.gate, result.gate_passed = on_saved(out)
     state.wait_for_everyone()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group(trainer)
     return result
+
+
+def process_group_threads() -> list[str]:
+    """The names of this process's threads that belong to a gloo process group (Linux ``/proc``;
+    elsewhere an empty list)."""
+    tasks = Path("/proc/self/task")
+    names = []
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended while listed
+            continue
+    return sorted(name for name in names if "gloo" in name)
+
+
+def end_process_group(trainer: GRPOTrainer) -> None:
+    """Destroy the process group once nothing holds it (data parallel; no-op in one process).
+
+    The DDP wrapper, held by the trainer and its accelerator, keeps the gloo process group and its
+    threads alive past ``destroy_process_group`` until the interpreter's teardown joins them, and
+    there a rank that had finished its work was seen to abort (SIGABRT, ``terminate called without
+    an active exception``), failing the whole torchrun job. So the trainer keeps the unwrapped model,
+    the accelerator lets go of the wrapper, and the group ends here; a thread still left is logged.
+    """
+    import gc
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    trainer.accelerator.free_memory()
+    trainer.model = trainer.model_wrapped = unwrapped
+    gc.collect()  # the wrapper sits in reference cycles
+    torch.distributed.destroy_process_group()
+    left = process_group_threads()
+    if left:
+        log.warning("process group threads still running after destroy_process_group: %s", left)
 
 
 __all__ = [
@@ -643,7 +679,9 @@ __all__ = [
     "StepTimer",
     "TrainResult",
     "build_grpo_args",
+    "end_process_group",
     "group_std",
+    "process_group_threads",
     "train",
     "trainable_digest",
 ]

@@ -4,7 +4,8 @@ Launched as ``torchrun --standalone --nproc_per_node 2 tests/ddp_grpo_worker.py 
 WORKDIR/tiny holds the tiny model, built by the test before the launch (ranks building it
 themselves would race on the files). Every rank trains 2 GRPO steps through
 :func:`orthojob.grpo.train` (gloo on CPU) and writes WORKDIR/rank<R>.json with the digest of its
-trainable weights, so the test can compare the ranks.
+trainable weights, so the test can compare the ranks, and the gloo threads still running once
+training has returned (there should be none).
 
 A random tiny model writes no JSON, so the five rewards are equal within every group and GRPO's
 advantages (hence the updates) would be zero: the worker registers a sixth, test-only reward,
@@ -27,7 +28,7 @@ if str(REPO) not in sys.path:
 import orthojob.rewards as rewards  # noqa: E402
 from orthojob.grpo import config_from_args, train_and_gate  # noqa: E402
 from orthojob.grpo_config import validate  # noqa: E402
-from orthojob.grpo_trainer import trainable_digest  # noqa: E402
+from orthojob.grpo_trainer import process_group_threads, trainable_digest  # noqa: E402
 from orthojob.parsing import completion_text  # noqa: E402
 
 _five = rewards.active_reward_funcs
@@ -72,6 +73,9 @@ def main(workdir: str) -> int:
         "initial_digest": initial,
         "reward_names": list(trainer.reward_func_names),
         "gate_passed": result.gate_passed,
+        # after train(): the process group must be gone, threads and all, before the interpreter's
+        # teardown (where a rank still holding it was seen to abort)
+        "process_group_threads": process_group_threads(),
     }
     (work / f"rank{rank}.json").write_text(json.dumps(report))
     return 0

@@ -392,6 +392,7 @@ def test_ddp_two_processes(tiny_model, tmp_path):
     for r in reports:
         assert r["world_size"] == 2 and r["accelerate_processes"] == 2 and r["global_step"] == 2
         assert "MULTI_CPU" in r["distributed_type"]
+        assert r["process_group_threads"] == []  # ended before exit (grpo_trainer.end_process_group)
     assert reports[0]["digest"] == reports[1]["digest"]
     assert reports[0]["digest"] != reports[0]["initial_digest"]  # the weights did move
     assert reports[0]["reward_names"][:5] == list(FIVE)
