@@ -29,6 +29,7 @@ before TRL where it is used, which is why :mod:`orthojob.grpo` imports this modu
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import inspect
 import json
@@ -653,14 +654,13 @@ def process_group_threads() -> list[str]:
 def end_process_group(trainer: GRPOTrainer) -> None:
     """Destroy the process group once nothing holds it (data parallel; no-op in one process).
 
-    The DDP wrapper, held by the trainer and its accelerator, keeps the gloo process group and its
-    threads alive past ``destroy_process_group`` until the interpreter's teardown joins them, and
-    there a rank that had finished its work was seen to abort (SIGABRT, ``terminate called without
-    an active exception``), failing the whole torchrun job. So the trainer keeps the unwrapped model,
-    the accelerator lets go of the wrapper, and the group ends here; a thread still left is logged.
+    The DDP wrapper, held by the trainer (``model_wrapped``) and its accelerator, keeps the gloo
+    process group and its threads alive past ``destroy_process_group`` until the interpreter's
+    teardown joins them. In CI a rank that had finished its work once aborted there (SIGABRT,
+    ``terminate called without an active exception``), failing the whole torchrun job. So the
+    trainer keeps the unwrapped model, the accelerator lets go of the wrapper, and the group and its
+    threads end here; a gloo thread still left is logged.
     """
-    import gc
-
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
