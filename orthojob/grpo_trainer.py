@@ -73,6 +73,8 @@ from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 log = logging.getLogger(__name__)
 
 TABLE_TEXT_CHARS = 4000
+# logged by end_process_group when a gloo thread outlives the group (a launch's output is checked for it)
+PROCESS_GROUP_LEFT = "process group threads still running after destroy_process_group"
 """A completion's text in the MLflow table is cut to this many characters (completions.jsonl keeps it whole)."""
 
 
@@ -670,10 +672,11 @@ def end_process_group(trainer: GRPOTrainer) -> None:
     torch.distributed.destroy_process_group()
     left = process_group_threads()
     if left:
-        log.warning("process group threads still running after destroy_process_group: %s", left)
+        log.warning("%s: %s", PROCESS_GROUP_LEFT, left)
 
 
 __all__ = [
+    "PROCESS_GROUP_LEFT",
     "TABLE_TEXT_CHARS",
     "RecordingGRPOTrainer",
     "StepTimer",

@@ -43,14 +43,14 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     stages = summary["stages"]
     assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == summary["exit_code"]
 
+    preset = PRESETS["tiny-cpu"]
     # the tiny model is built for the preset's prompt format, and every stage's checkpoint keeps it
-    expected_format = PRESETS["tiny-cpu"].tiny_arch["prompt_format"]
+    expected_format = preset.tiny_arch["prompt_format"]
     assert expected_format == "compact"
     for folder in ("tiny-model", "bc_sft", "grpo"):
         assert prompt_format_of(out / folder) == expected_format, folder
 
     # BC SFT (stage 2) lifts the greedy parse rate of the random tiny model to the gate's threshold
-    preset = PRESETS["tiny-cpu"]
     assert stages["bc_sft"]["steps"] == preset.sft.steps
     assert stages["bc_sft"]["final_loss"] < stages["bc_sft"]["first_loss"]
     sft_gate = stages["gate_bc_sft"]
