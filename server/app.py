@@ -13,7 +13,10 @@ Routes
 * From openenv-core, kept as they are: ``POST /reset``, ``POST /step``, ``GET /state``
   (OpenEnv's *stateless* HTTP calls: ``/reset``'s episode is released at once, ``/step``
   has no episode and answers 409; use the episode routes for stateful HTTP), ``GET
-  /health``, ``GET /schema``, ``GET /metadata``, ``/mcp`` (unused here).
+  /health``, ``GET /schema``, ``GET /metadata``.
+* ``POST /mcp`` -- the agentic tools as MCP tools (JSON-RPC 2.0: ``tools/list``, ``tools/call``,
+  OpenEnv's ``openenv/session/create``/``close``), :mod:`server.mcp_tools`; over the WebSocket,
+  the ``mcp`` message on ``/ws``.
 
 The project's own routes, keyed by ``episode_id``:
 
@@ -84,6 +87,7 @@ from server.errors import (
     UnknownEpisodeError,
 )
 from server.json_values import NonFiniteOutputError
+from server.mcp_tools import McpEndpoint, ServerToolEpisode, oversized_answer
 from server.models import (
     MAX_EPISODE_ID_CHARS,
     CollisionReport,
@@ -143,10 +147,12 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, store: StepwiseDentalEnvironment):
+    def __init__(self, store: StepwiseDentalEnvironment, mcp: McpEndpoint | None = None):
         super().__init__()
         self._store = store
+        self._mcp = mcp
         self._episode_id: str | None = None
+        self._tools: ServerToolEpisode | None = None  # the MCP tools on this episode, from their first call
 
     # reset kwargs come verbatim from the client (WebSocket data / HTTP body extras)
     def reset(
@@ -182,6 +188,7 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
         )
         self._release()
         self._episode_id = obs["episode_id"]
+        self._tools = None
         return obs
 
     def step(
@@ -245,6 +252,27 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
         with session.lock:
             return {"terminal": session.terminal}
 
+    def mcp_dict(self, data: Any) -> dict[str, Any] | None:
+        """One JSON-RPC request to the agentic MCP tools on this session's episode (the WebSocket
+        ``mcp`` message, :mod:`server.mcp_tools`); the JSON-RPC answer. The tools take the episode
+        over at their first call, which must come at stage 0 (before any ``step``): their stages
+        are groups of teeth, a step's are poses."""
+        if self._mcp is None:
+            raise RequestRejectedError("this server has no MCP endpoint")
+        if self._episode_id is not None and self._tools is None:
+            obs = self._store.state(self._episode_id)
+            if obs["current_stage"] == 0:
+                self._tools = ServerToolEpisode(self._store)
+                self._tools.attach(obs)
+        if self._tools is None:
+            self._tools = ServerToolEpisode(self._store)  # no episode: tools/list answers, a call is refused
+        elif self._tools._episode_id != self._episode_id:
+            raise RequestRejectedError(
+                "the MCP tools hold stage 0 of the episode and this session stepped it with poses: "
+                "reset, then use either the tools or step"
+            )
+        return self._mcp.handle(data, episode=self._tools)
+
     def state_dict(self) -> dict[str, Any]:
         """OpenEnv state of this session (its current episode) as a dict."""
         if self._episode_id is None:
@@ -277,6 +305,7 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
 
     def _release(self) -> None:
         episode_id, self._episode_id = self._episode_id, None
+        self._tools = None
         if episode_id is None:
             return
         self._store.close_episode(episode_id)
@@ -335,8 +364,11 @@ class BodyLimitMiddleware:
                 except ValueError:
                     declared = -1
                 if declared > limit:
-                    response = JSONResponse(
-                        {"detail": self._too_large(f"Content-Length {declared}")}, status_code=413
+                    message = self._too_large(f"Content-Length {declared}")
+                    response = (
+                        Response(oversized_answer(message), status_code=413, media_type="application/json")
+                        if scope.get("path") == "/mcp"  # a JSON-RPC error, as the endpoint's others
+                        else JSONResponse({"detail": message}, status_code=413)
                     )
                     await response(scope, receive, send)
                     return
@@ -666,7 +698,8 @@ def create_app(
         store = StepwiseDentalEnvironment(
             max_sessions=settings.max_episodes, ttl_seconds=settings.episode_ttl_s
         )
-    env_factory = functools.partial(DentalOpenEnvAdapter, store)
+    mcp = McpEndpoint(store, max_sessions=settings.max_sessions)
+    env_factory = functools.partial(DentalOpenEnvAdapter, store, mcp)
     app = create_fastapi_app(
         env_factory,
         DentalAction,
@@ -683,6 +716,8 @@ def create_app(
     sessions = WebSocketSessions(env_factory, settings, encoder)
     app.state.websocket_sessions = sessions
     _replace_websocket_route(app, "/ws", sessions.endpoint)
+    app.state.mcp = mcp
+    _replace_mcp_routes(app, mcp)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_message_bytes)
     # outside the body limit: it reads only bodies declared within the limit, passes others on
     app.add_middleware(
@@ -871,6 +906,34 @@ def build_app(store: StepwiseDentalEnvironment | None = None, **overrides: Any) 
     if "max_body_bytes" in overrides:
         overrides["max_message_bytes"] = overrides.pop("max_body_bytes")
     return create_app(ServerSettings.from_env(**overrides), store)
+
+
+def _replace_mcp_routes(app: FastAPI, mcp: McpEndpoint) -> None:
+    """``POST /mcp`` answered by :class:`server.mcp_tools.McpEndpoint` instead of openenv-core's
+    (whose environments need a FastMCP server); openenv-core's ``WS /mcp`` goes (MCP over the
+    WebSocket is the ``mcp`` message on ``/ws``, on the session's own episode)."""
+    routes = app.router.routes
+    routes[:] = [
+        r
+        for r in routes
+        if getattr(r, "path", None) != "/mcp"
+        or not (isinstance(r, WebSocketRoute) or "POST" in (getattr(r, "methods", None) or ()))
+    ]
+
+    async def mcp_endpoint(request: Request) -> Response:
+        answer = mcp.handle_bytes(await request.body())
+        if answer is None:  # a notification
+            return Response(status_code=202)
+        return Response(answer, media_type="application/json")
+
+    app.add_api_route(
+        "/mcp",
+        mcp_endpoint,
+        methods=["POST"],
+        tags=["MCP"],
+        summary="MCP JSON-RPC: the agentic tools (tools/list, tools/call) and OpenEnv's sessions",
+        response_class=Response,
+    )
 
 
 def _replace_websocket_route(app: FastAPI, path: str, endpoint: Any) -> None:

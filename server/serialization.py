@@ -47,9 +47,10 @@ _MAX_EXCERPT = 40
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
-MESSAGE_TYPES = ("reset", "step", "state", "close", "tool")
-"""The WebSocket message types this server answers: OpenEnv's four, and ``tool`` (the agentic
-tools on the session's own episode, :meth:`server.app.DentalOpenEnvAdapter.tool_dict`)."""
+MESSAGE_TYPES = ("reset", "step", "state", "close", "tool", "mcp")
+"""The WebSocket message types this server answers: OpenEnv's four, ``tool`` (the environment's
+tools on the session's own episode, :meth:`server.app.DentalOpenEnvAdapter.tool_dict`) and OpenEnv's
+``mcp`` (a JSON-RPC request to the agentic MCP tools on that episode, :mod:`server.mcp_tools`)."""
 
 
 class MessageError(ValueError):
@@ -223,7 +224,7 @@ def decode_message(frame: str | bytes | None, max_bytes: int, binary: bool = Fal
     validation of the step names the tooth and field), JSON nested too deep, and JSON that
     is not a message object. The reason never quotes the frame.
     """
-    shape = 'a JSON object {"type": "reset" | "step" | "state" | "close" | "tool", "data": {...}}'
+    shape = 'a JSON object {"type": "reset" | "step" | "state" | "close" | "tool" | "mcp", "data": {...}}'
     if binary or frame is None:
         raise MessageError("INVALID_JSON", f"binary frames are not accepted: send {shape} as a text frame")
     size, bound = len(frame), ""

@@ -8,7 +8,9 @@ Protocol (JSON text frames): the client sends ``{"type": "reset" | "step" | "sta
 "error", "data": {"message", "code"}}``. ``close`` ends the session. Beyond OpenEnv's four, a
 ``{"type": "tool", "data": {"name": ..., ...}}`` message runs one of the agentic tools on the
 session's own episode (inspect_tooth, simulate, collisions, rollback, terminal; answered
-``{"type": "tool", "data": {...}}``), so an agentic rollout needs one connection only.
+``{"type": "tool", "data": {...}}``), so an agentic rollout needs one connection only; and OpenEnv's
+``{"type": "mcp", "data": <JSON-RPC request>}`` calls the agentic MCP tools on that episode
+(answered ``{"type": "mcp", "data": <JSON-RPC response>}``, :mod:`server.mcp_tools`).
 
 What this adds to openenv-core 0.3.0's own ``/ws`` (which it replaces):
 
@@ -186,6 +188,8 @@ class WebSocketSessions:
                 return encode_json({"type": "state", "data": env.state_dict()}).decode()
             if kind == "tool":
                 return encode_json({"type": "tool", "data": env.tool_dict(data)}).decode()
+            if kind == "mcp":
+                return encode_json({"type": "mcp", "data": env.mcp_dict(data)}).decode()
             return None
         except MessageError as exc:
             self.counters.bad_messages += 1

@@ -1,0 +1,179 @@
+"""The Gymnasium face of the environment: ``gymnasium.make("OrthoRL/AlignerStaging-v0", ...)``.
+
+A thin adapter over :class:`server.dental_environment.StepwiseDentalEnvironment` (the same episode
+store, step and scoring the HTTP/WebSocket server and the TRL tools use): importing this module
+registers the id. Vector envs: ``gymnasium.make_vec("OrthoRL/AlignerStaging-v0", num_envs=N,
+vectorization_mode="sync")`` (or ``"async"``, one process per env).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START
+from server.clinical_profiles import STRATEGIES
+from server.dental_constants import N_STAGES, N_TEETH, POSE_DIM
+from server.dental_environment import StepwiseDentalEnvironment
+
+ENV_ID = "OrthoRL/AlignerStaging-v0"
+POSITION_BOUND_MM = 100.0
+"""The spaces' bound on a pose's position coordinates (mm): well beyond any case's arch (its teeth
+lie within about 40 mm of the origin), so any plan fits; the per-stage limits are far tighter."""
+
+
+def _pose_box(translation_mm: float) -> spaces.Box:
+    low = np.full((N_TEETH, POSE_DIM), -translation_mm)
+    low[:, :4] = -1.0
+    return spaces.Box(low=low, high=-low, dtype=np.float64)
+
+
+class AlignerStagingEnv(gym.Env):
+    """Clear-aligner staging of one case: 24 aligners, each the next stage's poses of 28 teeth.
+
+    ## Description
+
+    A case (:func:`server.cases.generate_case`) has each tooth's initial and target pose. Each
+    step wears the next aligner: its shape (the action) is where the teeth should be after the
+    stage. Under ideal dynamics the teeth reach it; with ``force_decay`` they lag; in
+    ``task_hard`` a stage may be worn in part. After the 24th aligner the episode terminates and
+    is scored (:mod:`server.scoring`). The same episode as the server's ``/ws`` and
+    ``POST /episodes``: this class only translates its observation dict to arrays.
+
+    ## Action Space
+
+    ``Box(-b, b, (28, 7), float64)``: one row per tooth in FDI order (11-17, 21-27, 31-37,
+    41-47), ``[qw, qx, qy, qz, tx, ty, tz]``: the orientation quaternion (bounds [-1, 1];
+    normalised by the environment, a zero quaternion is refused) and the position in mm (bounds
+    +-100 mm, :data:`POSITION_BOUND_MM`).
+
+    ## Observation Space
+
+    ``Dict`` of float64 arrays:
+
+    * ``current_config`` (28, 7): the achieved poses now (stage 0: the initial poses), rows as the
+      action's, with its bounds.
+    * ``target_config`` (28, 7): the target poses.
+    * ``initial_config`` (28, 7): the initial poses.
+    * ``progress`` (2, 28) in [0, 1]: each tooth's share of its translation (row 0) and rotation
+      (row 1) achieved.
+    * ``stage`` (1,) in [0, 24]: aligners worn so far.
+
+    ## Rewards
+
+    Each step: the stage's ``step_reward`` (gain in accuracy minus 0.05 x the share of teeth over
+    the per-stage limits and 0.05 x the collision severity); the 24th adds the episode's
+    ``terminal_reward`` (the score in [0, 1]; 0 for a plan breaking a hard rule). ``info`` carries
+    ``reward_breakdown``, ``violations``, ``terminal_reward``, ``scaled_reward`` (the training
+    reward, [-2, 8]) and ``broken_rules`` when done.
+
+    ## Starting State
+
+    Stage 0 of a case: ``reset(seed=s)`` draws the case seed from the seeded generator among the
+    training seeds; ``reset(options={"case_seed": k})`` picks case ``k``. ``options["strategy"]``
+    (one of :data:`server.clinical_profiles.STRATEGIES`) is declared with every step.
+
+    ## Episode End
+
+    Terminated after the 24th aligner. Never truncated (wrap with ``TimeLimit`` to cut shorter).
+
+    ## Arguments
+
+    ``task_id`` (``task_easy``, ``task_medium``, ``task_hard``), ``force_decay`` (bool),
+    ``non_compliance`` (bool; the task's default when None).
+    """
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, task_id: str = "task_easy", force_decay: bool = False, non_compliance: bool | None = None):
+        if task_id not in TASK_IDS:
+            raise ValueError(f"task_id must be one of {', '.join(TASK_IDS)}, got {task_id!r}")
+        self.task_id, self.force_decay = task_id, bool(force_decay)
+        self.non_compliance = non_compliance
+        self._store = StepwiseDentalEnvironment(max_sessions=2, ttl_seconds=1e9)
+        self._episode_id: str | None = None
+        self._strategy: str | None = None
+        config = _pose_box(POSITION_BOUND_MM)
+        self.action_space = _pose_box(POSITION_BOUND_MM)
+        self.observation_space = spaces.Dict(
+            {
+                "current_config": config,
+                "target_config": config,
+                "initial_config": config,
+                "progress": spaces.Box(0.0, 1.0, (2, N_TEETH), np.float64),
+                "stage": spaces.Box(0.0, float(N_STAGES), (1,), np.float64),
+            }
+        )
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        super().reset(seed=seed)
+        options = dict(options or {})
+        unknown = set(options) - {"case_seed", "strategy"}
+        if unknown:
+            raise ValueError(f"unknown reset options {sorted(unknown)}: use case_seed, strategy")
+        strategy = options.get("strategy")
+        if strategy is not None and strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        case_seed = options.get("case_seed")
+        if case_seed is None:
+            case_seed = int(self.np_random.integers(TRAIN_SEED_START, HELDOUT_SEED_START))
+        if self._episode_id is not None:
+            self._store.close_episode(self._episode_id)
+        kwargs = {} if self.non_compliance is None else {"non_compliance": bool(self.non_compliance)}
+        obs = self._store.reset(task_id=self.task_id, seed=int(case_seed), force_decay=self.force_decay, **kwargs)
+        self._episode_id, self._strategy = obs["episode_id"], strategy
+        return self._arrays(obs), self._info(obs)
+
+    def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
+        if self._episode_id is None:
+            raise RuntimeError("call reset() before step()")
+        obs = self._store.step(self._episode_id, np.asarray(action), strategy=self._strategy)
+        reward = float(obs["step_reward"])
+        if obs["done"] and obs.get("terminal_reward") is not None:
+            reward += float(obs["terminal_reward"])
+        return self._arrays(obs), reward, bool(obs["done"]), False, self._info(obs)
+
+    def close(self) -> None:
+        if self._episode_id is not None:
+            self._store.close_episode(self._episode_id)
+            self._episode_id = None
+
+    @property
+    def episode_id(self) -> str | None:
+        """The store's id of the current episode."""
+        return self._episode_id
+
+    @property
+    def store(self) -> StepwiseDentalEnvironment:
+        """The episode store behind this env (its ``score_plan`` scores whole plans)."""
+        return self._store
+
+    def _arrays(self, obs: dict[str, Any]) -> dict[str, np.ndarray]:
+        progress = obs["per_tooth_progress"]
+        return {
+            "current_config": np.asarray(obs["current_config"], dtype=np.float64),
+            "target_config": np.asarray(obs["target_config"], dtype=np.float64),
+            "initial_config": np.asarray(obs["initial_config"], dtype=np.float64),
+            "progress": np.clip(np.array([progress["translation"], progress["rotation"]], dtype=np.float64), 0, 1),
+            "stage": np.array([float(obs["current_stage"])]),
+        }
+
+    @staticmethod
+    def _info(obs: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "case_seed": int(obs["seed"]),
+            "reward_breakdown": dict(obs["reward_breakdown"]),
+            "violations": dict(obs["violations"]),
+            "terminal_reward": obs.get("terminal_reward"),
+        }
+
+
+if ENV_ID not in gym.registry:
+    gym.register(id=ENV_ID, entry_point="server.gym_env:AlignerStagingEnv")
+
+__all__ = ["ENV_ID", "AlignerStagingEnv"]
