@@ -133,7 +133,9 @@ class DentalToolEnv(StagingTools):
         case = (
             self._env.sessions.get(obs["episode_id"]).case
             if isinstance(self._env, StepwiseDentalEnvironment)
-            else generate_case(task_id, int(seed), bool(force_decay))  # the server's case: a pure function of its key
+            else generate_case(
+                task_id, int(seed), bool(force_decay)
+            )  # the server's case: a pure function of its key
         )
         self._begin(obs, case)
         text = _case_text(obs)

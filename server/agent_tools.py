@@ -457,5 +457,3 @@ def _stage_increment(groups: object) -> np.ndarray:
             seen[int(tooth)] = k
             increment[TOOTH_INDEX[int(tooth)]] = float(f)
     return increment
-
-

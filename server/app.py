@@ -105,6 +105,7 @@ from server.models import (
     ResetParams,
     TasksResponse,
 )
+from server.rubric import StagingRubric
 from server.serialization import (
     ObservationEncoder,
     decode_json_body,
@@ -141,14 +142,15 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
     in the shared :class:`StepwiseDentalEnvironment` (releasing this session's previous
     one), ``step`` forwards the poses (and optional strategy and expected stage) to that
     episode, ``close`` releases it. Isolation: a session only ever touches the episode id
-    its own reset returned. The ``*_observation`` methods return the environment's dict
+    its own reset returned. ``rubric`` is :class:`server.rubric.StagingRubric` (the reward's
+    parts, read from the observation). The ``*_observation`` methods return the environment's dict
     (the WebSocket path, no pydantic round trip); ``reset``/``step`` wrap it for OpenEnv.
     """
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
     def __init__(self, store: StepwiseDentalEnvironment, mcp: McpEndpoint | None = None):
-        super().__init__()
+        super().__init__(rubric=StagingRubric())
         self._store = store
         self._mcp = mcp
         self._episode_id: str | None = None
@@ -197,7 +199,9 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
         timeout_s: float | None = None,
         **kwargs: Any,
     ) -> DentalObservation:
-        return make_observation(self._step(action))
+        observation = make_observation(self._step(action))
+        observation.reward = self._apply_rubric(action, observation)  # the same sum, with its parts
+        return observation
 
     def step_observation(self, data: Mapping[str, Any]) -> dict[str, Any]:
         """Validate OpenEnv step data (a :class:`DentalAction`) and step; the observation dict."""

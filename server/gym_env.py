@@ -8,7 +8,7 @@ vectorization_mode="sync")`` (or ``"async"``, one process per env).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium as gym
 import numpy as np
@@ -86,9 +86,11 @@ class AlignerStagingEnv(gym.Env):
     ``non_compliance`` (bool; the task's default when None).
     """
 
-    metadata: dict[str, Any] = {"render_modes": []}
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
 
-    def __init__(self, task_id: str = "task_easy", force_decay: bool = False, non_compliance: bool | None = None):
+    def __init__(
+        self, task_id: str = "task_easy", force_decay: bool = False, non_compliance: bool | None = None
+    ):
         if task_id not in TASK_IDS:
             raise ValueError(f"task_id must be one of {', '.join(TASK_IDS)}, got {task_id!r}")
         self.task_id, self.force_decay = task_id, bool(force_decay)
@@ -125,7 +127,9 @@ class AlignerStagingEnv(gym.Env):
         if self._episode_id is not None:
             self._store.close_episode(self._episode_id)
         kwargs = {} if self.non_compliance is None else {"non_compliance": bool(self.non_compliance)}
-        obs = self._store.reset(task_id=self.task_id, seed=int(case_seed), force_decay=self.force_decay, **kwargs)
+        obs = self._store.reset(
+            task_id=self.task_id, seed=int(case_seed), force_decay=self.force_decay, **kwargs
+        )
         self._episode_id, self._strategy = obs["episode_id"], strategy
         return self._arrays(obs), self._info(obs)
 
@@ -159,7 +163,9 @@ class AlignerStagingEnv(gym.Env):
             "current_config": np.asarray(obs["current_config"], dtype=np.float64),
             "target_config": np.asarray(obs["target_config"], dtype=np.float64),
             "initial_config": np.asarray(obs["initial_config"], dtype=np.float64),
-            "progress": np.clip(np.array([progress["translation"], progress["rotation"]], dtype=np.float64), 0, 1),
+            "progress": np.clip(
+                np.array([progress["translation"], progress["rotation"]], dtype=np.float64), 0, 1
+            ),
             "stage": np.array([float(obs["current_stage"])]),
         }
 

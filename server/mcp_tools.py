@@ -224,7 +224,9 @@ class McpEndpoint:
         except JsonRpcError as exc:
             return _error(request_id, exc.code, exc.message, exc.data)
         except Exception as exc:  # a server bug: logged, answered, the session goes on
-            logger.exception("internal error in MCP %r", request.get("method") if isinstance(request, dict) else None)
+            logger.exception(
+                "internal error in MCP %r", request.get("method") if isinstance(request, dict) else None
+            )
             return _error(request_id, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
         if "id" not in request:  # a notification: no answer
             return None

@@ -209,12 +209,13 @@ ALTERNATE = [{"teeth": list(TOOTH_IDS[::2]), "fraction": 1.0}]  # every other to
 HALF = [{"teeth": list(TOOTH_IDS[1::2]), "fraction": 0.5}]
 
 
-def tool_transcript(task_id: str, seed: int, force_decay: bool, submit: bool) -> list[str]:
+def tool_transcript(task_id: str, seed: int, force_decay: bool, submit: bool, env=None) -> list[str]:
     """Every tool's text on one episode: inspections, collision checks, stages that collide and
     break the limits (committed, then rolled back), the oracle's plan stage by stage (simulated,
-    then committed), finished by the 24th commit or by submitting the plan at stage 10."""
+    then committed), finished by the 24th commit or by submitting the plan at stage 10. ``env``:
+    another face of the same tools (default a :class:`DentalToolEnv`)."""
     plan = oracle_plan(reset_observation(seed, task_id, force_decay))
-    env = DentalToolEnv()
+    env = DentalToolEnv() if env is None else env
     out = [env.reset(seed=seed, task_id=task_id, force_decay=force_decay)]
     out += [
         env.inspect_tooth(13),
