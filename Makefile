@@ -12,7 +12,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# the CPU build of torch first: anything that pulls torch later would fetch a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[train,dev]'
+	$(BIN)/python -m pip install -q -e '.[train,dev,verifiers]'
 	touch $@
 
 install: $(BIN)/.installed

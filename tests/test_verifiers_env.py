@@ -1,0 +1,177 @@
+"""The verifiers face (:mod:`orthorl_aligner`, verifiers 0.4): ``load_environment(**kwargs)`` gives
+a verifiers environment whose task rewards are the TRL reward functions' numbers, weighted as
+GRPO weights them; verifiers' own ``vf-eval`` runs it offline against a scripted
+OpenAI-compatible model on loopback (the model answers the oracle's plan for the case it is
+shown, or prose for one case)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import verifiers.v1 as vf
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from verifiers.v1.graph import MessageNode
+from verifiers.v1.state import state_cls
+from verifiers.v1.trace import TraceTask
+
+import orthorl_aligner
+from orthojob.prompts import build_messages, plan_to_completion, reset_observation
+from orthojob.rewards import REWARD_FUNCS, reward_weights
+from server.dental_constants import TOOTH_IDS
+from server.oracle import oracle_plan
+from tests.services import running_uvicorn
+
+REPO = Path(__file__).resolve().parents[1]
+NOT_A_PLAN = "I would need an X-ray before planning this case."
+
+
+def completions(task: orthorl_aligner.AlignerTask) -> list[str]:
+    """The oracle's plan, uniform staging, a harmful plan (every tooth at once), a plan inside
+    prose and a code fence, and prose."""
+    obs = reset_observation(task.data.seed, task.data.task_id, task.data.force_decay)
+    oracle = plan_to_completion(oracle_plan(obs))
+    uniform = {"strategy": "anterior_first", "tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 1 / 24}]}
+    harmful = {"strategy": "distal_first", "tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 1.0}]}
+    fenced = f"Here is the plan:\n```json\n{json.dumps(uniform)}\n```\nGood luck."
+    return [oracle, json.dumps(uniform), json.dumps(harmful), fenced, NOT_A_PLAN]
+
+
+def scored(task: orthorl_aligner.AlignerTask, reply: str) -> vf.Trace:
+    """A trace whose one sampled reply is ``reply``, scored by the task (verifiers' Task.score)."""
+    trace = vf.Trace(
+        task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        state=state_cls(type(task))(),
+        agent=vf.AgentInfo(config=vf.AgentConfig(), name="offline", trainable=False),
+    )
+    trace.nodes.append(MessageNode(message=vf.AssistantMessage(content=reply), sampled=True))
+    asyncio.run(task.score(trace))
+    return trace
+
+
+def trl_values(task: orthorl_aligner.AlignerTask, reply: str) -> dict[str, float]:
+    columns = {
+        "seed": [task.data.seed],
+        "task_id": [task.data.task_id],
+        "force_decay": [task.data.force_decay],
+    }
+    return {name: func([reply], **columns)[0] for name, func in REWARD_FUNCS.items()}
+
+
+@pytest.mark.parametrize(("task_id", "force_decay"), [("task_easy", False), ("task_hard", True)])
+def test_the_rewards_are_the_trl_reward_functions(task_id, force_decay):
+    overrides = {"terminal": 2.0, "format": 0.5}
+    env = orthorl_aligner.load_environment(
+        task_id=task_id, force_decay=force_decay, num_tasks=2, reward_weights=overrides
+    )
+    assert isinstance(env, vf.Env)
+    weights = dict(zip(REWARD_FUNCS, reward_weights(list(REWARD_FUNCS.values()), overrides)))
+    tasks = list(env.taskset)
+    assert [(t.data.task_id, t.data.seed, t.data.force_decay) for t in tasks] == [
+        (task_id, 0, force_decay),
+        (task_id, 1, force_decay),
+    ]
+    seen = set()
+    for task in tasks:
+        obs = reset_observation(task.data.seed, task_id, force_decay)
+        assert [task.data.system_prompt, task.data.prompt] == [m["content"] for m in build_messages(obs)]
+        for reply in completions(task):
+            trace = scored(task, reply)
+            expected = trl_values(task, reply)
+            assert {k: r.score for k, r in trace.rewards.items()} == expected
+            assert {k: r.weight for k, r in trace.rewards.items()} == weights
+            assert trace.reward == pytest.approx(sum(weights[k] * v for k, v in expected.items()), abs=1e-12)
+            seen.add(round(expected["reward_terminal"], 6))
+    assert len(seen) >= 6  # the completions really differ in reward
+
+
+def test_bad_taskset_arguments_are_refused():
+    with pytest.raises(ValueError, match="task_id must be one of"):
+        list(orthorl_aligner.load_environment(task_id="task_impossible").taskset)
+    with pytest.raises(ValueError, match="unknown reward"):
+        orthorl_aligner.load_environment(reward_weights={"speed": 1.0})
+
+
+def scripted_model(answers: dict[str, str], seen: list[dict]) -> FastAPI:
+    """An OpenAI-compatible chat-completions endpoint answering ``answers[user prompt]``."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        seen.append(body)
+        user = next(m["content"] for m in body["messages"] if m["role"] == "user")
+        if isinstance(user, list):
+            user = "".join(part.get("text", "") for part in user)
+        text = answers.get(user, NOT_A_PLAN)
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        head = {"id": "scripted", "created": int(time.time()), "model": body["model"]}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": text}
+            return JSONResponse(
+                {**head, "object": "chat.completion", "usage": usage,
+                 "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+            )  # fmt: skip
+
+        def chunks():
+            delta = {"role": "assistant", "content": text}
+            chunk = {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+            chunk["choices"], chunk["usage"] = [{"index": 0, "delta": {}, "finish_reason": "stop"}], usage
+            yield f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+def test_vf_eval_runs_offline_against_a_scripted_model(tmp_path):
+    """``vf-eval orthorl-aligner`` (verifiers' own eval: its null harness's chat program, its
+    interception server, its scoring) against the scripted model: every rollout completes and
+    its rewards are the TRL functions' on the reply the model gave."""
+    env = orthorl_aligner.load_environment(task_id="task_medium", force_decay=True, num_tasks=3)
+    tasks = list(env.taskset)
+    answers = {
+        t.data.prompt: plan_to_completion(oracle_plan(reset_observation(t.data.seed, "task_medium", True)))
+        for t in tasks[:2]
+    }  # the third case gets prose
+    seen: list[dict] = []
+    bin_dir = str(Path(sys.executable).parent)
+    with running_uvicorn(scripted_model(answers, seen)) as model_url:
+        out = subprocess.run(
+            [sys.executable, "-c", "from verifiers.v1.cli.eval.main import main; main()",
+             "orthorl-aligner", "--env.taskset.task_id", "task_medium", "--env.taskset.force_decay", "true",
+             "--env.taskset.num_tasks", "3", "--env.agent.harness.id", "null",
+             "--env.agent.runtime.type", "subprocess", "-m", "scripted",
+             "--client.base_url", model_url + "/v1", "--client.api_key_var", "SCRIPTED_MODEL_KEY",
+             "--no-push", "--no-rich", "--output-dir", str(tmp_path)],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+                 "PYTHONPATH": str(REPO), "SCRIPTED_MODEL_KEY": "none"},
+        )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (traces_file,) = tmp_path.glob("*/traces.jsonl")
+    episodes = [json.loads(line) for line in traces_file.read_text().splitlines()]
+    assert len(episodes) == 3 and all(e["ok"] for e in episodes)
+    assert len(seen) == 3 and {
+        m["content"] for body in seen for m in body["messages"] if m["role"] == "user"
+    } == {t.data.prompt for t in tasks}
+    by_seed = {t.data.seed: t for t in tasks}
+    terminal = {}
+    for episode in episodes:
+        (trace,) = episode["traces"]
+        task = by_seed[trace["task"]["data"]["seed"]]
+        reply = next(
+            n["message"]["content"] for n in reversed(trace["nodes"]) if n["message"]["role"] == "assistant"
+        )
+        assert reply == answers.get(task.data.prompt, NOT_A_PLAN)
+        assert {k: r["score"] for k, r in trace["rewards"].items()} == trl_values(task, reply)
+        terminal[task.data.seed] = trace["rewards"]["reward_terminal"]["score"]
+    assert terminal[2] == -2.0 and min(terminal[0], terminal[1]) > 4  # prose: the minimum; the oracle: high
