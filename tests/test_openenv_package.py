@@ -384,3 +384,46 @@ def test_the_reward_is_a_rubric_of_named_parts():
     assert obs.done and env.rubric.terminal.last_score == obs.terminal_reward > 0
     for name, value in obs.reward_breakdown.items():
         assert env.rubric.components[name].last_score == value, name
+
+
+# --- what openenv build / push would use ------------------------------------------------------
+
+
+def test_the_environment_image_is_what_openenv_build_takes():
+    """``openenv build`` takes server/Dockerfile before the root one (the CUDA training image);
+    that file is hadolint-clean, copies only what .dockerignore admits, installs the core
+    requirements of uv.lock (requirements/server.lock is ``uv export``'s output) and serves
+    ``python -m server.app`` on openenv.yaml's port."""
+    import shutil
+
+    import yaml
+
+    dockerfile = REPO / "server" / "Dockerfile"
+    logical = dockerfile.read_text().replace("\\\n", " ").splitlines()  # continuation lines joined
+    instructions = [
+        line.strip().split(None, 1) for line in logical if line.strip() and not line.startswith("#")
+    ]
+    manifest = yaml.safe_load((REPO / "openenv.yaml").read_text())
+    assert manifest["app"] == "server.app:app" and manifest["runtime"] == "fastapi"
+    assert ["EXPOSE", str(manifest["port"])] in instructions
+    assert json.loads(dict(instructions)["CMD"]) == ["python", "-m", "server.app"]
+    assert "ORTHORL_HOST=0.0.0.0" in dockerfile.read_text()  # reachable from outside the container
+    admitted = {p[1:].rstrip("/") for p in (REPO / ".dockerignore").read_text().split() if p.startswith("!")}
+    for kind, args in instructions:
+        if kind == "COPY":
+            for src in args.split()[:-1]:
+                assert src.rstrip("/") in admitted, src
+    uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
+    exported = subprocess.run(
+        [uv, "export", "--frozen", "--no-emit-project", "--no-dev", "--format", "requirements-txt"],
+        capture_output=True, text=True, cwd=REPO, check=True,
+    ).stdout  # fmt: skip
+
+    def body(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.startswith("#")]
+
+    assert body(exported) == body((REPO / "requirements" / "server.lock").read_text())
+    assert "torch==" not in exported and "openenv-core==0.3.0" in exported
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    proc = subprocess.run([hadolint, "--no-color", str(dockerfile)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
