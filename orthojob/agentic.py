@@ -9,26 +9,12 @@ tool: TRL derives its JSON schema from the signature and the Google-style docstr
 and feeds the returned text back as a ``tool`` message, up to ``max_tool_calling_iterations``
 assistant turns.
 
-Tools (every argument checked; a bad one returns ``"error: ..."`` and changes nothing):
-
-====================  ==========================================================================
-inspect_tooth         one tooth's remaining movement (mm, deg), planned progress, crown data
-simulate_stage        the next aligner tried, not worn: step reward, accuracy, new violations
-check_collisions      contacts of the current arch, or of a proposed aligner's shape
-commit_stage          wear the next aligner (:meth:`StepwiseDentalEnvironment.commit_stage`);
-                      the 24th finishes the episode, scored as the stepwise episode
-rollback_stage        undo the last aligner (at most 2 per episode)
-submit_plan           score a whole plan in the plan format (:mod:`server.plans`) with the
-                      one-shot rewards' scoring (:func:`orthojob.rollouts.score_texts`);
-                      finishes the episode
-====================  ==========================================================================
-
-**A stage** (the ``groups`` argument) is a list of tooth groups ``{"teeth": [FDI ids],
-"fraction": f}``: this aligner moves each listed tooth a further share ``f`` in [0, 1] of its total
-movement (initial to target; translation linearly, rotation by SLERP, as :mod:`server.plans`),
-capped at the target; teeth in no group hold their planned position. This is the plan format's
-``fraction`` applied to one stage, so a plan is a sequence of such stages; the model never types
-28 x 7 poses. A tooth may be in one group; unknown keys, ids or non-finite fractions are errors.
+Tools: :class:`server.agent_tools.StagingTools`' (``inspect_tooth``, ``simulate_stage``,
+``check_collisions``, ``commit_stage``, ``rollback_stage``, ``submit_plan``; the stage format and each
+tool's contract are documented there), which the environment server also serves as MCP tools
+(:mod:`server.mcp_tools`). :class:`DentalToolEnv` adds the episode start (``reset``: the case as
+text), the release, and ``submit_plan``'s scoring as the one-shot rewards score a completion
+(:func:`orthojob.rollouts.score_texts`: a plan found in the text). The model never types 28 x 7 poses.
 
 **Reward.** The environment owns it (:attr:`DentalToolEnv.reward`): the scaled terminal reward
 (:mod:`server.reward_scaler`, [-2, 8]) of the submitted plan, or of the 24 committed stages;
