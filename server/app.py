@@ -87,7 +87,7 @@ from server.errors import (
     UnknownEpisodeError,
 )
 from server.json_values import NonFiniteOutputError
-from server.mcp_tools import McpEndpoint, ServerToolEpisode, oversized_answer
+from server.mcp_tools import INVALID_PARAMS, McpEndpoint, ServerToolEpisode, oversized_answer
 from server.models import (
     MAX_EPISODE_ID_CHARS,
     CollisionReport,
@@ -276,6 +276,45 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
                 "reset, then use either the tools or step"
             )
         return self._mcp.handle(data, episode=self._tools)
+
+    def tool_action_dict(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """OpenEnv's MCP step actions on this session's episode (what ``MCPToolClient`` sends over
+        ``/ws`` by default): ``{"type": "list_tools"}`` or ``{"type": "call_tool", "tool_name",
+        "arguments"}``, answered as OpenEnv's observation payload ``{"observation": {"tools"} |
+        {"tool_name", "result", "error"}, "reward", "done"}``; ``reward`` is the episode's
+        ``terminal_reward`` on the call that finishes it, else 0."""
+        if data.get("type") == "list_tools":
+            answer = self.mcp_dict({"jsonrpc": "2.0", "id": 0, "method": "tools/list"})
+            return {
+                "observation": {"tools": answer["result"]["tools"], "metadata": {}},
+                "reward": 0.0,
+                "done": False,
+            }
+        name = data.get("tool_name")
+        request = {"name": name, "arguments": data.get("arguments", {})}
+        answer = self.mcp_dict({"jsonrpc": "2.0", "id": 0, "method": "tools/call", "params": request})
+        tools = self._tools
+        done = tools is not None and tools.finished
+        observation: dict[str, Any] = {
+            "tool_name": name,
+            "result": answer.get("result"),
+            "error": None,
+            "metadata": {},
+        }
+        if "error" in answer:
+            code, message = answer["error"]["code"], answer["error"]["message"]
+            unknown = message.startswith("unknown tool")
+            kind = (
+                "tool_not_found"
+                if unknown
+                else "invalid_args"
+                if code == INVALID_PARAMS
+                else "execution_error"
+            )
+            observation["error"] = {"error_type": kind, "message": message}
+        finished_now = done and "error" not in answer and tools.result is not None
+        reward = float(tools.result["terminal_reward"]) if finished_now else 0.0
+        return {"observation": observation, "reward": reward, "done": done}
 
     def state_dict(self) -> dict[str, Any]:
         """OpenEnv state of this session (its current episode) as a dict."""

@@ -10,7 +10,9 @@ Protocol (JSON text frames): the client sends ``{"type": "reset" | "step" | "sta
 session's own episode (inspect_tooth, simulate, collisions, rollback, terminal; answered
 ``{"type": "tool", "data": {...}}``), so an agentic rollout needs one connection only; and OpenEnv's
 ``{"type": "mcp", "data": <JSON-RPC request>}`` calls the agentic MCP tools on that episode
-(answered ``{"type": "mcp", "data": <JSON-RPC response>}``, :mod:`server.mcp_tools`).
+(answered ``{"type": "mcp", "data": <JSON-RPC response>}``, :mod:`server.mcp_tools`), as do
+OpenEnv's MCP step actions (``{"type": "step", "data": {"type": "call_tool", ...}}``, what its
+``MCPToolClient`` sends), answered as an observation.
 
 What this adds to openenv-core 0.3.0's own ``/ws`` (which it replaces):
 
@@ -64,6 +66,9 @@ from server.serialization import (
 from server.settings import CAPACITY_REFUSAL_WAIT_S, ENV_VARIABLES, MAX_PENDING_REFUSALS, ServerSettings
 
 logger = logging.getLogger(__name__)
+
+TOOL_ACTIONS = ("list_tools", "call_tool")
+"""The ``type`` of OpenEnv's MCP step actions (``ListToolsAction``, ``CallToolAction``)."""
 
 CLOSE_GOING_AWAY = 1001
 """Close code of a reaped (idle) session."""
@@ -181,6 +186,8 @@ class WebSocketSessions:
             message = decode_message(frame, self.max_message_bytes, binary=binary)
             kind, data = message["type"], message["data"]
             if kind == "step":
+                if data.get("type") in TOOL_ACTIONS:  # OpenEnv's MCP actions (MCPToolClient)
+                    return encode_json({"type": "observation", "data": env.tool_action_dict(data)}).decode()
                 return encoder.frame(env.step_observation(data))
             if kind == "reset":
                 return encoder.frame(env.reset_observation(**data))

@@ -202,6 +202,37 @@ def test_openenv_mcp_client_calls_the_tools_on_the_server(server):
     ]
 
 
+def test_openenv_mcp_client_default_mode_steps_the_tools_over_the_websocket(server):
+    """OpenEnv's MCPToolClient as constructed (tool calls as ``call_tool`` step actions on ``/ws``):
+    reset, list_tools, call_tool on the episode of its reset, a refusal as its RuntimeError, and
+    the finishing call's done and reward."""
+    from openenv.core.mcp_client import MCPToolClient
+
+    case = {"seed": 9, "task_id": "task_hard", "force_decay": True}
+    local = DentalToolEnv()
+    local.reset(**case)
+
+    async def play():
+        async with MCPToolClient(base_url=server.url) as client:
+            await client.reset(**case)
+            tools = await client.list_tools()
+            texts = [await client.call_tool("inspect_tooth", tooth_id=36)]
+            with pytest.raises(RuntimeError, match=r"unknown tooth_id 99.*invalid_args"):
+                await client.call_tool("inspect_tooth", tooth_id=99)
+            texts += [await client.call_tool("commit_stage", groups=UNIFORM) for _ in range(N_STAGES - 1)]
+            from openenv.core.env_server.mcp_types import CallToolAction
+
+            last = await client.step(CallToolAction(tool_name="commit_stage", arguments={"groups": UNIFORM}))
+            return tools, texts, last
+
+    tools, texts, last = asyncio.run(play())
+    assert [t.name for t in tools] == list(TOOL_NAMES)
+    assert texts == [local.inspect_tooth(36)] + [local.commit_stage(UNIFORM) for _ in range(N_STAGES - 1)]
+    final = local.commit_stage(UNIFORM)
+    assert last.done and last.observation.result["data"] == final
+    assert last.reward == local.result["terminal_reward"]
+
+
 def test_mcp_over_the_websocket_is_the_sessions_episode(server):
     """The ``/ws`` ``mcp`` message: JSON-RPC on the episode this session's reset started."""
     local = DentalToolEnv()
