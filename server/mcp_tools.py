@@ -8,7 +8,7 @@ Methods (``params`` is always an object):
 
 =========================  ======================================================================
 ``initialize``             MCP's handshake: protocol version, ``capabilities.tools``, server info
-``ping``                   ``{}``
+``ping``                   ``{}``; a request without ``id`` (a notification) gets no answer
 ``tools/list``             ``{"tools": [{"name", "description", "inputSchema"}, ...]}``
 ``tools/call``             ``{"name", "arguments", "session_id"}`` (the session: over ``POST /mcp``;
                            over ``/ws`` the connection's episode) -> ``{"content": [{"type":
@@ -220,16 +220,17 @@ class McpEndpoint:
             request_id = None
         try:
             method, params = _check_request(request)
+        except JsonRpcError as exc:
+            return _error(request_id, exc.code, exc.message, exc.data)
+        if "id" not in request:  # a notification (notifications/initialized, ...): no answer, no effect
+            return None
+        try:
             result = self._dispatch(method, params, episode)
         except JsonRpcError as exc:
             return _error(request_id, exc.code, exc.message, exc.data)
         except Exception as exc:  # a server bug: logged, answered, the session goes on
-            logger.exception(
-                "internal error in MCP %r", request.get("method") if isinstance(request, dict) else None
-            )
+            logger.exception("internal error in MCP %r", method)
             return _error(request_id, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
-        if "id" not in request:  # a notification: no answer
-            return None
         return {"jsonrpc": "2.0", "id": request_id, "result": result}
 
     def _dispatch(self, method: str, params: dict, episode: ServerToolEpisode | None) -> Any:
@@ -240,7 +241,7 @@ class McpEndpoint:
                 "capabilities": {"tools": {"listChanged": False}},
                 "serverInfo": SERVER_INFO,
             }
-        if method in ("ping", "notifications/initialized"):
+        if method == "ping":
             return {}
         if method == "tools/list":
             return {"tools": self._tools}
@@ -297,8 +298,8 @@ class McpEndpoint:
         text = getattr(episode, name)(**arguments)
         if text.startswith("error: "):
             message = text[len("error: ") :]
-            lost = finished or "lost" in message or _episode_gone(episode)
-            raise JsonRpcError(EPISODE_REFUSED if lost else INVALID_PARAMS, message, {"tool": name})
+            refused = finished or _episode_gone(episode)  # its state refuses it, not its arguments
+            raise JsonRpcError(EPISODE_REFUSED if refused else INVALID_PARAMS, message, {"tool": name})
         return {"content": [{"type": "text", "text": text}], "isError": False, "data": text}
 
 
