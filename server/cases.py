@@ -99,7 +99,12 @@ class CaseKey(NamedTuple):
     @classmethod
     def of_row(cls, row: dict) -> CaseKey:
         """The key of a dataset row or record ``{"task_id", "seed", "force_decay", ...}``."""
-        return cls(row["task_id"], int(row["seed"]), bool(row.get("force_decay", False)))
+        return cls(
+            row["task_id"],
+            int(row["seed"]),
+            bool(row.get("force_decay", False)),
+            bool(row.get("non_compliance", False)),
+        )
 
 
 @dataclass(frozen=True)

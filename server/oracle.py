@@ -80,7 +80,7 @@ from server.quaternion_utils import (
 from server.reward_scaler import breach_total
 from server.scoring import (
     STRATEGY_MULTIPLIERS,
-    hard_rule_breaches,
+    all_breaches,
     increments,
     limit_ratio,
     pdl_stress_kpa,
@@ -420,13 +420,15 @@ def _breach(case: Case, stagings: list[Staging]) -> np.ndarray:
     specs = [_spec(x, None) for x in stagings]
     planned, achieved = rollout_plans(specs, [case] * len(specs))
     n = len(specs)
-    m = stage_measures(
-        planned,
-        achieved,
+    breaches = all_breaches(
+        np.broadcast_to(case.initial, (n, 28, 7)),
+        np.broadcast_to(case.target, (n, 28, 7)),
         np.broadcast_to(case.crown_width_mm, (n, 28)),
         np.broadcast_to(case.crown_depth_mm, (n, 28)),
+        planned,
+        achieved,
     )
-    return sum(hard_rule_breaches(m).values())
+    return sum(breaches.values())
 
 
 def _repair(case: Case, staging: Staging, breach: float, last: int) -> Staging | None:
