@@ -197,7 +197,12 @@ class RolloutCache:
         """
         n = len(completions)
         worn = [False] * n if non_compliances is None else non_compliances
-        columns = (("seed", seeds), ("task_id", task_ids), ("force_decay", force_decays), ("non_compliance", worn))
+        columns = (
+            ("seed", seeds),
+            ("task_id", task_ids),
+            ("force_decay", force_decays),
+            ("non_compliance", worn),
+        )
         for name, column in columns:
             if len(column) != n:
                 raise ValueError(f"column {name!r} has {len(column)} values for {n} completions")

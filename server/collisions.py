@@ -167,7 +167,9 @@ SECOND_CROWNS: np.ndarray = np.ascontiguousarray(SECOND_NEIGHBOUR_PAIRS.T)
 """(2, 24) the two crowns of each second-neighbour pair (teeth with one crown between them)."""
 
 
-def second_neighbour_penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
+def second_neighbour_penetration_mm(
+    poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray
+) -> np.ndarray:
     """Penetration depth (mm, negative = clearance) of the 24 second-neighbour pairs
     (:data:`server.dental_constants.SECOND_NEIGHBOUR_PAIRS`), the same ellipse model as
     :func:`penetration_mm`: (..., 28, 7) poses, (28,) or (..., 28) crown sizes -> (..., 24).

@@ -245,5 +245,7 @@ def _second_neighbour_pairs() -> np.ndarray:
 SECOND_NEIGHBOUR_PAIRS: np.ndarray = _second_neighbour_pairs()
 """(24, 2) indices of teeth with one crown between them (12 per arch): when the crown between is
 blocked out of the arch (crowding) these two can meet."""
-ANTAGONIST_PAIRS: np.ndarray = np.stack([np.stack([UPPER_PAIRS[n], LOWER_PAIRS[n]], axis=-1) for n in range(7)])
+ANTAGONIST_PAIRS: np.ndarray = np.stack(
+    [np.stack([UPPER_PAIRS[n], LOWER_PAIRS[n]], axis=-1) for n in range(7)]
+)
 """(7, 2, 2) [tooth number - 1, side (right, left), (upper, lower)] indices of opposing crowns."""

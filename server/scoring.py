@@ -340,10 +340,14 @@ def arch_breaches(
     """
     tol = COLLISION_TOLERANCE_MM
     w, d = width_mm[:, None], depth_mm[:, None]
-    second = np.sum(np.maximum(second_neighbour_penetration_mm(achieved[:, 1:], w, d) - tol, 0.0), axis=(-2, -1))
+    second = np.sum(
+        np.maximum(second_neighbour_penetration_mm(achieved[:, 1:], w, d) - tol, 0.0), axis=(-2, -1)
+    )
     aligner = np.zeros(initial.shape[0])
     clear_ref = np.minimum(occlusal_clearance_mm(initial, target), occlusal_clearance_mm(target, target))
-    excess = clear_ref[:, None] - OCCLUSAL_TOLERANCE_MM - occlusal_clearance_mm(achieved[:, 1:], target[:, None])
+    excess = (
+        clear_ref[:, None] - OCCLUSAL_TOLERANCE_MM - occlusal_clearance_mm(achieved[:, 1:], target[:, None])
+    )
     occlusal = np.sum(np.maximum(excess, 0.0), axis=(-2, -1))
     if planned is not achieved:
         differs = np.flatnonzero(np.any(planned[:, 1:] != achieved[:, 1:], axis=(1, 2, 3)))
@@ -521,7 +525,9 @@ def score_episodes(
     )  # (B, C + 2)
     occlusion = occ[:, len(checkpoints) - 1]
     left = movement_mm(at_checkpoints, target[:, None])  # (B, C, 28)
-    progress = np.where(treated[:, None], np.clip(1.0 - left / np.maximum(need, 1e-9)[:, None], 0.0, 1.0), 1.0)
+    progress = np.where(
+        treated[:, None], np.clip(1.0 - left / np.maximum(need, 1e-9)[:, None], 0.0, 1.0), 1.0
+    )
     course = occlusion_course(occ, progress, need, treated)
 
     mean_d = inc_mm.mean(axis=-2)

@@ -110,7 +110,12 @@ def test_every_rule_breaker_sums_below_every_safe_plan(task, force_decay):
         assert not broken[names.index("nothing")] and not broken[names.index("oracle")]
         for label, weights in WEIGHTS.items():
             total = _sums(values, weights)
-            assert total[broken].max() < total[~broken].min(), (label, case.task_id, case.seed, dict(zip(names, total)))
+            assert total[broken].max() < total[~broken].min(), (
+                label,
+                case.task_id,
+                case.seed,
+                dict(zip(names, total)),
+            )
             # graded inside the failing band: a larger excess over the limit sums lower
             i, j, m = (names.index(n) for n in ("one_tooth_1.15", "one_tooth_1.5", "one_tooth_3"))
             assert total[i] > total[j] > total[m], (label, total[i], total[j], total[m])
@@ -166,7 +171,10 @@ def test_unmoved_first_level_never_counts_as_moved_first(task):
         unmoved = [int(t) for t in np.asarray(TOOTH_IDS)[first]]
         rest = [t for t in EVERY if t not in unmoved]
         groups = [{"teeth": unmoved, "fraction": 0.0}, {"teeth": rest, "fraction": 1 / N_STAGES}]
-        plans += [{"strategy": case.optimal_strategy, "tooth_groups": groups}, _uniform(strategy=case.optimal_strategy)]
+        plans += [
+            {"strategy": case.optimal_strategy, "tooth_groups": groups},
+            _uniform(strategy=case.optimal_strategy),
+        ]
         cases += [case, case]
     assert len(cases) >= 40
     results = score_plans(plans, cases)
@@ -195,7 +203,12 @@ def test_overshoot_scores_below_reaching_and_below_stopping_as_short(task):
     below stopping 15 % short of it; overshooting by 100 % (the malocclusion mirrored) below doing
     nothing."""
     cases = [generate_case(task, H + 2000 + k) for k in range(50)]
-    kinds = [_uniform(), _uniform(overcorrection=0.15), _uniform(0.85 / N_STAGES), _uniform(overcorrection=1.0)]
+    kinds = [
+        _uniform(),
+        _uniform(overcorrection=0.15),
+        _uniform(0.85 / N_STAGES),
+        _uniform(overcorrection=1.0),
+    ]
     results = score_plans([p for _ in cases for p in kinds], [c for c in cases for _ in kinds])
     for k in range(len(cases)):
         reach, over, short, mirrored = (r["scaled_reward"] for r in results[4 * k : 4 * k + 4])
@@ -207,7 +220,10 @@ def _rushed(case, teeth: list[int], stages: int) -> dict:
     rest = [t for t in EVERY if t not in teeth]
     return {
         "strategy": plan_for_case(case)["strategy"],
-        "tooth_groups": [{"teeth": teeth, "fraction": 1.0 / stages}, {"teeth": rest, "fraction": 1 / N_STAGES}],
+        "tooth_groups": [
+            {"teeth": teeth, "fraction": 1.0 / stages},
+            {"teeth": rest, "fraction": 1 / N_STAGES},
+        ],
     }
 
 
@@ -233,8 +249,8 @@ def test_rushing_single_teeth_does_not_pay_on_occlusion():
 def test_finishing_one_side_first_does_not_pay_on_occlusion(task):
     """50 seeds a level: the right side's teeth finished in half the treatment and the left side
     uniformly. Where contralateral treated teeth are left apart, the occlusion over the course is
-    below uniform SLERP's with the same strategy; elsewhere (a single tooth finished early within the
-    limits) it gains at most 0.05: being ahead of the schedule earns nothing."""
+    below uniform SLERP's with the same strategy; wherever rushing costs terminal reward, what it
+    gains on occlusion is less than that cost."""
     apart = 0
     for k in range(50):
         case = generate_case(task, H + 3000 + k)
@@ -245,8 +261,14 @@ def test_finishing_one_side_first_does_not_pay_on_occlusion(task):
         paired = bool((treated & treated[MIRROR_INDEX]).any())
         if paired and v["reward_terminal"][0] >= 0.0:
             apart += 1
-            assert v["reward_occlusion"][0] < v["reward_occlusion"][1] or v["reward_occlusion"][1] == 0.0, (task, k, v)
-        assert v["reward_occlusion"][0] <= v["reward_occlusion"][1] + 0.05, (task, k, v)
+            assert v["reward_occlusion"][0] < v["reward_occlusion"][1] or v["reward_occlusion"][1] == 0.0, (
+                task,
+                k,
+                v,
+            )
+        if v["reward_terminal"][0] < v["reward_terminal"][1]:  # rushing costs treatment quality:
+            gain = v["reward_occlusion"][0] - v["reward_occlusion"][1]  # occlusion never makes up for it
+            assert gain < v["reward_terminal"][1] - v["reward_terminal"][0], (task, k, v)
     assert apart >= 5
 
 
