@@ -63,6 +63,8 @@ class SearchResult:
     broken_rules: tuple[str, ...]
     degenerate: str | None
     evaluations: int
+    start_total: float
+    """The objective of the plan the search started from (the best of the first population)."""
 
     @property
     def beats_oracle(self) -> bool:
@@ -155,6 +157,7 @@ def search_case(
         strategy, start, fraction = None, np.ones(N_GROUPS, dtype=np.int64), np.full(N_GROUPS, 1.0 / N_STAGES)
     best_plan = _plan(strategy, start, fraction)
     best_total, best_terminal = (float(v[0]) for v in score([best_plan]))
+    start_total = best_total
     evaluations = 1
     for _ in range(rounds):
         states = []
@@ -193,6 +196,7 @@ def _result(
     oracle_total: float,
     oracle_terminal: float,
     evaluations: int,
+    start_total: float,
 ) -> SearchResult:
     result = score_plan_specs([normalize_plan(best_plan)], [case])[0]
     return SearchResult(
@@ -206,6 +210,7 @@ def _result(
         broken_rules=tuple(result["broken_rules"]),
         degenerate=degenerate_form(case, best_plan),
         evaluations=evaluations,
+        start_total=start_total,
     )
 
 
@@ -264,6 +269,7 @@ def population_search(
         )
     plans = [_tooth_plan(*g) for g in genes]
     totals, terminals = objective(case, plans, weights, target)
+    start_total = float(totals.max())
     evaluations = len(plans)
     for _ in range(generations):
         children = []

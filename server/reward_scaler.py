@@ -5,16 +5,16 @@ that breaks none, doing nothing included. The hard rules, each judged at every s
 tooth or contact (:func:`server.scoring.score_episodes` measures them):
 
 * **collision** - adjacent crowns of the achieved arch penetrating by more than
-  :data:`server.collisions.COLLISION_TOLERANCE_MM` (0.1 mm: contact, not collision);
+  :data:`server.collisions.COLLISION_TOLERANCE_MM` (0.11 mm: contact, not collision);
 * **PDL stress** - the periodontal-ligament pressure at aligner insertion above
   :data:`server.dental_constants.PDL_CRITICAL_KPA` (4.7 kPa, Schwarz 1932) on *any* tooth;
 * **per-stage limits** - a planned increment beyond 0.25 mm / 2 deg by more than
   :data:`server.dental_constants.LIMIT_TOLERANCE` (5 %);
 * **crowns one apart** - crowns with one crown between them (it blocked out of the arch) meeting
-  beyond the same 0.1 mm;
+  beyond the same 0.11 mm;
 * **aligner collision** - the aligner shapes (planned poses), where they differ from the teeth
   (force decay, non-compliance: overcorrected shapes), penetrating as neighbours or crowns one
-  apart beyond 0.1 mm: such an aligner cannot be made;
+  apart beyond 0.11 mm: such an aligner cannot be made;
 * **occlusal collision** - the bite closing through the opposing crowns: an upper-lower clearance
   of the achieved or the planned arch tighter than both the initial and the target bite by more
   than :data:`server.scoring.OCCLUSAL_TOLERANCE_MM` (:func:`server.scoring.arch_breaches`);

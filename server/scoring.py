@@ -124,7 +124,7 @@ OVERSHOOT_WEIGHT: float = 1.0
 OVERSHOOT_WEIGHT) x`` of accuracy, stopping short by x costs x. Stopping short leaves a movement
 to finish; going past it moves the tooth into a position it never needed (the root too) and must
 be undone: a mirrored malocclusion is no better than the one treated."""
-OVERSHOOT_TOLERANCE_MM: float = COLLISION_TOLERANCE_MM
+OVERSHOOT_TOLERANCE_MM: float = 0.1
 """An achieved overshoot up to OVERSHOOT_TOLERANCE_SHARE of the tooth's movement, or up to this
 (mm-equivalent, the model's resolution) if that is more, is a finishing error (it costs accuracy);
 past both it is the hard rule ``overshoot``: the plan drove the tooth well beyond the position it was

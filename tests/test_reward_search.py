@@ -26,8 +26,10 @@ def test_plans_found_above_the_oracle_are_honest(task):
             if r.beats_oracle:
                 assert not r.broken_rules, (r.case, start, r.broken_rules, r.best_plan)
                 assert r.degenerate is None, (r.case, start, r.degenerate, r.best_plan)
-    # the search does climb: from a random plan it ends far above where random plans start
-    assert all(r.best_total > 0.0 for r in found)
+    # the search does climb: from a random plan it ends above where it started; from SLERP and the
+    # oracle it stays safe
+    assert all(r.best_total > r.start_total for r in found if r.start_from == "random")
+    assert all(r.best_total > 0.0 for r in found if r.start_from != "random")
 
 
 def test_degenerate_forms_are_named():
