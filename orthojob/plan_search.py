@@ -183,7 +183,15 @@ def search_case(
             (strategy, start, fraction), best_plan = states[k], plans[k]
             best_total, best_terminal = float(totals[k]), float(terminals[k])
     return _result(
-        case, start_from, best_plan, best_total, best_terminal, oracle_total, oracle_terminal, evaluations
+        case,
+        start_from,
+        best_plan,
+        best_total,
+        best_terminal,
+        oracle_total,
+        oracle_terminal,
+        evaluations,
+        start_total,
     )
 
 
@@ -304,6 +312,7 @@ def population_search(
         oracle_total,
         oracle_terminal,
         evaluations,
+        start_total,
     )
 
 
