@@ -2,15 +2,19 @@
 
 Run from the repository root (single process, one BLAS thread)::
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/reward_search.py [--seeds 20] [--rounds 30]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/reward_search.py [--seeds 20] [--rounds 30] [--generations 20]
 
 For every task level and ``--seeds`` held-out seeds (dynamics alternate between ideal and force
-decay), :func:`orthojob.plan_search.search_case` hill-climbs the summed five TRL rewards from
+decay) and every objective (the five TRL rewards summed at the default weights, at ``make learn``'s
+weights, and the scaled terminal alone): :func:`orthojob.plan_search.search_case` hill-climbs from
 uniform SLERP, from the oracle's plan and from a random plan, ``--rounds`` rounds of 48 proposals
-each. Printed per level and start: how often the best plan found beats the oracle's summed reward
-(and by how much), how often it breaks a hard rule or is a degenerate form (nothing, everything
-at once, one group), and the best plan's terminal against the oracle's. A reward an optimiser
-can game shows here as a found plan above the oracle that breaks a rule or is degenerate.
+each, and :func:`orthojob.plan_search.population_search` evolves per-tooth plans (start, duration,
+overcorrection) for ``--generations`` generations. Printed per level, objective and search: how
+often the best plan found beats the oracle on that objective (and by how much), how often it breaks
+a hard rule or is a degenerate form (nothing, everything at once, one group), how often it beats
+the oracle on the objective with a lower terminal, and the best plan's terminal against the
+oracle's. A reward an optimiser can game shows here as a found plan above the oracle that breaks a
+rule or is degenerate. Exit status 1 if any such plan is found.
 """
 
 from __future__ import annotations
@@ -25,43 +29,61 @@ if __package__ in (None, ""):
 
 import numpy as np
 
-from orthojob.plan_search import search_case
+from orthojob.learning import LearnConfig
+from orthojob.plan_search import population_search, search_case
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 
-STARTS: tuple[str, ...] = ("slerp", "oracle", "random")
+STARTS: tuple[str, ...] = ("slerp", "oracle", "random", "population")
+OBJECTIVES: dict[str, tuple[dict | None, str]] = {
+    "sum": (None, "sum"),
+    "sum_learn": ({"reward_strategy": LearnConfig().strategy_weight}, "sum"),
+    "terminal": (None, "terminal"),
+}
+"""Objective name -> (reward weights, target) of :func:`orthojob.plan_search.objective`."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=20, help="held-out seeds per task level")
     parser.add_argument("--rounds", type=int, default=30, help="hill-climbing rounds per search")
+    parser.add_argument("--generations", type=int, default=20, help="population-search generations")
+    parser.add_argument("--objectives", default=",".join(OBJECTIVES), help="comma-separated objectives")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     print(
-        f"{'level':<12}{'start':<8}{'searches':>9}{'beat oracle':>12}{'by (mean)':>10}"
-        f"{'break a rule':>13}{'degenerate':>11}{'found terminal':>15}{'oracle terminal':>16}"
+        f"{'level':<12}{'objective':<11}{'search':<11}{'runs':>5}{'beat oracle':>12}{'by (mean)':>10}"
+        f"{'break a rule':>13}{'degenerate':>11}{'lower term.':>12}{'found terminal':>15}{'oracle terminal':>16}"
     )
     dishonest = 0
+    evaluations = 0
     for task in TASK_IDS:
-        results = {s: [] for s in STARTS}
-        for k in range(args.seeds):
-            case = generate_case(task, HELDOUT_SEED_START + k, k % 2 == 1)
-            for start in STARTS:
-                results[start].append(search_case(case, start, args.rounds, rng))
-        for start, rs in results.items():
-            beat = [r for r in rs if r.beats_oracle]
-            bad = [r for r in beat if r.broken_rules or r.degenerate]
-            dishonest += len(bad)
-            margin = np.mean([r.best_total - r.oracle_total for r in beat]) if beat else 0.0
-            print(
-                f"{task:<12}{start:<8}{len(rs):>9}{len(beat):>12}{margin:>+10.3f}"
-                f"{sum(bool(r.broken_rules) for r in rs):>13}{sum(r.degenerate is not None for r in rs):>11}"
-                f"{np.mean([r.best_terminal for r in rs]):>15.3f}{np.mean([r.oracle_terminal for r in rs]):>16.3f}"
-            )
-            for r in bad:
-                print(f"    above the oracle and dishonest: {r.case} {r.broken_rules} {r.degenerate}")
-    evaluations = 3 * len(TASK_IDS) * args.seeds * (1 + args.rounds * 48)
+        for name in args.objectives.split(","):
+            weights, target = OBJECTIVES[name]
+            results = {s: [] for s in STARTS}
+            for k in range(args.seeds):
+                case = generate_case(task, HELDOUT_SEED_START + k, k % 2 == 1)
+                for start in STARTS:
+                    if start == "population":
+                        r = population_search(case, args.generations, rng, weights, target)
+                    else:
+                        r = search_case(case, start, args.rounds, rng, weights, target)
+                    results[start].append(r)
+                    evaluations += r.evaluations
+            for start, rs in results.items():
+                beat = [r for r in rs if r.beats_oracle]
+                bad = [r for r in beat if r.broken_rules or r.degenerate]
+                dishonest += len(bad)
+                margin = np.mean([r.best_total - r.oracle_total for r in beat]) if beat else 0.0
+                lower = sum(r.best_terminal < r.oracle_terminal for r in beat)
+                print(
+                    f"{task:<12}{name:<11}{start:<11}{len(rs):>5}{len(beat):>12}{margin:>+10.3f}"
+                    f"{sum(bool(r.broken_rules) for r in rs):>13}{sum(r.degenerate is not None for r in rs):>11}"
+                    f"{lower:>12}{np.mean([r.best_terminal for r in rs]):>15.3f}"
+                    f"{np.mean([r.oracle_terminal for r in rs]):>16.3f}"
+                )
+                for r in bad:
+                    print(f"    above the oracle and dishonest: {r.case} {r.broken_rules} {r.degenerate}")
     print(f"\nplans found above the oracle that break a rule or are degenerate: {dishonest}")
     print(f"{evaluations} plans scored in {time.perf_counter() - t0:.0f} s")
     return 1 if dishonest else 0

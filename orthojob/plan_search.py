@@ -6,11 +6,15 @@ plan space directly for the plans that earn the most, and reports what they brea
 * the search space: a strategy and, for each of the 14 tooth types (FDI number 1-7 in each
   arch), a start aligner (``start_stage``) and a ``fraction`` - every plan an LLM could write
   with one group per tooth type;
-* the objective: the sum of the five TRL reward functions with weight 1 (what GRPO's default
-  ``reward_weights`` add up), called as TRL calls them;
+* the objective: the weighted sum of the five TRL reward functions (default weights 1, what GRPO's
+  default ``reward_weights`` add up; any weighting the trainer accepts), called as TRL calls them, or
+  the scaled terminal alone;
 * the moves: steepest ascent over :data:`PROPOSALS` random mutations per round (a group's start
   moved by up to 4 aligners, its fraction scaled by 0.5-2 or redrawn in [0, 1], the strategy
-  redrawn), from uniform SLERP, from the oracle's plan, or from a random plan.
+  redrawn), from uniform SLERP, from the oracle's plan, or from a random plan;
+* or a population search (:func:`population_search`) over per-tooth plans: each of the 28 teeth
+  its own start aligner, duration (aligners to its target) and overcorrection, (mu + lambda)
+  evolution from the oracle, uniform SLERP and random plans.
 
 :func:`degenerate_form` names the degenerate plans (doing nothing, everything in one aligner,
 every treated tooth in one group); :func:`search_case` reports the best plan found, its
@@ -25,12 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from orthojob.prompts import plan_to_completion
-from orthojob.rewards import REWARD_FUNCS
+from orthojob.rewards import DEFAULT_REWARD_WEIGHTS, REWARD_FUNCS, check_ordering
 from server.cases import Case
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import IS_UPPER, MM_PER_DEG, N_STAGES, TOOTH_IDS, TYPE_INDEX
 from server.oracle import plan_for_case
-from server.plans import normalize_plan
+from server.plans import MAX_OVERCORRECTION, normalize_plan
 from server.scoring import MOVEMENT_EPS_MM
 from server.treatment import score_plan_specs
 
@@ -59,6 +63,8 @@ class SearchResult:
     broken_rules: tuple[str, ...]
     degenerate: str | None
     evaluations: int
+    start_total: float
+    """The objective of the plan the search started from (the best of the first population)."""
 
     @property
     def beats_oracle(self) -> bool:
@@ -77,13 +83,28 @@ def _plan(strategy: str | None, start: np.ndarray, fraction: np.ndarray) -> dict
     return {"strategy": strategy, "tooth_groups": groups} if strategy else {"tooth_groups": groups}
 
 
-def objective(case: Case, plans: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """(summed reward, scaled terminal) of plans on a case, through the TRL reward functions."""
+def objective(
+    case: Case, plans: list[dict], weights: dict[str, float] | None = None, target: str = "sum"
+) -> tuple[np.ndarray, np.ndarray]:
+    """(objective, scaled terminal) of plans on a case, through the TRL reward functions.
+
+    ``target="sum"``: the sum of the five rewards weighted by ``weights`` (reward name -> weight,
+    :data:`orthojob.rewards.DEFAULT_REWARD_WEIGHTS` where absent; checked as the trainer checks them,
+    :func:`orthojob.rewards.check_ordering`); ``"terminal"``: the scaled terminal alone."""
     completions = [plan_to_completion(p) for p in plans]
     n = len(plans)
-    cols = {"seed": [case.seed] * n, "task_id": [case.task_id] * n, "force_decay": [case.force_decay] * n}
+    cols = {
+        "seed": [case.seed] * n,
+        "task_id": [case.task_id] * n,
+        "force_decay": [case.force_decay] * n,
+        "non_compliance": [case.non_compliance] * n,
+    }
     values = {name: np.asarray(f(completions, **cols)) for name, f in REWARD_FUNCS.items()}
-    return sum(values.values()), values["reward_terminal"]
+    if target == "terminal":
+        return values["reward_terminal"], values["reward_terminal"]
+    w = {**DEFAULT_REWARD_WEIGHTS, **(weights or {})}
+    check_ordering(w)
+    return sum(w[k] * v for k, v in values.items()), values["reward_terminal"]
 
 
 def degenerate_form(case: Case, plan: dict) -> str | None:
@@ -110,11 +131,22 @@ def _from_plan(plan: dict) -> tuple[str | None, np.ndarray, np.ndarray]:
     return spec.strategy, start, fraction
 
 
-def search_case(case: Case, start_from: str, rounds: int, rng: np.random.Generator) -> SearchResult:
+def search_case(
+    case: Case,
+    start_from: str,
+    rounds: int,
+    rng: np.random.Generator,
+    weights: dict[str, float] | None = None,
+    target: str = "sum",
+) -> SearchResult:
     """Hill-climb from ``"slerp"``, ``"oracle"`` or ``"random"`` (a random plan of the search space)
-    for ``rounds`` rounds of PROPOSALS mutations."""
+    for ``rounds`` rounds of PROPOSALS mutations of :func:`objective` (``weights``, ``target``)."""
+
+    def score(plans: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        return objective(case, plans, weights, target)
+
     oracle = plan_for_case(case)
-    oracle_total, oracle_terminal = (float(v[0]) for v in objective(case, [oracle]))
+    oracle_total, oracle_terminal = (float(v[0]) for v in score([oracle]))
     if start_from == "oracle":
         strategy, start, fraction = _from_plan(oracle)
     elif start_from == "random":
@@ -124,7 +156,8 @@ def search_case(case: Case, start_from: str, rounds: int, rng: np.random.Generat
     else:
         strategy, start, fraction = None, np.ones(N_GROUPS, dtype=np.int64), np.full(N_GROUPS, 1.0 / N_STAGES)
     best_plan = _plan(strategy, start, fraction)
-    best_total, best_terminal = (float(v[0]) for v in objective(case, [best_plan]))
+    best_total, best_terminal = (float(v[0]) for v in score([best_plan]))
+    start_total = best_total
     evaluations = 1
     for _ in range(rounds):
         states = []
@@ -143,12 +176,36 @@ def search_case(case: Case, start_from: str, rounds: int, rng: np.random.Generat
                     s = STRATEGIES[int(rng.integers(len(STRATEGIES)))]
             states.append((s, st, fr))
         plans = [_plan(*x) for x in states]
-        totals, terminals = objective(case, plans)
+        totals, terminals = score(plans)
         evaluations += len(plans)
         k = int(np.argmax(totals))
         if totals[k] > best_total:
             (strategy, start, fraction), best_plan = states[k], plans[k]
             best_total, best_terminal = float(totals[k]), float(terminals[k])
+    return _result(
+        case,
+        start_from,
+        best_plan,
+        best_total,
+        best_terminal,
+        oracle_total,
+        oracle_terminal,
+        evaluations,
+        start_total,
+    )
+
+
+def _result(
+    case: Case,
+    start_from: str,
+    best_plan: dict,
+    best_total: float,
+    best_terminal: float,
+    oracle_total: float,
+    oracle_terminal: float,
+    evaluations: int,
+    start_total: float,
+) -> SearchResult:
     result = score_plan_specs([normalize_plan(best_plan)], [case])[0]
     return SearchResult(
         case=(case.task_id, case.seed, case.force_decay),
@@ -161,7 +218,110 @@ def search_case(case: Case, start_from: str, rounds: int, rng: np.random.Generat
         broken_rules=tuple(result["broken_rules"]),
         degenerate=degenerate_form(case, best_plan),
         evaluations=evaluations,
+        start_total=start_total,
     )
 
 
-__all__ = ["GROUP_OF_TOOTH", "PROPOSALS", "SearchResult", "degenerate_form", "objective", "search_case"]
+POPULATION: int = 16
+"""Plans kept per generation of :func:`population_search`."""
+OFFSPRING: int = 48
+"""Mutants scored per generation."""
+
+
+def _tooth_plan(strategy: str | None, start: np.ndarray, duration: np.ndarray, over: np.ndarray) -> dict:
+    """A per-tooth plan: tooth i starts at ``start[i]``, reaches its (overcorrected) target in
+    ``duration[i]`` aligners (0: stays where it is), overcorrected by ``over[i]``."""
+    groups = []
+    for i, t in enumerate(TOOTH_IDS):
+        g = {
+            "teeth": [int(t)],
+            "fraction": round(1.0 / duration[i], 4) if duration[i] > 0 else 0.0,
+            "start_stage": int(start[i]),
+        }
+        if over[i] > 0:
+            g["overcorrection"] = round(float(over[i]), 3)
+        groups.append(g)
+    return {"strategy": strategy, "tooth_groups": groups} if strategy else {"tooth_groups": groups}
+
+
+def _genes_of(plan: dict) -> tuple[str | None, np.ndarray, np.ndarray, np.ndarray]:
+    spec = normalize_plan(plan)
+    with np.errstate(divide="ignore"):
+        duration = np.where(spec.fraction > 0, np.ceil(1.0 / np.maximum(spec.fraction, 1e-9) - 1e-9), 0)
+    over = spec.overcorrections() if spec.overcorrection is not None else np.zeros(len(TOOTH_IDS))
+    return spec.strategy, spec.start.astype(np.int64), np.minimum(duration, N_STAGES).astype(np.int64), over
+
+
+def population_search(
+    case: Case,
+    generations: int,
+    rng: np.random.Generator,
+    weights: dict[str, float] | None = None,
+    target: str = "sum",
+) -> SearchResult:
+    """(mu + lambda) evolution of per-tooth plans (start, duration, overcorrection of each tooth and
+    the strategy) on :func:`objective`, seeded with the oracle's plan, uniform SLERP and random plans;
+    POPULATION kept and OFFSPRING mutants scored per generation."""
+    oracle = plan_for_case(case)
+    oracle_total, oracle_terminal = (float(v[0]) for v in objective(case, [oracle], weights, target))
+    n = len(TOOTH_IDS)
+    genes = [_genes_of(oracle), (None, np.ones(n, np.int64), np.full(n, N_STAGES, np.int64), np.zeros(n))]
+    while len(genes) < POPULATION:
+        genes.append(
+            (
+                STRATEGIES[int(rng.integers(len(STRATEGIES)))],
+                rng.integers(1, N_STAGES + 1, n),
+                rng.integers(0, N_STAGES + 1, n),
+                np.where(rng.random(n) < 0.2, rng.uniform(0.0, 0.5, n), 0.0),
+            )
+        )
+    plans = [_tooth_plan(*g) for g in genes]
+    totals, terminals = objective(case, plans, weights, target)
+    start_total = float(totals.max())
+    evaluations = len(plans)
+    for _ in range(generations):
+        children = []
+        for _ in range(OFFSPRING):
+            s, st, du, oc = genes[int(rng.integers(len(genes)))]
+            st, du, oc = st.copy(), du.copy(), oc.copy()
+            teeth = rng.choice(n, size=int(rng.integers(1, 5)), replace=False)
+            move = rng.random()
+            if move < 0.35:
+                st[teeth] = np.clip(st[teeth] + rng.integers(-4, 5, teeth.size), 1, N_STAGES)
+            elif move < 0.7:
+                du[teeth] = np.clip(du[teeth] + rng.integers(-6, 7, teeth.size), 0, N_STAGES)
+            elif move < 0.9:
+                oc[teeth] = np.clip(oc[teeth] + rng.normal(0.0, 0.1, teeth.size), 0.0, MAX_OVERCORRECTION)
+            else:
+                s = STRATEGIES[int(rng.integers(len(STRATEGIES)))]
+            children.append((s, st, du, oc))
+        child_plans = [_tooth_plan(*g) for g in children]
+        c_tot, c_term = objective(case, child_plans, weights, target)
+        evaluations += len(child_plans)
+        genes, plans = genes + children, plans + child_plans
+        totals, terminals = np.concatenate((totals, c_tot)), np.concatenate((terminals, c_term))
+        keep = np.argsort(-totals, kind="stable")[:POPULATION]
+        genes, plans = [genes[k] for k in keep], [plans[k] for k in keep]
+        totals, terminals = totals[keep], terminals[keep]
+    return _result(
+        case,
+        "population",
+        plans[0],
+        float(totals[0]),
+        float(terminals[0]),
+        oracle_total,
+        oracle_terminal,
+        evaluations,
+        start_total,
+    )
+
+
+__all__ = [
+    "GROUP_OF_TOOTH",
+    "PROPOSALS",
+    "SearchResult",
+    "degenerate_form",
+    "objective",
+    "population_search",
+    "search_case",
+]

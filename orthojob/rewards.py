@@ -7,8 +7,10 @@ by :func:`orthojob.prompts.prompt_rows` carry all three). Other TRL keywords (``
 ``completion_ids``, ``trainer_state``, ``log_metric`` ...) are accepted and ignored. A missing
 or misaligned column raises ValueError naming it; nothing is defaulted silently.
 
-All five read one cached rollout per (completion, seed, task_id, force_decay)
-(:mod:`orthojob.rollouts`): the first call of a batch scores it, the other four hit the cache.
+All five read one cached rollout per (completion, seed, task_id, force_decay[, non_compliance])
+(:mod:`orthojob.rollouts`): the first call of a batch scores it, the other four hit the cache. A
+``non_compliance`` column is optional (False when absent); when a row carries it, its case is the
+case with that compliance schedule.
 None of them raises because of a completion's content, and every value is finite. Each judges
 a different clinical question, so each carries its own within-group signal
 (``bench/reward_signal.py`` measures it):
@@ -22,16 +24,25 @@ reward_terminal   [-2, 8]    the scaled terminal reward (:mod:`server.reward_sca
                              graded by how much it breaks
 reward_occlusion  [0, 1]     ``occlusion_course``: the bite over the course of treatment
                              (the achieved occlusion's gain at aligners 4, 8, ..., 24)
-reward_strategy   [0, 1]     diagnosis x sequence: ``d * (1 + rho) / 2`` with ``d`` 1 for the
-                             case's optimal strategy, 1/2 for a neutral one, 0 for a wrong or
-                             missing one, and ``rho`` the sequence concordance of the movement
-                             with the declared strategy's order
+reward_strategy   [0, 1]     diagnosis x sequence x delivery: ``d * (1 + rho) / 2 * accuracy``
+                             with ``d`` 1 for the case's optimal strategy, 1/2 for a neutral
+                             one, 0 for a wrong or missing one, ``rho`` the sequence concordance
+                             of the movement with the declared strategy's order, and accuracy
+                             the share of the movement achieved
 reward_format     [0, 1]     mean of the six format checks (:func:`orthojob.parsing.format_checks`)
                              and ``executable``: the share of treated teeth whose prescription
-                             stays within the per-stage limits and reaches the target
+                             stays within the per-stage limits and reaches (or, overcorrected,
+                             passes) the target
 reward_anchorage  [0, 1]     ``accuracy x anchorage``: molar anchorage and the root area at rest
                              behind each millimetre moved, for the treatment actually delivered
 ================  =========  ==============================================================
+
+**The ordering principle holds for the sum GRPO trains on.** The four auxiliary rewards are 0
+for a plan that breaks a hard rule (``Rollout.broken_rules``), so such a plan's weighted sum is
+``w_terminal * reward_terminal`` <= ``-0.25 w_terminal`` < 0, while every safe plan, doing nothing
+included, sums to at least 0; within the failing band the sum is graded by the breach, through
+the terminal. :func:`reward_weights` refuses the weights under which this would not hold (a
+negative weight, or auxiliaries without a positive terminal weight).
 
 A completion that is not a plan (no usable tooth group, :data:`orthojob.rollouts.NO_PLAN`) or
 could not be scored gets each reward's minimum. The seed's names are kept as aliases
@@ -51,6 +62,8 @@ from server.reward_scaler import REWARD_MAX, REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
 
 REQUIRED_COLUMNS: tuple[str, ...] = ("seed", "task_id", "force_decay")
+OPTIONAL_COLUMNS: tuple[str, ...] = ("non_compliance",)
+"""Columns read when a dataset row carries them (missing: False)."""
 DIAGNOSIS_CREDIT: dict[float, float] = {
     STRATEGY_MULTIPLIERS["optimal"]: 1.0,
     STRATEGY_MULTIPLIERS["neutral"]: 0.5,
@@ -79,7 +92,13 @@ def _column(name: str, kwargs: dict, n: int, caller: str) -> Sequence:
 def _rollouts(completions: Sequence, kwargs: dict, caller: str) -> list[Rollout]:
     n = len(completions)
     seeds, tasks, decays = (_column(c, kwargs, n, caller) for c in REQUIRED_COLUMNS)
-    return DEFAULT_CACHE.get_many(list(completions), seeds, tasks, decays)
+    worn = _column("non_compliance", kwargs, n, caller) if kwargs.get("non_compliance") is not None else None
+    return DEFAULT_CACHE.get_many(list(completions), seeds, tasks, decays, worn)
+
+
+def _unsafe(r: Rollout) -> bool:
+    """Whether an auxiliary reward must give its minimum: not a plan, or a plan breaking a hard rule."""
+    return r.error is not None or bool(r.broken_rules)
 
 
 def _finite(x: object, low: float, high: float) -> float:
@@ -122,12 +141,15 @@ def reward_occlusion(completions: Sequence, **kwargs) -> list[float]:
         completions, **kwargs: as :func:`reward_terminal`.
 
     Returns:
-        One float per completion in [0, 1]: the mean gain of the achieved occlusion towards the
-        target's at aligners 4, 8, ..., 24. A plan that keeps a functional bite while the teeth
-        move scores above one that wrecks it midway; doing nothing and non-plans score 0.
+        One float per completion in [0, 1]: the achieved occlusion's gain towards the target's at
+        aligners 4, 8, ..., 24, credited up to uniform staging's schedule and discounted by the
+        left-right imbalance of the teeth's progress (:func:`server.scoring.occlusion_course`). A
+        plan that keeps a functional, symmetric bite while the teeth move scores above one that
+        wrecks it midway or rushes single teeth; doing nothing, plans that break a hard rule and
+        non-plans score 0.
     """
     return [
-        0.0 if r.error else _part(r, "occlusion_course")
+        0.0 if _unsafe(r) else _part(r, "occlusion_course")
         for r in _rollouts(completions, kwargs, "reward_occlusion")
     ]
 
@@ -139,19 +161,21 @@ def reward_strategy(completions: Sequence, **kwargs) -> list[float]:
         completions, **kwargs: as :func:`reward_terminal`.
 
     Returns:
-        One float per completion in [0, 1]: ``d * (1 + rho) / 2`` with ``d`` =
-        :data:`DIAGNOSIS_CREDIT` of the strategy class the plan earned and ``rho`` its
-        ``staging`` sequence concordance. Naming the optimal strategy while moving every tooth
-        together earns 0.5; following its sequence earns up to 1; a wrong, missing or
-        contradicted strategy earns 0.
+        One float per completion in [0, 1]: ``d * staging * accuracy`` with ``d`` =
+        :data:`DIAGNOSIS_CREDIT` of the strategy class the plan earned, ``staging`` =
+        ``(1 + rho) / 2`` its sequence concordance and ``accuracy`` the share of the movement it
+        achieves: the credit grows with the treatment actually delivered, so a sequence that
+        moves almost nothing earns almost nothing. Naming the optimal strategy while moving every
+        tooth together to its target earns 0.5; following its sequence earns up to 1; a wrong,
+        missing or contradicted strategy, and a plan breaking a hard rule, earn 0.
     """
     out = []
     for r in _rollouts(completions, kwargs, "reward_strategy"):
-        if r.error or r.strategy is None:
+        if _unsafe(r) or r.strategy is None:
             out.append(0.0)
             continue
         credit = DIAGNOSIS_CREDIT.get(r.reward_breakdown.get("strategy_multiplier"), 0.0)
-        out.append(_finite(credit * _part(r, "staging"), 0.0, 1.0))
+        out.append(_finite(credit * _part(r, "staging") * _part(r, "accuracy"), 0.0, 1.0))
     return out
 
 
@@ -166,13 +190,15 @@ def reward_format(completions: Sequence, **kwargs) -> list[float]:
         One float per completion in [0, 1]: the mean of the checks of
         :func:`orthojob.parsing.format_checks` and the share of treated teeth whose
         prescription stays within the per-stage limits and reaches the target. A completion that
-        is not a plan scores 0.
+        is not a plan, or a plan breaking a hard rule, scores 0. Without the case columns nothing
+        is simulated: only the six checks count (executable 0) and no safety is judged, so GRPO
+        always passes the columns (:data:`REQUIRED_COLUMNS`).
     """
     parts = len(FORMAT_CHECKS) + 1
     if all(kwargs.get(c) is not None for c in REQUIRED_COLUMNS):
         return [
             0.0
-            if r.error
+            if _unsafe(r)
             else _finite(
                 (sum(r.format.get(k, 0.0) for k in FORMAT_CHECKS) + _part(r, "executable")) / parts, 0.0, 1.0
             )
@@ -200,10 +226,10 @@ def reward_anchorage(completions: Sequence, **kwargs) -> list[float]:
         One float per completion in [0, 1]: molar anchorage and the root area at rest behind
         each millimetre moved, times the share of the required movement achieved. Moving every
         tooth at once and doing nothing both score low; staging a few teeth at a time against
-        the rest scores high.
+        the rest scores high; a plan breaking a hard rule scores 0.
     """
     return [
-        0.0 if r.error else _finite(_part(r, "accuracy") * _part(r, "anchorage"), 0.0, 1.0)
+        0.0 if _unsafe(r) else _finite(_part(r, "accuracy") * _part(r, "anchorage"), 0.0, 1.0)
         for r in _rollouts(completions, kwargs, "reward_anchorage")
     ]
 
@@ -271,11 +297,35 @@ def active_reward_funcs(names: Sequence[str] | None = None) -> list[RewardFunc]:
     return [REWARD_FUNCS[n] for n in chosen]
 
 
+def check_ordering(weights: dict[str, float]) -> None:
+    """Raise ValueError unless weights (canonical name -> weight) keep the ordering principle for
+    their sum: every weight >= 0 and, when any auxiliary weighs, ``reward_terminal`` active with a
+    weight > 0 (the auxiliaries are 0 for a plan that breaks a hard rule, so only the terminal puts
+    it below the safe plans). A terminal alone must weigh > 0 too."""
+    for name, w in weights.items():
+        if w < 0.0:
+            raise ValueError(
+                f"weight {w} for {name!r} is negative: a negative weight pays GRPO for doing worse on "
+                "that reward and breaks the ordering principle (every plan that breaks a hard rule sums "
+                "below every safe plan); use a weight >= 0 (0 switches it off)"
+            )
+    weighing = [n for n, w in weights.items() if w > 0.0]
+    if weighing and weights.get("reward_terminal", 0.0) <= 0.0:
+        raise ValueError(
+            f"rewards {', '.join(weighing)} weigh without reward_terminal: the auxiliary rewards do not "
+            "see the hard rules (they are 0 for a plan that breaks one, like a safe plan that earns "
+            "nothing), so the sum would not rank rule-breakers below safe plans; add reward_terminal "
+            "with a weight > 0"
+        )
+    if not weighing:
+        raise ValueError("every reward weight is 0: GRPO would have nothing to learn from")
+
+
 def reward_weights(funcs: Sequence[RewardFunc], overrides: dict[str, float] | None = None) -> list[float]:
     """GRPOConfig.reward_weights for ``funcs``: DEFAULT_REWARD_WEIGHTS with ``overrides`` (by any name).
 
-    An override for an unknown reward, or for one not in ``funcs``, or a non-finite weight raises
-    ValueError.
+    An override for an unknown reward, or for one not in ``funcs``, a non-finite weight, or weights
+    that break the ordering principle (:func:`check_ordering`) raise ValueError.
     """
     weights = {f.__name__: DEFAULT_REWARD_WEIGHTS.get(f.__name__, 1.0) for f in funcs}
     for name, value in (overrides or {}).items():
@@ -291,6 +341,7 @@ def reward_weights(funcs: Sequence[RewardFunc], overrides: dict[str, float] | No
         if not math.isfinite(w):
             raise ValueError(f"weight for {name!r} must be finite, got {value!r}")
         weights[canonical] = w
+    check_ordering(weights)
     return [weights[f.__name__] for f in funcs]
 
 
@@ -301,6 +352,7 @@ __all__ = [
     "REWARD_FUNCS",
     "accuracy_reward_func",
     "active_reward_funcs",
+    "check_ordering",
     "compliance_reward_func",
     "occlusion_reward_func",
     "reward_anchorage",

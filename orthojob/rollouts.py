@@ -14,7 +14,7 @@ server reads such a plan as uniform SLERP, the baseline; paying SLERP's score to
 that did not plan was the exploit.) The plan is the first object holding ``tooth_groups``
 (:func:`orthojob.parsing.find_plan`).
 
-Keys are ``(sha256 of the completion text, task_id, seed, force_decay)`` (the :class:`server.cases.CaseKey` order): a full digest, so
+Keys are ``(sha256 of the completion text, task_id, seed, force_decay, non_compliance)`` (the :class:`server.cases.CaseKey` order): a full digest, so
 two different completions never share an episode (the seed used 16 bits of ``hash()``).
 The cache is an LRU bounded by ``max_entries`` and safe to share between threads.
 """
@@ -79,14 +79,16 @@ def completion_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
 
 
-def _case_key(seed: object, task_id: object, force_decay: object) -> CaseKey:
+def _case_key(seed: object, task_id: object, force_decay: object, non_compliance: object = False) -> CaseKey:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"column 'seed' must hold integers, got {seed!r:.40}")
     if not isinstance(task_id, str):
         raise ValueError(f"column 'task_id' must hold strings, got {task_id!r:.40}")
     if force_decay is not None and not isinstance(force_decay, (bool, np.bool_)):
         raise ValueError(f"column 'force_decay' must hold booleans, got {force_decay!r:.40}")
-    return CaseKey(task_id, int(seed), bool(force_decay))
+    if non_compliance is not None and not isinstance(non_compliance, (bool, np.bool_)):
+        raise ValueError(f"column 'non_compliance' must hold booleans, got {non_compliance!r:.40}")
+    return CaseKey(task_id, int(seed), bool(force_decay), bool(non_compliance))
 
 
 def _failed(plan: dict | None, fmt: dict, error: str) -> Rollout:
@@ -186,17 +188,26 @@ class RolloutCache:
         seeds: Sequence[object],
         task_ids: Sequence[object],
         force_decays: Sequence[object],
+        non_compliances: Sequence[object] | None = None,
     ) -> list[Rollout]:
         """One rollout per completion (str or conversational), scoring every miss in one batched call.
 
-        Duplicate keys within a batch are scored once (the repeats count as hits).
+        ``non_compliances``: the optional column (None: every case fully compliant). Duplicate keys
+        within a batch are scored once (the repeats count as hits).
         """
         n = len(completions)
-        for name, column in (("seed", seeds), ("task_id", task_ids), ("force_decay", force_decays)):
+        worn = [False] * n if non_compliances is None else non_compliances
+        columns = (
+            ("seed", seeds),
+            ("task_id", task_ids),
+            ("force_decay", force_decays),
+            ("non_compliance", worn),
+        )
+        for name, column in columns:
             if len(column) != n:
                 raise ValueError(f"column {name!r} has {len(column)} values for {n} completions")
         texts = [completion_text(c) for c in completions]
-        cases = [_case_key(s, t, d) for s, t, d in zip(seeds, task_ids, force_decays)]
+        cases = [_case_key(s, t, d, w) for s, t, d, w in zip(seeds, task_ids, force_decays, worn)]
         keys = [(completion_digest(text), *case) for text, case in zip(texts, cases)]
         found: dict[tuple, Rollout] = {}
         todo: dict[tuple, int] = {}

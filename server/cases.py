@@ -28,7 +28,6 @@ from server.clinical_profiles import (
     optimal_strategy,
 )
 from server.collisions import (
-    COLLISION_TOLERANCE_MM,
     CONTACT_CROWNS,
     CrownContacts,
     crown_contacts,
@@ -72,9 +71,9 @@ TASK_DESCRIPTIONS: dict[str, str] = {
     "task_medium": "one moderate malocclusion",
     "task_hard": "a severe malocclusion combined with a second, milder one",
 }
-INITIAL_CLEARANCE_MM: float = COLLISION_TOLERANCE_MM / 2
+INITIAL_CLEARANCE_MM: float = 0.05
 """Largest penetration allowed between neighbours of an initial configuration."""
-SWEEP_CLEARANCE_MM: float = 0.8 * COLLISION_TOLERANCE_MM
+SWEEP_CLEARANCE_MM: float = 0.08
 """Largest penetration allowed along uniform staging (:func:`sweep_penetration_mm`)."""
 SWEEP_SAMPLES: np.ndarray = np.arange(2, N_STAGES, 2) / N_STAGES
 """Progress values at which uniform staging's penetration is sampled: every other aligner (the clearance
@@ -99,7 +98,12 @@ class CaseKey(NamedTuple):
     @classmethod
     def of_row(cls, row: dict) -> CaseKey:
         """The key of a dataset row or record ``{"task_id", "seed", "force_decay", ...}``."""
-        return cls(row["task_id"], int(row["seed"]), bool(row.get("force_decay", False)))
+        return cls(
+            row["task_id"],
+            int(row["seed"]),
+            bool(row.get("force_decay", False)),
+            bool(row.get("non_compliance", False)),
+        )
 
 
 @dataclass(frozen=True)

@@ -231,3 +231,21 @@ LOWER_PAIRS: np.ndarray = np.stack([tooth_pair(n, False) for n in range(1, 8)])
 def side_mean(a: np.ndarray) -> np.ndarray:
     """Mean over the last axis of (..., 2) right/left values (np.mean without its overhead)."""
     return (a[..., 0] + a[..., 1]) / 2
+
+
+def _second_neighbour_pairs() -> np.ndarray:
+    """Teeth two apart along each arch (one crown between them): 17-15, 16-14, ..., 12-21, 11-22, ..."""
+    pairs = []
+    for right, left in ((1, 2), (4, 3)):
+        row = [right * 10 + n for n in range(7, 0, -1)] + [left * 10 + n for n in range(1, 8)]
+        pairs += [(TOOTH_INDEX[a], TOOTH_INDEX[b]) for a, b in zip(row, row[2:])]
+    return np.array(pairs)
+
+
+SECOND_NEIGHBOUR_PAIRS: np.ndarray = _second_neighbour_pairs()
+"""(24, 2) indices of teeth with one crown between them (12 per arch): when the crown between is
+blocked out of the arch (crowding) these two can meet."""
+ANTAGONIST_PAIRS: np.ndarray = np.stack(
+    [np.stack([UPPER_PAIRS[n], LOWER_PAIRS[n]], axis=-1) for n in range(7)]
+)
+"""(7, 2, 2) [tooth number - 1, side (right, left), (upper, lower)] indices of opposing crowns."""

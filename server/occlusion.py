@@ -25,6 +25,7 @@ from server.arch import occlusal_points
 from server.collisions import mesiodistal_axis_xy
 from server.dental_constants import (
     ADJACENT_PAIRS,
+    ANTAGONIST_PAIRS,
     ANTERIOR_CONTACTS,
     CLASS_I_MOLAR_OFFSET_MM,
     IDEAL_OVERBITE_MM,
@@ -152,6 +153,37 @@ def arch_contacts(
 
 
 _UPPER_CONTACTS = IS_UPPER[ADJACENT_PAIRS[:, 0]]
+
+
+_ANTERIOR_ANTAGONISTS = ANTAGONIST_PAIRS[:3].reshape(6, 2)  # (6, (upper, lower)): teeth 1-3
+_FIRST_MOLARS = UPPER_PAIRS[5]
+
+
+def occlusal_clearance_mm(poses: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """(..., 6) clearance (mm) between each upper incisor and canine and its antagonist; lower =
+    tighter, negative = the lower incisal edge / cusp tip inside the upper crown's lingual contour.
+
+    The horizontal distance from the lower edge to the upper one along the upper crown's labial
+    direction (from the midpoint of the ``reference`` arch's upper first molars to the upper crown),
+    less their vertical overlap where they overlap: an upper incisor's lingual surface leans about 45
+    degrees near the edge, so each mm of overbite takes a mm of overjet and the ideal 2.5 mm / 2.5 mm
+    bite is contact (0). Premolars and molars are not judged: when their cusps meet, the mandible
+    opens about its hinge rather than the crowns passing through each other, so a vertical change
+    there opens the bite instead of colliding (this model keeps the mandible fixed).
+
+    Args:
+        poses: (..., 28, 7) crown poses.
+        reference: (28, 7) or (..., 28, 7) poses that set each upper crown's labial direction (the
+            case's target: fixed through a treatment).
+    """
+    edge = occlusal_points(poses)
+    centre = reference[..., _FIRST_MOLARS, 4:6].mean(axis=-2)  # (..., 2)
+    up, lo = _ANTERIOR_ANTAGONISTS[:, 0], _ANTERIOR_ANTAGONISTS[:, 1]
+    labial = reference[..., up, 4:6] - centre[..., None, :]
+    labial = labial / np.maximum(vector_norm(labial), 1e-9)[..., None]
+    horizontal = np.sum((edge[..., up, :2] - edge[..., lo, :2]) * labial, axis=-1)
+    overlap = np.maximum(edge[..., lo, 2] - edge[..., up, 2], 0.0)
+    return horizontal - overlap
 
 
 def rotation_errors_deg(poses: np.ndarray, target: np.ndarray) -> np.ndarray:

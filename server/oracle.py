@@ -29,7 +29,8 @@ teeth in the strategy's order:
    neighbours are moved one after the other, and the result re-checked, for a few rounds.
    Under force decay the best staged candidates are also tried *compensated*: each tooth
    overcorrected by the share of its movement the simulator shows it fails to express, within
-   the per-stage limits (:func:`compensate`). Teeth outside the strategy's sequence (the lower
+   the per-stage limits (:func:`compensate`), and tried again with the overcorrection trimmed on
+   the teeth whose aligner shapes would collide (:func:`relieve_aligner_collisions`). Teeth outside the strategy's sequence (the lower
    dentition of a Class II, moved by elastics) move together at the slowest speed.
    Uniform staging with the strategy named is a candidate too, so the oracle never scores
    below uniform SLERP (every case has a safe uniform staging, :mod:`server.cases`). A
@@ -52,7 +53,7 @@ import numpy as np
 
 from server.cases import Case, generate_case
 from server.clinical_profiles import OPTIMAL_STRATEGY, SEQUENCED_TEETH, STRATEGY_LEVELS, optimal_strategy
-from server.collisions import COLLISION_TOLERANCE_MM
+from server.collisions import COLLISION_TOLERANCE_MM, penetration_mm, second_neighbour_penetration_mm
 from server.dental_constants import (
     ADJACENT_PAIRS,
     IS_UPPER,
@@ -65,6 +66,7 @@ from server.dental_constants import (
     PDL_CRITICAL_KPA,
     PRIORITY_START_STAGE,
     QUADRANT,
+    SECOND_NEIGHBOUR_PAIRS,
     SIDE,
     TOOTH_IDS,
     TOOTH_NUMBER,
@@ -80,7 +82,7 @@ from server.quaternion_utils import (
 from server.reward_scaler import breach_total
 from server.scoring import (
     STRATEGY_MULTIPLIERS,
-    hard_rule_breaches,
+    all_breaches,
     increments,
     limit_ratio,
     pdl_stress_kpa,
@@ -420,13 +422,15 @@ def _breach(case: Case, stagings: list[Staging]) -> np.ndarray:
     specs = [_spec(x, None) for x in stagings]
     planned, achieved = rollout_plans(specs, [case] * len(specs))
     n = len(specs)
-    m = stage_measures(
-        planned,
-        achieved,
+    breaches = all_breaches(
+        np.broadcast_to(case.initial, (n, 28, 7)),
+        np.broadcast_to(case.target, (n, 28, 7)),
         np.broadcast_to(case.crown_width_mm, (n, 28)),
         np.broadcast_to(case.crown_depth_mm, (n, 28)),
+        planned,
+        achieved,
     )
-    return sum(hard_rule_breaches(m).values())
+    return sum(breaches.values())
 
 
 def _repair(case: Case, staging: Staging, breach: float, last: int) -> Staging | None:
@@ -479,6 +483,39 @@ def compensate(case: Case, stagings: list[Staging], rounds: int = 2) -> list[Sta
     return out
 
 
+def relieve_aligner_collisions(case: Case, stagings: list[Staging], rounds: int = 4) -> list[Staging]:
+    """The stagings with the overcorrection of the teeth whose aligner shapes collide (neighbours or
+    crowns one apart, beyond COLLISION_TOLERANCE_MM at any aligner) halved, ``rounds`` times at most,
+    as a technician trims an overcorrected setup whose tooth sockets overlap; a tooth whose
+    overcorrection falls below OC_QUANTUM gets none."""
+    pairs = np.concatenate((ADJACENT_PAIRS, SECOND_NEIGHBOUR_PAIRS))
+    out = list(stagings)
+    for _ in range(rounds):
+        todo = [k for k, (_, _, oc) in enumerate(out) if oc.any()]
+        if not todo:
+            break
+        planned, _ = rollout_plans([_spec(out[k], None) for k in todo], [case] * len(todo))
+        w, d = case.crown_width_mm, case.crown_depth_mm
+        pen = np.concatenate(
+            (penetration_mm(planned[:, 1:], w, d), second_neighbour_penetration_mm(planned[:, 1:], w, d)),
+            axis=-1,
+        ).max(axis=1)  # (n, 50) deepest over the aligners
+        changed = False
+        for row, k in enumerate(todo):
+            hit = pairs[pen[row] > COLLISION_TOLERANCE_MM]
+            if not hit.size:
+                continue
+            start, fraction, oc = out[k]
+            teeth = np.unique(hit)
+            oc = oc.copy()
+            oc[teeth] = np.floor(oc[teeth] / 2.0 / OC_QUANTUM) * OC_QUANTUM
+            out[k] = (start, fraction, oc)
+            changed = True
+        if not changed:
+            break
+    return out
+
+
 def _slowest(staging: Staging) -> Staging:
     """The staging with every tooth at the slowest speed that still finishes by the last aligner
     (more room under the limits for overcorrection)."""
@@ -495,6 +532,7 @@ def _best_staging(case: Case, strategy: str, secondary: str | None) -> tuple[Sta
     if case.force_decay:
         quality = np.argsort([-r["terminal_reward"] for r in results[:-1]], kind="stable")[:COMPENSATED]
         extra = compensate(case, [x for k in quality for x in (candidates[k], _slowest(candidates[k]))])
+        extra = extra + relieve_aligner_collisions(case, extra)
         # uniform staging stays last (the fallback the repair logic knows)
         candidates = [*candidates[:-1], *extra, candidates[-1]]
         results = [*results[:-1], *_score(case, strategy, extra), results[-1]]

@@ -5,11 +5,21 @@ that breaks none, doing nothing included. The hard rules, each judged at every s
 tooth or contact (:func:`server.scoring.score_episodes` measures them):
 
 * **collision** - adjacent crowns of the achieved arch penetrating by more than
-  :data:`server.collisions.COLLISION_TOLERANCE_MM` (0.1 mm: contact, not collision);
+  :data:`server.collisions.COLLISION_TOLERANCE_MM` (0.11 mm: contact, not collision);
 * **PDL stress** - the periodontal-ligament pressure at aligner insertion above
   :data:`server.dental_constants.PDL_CRITICAL_KPA` (4.7 kPa, Schwarz 1932) on *any* tooth;
 * **per-stage limits** - a planned increment beyond 0.25 mm / 2 deg by more than
-  :data:`server.dental_constants.LIMIT_TOLERANCE` (5 %).
+  :data:`server.dental_constants.LIMIT_TOLERANCE` (5 %);
+* **crowns one apart** - crowns with one crown between them (it blocked out of the arch) meeting
+  beyond the same 0.11 mm;
+* **aligner collision** - the aligner shapes (planned poses), where they differ from the teeth
+  (force decay, non-compliance: overcorrected shapes), penetrating as neighbours or crowns one
+  apart beyond 0.11 mm: such an aligner cannot be made;
+* **occlusal collision** - the bite closing through the opposing crowns: an upper-lower clearance
+  of the achieved or the planned arch tighter than both the initial and the target bite by more
+  than :data:`server.scoring.OCCLUSAL_TOLERANCE_MM` (:func:`server.scoring.arch_breaches`);
+* **overshoot** - a tooth ending past its target by more than 25 % of its movement and 0.1
+  mm-equivalent (:data:`server.scoring.OVERSHOOT_TOLERANCE_SHARE`): a malocclusion made, not treated.
 
 The scale has two bands and a floor:
 
@@ -25,10 +35,11 @@ not a plan       -2 (REWARD_MIN)          a completion with no usable tooth grou
                                           a non-finite score
 ===============  =======================  ==============================================
 
-The breach ``b`` adds the three rules' excesses in comparable units, summed over stages and
+The breach ``b`` adds the rules' excesses in comparable units, summed over stages and
 teeth (or contacts): ``(r - 1 - LIMIT_TOLERANCE)+`` for each increment ``r`` times the limit;
 ``(p / PDL_CRITICAL_KPA - 1)+`` for each stress ``p``; ``(pen - tol) / tol`` for each
-penetration ``pen`` beyond the tolerance ``tol``. A group of failing plans therefore still has
+penetration ``pen`` beyond the tolerance ``tol`` (crowns, aligner shapes, antagonists); the
+overshoot beyond its tolerance over 0.1 mm. A group of failing plans therefore still has
 an advantage to climb (fewer, smaller breaches), and its top lies below the safe band.
 
 This supersedes the seed's ``10 * raw - 2`` with overrides (-1.0 for collision_free < 0.9,
@@ -53,15 +64,18 @@ FAIL_TOP: float = -0.25
 BREACH_SCALE: float = 10.0
 """Breach at which a failing plan sits halfway between FAIL_TOP and REWARD_MIN."""
 
-HARD_RULES: tuple[str, ...] = ("collision", "pdl_stress", "limits")
-"""The hard clinical rules, in the order of :func:`server.scoring.score_episodes`' breach diagnostics
-(``collision_breach``, ``pdl_breach``, ``limit_breach``)."""
 BREACH_KEYS: dict[str, str] = {
     "collision": "collision_breach",
     "pdl_stress": "pdl_breach",
     "limits": "limit_breach",
+    "second_neighbour_collision": "second_collision_breach",
+    "aligner_collision": "aligner_collision_breach",
+    "occlusal_collision": "occlusal_breach",
+    "overshoot": "overshoot_breach",
 }
 """Diagnostic key of each hard rule's breach (see :mod:`server.scoring`)."""
+HARD_RULES: tuple[str, ...] = tuple(BREACH_KEYS)
+"""The hard clinical rules (the names :func:`broken_rules` gives)."""
 
 
 def breach_total(diagnostics: dict) -> np.ndarray | float:

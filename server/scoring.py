@@ -66,21 +66,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from server.clinical_profiles import SEQUENCED_TEETH, STRATEGY_LEVELS, strategy_multiplier_class
-from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, contact_major, penetration_mm
+from server.collisions import (
+    COLLISION_TOLERANCE_MM,
+    collision_severity,
+    contact_major,
+    penetration_mm,
+    second_neighbour_penetration_mm,
+)
 from server.dental_constants import (
     ALIGNER_FORCE_N_PER_DEG,
     ALIGNER_FORCE_N_PER_MM,
     LIMIT_TOLERANCE,
     MAX_ROTATION_DEG,
     MAX_TRANSLATION_MM,
+    MIRROR_INDEX,
     MM_PER_DEG,
+    N_STAGES,
     PDL_CRITICAL_KPA,
     PDL_OPTIMAL_KPA,
     ROOT_AREA_MM2,
 )
 from server.dynamics import designed_steps, engaged
 from server.movement_priors import CombinedPrior
-from server.occlusion import occlusion_composite
+from server.occlusion import occlusal_clearance_mm, occlusion_composite
 from server.quaternion_utils import components, pose_distances, quaternion_angle, vector_norm
 from server.reward_scaler import scale_rewards
 
@@ -111,7 +119,24 @@ OCCLUSION_CHECKPOINTS: tuple[int, ...] = (4, 8, 12, 16, 20, 24)
 """Aligners at which ``occlusion_course`` judges the achieved bite (24 = the final one)."""
 OCCLUSION_GAIN_FLOOR: float = 0.02
 """Smallest occlusion gap (target - initial) a gain is measured against."""
+OVERSHOOT_WEIGHT: float = 1.0
+"""Extra error per mm-equivalent a tooth ends past its target: overshooting by x costs ``(1 +
+OVERSHOOT_WEIGHT) x`` of accuracy, stopping short by x costs x. Stopping short leaves a movement
+to finish; going past it moves the tooth into a position it never needed (the root too) and must
+be undone: a mirrored malocclusion is no better than the one treated."""
+OVERSHOOT_TOLERANCE_MM: float = 0.1
+"""An achieved overshoot up to OVERSHOOT_TOLERANCE_SHARE of the tooth's movement, or up to this
+(mm-equivalent, the model's resolution) if that is more, is a finishing error (it costs accuracy);
+past both it is the hard rule ``overshoot``: the plan drove the tooth well beyond the position it was
+prescribed, into a malocclusion of its own."""
+OVERSHOOT_TOLERANCE_SHARE: float = 0.25
+"""Share of a tooth's movement it may overshoot before the hard rule (see OVERSHOOT_TOLERANCE_MM)."""
+OCCLUSAL_TOLERANCE_MM: float = COLLISION_TOLERANCE_MM
+"""How far an antagonist clearance (:func:`server.occlusion.occlusal_clearance_mm`) may fall below
+the smaller of its initial and target values before the bite closes through the opposing crowns."""
 _CHECKPOINTS = np.array(OCCLUSION_CHECKPOINTS)
+_SCHEDULE = _CHECKPOINTS / N_STAGES
+"""(C,) the share of the treatment uniform staging has delivered at each occlusion checkpoint."""
 _NO_LEVELS = np.zeros(28, dtype=np.int64)
 _ALL_TEETH = np.ones(28, dtype=bool)
 
@@ -157,10 +182,15 @@ def _masked_mean(x: np.ndarray, mask: np.ndarray, empty: float) -> np.ndarray:
 
 def movement_centroid(inc_mm: np.ndarray) -> np.ndarray:
     """(B, 28) mean aligner (1..24) of each tooth's planned movement, weighted by its increments
-    ``inc_mm`` (B, 24, 28); 0 for a tooth that never moves."""
+    ``inc_mm`` (B, 24, 28); ``S + 1`` (25 for 24 aligners) for a tooth that never moves.
+
+    A tooth the plan leaves where it is has not moved first: for the order of movement it comes
+    after every aligner, as if its treatment were left to a later course. (Counting it at 0 read
+    leaving a strategy's first level untreated as following the sequence.)"""
     total = inc_mm.sum(axis=-2)
     stages = np.arange(1, inc_mm.shape[-2] + 1, dtype=float)[:, None]
-    return np.where(total > 0.0, np.sum(inc_mm * stages, axis=-2) / np.maximum(total, 1e-30), 0.0)
+    never = inc_mm.shape[-2] + 1.0
+    return np.where(total > 0.0, np.sum(inc_mm * stages, axis=-2) / np.maximum(total, 1e-30), never)
 
 
 def sequence_concordance(levels: np.ndarray, centroid: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -282,6 +312,122 @@ def hard_rule_breaches(
     }
 
 
+def arch_breaches(
+    initial: np.ndarray,
+    target: np.ndarray,
+    width_mm: np.ndarray,
+    depth_mm: np.ndarray,
+    planned: np.ndarray,
+    achieved: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """The contact rules beyond neighbouring teeth, (B,) each (0 for a plan that breaks none).
+
+    * ``second_collision_breach``: crowns one apart (:data:`server.dental_constants.SECOND_NEIGHBOUR_PAIRS`)
+      of the achieved arch penetrating beyond COLLISION_TOLERANCE_MM, ``sum (pen - tol)+ / tol``.
+    * ``aligner_collision_breach``: the same for the aligner shapes (the planned poses), neighbours and
+      crowns one apart, on the rows whose aligners differ from the achieved teeth (force decay,
+      non-compliance: overcorrected shapes); where they coincide the teeth's own check covers them.
+      Interpenetrating tooth sockets cannot be thermoformed into one aligner.
+    * ``occlusal_breach``: the bite closing through the opposing crowns: an antagonist clearance
+      (:func:`server.occlusion.occlusal_clearance_mm`) of the achieved arch below the smaller of its
+      initial and target values by more than OCCLUSAL_TOLERANCE_MM, ``sum (excess) / tol``. Initial
+      and target are real bites; a path between them that is tighter than both (a Class II
+      retracted before its deep bite is opened) drives the incisors through each other. The aligner
+      shapes are not held to it: upper and lower aligners are two shells and the bite rests on
+      their plastic, so an overcorrected shape may pass the target bite.
+
+    Args: (B, 28, 7) initial and target, (B, 28) crown sizes, (B, 25, 28, 7) trajectories.
+    """
+    tol = COLLISION_TOLERANCE_MM
+    w, d = width_mm[:, None], depth_mm[:, None]
+    second = np.sum(
+        np.maximum(second_neighbour_penetration_mm(achieved[:, 1:], w, d) - tol, 0.0), axis=(-2, -1)
+    )
+    aligner = np.zeros(initial.shape[0])
+    clear_ref = np.minimum(occlusal_clearance_mm(initial, target), occlusal_clearance_mm(target, target))
+    excess = (
+        clear_ref[:, None] - OCCLUSAL_TOLERANCE_MM - occlusal_clearance_mm(achieved[:, 1:], target[:, None])
+    )
+    occlusal = np.sum(np.maximum(excess, 0.0), axis=(-2, -1))
+    if planned is not achieved:
+        differs = np.flatnonzero(np.any(planned[:, 1:] != achieved[:, 1:], axis=(1, 2, 3)))
+        if differs.size:
+            p = planned[differs, 1:]
+            pw, pd = w[differs], d[differs]
+            pen = np.concatenate(
+                (penetration_mm(p, pw, pd), second_neighbour_penetration_mm(p, pw, pd)), axis=-1
+            )
+            aligner[differs] = np.sum(np.maximum(pen - tol, 0.0), axis=(-2, -1))
+    return {
+        "second_collision_breach": second / tol,
+        "aligner_collision_breach": aligner / tol,
+        "occlusal_breach": occlusal / OCCLUSAL_TOLERANCE_MM,
+    }
+
+
+def all_breaches(
+    initial: np.ndarray,
+    target: np.ndarray,
+    width_mm: np.ndarray,
+    depth_mm: np.ndarray,
+    planned: np.ndarray,
+    achieved: np.ndarray,
+    measures: StageMeasures | None = None,
+) -> dict[str, np.ndarray]:
+    """Every hard rule's breach (B,) of trajectories (what :func:`score_episodes` reports, without the
+    quality terms): :func:`hard_rule_breaches`, :func:`arch_breaches` and ``overshoot_breach``."""
+    m = stage_measures(planned, achieved, width_mm, depth_mm) if measures is None else measures
+    out = hard_rule_breaches(m)
+    out.update(arch_breaches(initial, target, width_mm, depth_mm, planned, achieved))
+    need, error, delivered = movement_mm(
+        np.array((initial, achieved[:, -1], initial)), np.array((target, target, achieved[:, -1]))
+    )
+    out["overshoot_breach"] = overshoot_breach(need, overshoot(need, delivered, error))
+    return out
+
+
+def overshoot(need: np.ndarray, delivered: np.ndarray, error: np.ndarray) -> np.ndarray:
+    """(..., 28) mm-equivalent by which each tooth ended past its target: the movement delivered
+    beyond the movement needed, at most the final error (a tooth moved off its path by its need is
+    off target, not past it)."""
+    return np.clip(delivered - need, 0.0, error)
+
+
+def overshoot_breach(need: np.ndarray, over: np.ndarray) -> np.ndarray:
+    """(B,) the hard rule ``overshoot``: sum over teeth of the overshoot ``over`` (B, 28) beyond
+    ``max(OVERSHOOT_TOLERANCE_MM, OVERSHOOT_TOLERANCE_SHARE * need)``, in OVERSHOOT_TOLERANCE_MM."""
+    tol = np.maximum(OVERSHOOT_TOLERANCE_MM, OVERSHOOT_TOLERANCE_SHARE * need)
+    return np.sum(np.maximum(over - tol, 0.0), axis=-1) / OVERSHOOT_TOLERANCE_MM
+
+
+def occlusion_course(
+    occ: np.ndarray, progress: np.ndarray, need: np.ndarray, treated: np.ndarray
+) -> np.ndarray:
+    """(B,) the bite over the course of treatment, in [0, 1].
+
+    ``occ`` (B, C + 2): the occlusion composite at the checkpoints, then of the initial and the
+    target arch; ``progress`` (B, C, 28): each tooth's share of its movement achieved at each
+    checkpoint; ``need`` (B, 28) mm-equivalent; ``treated`` (B, 28).
+
+    The occlusion gain at checkpoint ``s`` is credited up to the share of the treatment uniform
+    staging has delivered by then (``s / 24``), so being on schedule earns full credit and rushing
+    some teeth ahead earns nothing more; the credit is then discounted by the arch's left-right
+    imbalance: the need-weighted mean gap in progress between contralateral treated teeth, at the
+    checkpoint where it is widest. A plan
+    that keeps a functional, symmetric bite throughout scores 1; one that wrecks it midway, lags,
+    or finishes one side long before the other scores less; doing nothing scores 0.
+    """
+    c = len(OCCLUSION_CHECKPOINTS)
+    gap = np.maximum(occ[:, -1] - occ[:, -2], OCCLUSION_GAIN_FLOOR)
+    gain = (occ[:, :c] - occ[:, -2:-1]) / gap[:, None]
+    on_schedule = np.sum(np.clip(gain, 0.0, _SCHEDULE), axis=-1) / np.sum(_SCHEDULE)
+    paired = treated & treated[:, MIRROR_INDEX]
+    weight = np.where(paired, np.minimum(need, need[:, MIRROR_INDEX]), 0.0)  # each pair counted twice
+    imbalance = np.abs(progress - progress[..., MIRROR_INDEX])  # (B, C, 28)
+    imbalance = np.sum(imbalance * weight[:, None], axis=-1) / np.maximum(weight.sum(-1), 1e-9)[:, None]
+    return np.clip(on_schedule * (1.0 - imbalance.max(axis=-1)), 0.0, 1.0)
+
+
 @dataclass
 class EpisodeScores:
     """Per-episode components (B,) and diagnostics (B,) of a scored batch."""
@@ -334,10 +480,12 @@ def score_episodes(
     final = achieved[:, -1]
     # every per-tooth distance in one pass: initial -> target (the need), last aligner -> target,
     # final -> target, initial -> final (the movement delivered)
-    need, plan_error, final_error, delivered = movement_mm(
-        np.array((initial, planned[:, -1], final, initial)), np.array((target, target, target, final))
+    need, plan_error, final_error, delivered, planned_delivered = movement_mm(
+        np.array((initial, planned[:, -1], final, initial, initial)),
+        np.array((target, target, target, final, planned[:, -1])),
     )  # (B, 28) each
     treated = need > MOVEMENT_EPS_MM
+    over = overshoot(need, delivered, final_error)
 
     m = stage_measures(planned, achieved, width_mm, depth_mm) if measures is None else measures
     inc_t, inc_r = m.inc_t, m.inc_r  # (B, 24, 28)
@@ -349,29 +497,38 @@ def score_episodes(
     violations = ratio > 1.0 + LIMIT_TOLERANCE
     peak_ratio = ratio.max(axis=-2)
     limits = _masked_mean(np.clip(1.0 - (peak_ratio - 1.0 - LIMIT_TOLERANCE), 0.0, 1.0), judged, 1.0)
-    reaches = plan_error <= MOVEMENT_EPS_MM
+    # the last aligner reaches the target or, overcorrected along the tooth's path, goes beyond it
+    # (force decay needs the overcorrection; what the teeth then achieve is judged by accuracy)
+    reaches = (planned_delivered >= need - MOVEMENT_EPS_MM) & (
+        plan_error <= MOVEMENT_EPS_MM + np.maximum(planned_delivered - need, 0.0)
+    )
     executable = _masked_mean((peak_ratio <= 1.0 + LIMIT_TOLERANCE) & reaches, treated, 1.0)
 
     stress = pdl_stress_kpa(m.mis_t, m.mis_r)  # (B, 24, 28)
     breaches = hard_rule_breaches(m, ratio, stress)
+    breaches.update(arch_breaches(initial, target, width_mm, depth_mm, planned, achieved))
+    breaches["overshoot_breach"] = overshoot_breach(need, over)
     peak = stress.max(axis=-2)
     pdl = _masked_mean(pdl_tooth_score(peak), judged, 1.0)
 
     pen = m.penetration  # (B, 24, 26)
     collision_free = 1.0 - collision_severity(pen).mean(axis=-1)
 
-    accuracy = np.clip(1.0 - final_error.sum(-1) / np.maximum(need.sum(-1), 1e-9), 0.0, 1.0)
+    error = final_error + OVERSHOOT_WEIGHT * over
+    accuracy = np.clip(1.0 - error.sum(-1) / np.maximum(need.sum(-1), 1e-9), 0.0, 1.0)
     checkpoints = _CHECKPOINTS
+    at_checkpoints = achieved[:, checkpoints]  # (B, C, 28, 7)
     occ = occlusion_composite(
-        np.concatenate((achieved[:, checkpoints], initial[:, None], target[:, None]), axis=1),
+        np.concatenate((at_checkpoints, initial[:, None], target[:, None]), axis=1),
         target[:, None],
         width_mm[:, None],
     )  # (B, C + 2)
     occlusion = occ[:, len(checkpoints) - 1]
-    gap = np.maximum(occ[:, -1] - occ[:, -2], OCCLUSION_GAIN_FLOOR)
-    occlusion_course = np.clip(
-        np.mean((occ[:, : len(checkpoints)] - occ[:, -2:-1]) / gap[:, None], axis=-1), 0.0, 1.0
+    left = movement_mm(at_checkpoints, target[:, None])  # (B, C, 28)
+    progress = np.where(
+        treated[:, None], np.clip(1.0 - left / np.maximum(need, 1e-9)[:, None], 0.0, 1.0), 1.0
     )
+    course = occlusion_course(occ, progress, need, treated)
 
     mean_d = inc_mm.mean(axis=-2)
     mean_d2 = (inc_mm**2).mean(axis=-2)
@@ -404,7 +561,7 @@ def score_episodes(
     components = {
         "accuracy": accuracy,
         "occlusion_composite": occlusion,
-        "occlusion_course": occlusion_course,
+        "occlusion_course": course,
         "collision_free": collision_free,
         "pdl_feasibility": pdl,
         "limits_compliance": limits,
@@ -429,5 +586,6 @@ def score_episodes(
         "pdl_over_critical": (stress > PDL_CRITICAL_KPA).sum(axis=(-2, -1)),
         "sequence_concordance": rho,
         "peak_pdl_kpa": np.where(judged, peak, 0.0).max(axis=-1),
+        "overshoot_mm": over.max(axis=-1),
     }
     return EpisodeScores(components, terminal, diagnostics, starts)

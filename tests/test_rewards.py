@@ -35,7 +35,7 @@ from server import treatment
 from server.cases import generate_case
 from server.clinical_profiles import NEUTRAL_STRATEGIES, STRATEGIES
 from server.dental_constants import N_STAGES, TOOTH_IDS
-from server.oracle import stage_plan
+from server.oracle import plan_for_case, stage_plan
 from server.plans import normalize_plan
 from server.reward_scaler import REWARD_MIN
 
@@ -186,7 +186,10 @@ def test_fixed_hostile_completions() -> None:
     _check_values(values, len(_fixed_hostile))
     fmt = dict(zip(map(str, _fixed_hostile), values["reward_format"]))
     assert fmt[""] == 0.0 and fmt["x" * 1_000_000] == 0.0
-    assert fmt[_plan_text + "y" * 1_000_000] >= 6 / 7  # six format checks; another case's prescription
+    # six format checks of another case's prescription, unless it breaks a hard rule on this case
+    long_plan = _plan_text + "y" * 1_000_000
+    breaks = bool(rollouts.DEFAULT_CACHE.get_many([long_plan], [3], ["task_hard"], [True])[0].broken_rules)
+    assert fmt[long_plan] == 0.0 if breaks else fmt[long_plan] >= 6 / 7
     # a NaN/Infinity fraction is no value: its group is invalid and, alone, leaves no usable group
     assert values["reward_terminal"][7] == REWARD_MIN and fmt[_fixed_hostile[7]] == 0.0
     # a completion that is not a plan gets every reward's minimum (no uniform-SLERP credit for garbage)
@@ -296,9 +299,10 @@ def test_format_responds_to_an_unexecutable_prescription() -> None:
 
 
 def test_anchorage_responds_to_the_achieved_movement() -> None:
-    """On a moderate case: the staged plan spares anchorage; all at once and doing nothing have none."""
+    """On a moderate case: the oracle's staged plan spares anchorage; all at once and doing nothing
+    have none."""
     case = generate_case("task_medium", 3)
-    good = stage_plan(case.initial, case.target, case.optimal_strategy, N_STAGES)
+    good = plan_for_case(case)
     plans = [
         good,
         _with_fraction_scale(good, 0.5),
@@ -320,10 +324,11 @@ def test_rewards_match_the_server_plan_api(plan: dict) -> None:
     bd = server["reward_breakdown"]
     values = _call_all([plan_to_completion(plan)], **_cols(1))
     assert values["reward_terminal"] == [pytest.approx(server["scaled_reward"])]
-    assert values["reward_occlusion"] == [pytest.approx(bd["occlusion_course"])]
-    credit = {1.2: 1.0, 1.0: 0.5, 0.6: 0.0}[bd["strategy_multiplier"]]
-    assert values["reward_strategy"] == [pytest.approx(credit * bd["staging"])]
-    assert values["reward_anchorage"] == [pytest.approx(bd["accuracy"] * bd["anchorage"])]
+    safe = not server["broken_rules"]
+    credit = {1.2: 1.0, 1.0: 0.5, 0.6: 0.0}[bd["strategy_multiplier"]] if plan.get("strategy") else 0.0
+    assert values["reward_occlusion"] == [pytest.approx(bd["occlusion_course"] * safe)]
+    assert values["reward_strategy"] == [pytest.approx(credit * bd["staging"] * bd["accuracy"] * safe)]
+    assert values["reward_anchorage"] == [pytest.approx(bd["accuracy"] * bd["anchorage"] * safe)]
 
 
 def test_breaking_a_hard_rule_scores_below_doing_nothing() -> None:

@@ -171,7 +171,7 @@ def test_scale_reward_matches_scale_rewards():
 
 
 def test_broken_rules_names_each_rule():
-    diag = {"collision_breach": 0.0, "pdl_breach": 0.0, "limit_breach": 0.0}
+    diag = dict.fromkeys(BREACH_KEYS.values(), 0.0)
     assert broken_rules(diag) == [] and breach_total(diag) == 0.0
     for rule, key in BREACH_KEYS.items():
         assert broken_rules({**diag, key: 0.5}) == [rule]
