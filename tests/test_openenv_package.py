@@ -1,8 +1,9 @@
 """The OpenEnv face: the repository is an OpenEnv package (``openenv validate``), a real
 ``python -m server.app`` passes ``openenv validate --url``, and the agentic tools are MCP tools
-(``POST /mcp`` and the ``/ws`` ``mcp`` message) answering what the in-process tools answer (on the
-transcripts behind the tool-results digest of tests/test_agentic.py); bad JSON-RPC gets a JSON-RPC error and leaves the
-session usable; the reward is an OpenEnv rubric of named parts."""
+(``POST /mcp``, the ``/ws`` ``mcp`` message and OpenEnv's ``call_tool`` step actions) answering
+what the in-process tools answer (on the transcripts behind the tool-results digest of
+tests/test_agentic.py); bad JSON-RPC gets a JSON-RPC error and leaves the session usable; the
+reward is an OpenEnv rubric of named parts; server/Dockerfile is what ``openenv build`` takes."""
 
 from __future__ import annotations
 
