@@ -15,9 +15,12 @@ computes for the same completion. No scoring here: the functions are the job's.
 ``load_environment(**kwargs)`` is the Environments Hub's entry point; it builds the
 ``verifiers.v1`` env config and returns ``verifiers.v1.load_environment(config)``.
 
-Multi-turn with the agentic tools: the same tools are served over MCP by the environment server
-(``POST /mcp``, :mod:`server.mcp_tools`); a verifiers ``Toolset`` pointed at it needs an MCP
-streamable-HTTP transport, which that endpoint does not speak (see docs/environment.md).
+``mode="tools"``: multi-turn with the agentic tools. The prompt is the agentic GRPO prompt
+(:func:`orthojob.agentic.full_prompt`), the tools :class:`orthorl_aligner.tools.StagingToolset` (an
+MCP server verifiers launches per rollout, over :class:`orthojob.agentic.DentalToolEnv`), and the
+reward ``reward_agentic``: the environment-owned reward of the episode the tools played (the
+submitted plan's or the 24 committed stages' scaled reward; -2 unfinished), as TRL's
+:func:`orthojob.agentic.reward_agentic`. In that mode the five one-shot rewards weigh 0.
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import verifiers.v1 as vf
-from pydantic import Field
+from pydantic import Field, model_validator
+from verifiers.v1.configs.task import RewardFunctionConfig
 
+from orthojob.agentic import agentic_rows, full_prompt
 from orthojob.prompts import TRAIN_SEED_START, build_messages, reset_observation
 from orthojob.rewards import DEFAULT_REWARD_WEIGHTS, REWARD_FUNCS, reward_weights
+from orthorl_aligner.tools import EpisodeState, StagingToolset
 from server.cases import TASK_IDS
+from server.reward_scaler import REWARD_MIN
 
 TASKSET_ID = "orthorl-aligner"
 
@@ -43,8 +50,32 @@ class CaseData(vf.TaskData):
     force_decay: bool
 
 
+def mode_weights(tools: bool) -> dict[str, float]:
+    """The rewards' default weights: one-shot, GRPO's (:data:`DEFAULT_REWARD_WEIGHTS`) and the
+    tools' reward 0; with the tools, ``reward_agentic`` alone (as ``--mode agentic`` trains)."""
+    weights = {name: 0.0 if tools else w for name, w in DEFAULT_REWARD_WEIGHTS.items()}
+    return {**weights, "reward_agentic": 1.0 if tools else 0.0}
+
+
+class AlignerTaskConfig(vf.TaskConfig):
+    """``tools``: the multi-turn task with the agentic tools (their MCP server's config ``toolset``).
+    Rewards without a weight in ``rewards`` weigh :func:`mode_weights`."""
+
+    tools: bool = False
+    toolset: vf.ToolsetConfig = vf.ToolsetConfig()
+
+    @model_validator(mode="after")
+    def _mode_weights(self) -> AlignerTaskConfig:
+        for name, weight in mode_weights(self.tools).items():
+            if name not in self.rewards:
+                self.rewards[name] = RewardFunctionConfig(weight=weight)
+        return self
+
+
 class AlignerTasksetConfig(vf.TasksetConfig):
     """Which cases: ``num_tasks`` seeds from ``seed_start`` of ``task_id`` (force decay or not)."""
+
+    task: AlignerTaskConfig = AlignerTaskConfig()
 
     task_id: str = "task_easy"
     force_decay: bool = False
@@ -67,8 +98,19 @@ def _reward_method(name: str):
     return vf.reward(method, weight=DEFAULT_REWARD_WEIGHTS[name])
 
 
-class AlignerTask(vf.Task[CaseData]):
-    """A case's staging plan, scored by the job's five reward functions on the reply."""
+class AlignerTask(vf.Task[CaseData, EpisodeState, AlignerTaskConfig]):
+    """A case's staging plan, scored by the job's five reward functions on the reply; with the
+    tools, by the episode the tools played (``reward_agentic``)."""
+
+    @classmethod
+    def toolsets(cls, config: AlignerTaskConfig) -> list[vf.Toolset]:
+        return [StagingToolset(config.toolset)] if config.tools else []
+
+    @vf.reward(weight=0.0)
+    async def reward_agentic(self, trace: vf.Trace) -> float:
+        """The tools' episode reward (:attr:`orthojob.agentic.DentalToolEnv.reward`); -2 unfinished."""
+        reward = trace.state.reward
+        return REWARD_MIN if reward is None else float(reward)
 
 
 for _name in REWARD_FUNCS:
@@ -83,9 +125,12 @@ class AlignerTaskset(vf.Taskset[AlignerTask, AlignerTasksetConfig]):
         if config.task_id not in TASK_IDS:
             raise ValueError(f"task_id must be one of {', '.join(TASK_IDS)}, got {config.task_id!r}")
         for seed in range(config.seed_start, config.seed_start + config.num_tasks):
-            messages = build_messages(
-                reset_observation(seed, config.task_id, config.force_decay), config.prompt_format
-            )
+            if config.task.tools:
+                (row,) = agentic_rows(1, seed, config.task_id, config.force_decay)
+                messages = full_prompt(row)
+            else:
+                obs = reset_observation(seed, config.task_id, config.force_decay)
+                messages = build_messages(obs, config.prompt_format)
             system, user = (m["content"] for m in messages)
             yield AlignerTask(
                 CaseData(
@@ -101,20 +146,33 @@ class AlignerTaskset(vf.Taskset[AlignerTask, AlignerTasksetConfig]):
             )
 
 
-def env_config(reward_weight_overrides: dict[str, float] | None = None, **taskset: Any) -> vf.EnvConfig:
+def env_config(
+    reward_weight_overrides: dict[str, float] | None = None, mode: str = "oneshot", **taskset: Any
+) -> vf.EnvConfig:
     """The ``verifiers.v1`` env config of this taskset: ``taskset`` fields
-    (:class:`AlignerTasksetConfig`) and reward weights (by any name :func:`reward_weights`
-    accepts; the rest weigh as in GRPO)."""
-    funcs = list(REWARD_FUNCS.values())
-    weights = reward_weights(funcs, reward_weight_overrides)
-    rewards = {f.__name__: {"weight": w} for f, w in zip(funcs, weights)}
-    return vf.resolve_env_config({"taskset": {"id": TASKSET_ID, **taskset, "task": {"rewards": rewards}}})
+    (:class:`AlignerTasksetConfig`), ``mode`` (``oneshot`` or ``tools``) and, one-shot, the rewards'
+    weights (by any name :func:`reward_weights` accepts; the rest weigh as in GRPO)."""
+    if mode not in ("oneshot", "tools"):
+        raise ValueError(f"mode must be 'oneshot' or 'tools', got {mode!r}")
+    task: dict[str, Any] = {"tools": mode == "tools"}
+    if mode == "tools" and reward_weight_overrides:
+        raise ValueError(
+            "reward_weights weigh the one-shot rewards; mode='tools' is scored by reward_agentic alone"
+        )
+    if reward_weight_overrides:
+        funcs = list(REWARD_FUNCS.values())
+        weights = reward_weights(funcs, reward_weight_overrides)
+        task["rewards"] = {f.__name__: {"weight": w} for f, w in zip(funcs, weights)}
+    return vf.resolve_env_config({"taskset": {"id": TASKSET_ID, **taskset, "task": task}})
 
 
-def load_environment(reward_weights: dict[str, float] | None = None, **taskset: Any) -> vf.Env:
+def load_environment(
+    reward_weights: dict[str, float] | None = None, mode: str = "oneshot", **taskset: Any
+) -> vf.Env:
     """The verifiers environment of ``taskset`` fields (``task_id``, ``force_decay``,
-    ``seed_start``, ``num_tasks``, ``prompt_format``) with ``reward_weights`` overrides."""
-    return vf.load_environment(env_config(reward_weights, **taskset))
+    ``seed_start``, ``num_tasks``, ``prompt_format``), ``mode`` (``oneshot``: one reply scored by
+    the five rewards; ``tools``: multi-turn with the agentic tools) and ``reward_weights`` overrides."""
+    return vf.load_environment(env_config(reward_weights, mode, **taskset))
 
 
 __all__ = ["AlignerTask", "AlignerTaskset", "CaseData", "env_config", "load_environment"]

@@ -2,7 +2,8 @@
 a verifiers environment whose task rewards are the TRL reward functions' numbers, weighted as
 GRPO weights them; verifiers' own ``vf-eval`` runs it offline against a scripted
 OpenAI-compatible model on loopback (the model answers the oracle's plan for the case it is
-shown, or prose for one case)."""
+shown, or prose for one case), one-shot and multi-turn with the agentic tools (an MCP server
+verifiers launches per rollout; the reward is the tools' episode reward)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,8 @@ def test_the_rewards_are_the_trl_reward_functions(task_id, force_decay):
         for reply in completions(task):
             trace = scored(task, reply)
             expected = trl_values(task, reply)
+            agentic = trace.rewards.pop("reward_agentic")  # the tools' reward: no tools here, weight 0
+            assert agentic.weight == 0 and agentic.score == -2.0
             assert {k: r.score for k, r in trace.rewards.items()} == expected
             assert {k: r.weight for k, r in trace.rewards.items()} == weights
             assert trace.reward == pytest.approx(sum(weights[k] * v for k, v in expected.items()), abs=1e-12)
@@ -97,10 +100,16 @@ def test_bad_taskset_arguments_are_refused():
         list(orthorl_aligner.load_environment(task_id="task_impossible").taskset)
     with pytest.raises(ValueError, match="unknown reward"):
         orthorl_aligner.load_environment(reward_weights={"speed": 1.0})
+    with pytest.raises(ValueError, match="mode must be"):
+        orthorl_aligner.load_environment(mode="chat")
+    with pytest.raises(ValueError, match="reward_agentic alone"):
+        orthorl_aligner.load_environment(mode="tools", reward_weights={"terminal": 2.0})
 
 
-def scripted_model(answers: dict[str, str], seen: list[dict]) -> FastAPI:
-    """An OpenAI-compatible chat-completions endpoint answering ``answers[user prompt]``."""
+def scripted_model(answers: dict[str, str], seen: list[dict], tool: str | None = None) -> FastAPI:
+    """An OpenAI-compatible chat-completions endpoint answering ``answers[user prompt]``; with
+    ``tool``, its first turn calls that tool with ``{"plan": answer}`` and its second (after the
+    tool's result) says it is done."""
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
@@ -111,25 +120,53 @@ def scripted_model(answers: dict[str, str], seen: list[dict]) -> FastAPI:
         if isinstance(user, list):
             user = "".join(part.get("text", "") for part in user)
         text = answers.get(user, NOT_A_PLAN)
+        message, finish = {"role": "assistant", "content": text}, "stop"
+        if tool is not None and body["messages"][-1]["role"] != "tool":
+            call = {
+                "id": "call-1",
+                "type": "function",
+                "function": {"name": tool, "arguments": json.dumps({"plan": text})},
+            }
+            message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+        elif tool is not None:
+            message = {"role": "assistant", "content": "Submitted."}
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
         head = {"id": "scripted", "created": int(time.time()), "model": body["model"]}
         if not body.get("stream"):
-            message = {"role": "assistant", "content": text}
             return JSONResponse(
                 {**head, "object": "chat.completion", "usage": usage,
-                 "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+                 "choices": [{"index": 0, "message": message, "finish_reason": finish}]}
             )  # fmt: skip
 
         def chunks():
-            delta = {"role": "assistant", "content": text}
+            delta = dict(message)
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": 0, **c} for c in delta["tool_calls"]]
             chunk = {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
             yield f"data: {json.dumps(chunk)}\n\n"
-            chunk["choices"], chunk["usage"] = [{"index": 0, "delta": {}, "finish_reason": "stop"}], usage
+            chunk["choices"], chunk["usage"] = [{"index": 0, "delta": {}, "finish_reason": finish}], usage
             yield f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
     return app
+
+
+def vf_eval(tmp_path: Path, model_url: str, *flags: str) -> list[dict]:
+    """``vf-eval orthorl-aligner FLAGS`` (verifiers' own eval) against ``model_url``; its episodes."""
+    bin_dir = str(Path(sys.executable).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", "from verifiers.v1.cli.eval.main import main; main()", "orthorl-aligner", *flags,
+         "--env.agent.harness.id", "null", "--env.agent.runtime.type", "subprocess", "-m", "scripted",
+         "--client.base_url", model_url + "/v1", "--client.api_key_var", "SCRIPTED_MODEL_KEY",
+         "--no-push", "--no-rich", "--output-dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+             "PYTHONPATH": str(REPO), "SCRIPTED_MODEL_KEY": "none"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (traces_file,) = tmp_path.glob("*/traces.jsonl")
+    return [json.loads(line) for line in traces_file.read_text().splitlines()]
 
 
 def test_vf_eval_runs_offline_against_a_scripted_model(tmp_path):
@@ -143,22 +180,9 @@ def test_vf_eval_runs_offline_against_a_scripted_model(tmp_path):
         for t in tasks[:2]
     }  # the third case gets prose
     seen: list[dict] = []
-    bin_dir = str(Path(sys.executable).parent)
     with running_uvicorn(scripted_model(answers, seen)) as model_url:
-        out = subprocess.run(
-            [sys.executable, "-c", "from verifiers.v1.cli.eval.main import main; main()",
-             "orthorl-aligner", "--env.taskset.task_id", "task_medium", "--env.taskset.force_decay", "true",
-             "--env.taskset.num_tasks", "3", "--env.agent.harness.id", "null",
-             "--env.agent.runtime.type", "subprocess", "-m", "scripted",
-             "--client.base_url", model_url + "/v1", "--client.api_key_var", "SCRIPTED_MODEL_KEY",
-             "--no-push", "--no-rich", "--output-dir", str(tmp_path)],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
-            env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-                 "PYTHONPATH": str(REPO), "SCRIPTED_MODEL_KEY": "none"},
-        )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (traces_file,) = tmp_path.glob("*/traces.jsonl")
-    episodes = [json.loads(line) for line in traces_file.read_text().splitlines()]
+        flags = ("--env.taskset.task_id", "task_medium", "--env.taskset.force_decay", "true")
+        episodes = vf_eval(tmp_path, model_url, *flags, "--env.taskset.num_tasks", "3")
     assert len(episodes) == 3 and all(e["ok"] for e in episodes)
     assert len(seen) == 3 and {
         m["content"] for body in seen for m in body["messages"] if m["role"] == "user"
@@ -172,6 +196,47 @@ def test_vf_eval_runs_offline_against_a_scripted_model(tmp_path):
             n["message"]["content"] for n in reversed(trace["nodes"]) if n["message"]["role"] == "assistant"
         )
         assert reply == answers.get(task.data.prompt, NOT_A_PLAN)
-        assert {k: r["score"] for k, r in trace["rewards"].items()} == trl_values(task, reply)
+        rewards = {k: r["score"] for k, r in trace["rewards"].items() if k != "reward_agentic"}
+        assert rewards == trl_values(task, reply) and trace["rewards"]["reward_agentic"]["weight"] == 0
         terminal[task.data.seed] = trace["rewards"]["reward_terminal"]["score"]
     assert terminal[2] == -2.0 and min(terminal[0], terminal[1]) > 4  # prose: the minimum; the oracle: high
+
+
+def test_vf_eval_with_the_tools_scores_the_episode_the_tools_played(tmp_path):
+    """``mode="tools"``: the agentic prompt, the six tools as an MCP server verifiers launches per
+    rollout, and ``reward_agentic`` the episode's reward. The scripted model calls submit_plan
+    with the oracle's plan (one case) or prose (the other): the rewards are what DentalToolEnv
+    gives the same calls in process."""
+    from orthojob.agentic import DentalToolEnv
+
+    env = orthorl_aligner.load_environment(mode="tools", task_id="task_easy", num_tasks=2)
+    tasks = list(env.taskset)
+    assert tasks[0].toolsets(tasks[0].config)[0].__class__.__name__ == "StagingToolset"
+    answers = {
+        tasks[0].data.prompt: plan_to_completion(oracle_plan(reset_observation(0, "task_easy", False)))
+    }
+    seen: list[dict] = []
+    with running_uvicorn(scripted_model(answers, seen, tool="submit_plan")) as model_url:
+        episodes = vf_eval(tmp_path, model_url, "--env.taskset.task_id", "task_easy", "--env.taskset.num_tasks", "2",
+                           "--env.taskset.task.tools", "true")  # fmt: skip
+    tools_offered = {t["function"]["name"] for t in seen[0]["tools"]}
+    assert tools_offered == {
+        "inspect_tooth",
+        "simulate_stage",
+        "check_collisions",
+        "commit_stage",
+        "rollback_stage",
+        "submit_plan",
+    }
+    assert len(episodes) == 2 and all(e["ok"] for e in episodes)
+    for episode in episodes:
+        (trace,) = episode["traces"]
+        seed = trace["task"]["data"]["seed"]
+        local = DentalToolEnv()
+        local.reset(seed=seed, task_id="task_easy", force_decay=False)
+        result = local.submit_plan(answers.get(tasks[seed].data.prompt, NOT_A_PLAN))
+        (tool_message,) = [n["message"] for n in trace["nodes"] if n["message"]["role"] == "tool"]
+        assert result in json.dumps(tool_message["content"]) or tool_message["content"] == result
+        assert trace["rewards"]["reward_agentic"] == {"score": local.reward, "weight": 1.0}
+        assert all(r["weight"] == 0 for k, r in trace["rewards"].items() if k != "reward_agentic")
+    assert local.reward == -2.0  # the prose case (seed 1): refused, unfinished
