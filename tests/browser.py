@@ -37,6 +37,10 @@ CHROMIUM_FLAGS: tuple[str, ...] = (
     "--disable-extensions",
     "--disable-dev-shm-usage",
     "--hide-scrollbars",
+    # iframes in the page's process: a sandboxed frame (MLflow's HTML artifact view) is then in the
+    # page's frame tree, where a test can evaluate in it
+    "--disable-site-isolation-trials",
+    "--disable-features=IsolateOrigins,site-per-process",
 )
 
 KEY_CODES: dict[str, int] = {"ArrowRight": 39, "ArrowLeft": 37, "Home": 36, "End": 35}
@@ -56,7 +60,7 @@ class Page:
     def __init__(self, ws_url: str):
         from websockets.sync.client import connect
 
-        self._ws = connect(ws_url, max_size=64 * 2**20, open_timeout=30)
+        self._ws = connect(ws_url, max_size=64 * 2**20, open_timeout=30).__enter__()
         self._ids = itertools.count(1)
         self.console: list[str] = []
         self.call("Page.enable")
@@ -86,20 +90,39 @@ class Page:
     def goto(self, url: str) -> None:
         self.call("Page.navigate", url=url)
 
-    def evaluate(self, expression: str, timeout: float = 60.0) -> Any:
-        """The value of a JavaScript expression (a promise is awaited); a thrown error raises."""
+    def evaluate(self, expression: str, timeout: float = 60.0, context: int | None = None) -> Any:
+        """The value of a JavaScript expression (a promise is awaited) in the page, or in an execution
+        ``context`` (:meth:`frame_context`); a thrown error raises."""
+        extra = {} if context is None else {"contextId": context}
         result = self.call(
-            "Runtime.evaluate", timeout=timeout, expression=expression, awaitPromise=True, returnByValue=True
+            "Runtime.evaluate",
+            timeout=timeout,
+            expression=expression,
+            awaitPromise=True,
+            returnByValue=True,
+            **extra,
         )
         if "exceptionDetails" in result:
             raise RuntimeError(f"JavaScript error: {json.dumps(result['exceptionDetails'])[:2000]}")
         return result["result"].get("value")
 
-    def wait_for(self, expression: str, timeout: float = 60.0, poll: float = 0.2) -> Any:
+    def child_frames(self) -> list[dict]:
+        """The frames inside the page's main frame (``Page.getFrameTree``), e.g. a sandboxed iframe."""
+        tree = self.call("Page.getFrameTree")["frameTree"]
+        return [child["frame"] for child in tree.get("childFrames", [])]
+
+    def frame_context(self, frame_id: str) -> int:
+        """An execution context in a frame (an isolated world: the frame's DOM, not its scripts'
+        globals), which reaches into a sandboxed cross-origin iframe the page's own scripts cannot."""
+        return self.call("Page.createIsolatedWorld", frameId=frame_id, worldName="test")["executionContextId"]
+
+    def wait_for(
+        self, expression: str, timeout: float = 60.0, poll: float = 0.2, context: int | None = None
+    ) -> Any:
         """Poll a JavaScript expression until it is truthy; its value. TimeoutError otherwise."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            value = self.evaluate(expression)
+            value = self.evaluate(expression, context=context)
             if value:
                 return value
             time.sleep(poll)
