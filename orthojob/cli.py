@@ -119,6 +119,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         report = evaluate_baselines(
             args.task_id, args.seeds, force_decay=args.force_decay, non_compliance=args.non_compliance
         )
+        viewer.log_baseline_viewers(args.task_id, HELDOUT_SEED_START, args.force_decay, args.non_compliance)
     print(format_table(report, args.seeds, args.force_decay, args.non_compliance))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -286,13 +287,27 @@ def cmd_view(args: argparse.Namespace) -> int:
         return ExitCode.USAGE
     try:
         case = generate_case(args.task_id, args.seed, args.force_decay, args.non_compliance)
-        plans = [viewer.resolve_plan(source, case, args.max_new_tokens) for source in sources]
+        plans = [viewer.resolve_plan(source, case, _greedy(args.max_new_tokens)) for source in sources]
     except (viewer.PlanSourceError, InvalidActionError) as exc:
         print(f"orthojob view: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     path = viewer.write_viewer(args.out, case, plans)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {' vs '.join(name for name, _, _ in plans)}")
     return 0
+
+
+def _greedy(max_new_tokens: int):
+    """``complete(folder, observation)`` for ``orthojob view``'s checkpoint sources: the evaluation's
+    greedy completion (its prompt, its decoding) of the checkpoint in ``folder``."""
+
+    def complete(folder: str, observation: dict) -> str:
+        from orthojob.evaluation import generate_completions
+        from orthojob.models import load_for_inference
+
+        model, tokenizer = load_for_inference(folder)
+        return generate_completions(model, tokenizer, [observation], max_new_tokens)[0][0]
+
+    return complete
 
 
 def cmd_promote(args: argparse.Namespace) -> int:

@@ -358,11 +358,13 @@ def evaluate_checkpoint(
     also holds ``model_metrics`` (:func:`episode_metrics`).
     """
     from orthojob.models import load_for_inference
+    from orthojob.viewer import log_checkpoint_viewers
 
     model, tokenizer = load_for_inference(path)
     ep = run_checkpoint(
         model, tokenizer, task_ids, n_seeds, seed_start, force_decay, max_new_tokens, batch_size
     )
+    log_checkpoint_viewers(ep, name)  # viewers of a few cases, when an MLflow run is active
     report = evaluate_baselines(task_ids, n_seeds, seed_start, force_decay) if baselines else {}
     for task_id in task_ids:
         index = ep.select(task_id)

@@ -43,7 +43,7 @@ import logging
 import math
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,9 +209,13 @@ PLAN_SOURCES_HELP: str = (
 )
 
 
-def resolve_plan(source: str, case: Case, max_new_tokens: int = 512) -> tuple[str, dict, str | None]:
+def resolve_plan(
+    source: str, case: Case, complete: Callable[[str, dict], str] | None = None
+) -> tuple[str, dict, str | None]:
     """``(name, plan, completion text or None)`` of a plan source (:data:`PLAN_SOURCES_HELP`) for a
-    case; :class:`PlanSourceError` when it cannot be read."""
+    case; :class:`PlanSourceError` when it cannot be read. ``complete(folder, observation)``: a
+    checkpoint's completion for the case's stage-0 observation (``orthojob view`` passes the
+    evaluation's greedy decoding); without it a ``checkpoint:`` source is refused."""
     from server.dental_environment import initial_observation
 
     kind, _, rest = source.partition(":")
@@ -220,7 +224,11 @@ def resolve_plan(source: str, case: Case, max_new_tokens: int = 512) -> tuple[st
     if source in BASELINE_PLANS:
         return source, BASELINE_PLANS[source], None
     if kind == "checkpoint" and rest:
-        return _checkpoint_plan(rest, case, max_new_tokens)
+        if complete is None:
+            raise PlanSourceError("checkpoint sources need a model to decode with (use orthojob view)")
+        if not Path(rest).is_dir():
+            raise PlanSourceError(f"checkpoint folder {rest} does not exist")
+        return plan_of_text(Path(rest).name, complete(rest, initial_observation(case)), f"checkpoint {rest}")
     if kind in ("plan", "completion") and rest:
         path = Path(rest)
     elif source.endswith(".json"):
@@ -230,38 +238,26 @@ def resolve_plan(source: str, case: Case, max_new_tokens: int = 512) -> tuple[st
     if not path.is_file():
         raise PlanSourceError(f"{kind} file {path} does not exist")
     text = path.read_text(encoding="utf-8")
-    if kind == "plan":
-        try:
-            plan = json.loads(text)
-        except ValueError as exc:
-            raise PlanSourceError(
-                f"{path} is not JSON ({exc}); pass a completion as completion:{path}"
-            ) from None
-        if not isinstance(plan, dict) or "tooth_groups" not in plan:
-            raise PlanSourceError(f"{path} holds no plan object (a JSON object with 'tooth_groups')")
-        return path.stem, plan, None
+    if kind == "completion":
+        return plan_of_text(path.stem, text, str(path))
+    try:
+        plan = json.loads(text)
+    except ValueError as exc:
+        raise PlanSourceError(f"{path} is not JSON ({exc}); pass a completion as completion:{path}") from None
+    if not isinstance(plan, dict) or "tooth_groups" not in plan:
+        raise PlanSourceError(f"{path} holds no plan object (a JSON object with 'tooth_groups')")
+    return path.stem, plan, None
+
+
+def plan_of_text(name: str, text: str, where: str) -> tuple[str, dict, str]:
+    """``(name, plan, text)`` of a completion, its plan parsed as the rewards parse it
+    (:func:`orthojob.parsing.find_plan`); :class:`PlanSourceError` naming ``where`` when it holds none."""
     plan = find_plan(text)[0]
     if plan is None or "tooth_groups" not in plan:
-        raise PlanSourceError(f"{path}: the completion holds no plan (no JSON object with 'tooth_groups')")
-    return path.stem, plan, text
-
-
-def _checkpoint_plan(folder: str, case: Case, max_new_tokens: int) -> tuple[str, dict, str]:
-    """A checkpoint's greedy plan for the case (the evaluation's prompt and decoding)."""
-    from orthojob.evaluation import generate_completions
-    from orthojob.models import load_for_inference
-    from server.dental_environment import initial_observation
-
-    if not Path(folder).is_dir():
-        raise PlanSourceError(f"checkpoint folder {folder} does not exist")
-    model, tokenizer = load_for_inference(folder)
-    texts, _, _ = generate_completions(model, tokenizer, [initial_observation(case)], max_new_tokens)
-    plan = find_plan(texts[0])[0]
-    if plan is None or "tooth_groups" not in plan:
         raise PlanSourceError(
-            f"checkpoint {folder}: its greedy completion holds no plan; it begins {texts[0][:200]!r}"
+            f"{where}: the completion holds no plan (no JSON object with 'tooth_groups'); it begins {text[:200]!r}"
         )
-    return Path(folder).name, plan, texts[0]
+    return name, plan, text
 
 
 # ---------------------------------------------------------------------------------------------

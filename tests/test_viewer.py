@@ -257,3 +257,86 @@ def test_mlflow_server_serves_and_shows_the_viewer(tmp_path):
                 context=context,
             )
             assert names == "oracle"
+
+
+def _artifacts(run_id: str, path: str) -> list[str]:
+    from mlflow.tracking import MlflowClient
+
+    return sorted(f.path for f in MlflowClient().list_artifacts(run_id, path))
+
+
+def test_evaluations_log_viewers_of_a_few_cases():
+    """A checkpoint's evaluation (its episodes as :func:`orthojob.evaluation.run_checkpoint` leaves
+    them) logs one viewer per case for the first cases of each task, the checkpoint's plan against the
+    oracle and uniform SLERP; a completion without a plan gets the references only; nothing is logged
+    outside a run."""
+    mlflow = pytest.importorskip("mlflow")
+    from orthojob.evaluation import CheckpointEpisodes
+    from orthojob.rollouts import score_texts
+    from server.cases import CaseKey
+
+    seeds = [HELDOUT_SEED_START + i for i in range(3)]
+    plan = {"strategy": "anterior_first", "tooth_groups": [{"teeth": [11, 21], "fraction": 0.05}]}
+    texts = [json.dumps(plan), "I would rather not plan.", json.dumps(plan)]
+    cases = [CaseKey("task_easy", s) for s in seeds]
+    episodes = CheckpointEpisodes(["task_easy"] * 3, seeds, False, texts, [9, 5, 9], [True] * 3,
+                                  rollouts=score_texts(texts, cases))  # fmt: skip
+    assert viewer.log_checkpoint_viewers(episodes, "bc_sft") == []  # no active run
+    with mlflow.start_run() as run:
+        logged = viewer.log_checkpoint_viewers(episodes, "bc_sft", per_task=2)
+    names = [f"viewers/evaluate/bc_sft/task_easy_seed{s}.html" for s in seeds[:2]]
+    assert [str(p) for p in logged] == names == _artifacts(run.info.run_id, "viewers/evaluate/bc_sft")
+    local = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="viewers"))
+    for name, shown in zip(names, (["bc_sft", "oracle", "uniform_slerp"], ["oracle", "uniform_slerp"])):
+        page = (local.parent / name).read_text()
+        data = json.loads(re.search(r"id='viewer-data'>(.*?)</script>", page).group(1).replace("<\\/", "</"))
+        assert [p["name"] for p in data["plans"]] == shown
+    with mlflow.start_run() as run:
+        assert (
+            len(viewer.log_baseline_viewers(["task_easy", "task_hard"], HELDOUT_SEED_START, per_task=1)) == 2
+        )
+    assert _artifacts(run.info.run_id, "viewers/evaluate/baselines") == [
+        f"viewers/evaluate/baselines/{t}_seed{HELDOUT_SEED_START}.html" for t in ("task_easy", "task_hard")
+    ]
+
+
+def test_grpo_callback_logs_the_best_and_worst_completion(tmp_path):
+    """The GRPO callback reads the completions file's new lines every N steps and logs the viewers of
+    the best and the worst scored completion of the latest batch (by the environment's scaled reward);
+    completions without a plan are never picked; a half-written last line waits for the next look."""
+    mlflow = pytest.importorskip("mlflow")
+    from types import SimpleNamespace
+
+    from orthojob.rollouts import score_texts
+    from server.cases import CaseKey
+
+    good = json.dumps(oracle_plan(initial_observation(generate_case("task_easy", HELDOUT_SEED_START))))
+    slow = json.dumps({"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 0.02}]})
+    texts = ["no plan at all", slow, good]
+    records = [
+        {"step": 2, "seed": HELDOUT_SEED_START, "task_id": "task_easy", "force_decay": False, "completion": t}
+        for t in texts
+    ]
+    rolls = score_texts(texts, [CaseKey("task_easy", HELDOUT_SEED_START)] * 3)
+    assert rolls[0].error is not None and rolls[2].scaled_reward > rolls[1].scaled_reward
+    assert viewer.best_and_worst(records) == (2, 1)
+    path = tmp_path / "completions.jsonl"
+    old = {**records[1], "step": 1, "completion": good}
+    path.write_text(json.dumps(old) + "\n" + "".join(json.dumps(r) + "\n" for r in records) + '{"step": 3')
+    callback = viewer.grpo_viewer_callback(path, every=2)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=1)
+    with mlflow.start_run() as run:
+        callback.on_step_end(None, state, None)  # not a multiple of 2: no look
+        assert callback.offset == 0
+        state.global_step = 2
+        callback.on_step_end(None, state, None)
+        assert _artifacts(run.info.run_id, "viewers/grpo") == [
+            "viewers/grpo/step_000002_best.html",
+            "viewers/grpo/step_000002_worst.html",
+        ]
+        assert callback.offset == path.stat().st_size - len('{"step": 3')
+        best = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="viewers/grpo"))
+        assert "step 2 best" in (best / "step_000002_best.html").read_text()
+        state.global_step = 3
+        callback.on_train_end(None, state, None)  # nothing new and whole: nothing more
+        assert len(_artifacts(run.info.run_id, "viewers/grpo")) == 2
