@@ -50,7 +50,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from orthojob import models, tracking
+from orthojob import models, progress, tracking
 from orthojob.canaries import rollout_record
 from orthojob.grpo_config import (
     COMPLETIONS_FILE,
@@ -113,6 +113,7 @@ def build_grpo_args(
         "ddp_find_unused_parameters": False,
         "dataloader_num_workers": 0,
         "log_completions": False,
+        "disable_tqdm": not progress.trainer_bars(),  # a bar on a terminal, log lines in a Job
         "use_vllm": config.use_vllm,
     }
     if config.mode == "agentic":
@@ -624,6 +625,7 @@ def train(
         ),
         **extra,
     )
+    progress.attach(trainer, "grpo")
     trainer.agentic = agentic
     trainer.record_completions = True
     trainer.completions_path = out / COMPLETIONS_FILE if is_main else None
