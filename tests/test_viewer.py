@@ -340,3 +340,38 @@ def test_grpo_callback_logs_the_best_and_worst_completion(tmp_path):
         state.global_step = 3
         callback.on_train_end(None, state, None)  # nothing new and whole: nothing more
         assert len(_artifacts(run.info.run_id, "viewers/grpo")) == 2
+
+
+def test_a_checkpoint_evaluation_logs_viewers_and_view_decodes_the_checkpoint(tmp_path, capsys):
+    """``orthojob evaluate --checkpoint`` (a tracked stage: an MLflow run) logs a viewer per held-out
+    case; ``orthojob view --plan checkpoint:DIR`` decodes the checkpoint's greedy plan (the untrained
+    tiny model writes none, and view says so)."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from orthojob import models, tracking
+
+    tiny = models.build_tiny(tmp_path / "tiny", ["task_easy"], max_position_embeddings=2048)
+    argv = [
+        "evaluate",
+        "--checkpoint",
+        str(tiny),
+        "--task-id",
+        "task_easy",
+        "--seeds",
+        "3",
+        "--max-new-tokens",
+        "16",
+    ]
+    assert cli.main(argv) == 0
+    run_id = tracking.last_stage_run("evaluate")
+    files = [f.path for f in MlflowClient().list_artifacts(run_id, "viewers/evaluate/checkpoint")]
+    assert files == [
+        f"viewers/evaluate/checkpoint/task_easy_seed{HELDOUT_SEED_START + i}.html" for i in range(2)
+    ]
+    capsys.readouterr()
+    out = tmp_path / "view.html"
+    assert (
+        cli.main(["view", "--plan", f"checkpoint:{tiny}", "--max-new-tokens", "16", "--out", str(out)]) == 2
+    )
+    assert f"checkpoint {tiny}: the completion holds no plan" in capsys.readouterr().err and not out.exists()
