@@ -67,7 +67,7 @@ from server.dental_environment import STEP_PENALTY, StepwiseDentalEnvironment
 from server.oracle import infer_profiles, oracle_plan
 from server.plans import UNIFORM_FRACTION, normalize_plan
 from server.quaternion_utils import quaternion_rotate
-from server.scoring import limit_ratio, pdl_stress_kpa
+from server.scoring import limit_ratio, movement_mm, pdl_stress_kpa
 from server.treatment import rollout_plans, score_plan_specs
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,8 @@ PDL_COLOUR_MAX_KPA: float = 1.5 * PDL_CRITICAL_KPA
 """Top of the PDL colour scale: where :func:`server.scoring.pdl_tooth_score` reaches 0."""
 LIMIT_COLOUR_MAX: float = 1.5
 """Top of the limit-ratio colour scale (1 = at the per-stage limit)."""
+LAG_COLOUR_MIN_MM: float = 0.1
+"""Smallest top of the lag colour scale (mm-equivalent); else the page's largest lag."""
 BASELINE_PLANS: dict[str, dict] = {
     "uniform_slerp": {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": UNIFORM_FRACTION}]},
     "do_nothing": {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 0.0}]},
@@ -346,7 +348,9 @@ def _rounded(a: np.ndarray) -> list:
 
 def stage_data(view: PlanView, case: Case) -> dict:
     """The page's per-stage arrays of one plan (JSON-safe): mesh coordinates of the achieved and the
-    planned crowns, the centroids, the collisions, the colour measures and the stage summaries."""
+    planned crowns, the centroids, the collisions, the colour measures (PDL kPa, limit ratio, the lag
+    of each tooth behind its aligner in mm-equivalent: :func:`server.scoring.movement_mm` of the planned
+    and the achieved pose) and the stage summaries (with the mean wear factor under non-compliance)."""
     ach = crown_prisms(view.achieved, case.crown_width_mm, case.crown_depth_mm)  # (25, 28, V, 3)
     pla = crown_prisms(view.planned, case.crown_width_mm, case.crown_depth_mm)
     flat_a = ach.reshape(ach.shape[0], -1, 3)
@@ -355,16 +359,17 @@ def stage_data(view: PlanView, case: Case) -> dict:
     over = view.limit > 1.0 + LIMIT_TOLERANCE
     over_pdl = view.pdl_kpa > PDL_CRITICAL_KPA
     colliding = view.penetration > COLLISION_TOLERANCE_MM
+    lag = movement_mm(view.planned, view.achieved)  # (25, 28) the teeth behind (or past) their aligner
     return {
         "name": view.name,
         "vertices_per_tooth": v,
         "mesh": {key: _rounded(flat_a[..., k]) for k, key in enumerate("xyz")},
         "aligner": {key: _rounded(flat_p[..., k]) for k, key in enumerate("xyz")},
         "centroid": {key: _rounded(view.achieved[..., 4 + k]) for k, key in enumerate("xyz")},
-        "aligner_centroid": {key: _rounded(view.planned[..., 4 + k]) for k, key in enumerate("xyz")},
         "collisions": collision_segments(view.achieved, view.penetration),
         "pdl_kpa": _rounded(view.pdl_kpa),
         "limit": _rounded(view.limit),
+        "lag_mm": _rounded(lag),
         "summary": [
             {
                 "step_reward": _r(view.step_reward[s]),
@@ -374,6 +379,8 @@ def stage_data(view: PlanView, case: Case) -> dict:
                 "colliding": int(colliding[s].sum()),
                 "peak_pdl_kpa": _r(view.pdl_kpa[s].max()),
                 "peak_limit": _r(view.limit[s].max()),
+                "peak_lag_mm": _r(lag[s].max()),
+                "worn": None if case.wear is None or s == 0 else _r(case.wear[s - 1].mean()),
             }
             for s in range(N_STAGES + 1)
         ],
@@ -645,7 +652,8 @@ function update(s){
     const arch = document.getElementById('arch-' + i);
     const m = p[metric][s];
     const hover = V.teeth.map((t, k) => 'tooth ' + t + '<br>stage ' + s + '<br>PDL ' + fmt(p.pdl_kpa[s][k], 2)
-      + ' kPa<br>limit ratio ' + fmt(p.limit[s][k], 2) + '<br>x ' + fmt(p.centroid.x[s][k], 2) + ' y '
+      + ' kPa<br>limit ratio ' + fmt(p.limit[s][k], 2) + '<br>lag behind aligner ' + fmt(p.lag_mm[s][k], 3)
+      + ' mm-eq<br>x ' + fmt(p.centroid.x[s][k], 2) + ' y '
       + fmt(p.centroid.y[s][k], 2) + ' z ' + fmt(p.centroid.z[s][k], 2));
     const c = p.collisions[s];
     const d = arch.data;
@@ -664,7 +672,8 @@ function update(s){
     document.getElementById('status-' + i).textContent = 'stage ' + s + ': step reward ' + fmt(sm.step_reward, 4)
       + ', accuracy ' + fmt(sm.accuracy, 4) + ', teeth over limit ' + sm.over_limit + ', PDL over critical '
       + sm.pdl_over_critical + ', colliding contacts ' + sm.colliding + ', peak PDL ' + fmt(sm.peak_pdl_kpa, 2)
-      + ' kPa, peak limit ratio ' + fmt(sm.peak_limit, 2);
+      + ' kPa, peak limit ratio ' + fmt(sm.peak_limit, 2) + (V.ghost ? ', peak lag ' + fmt(sm.peak_lag_mm, 3)
+      + ' mm-eq' : '') + (sm.worn === null ? '' : ', aligner worn ' + fmt(100 * sm.worn, 0) + '%');
     ['staging-', 'reward-'].forEach(prefix => {
       jobs.push(Plotly.relayout(document.getElementById(prefix + i), {'shapes[0].x0': s, 'shapes[0].x1': s}));
     });
@@ -705,6 +714,7 @@ def render_html(case: Case, views: Sequence[PlanView], title: str | None = None)
     figures: dict[str, dict] = {}
     panels = []
     zmax = max(MAX_TRANSLATION_MM, *(float(v.increment_mm.max()) for v in views))
+    lag_max = max(LAG_COLOUR_MIN_MM, *(float(np.max(p["lag_mm"])) for p in plans))
     for i, (view, data) in enumerate(zip(views, plans)):
         figures[f"arch-{i}"] = arch_figure(view, case, data)
         figures[f"staging-{i}"] = staging_figure(view, zmax)
@@ -733,8 +743,8 @@ def render_html(case: Case, views: Sequence[PlanView], title: str | None = None)
         "n_stages": N_STAGES,
         "teeth": list(TOOTH_IDS),
         "ghost": ghost,
-        "colour_max": {"pdl_kpa": PDL_COLOUR_MAX_KPA, "limit": LIMIT_COLOUR_MAX},
-        "colour_title": {"pdl_kpa": "PDL kPa", "limit": "limit ratio"},
+        "colour_max": {"pdl_kpa": PDL_COLOUR_MAX_KPA, "limit": LIMIT_COLOUR_MAX, "lag_mm": lag_max},
+        "colour_title": {"pdl_kpa": "PDL kPa", "limit": "limit ratio", "lag_mm": "lag mm-eq"},
         "case": {
             "task_id": case.task_id,
             "seed": case.seed,
@@ -752,7 +762,8 @@ def render_html(case: Case, views: Sequence[PlanView], title: str | None = None)
         f"<input type='range' id='stage' min='0' max='{N_STAGES}' step='1' value='0'> "
         "<b id='stage-label'>stage 0</b> &nbsp; colour: <select id='colour'>"
         "<option value='pdl_kpa'>PDL stress (kPa)</option>"
-        "<option value='limit'>limit ratio (increment / per-stage limit)</option></select> &nbsp; "
+        "<option value='limit'>limit ratio (increment / per-stage limit)</option>"
+        "<option value='lag_mm'>lag behind the aligner (mm-equivalent)</option></select> &nbsp; "
         f"<label><input type='checkbox' id='ghost' {'checked' if ghost else 'disabled'}> aligner (planned) shape"
         f"{'' if ghost else ' (the teeth follow the aligners: ideal dynamics, full wear)'}</label></div>"
         f"<div class='top'>{_diagnosis_html(case)}<div><h3>Plan scores</h3>{_score_table(views)}</div></div>"

@@ -199,6 +199,8 @@ def test_viewer_in_chromium_follows_the_environment(tmp_path):
         page.evaluate("(() => {const c = document.getElementById('colour'); c.value = 'limit';"
                       "c.dispatchEvent(new Event('change')); return window.orthoViewer.update(24);})()")  # fmt: skip
         assert page.evaluate("document.getElementById('arch-0').data[0].cmax") == viewer.LIMIT_COLOUR_MAX
+        status = page.evaluate("document.getElementById('status-0').textContent")
+        assert "peak lag" in status and f"aligner worn {100 * case.wear[23].mean():.0f}%" in status
         assert not [line for line in page.console if line.startswith("exception")]
 
 
