@@ -66,7 +66,7 @@ def test_collisions_and_breaches_are_marked():
     # every tooth planned twice its movement at 0.1 a stage: over the limits, and neighbours collide
     plan = {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 0.1, "overcorrection": 1.0}]}
     view = viewer.plan_view(case, plan, "overdone")
-    assert set(view.result["broken_rules"]) == {"collision", "limits"}
+    assert {"collision", "limits"} <= set(view.result["broken_rules"])
     colliding = view.penetration > COLLISION_TOLERANCE_MM
     assert colliding.sum() == view.violations[-1, 1] > 0
     segments = viewer.collision_segments(view.achieved, view.penetration)
