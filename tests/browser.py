@@ -60,6 +60,7 @@ class Page:
     def __init__(self, ws_url: str):
         from websockets.sync.client import connect
 
+        # entered by hand (websockets warns on a connection used outside ``with``); close() ends it
         self._ws = connect(ws_url, max_size=64 * 2**20, open_timeout=30).__enter__()
         self._ids = itertools.count(1)
         self.console: list[str] = []
