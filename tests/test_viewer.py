@@ -211,14 +211,17 @@ def test_mlflow_server_serves_and_shows_the_viewer(tmp_path):
 
     case = generate_case("task_easy", HELDOUT_SEED_START)
     with mlflow_server(tmp_path / "mlflow", str(tmp_path / "artifacts")) as service:
+        previous = mlflow.get_tracking_uri()
         mlflow.set_tracking_uri(service.uri)
-        experiment = mlflow.set_experiment("viewer-test")
-        with mlflow.start_run() as run:
-            # one plan: a 3-D scene less to draw on the CPU than a side-by-side page
-            logged = viewer.log_viewer(
-                case, viewer.reference_plans(case)[:1], "viewers/evaluate", "case.html"
-            )
-        mlflow.set_tracking_uri(None)
+        try:  # an experiment id of its own, not made the process's active experiment (later tests')
+            experiment_id = mlflow.tracking.MlflowClient().create_experiment("viewer-test")
+            with mlflow.start_run(experiment_id=experiment_id) as run:
+                # one plan: a 3-D scene less to draw on the CPU than a side-by-side page
+                logged = viewer.log_viewer(
+                    case, viewer.reference_plans(case)[:1], "viewers/evaluate", "case.html"
+                )
+        finally:
+            mlflow.set_tracking_uri(previous)
         assert logged == Path("viewers/evaluate/case.html")
         run_id = run.info.run_id
         query = urllib.parse.urlencode({"run_id": run_id, "path": "viewers/evaluate"})
@@ -234,7 +237,7 @@ def test_mlflow_server_serves_and_shows_the_viewer(tmp_path):
             served = r.read().decode()
         assert "Plotly.newPlot" in served and served.startswith("<!DOCTYPE html>")
         with chromium(tmp_path, 1200, 900) as page:
-            ui = f"{service.uri}/#/experiments/{experiment.experiment_id}/runs/{run_id}/artifacts/viewers/evaluate/case.html"
+            ui = f"{service.uri}/#/experiments/{experiment_id}/runs/{run_id}/artifacts/viewers/evaluate/case.html"
             page.goto(ui)
             # the run's artifact tree lists the file, and the UI renders the HTML artifact in a frame
             page.wait_for("document.body && document.body.innerText.includes('case.html')", timeout=90)
