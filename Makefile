@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export OMP_NUM_THREADS := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: install run test lint bench learn
+.PHONY: install run test lint bench learn chromium
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,13 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+# headless Chromium for the browser tests (tests/browser.py): Debian's package, installed once; where it
+# cannot be installed (no root, no apt) those tests skip and say why
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium; } \
+		|| echo "make: chromium could not be installed: the browser tests will skip"
+
+test: lint chromium
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: install

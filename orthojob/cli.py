@@ -11,6 +11,7 @@ orthojob gate --checkpoint DIR           # held-out gate evaluation -> DIR/gate_
 orthojob gate --check DIR                # only the pre-flight check (exit 10-13 on refusal)
 orthojob evaluate --checkpoint DIR [--baselines]   # a checkpoint and/or the baselines on held-out seeds
 orthojob evaluate --baselines            # oracle, uniform SLERP, do-nothing on held-out seeds
+orthojob view --seed N --plan oracle --plan checkpoint:DIR --out view.html   # the treatment viewer
 orthojob tiny-model --out DIR            # a tiny offline Qwen2-architecture model + tokenizer
 orthojob model stage SRC s3://b/p        # copy base weights (hub id, folder, 'tiny') to S3 with a manifest
 orthojob model fetch REF [--link PATH]   # fetch a base model into the cache (an init container's step)
@@ -38,7 +39,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from orthojob import base_models, gate, mlops, storage, tracking
+from orthojob import base_models, gate, mlops, storage, tracking, viewer
 from orthojob.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
 from orthojob.exit_codes import ExitCode, epilog
 from orthojob.flags import positive_int, task_list
@@ -49,7 +50,8 @@ from orthojob.pipeline import add_pipeline_arguments, run_pipeline_cli
 from orthojob.registry import DEFAULT_MODEL_NAME
 from orthojob.rsft import add_rsft_arguments, run_rsft_cli
 from orthojob.sft import add_sft_arguments, run_sft_cli, run_sft_stage_cli
-from server.cases import TASK_IDS
+from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
+from server.errors import InvalidActionError
 
 TRACKED_STAGES: dict[str, str] = {
     "sft": gate.BC_SFT,
@@ -117,6 +119,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         report = evaluate_baselines(
             args.task_id, args.seeds, force_decay=args.force_decay, non_compliance=args.non_compliance
         )
+        viewer.log_baseline_viewers(args.task_id, HELDOUT_SEED_START, args.force_decay, args.non_compliance)
     print(format_table(report, args.seeds, args.force_decay, args.non_compliance))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -267,6 +270,44 @@ def cmd_model(args: argparse.Namespace) -> int:
     else:
         print(folder)
     return 0
+
+
+MAX_VIEWED_PLANS: int = 4
+"""Plans one viewer page shows side by side."""
+DEFAULT_VIEWED_PLANS: tuple[str, ...] = ("oracle", "uniform_slerp")
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    """``orthojob view``: the treatment viewer of a case and up to MAX_VIEWED_PLANS plans (one HTML file)."""
+    sources = args.plan or list(DEFAULT_VIEWED_PLANS)
+    if len(sources) > MAX_VIEWED_PLANS:
+        print(
+            f"orthojob view: at most {MAX_VIEWED_PLANS} --plan per page, got {len(sources)}", file=sys.stderr
+        )
+        return ExitCode.USAGE
+    try:
+        case = generate_case(args.task_id, args.seed, args.force_decay, args.non_compliance)
+        plans = [viewer.resolve_plan(source, case, _greedy(args.max_new_tokens)) for source in sources]
+    except (viewer.PlanSourceError, InvalidActionError) as exc:
+        print(f"orthojob view: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    path = viewer.write_viewer(args.out, case, plans)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {' vs '.join(name for name, _, _ in plans)}")
+    return 0
+
+
+def _greedy(max_new_tokens: int):
+    """``complete(folder, observation)`` for ``orthojob view``'s checkpoint sources: the evaluation's
+    greedy completion (its prompt, its decoding) of the checkpoint in ``folder``."""
+
+    def complete(folder: str, observation: dict) -> str:
+        from orthojob.evaluation import generate_completions
+        from orthojob.models import load_for_inference
+
+        model, tokenizer = load_for_inference(folder)
+        return generate_completions(model, tokenizer, [observation], max_new_tokens)[0][0]
+
+    return complete
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
@@ -428,6 +469,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="manual promotion to champion (a failed gate never is)"
     )
     pr.set_defaults(func=cmd_promote)
+
+    vw = sub.add_parser(
+        "view",
+        help="the treatment viewer: one self-contained HTML page of a case and its plans (3-D, staging, rewards)",
+        epilog=epilog(ExitCode.OK, ExitCode.USAGE),
+    )
+    vw.add_argument("--task-id", default="task_easy", choices=TASK_IDS, help="(default task_easy)")
+    vw.add_argument(
+        "--seed",
+        type=int,
+        default=HELDOUT_SEED_START,
+        help=f"case seed (default {HELDOUT_SEED_START}, held out)",
+    )
+    vw.add_argument(
+        "--force-decay", action="store_true", help="force-decay dynamics (the teeth lag the aligners)"
+    )
+    vw.add_argument(
+        "--non-compliance", action="store_true", help="task_hard's seeded missed and partial wear"
+    )
+    vw.add_argument(
+        "--plan",
+        action="append",
+        metavar="SOURCE",
+        help=f"a plan to show (repeat for side by side, at most {MAX_VIEWED_PLANS}): {viewer.PLAN_SOURCES_HELP}; "
+        f"default: {' and '.join(DEFAULT_VIEWED_PLANS)}",
+    )
+    vw.add_argument("--max-new-tokens", type=positive_int, default=512, help="checkpoint: completion budget")
+    vw.add_argument("--out", default="view.html", help="the HTML file to write (default view.html)")
+    vw.set_defaults(func=cmd_view)
 
     tm = sub.add_parser("tiny-model", help="build a tiny Qwen2-architecture model offline", add_help=False)
     tm.add_argument("rest", nargs=argparse.REMAINDER)

@@ -219,6 +219,7 @@ def generate_completions(
     """
     import torch
 
+    from orthojob.progress import progress
     from orthojob.prompts import build_messages, prompt_format_of
 
     eos = model.generation_config.eos_token_id
@@ -239,6 +240,7 @@ def generate_completions(
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
+    bar = progress(len(prompts), "generate", unit="prompt")
     try:
         for lo in range(0, len(prompts), batch_size):
             batch = tokenizer(
@@ -266,7 +268,9 @@ def generate_completions(
                 counts.append(n)
                 ended.append(stop is not None)
                 texts.append(tokenizer.decode(seq[:n], skip_special_tokens=True))
+            bar.update(len(batch["input_ids"]))
     finally:
+        bar.close()
         tokenizer.padding_side = side
     return texts, counts, ended
 
@@ -358,11 +362,13 @@ def evaluate_checkpoint(
     also holds ``model_metrics`` (:func:`episode_metrics`).
     """
     from orthojob.models import load_for_inference
+    from orthojob.viewer import log_checkpoint_viewers
 
     model, tokenizer = load_for_inference(path)
     ep = run_checkpoint(
         model, tokenizer, task_ids, n_seeds, seed_start, force_decay, max_new_tokens, batch_size
     )
+    log_checkpoint_viewers(ep, name)  # viewers of a few cases, when an MLflow run is active
     report = evaluate_baselines(task_ids, n_seeds, seed_start, force_decay) if baselines else {}
     for task_id in task_ids:
         index = ep.select(task_id)

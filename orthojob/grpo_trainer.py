@@ -50,7 +50,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from orthojob import models, tracking
+from orthojob import models, progress, tracking
 from orthojob.canaries import rollout_record
 from orthojob.grpo_config import (
     COMPLETIONS_FILE,
@@ -68,6 +68,7 @@ from orthojob.records import json_value
 from orthojob.rewards import RewardFunc, reward_weights
 from orthojob.rollouts import DEFAULT_CACHE
 from orthojob.strategy_advantage import strategy_token_advantages, strategy_token_ids
+from orthojob.viewer import grpo_viewer_callback
 from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ def build_grpo_args(
         "ddp_find_unused_parameters": False,
         "dataloader_num_workers": 0,
         "log_completions": False,
+        "disable_tqdm": not progress.trainer_bars(),  # a bar on a terminal, log lines in a Job
         "use_vllm": config.use_vllm,
     }
     if config.mode == "agentic":
@@ -506,12 +508,21 @@ def _prompt_lengths(tokenizer, rows: Sequence[dict], tools: Sequence | None = No
 
 
 def _callbacks(
-    timer: StepTimer, is_main: bool, sync_to: str | None, identity: dict | None, extra: Sequence
+    timer: StepTimer,
+    is_main: bool,
+    sync_to: str | None,
+    identity: dict | None,
+    extra: Sequence,
+    viewed: Path | None = None,
 ) -> list:
+    """The run's TrainerCallbacks; ``viewed``: the completions file whose best and worst completions
+    get treatment viewers every GRPO_VIEWER_EVERY steps (:mod:`orthojob.viewer`), None for none."""
     callbacks: list = [timer, *extra]
     mlflow = sys.modules.get("mlflow")  # only when a stage run was opened (the job imported mlflow)
     if is_main and mlflow is not None and mlflow.active_run() is not None:
         callbacks.append(tracking.trainer_callback())
+        if viewed is not None:
+            callbacks.append(grpo_viewer_callback(viewed))
     if is_main and (sync_to or identity is not None):
         callbacks.append(checkpoint_sync_callback(sync_to, config=identity))
     return callbacks
@@ -609,9 +620,12 @@ def train(
         args=grpo_args,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
-        callbacks=_callbacks(timer, is_main, sync_to, identity, callbacks),
+        callbacks=_callbacks(
+            timer, is_main, sync_to, identity, callbacks, None if agentic else out / COMPLETIONS_FILE
+        ),
         **extra,
     )
+    progress.attach(trainer, "grpo")
     trainer.agentic = agentic
     trainer.record_completions = True
     trainer.completions_path = out / COMPLETIONS_FILE if is_main else None

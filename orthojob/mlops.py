@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -227,7 +228,7 @@ def log_training_artifacts(
                 "advantage": [r["advantage"] for r in rows],
             }
             mlflow.log_table(table, artifact_file="completions_sample.json")
-    log_model(model, tokenizer, base_model)
+    model_info = log_model(model, tokenizer, base_model)
     gate = out / GATE_FILE
     if gate.is_file():  # last: a run with a gate file is a finished run (promote reads it)
         mlflow.log_artifact(str(gate))
@@ -236,6 +237,26 @@ def log_training_artifacts(
         from orthojob.tracking import log_metrics
 
         log_metrics({f"gate/{k}": v for k, v in (content.get("metrics") or {}).items()})
+        link_gate_to_model(getattr(model_info, "model_id", None), content)
+
+
+def link_gate_to_model(model_id: str | None, content: dict) -> None:
+    """Put a gate's numeric metrics (``gate/<name>``) and its verdict (tag ``orthorl.gate_passed``) on the
+    run's MLflow LoggedModel, so that ``mlflow.search_logged_models`` finds gated checkpoints by them
+    (``filter_string="tags.`orthorl.gate_passed` = 'true'"``, ordered by a ``metrics.gate/...``). A
+    model without an id (no LoggedModel) is left alone."""
+    import mlflow
+
+    if model_id is None:
+        return
+    metrics = {
+        f"gate/{k}": float(v)
+        for k, v in (content.get("metrics") or {}).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
+    if metrics:
+        mlflow.log_metrics(metrics, model_id=model_id)
+    mlflow.set_logged_model_tags(model_id, {"orthorl.gate_passed": str(bool(content.get("passed"))).lower()})
 
 
 def publish_output(local: Path, uri: str) -> dict:

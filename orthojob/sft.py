@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from orthojob import gate, mlops, models, storage
+from orthojob import gate, mlops, models, progress, storage
 from orthojob.exit_codes import ExitCode
 from orthojob.flags import add_config_arguments, given_values
 from orthojob.gate import DEFAULT_THRESHOLDS, GateSettings, add_gate_arguments, gate_settings_from_args
@@ -227,9 +227,11 @@ def sft_trainer(config: SFTJobConfig, model, tokenizer, rows: Sequence[dict], de
         use_cpu=not devices["cuda"],
         gradient_checkpointing=config.gradient_checkpointing,
         dataloader_num_workers=0,
-        disable_tqdm=True,
+        disable_tqdm=not progress.trainer_bars(),  # a bar on a terminal, log lines in a Job (orthojob.progress)
     )
-    return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    progress.attach(trainer, "sft")
+    return trainer
 
 
 def token_counts(trainer, max_length: int) -> dict:

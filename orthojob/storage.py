@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from orthojob.progress import progress
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
@@ -179,12 +181,15 @@ def upload_dir(
     loc = parse_s3_uri(uri)
     client = client or s3_client()
     manifest = build_manifest(local, skip)
-    for rel in manifest["files"]:
-        path = local / rel
-        with_retries(
-            f"upload {rel} to {loc.uri}",
-            lambda p=path, r=rel: client.upload_file(str(p), loc.bucket, loc.key(r)),
-        )
+    sizes = {rel: (local / rel).stat().st_size for rel in manifest["files"]}
+    with progress(sum(sizes.values()), f"upload {loc.uri}", unit="B") as bar:  # a bar, or log lines
+        for rel in manifest["files"]:
+            path = local / rel
+            with_retries(
+                f"upload {rel} to {loc.uri}",
+                lambda p=path, r=rel: client.upload_file(str(p), loc.bucket, loc.key(r)),
+            )
+            bar.update(sizes[rel])
     body = json.dumps(manifest, indent=1).encode()
     with_retries(
         f"write manifest to {loc.uri}",

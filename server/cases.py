@@ -71,9 +71,12 @@ TASK_DESCRIPTIONS: dict[str, str] = {
     "task_medium": "one moderate malocclusion",
     "task_hard": "a severe malocclusion combined with a second, milder one",
 }
-INITIAL_CLEARANCE_MM: float = 0.05
+GENERATOR_TOLERANCE_MM: float = 0.1
+"""The contact tolerance the case generator's clearances are set from (the scoring's collision
+tolerance, :data:`server.collisions.COLLISION_TOLERANCE_MM`, is calibrated above it)."""
+INITIAL_CLEARANCE_MM: float = GENERATOR_TOLERANCE_MM / 2
 """Largest penetration allowed between neighbours of an initial configuration."""
-SWEEP_CLEARANCE_MM: float = 0.08
+SWEEP_CLEARANCE_MM: float = 0.8 * GENERATOR_TOLERANCE_MM
 """Largest penetration allowed along uniform staging (:func:`sweep_penetration_mm`)."""
 SWEEP_SAMPLES: np.ndarray = np.arange(2, N_STAGES, 2) / N_STAGES
 """Progress values at which uniform staging's penetration is sampled: every other aligner (the clearance

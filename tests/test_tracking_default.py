@@ -33,6 +33,22 @@ def test_embedded_default_store(tmp_path, monkeypatch, capsys):
     client = mlflow.tracking.MlflowClient()
     assert [m.step for m in client.get_metric_history(run.info.run_id, "rewards/reward_format/mean")] == [1]
     assert "gate_passed.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    # the run's LoggedModel carries the gate: its metrics and verdict, found by search_logged_models
+    gate_file = json.loads((tmp_path / "out" / "gate_passed.json").read_text())
+    verdict = str(gate_file["passed"]).lower()
+    found = mlflow.search_logged_models(
+        experiment_ids=[run.info.experiment_id],
+        filter_string=f"tags.`orthorl.gate_passed` = '{verdict}'",
+        output_format="list",
+    )
+    assert [m.source_run_id for m in found] == [run.info.run_id]
+    linked = {m.key: m.value for m in found[0].metrics if m.key.startswith("gate/")}
+    numeric = {
+        k: v
+        for k, v in gate_file["metrics"].items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    assert linked == pytest.approx({f"gate/{k}": v for k, v in numeric.items()})
     assert mlops.run_promote(run.info.run_id, "orthorl-default", force=False) == 0
     version = client.get_model_version_by_alias("orthorl-default", "candidate")
     gate = json.loads((tmp_path / "out" / "gate_passed.json").read_text())
