@@ -153,6 +153,12 @@ def occlusal_points(poses: np.ndarray) -> np.ndarray:
     return poses[..., 4:7] + _OCCLUSAL_HEIGHT[:, None] * quaternion_axis(poses[..., :4], 2)
 
 
+def occlusal_points_of(poses: np.ndarray, teeth: np.ndarray) -> np.ndarray:
+    """:func:`occlusal_points` of the crowns ``teeth`` (indices, (T,)) only: (..., T, 3)."""
+    some = poses[..., teeth, :]
+    return some[..., 4:7] + _OCCLUSAL_HEIGHT[teeth, None] * quaternion_axis(some[..., :4], 2)
+
+
 _OCCLUSAL_HEIGHT: np.ndarray = OCCLUSAL_END * CROWN_HEIGHT_MM / 2
 """(28,) centroid -> incisal edge / cusp tip along each crown's local z (mm)."""
 _U1, _L1, _U6, _L6, _L7 = UPPER_PAIRS[0], LOWER_PAIRS[0], UPPER_PAIRS[5], LOWER_PAIRS[5], LOWER_PAIRS[6]

@@ -73,10 +73,15 @@ def contact_penetration_mm(poses: np.ndarray, crowns: CrownContacts) -> np.ndarr
     if poses.size <= _FEW_POSES:  # both crowns of every contact, (..., 2, 26, 7), in one gather
         pairs = np.take(poses, CONTACT_CROWNS, axis=-2)
         return penetration_along_axes(_axes(pairs), pairs[..., 4:6], crowns)
-    # many poses: each tooth's axis once, then each value gathered by contact along the last axis
-    # (a contact-major result; whole-pose gathers are slow on big batches)
+    return _gathered_penetration(poses, crowns, CONTACT_CROWNS)
+
+
+def _gathered_penetration(poses: np.ndarray, crowns: CrownContacts, pairs: np.ndarray) -> np.ndarray:
+    """Penetration (..., P) of the crown pairs ``pairs`` (2, P) of many poses (..., 28, 7): each
+    tooth's axis once, then each value gathered by pair along the last axis (a pair-major result;
+    whole-pose gathers are slow on big batches)."""
     ax, ay, n2 = _axes_of(poses[..., 0], poses[..., 1], poses[..., 2], poses[..., 3])
-    a, b = CONTACT_CROWNS
+    a, b = pairs
     dx = poses[..., b, 4] - poses[..., a, 4]
     dy = poses[..., b, 5] - poses[..., a, 5]
     ax_a, ay_a, n2_a, ax_b, ay_b, n2_b = (
@@ -183,8 +188,21 @@ def second_neighbour_penetration_mm(
     depth = np.asarray(depth_mm)
     inv_d2 = 4.0 / np.square(depth)
     crowns = CrownContacts(inv_d2[..., SECOND_CROWNS], (4.0 / np.square(width) - inv_d2)[..., SECOND_CROWNS])
-    pairs = np.take(poses, SECOND_CROWNS, axis=-2)  # (..., 2, 24, 7)
-    return penetration_along_axes(_axes(pairs), pairs[..., 4:6], crowns)
+    return _gathered_penetration(poses, crowns, SECOND_CROWNS)
+
+
+ALL_PAIR_CROWNS: np.ndarray = np.ascontiguousarray(np.concatenate((CONTACT_CROWNS, SECOND_CROWNS), axis=1))
+"""(2, 50) the 26 contacts, then the 24 second-neighbour pairs."""
+
+
+def all_pairs_penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
+    """:func:`penetration_mm` and :func:`second_neighbour_penetration_mm` in one pass: (..., 50)."""
+    width, depth = np.asarray(width_mm), np.asarray(depth_mm)
+    inv_d2 = 4.0 / np.square(depth)
+    k2 = 4.0 / np.square(width) - inv_d2
+    return _gathered_penetration(
+        poses, CrownContacts(inv_d2[..., ALL_PAIR_CROWNS], k2[..., ALL_PAIR_CROWNS]), ALL_PAIR_CROWNS
+    )
 
 
 def collision_severity(penetration: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.arch import occlusal_points
+from server.arch import occlusal_points, occlusal_points_of
 from server.collisions import mesiodistal_axis_xy
 from server.dental_constants import (
     ADJACENT_PAIRS,
@@ -176,13 +176,14 @@ def occlusal_clearance_mm(poses: np.ndarray, reference: np.ndarray) -> np.ndarra
         reference: (28, 7) or (..., 28, 7) poses that set each upper crown's labial direction (the
             case's target: fixed through a treatment).
     """
-    edge = occlusal_points(poses)
+    up = _ANTERIOR_ANTAGONISTS[:, 0]
+    edge = occlusal_points_of(poses, _ANTERIOR_ANTAGONISTS.T.ravel())  # (..., 12, 3): uppers, lowers
     centre = reference[..., _FIRST_MOLARS, 4:6].mean(axis=-2)  # (..., 2)
-    up, lo = _ANTERIOR_ANTAGONISTS[:, 0], _ANTERIOR_ANTAGONISTS[:, 1]
     labial = reference[..., up, 4:6] - centre[..., None, :]
     labial = labial / np.maximum(vector_norm(labial), 1e-9)[..., None]
-    horizontal = np.sum((edge[..., up, :2] - edge[..., lo, :2]) * labial, axis=-1)
-    overlap = np.maximum(edge[..., lo, 2] - edge[..., up, 2], 0.0)
+    upper, lower = edge[..., :6, :], edge[..., 6:, :]
+    horizontal = np.sum((upper[..., :2] - lower[..., :2]) * labial, axis=-1)
+    overlap = np.maximum(lower[..., 2] - upper[..., 2], 0.0)
     return horizontal - overlap
 
 

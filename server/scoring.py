@@ -68,12 +68,13 @@ import numpy as np
 from server.clinical_profiles import SEQUENCED_TEETH, STRATEGY_LEVELS, strategy_multiplier_class
 from server.collisions import (
     COLLISION_TOLERANCE_MM,
+    all_pairs_penetration_mm,
     collision_severity,
     contact_major,
-    penetration_mm,
     second_neighbour_penetration_mm,
 )
 from server.dental_constants import (
+    ADJACENT_PAIRS,
     ALIGNER_FORCE_N_PER_DEG,
     ALIGNER_FORCE_N_PER_MM,
     LIMIT_TOLERANCE,
@@ -243,6 +244,8 @@ class StageMeasures:
     mis_r: np.ndarray
     achieved_mm: np.ndarray
     penetration: np.ndarray
+    second_penetration: np.ndarray | None = None
+    """(B, 24, 24) second-neighbour penetration of the achieved arch, when measured with the rest."""
 
 
 def stage_measures(
@@ -275,8 +278,9 @@ def stage_measures(
         mis_t[lagging], mis_r[lagging], achieved_mm[lagging] = _lag_measures(
             planned[lagging], achieved[lagging], inc_t[lagging], inc_r[lagging]
         )
-    pen = contact_major(penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None]))
-    return StageMeasures(inc_t, inc_r, mis_t, mis_r, achieved_mm, pen)
+    both = all_pairs_penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None])
+    pen = contact_major(both[..., : len(ADJACENT_PAIRS)])
+    return StageMeasures(inc_t, inc_r, mis_t, mis_r, achieved_mm, pen, both[..., len(ADJACENT_PAIRS) :])
 
 
 def _lag_measures(
@@ -319,6 +323,7 @@ def arch_breaches(
     depth_mm: np.ndarray,
     planned: np.ndarray,
     achieved: np.ndarray,
+    second_penetration: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The contact rules beyond neighbouring teeth, (B,) each (0 for a plan that breaks none).
 
@@ -336,13 +341,14 @@ def arch_breaches(
       shapes are not held to it: upper and lower aligners are two shells and the bite rests on
       their plastic, so an overcorrected shape may pass the target bite.
 
-    Args: (B, 28, 7) initial and target, (B, 28) crown sizes, (B, 25, 28, 7) trajectories.
+    Args: (B, 28, 7) initial and target, (B, 28) crown sizes, (B, 25, 28, 7) trajectories;
+    ``second_penetration`` (B, 24, 24) the achieved arch's, when at hand (:class:`StageMeasures`).
     """
     tol = COLLISION_TOLERANCE_MM
     w, d = width_mm[:, None], depth_mm[:, None]
-    second = np.sum(
-        np.maximum(second_neighbour_penetration_mm(achieved[:, 1:], w, d) - tol, 0.0), axis=(-2, -1)
-    )
+    if second_penetration is None:
+        second_penetration = second_neighbour_penetration_mm(achieved[:, 1:], w, d)
+    second = np.sum(np.maximum(second_penetration - tol, 0.0), axis=(-2, -1))
     aligner = np.zeros(initial.shape[0])
     clear_ref = np.minimum(occlusal_clearance_mm(initial, target), occlusal_clearance_mm(target, target))
     excess = (
@@ -354,9 +360,7 @@ def arch_breaches(
         if differs.size:
             p = planned[differs, 1:]
             pw, pd = w[differs], d[differs]
-            pen = np.concatenate(
-                (penetration_mm(p, pw, pd), second_neighbour_penetration_mm(p, pw, pd)), axis=-1
-            )
+            pen = all_pairs_penetration_mm(p, pw, pd)
             aligner[differs] = np.sum(np.maximum(pen - tol, 0.0), axis=(-2, -1))
     return {
         "second_collision_breach": second / tol,
@@ -378,7 +382,7 @@ def all_breaches(
     quality terms): :func:`hard_rule_breaches`, :func:`arch_breaches` and ``overshoot_breach``."""
     m = stage_measures(planned, achieved, width_mm, depth_mm) if measures is None else measures
     out = hard_rule_breaches(m)
-    out.update(arch_breaches(initial, target, width_mm, depth_mm, planned, achieved))
+    out.update(arch_breaches(initial, target, width_mm, depth_mm, planned, achieved, m.second_penetration))
     need, error, delivered = movement_mm(
         np.array((initial, achieved[:, -1], initial)), np.array((target, target, achieved[:, -1]))
     )
@@ -506,7 +510,9 @@ def score_episodes(
 
     stress = pdl_stress_kpa(m.mis_t, m.mis_r)  # (B, 24, 28)
     breaches = hard_rule_breaches(m, ratio, stress)
-    breaches.update(arch_breaches(initial, target, width_mm, depth_mm, planned, achieved))
+    breaches.update(
+        arch_breaches(initial, target, width_mm, depth_mm, planned, achieved, m.second_penetration)
+    )
     breaches["overshoot_breach"] = overshoot_breach(need, over)
     peak = stress.max(axis=-2)
     pdl = _masked_mean(pdl_tooth_score(peak), judged, 1.0)
