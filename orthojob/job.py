@@ -30,12 +30,22 @@ with ``orthojob model stage``, or a folder on a mounted volume; every stage fetc
 base once into the model cache (``ORTHORL_MODEL_CACHE``, on the pod's persistent ``/cache``), and
 adapters record the URI as their base (:mod:`orthojob.base_models`).
 
-Pre-flight: a model that is not the offline tiny one needs a GPU; without CUDA the job refuses
-(exit 2) rather than "training" a 3B model on CPU for days (``ORTHORL_ALLOW_CPU=1`` overrides).
+Pre-flight, before anything is downloaded or trained (:func:`preflight`):
+
+* the output prefix is required (``--out`` or ``--out-base``; the ConfigMap's ``OUTPUT_URI`` has no
+  default: a bucket of someone else's is no default) and probed: a marker is written, read back and
+  deleted there. Bad keys, no permission or no such bucket end the job at once with exit 32 (never
+  retried) and what to fix; an endpoint that stays unreachable is exit 30 (retried);
+* MLflow is probed (:func:`orthojob.tracking.configure`): unreachable is exit 31 (retried), a
+  refusal (credentials, permission) exit 33; under ``MLFLOW_RUN_ID`` (MLflow Projects) that run must
+  exist on this server: MLflow's Kubernetes backend creates it in the *workstation's* tracking store,
+  so a workstation pointed elsewhere than the pods ends here with exit 33 and the fix;
+* a model that is not the offline tiny one needs a GPU; without CUDA the job refuses (exit 2) rather
+  than "training" a 3B model on CPU for days (``ORTHORL_ALLOW_CPU=1`` overrides).
 
 Exit code: the first failing step's, from :class:`orthojob.exit_codes.ExitCode`: 3 when GRPO's
-gate failed (nothing is registered), 30/31 when storage/MLflow stayed unreachable, 20-22 when the
-registry refused.
+gate failed (nothing is registered), 30/31 when storage/MLflow stayed unreachable, 32/33 when they
+refused, 20-22 when the registry refused.
 """
 
 from __future__ import annotations
@@ -87,7 +97,10 @@ def output_prefix(args: argparse.Namespace, env: Mapping[str, str]) -> str:
         return _given(args.out).rstrip("/")
     base = _given(args.out_base).rstrip("/")
     if not base:
-        raise ValueError("pass --out URI, or --out-base URI (the ConfigMap's OUTPUT_URI)")
+        raise ValueError(
+            "the output prefix is required: pass --out URI, or --out-base URI (the ConfigMap's OUTPUT_URI, "
+            "e.g. s3://YOUR-BUCKET/orthorl/runs, set in k8s/kustomization.yaml)"
+        )
     return f"{base}/{_given(args.run_name) or run_name(env)}"
 
 
@@ -156,6 +169,39 @@ def grpo_run_id(p: Plan) -> str | None:
     from orthojob import tracking
 
     return tracking.last_stage_run("grpo")
+
+
+def preflight(p: Plan, env: Mapping[str, str], say: Callable[[str], object] = print) -> int:
+    """Probe the output prefix and MLflow (module docstring); 0, or the exit code (message printed)."""
+    from orthojob import storage, tracking
+    from orthojob.mlops import report_job_error
+
+    try:
+        say(f"[job] probe: {storage.probe_output(p.out)}")
+        tracking.configure()
+        say(f"[job] probe: MLflow at {tracking.redact(tracking.tracking_uri())} answers")
+        run_id = _given(env.get("MLFLOW_RUN_ID"))
+        if run_id:
+            import mlflow
+            from mlflow.exceptions import MlflowException
+
+            try:
+                mlflow.tracking.MlflowClient().get_run(run_id)
+            except MlflowException as exc:
+                if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+                    raise tracking.TrackingError(f"MLflow refused reading run {run_id}: {exc}") from exc
+                print(
+                    f"orthojob job: MLFLOW_RUN_ID {run_id} is not a run of the tracking server "
+                    f"{tracking.redact(tracking.tracking_uri())}. `mlflow run --backend kubernetes` creates the "
+                    "run in the workstation's tracking store: set MLFLOW_TRACKING_URI on the workstation to "
+                    "the same server as KUBE_MLFLOW_TRACKING_URI (e.g. through kubectl port-forward; "
+                    "docs/deploy.md, MLflow Projects on Kubernetes).",
+                    file=sys.stderr,
+                )
+                return ExitCode.TRACKING_DENIED
+    except (storage.StorageError, tracking.TrackingError) as exc:
+        return report_job_error("job", exc)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,6 +273,9 @@ def main(
     if cli is None:
         from orthojob.cli import main as cli
     print(f"[job] output prefix {p.out}")
+    code = preflight(p, env)
+    if code:
+        return code
     print(f"[job] orthojob {' '.join(p.chain)}", flush=True)
 
     from orthojob.storage import StorageError
@@ -242,11 +291,7 @@ def main(
             return ExitCode.FAILURE
         print(f"[job] orthojob promote --run-id {run_id} --model-name {p.model_name}", flush=True)
         return int(cli(["promote", "--run-id", run_id, "--model-name", p.model_name]) or 0)
-    except TrackingError as exc:
-        from orthojob.mlops import report_job_error
-
-        return report_job_error("job", exc)
-    except StorageError as exc:
+    except (TrackingError, StorageError) as exc:
         from orthojob.mlops import report_job_error
 
         return report_job_error("job", exc)
