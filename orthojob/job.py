@@ -253,6 +253,9 @@ def main(
     cli: Callable[[list[str]], int] | None = None,
 ) -> int:
     env = os.environ if env is None else env
+    from orthojob.preemption import install_termination_handler
+
+    install_termination_handler()  # SIGTERM anywhere: exit 143 now, not SIGKILL after the grace period
     args = build_parser().parse_args(argv)
     try:
         p = plan(args, env)
