@@ -120,6 +120,8 @@ def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     if env_url and args.mode != "agentic":
         raise ValueError(f"--env-url {env_url} needs --mode agentic (the tools it serves are agentic mode's)")
     checkpoint = _given(args.from_checkpoint)
+    if checkpoint and _given(args.stages):
+        raise ValueError("--stages is for the whole chain; --from-checkpoint starts at GRPO")
     if checkpoint:
         chain = ["train", "--preset", args.preset, "--steps", str(args.steps), "--task-id", args.task_id]
         chain += ["--from-checkpoint", checkpoint, "--out", f"{out}/grpo"]
@@ -136,6 +138,8 @@ def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
         chain += ["--set", f"grpo.steps={int(args.steps)}", "--set", f"task_id={args.task_id}"]
         if _given(args.model):
             chain += ["--set", f"model={args.model}"]
+        if _given(args.stages):
+            chain += ["--set", f"stages={_given(args.stages)}"]
         if args.mode != "oneshot":  # before env_url: each --set is checked as it is applied
             chain += ["--set", f"grpo.mode={args.mode}"]
         if env_url:
@@ -225,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-checkpoint",
         default="",
         help="a gated SFT checkpoint: skip the SFT stages and their gates ('' = full chain)",
+    )
+    p.add_argument(
+        "--stages",
+        default="",
+        help="the training stages, comma-separated, e.g. format,tool,grpo ('' = the preset's; full chain only)",
     )
     p.add_argument("--out", default="", help="the exact output prefix (default: --out-base/--run-name)")
     p.add_argument("--out-base", default="", help="where per-run prefixes go (the ConfigMap's OUTPUT_URI)")
