@@ -12,7 +12,9 @@ What runs (each step through the ``orthojob`` CLI, in this process):
    checkpoint): ``orthojob train --from-checkpoint URI --out OUT/grpo`` (its pre-flight checks the
    gate file; its own GRPO gate runs at the end);
 2. when the chain passed its gates (exit 0): ``orthojob promote --run-id RUN``: the adapter is
-   registered, alias ``candidate`` (``champion`` only when it beats the current one).
+   registered, alias ``candidate`` (``champion`` only when it beats the current one). Under a
+   launcher with several ranks (the multi-node TrainJob: ``accelerate launch --module
+   orthojob.job``) every rank trains, and rank 0 (``RANK``) alone promotes.
 
 OUT, the output prefix, is per Job: ``--out`` if given, else ``<--out-base>/<--run-name>``, and the
 run name defaults to ``<K8S_JOB_NAME>-<first 8 characters of K8S_JOB_UID>`` (both injected by
@@ -127,8 +129,11 @@ def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
         chain += ["--from-checkpoint", checkpoint, "--out", f"{out}/grpo"]
         if _given(args.model):
             chain += ["--model", args.model]
-        if args.use_vllm:
+        if args.use_vllm or _given(args.vllm_server_url):
             chain.append("--use-vllm")
+        if _given(args.vllm_server_url):  # a vLLM server (the multi-node TrainJob's orthorl-vllm)
+            chain += ["--vllm-mode", "server", "--vllm-server-url", _given(args.vllm_server_url)]
+            chain += ["--vllm-server-timeout", str(args.vllm_server_timeout)]
         if args.mode != "oneshot":
             chain += ["--mode", args.mode]
         if env_url:
@@ -240,6 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-name", default="", help="continue this named run ('' = <job name>-<uid[:8]>)")
     p.add_argument("--use-vllm", action="store_true", help="GRPO generation with vLLM (train path)")
     p.add_argument(
+        "--vllm-server-url",
+        default="",
+        help="GRPO generation on this vLLM server (train path; implies --use-vllm, server mode)",
+    )
+    p.add_argument(
+        "--vllm-server-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds TRL waits for the vLLM server's /health at start (default 1800: the server may "
+        "still be pulling its image and loading the model; TRL's own default is 240)",
+    )
+    p.add_argument(
         "--mode",
         choices=MODES,
         default="oneshot",
@@ -296,6 +313,8 @@ def main(
     try:
         code = int(cli(p.chain) or 0)
         if code != 0 or not p.register:
+            return code
+        if _given(env.get("RANK")) not in ("", "0"):  # several ranks (TrainJob): rank 0 registers
             return code
         run_id = grpo_run_id(p)
         if not run_id:

@@ -771,7 +771,7 @@ def test_trainjob_launch_matches_its_resources_and_config():
     assert str(cfg.distributed_type).endswith(("FSDP", "DEEPSPEED"))
     launch = pytest.importorskip("accelerate.commands.launch")
     parsed = launch.launch_command_parser().parse_args(argv[2:])
-    assert parsed.module and parsed.training_script == "orthojob.cli"
+    assert parsed.module and parsed.training_script == "orthojob.job"  # the Job's chain: GRPO, gate, promote
     assert parsed.num_machines == t["numNodes"] and parsed.machine_rank == 0
     # the same Secret and pod security as the single-node Job, and one image everywhere
     env = {e["name"]: e for e in t["env"]}
@@ -885,6 +885,7 @@ def orthojob_argv(argv: list[str]) -> list[str]:
         ["python", "-m", "orthojob.job"],
         ["python", "-m", "orthojob.cli"],
         ["--module", "orthojob.cli"],
+        ["--module", "orthojob.job"],
         ["-m", "orthojob.cli"],
     ):
         for i in range(len(argv) - len(prefix) + 1):
@@ -961,6 +962,10 @@ def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None
     parser = cli_parser()
     args = orthojob_argv(argv)
     if "orthojob.job" in argv:  # the chain: its own parser, then the CLI command it runs
+        args = [
+            a.replace("$(CHECKPOINT_URI)", "s3://b/run/bc_sft").replace("$(OUTPUT_URI)", "s3://b/runs")
+            for a in args
+        ]  # the TrainJob's required ConfigMap values
         args = job_chain(args, {"K8S_JOB_NAME": "j", "K8S_JOB_UID": "u" * 36})
     if args[0] not in subcommands(parser):
         pytest.skip(f"`orthojob {args[0]}` is not in the CLI yet (used by {where})")
