@@ -122,8 +122,9 @@ def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     if env_url and args.mode != "agentic":
         raise ValueError(f"--env-url {env_url} needs --mode agentic (the tools it serves are agentic mode's)")
     checkpoint = _given(args.from_checkpoint)
-    if checkpoint and _given(args.stages):
-        raise ValueError("--stages is for the whole chain; --from-checkpoint starts at GRPO")
+    notes = []
+    if checkpoint and _given(args.stages):  # the agentic component sets STAGES for its whole chain
+        notes.append(f"--stages {_given(args.stages)} ignored: --from-checkpoint starts at GRPO")
     if checkpoint:
         chain = ["train", "--preset", args.preset, "--steps", str(args.steps), "--task-id", args.task_id]
         chain += ["--from-checkpoint", checkpoint, "--out", f"{out}/grpo"]
@@ -149,7 +150,7 @@ def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
             chain += ["--set", f"grpo.mode={args.mode}"]
         if env_url:
             chain += ["--set", f"grpo.env_url={env_url}"]
-    return Plan(out, chain, not args.no_register, args.model_name)
+    return Plan(out, chain, not args.no_register, args.model_name, notes)
 
 
 def needs_gpu(args: argparse.Namespace) -> bool:
@@ -302,6 +303,8 @@ def main(
     if cli is None:
         from orthojob.cli import main as cli
     print(f"[job] output prefix {p.out}")
+    for note in p.notes:
+        print(f"[job] {note}")
     code = preflight(p, env)
     if code:
         return code
