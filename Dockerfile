@@ -32,9 +32,10 @@ RUN apt-get update \
     && python3.12 -m venv /opt/venv
 
 # Dependencies before the code: this layer changes only with the lock. Every wheel is pinned and
-# hash-checked; --only-binary because the lock is resolved with --no-build (scripts/check_lock.py).
+# hash-checked, dependencies included (the lock is closed: the same install as python_env.yaml's,
+# tests/test_mlproject_install.py); --only-binary because the lock is resolved with --no-build.
 COPY requirements/gpu.lock /tmp/gpu.lock
-RUN pip install --no-deps --require-hashes --only-binary=:all: -r /tmp/gpu.lock \
+RUN pip install --require-hashes --only-binary=:all: -r /tmp/gpu.lock \
     && rm /tmp/gpu.lock
 
 # The non-root user; writable places for a read-only root filesystem (k8s mounts volumes there: /cache is the model-cache PVC).

@@ -524,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from orthojob.preemption import install_termination_handler
+
+    install_termination_handler()  # SIGTERM outside GRPO's guard: exit 143 at once (orthojob.preemption)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

@@ -38,6 +38,8 @@ class ExitCode(IntEnum):
     NO_MODEL = 22
     STORAGE = 30
     TRACKING = 31
+    STORAGE_DENIED = 32
+    TRACKING_DENIED = 33
     KILLED = 137
     TERMINATED = 143
 
@@ -66,6 +68,14 @@ _MEANINGS: dict[ExitCode, tuple[str, str]] = {
     ExitCode.NO_MODEL: ("promotion refused: no logged model for the run", "fail"),
     ExitCode.STORAGE: ("object storage unreachable after bounded retries", "retry"),
     ExitCode.TRACKING: ("MLflow tracking server unreachable after bounded retries", "retry"),
+    ExitCode.STORAGE_DENIED: (
+        "object storage refused the job (bad keys, no permission on the output prefix, no such bucket)",
+        "fail",
+    ),
+    ExitCode.TRACKING_DENIED: (
+        "MLflow refused the job (bad credentials, no permission, or MLFLOW_RUN_ID not on this server)",
+        "fail",
+    ),
     ExitCode.KILLED: ("killed (out of memory, or evicted)", "retry"),
     ExitCode.TERMINATED: ("terminated by SIGTERM (preemption, drain, deletion)", "retry"),
 }

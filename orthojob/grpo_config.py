@@ -97,6 +97,10 @@ class GRPOJobConfig:
     vllm_server_url: str | None = field(
         default=None, metadata={"help": "base URL of the trl vllm-serve server (server mode)"}
     )
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={"help": "server mode: seconds to wait for the vLLM server at start (TRL's default 240)"},
+    )
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "colocate mode"})
     from_checkpoint: str | None = field(
         default=None, metadata={"help": "start from this SFT checkpoint (needs its passed gate file)"}

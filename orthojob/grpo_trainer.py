@@ -124,6 +124,7 @@ def build_grpo_args(
         kwargs["vllm_mode"] = config.vllm_mode
         if config.vllm_mode == "server" and config.vllm_server_url:
             kwargs["vllm_server_base_url"] = config.vllm_server_url
+            kwargs["vllm_server_timeout"] = config.vllm_server_timeout
         if config.vllm_mode == "colocate":
             kwargs["vllm_gpu_memory_utilization"] = config.vllm_gpu_memory_utilization
     return GRPOConfig(**kwargs), funcs

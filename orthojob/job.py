@@ -12,7 +12,9 @@ What runs (each step through the ``orthojob`` CLI, in this process):
    checkpoint): ``orthojob train --from-checkpoint URI --out OUT/grpo`` (its pre-flight checks the
    gate file; its own GRPO gate runs at the end);
 2. when the chain passed its gates (exit 0): ``orthojob promote --run-id RUN``: the adapter is
-   registered, alias ``candidate`` (``champion`` only when it beats the current one).
+   registered, alias ``candidate`` (``champion`` only when it beats the current one). Under a
+   launcher with several ranks (the multi-node TrainJob: ``accelerate launch --module
+   orthojob.job``) every rank trains, and rank 0 (``RANK``) alone promotes.
 
 OUT, the output prefix, is per Job: ``--out`` if given, else ``<--out-base>/<--run-name>``, and the
 run name defaults to ``<K8S_JOB_NAME>-<first 8 characters of K8S_JOB_UID>`` (both injected by
@@ -30,12 +32,22 @@ with ``orthojob model stage``, or a folder on a mounted volume; every stage fetc
 base once into the model cache (``ORTHORL_MODEL_CACHE``, on the pod's persistent ``/cache``), and
 adapters record the URI as their base (:mod:`orthojob.base_models`).
 
-Pre-flight: a model that is not the offline tiny one needs a GPU; without CUDA the job refuses
-(exit 2) rather than "training" a 3B model on CPU for days (``ORTHORL_ALLOW_CPU=1`` overrides).
+Pre-flight, before anything is downloaded or trained (:func:`preflight`):
+
+* the output prefix is required (``--out`` or ``--out-base``; the ConfigMap's ``OUTPUT_URI`` has no
+  default: a bucket of someone else's is no default) and probed: a marker is written, read back and
+  deleted there. Bad keys, no permission or no such bucket end the job at once with exit 32 (never
+  retried) and what to fix; an endpoint that stays unreachable is exit 30 (retried);
+* MLflow is probed (:func:`orthojob.tracking.configure`): unreachable is exit 31 (retried), a
+  refusal (credentials, permission) exit 33; under ``MLFLOW_RUN_ID`` (MLflow Projects) that run must
+  exist on this server: MLflow's Kubernetes backend creates it in the *workstation's* tracking store,
+  so a workstation pointed elsewhere than the pods ends here with exit 33 and the fix;
+* a model that is not the offline tiny one needs a GPU; without CUDA the job refuses (exit 2) rather
+  than "training" a 3B model on CPU for days (``ORTHORL_ALLOW_CPU=1`` overrides).
 
 Exit code: the first failing step's, from :class:`orthojob.exit_codes.ExitCode`: 3 when GRPO's
-gate failed (nothing is registered), 30/31 when storage/MLflow stayed unreachable, 20-22 when the
-registry refused.
+gate failed (nothing is registered), 30/31 when storage/MLflow stayed unreachable, 32/33 when they
+refused, 20-22 when the registry refused.
 """
 
 from __future__ import annotations
@@ -87,7 +99,10 @@ def output_prefix(args: argparse.Namespace, env: Mapping[str, str]) -> str:
         return _given(args.out).rstrip("/")
     base = _given(args.out_base).rstrip("/")
     if not base:
-        raise ValueError("pass --out URI, or --out-base URI (the ConfigMap's OUTPUT_URI)")
+        raise ValueError(
+            "the output prefix is required: pass --out URI, or --out-base URI (the ConfigMap's OUTPUT_URI, "
+            "e.g. s3://YOUR-BUCKET/orthorl/runs, set in k8s/kustomization.yaml)"
+        )
     return f"{base}/{_given(args.run_name) or run_name(env)}"
 
 
@@ -107,13 +122,19 @@ def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     if env_url and args.mode != "agentic":
         raise ValueError(f"--env-url {env_url} needs --mode agentic (the tools it serves are agentic mode's)")
     checkpoint = _given(args.from_checkpoint)
+    notes = []
+    if checkpoint and _given(args.stages):  # the agentic component sets STAGES for its whole chain
+        notes.append(f"--stages {_given(args.stages)} ignored: --from-checkpoint starts at GRPO")
     if checkpoint:
         chain = ["train", "--preset", args.preset, "--steps", str(args.steps), "--task-id", args.task_id]
         chain += ["--from-checkpoint", checkpoint, "--out", f"{out}/grpo"]
         if _given(args.model):
             chain += ["--model", args.model]
-        if args.use_vllm:
+        if args.use_vllm or _given(args.vllm_server_url):
             chain.append("--use-vllm")
+        if _given(args.vllm_server_url):  # a vLLM server (the multi-node TrainJob's orthorl-vllm)
+            chain += ["--vllm-mode", "server", "--vllm-server-url", _given(args.vllm_server_url)]
+            chain += ["--vllm-server-timeout", str(args.vllm_server_timeout)]
         if args.mode != "oneshot":
             chain += ["--mode", args.mode]
         if env_url:
@@ -123,11 +144,13 @@ def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
         chain += ["--set", f"grpo.steps={int(args.steps)}", "--set", f"task_id={args.task_id}"]
         if _given(args.model):
             chain += ["--set", f"model={args.model}"]
+        if _given(args.stages):
+            chain += ["--set", f"stages={_given(args.stages)}"]
         if args.mode != "oneshot":  # before env_url: each --set is checked as it is applied
             chain += ["--set", f"grpo.mode={args.mode}"]
         if env_url:
             chain += ["--set", f"grpo.env_url={env_url}"]
-    return Plan(out, chain, not args.no_register, args.model_name)
+    return Plan(out, chain, not args.no_register, args.model_name, notes)
 
 
 def needs_gpu(args: argparse.Namespace) -> bool:
@@ -158,6 +181,39 @@ def grpo_run_id(p: Plan) -> str | None:
     return tracking.last_stage_run("grpo")
 
 
+def preflight(p: Plan, env: Mapping[str, str], say: Callable[[str], object] = print) -> int:
+    """Probe the output prefix and MLflow (module docstring); 0, or the exit code (message printed)."""
+    from orthojob import storage, tracking
+    from orthojob.mlops import report_job_error
+
+    try:
+        say(f"[job] probe: {storage.probe_output(p.out)}")
+        tracking.configure()
+        say(f"[job] probe: MLflow at {tracking.redact(tracking.tracking_uri())} answers")
+        run_id = _given(env.get("MLFLOW_RUN_ID"))
+        if run_id:
+            import mlflow
+            from mlflow.exceptions import MlflowException
+
+            try:
+                mlflow.tracking.MlflowClient().get_run(run_id)
+            except MlflowException as exc:
+                if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+                    raise tracking.TrackingError(f"MLflow refused reading run {run_id}: {exc}") from exc
+                print(
+                    f"orthojob job: MLFLOW_RUN_ID {run_id} is not a run of the tracking server "
+                    f"{tracking.redact(tracking.tracking_uri())}. `mlflow run --backend kubernetes` creates the "
+                    "run in the workstation's tracking store: set MLFLOW_TRACKING_URI on the workstation to "
+                    "the same server as KUBE_MLFLOW_TRACKING_URI (e.g. through kubectl port-forward; "
+                    "docs/deploy.md, MLflow Projects on Kubernetes).",
+                    file=sys.stderr,
+                )
+                return ExitCode.TRACKING_DENIED
+    except (storage.StorageError, tracking.TrackingError) as exc:
+        return report_job_error("job", exc)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from orthojob.registry import DEFAULT_MODEL_NAME
 
@@ -180,10 +236,27 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="a gated SFT checkpoint: skip the SFT stages and their gates ('' = full chain)",
     )
+    p.add_argument(
+        "--stages",
+        default="",
+        help="the training stages, comma-separated, e.g. format,tool,grpo ('' = the preset's; full chain only)",
+    )
     p.add_argument("--out", default="", help="the exact output prefix (default: --out-base/--run-name)")
     p.add_argument("--out-base", default="", help="where per-run prefixes go (the ConfigMap's OUTPUT_URI)")
     p.add_argument("--run-name", default="", help="continue this named run ('' = <job name>-<uid[:8]>)")
     p.add_argument("--use-vllm", action="store_true", help="GRPO generation with vLLM (train path)")
+    p.add_argument(
+        "--vllm-server-url",
+        default="",
+        help="GRPO generation on this vLLM server (train path; implies --use-vllm, server mode)",
+    )
+    p.add_argument(
+        "--vllm-server-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds TRL waits for the vLLM server's /health at start (default 1800: the server may "
+        "still be pulling its image and loading the model; TRL's own default is 240)",
+    )
     p.add_argument(
         "--mode",
         choices=MODES,
@@ -207,6 +280,9 @@ def main(
     cli: Callable[[list[str]], int] | None = None,
 ) -> int:
     env = os.environ if env is None else env
+    from orthojob.preemption import install_termination_handler
+
+    install_termination_handler()  # SIGTERM anywhere: exit 143 now, not SIGKILL after the grace period
     args = build_parser().parse_args(argv)
     try:
         p = plan(args, env)
@@ -227,6 +303,11 @@ def main(
     if cli is None:
         from orthojob.cli import main as cli
     print(f"[job] output prefix {p.out}")
+    for note in p.notes:
+        print(f"[job] {note}")
+    code = preflight(p, env)
+    if code:
+        return code
     print(f"[job] orthojob {' '.join(p.chain)}", flush=True)
 
     from orthojob.storage import StorageError
@@ -236,17 +317,15 @@ def main(
         code = int(cli(p.chain) or 0)
         if code != 0 or not p.register:
             return code
+        if _given(env.get("RANK")) not in ("", "0"):  # several ranks (TrainJob): rank 0 registers
+            return code
         run_id = grpo_run_id(p)
         if not run_id:
             print("orthojob job: the chain passed but its GRPO run id was not found", file=sys.stderr)
             return ExitCode.FAILURE
         print(f"[job] orthojob promote --run-id {run_id} --model-name {p.model_name}", flush=True)
         return int(cli(["promote", "--run-id", run_id, "--model-name", p.model_name]) or 0)
-    except TrackingError as exc:
-        from orthojob.mlops import report_job_error
-
-        return report_job_error("job", exc)
-    except StorageError as exc:
+    except (TrackingError, StorageError) as exc:
         from orthojob.mlops import report_job_error
 
         return report_job_error("job", exc)

@@ -36,13 +36,38 @@ log = logging.getLogger(__name__)
 COMPLETIONS_SAMPLE = 64
 
 
+TRACKING_REFUSALS = ("UNAUTHENTICATED", "PERMISSION_DENIED", "error code 401", "error code 403")
+"""How an MLflow refusal reads (error codes of MlflowException, or the HTTP status in its text)."""
+
+
+def tracking_refused(exc: BaseException | None) -> bool:
+    """Whether a tracking failure is the server refusing the job (credentials, permission)."""
+    while exc is not None:
+        code = str(getattr(exc, "error_code", ""))
+        if code in TRACKING_REFUSALS or any(r in str(exc) for r in TRACKING_REFUSALS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def job_error_code(exc: BaseException) -> int:
+    """The exit code of a storage or tracking failure: refused (32, 33: never retried, the message
+    says what to fix) or unreachable (30, 31: retried)."""
+    from orthojob.tracking import TrackingError
+
+    if isinstance(exc, TrackingError):
+        return ExitCode.TRACKING_DENIED if tracking_refused(exc) else ExitCode.TRACKING
+    return ExitCode.STORAGE_DENIED if isinstance(exc, storage.StorageAccessError) else ExitCode.STORAGE
+
+
 def report_job_error(command: str, exc: BaseException) -> int:
     """Print a storage or tracking failure as ``orthojob <command>: <message>`` (secrets redacted)
-    on stderr; returns its exit code (:attr:`ExitCode.STORAGE` or :attr:`ExitCode.TRACKING`)."""
-    from orthojob.tracking import TrackingError, redact
+    on stderr; returns its exit code (:func:`job_error_code`)."""
+    from orthojob.tracking import redact
 
-    print(f"orthojob {command}: {redact(str(exc))}", file=sys.stderr)
-    return ExitCode.TRACKING if isinstance(exc, TrackingError) else ExitCode.STORAGE
+    code = job_error_code(exc)
+    print(f"orthojob {command}: {redact(str(exc))} (exit {int(code)})", file=sys.stderr)
+    return code
 
 
 def env_diagnostics(texts: Sequence[str], cases: Sequence[CaseKey]) -> dict[str, float]:

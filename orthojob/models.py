@@ -1,12 +1,16 @@
 """Loading policies and checkpoints, the offline tiny model, and checkpoint digests.
 
-Which loader (:func:`load_policy`, for training):
+Which loader (:func:`load_policy`, for training) is decided by one pure function,
+:func:`choose_load_policy`, of (CUDA, world size, Unsloth importable, bitsandbytes importable, LoRA
+rank of the preset, the ``ORTHORL_LOADER`` flag); docs/deploy.md has its table:
 
-* **Unsloth** ``FastLanguageModel`` in 4-bit, when ``unsloth`` imports *and* a CUDA GPU is present
-  (and LoRA is asked for: ``lora_r > 0``);
-* else **transformers + PEFT LoRA** (``lora_r > 0``): QLoRA (bitsandbytes 4-bit NF4) only on a CUDA
-  GPU with bitsandbytes installed, plain LoRA otherwise (always on CPU);
-* else (``lora_r == 0``, e.g. the tiny model) **full fine-tuning** of every weight.
+* ``lora_r == 0`` (e.g. the tiny model): **full fine-tuning** of every weight;
+* no CUDA: **LoRA** in float32 on the CPU;
+* several ranks (DDP or FSDP, ``WORLD_SIZE > 1``): **bf16 LoRA** on ``LOCAL_RANK``'s GPU, never
+  4-bit, never Unsloth (Unsloth is not even imported);
+* one GPU: **Unsloth** 4-bit when it imports; else (a WARNING naming the fallback) **QLoRA**
+  (bitsandbytes 4-bit NF4) when bitsandbytes imports, else LoRA on unquantised weights;
+* ``ORTHORL_LOADER=unsloth|qlora|lora`` forces one (refused with the reason where it cannot run).
 
 dtype: bfloat16 only where the GPU supports it (:func:`device_info`), float32 everywhere else (never
 bf16 on CPU). A ``checkpoint`` (an SFT output folder) is loaded instead of the base: a LoRA adapter
@@ -32,7 +36,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,25 +82,34 @@ class ModelError(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 
 
-def device_info() -> dict:
-    """``{"cuda": bool, "bf16": bool, "unsloth": bool}``: bf16 only on a GPU that has it."""
+def device_info(lora_r: int = 16) -> dict:
+    """``{"cuda": bool, "bf16": bool, "unsloth": bool}``: bf16 only on a GPU that has it; ``unsloth``:
+    the load policy (:func:`load_policy_here`) takes Unsloth, which is then imported here, before
+    transformers and TRL (it patches them). Never imported on CPU or with several ranks."""
     import torch
 
     cuda = bool(torch.cuda.is_available())
-    return {
-        "cuda": cuda,
-        "bf16": bool(cuda and torch.cuda.is_bf16_supported()),
-        "unsloth": cuda and _unsloth(),
-    }
+    unsloth = False
+    if cuda:
+        world_size, _ = distributed_env()
+        loader = (os.environ.get(LOADER_ENV) or "auto").strip().lower()
+        unsloth = wants_unsloth(cuda, world_size, lora_r, False, loader) and _unsloth() is True
+    return {"cuda": cuda, "bf16": bool(cuda and torch.cuda.is_bf16_supported()), "unsloth": unsloth}
 
 
-def _unsloth() -> bool:
-    try:
-        import unsloth  # noqa: F401  (imported before transformers/TRL where possible; it patches them)
-    except Exception as exc:  # not installed, or no usable GPU
-        log.info("Unsloth not available: %s", exc)
-        return False
-    return True
+_UNSLOTH_PROBE: list[bool | str] = []
+
+
+def _unsloth() -> bool | str:
+    """True when Unsloth imports, else the import error's text (probed once per process)."""
+    if not _UNSLOTH_PROBE:
+        try:
+            import unsloth  # noqa: F401  (imported before transformers/TRL where possible; it patches them)
+        except Exception as exc:  # not installed, or no usable GPU
+            _UNSLOTH_PROBE.append(f"{type(exc).__name__}: {exc}")
+        else:
+            _UNSLOTH_PROBE.append(True)
+    return _UNSLOTH_PROBE[0]
 
 
 def _bitsandbytes() -> bool:
@@ -109,6 +124,152 @@ def _dtype(devices: dict):
     import torch
 
     return torch.bfloat16 if devices["bf16"] else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Load policy
+# ---------------------------------------------------------------------------------------------
+
+LOADER_ENV = "ORTHORL_LOADER"
+"""Environment variable overriding the automatic choice: one of :data:`LOADERS`."""
+LOADERS: tuple[str, ...] = ("auto", "unsloth", "qlora", "lora")
+"""``auto`` (the table in docs/deploy.md), or one loader forced: ``unsloth`` (Unsloth 4-bit + LoRA,
+one GPU), ``qlora`` (bitsandbytes 4-bit NF4 + LoRA, on ``LOCAL_RANK``'s GPU), ``lora`` (LoRA on
+unquantised weights: bf16 where the GPU has it, else float32)."""
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    """How :func:`load_policy` loads the model: the outcome of :func:`choose_load_policy`.
+
+    ``loader``: ``unsloth``, ``qlora``, ``lora`` or ``full`` (full fine-tuning, ``lora_r == 0``);
+    ``device``: ``cpu`` or ``cuda:<LOCAL_RANK>``; ``reason``: why, in one line;
+    ``warning``: a fallback the user should know about (logged as a WARNING), else None."""
+
+    loader: str
+    device: str
+    reason: str
+    warning: str | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.loader in ("unsloth", "qlora")
+
+    @property
+    def device_index(self) -> int | None:
+        """The CUDA device index (``LOCAL_RANK``), None on CPU."""
+        return int(self.device.split(":", 1)[1]) if self.device.startswith("cuda:") else None
+
+
+def wants_unsloth(cuda: bool, world_size: int, lora_r: int, adapter: bool, loader: str = "auto") -> bool:
+    """Whether :func:`choose_load_policy` would take Unsloth if it imports: only then is it probed
+    (importing Unsloth patches transformers and TRL, which a multi-rank job must not get)."""
+    if loader == "unsloth":
+        return True
+    return loader == "auto" and cuda and world_size == 1 and (lora_r > 0 or adapter)
+
+
+def choose_load_policy(
+    *,
+    cuda: bool,
+    world_size: int = 1,
+    local_rank: int = 0,
+    unsloth: bool | str | None = None,
+    bitsandbytes: bool = False,
+    lora_r: int = 16,
+    adapter: bool = False,
+    loader: str = "auto",
+) -> LoadPolicy:
+    """The load policy for one process (the table in docs/deploy.md). Pure: no import, no I/O.
+
+    Args:
+        cuda: a CUDA GPU is visible.
+        world_size: processes in the job (``WORLD_SIZE``; > 1 = DDP or FSDP).
+        local_rank: this process's rank on its node (``LOCAL_RANK``): its GPU.
+        unsloth: True when Unsloth imports, the import error's text when it does not, None when
+            it was not probed (:func:`wants_unsloth` said it could not be used).
+        bitsandbytes: bitsandbytes imports (QLoRA possible).
+        lora_r: the preset's LoRA rank; 0 = full fine-tuning.
+        adapter: the starting checkpoint is a LoRA adapter (it is trained on as LoRA).
+        loader: :data:`LOADERS`; anything but ``auto`` is the explicit flag (``ORTHORL_LOADER``).
+
+    Raises:
+        ModelError: an explicit loader that cannot run here (the message says why and what to set).
+    """
+    if loader not in LOADERS:
+        raise ModelError(f"{LOADER_ENV}={loader!r} is not one of {', '.join(LOADERS)}")
+    if world_size < 1 or not 0 <= local_rank < max(world_size, 1):
+        raise ModelError(f"LOCAL_RANK {local_rank} is outside WORLD_SIZE {world_size}")
+    device = f"cuda:{local_rank}" if cuda else "cpu"
+    lora = lora_r > 0 or adapter
+    ranks = f"{world_size} ranks" if world_size > 1 else "one process"
+    if loader != "auto":
+        if not lora:
+            raise ModelError(f"{LOADER_ENV}={loader} needs LoRA, but lora_r is 0 (full fine-tuning)")
+        if loader in ("unsloth", "qlora") and not cuda:
+            raise ModelError(
+                f"{LOADER_ENV}={loader} needs a CUDA GPU; none is visible (unset it, or use lora)"
+            )
+        if loader == "unsloth":
+            if world_size > 1:
+                raise ModelError(
+                    f"{LOADER_ENV}=unsloth runs on one GPU only, this job has {world_size} ranks "
+                    f"(unset it: several ranks train bf16 LoRA)"
+                )
+            if unsloth is not True:
+                raise ModelError(f"{LOADER_ENV}=unsloth, but Unsloth does not import: {unsloth}")
+        if loader == "qlora" and not bitsandbytes:
+            raise ModelError(
+                f"{LOADER_ENV}=qlora, but bitsandbytes does not import (pip install bitsandbytes)"
+            )
+        return LoadPolicy(loader, device, f"{LOADER_ENV}={loader} (explicit), {ranks}")
+    if not lora:
+        return LoadPolicy("full", device, "lora_r is 0: full fine-tuning of every weight")
+    if not cuda:
+        return LoadPolicy("lora", device, "no CUDA GPU: LoRA in float32 on the CPU")
+    if world_size > 1:
+        return LoadPolicy(
+            "lora",
+            device,
+            f"{world_size} ranks (DDP or FSDP): bf16 LoRA on LOCAL_RANK {local_rank}'s GPU; 4-bit and "
+            "Unsloth weights cannot be sharded or replicated across ranks",
+        )
+    if unsloth is True:
+        return LoadPolicy("unsloth", device, "one GPU and Unsloth imports: Unsloth 4-bit + LoRA")
+    fallback = "QLoRA (bitsandbytes 4-bit)" if bitsandbytes else "LoRA on unquantised weights"
+    warning = None
+    if isinstance(unsloth, str):
+        warning = f"Unsloth did not import ({unsloth}); falling back to {fallback} on {device}"
+    return LoadPolicy(
+        "qlora" if bitsandbytes else "lora",
+        device,
+        f"one GPU without Unsloth: {fallback}" + ("" if bitsandbytes else " (bitsandbytes does not import)"),
+        warning,
+    )
+
+
+def distributed_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """``(WORLD_SIZE, LOCAL_RANK)`` as torchrun / accelerate set them; (1, 0) outside a launcher."""
+    env = os.environ if env is None else env
+    try:
+        return max(1, int(env.get("WORLD_SIZE") or 1)), int(env.get("LOCAL_RANK") or 0)
+    except ValueError as exc:
+        raise ModelError(f"WORLD_SIZE / LOCAL_RANK are not integers: {exc}") from None
+
+
+def load_policy_here(lora_r: int, adapter: bool = False, loader: str | None = None) -> LoadPolicy:
+    """:func:`choose_load_policy` for this process: probes CUDA, bitsandbytes and (only where it
+    could be used) Unsloth, reads ``WORLD_SIZE``, ``LOCAL_RANK`` and ``ORTHORL_LOADER``."""
+    import torch
+
+    cuda = bool(torch.cuda.is_available())
+    world_size, local_rank = distributed_env()
+    loader = (loader or os.environ.get(LOADER_ENV) or "auto").strip().lower()
+    unsloth = _unsloth() if wants_unsloth(cuda, world_size, lora_r, adapter, loader) else None
+    return choose_load_policy(
+        cuda=cuda, world_size=world_size, local_rank=local_rank, unsloth=unsloth,
+        bitsandbytes=cuda and _bitsandbytes(), lora_r=lora_r, adapter=adapter, loader=loader,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,8 +483,9 @@ def load_policy(
     max_seq_length: int = 2048,
     use_vllm: bool = False,
     lora_alpha: int | None = None,
+    loader: str | None = None,
 ):
-    """(model, tokenizer) ready to train; see the module docstring for which loader is used.
+    """(model, tokenizer) ready to train; :func:`choose_load_policy` picks the loader.
 
     Args:
         model_path: hub id, folder or ``s3://`` URI of the base model (:mod:`orthojob.base_models`).
@@ -332,21 +494,31 @@ def load_policy(
         max_seq_length: prompt + completion budget (Unsloth sizes its kernels with it).
         use_vllm: Unsloth's fast_inference (vLLM colocated), GPU only.
         lora_alpha: LoRA alpha (default 2 x rank).
+        loader: :data:`LOADERS` (default ``ORTHORL_LOADER``, else ``auto``).
     """
-    devices = device_info()  # imports Unsloth (on a GPU) before transformers
+    adapter = bool(checkpoint and is_adapter(checkpoint))
+    policy = load_policy_here(lora_r, adapter, loader)  # imports Unsloth (only if used) first
+    if policy.warning:
+        log.warning(policy.warning)
+    log.info("load policy: %s on %s (%s)", policy.loader, policy.device, policy.reason)
+    devices = device_info(lora_r)
     from transformers import AutoModelForCausalLM
 
-    if lora_r > 0 and devices["unsloth"]:
+    if policy.loader == "unsloth":
         log.info("loading %s with Unsloth (4-bit, LoRA r=%d)", checkpoint or model_path, lora_r)
         return _load_unsloth(model_path, checkpoint, lora_r, lora_alpha, max_seq_length, use_vllm)
 
     dtype = _dtype(devices)
-    adapter = bool(checkpoint and is_adapter(checkpoint))
     base_ref = adapter_base(checkpoint) if adapter else reference(checkpoint or model_path)
     base = resolve_base(base_ref)  # an s3:// base: fetched once into the model cache
     tok = _tokenizer(checkpoint or base)
-    qlora = bool(lora_r > 0 or adapter) and devices["cuda"] and _bitsandbytes()
+    qlora = policy.loader == "qlora"
     kwargs: dict[str, Any] = {"dtype": dtype}
+    if policy.device_index is not None:
+        import torch
+
+        torch.cuda.set_device(policy.device_index)
+        kwargs["device_map"] = {"": policy.device_index}  # this rank's GPU, never every rank on GPU 0
     if qlora:
         import torch
         from transformers import BitsAndBytesConfig
@@ -357,7 +529,6 @@ def load_policy(
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16 if devices["bf16"] else torch.float16,
         )
-        kwargs["device_map"] = {"": 0}
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     if qlora:
         from peft import prepare_model_for_kbit_training
@@ -419,22 +590,29 @@ def count_parameters(model) -> dict:
 
 __all__ = [
     "CONFIG_FILES",
+    "LOADERS",
+    "LOADER_ENV",
     "LORA_TARGETS",
     "NOT_WEIGHTS",
     "TINY_MODEL",
     "WEIGHT_SUFFIXES",
+    "LoadPolicy",
     "ModelError",
     "adapter_base",
     "build_tiny",
     "checkpoint_digest",
     "checkpoint_files",
+    "choose_load_policy",
     "count_parameters",
     "device_info",
+    "distributed_env",
     "ensure_tiny",
     "is_adapter",
     "load_for_inference",
     "load_policy",
+    "load_policy_here",
     "lora_config",
     "record_base",
     "tiny_corpus",
+    "wants_unsloth",
 ]

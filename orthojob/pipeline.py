@@ -29,6 +29,15 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
 3. ``evaluate``: every trained checkpoint (newest first) and the baselines on held-out seeds ->
    ``<out>/evaluation.json``.
 
+Resume: a run given the same ``out`` again (a retried pod, or a Job re-applied with the same run
+name) starts at the first unfinished stage. A training stage whose checkpoint is already published
+under ``out`` with a *passed* gate whose digest still matches, and whose ``run_identity.json`` is
+this config's (:mod:`orthojob.run_identity`; another config is exit 14), is not trained again: it is
+downloaded (digests checked) and recorded ``resumed_from`` in the summary, its earlier entries
+carried over from the summary published beside it (``<out>/pipeline_summary.json``). GRPO is
+finished when its output carries its gate file; otherwise ``run_grpo`` resumes its newest
+``checkpoint-N``. The tiny model is rebuilt (seconds, deterministic), the evaluation runs again.
+
 A failed gate stops the chain: the later training stages are skipped (each would refuse the
 checkpoint), recorded as such. The evaluation runs when at least one stage passed its gate.
 
@@ -56,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orthojob import gate, mlops, storage, tracking
+from orthojob import gate, mlops, run_identity, storage, tracking
 from orthojob.evaluation import evaluate_checkpoint, format_table
 from orthojob.exit_codes import ExitCode
 from orthojob.gate import GateSettings
@@ -158,16 +167,26 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         "stages": {},
     }
     stages = summary["stages"]
+    earlier = _earlier_stages(out_uri, out)  # what an earlier attempt at this run recorded
 
     def save() -> None:
         summary["wall_seconds"] = time.perf_counter() - t_start
-        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
+        text = json.dumps(summary, indent=2, default=str)
+        (out / SUMMARY_FILE).write_text(text)
+        if out_uri:  # beside the published stages: a retried pod carries over what they recorded
+            storage.write_text(f"{out_uri}/{SUMMARY_FILE}", text)
 
     def finish(code: int) -> dict:
         summary["exit_code"] = int(code)
         save()
         print(format_summary(summary))
         return summary
+
+    def publish(name: str, folder: Path) -> str:
+        """A stage's checkpoint where the next stage reads it: ``<out>/<name>`` (published to S3)."""
+        if not out_uri:
+            return str(folder)
+        return storage.publish(folder, f"{out_uri}/{name}")
 
     # 1. tiny model
     model = cfg.model
@@ -176,8 +195,19 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         t = time.perf_counter()
         tasks = sorted({cfg.task_id, *(t for s in cfg.stages if s in sections for t in sections[s].task_ids)})
         build = build_tiny_tool_model if "tool" in cfg.stages else build_tiny
-        model = str(build(out / "tiny-model", tasks, cfg.force_decay, **cfg.tiny_arch))
-        stages["tiny-model"] = {"seconds": time.perf_counter() - t, "path": model}
+        recipe = {"builder": build.__name__, "tasks": tasks, "force_decay": cfg.force_decay, **cfg.tiny_arch}
+        folder = out / "tiny-model"
+        where = f"{out_uri}/tiny-model" if out_uri else str(folder)
+        if out_uri and storage.read_manifest(where) is not None:  # an earlier attempt's: same bytes
+            storage.download_dir(where, folder)
+        recorded = run_identity.read_identity(folder) if (folder / "config.json").is_file() else None
+        reused = recorded is not None and recorded["config_digest"] == run_identity.config_digest(recipe)
+        if not reused:
+            build(folder, tasks, cfg.force_decay, **cfg.tiny_arch)
+            run_identity.write_identity(folder, recipe)
+            publish("tiny-model", folder)  # the chain's base, kept with the run for a retried pod
+        model = str(folder)
+        stages["tiny-model"] = {"seconds": time.perf_counter() - t, "path": model, "reused": reused}
         save()
 
     # 1b. the base model's held-out parse rate and format, before any training (no gate file)
@@ -191,11 +221,37 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         stages["base"] = {"seconds": time.perf_counter() - t, **_gate_view(base)}
         save()
 
-    def publish(name: str, folder: Path) -> str:
-        """A stage's checkpoint where the next stage reads it: ``<out>/<name>`` (published to S3)."""
-        if not out_uri:
-            return str(folder)
-        return storage.publish(folder, f"{out_uri}/{name}")
+    def finished(name: str, folder: Path, identity: dict) -> dict | None:
+        """The gate of ``name`` when an earlier attempt trained, gated (passed) and published it
+        under ``out`` with this config: then it is not trained again (module docstring)."""
+        where = f"{out_uri}/{name}" if out_uri else str(folder)
+        if out_uri:
+            if storage.read_manifest(where) is None:
+                return None
+            storage.download_dir(where, folder)  # digests checked against its manifest
+        elif not gate.gate_path(folder).is_file():
+            return None
+        try:
+            content = gate.check_gate(folder, accept=None)
+        except gate.GateError as exc:
+            print(f"[pipeline] {name} at {where} is not reused ({exc.message[:200]}): training it again")
+            return None
+        if run_identity.read_identity(folder) is None:  # not written by a run that records its config
+            print(f"[pipeline] {name} at {where} records no run identity: training it again")
+            return None
+        try:
+            if not run_identity.check_resume(folder, identity, where=where):  # policy fresh
+                return None
+        except run_identity.RunIdentityError as exc:  # another config wrote it: exit 14, never retried
+            print(f"orthojob pipeline: {exc}", file=sys.stderr)
+            stages[name] = {"seconds": 0.0, "error": str(exc), "exit_code": int(exc.exit_code)}
+            raise _RefusedError(int(exc.exit_code)) from exc
+        print(f"[pipeline] {name}: already trained and gated at {where} (resumed, not trained again)")
+        stages[name] = {"seconds": 0.0, **earlier.get(name, {}), "resumed_from": where}
+        gate_entry = earlier.get(f"gate_{name}") or {"seconds": 0.0, **_gate_view(content)}
+        stages[f"gate_{name}"] = {**gate_entry, "resumed": True}
+        save()
+        return content
 
     def gate_stage(name: str, folder: Path, settings: GateSettings, params_key: str) -> bool:
         """Evaluate a SFT stage's checkpoint, write its gate file (in its own stage run), publish both."""
@@ -224,14 +280,27 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         config = dataclasses.replace(
             sections[step], model=model, out=str(folder), from_checkpoint=str(previous) if previous else None
         )
+        identity = stage_identity(config, settings, previous)
+        done = finished(name, folder, identity)
+        if done is not None:
+            return bool(done["passed"])
         with tracking.stage_run(
             name, params={key: config.to_dict(), "model": model, "force_decay": cfg.force_decay}
         ):
             result = run_sft(config)
             log_stage(result, None, folder)
+        run_identity.write_identity(folder, identity)  # published with the checkpoint and its gate
         stages[name] = {"seconds": time.perf_counter() - t, **result}
         save()
         return gate_stage(name, folder, settings, gate_key)
+
+    def stage_identity(config: Any, settings: GateSettings, previous: Path | None) -> dict:
+        """What makes a stage's checkpoint this run's: its config with the preset's model reference
+        (not the pod-local tiny-model folder), the stage it starts from by name, and its gate."""
+        ident = dataclasses.replace(
+            config, model=cfg.model, from_checkpoint=previous.name if previous else None
+        )
+        return {**ident.to_dict(), "gate": dataclasses.asdict(settings)}
 
     def grpo_stage(previous: tuple[str, Path]) -> tuple[bool, int]:
         """Stage 3, which writes its own gate file: (gate passed, exit code of run_grpo)."""
@@ -240,6 +309,27 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         source = f"{out_uri}/{previous[0]}" if out_uri else str(previous[1])  # published by its gate stage
         target = f"{out_uri}/grpo" if out_uri else str(grpo_dir)
         grpo = dataclasses.replace(cfg.grpo, model=model, from_checkpoint=source, out=target)
+        identity = {
+            **dataclasses.replace(grpo, model=cfg.model, from_checkpoint=previous[0], out="grpo").to_dict(),
+            "gate": cfg.grpo_gate.thresholds.to_dict(),
+        }
+        if out_uri and storage.read_manifest(target) is not None:  # published: trained and gated
+            storage.download_dir(target, grpo_dir)
+        if (
+            gate.gate_path(grpo_dir).is_file()
+            and run_identity.read_identity(grpo_dir) is not None
+            and run_identity.check_resume(grpo_dir, identity, where=target)
+        ):
+            content = gate.read_gate(grpo_dir)
+            print(f"[pipeline] grpo: already trained and gated at {target} (resumed, not trained again)")
+            code = ExitCode.OK if content["passed"] else ExitCode.GRPO_GATE_FAILED
+            stages["grpo"] = {"seconds": 0.0, "exit_code": int(code), **earlier.get("grpo", {})}
+            stages["grpo"]["resumed_from"] = target
+            stages["gate_grpo"] = {"seconds": None, **_gate_view(content), "resumed": True}
+            save()
+            return bool(content["passed"]), int(code)
+        grpo_dir.mkdir(parents=True, exist_ok=True)
+        run_identity.write_identity(grpo_dir, identity)  # published with GRPO's output and its gate
         before = tracking.last_stage_run("grpo")
         rc = run_grpo(grpo, given=grpo.to_dict(), gate_thresholds=cfg.grpo_gate.thresholds)
         grpo_run = tracking.last_stage_run("grpo")  # the child run: last_active_run() is the pipeline's
@@ -264,6 +354,10 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         folder = out / "rsft"
         t = time.perf_counter()
         config = dataclasses.replace(cfg.rsft, model=model, out=str(folder), from_checkpoint=str(previous))
+        identity = stage_identity(config, cfg.rsft_gate, previous)
+        done = finished("rsft", folder, identity)
+        if done is not None:
+            return bool(done["passed"]), 0
         with tracking.stage_run(
             "rsft", params={"rsft": config.to_dict(), "model": model, "force_decay": cfg.force_decay}
         ):
@@ -280,6 +374,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
                 return False, int(exc.exit_code)
             log_stage(result, None, folder)
             log_rsft(result, folder)
+        run_identity.write_identity(folder, identity)
         stages["rsft"] = {"seconds": time.perf_counter() - t, **result}
         save()
         return gate_stage("rsft", folder, cfg.rsft_gate, "rsft_gate"), 0
@@ -287,29 +382,32 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
     # 2. the training stages, each from the previous gated checkpoint
     trained: list[tuple[str, Path, bool]] = []  # (name, folder, gate passed)
     code = 0
-    for step in cfg.stages:
-        name = PIPELINE_STAGES[step]
-        if code:
-            stages[name] = {
-                "skipped": f"an earlier gate or stage failed (exit {code}): {name} refuses its checkpoint"
-            }
-            continue
-        previous = trained[-1] if trained else None
-        if step in ("format", "tool", "bc"):
-            passed = sft_stage(step, previous[1] if previous else None)
-            trained.append((name, out / name, passed))
-            code = 0 if passed else ExitCode.GATE_FAILED
-        elif step == "grpo":
-            passed, rc = grpo_stage((previous[0], previous[1]))
-            if rc not in (0, ExitCode.GRPO_GATE_FAILED):
-                return finish(rc)
-            trained.append((name, out / name, passed))
-            code = 0 if passed else ExitCode.GRPO_GATE_FAILED
-        else:
-            passed, rc = rsft_stage(previous[1])
-            if rc == 0:
+    try:  # a stage refusing what an earlier attempt left (another config) ends the chain at once
+        for step in cfg.stages:
+            name = PIPELINE_STAGES[step]
+            if code:
+                stages[name] = {
+                    "skipped": f"an earlier gate or stage failed (exit {code}): {name} refuses its checkpoint"
+                }
+                continue
+            previous = trained[-1] if trained else None
+            if step in ("format", "tool", "bc"):
+                passed = sft_stage(step, previous[1] if previous else None)
                 trained.append((name, out / name, passed))
-            code = rc or (0 if passed else ExitCode.GATE_FAILED)
+                code = 0 if passed else ExitCode.GATE_FAILED
+            elif step == "grpo":
+                passed, rc = grpo_stage((previous[0], previous[1]))
+                if rc not in (0, ExitCode.GRPO_GATE_FAILED):
+                    return finish(rc)
+                trained.append((name, out / name, passed))
+                code = 0 if passed else ExitCode.GRPO_GATE_FAILED
+            else:
+                passed, rc = rsft_stage(previous[1])
+                if rc == 0:
+                    trained.append((name, out / name, passed))
+                code = rc or (0 if passed else ExitCode.GATE_FAILED)
+    except _RefusedError as refused:
+        return finish(refused.code)
     if not any(passed for _, _, passed in trained):
         return finish(code)
 
@@ -351,6 +449,25 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
     return finish(code)
 
 
+class _RefusedError(Exception):
+    """A stage found what it cannot resume (another config's checkpoint); ``code`` is the exit code."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _earlier_stages(out_uri: str | None, out: Path) -> dict:
+    """The ``stages`` an earlier attempt at this output recorded (its published summary), or {}."""
+    text = storage.read_text(f"{out_uri}/{SUMMARY_FILE}") if out_uri else None
+    if text is None and (out / SUMMARY_FILE).is_file():
+        text = (out / SUMMARY_FILE).read_text()
+    try:
+        return dict(json.loads(text).get("stages") or {}) if text else {}
+    except (ValueError, AttributeError):
+        return {}
+
+
 def _fmt(x: Any, spec: str = ".3f") -> str:
     return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
 
@@ -377,7 +494,11 @@ def format_summary(summary: dict) -> str:
         if "skipped" in x:
             lines.append(f"{name:<15}{'':>9}  skipped: {x['skipped']}")
             continue
-        if name == "grpo":
+        if "resumed_from" in x and "steps" not in x:  # an earlier attempt trained it; no record of how
+            lines.append(
+                f"{name:<15}{'':>9}  resumed from {x['resumed_from']} (trained by an earlier attempt)"
+            )
+        elif name == "grpo":
             lines.append(
                 f"{'grpo':<15}{_fmt(x['seconds'], '9.1f')}  exit {x['exit_code']}, {x.get('steps', 0)} steps, "
                 f"reward mean {_fmt(x.get('reward_mean'))} (first half {_fmt(x.get('reward_first_half_mean'))}, "

@@ -16,6 +16,17 @@ Instead:
   raises ``SystemExit(143)``: the Job's policy retries 143 and the new pod resumes from the
   checkpoint just synced.
 
+Everywhere else in the Job (SFT stages, gates, evaluation, downloads, the start-up probe),
+:func:`install_termination_handler` (installed by ``python -m orthojob.job`` and the ``orthojob``
+CLI at start) turns SIGTERM into ``SystemExit(143)`` raised in the main thread at once: the stage
+stops within seconds instead of waiting out the grace period (a PID 1 process without a handler
+ignores SIGTERM, and the kubelet SIGKILLs it after ``terminationGracePeriodSeconds``). Unwinding
+closes the MLflow runs ``KILLED`` (``tracking.stage_run``); what those stages can save is already
+saved: each publishes its checkpoint with its gate when it ends, so the retried pod resumes at the
+first unfinished stage (``orthojob.pipeline``). An SFT stage or an evaluation cut midway is run
+again; GRPO, the long stage, keeps its step-level checkpoints as above. While a
+:class:`PreemptionGuard` is active it handles SIGTERM instead, and restores this handler after.
+
 A step that outlasts the grace period is still cut by SIGKILL (exit 137, also retried; the run is
 then closed FAILED by the next pod, see ``tracking.close_orphaned_runs``).
 """
@@ -34,6 +45,25 @@ from orthojob.exit_codes import ExitCode
 log = logging.getLogger(__name__)
 
 TERMINATED_TAG = "orthorl.terminated"
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: unwinding must not be cut again
+    print(
+        f"SIGTERM: stopping now (no checkpoint is cut midway; finished stages are published); "
+        f"exiting {int(ExitCode.TERMINATED)}",
+        flush=True,
+    )
+    raise SystemExit(int(ExitCode.TERMINATED))
+
+
+def install_termination_handler() -> bool:
+    """SIGTERM -> ``SystemExit(143)`` in the main thread (module docstring). Returns whether it was
+    installed (only the main thread can install a handler; elsewhere this does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGTERM, _terminate)
+    return True
 
 
 class PreemptionGuard:

@@ -53,6 +53,7 @@ NOT_IDENTITY: frozenset[str] = frozenset(
         "on_foreign_checkpoint",
         "from_checkpoint_local",
         "completions_table_rows",
+        "vllm_server_timeout",
     }
 )
 

@@ -50,6 +50,11 @@ class StorageError(RuntimeError):
     """A storage operation failed for good (after retries); the message says what to check."""
 
 
+class StorageAccessError(StorageError):
+    """The store answered and refused: bad keys, no permission, or no such bucket. Retrying cannot
+    help (exit :attr:`~orthojob.exit_codes.ExitCode.STORAGE_DENIED`, never retried by the Job)."""
+
+
 @dataclass(frozen=True)
 class S3Location:
     bucket: str
@@ -128,6 +133,38 @@ def _is_auth_error(exc: BaseException | None) -> bool:
     return False
 
 
+def _error_code(exc: BaseException | None) -> str:
+    while exc is not None:
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+        if code:
+            return str(code)
+        if type(exc).__name__ == "NoCredentialsError":
+            return "NoCredentialsError"
+        exc = exc.__cause__ or exc.__context__
+    return ""
+
+
+def access_fix(exc: BaseException) -> str:
+    """What an S3 refusal means and how to fix it, by the error code the store answered with."""
+    code = _error_code(exc)
+    if code in ("NoSuchBucket", "404"):
+        return (
+            f"the bucket does not exist ({code}: {exc}). Create it, or set the output URI (the ConfigMap's "
+            "OUTPUT_URI, --out-base) to a bucket of yours."
+        )
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "NoCredentialsError", "InvalidToken"):
+        return (
+            f"S3 refused the credentials ({code}: {exc}). Fix AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in "
+            "the Secret orthorl-credentials (or the pod's IRSA / Workload Identity role) and the endpoint "
+            "(AWS_ENDPOINT_URL)."
+        )
+    return (
+        f"S3 refused access ({code or type(exc).__name__}: {exc}). Give the job's credentials "
+        "s3:PutObject, s3:GetObject, s3:DeleteObject and s3:ListBucket on the output prefix, or choose "
+        "a prefix they may write (OUTPUT_URI)."
+    )
+
+
 def with_retries(action: str, fn: Callable[[], T]) -> T:
     """Run one storage operation; its failure becomes a :class:`StorageError` saying what to check.
 
@@ -141,11 +178,7 @@ def with_retries(action: str, fn: Callable[[], T]) -> T:
         raise
     except Exception as exc:  # boto raises many types; classify below
         if _is_auth_error(exc):
-            raise StorageError(
-                f"{action}: S3 refused the credentials or access ({exc}). Check AWS_ACCESS_KEY_ID / "
-                "AWS_SECRET_ACCESS_KEY (the Secret, or the pod's IRSA / Workload Identity role), the "
-                "bucket name and the endpoint (AWS_ENDPOINT_URL)."
-            ) from exc
+            raise StorageAccessError(f"{action}: {access_fix(exc)}") from exc
         raise StorageError(
             f"{action}: failed after {RETRY_ATTEMPTS} attempts (botocore standard retries; "
             f"{type(exc).__name__}: {exc}). Check that the S3 endpoint is reachable (AWS_ENDPOINT_URL)."
@@ -317,6 +350,79 @@ def materialize(path_or_uri: str, cache_dir: str | Path) -> Path:
             raise StorageError(f"{p} does not exist: pass an existing folder or an s3:// URI")
         return p
     return download_dir(path_or_uri, local_mirror(cache_dir, path_or_uri))
+
+
+PROBE_NAME = ".orthorl-probe"
+
+
+def probe_output(path_or_uri: str) -> str:
+    """Write, read back and delete a marker below the output prefix (what the job does at start).
+
+    Returns a one-line description. A local folder: created if missing; an unwritable one raises
+    :class:`StorageError` naming it. ``s3://``: a refusal (bad keys, no permission, no such bucket)
+    raises :class:`StorageAccessError` saying what to fix; an endpoint that stays unreachable
+    raises :class:`StorageError` after botocore's retries."""
+    import uuid
+
+    token = uuid.uuid4().hex
+    if not is_s3_uri(path_or_uri):
+        folder = Path(path_or_uri)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            marker = folder / f"{PROBE_NAME}-{token}"
+            marker.write_text(token)
+            ok = marker.read_text() == token
+            marker.unlink()
+        except OSError as exc:
+            raise StorageError(
+                f"the output folder {folder} is not writable ({exc}): choose another --out"
+            ) from exc
+        if not ok:
+            raise StorageError(f"the output folder {folder} did not return what was written to it")
+        return f"{folder}: write, read and delete work"
+    loc = parse_s3_uri(path_or_uri)
+    key = loc.key(f"{PROBE_NAME}-{token}")
+    client = s3_client()
+
+    def probe() -> None:
+        try:  # a listing first: some stores (SeaweedFS) create a missing bucket on PutObject, and a
+            # HEAD's bare 403 cannot tell bad keys from a missing permission (a listing's error body can)
+            client.list_objects_v2(Bucket=loc.bucket, Prefix=key, MaxKeys=1)
+        except Exception as exc:
+            if _error_code(exc) in ("404", "NoSuchBucket"):
+                raise StorageAccessError(f"probing {loc.uri}: {access_fix(exc)}") from exc
+            raise
+        client.put_object(Bucket=loc.bucket, Key=key, Body=token.encode())
+        body = client.get_object(Bucket=loc.bucket, Key=key)["Body"].read().decode()
+        client.delete_object(Bucket=loc.bucket, Key=key)
+        if body != token:
+            raise StorageError(f"s3://{loc.bucket}/{key} returned other bytes than were written to it")
+
+    with_retries(f"probing the output prefix {loc.uri} (write, read, delete a marker)", probe)
+    return f"{loc.uri}: write, read and delete work"
+
+
+def write_text(uri: str, text: str) -> None:
+    """One small object (e.g. a summary) at ``s3://bucket/key``."""
+    loc = parse_s3_uri(uri)
+    client = s3_client()
+    with_retries(
+        f"writing {uri}", lambda: client.put_object(Bucket=loc.bucket, Key=loc.prefix, Body=text.encode())
+    )
+
+
+def read_text(uri: str) -> str | None:
+    """The object at ``s3://bucket/key`` as text, None when there is none."""
+    loc = parse_s3_uri(uri)
+    client = s3_client()
+
+    def get() -> str | None:
+        try:
+            return client.get_object(Bucket=loc.bucket, Key=loc.prefix)["Body"].read().decode()
+        except client.exceptions.NoSuchKey:
+            return None
+
+    return with_retries(f"reading {uri}", get)
 
 
 def local_mirror(root: str | Path, uri: str) -> Path:

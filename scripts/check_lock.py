@@ -17,8 +17,11 @@ Two checks are about the image's stack rather than pyproject:
   ``vllm`` extra (TRL's server mode and colocate mode are only tested there). The range is read
   from TRL's own metadata, as uv sees it: ``uv pip compile`` of exactly ``trl[vllm]==<locked>`` and
   ``vllm==<locked>`` (no other requirement) must resolve; a vLLM outside TRL's range does not.
-* **Excluded packages** (``requirements/gpu-excludes.txt``, passed as ``--excludes``): packages
-  the job never imports (gradio, torchaudio) stay out of the lock and so out of the image.
+* **The lock is closed.** Every dependency of every pin is pinned too, with hashes: pip, which
+  MLflow's virtualenv manager installs ``python_env.yaml`` with (``-r requirements/gpu.lock``,
+  no ``--no-deps``), switches to hash-checking mode at the first hash and then refuses any
+  requirement without one. :func:`install_dry_run` runs that install as uv's dry run with
+  ``--require-hashes`` for the image's platform; the Dockerfile installs the same way.
 
 Exit status: 0 in sync; 1 drift (the message says what differs and how to fix it);
 2 uv missing or the resolution failed.
@@ -27,6 +30,7 @@ Exit status: 0 in sync; 1 drift (the message says what differs and how to fix it
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -40,7 +44,6 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements" / "gpu.lock"
-EXCLUDES = ROOT / "requirements" / "gpu-excludes.txt"
 PYPROJECT = ROOT / "pyproject.toml"
 EXTRA = "gpu"
 PLATFORM = "x86_64-manylinux_2_31"
@@ -72,7 +75,6 @@ def compile_command(uv: str, output: Path) -> list[str]:
         PYTHON,
         "--generate-hashes",
         "--no-build",
-        *(["--excludes", str(EXCLUDES)] if EXCLUDES.exists() else []),
         "--custom-compile-command",
         WRITE_COMMAND,
         "--quiet",
@@ -143,17 +145,6 @@ def diff_pins(old: dict[str, str], new: dict[str, str]) -> list[str]:
     return lines
 
 
-def excluded_names() -> set[str]:
-    """Canonical names listed in requirements/gpu-excludes.txt."""
-    if not EXCLUDES.exists():
-        return set()
-    return {
-        canonicalize_name(line.split("#", 1)[0].strip())
-        for line in EXCLUDES.read_text().splitlines()
-        if line.split("#", 1)[0].strip()
-    }
-
-
 def trl_vllm_problem(uv: str, pins: dict[str, str]) -> str | None:
     """None when the locked vLLM is inside the locked TRL's ``vllm`` extra range, else why not.
 
@@ -167,8 +158,6 @@ def trl_vllm_problem(uv: str, pins: dict[str, str]) -> str | None:
         req.write_text(f"trl[vllm]=={trl}\nvllm=={vllm}\n")
         cmd = [uv, "pip", "compile", str(req), "--python-platform", PLATFORM, "--python-version", PYTHON,
                "--no-build", "--quiet", "--no-header", "--no-annotate", "--output-file", str(Path(tmp) / "o")]  # fmt: skip
-        if EXCLUDES.exists():
-            cmd += ["--excludes", str(EXCLUDES)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode == 0:
         return None
@@ -178,6 +167,38 @@ def trl_vllm_problem(uv: str, pins: dict[str, str]) -> str | None:
         + (f" ({why[0].strip()})" if why else "")
         + ": move vllm (pyproject's gpu extra) into TRL's range, or move TRL"
     )
+
+
+UNREACHABLE = ("failed to fetch", "dns error", "connection refused", "could not connect", "timed out",
+               "network is unreachable", "error sending request", "failed to download")  # fmt: skip
+"""Phrases of a uv error that mean the package index was not reachable (not a lock problem)."""
+
+
+def install_dry_run(
+    uv: str, requirements: Path, python: str = PYTHON, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    """``uv pip install --dry-run --require-hashes -r REQUIREMENTS`` for Linux x86_64 / CPython
+    ``python``, in a throwaway virtual environment: the install that ``python_env.yaml`` (pip in
+    hash-checking mode) and the Dockerfile perform, without installing anything.
+
+    Exit 0: every requirement, transitive ones included, has a pin with a trusted hash."""
+    with tempfile.TemporaryDirectory(prefix="lock-install-") as tmp:
+        venv = Path(tmp) / "venv"
+        made = subprocess.run([uv, "venv", "--quiet", str(venv)], capture_output=True, text=True, timeout=60)
+        if made.returncode != 0:
+            return made
+        cmd = [uv, "pip", "install", "--dry-run", "--require-hashes", "--only-binary", ":all:",
+               "--python-platform", PLATFORM, "--python-version", python, "-r", str(requirements)]  # fmt: skip
+        env = {**os.environ, "VIRTUAL_ENV": str(venv)}
+        return subprocess.run(
+            cmd, capture_output=True, text=True, cwd=requirements.parent, env=env, timeout=timeout
+        )
+
+
+def unreachable(proc: subprocess.CompletedProcess) -> bool:
+    """Whether a failed uv command failed because the package index could not be reached."""
+    text = (proc.stderr + proc.stdout).lower()
+    return proc.returncode != 0 and any(p in text for p in UNREACHABLE)
 
 
 def resolve(uv: str, seed: Path | None) -> str:
@@ -230,9 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     problem = trl_vllm_problem(uv, locked)
     if problem:
         problems.append(problem)
-    leaked = sorted(excluded_names() & set(locked))
-    if leaked:
-        problems.append(f"excluded packages are pinned in the lock: {', '.join(leaked)}")
+    install = install_dry_run(uv, LOCK)
+    if install.returncode != 0 and not unreachable(install):
+        why = [line for line in (install.stderr or install.stdout).splitlines() if line.strip()]
+        problems.append(
+            "the lock does not install in hash-checking mode (what python_env.yaml and the Dockerfile "
+            f"do): {why[-1].strip() if why else f'exit {install.returncode}'}"
+        )
     if unhashed:
         problems.append("pins without --hash: " + ", ".join(unhashed))
     if problems:
@@ -244,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"check_lock: {LOCK.relative_to(ROOT)} in sync: {len(locked)} pins, all hashed, "
         f"wheels for {PLATFORM} / CPython {PYTHON}; vllm=={locked.get('vllm')} inside the range of "
-        f"trl=={locked.get('trl')}; excluded: {', '.join(sorted(excluded_names())) or 'none'}"
+        f"trl=={locked.get('trl')}; closed: installs with --require-hashes"
     )
     return 0
 

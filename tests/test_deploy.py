@@ -68,6 +68,8 @@ VLLM = K8S / "multinode" / "vllm.yaml"
 ENV_SERVER = K8S / "agentic" / "env-server.yaml"
 ALL_MANIFESTS = [*BUILTIN_MANIFESTS, TRAINJOB]
 TEST_IMAGE = "reg.test/orthorl/train@sha256:" + "ab" * 32
+USER_OUTPUT_URI = "s3://orthorl/runs"
+"""The OUTPUT_URI a user sets (docs/deploy.md, step 4): the shipped value is empty, and required."""
 
 
 def tool(name: str) -> str | None:
@@ -84,7 +86,14 @@ def load_all(path: Path) -> list[dict]:
 
 
 def one(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
+    """The one object of ``kind``, leaving out the MLflow server component's (k8s/mlflow, on by
+    default: its ConfigMap, claim, Service, ...; tests/test_k8s_defaults.py checks those)."""
+    found = [
+        d
+        for d in docs
+        if d["kind"] == kind
+        and d.get("metadata", {}).get("labels", {}).get("app.kubernetes.io/component") != "mlflow"
+    ]
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
     return found[0]
 
@@ -234,7 +243,8 @@ def test_dockerfile_structure():
     install_at = next(i for i, (k, a) in enumerate(instrs) if k == "RUN" and "--require-hashes" in a)
     code_at = min(i for i, a in copies if a.split()[0] in ("server", "orthojob", "pyproject.toml"))
     assert lock_at < install_at < code_at, "dependencies must be installed in a layer before the code"
-    assert "--only-binary=:all:" in instrs[install_at][1] and "--no-deps" in instrs[install_at][1]
+    # the lock is closed: no --no-deps, the same hash-checked install as python_env.yaml's
+    assert "--only-binary=:all:" in instrs[install_at][1] and "--no-deps" not in instrs[install_at][1]
     user = [a for k, a in instrs if k == "USER"]
     assert user and re.fullmatch(r"\d+(:\d+)?", user[-1]) and not user[-1].startswith("0")
     assert kinds.index("USER") < kinds.index("ENTRYPOINT")
@@ -497,19 +507,24 @@ def test_kustomize_and_render_agree(kustomize_output):
 
 
 def test_node_selector_and_queue_knobs(tmp_path):
-    """The GPU pool's label is one patch in k8s/kustomization.yaml; the Kueue label is documented
-    there (commented) and valid when enabled."""
+    """No GPU-pool label by default (an operator-only label strands the pod); the component
+    k8s/gpu-node-selector adds one, edited there for another pool; the Kueue label is documented
+    in k8s/kustomization.yaml (commented) and valid when enabled."""
     kz = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    node = next(p for p in kz["patches"] if "nodeSelector" in p["patch"])
-    assert node["target"] == {"kind": "Job", "name": "orthorl-grpo"}
+    assert not [p for p in kz["patches"] if "nodeSelector" in p["patch"]]
     text = (K8S / "kustomization.yaml").read_text()
     assert "kueue.x-k8s.io~1queue-name" in text and "imagePullSecrets" in text
+    assert "  # - gpu-node-selector\n" in text
     work = tmp_path / "k8s"
     shutil.copytree(K8S, work)
     set_image(work)
-    kz["patches"][1]["patch"] = kz["patches"][1]["patch"].replace(
-        'nvidia.com/gpu.present: "true"', "cloud.google.com/gke-accelerator: nvidia-h100-80gb"
+    selector = work / "gpu-node-selector" / "kustomization.yaml"
+    selector.write_text(
+        selector.read_text().replace(
+            'nvidia.com/gpu.present: "true"', "cloud.google.com/gke-accelerator: nvidia-h100-80gb"
+        )
     )
+    kz["components"].append("gpu-node-selector")
     kz["patches"].append(
         {
             "target": {"kind": "Job", "name": "orthorl-grpo"},
@@ -619,7 +634,8 @@ def test_grpo_job_contract():
     # every code the CLI may exit with and must not retry is in the policy (one enum: exit_codes)
     assert all(int(c) in FAIL_FAST_CODES for c in ExitCode if c.retry == "fail" and c != ExitCode.OK)
     # GPU node pool, limits, shared memory, security
-    assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    assert "nodeSelector" not in pod, "an operator-only label is a component (k8s/gpu-node-selector)"
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
     assert c["resources"]["limits"]["nvidia.com/gpu"] and c["resources"]["limits"]["memory"]
     vols = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
@@ -771,7 +787,7 @@ def test_trainjob_launch_matches_its_resources_and_config():
     assert str(cfg.distributed_type).endswith(("FSDP", "DEEPSPEED"))
     launch = pytest.importorskip("accelerate.commands.launch")
     parsed = launch.launch_command_parser().parse_args(argv[2:])
-    assert parsed.module and parsed.training_script == "orthojob.cli"
+    assert parsed.module and parsed.training_script == "orthojob.job"  # the Job's chain: GRPO, gate, promote
     assert parsed.num_machines == t["numNodes"] and parsed.machine_rank == 0
     # the same Secret and pod security as the single-node Job, and one image everywhere
     env = {e["name"]: e for e in t["env"]}
@@ -885,6 +901,7 @@ def orthojob_argv(argv: list[str]) -> list[str]:
         ["python", "-m", "orthojob.job"],
         ["python", "-m", "orthojob.cli"],
         ["--module", "orthojob.cli"],
+        ["--module", "orthojob.job"],
         ["-m", "orthojob.cli"],
     ):
         for i in range(len(argv) - len(prefix) + 1):
@@ -896,7 +913,7 @@ def orthojob_argv(argv: list[str]) -> list[str]:
 def mlproject_commands(folder: Path) -> dict[str, str]:
     """Entry point -> the command line MLflow builds from the defaults (MLflow's own code)."""
     data = yaml.safe_load((folder / "MLproject").read_text())
-    samples = {"run_id": "0" * 32}
+    samples = {"run_id": "0" * 32, "out_base": USER_OUTPUT_URI}
     out = {}
     try:
         from mlflow.projects._project_spec import load_project
@@ -924,6 +941,7 @@ def command_lines() -> list[tuple[str, list[str]]]:
     c = grpo_job_container(job)
     env = {**cm["data"], **{e["name"]: e.get("value", "") for e in c.get("env", [])}}
     env |= {"K8S_JOB_NAME": "orthorl-grpo", "K8S_JOB_UID": "0f1e2d3c-4b5a-6978-8695-a4b3c2d1e0f9"}
+    env["OUTPUT_URI"] = env.get("OUTPUT_URI") or USER_OUTPUT_URI
     lines.append(("k8s/grpo-job.yaml Job", expand(c.get("command", []) + c["args"], env)))
     tj = one(load_all(TRAINJOB), "TrainJob")
     t = tj["spec"]["trainer"]
@@ -961,6 +979,10 @@ def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None
     parser = cli_parser()
     args = orthojob_argv(argv)
     if "orthojob.job" in argv:  # the chain: its own parser, then the CLI command it runs
+        args = [
+            a.replace("$(CHECKPOINT_URI)", "s3://b/run/bc_sft").replace("$(OUTPUT_URI)", "s3://b/runs")
+            for a in args
+        ]  # the TrainJob's required ConfigMap values
         args = job_chain(args, {"K8S_JOB_NAME": "j", "K8S_JOB_UID": "u" * 36})
     if args[0] not in subcommands(parser):
         pytest.skip(f"`orthojob {args[0]}` is not in the CLI yet (used by {where})")
@@ -993,6 +1015,7 @@ def job_argv(job: dict, cm: dict, uid: str) -> list[str]:
     downward-API variables)."""
     c = grpo_job_container(job)
     env = {**cm["data"], "K8S_JOB_NAME": job["metadata"]["name"], "K8S_JOB_UID": uid}
+    env["OUTPUT_URI"] = env.get("OUTPUT_URI") or USER_OUTPUT_URI
     for e in c["env"]:  # env entries may refer to the ones before them and to envFrom
         if "value" in e:
             env[e["name"]] = expand([e["value"]], env)[0]
@@ -1029,7 +1052,15 @@ def test_render_runs_the_whole_chain_into_a_per_job_prefix():
     assert other.out != plan.out
     assert job.plan(args, {"K8S_JOB_NAME": r.job["metadata"]["name"], "K8S_JOB_UID": uid_a}).out == plan.out
     # from a gated checkpoint
-    r = render(Overrides(image=TEST_IMAGE, checkpoint_uri="s3://b/bc_sft", steps=120, run_name="exp-7"))
+    r = render(
+        Overrides(
+            image=TEST_IMAGE,
+            checkpoint_uri="s3://b/bc_sft",
+            steps=120,
+            run_name="exp-7",
+            output_uri="s3://orthorl/runs",
+        )
+    )
     argv = job_argv(r.job, r.config_map, uid_a)
     plan = job.plan(job.build_parser().parse_args(argv[3:]), {"K8S_JOB_NAME": "x", "K8S_JOB_UID": uid_a})
     assert plan.out == "s3://orthorl/runs/exp-7"
@@ -1142,7 +1173,11 @@ def test_agentic_component_runs_the_job_against_the_env_server(
     assert grpo_args[-4:] == ["--mode", "agentic", "--env-url", "$(ENV_URL)"]
     del grpo_args[-4:]
     assert agentic_job == base_job
-    assert {k: v for k, v in cm["data"].items() if k != "ENV_URL"} == one(base, "ConfigMap")["data"]
+    # the ConfigMap: the server's URL, and the stages agentic GRPO starts from (format, tool-use SFT)
+    assert cm["data"]["STAGES"] == "format,tool,grpo"
+    assert {k: v for k, v in cm["data"].items() if k not in ("ENV_URL", "STAGES")} == {
+        k: v for k, v in one(base, "ConfigMap")["data"].items() if k != "STAGES"
+    }
 
     # --env-url: http://<the Service>:<its port>, resolved in the Job's own namespace
     svc = one(docs, "Service")
@@ -1673,7 +1708,8 @@ def test_mlflow_kubernetes_backend_job(tmp_path, entry):
     assert template["metadata"]["namespace"], "MLflow reads the namespace from the template"
     project = load_project(str(ROOT / "mlflow-k8s"))
     ep = project.get_entry_point(entry)
-    params = {k: "0" * 32 if k == "run_id" else "x" for k, p in ep.parameters.items() if p.default is None}
+    samples = {"run_id": "0" * 32, "out_base": USER_OUTPUT_URI}  # out_base: required, a bucket of yours
+    params = {k: samples.get(k, "x") for k, p in ep.parameters.items() if p.default is None}
     command = ep.compute_command(
         {**params, **({"steps": "300"} if entry == "main" else {})}, storage_dir=None
     )
@@ -1698,7 +1734,7 @@ def test_mlflow_kubernetes_backend_job(tmp_path, entry):
     assert {e["name"]: e.get("value") for e in c["env"]}["MLFLOW_EXPERIMENT_NAME"] == "orthorl-grpo"
     wants_gpu = entry in ("main", "pipeline")
     assert ("nvidia.com/gpu" in c["resources"]["limits"]) == wants_gpu
-    assert ("nodeSelector" in job["spec"]["template"]["spec"]) == wants_gpu
+    assert "nodeSelector" not in job["spec"]["template"]["spec"]  # the GPU request picks GPU nodes
     parser = cli_parser()
     args = orthojob_argv(c["command"])
     if "orthojob.job" in c["command"]:

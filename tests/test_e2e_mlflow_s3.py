@@ -433,13 +433,13 @@ def test_wrong_s3_keys_are_a_clear_error(services, env, tiny, tmp_path, monkeypa
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
     res = orthojob(train_args(tiny, f"s3://{BUCKET}/keys/grpo", 2, "--from-checkpoint",
                               f"s3://{BUCKET}/keys/bc_sft"), {**os.environ})  # fmt: skip
-    assert res.returncode == 30, res.stderr[-2000:]
+    assert res.returncode == ExitCode.STORAGE_DENIED, res.stderr[-2000:]  # a refusal: never retried
     assert "refused the credentials" in res.stderr and "AWS_SECRET_ACCESS_KEY" in res.stderr
     assert wrong not in res.stdout + res.stderr
     assert keys_under(s3, "keys/grpo/") == set()
     (run,) = [r for r in run_by_stage(mlflow.tracking.MlflowClient(server.uri), "e2e", "grpo")
               if r.data.params.get("cli.out") == f"s3://{BUCKET}/keys/grpo"]  # fmt: skip
-    assert run.info.status == "FAILED" and "StorageError" in run.data.tags["orthorl.error"]
+    assert run.info.status == "FAILED" and "StorageAccessError" in run.data.tags["orthorl.error"]
 
 
 @pytest.mark.parametrize(("case", "code"), [("missing", 10), ("unparseable", 11), ("failed", 12)])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from orthojob import storage, tracking
-from orthojob.exit_codes import ExitCode
+from orthojob.exit_codes import ExitCode, fail_fast_codes
 from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,3 +228,100 @@ def test_a_retried_pod_closes_the_run_its_predecessor_left_running(tmp_path, mon
     assert client.get_run(run.info.run_id).data.tags["k8s.pod_name"] == "orthorl-grpo-x-bbbbb"
     while mlflow.active_run():
         mlflow.end_run()
+
+
+# ---------------------------------------------------------------------------------------------
+# the Job's start-up probe of its output prefix and of MLflow (orthojob.job.preflight)
+
+
+def job_cmd(out_base: str) -> list[str]:
+    return [
+        "orthojob.job",
+        "--preset",
+        "tiny-cpu",
+        "--steps",
+        "1",
+        "--out-base",
+        out_base,
+        "--run-name",
+        "probe",
+    ]
+
+
+@pytest.fixture(scope="module")
+def weed(tmp_path_factory):
+    from tests.services import seaweedfs
+
+    with seaweedfs(tmp_path_factory.mktemp("weed-probe")) as s3:
+        yield s3
+
+
+@pytest.mark.parametrize(
+    ("keys", "out_base", "says"),
+    [
+        (
+            "wrong",
+            "s3://orthorl/runs",
+            ["refused the credentials", "AWS_ACCESS_KEY_ID", "orthorl-credentials"],
+        ),
+        ("right", "s3://no-such-bucket-here/runs", ["bucket does not exist", "OUTPUT_URI"]),
+    ],
+    ids=["wrong-keys", "missing-bucket"],
+)
+def test_the_job_refuses_at_once_when_s3_refuses(weed, tmp_path, keys, out_base, says):
+    """Real SeaweedFS, keys enforced: wrong keys and a missing bucket end the job before anything is
+    built or trained, with exit 32 (never retried by the Job) and the fix in the message."""
+    env = job_env(**weed.env(), ORTHORL_WORK_DIR=str(tmp_path / "work"))
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    if keys == "wrong":
+        env["AWS_SECRET_ACCESS_KEY"] = "not-the-secret-key"
+    code, seconds, out = run_cli(job_cmd(out_base), env, tmp_path, timeout=120)
+    print(f"{keys} keys, {out_base}: exit {code} after {seconds:.1f} s")
+    assert code == ExitCode.STORAGE_DENIED, out[-3000:]
+    assert ExitCode.STORAGE_DENIED in fail_fast_codes()
+    for text in says:
+        assert text in out, out[-3000:]
+    assert "not-the-secret-key" not in out
+    assert seconds < 30, f"{seconds:.1f} s: a refusal is not retried"
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").rglob("bc_sft"))
+    assert not (tmp_path / "mlflow.db").exists(), "the probe of S3 comes before anything is tracked"
+
+
+def test_the_probe_writes_reads_and_deletes_its_marker(weed, monkeypatch, tmp_path):
+    for k, v in weed.env().items():
+        monkeypatch.setenv(k, v)
+    assert "write, read and delete work" in storage.probe_output("s3://orthorl/runs/probe-ok")
+    client = storage.s3_client()
+    left = client.list_objects_v2(Bucket="orthorl", Prefix="runs/probe-ok").get("KeyCount", 0)
+    assert left == 0, "the marker is deleted"
+    assert "write, read and delete work" in storage.probe_output(str(tmp_path / "local" / "out"))
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)
+    try:
+        if os.geteuid() != 0:  # root writes anywhere
+            with pytest.raises(storage.StorageError, match="not writable"):
+                storage.probe_output(str(tmp_path / "ro" / "out"))
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+
+
+def test_a_run_id_from_another_tracking_store_is_refused(tmp_path, monkeypatch, capsys):
+    """`mlflow run --backend kubernetes` with the workstation on another store: the pod's
+    MLFLOW_RUN_ID is not on its server; the job ends with 33 and says how to fix it."""
+    from orthojob import job
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    p = job.plan(job.build_parser().parse_args(["--preset", "tiny-cpu", "--out", str(tmp_path / "o")]), {})
+    assert job.preflight(p, {"MLFLOW_RUN_ID": "f" * 32}) == ExitCode.TRACKING_DENIED
+    err = capsys.readouterr().err
+    assert "KUBE_MLFLOW_TRACKING_URI" in err and "f" * 32 in err
+    assert job.preflight(p, {}) == 0
+
+
+def test_the_output_prefix_is_required(capsys):
+    from orthojob import job
+
+    code = job.main(["--preset", "tiny-cpu"], env={}, cli=lambda argv: pytest.fail(str(argv)))
+    assert code == ExitCode.USAGE
+    assert "output prefix is required" in capsys.readouterr().err

@@ -1,0 +1,145 @@
+"""What `kubectl apply -k k8s/` applies by default, and what its components change (rendered offline
+with `kubectl kustomize`; kubernetes-validate and checkov run over the same output in
+tests/test_deploy.py): the MLflow server, the scheduling defaults, the immutable run parameters,
+the required output prefix, agentic GRPO's stages, and the one place the MLflow backend's image
+is named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+IMAGE = "reg.test/orthorl/train@sha256:" + "ab" * 32
+
+
+def render(tmp_path: Path, enable: tuple[str, ...] = (), disable: tuple[str, ...] = ()) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (it renders kustomize offline)")
+    work = tmp_path / "k8s"
+    shutil.copytree(K8S, work)
+    image = work / "image" / "kustomization.yaml"
+    component = yaml.safe_load(image.read_text())
+    name, digest = IMAGE.split("@")
+    component["images"] = [{"name": "", "newName": name, "digest": digest}]
+    image.write_text(yaml.safe_dump(component, sort_keys=False))
+    text = (work / "kustomization.yaml").read_text()
+    for c in enable:
+        assert f"  # - {c}\n" in text, c
+        text = text.replace(f"  # - {c}\n", f"  - {c}\n")
+    for c in disable:
+        assert f"  - {c}\n" in text, c
+        text = text.replace(f"  - {c}\n", f"  # - {c}\n")
+    (work / "kustomization.yaml").write_text(text)
+    proc = subprocess.run([kubectl, "kustomize", str(work)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, (kind, name, len(found))
+    return found[0]
+
+
+def test_default_scheduling_and_parameters(tmp_path):
+    docs = render(tmp_path)
+    job = find(docs, "Job", "orthorl-grpo")
+    pod = job["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod, "an operator-only label must not be a default"
+    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    container = next(c for c in pod["containers"] if c["name"] == "grpo")
+    res = container["resources"]
+    for key in ("cpu", "memory"):  # Guaranteed QoS
+        assert res["requests"][key] == res["limits"][key], key
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "1"
+    cm = find(docs, "ConfigMap", "orthorl-grpo-config")
+    assert cm["immutable"] is True, "a running Job's retries must not see its flags change"
+    assert cm["data"]["OUTPUT_URI"] == "", "no default bucket: a bucket someone else owns is none"
+    assert cm["data"]["STAGES"] == ""
+    assert "--stages" in container["args"]
+
+
+def test_the_shipped_defaults_refuse_without_an_output_prefix(tmp_path, capsys):
+    """As applied, without OUTPUT_URI: the Job's command exits 2 at once and says what to set."""
+    from orthojob import job
+    from orthojob.exit_codes import ExitCode
+
+    docs = render(tmp_path)
+    cm = find(docs, "ConfigMap", "orthorl-grpo-config")["data"]
+    container = find(docs, "Job", "orthorl-grpo")["spec"]["template"]["spec"]["containers"][0]
+    argv = [a.replace("$(", "{").replace(")", "}").format(**cm) for a in container["args"]]
+    env = {"K8S_JOB_NAME": "orthorl-grpo", "K8S_JOB_UID": "0123456789abcdef"}
+    assert job.main(argv, env=env, cli=lambda a: pytest.fail(str(a))) == ExitCode.USAGE
+    assert "OUTPUT_URI" in capsys.readouterr().err
+
+
+def test_gpu_node_selector_is_a_component(tmp_path):
+    docs = render(tmp_path, enable=("gpu-node-selector",))
+    pod = find(docs, "Job", "orthorl-grpo")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+
+def test_agentic_component_trains_format_tool_then_grpo(tmp_path, capsys):
+    from orthojob import job
+
+    docs = render(tmp_path, enable=("agentic",))
+    cm = find(docs, "ConfigMap", "orthorl-grpo-config")["data"]
+    assert cm["STAGES"] == "format,tool,grpo"
+    container = find(docs, "Job", "orthorl-grpo")["spec"]["template"]["spec"]["containers"][0]
+    values = {**cm, "OUTPUT_URI": "s3://bucket/runs"}
+    argv = [a.replace("$(", "{").replace(")", "}").format(**values) for a in container["args"]]
+    job.main([*argv, "--dry-run"], env={"K8S_JOB_NAME": "j", "K8S_JOB_UID": "u" * 8})
+    chain = json.loads(capsys.readouterr().out)["chain"]
+    assert "stages=format,tool,grpo" in chain and "grpo.mode=agentic" in chain
+
+
+def test_mlflow_server_component(tmp_path):
+    docs = render(tmp_path)
+    server = find(docs, "Deployment", "orthorl-mlflow")
+    pod = server["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"].startswith("ghcr.io/mlflow/mlflow:v")
+    from importlib.metadata import version
+
+    assert c["image"].split(":v", 1)[1].split("-")[0] == version("mlflow"), "the lock's mlflow"
+    assert (
+        "--serve-artifacts" in c["args"]
+        and "--artifacts-destination=$(MLFLOW_ARTIFACTS_DESTINATION)" in c["args"]
+    )
+    assert "--backend-store-uri=$(MLFLOW_BACKEND_STORE_URI)" in c["args"]
+    # SQLite on the claim by default; the Secret (optional, listed last: it wins) for an external DB
+    cm = find(docs, "ConfigMap", "orthorl-mlflow-server")["data"]
+    assert cm["MLFLOW_BACKEND_STORE_URI"].startswith("sqlite:////mlflow/db/")
+    assert [next(iter(s)) for s in c["envFrom"]] == ["configMapRef", "secretRef"]
+    assert c["envFrom"][1]["secretRef"]["optional"] is True
+    claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]}
+    assert claims["db"] == "orthorl-mlflow-db"
+    find(docs, "PersistentVolumeClaim", "orthorl-mlflow-db")
+    service = find(docs, "Service", "mlflow")
+    # the Job tracks to this Service; it holds no artifact keys of its own (proxied artifacts)
+    uri = find(docs, "ConfigMap", "orthorl-grpo-config")["data"]["MLFLOW_TRACKING_URI"]
+    assert uri == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    # without the component: no server, and the tracking URI is the user's to set
+    other = render(tmp_path / "without", disable=("mlflow",))
+    assert not [d for d in other if d["metadata"]["name"] == "orthorl-mlflow"]
+
+
+def test_mlflow_backend_names_the_image_once():
+    project = yaml.safe_load((ROOT / "mlflow-k8s" / "MLproject").read_text())
+    image = project["docker_env"]["image"]
+    for name in ("kubernetes_config.json", "kubernetes_config-cpu.json"):
+        config = json.loads((K8S / "mlflow-k8s" / name).read_text())
+        assert config["repository-uri"] == image.rsplit(":", 1)[0], name  # required by MLflow, must match
+        template = yaml.safe_load((ROOT / config["kube-job-template-path"]).read_text())
+        assert template["spec"]["template"]["spec"]["containers"][0]["image"] == "", name
+    main = project["entry_points"]["main"]
+    assert "--use-vllm" not in main["command"] and "default" not in main["parameters"]["out_base"]

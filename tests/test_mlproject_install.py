@@ -1,0 +1,106 @@
+"""`mlflow run . -P steps=300` installs as written: the environment MLflow builds from python_env.yaml.
+
+MLflow's virtualenv manager (the default for a ``python_env`` project) writes the ``dependencies``
+list into ``requirements.<uuid>.txt`` in a symlinked copy of the project and runs
+``python -m pip install -r`` on it there. The lock carries hashes, so pip runs in hash-checking mode
+and refuses any requirement, transitive ones included, without a pinned, hashed entry. No GPU
+machine can be built here; the same resolution is done as uv's dry run with ``--require-hashes`` for
+the image's platform (Linux x86_64, CPython of python_env.yaml), which needs the package index. When
+the index cannot be reached the tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCK = ROOT / "requirements" / "gpu.lock"
+
+
+def _check_lock():
+    spec = importlib.util.spec_from_file_location("check_lock", ROOT / "scripts" / "check_lock.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check_lock = _check_lock()
+
+
+def uv() -> str:
+    found = check_lock.uv_binary()
+    if found is None:
+        pytest.skip("uv is not installed (the dev extra has it): the install cannot be resolved")
+    return found
+
+
+def mlflow_requirements_file(tmp_path: Path, lock_text: str | None = None) -> Path:
+    """What MLflow writes: the dependencies of python_env.yaml, one a line, in a copy of the project
+    (its files linked), optionally with another lock in place of requirements/gpu.lock."""
+    env = yaml.safe_load((ROOT / "python_env.yaml").read_text())
+    project = tmp_path / "project"
+    project.mkdir()
+    for item in ROOT.iterdir():
+        if item.name not in ("requirements", ".git", ".venv"):
+            (project / item.name).symlink_to(item)
+    (project / "requirements").mkdir()
+    for item in (ROOT / "requirements").iterdir():
+        (project / "requirements" / item.name).symlink_to(item)
+    if lock_text is not None:
+        (project / "requirements" / "gpu.lock").unlink()
+        (project / "requirements" / "gpu.lock").write_text(lock_text)
+    req = project / "requirements.0123456789abcdef.txt"
+    req.write_text("\n".join(env["dependencies"]))
+    return req
+
+
+def dry_run(req: Path):
+    env = yaml.safe_load((ROOT / "python_env.yaml").read_text())
+    proc = check_lock.install_dry_run(uv(), req, python=str(env["python"]), timeout=240)
+    if check_lock.unreachable(proc):
+        pytest.skip(f"the package index is not reachable from here: {proc.stderr.strip().splitlines()[-1]}")
+    return proc
+
+
+def test_python_env_is_the_lock_for_the_images_python():
+    env = yaml.safe_load((ROOT / "python_env.yaml").read_text())
+    assert str(env["python"]) == check_lock.PYTHON
+    assert env["dependencies"] == ["-r requirements/gpu.lock"]
+    project = yaml.safe_load((ROOT / "MLproject").read_text())
+    assert project["python_env"] == "python_env.yaml" and "docker_env" not in project
+    # the Dockerfile installs the same file the same way: hash-checking, every dependency pinned
+    docker = (ROOT / "Dockerfile").read_text()
+    assert "--require-hashes" in docker and "--no-deps --require-hashes" not in docker
+
+
+def test_mlflow_run_installs_the_lock_in_hash_checking_mode(tmp_path):
+    """The exact install of `mlflow run .` resolves: every requirement has a trusted hash."""
+    proc = dry_run(mlflow_requirements_file(tmp_path))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "Would install" in proc.stdout + proc.stderr
+
+
+def test_a_lock_missing_a_declared_dependency_fails_the_install(tmp_path):
+    """The check can fail: without the torchaudio pin (which vLLM declares), pip in hash-checking
+    mode has no trusted hash for it, which is how the install stopped before the lock was closed."""
+    text = LOCK.read_text()
+    lines, skip = [], False
+    for line in text.splitlines():
+        if line.startswith("torchaudio=="):
+            skip = True
+            continue
+        if skip and line.startswith((" ", "\t")):
+            continue
+        skip = False
+        lines.append(line)
+    assert len(lines) < len(text.splitlines()), (
+        "the lock pins no torchaudio: pick another declared dependency"
+    )
+    proc = dry_run(mlflow_requirements_file(tmp_path, "\n".join(lines) + "\n"))
+    assert proc.returncode != 0
+    assert "torchaudio" in proc.stderr and "hash" in proc.stderr.lower(), proc.stderr[-2000:]
