@@ -334,7 +334,7 @@ def test_mlflow_run_gets_the_completion_table_and_the_grpo_diagnostics(tiny_mode
     records = [json.loads(line) for line in (Path(config.out) / "completions.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 4
     columns = {"step", "group", "task_id", "seed", "force_decay", "completion", *FIVE, "reward", "advantage",
-               "terminal", "strategy_accuracy", "parse", *CANARIES, "strategy", "broken_rules",
+               "scaled_reward", "strategy_accuracy", "parse", *CANARIES, "strategy", "broken_rules",
                "degenerate_form"}  # fmt: skip
     assert columns <= set(table.columns)
     assert len(table) == 2 * 2 and sorted(table["step"]) == [1, 1, 2, 2] and set(table["group"]) == {0}
