@@ -361,8 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=gate.BC_SFT,
         type=gate_stage,
         choices=gate.STAGES,
-        help=f"{gate.FORMAT_SFT}, {gate.BC_SFT} (BC, default) or {gate.RSFT} (format gates), {gate.TOOL_SFT} "
-        f"(tool-call gate), or {gate.GRPO} (quality gate); sft0 is a deprecated alias of {gate.BC_SFT}",
+        help=f"{gate.FORMAT_SFT} (format gate), {gate.BC_SFT} (BC, default) or {gate.RSFT} (quality gates: format "
+        f"and the hard-rule bound), {gate.TOOL_SFT} (tool-call gate), or {gate.GRPO} (quality gate, also the mean "
+        f"scaled reward against uniform SLERP's); sft0 is a deprecated alias of {gate.BC_SFT}",
     )
     ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
     ga.add_argument("--seeds", type=positive_int, default=50, help="held-out seeds per task (default 50)")
