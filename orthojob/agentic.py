@@ -368,7 +368,7 @@ def episode_metrics(
     done = [e.result for e in envs if e.result is not None]
     if done:
         out["agentic/finished/scaled_reward"] = sum(r["scaled_reward"] for r in done) / len(done)
-        out["agentic/finished/terminal_reward"] = sum(r["terminal_reward"] for r in done) / len(done)
+        out["agentic/finished/terminal_raw"] = sum(r["terminal_reward"] for r in done) / len(done)
         names = sorted({k for r in done for k in r["reward_breakdown"]})
         for name in names:
             values = [float(r["reward_breakdown"][name]) for r in done if name in r["reward_breakdown"]]

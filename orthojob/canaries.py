@@ -1,7 +1,8 @@
 """Per-episode metrics of one plan, shared by the learning experiment and GRPO's completion table.
 
 :func:`episode_record` turns one scored plan into what an RL researcher checks beside the reward:
-the scaled terminal reward, whether the strategy is the case's optimal one, whether it parsed,
+the scaled terminal reward (``scaled_reward``, the headline metric of :mod:`orthojob.metrics`), whether
+the strategy is the case's optimal one, whether it parsed,
 and the clinical **canaries that are not reward functions** (:data:`CANARIES`): per-stage limit
 violations, colliding contacts, peak PDL stress (kPa), whether a hard rule broke, and whether the
 plan is degenerate (:func:`orthojob.plan_search.degenerate_form`: does nothing, moves everything at
@@ -15,6 +16,7 @@ averages with confidence intervals; :func:`rollout_record` does the same for a c
 
 from __future__ import annotations
 
+from orthojob.metrics import SCALED_REWARD
 from server.cases import Case
 from server.reward_scaler import REWARD_MIN
 
@@ -26,20 +28,20 @@ CANARIES: tuple[str, ...] = (
     "degenerate",
 )
 """Clinical canaries reported beside the reward; none of them is a reward function."""
-METRICS: tuple[str, ...] = ("terminal", "strategy_accuracy", "parse", *CANARIES)
+METRICS: tuple[str, ...] = (SCALED_REWARD, "strategy_accuracy", "parse", *CANARIES)
 """The numeric per-episode metrics (:func:`episode_values`)."""
 
 
 def episode_record(result: dict | None, case: Case, optimal: str) -> dict:
     """:data:`METRICS` of one scored plan plus ``strategy``, ``broken_rules`` (comma-joined) and
     ``degenerate_form`` (None when not degenerate). ``result``: a :func:`server.treatment.score_plans`
-    dict with ``plan``; None for a completion that is not a plan (terminal -2, canaries NaN)."""
+    dict with ``plan``; None for a completion that is not a plan (scaled reward -2, canaries NaN)."""
     from orthojob.plan_search import degenerate_form
 
     if result is None:
         nan = float("nan")
         return {
-            "terminal": REWARD_MIN,
+            SCALED_REWARD: REWARD_MIN,
             "strategy_accuracy": 0.0,
             "parse": 0.0,
             **dict.fromkeys(CANARIES, nan),
@@ -50,7 +52,7 @@ def episode_record(result: dict | None, case: Case, optimal: str) -> dict:
     diag = result["diagnostics"]
     form = degenerate_form(case, result["plan"])
     return {
-        "terminal": float(result["scaled_reward"]),
+        SCALED_REWARD: float(result["scaled_reward"]),
         "strategy_accuracy": float(result.get("strategy") == optimal),
         "parse": 1.0,
         "limit_violations": float(diag.get("limit_violations", 0.0)),

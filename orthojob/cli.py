@@ -42,7 +42,7 @@ from pathlib import Path
 from orthojob import base_models, gate, mlops, storage, tracking, viewer
 from orthojob.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
 from orthojob.exit_codes import ExitCode, epilog
-from orthojob.flags import positive_int, task_list
+from orthojob.flags import add_config_arguments, finite_float, given_values, positive_int, task_list
 from orthojob.grpo import add_train_arguments, run_train
 from orthojob.k8s import add_k8s_arguments
 from orthojob.models import tiny_corpus
@@ -64,16 +64,6 @@ TRACKED_STAGES: dict[str, str] = {
 }
 """Stand-alone stage commands that get an MLflow run of their own (train opens its own; the
 pipeline nests these stages under its parent run)."""
-
-GATE_THRESHOLD_FLAGS: tuple[tuple[str, str], ...] = (
-    ("min_parse_rate", "share of completions holding a JSON plan"),
-    ("min_format_reward", "mean format score"),
-    ("min_margin_over_slerp", "terminal mean minus uniform SLERP's"),
-    ("min_strategy_accuracy", "share declaring the case's optimal strategy"),
-    ("min_tool_call_rate", "tool_sft: share of episodes whose first turn is a parseable tool call"),
-    ("min_finished_rate", "tool_sft: share of episodes that finish"),
-)
-"""``orthojob gate``'s threshold overrides: (argparse dest and Thresholds field, what it bounds)."""
 
 
 def gate_stage(value: str) -> str:
@@ -178,11 +168,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     checkpoint = _input_folder(args.checkpoint, "gate")
     if checkpoint is None:
         return ExitCode.USAGE
-    limits = gate.thresholds_for(args.stage)
-    changes = {
-        name: getattr(args, name) for name, _ in GATE_THRESHOLD_FLAGS if getattr(args, name) is not None
-    }
-    limits = limits.replace(**changes)
+    limits = gate.thresholds_for(args.stage).replace(**given_values(args, gate.GateThresholds))
     report = gate.gate_report(
         str(checkpoint),
         n_seeds=args.seeds,
@@ -311,7 +297,12 @@ def _greedy(max_new_tokens: int):
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    return mlops.run_promote(args.run_id, args.model_name, args.force)
+    return mlops.run_promote(
+        args.run_id,
+        args.model_name,
+        args.force,
+        max_hard_rule_share_over_oracle=args.max_hard_rule_share_over_oracle,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -411,8 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=gate.BC_SFT,
         type=gate_stage,
         choices=gate.STAGES,
-        help=f"{gate.FORMAT_SFT}, {gate.BC_SFT} (BC, default) or {gate.RSFT} (format gates), {gate.TOOL_SFT} "
-        f"(tool-call gate), or {gate.GRPO} (quality gate); sft0 is a deprecated alias of {gate.BC_SFT}",
+        help=f"{gate.FORMAT_SFT} (format gate), {gate.BC_SFT} (BC, default) or {gate.RSFT} (quality gates: format "
+        f"and the hard-rule bound), {gate.TOOL_SFT} (tool-call gate), or {gate.GRPO} (quality gate, also the mean "
+        f"scaled reward against uniform SLERP's); sft0 is a deprecated alias of {gate.BC_SFT}",
     )
     ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
     ga.add_argument("--seeds", type=positive_int, default=50, help="held-out seeds per task (default 50)")
@@ -422,13 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument(
         "--tool-turns", type=positive_int, default=4, help="tool_sft: turns per episode (default 4)"
     )
-    for name, what in GATE_THRESHOLD_FLAGS:
-        ga.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=float,
-            default=None,
-            help=f"threshold: {what} (default: the stage's)",
-        )
+    add_config_arguments(
+        ga.add_argument_group("thresholds (default: the stage's, orthojob/gate.py DEFAULT_THRESHOLDS)"),
+        gate.GateThresholds,
+    )
     ga.set_defaults(func=cmd_gate)
 
     # orthojob train: GRPO (flags generated from orthojob/grpo_config.py)
@@ -460,13 +449,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser(
         "promote",
-        help="register a training run's model: alias candidate; champion if its gate passed and it beats the champion",
+        help="register a training run's model if its gate passed and its hard-rule share is within the bound: alias "
+        "candidate; champion if its mean scaled reward beats the champion's",
         epilog=epilog(ExitCode.OK, ExitCode.NO_GATE, ExitCode.BAD_GATE, ExitCode.NO_MODEL, ExitCode.TRACKING),
     )
     pr.add_argument("--run-id", required=True, help="the MLflow run of the training stage")
     pr.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help=f"(default {DEFAULT_MODEL_NAME})")
     pr.add_argument(
-        "--force", action="store_true", help="manual promotion to champion (a failed gate never is)"
+        "--force",
+        action="store_true",
+        help="manual promotion to champion (a failed gate is never registered)",
+    )
+    pr.add_argument(
+        "--max-hard-rule-share-over-oracle",
+        type=finite_float,
+        default=gate.HARD_RULE_BOUND,
+        help="register only a run whose held-out share of plans breaking a hard rule exceeds the oracle's on the "
+        f"gate's cases by at most this (default {gate.HARD_RULE_BOUND:g}: no worse than the oracle)",
     )
     pr.set_defaults(func=cmd_promote)
 

@@ -9,9 +9,13 @@ A checkpoint (:func:`evaluate_checkpoint`, ``orthojob evaluate --checkpoint DIR`
 per held-out case by greedy decoding of the same prompt the policy trains on
 (:func:`orthojob.prompts.build_messages`); each completion is parsed and scored exactly as the GRPO
 rewards score it (:func:`orthojob.rollouts.score_texts`): a completion without a JSON plan is a
-failed episode and scores 0 on the terminal reward and on every component. Its row adds the parse
-rate, the mean format score (:func:`orthojob.parsing.format_checks`), the strategy accuracy (declared
-strategy == the case's optimal strategy) and the share of completions cut at ``max_new_tokens``.
+failed episode: it scores -2 on the scaled reward (the bottom of its scale) and 0 on the raw terminal
+score and on every component. Its row adds the parse rate, the mean format score
+(:func:`orthojob.parsing.format_checks`), the strategy accuracy (declared strategy == the case's
+optimal strategy) and the share of completions cut at ``max_new_tokens``.
+
+Every row leads with the headline metric, the scaled reward (:mod:`orthojob.metrics`), and the
+hard-rule share; the raw terminal score (``terminal_raw``) follows as a secondary column.
 
 Seeds come from :data:`server.cases.HELDOUT_SEED_START` upwards, never used for training.
 """
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from orthojob.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD, TERMINAL_RAW, mean_of
 from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.dental_environment import initial_observation
@@ -42,9 +47,9 @@ BASELINES: dict[str, Callable[[dict], dict]] = {
     "do_nothing": lambda obs: DO_NOTHING_PLAN,
 }
 SUMMARY_KEYS: tuple[str, ...] = (
-    "scaled_reward",
-    "hard_rule_breaks",
-    "terminal_reward",
+    SCALED_REWARD,
+    HARD_RULE_SHARE,
+    TERMINAL_RAW,
     "accuracy",
     "occlusion_composite",
     "collision_free",
@@ -73,14 +78,17 @@ def observations(
 
 
 def summarize(results: Sequence[dict]) -> dict[str, dict[str, float]]:
-    """Mean and SD over episodes of the scaled reward GRPO sees, the share of plans breaking a hard
-    rule, the raw terminal reward and every summary component."""
+    """Mean and SD over episodes (:data:`SUMMARY_KEYS`) of the scaled reward GRPO sees (the headline),
+    the share of plans breaking a hard rule, the raw terminal score (``terminal_raw``; the server's
+    results call it ``terminal_reward``) and every summary component."""
     out = {}
     for key in SUMMARY_KEYS:
-        if key == "hard_rule_breaks":
+        if key == HARD_RULE_SHARE:
             values = np.array([float(bool(r["broken_rules"])) for r in results])
-        elif key in ("scaled_reward", "terminal_reward"):
-            values = np.array([r[key] for r in results])
+        elif key == SCALED_REWARD:
+            values = np.array([r["scaled_reward"] for r in results])
+        elif key == TERMINAL_RAW:
+            values = np.array([r["terminal_reward"] for r in results])
         else:
             values = np.array([r["reward_breakdown"][key] for r in results])
         out[key] = {"mean": float(values.mean()), "sd": float(values.std(ddof=1)) if len(values) > 1 else 0.0}
@@ -105,7 +113,7 @@ def evaluate_planners(
         for name, planner in planners.items():
             results = score_plans([planner(o) for o in obs], cases)
             report[task_id][name] = summarize(results)
-            log.info("%s %s: terminal %.3f", task_id, name, report[task_id][name]["terminal_reward"]["mean"])
+            log.info("%s %s: scaled reward %.3f", task_id, name, report[task_id][name][SCALED_REWARD]["mean"])
     return report
 
 
@@ -122,11 +130,12 @@ def evaluate_baselines(
 
 def format_table(report: dict, n_seeds: int, force_decay: bool = False, non_compliance: bool = False) -> str:
     """A plain-text table: one row per task and planner, mean ± sd of each summary key; a checkpoint's
-    row is followed by its parse rate, format score, strategy accuracy and margins over the baselines."""
+    row is followed by its parse rate, format score, strategy accuracy and its scaled-reward margins
+    over the baselines."""
     short = {
-        "scaled_reward": "scaled",
-        "hard_rule_breaks": "breaks",
-        "terminal_reward": "terminal",
+        SCALED_REWARD: "scaled_reward",
+        HARD_RULE_SHARE: "hard_rules",
+        TERMINAL_RAW: "terminal_raw",
         "accuracy": "accuracy",
         "occlusion_composite": "occlusion",
         "collision_free": "coll_free",
@@ -141,8 +150,9 @@ def format_table(report: dict, n_seeds: int, force_decay: bool = False, non_comp
     lines = [
         f"Held-out evaluation: {n_seeds} seeds per task from {HELDOUT_SEED_START}, force_decay={force_decay}"
         + (", non_compliance=True" if non_compliance else "")
-        + "; "
-        "mean ± sd",
+        + "; mean ± sd; headline: scaled_reward ("
+        + BANDS
+        + "), hard_rules: share breaking a hard rule; terminal_raw: the unscaled [0, 1] score, for reference",
         header,
         "-" * len(header),
     ]
@@ -151,14 +161,10 @@ def format_table(report: dict, n_seeds: int, force_decay: bool = False, non_comp
             cells = "".join(f"{summary[k]['mean']:>8.3f}±{summary[k]['sd']:<5.3f}" for k in SUMMARY_KEYS)
             lines.append(f"{task_id:<12}{name:<15}{cells}")
         if {"oracle", "uniform_slerp"} <= planners.keys():
-            margins = {
-                k: planners["oracle"][k]["mean"] - planners["uniform_slerp"][k]["mean"]
-                for k in ("scaled_reward", "terminal_reward")
-            }
-            lines.append(
-                f"{'':<12}oracle margin over uniform SLERP: {margins['scaled_reward']:+.3f} scaled, "
-                f"{margins['terminal_reward']:+.3f} terminal"
+            margin = (
+                planners["oracle"][SCALED_REWARD]["mean"] - planners["uniform_slerp"][SCALED_REWARD]["mean"]
             )
+            lines.append(f"{'':<12}oracle margin over uniform SLERP: {margin:+.3f} scaled_reward")
         for name, summary in planners.items():
             model = summary.get("model_metrics")
             if not model:
@@ -170,8 +176,8 @@ def format_table(report: dict, n_seeds: int, force_decay: bool = False, non_comp
             )
             for base in ("uniform_slerp", "oracle"):
                 if base in planners:
-                    diff = summary["terminal_reward"]["mean"] - planners[base]["terminal_reward"]["mean"]
-                    extra += f"  vs {base} {diff:+.3f}"
+                    diff = summary[SCALED_REWARD]["mean"] - planners[base][SCALED_REWARD]["mean"]
+                    extra += f"  scaled_reward vs {base} {diff:+.3f}"
             lines.append(extra)
     return "\n".join(lines)
 
@@ -275,6 +281,11 @@ def generate_completions(
     return texts, counts, ended
 
 
+Policy = Callable[[Sequence[dict]], Sequence[str]]
+"""A scripted policy: the completion text for each observation (a planner that is not a model, e.g.
+a rule-based planner or a test's rule-breaking one), evaluated exactly as a model's completions are."""
+
+
 def run_checkpoint(
     model,
     tokenizer,
@@ -284,13 +295,21 @@ def run_checkpoint(
     force_decay: bool = False,
     max_new_tokens: int = 256,
     batch_size: int = 16,
+    policy: Policy | None = None,
 ) -> CheckpointEpisodes:
-    """Generate and score a model's plans for ``n_seeds`` held-out cases of each task."""
+    """Generate and score a model's plans for ``n_seeds`` held-out cases of each task; with
+    ``policy``, its completions instead of the model's (no tokens counted, none truncated)."""
     from orthojob.rollouts import score_texts
 
     obs = [o for task_id in task_ids for o in observations(task_id, n_seeds, seed_start, force_decay)]
     t0 = time.perf_counter()
-    texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size)
+    if policy is not None:
+        texts = [str(t) for t in policy(obs)]
+        if len(texts) != len(obs):
+            raise ValueError(f"the policy gave {len(texts)} completions for {len(obs)} observations")
+        counts, ended = [0] * len(texts), [True] * len(texts)
+    else:
+        texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size)
     seconds = time.perf_counter() - t0
     cases = [CaseKey(o["task_id"], int(o["seed"]), bool(force_decay)) for o in obs]
     return CheckpointEpisodes(
@@ -308,21 +327,24 @@ def run_checkpoint(
 
 
 def episode_metrics(ep: CheckpointEpisodes, index: Sequence[int] | None = None) -> dict:
-    """Parse rate, format score (mean and per check), terminal mean/sd, strategy accuracy, lengths."""
+    """Parse rate, format score (mean and per check), the headline ``scaled_reward_mean`` / ``_sd``,
+    ``hard_rule_share``, strategy accuracy, lengths, and the secondary ``terminal_raw_mean``."""
     from orthojob.parsing import FORMAT_CHECKS
 
     idx = list(range(len(ep.texts))) if index is None else list(index)
     if not idx:
         raise ValueError("no episodes to summarise")
     rolls = [ep.rollouts[i] for i in idx]
-    terminal = np.array([r.terminal_reward for r in rolls], dtype=float)
+    scaled = np.array([r.scaled_reward for r in rolls], dtype=float)
     return {
         "n": len(idx),
         "parse_rate": float(np.mean([r.plan is not None for r in rolls])),
         "format_reward": float(np.mean([r.format["total"] for r in rolls])),
         "format_checks": {k: float(np.mean([r.format[k] for r in rolls])) for k in FORMAT_CHECKS},
-        "terminal_mean": float(terminal.mean()),
-        "terminal_sd": float(terminal.std(ddof=1)) if len(idx) > 1 else 0.0,
+        mean_of(SCALED_REWARD): float(scaled.mean()),
+        f"{SCALED_REWARD}_sd": float(scaled.std(ddof=1)) if len(idx) > 1 else 0.0,
+        HARD_RULE_SHARE: float(np.mean([bool(r.broken_rules) for r in rolls])),
+        mean_of(TERMINAL_RAW): float(np.mean([r.terminal_reward for r in rolls])),
         "strategy_accuracy": float(
             np.mean([rolls[k].strategy == ep.optimal_strategies[i] for k, i in enumerate(idx)])
         ),
@@ -355,18 +377,23 @@ def evaluate_checkpoint(
     max_new_tokens: int = 256,
     batch_size: int = 16,
     name: str = "checkpoint",
+    policy: Policy | None = None,
 ) -> dict:
-    """A checkpoint (and, with ``baselines``, the three baselines) on the same held-out cases.
+    """A checkpoint (and, with ``baselines``, the three baselines) on the same held-out cases;
+    ``policy``: a scripted policy's completions instead of the checkpoint's (``path`` is not loaded).
 
     Returns ``{task: {planner: summary}}`` like :func:`evaluate_baselines`; the checkpoint's summary
     also holds ``model_metrics`` (:func:`episode_metrics`).
     """
-    from orthojob.models import load_for_inference
     from orthojob.viewer import log_checkpoint_viewers
 
-    model, tokenizer = load_for_inference(path)
+    model = tokenizer = None
+    if policy is None:
+        from orthojob.models import load_for_inference
+
+        model, tokenizer = load_for_inference(path)
     ep = run_checkpoint(
-        model, tokenizer, task_ids, n_seeds, seed_start, force_decay, max_new_tokens, batch_size
+        model, tokenizer, task_ids, n_seeds, seed_start, force_decay, max_new_tokens, batch_size, policy
     )
     log_checkpoint_viewers(ep, name)  # viewers of a few cases, when an MLflow run is active
     report = evaluate_baselines(task_ids, n_seeds, seed_start, force_decay) if baselines else {}

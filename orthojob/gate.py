@@ -38,12 +38,20 @@ Earlier versions named the BC stage ``sft0`` (the seed's folder of stage 0, form
 as ``bc_sft`` (:func:`read_gate`, :func:`check_gate`), and ``orthojob gate --stage sft0`` is a
 deprecated alias of ``--stage bc_sft`` (:func:`canonical_stage`).
 
-Thresholds (:class:`GateThresholds`, defaults per stage in :data:`DEFAULT_THRESHOLDS`):
-the SFT stages' gates (format, BC, RSFT) check the format only: parse rate >= 0.9 and mean format
-score >= 0.8, no clinical score; the GRPO gate asks the same and, in addition, a mean terminal reward
-no lower than uniform SLERP's on the same cases (margin >= 0). A threshold set to None is not checked
-(and is recorded as null). :class:`GateSettings` is one gate evaluation's settings (seeds, budget,
-thresholds), as the presets and the stage commands' ``--gate-*`` / ``--min-*`` flags give them.
+The metrics a gate judges by are :mod:`orthojob.metrics`': the headline ``scaled_reward_mean`` (the
+scaled terminal reward GRPO is paid, bands in :mod:`server.reward_scaler`) and ``hard_rule_share``;
+the raw terminal score (``terminal_raw_mean``) is recorded for reference and compared by nothing.
+
+Thresholds (:class:`GateThresholds`, defaults per stage in :data:`DEFAULT_THRESHOLDS`): every gate of
+a stage that writes clinical plans (BC, GRPO, RSFT: the quality gates) checks parse rate >= 0.9, mean
+format score >= 0.8 and a **held-out hard-rule share no higher than the oracle's on the same cases**
+(``max_hard_rule_share_over_oracle`` = 0: none when the oracle breaks none); the GRPO gate also asks
+for a mean scaled reward no lower than uniform SLERP's on the same cases (``min_margin_over_slerp``
+= 0). Format SFT's gate (random clinical choices by design) checks the format only, tool-use SFT's
+its tool calls. A ``min_*`` threshold is met by a metric at least as high, a ``max_*`` one by a metric
+at most as high; one set to None is not checked (and is recorded as null). :class:`GateSettings` is
+one gate evaluation's settings (seeds, budget, thresholds), as the presets and the stage commands'
+``--gate-*`` / ``--min-*`` / ``--max-*`` flags give them.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from pathlib import Path
 
 from orthojob.exit_codes import ExitCode
 from orthojob.flags import add_config_arguments, given_values, positive_int
+from orthojob.metrics import HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_MEAN, TERMINAL_RAW, mean_of
 from orthojob.records import json_value
 from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey
 
@@ -111,8 +120,10 @@ class GateThresholds:
     Attributes:
         min_parse_rate: share of completions holding a JSON plan.
         min_format_reward: mean of the five format checks (:func:`orthojob.parsing.format_checks`).
-        min_margin_over_slerp: terminal mean minus uniform SLERP's terminal mean on the same cases.
-        min_margin_over_oracle: terminal mean minus the oracle's (usually negative or None).
+        min_margin_over_slerp: scaled reward mean minus uniform SLERP's on the same cases.
+        min_margin_over_oracle: scaled reward mean minus the oracle's (usually negative or None).
+        max_hard_rule_share_over_oracle: share of the cases whose plan breaks a hard rule minus the
+            oracle's share on the same cases (0: no worse than the oracle).
         min_strategy_accuracy: share of plans declaring the case's optimal strategy.
         min_tool_call_rate: (tool_sft) share of agentic episodes whose first turn is a parseable call
             of a known tool.
@@ -128,11 +139,16 @@ class GateThresholds:
         default=0.8, metadata={"help": "gate: mean format score", "show_default": False}
     )
     min_margin_over_slerp: float | None = field(
-        default=None, metadata={"help": "gate: terminal mean minus uniform SLERP's"}
+        default=None, metadata={"help": "gate: scaled reward mean minus uniform SLERP's on the same cases"}
     )
     min_margin_over_oracle: float | None = field(
-        default=None, metadata={"help": "gate: terminal mean minus the oracle's"}
+        default=None, metadata={"help": "gate: scaled reward mean minus the oracle's on the same cases"}
     )
+    max_hard_rule_share_over_oracle: float | None = field(
+        default=None,
+        metadata={"help": "gate: at most this share of plans breaking a hard rule beyond the oracle's on the same "
+                          "cases (0: no worse than the oracle)", "show_default": False},
+    )  # fmt: skip
     min_strategy_accuracy: float | None = field(
         default=None, metadata={"help": "gate: share declaring the case's optimal strategy"}
     )
@@ -163,17 +179,31 @@ class GateThresholds:
         return dataclasses.replace(self, **changes)
 
 
+HARD_RULE_BOUND: float = 0.0
+"""The quality gates' default ``max_hard_rule_share_over_oracle``: no more rule-breaking plans than
+the oracle's on the same held-out cases (none where the oracle breaks none)."""
 DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
     FORMAT_SFT: GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
     TOOL_SFT: GateThresholds(
         min_parse_rate=None, min_format_reward=None, min_tool_call_rate=0.9, min_finished_rate=0.8
     ),
-    BC_SFT: GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
-    GRPO: GateThresholds(min_parse_rate=0.9, min_format_reward=0.8, min_margin_over_slerp=0.0),
-    RSFT: GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
+    BC_SFT: GateThresholds(
+        min_parse_rate=0.9, min_format_reward=0.8, max_hard_rule_share_over_oracle=HARD_RULE_BOUND
+    ),
+    GRPO: GateThresholds(
+        min_parse_rate=0.9,
+        min_format_reward=0.8,
+        min_margin_over_slerp=0.0,
+        max_hard_rule_share_over_oracle=HARD_RULE_BOUND,
+    ),
+    RSFT: GateThresholds(
+        min_parse_rate=0.9, min_format_reward=0.8, max_hard_rule_share_over_oracle=HARD_RULE_BOUND
+    ),
 }
-"""Per stage: format gates after the SFT stages (format, BC, RSFT), the tool-call gate after tool-use
-SFT, the quality gate after GRPO."""
+"""Per stage: the format gate after format SFT, the tool-call gate after tool-use SFT, and the quality
+gates (format and the hard-rule bound) after BC and RSFT, plus the margin over uniform SLERP after GRPO."""
+QUALITY_STAGES: tuple[str, ...] = (BC_SFT, GRPO, RSFT)
+"""The stages whose gates judge clinical plans, and so bound the hard-rule share by default."""
 
 
 @dataclass(frozen=True)
@@ -237,6 +267,7 @@ _METRIC_OF: dict[str, str] = {
     "min_format_reward": "format_reward",
     "min_margin_over_slerp": "margin_over_slerp",
     "min_margin_over_oracle": "margin_over_oracle",
+    "max_hard_rule_share_over_oracle": "hard_rule_share_over_oracle",
     "min_strategy_accuracy": "strategy_accuracy",
     "min_tool_call_rate": "tool_call_rate",
     "min_finished_rate": "finished_rate",
@@ -261,7 +292,8 @@ def thresholds_for(stage: str | None) -> GateThresholds:
 
 
 def gate_checks(metrics: dict, thresholds: GateThresholds | dict) -> dict[str, bool]:
-    """One boolean per threshold that is set: the metric is finite and at least the threshold."""
+    """One boolean per threshold that is set: the metric is finite and at least the threshold
+    (``min_*``) or at most it (``max_*``); a missing metric fails its check."""
     values = thresholds.to_dict() if isinstance(thresholds, GateThresholds) else dict(thresholds)
     checks: dict[str, bool] = {}
     for name, limit in values.items():
@@ -272,7 +304,7 @@ def gate_checks(metrics: dict, thresholds: GateThresholds | dict) -> dict[str, b
             isinstance(metric, (int, float))
             and not isinstance(metric, bool)
             and math.isfinite(metric)
-            and metric >= limit
+            and (metric <= limit if name.startswith("max_") else metric >= limit)
         )
         checks[_METRIC_OF.get(name, name)] = bool(ok)
     return checks
@@ -354,14 +386,19 @@ def gate_report(
     model=None,
     tokenizer=None,
     max_tool_turns: int = 4,
+    policy=None,
 ) -> dict:
-    """Held-out gate evaluation of the checkpoint at ``path`` (or of an already loaded model).
+    """Held-out gate evaluation of the checkpoint at ``path`` (or of an already loaded model, or of a
+    scripted ``policy``: observations -> completion texts, :data:`orthojob.evaluation.Policy`).
 
     Returns the gate report ``{"stage", "checkpoint", "metrics", "thresholds", "checks", "passed",
     "samples"}``; nothing is written (see :func:`write_gate`). ``metrics``: parse_rate,
-    format_reward (mean and ``format_checks``), terminal_mean/sd, uniform_slerp_terminal_mean,
-    oracle_terminal_mean, margin_over_slerp, margin_over_oracle, strategy_accuracy (and the oracle's),
-    mean_completion_tokens, truncated_rate, per-task terminal means, timings.
+    format_reward (mean and ``format_checks``), the headline scaled_reward_mean/sd and, on the same
+    cases, uniform_slerp_scaled_reward_mean, oracle_scaled_reward_mean, margin_over_slerp,
+    margin_over_oracle (scaled); hard_rule_share, uniform_slerp_hard_rule_share,
+    oracle_hard_rule_share, hard_rule_share_over_oracle; strategy_accuracy (and the oracle's),
+    mean_completion_tokens, truncated_rate, per-task scaled reward means and hard-rule shares,
+    timings; terminal_raw_mean (secondary, the unscaled [0, 1] score, compared by nothing).
     """
     stage = canonical_stage(stage)
     if stage == TOOL_SFT:  # stage 1's gate: greedy agentic episodes through the tools
@@ -372,11 +409,13 @@ def gate_report(
 
     t0 = time.perf_counter()
     tasks = _task_list(task_id)
-    if model is None or tokenizer is None:
+    if policy is None and (model is None or tokenizer is None):
         from orthojob.models import load_for_inference
 
         model, tokenizer = load_for_inference(path)
-    ep = run_checkpoint(model, tokenizer, tasks, n_seeds, seed_start, force_decay, max_new_tokens, batch_size)
+    ep = run_checkpoint(
+        model, tokenizer, tasks, n_seeds, seed_start, force_decay, max_new_tokens, batch_size, policy
+    )
     metrics = episode_metrics(ep)
     metrics["generate_seconds"] = ep.generate_seconds
 
@@ -386,19 +425,27 @@ def gate_report(
     baseline = {
         name: score_plans([BASELINES[name](o) for o in obs], cases) for name in ("uniform_slerp", "oracle")
     }
-    slerp = float(sum(r["terminal_reward"] for r in baseline["uniform_slerp"]) / len(obs))
-    oracle = float(sum(r["terminal_reward"] for r in baseline["oracle"]) / len(obs))
+    mine = metrics[SCALED_REWARD_MEAN]
+    for name, results in baseline.items():
+        metrics[f"{name}_{SCALED_REWARD_MEAN}"] = float(sum(r["scaled_reward"] for r in results) / len(obs))
+        metrics[f"{name}_{HARD_RULE_SHARE}"] = float(sum(bool(r["broken_rules"]) for r in results) / len(obs))
     metrics.update(
         {
-            "uniform_slerp_terminal_mean": slerp,
-            "oracle_terminal_mean": oracle,
-            "margin_over_slerp": metrics["terminal_mean"] - slerp,
-            "margin_over_oracle": metrics["terminal_mean"] - oracle,
+            "margin_over_slerp": mine - metrics[f"uniform_slerp_{SCALED_REWARD_MEAN}"],
+            "margin_over_oracle": mine - metrics[f"oracle_{SCALED_REWARD_MEAN}"],
+            f"{HARD_RULE_SHARE}_over_oracle": metrics[HARD_RULE_SHARE] - metrics[f"oracle_{HARD_RULE_SHARE}"],
             "oracle_strategy_accuracy": float(
                 sum(r["strategy"] == opt for r, opt in zip(baseline["oracle"], ep.optimal_strategies))
                 / len(obs)
             ),
-            "per_task_terminal_mean": {t: _terminal_mean(ep, ep.select(t)) for t in tasks},
+            f"uniform_slerp_{mean_of(TERMINAL_RAW)}": float(
+                sum(r["terminal_reward"] for r in baseline["uniform_slerp"]) / len(obs)
+            ),
+            f"oracle_{mean_of(TERMINAL_RAW)}": float(
+                sum(r["terminal_reward"] for r in baseline["oracle"]) / len(obs)
+            ),
+            f"per_task_{SCALED_REWARD_MEAN}": {t: _mean(ep, ep.select(t), "scaled_reward") for t in tasks},
+            f"per_task_{HARD_RULE_SHARE}": {t: _mean(ep, ep.select(t), "broken_rules") for t in tasks},
             "eval_seconds": time.perf_counter() - t0,
         }
     )
@@ -434,8 +481,10 @@ def run_gate(
     return write_gate(path, report)
 
 
-def _terminal_mean(ep, index: list[int]) -> float:
-    return float(sum(ep.rollouts[i].terminal_reward for i in index) / len(index))
+def _mean(ep, index: list[int], field_name: str) -> float:
+    """Mean over the episodes ``index`` of a rollout field (a list of broken rules counts as 0 / 1)."""
+    return float(sum(float(bool(v) if isinstance(v, tuple) else v) for v in
+                     (getattr(ep.rollouts[i], field_name) for i in index)) / len(index))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,7 +660,8 @@ def _num(value, spec: str = ".3f") -> str:
 
 
 def format_gate(content: dict) -> str:
-    """A few lines: stage, verdict, every check with its metric and threshold, the baselines."""
+    """A few lines: stage, verdict, every check with its metric and threshold, the headline metric and
+    the hard-rule share beside the baselines', the raw terminal score last (for reference)."""
     m = content["metrics"]
     lines = [f"gate {content.get('stage')}: {'PASSED' if content['passed'] else 'FAILED'}"]
     for name, limit in content["thresholds"].items():
@@ -619,12 +669,19 @@ def format_gate(content: dict) -> str:
             continue
         metric = _METRIC_OF.get(name, name)
         ok = content["checks"].get(metric)
-        lines.append(f"  {metric:<22} {_num(m.get(metric)):>8}  >= {limit:<6}  {'ok' if ok else 'FAIL'}")
-    lines.append(
-        f"  terminal {_num(m.get('terminal_mean'))}  uniform SLERP {_num(m.get('uniform_slerp_terminal_mean'))}  "
-        f"oracle {_num(m.get('oracle_terminal_mean'))}  strategy accuracy {_num(m.get('strategy_accuracy'))} "
-        f"(oracle {_num(m.get('oracle_strategy_accuracy'))})"
-    )
+        sign = "<=" if name.startswith("max_") else ">="
+        lines.append(f"  {metric:<28} {_num(m.get(metric)):>8}  {sign} {limit:<6}  {'ok' if ok else 'FAIL'}")
+    if SCALED_REWARD_MEAN in m:
+        lines.append(
+            f"  {SCALED_REWARD} {_num(m.get(SCALED_REWARD_MEAN))}  uniform SLERP "
+            f"{_num(m.get(f'uniform_slerp_{SCALED_REWARD_MEAN}'))}  oracle {_num(m.get(f'oracle_{SCALED_REWARD_MEAN}'))}"
+            f"  |  {HARD_RULE_SHARE} {_num(m.get(HARD_RULE_SHARE))}  oracle {_num(m.get(f'oracle_{HARD_RULE_SHARE}'))}"
+            f"  |  strategy accuracy {_num(m.get('strategy_accuracy'))} (oracle {_num(m.get('oracle_strategy_accuracy'))})"
+        )  # fmt: skip
+        lines.append(
+            f"  ({TERMINAL_RAW}, unscaled, for reference: {_num(m.get(mean_of(TERMINAL_RAW)))}, uniform SLERP "
+            f"{_num(m.get(f'uniform_slerp_{mean_of(TERMINAL_RAW)}'))}, oracle {_num(m.get(f'oracle_{mean_of(TERMINAL_RAW)}'))})"
+        )  # fmt: skip
     return "\n".join(lines)
 
 
@@ -634,6 +691,8 @@ __all__ = [
     "FORMAT_SFT",
     "GATE_FILE",
     "GRPO",
+    "HARD_RULE_BOUND",
+    "QUALITY_STAGES",
     "RSFT",
     "SFT_STAGES",
     "STAGES",

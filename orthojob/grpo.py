@@ -145,7 +145,8 @@ def run_grpo_gate(
     config: GRPOJobConfig, checkpoint: Path, thresholds: GateThresholds | None = None
 ) -> tuple[dict, bool]:
     """The GRPO gate: evaluate the saved checkpoint on held-out seeds (:func:`orthojob.gate.gate_report`,
-    stage ``grpo``: by default format thresholds plus a terminal reward no lower than uniform SLERP's),
+    stage ``grpo``: by default format thresholds, a hard-rule share no higher than the oracle's and a
+    mean scaled reward no lower than uniform SLERP's),
     then write the gate file, once, with ``thresholds``; ``passed`` follows from the metrics."""
     report = gate_report(
         str(checkpoint),

@@ -23,8 +23,8 @@ offline, in two processes (one per core):
    at ``strategy_lr_scale`` x the learning rate, and a KL anchor to stage 0 (``beta`` 0.1) holds the
    strategy distribution of every case near stage 0's until the case-dependent part wins;
 5. **evaluation** every ``--eval-every`` steps (and at step 0 = stage 0), and of BC and RSFT, on
-   held-out seeds (:data:`server.cases.HELDOUT_SEED_START`), greedy decoding: the scaled terminal
-   reward, strategy accuracy, and clinical canaries that are NOT in the reward (limit violations,
+   held-out seeds (:data:`server.cases.HELDOUT_SEED_START`), greedy decoding: the headline metric, the
+   scaled terminal reward (``scaled_reward``, :mod:`orthojob.metrics`), strategy accuracy, and clinical canaries that are NOT in the reward (limit violations,
    colliding contacts, peak PDL kPa, hard-rule share, degenerate-plan share,
    :func:`orthojob.plan_search.degenerate_form`), each as mean and 95 % t-interval over the seeds, and
    the strategy probe (:func:`strategy_distribution`, :func:`strategy_conditioning`). The oracle and
@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from orthojob.canaries import CANARIES, METRICS, episode_values, rollout_record  # noqa: F401 (re-exported)
+from orthojob.metrics import BANDS, SCALED_REWARD
 from orthojob.strategy_advantage import STRATEGY_ADVANTAGES, STRATEGY_KEY
 from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, CaseKey, generate_case
 
@@ -521,7 +522,13 @@ def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progr
                     **evaluate_model(kw["model"], kw["processing_class"], cases, cfg.eval_max_new_tokens),
                 }
                 progress.evals.append(row)
-                log.info("step %d: terminal %s, strategy %s", step, row["terminal"], row["strategy_accuracy"])
+                log.info(
+                    "step %d: %s %s, strategy %s",
+                    step,
+                    SCALED_REWARD,
+                    row[SCALED_REWARD],
+                    row["strategy_accuracy"],
+                )
                 save()
             if time.monotonic() > deadline:
                 log.warning("time limit reached at step %d", step)
@@ -557,8 +564,8 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, metric, title in zip(
         axes,
-        ("terminal", "strategy_accuracy", "hard_rule"),
-        ("scaled terminal", "strategy accuracy", "hard-rule share"),
+        (SCALED_REWARD, "strategy_accuracy", "hard_rule"),
+        ("scaled_reward (scaled terminal)", "strategy accuracy", "hard-rule share"),
     ):
         mean, lo, hi = (
             [np.nan if e[metric][k] is None else e[metric][k] for e in evals] for k in ("mean", "lo", "hi")
@@ -690,11 +697,12 @@ def _run(cfg: LearnConfig) -> dict:
             log.warning("the baselines' process exited %s: see %s", code, out / "baselines.log")
             report["baselines_error"] = f"exit {code}, see baselines.log"
     report["comparison"] = comparison(report)
-    (out / "comparison.md").write_text(markdown_table(report["comparison"]) + "\n")
-    first, last = progress.evals[0]["terminal"], progress.evals[-1]["terminal"]
+    caption = f"{SCALED_REWARD}: the scaled terminal reward, the headline metric ({BANDS}).\n\n"
+    (out / "comparison.md").write_text(caption + markdown_table(report["comparison"]) + "\n")
+    first, last = progress.evals[0][SCALED_REWARD], progress.evals[-1][SCALED_REWARD]
     report["verdict"] = {
-        "terminal_stage0": first,
-        "terminal_final": last,
+        f"{SCALED_REWARD}_stage0": first,
+        f"{SCALED_REWARD}_final": last,
         "cis_apart_above": bool(last["lo"] > first["hi"]),
         "strategy_accuracy_final": progress.evals[-1]["strategy_accuracy"],
     }

@@ -292,13 +292,14 @@ def publish_output(local: Path, uri: str) -> dict:
     )
 
 
-def run_promote(run_id: str, model_name: str, force: bool) -> int:
-    """``orthojob promote``: register the run's model (aliases per :mod:`orthojob.registry`); exit code."""
+def run_promote(run_id: str, model_name: str, force: bool, **bounds) -> int:
+    """``orthojob promote``: register the run's model (aliases per :mod:`orthojob.registry`; ``bounds``:
+    :func:`orthojob.registry.promote`'s, e.g. ``max_hard_rule_share_over_oracle``); exit code."""
     from orthojob import registry, tracking
 
     try:
         tracking.configure()
-        result = registry.promote(run_id, model_name, force=force)
+        result = registry.promote(run_id, model_name, force=force, **bounds)
     except tracking.TrackingError as exc:
         return report_job_error("promote", exc)
     except registry.PromotionError as exc:

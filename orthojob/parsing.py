@@ -1,7 +1,7 @@
 """Completion parsing: LLM text -> plan dict, and the five partial format checks. Nothing here raises.
 
-:func:`extract_plan` returns **the plan**: the first balanced top-level JSON object in the
-completion that holds ``tooth_groups`` (the plan's defining key); when no object holds it, the
+:func:`extract_plan` returns **the plan**: the first top-level JSON object in the completion
+that holds ``tooth_groups`` (the plan's defining key); when no object holds it, the
 first object (a JSON object that is not a plan: the rollouts give it no credit, but the format
 checks can say what it got right). A leading ``{"note": ...}`` therefore does not hide the plan
 that follows, and prose that quotes a strategy object is not a plan. :func:`find_plan` also
@@ -10,17 +10,25 @@ counts the objects holding ``tooth_groups``: more than one is ambiguous and cost
 which breaks on ``{...} and then {...}``):
 
 * Only the first :data:`MAX_COMPLETION_CHARS` characters are read (a plan is a few hundred).
-* Outside an object, text is prose: the scan looks for the next ``{``. Inside one, JSON
-  strings are skipped whole (braces and escaped quotes inside strings do not count) and
-  ``{``/``[`` open a level, ``}``/``]`` close one; the object ends when its level closes.
-* A balanced candidate is decoded with :func:`json.loads`; it counts if it is a JSON object
-  nested at most :data:`MAX_JSON_DEPTH` levels deep (the object itself is level 1). Non-finite
-  numbers (``NaN``, ``Infinity``, ``-Infinity``, overflowing literals such as ``1e999``,
-  integers of more than 308 digits) are read as ``null``: no value, so a group whose fraction
-  is one is invalid on its own, like any other invalid value, and the rest of the plan stands.
-  A candidate that fails is skipped whole and the scan goes on after it, for at most
-  :data:`MAX_CANDIDATES` candidates.
-* Anything else (no object, unterminated object, non-string input) gives ``None``.
+* Every ``{`` may start an object: the JSON decoder reads one from there (strings whole, braces and
+  escaped quotes inside strings do not count, and the object ends where its braces close). An
+  object that decodes is skipped whole, so the objects inside it are not candidates of their own;
+  it counts if it is nested at most :data:`MAX_JSON_DEPTH` levels deep (the object itself is
+  level 1). Non-finite numbers (``NaN``, ``Infinity``, ``-Infinity``, overflowing literals such as
+  ``1e999``, integers of more than 308 digits) are read as ``null``: no value, so a group whose
+  fraction is one is invalid on its own, like any other invalid value, and the rest of the plan
+  stands.
+* A ``{`` from which no object decodes is prose (``use {curly} braces``, ``Use { carefully``, a
+  brace before an unterminated quote): the scan goes on at the next ``{`` after it, so such prose
+  before the plan does not hide it. (Scanning brackets from a stray ``{`` instead cannot tell where
+  its "object" ends: it never closes, or it closes at the plan's last brace and swallows the plan.)
+  The exception is an object cut by the end of the text (the decoder runs out of text, or a string
+  never terminates): a truncated plan, whose complete inner groups are not objects of their own;
+  the scan ends there.
+* At most :data:`MAX_CANDIDATES` braces are tried per completion, and the decoder reads at most
+  :data:`MAX_DECODE_CHARS` characters over all of them (it stops at the first character that cannot
+  continue an object, so a brace in prose costs a few), however hostile the text: linear in the cap.
+* Anything else (no object, only unterminated objects, non-string input) gives ``None``.
 
 :func:`format_checks` scores a parsed plan with the seed's five partial checks, each 0 or 1,
 following the plan semantics of :mod:`server.plans` (booleans are not tooth ids, strings are
@@ -44,15 +52,14 @@ the rest is ignored."""
 MAX_JSON_DEPTH: int = 8
 """Deepest nesting accepted in a plan object (a well-formed plan is 4 deep: object, list, object, list)."""
 MAX_CANDIDATES: int = 64
-"""Balanced candidates tried per completion before giving up."""
+"""Braces tried per completion as the start of an object (decoded or not) before giving up."""
+MAX_DECODE_CHARS: int = 4 * MAX_COMPLETION_CHARS
+"""Characters the JSON decoder may read per completion, over every brace it tries (a brace in prose
+costs the few characters up to where it fails, the plan its own length): the scan's hard bound."""
 
 FORMAT_CHECKS: tuple[str, ...] = ("parse", "shape", "teeth_ints", "fraction_ok", "strategy_ok", "single_plan")
 PLAN_KEY: str = "tooth_groups"
 """The key that makes a JSON object a plan."""
-
-# Inside an object: a whole JSON string (unrolled loop, no backtracking blow-up), a lone quote
-# (an unterminated string: nothing after it can close the object), or a bracket.
-_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"|[{}\[\]]', re.DOTALL)
 
 
 def _no_value(name: str) -> None:
@@ -82,16 +89,9 @@ _NON_FINITE = re.compile(r"NaN|Infinity|[0-9][eE]|[0-9]{309}")
 digits in a row (overflowing floats and integers beyond any float); texts without it decode the
 same with :data:`_PLAIN_DECODER`."""
 _CONTAINERS = frozenset((dict, list))
-
-
-def _decode(candidate: str) -> dict | None:
-    try:
-        value, end = _DECODER.raw_decode(candidate)
-    except (ValueError, RecursionError):  # JSONDecodeError, deep input
-        return None
-    if end != len(candidate) or not isinstance(value, dict):
-        return None
-    return value
+_UNTERMINATED = "Unterminated string"
+"""How :class:`json.JSONDecodeError` begins for a string that runs to the end of the text (its
+``pos`` is then the string's opening quote, not the end)."""
 
 
 def _nested_within(value: dict | list, depth: int) -> bool:
@@ -105,49 +105,30 @@ def _nested_within(value: dict | list, depth: int) -> bool:
 
 
 def _objects(text: str):
-    """The decodable top-level JSON objects of ``text``, in order (see the module docstring).
-
-    A candidate that is valid JSON is decoded where it starts (the JSON decoder finds its end,
-    which is where the bracket scan below ends it); the bracket scan decides the others."""
+    """The decodable top-level JSON objects of ``text``, in order (see the module docstring)."""
     text = text[:MAX_COMPLETION_CHARS]
     decoder = _DECODER if _NON_FINITE.search(text) else _PLAIN_DECODER
     pos = 0
+    budget = MAX_DECODE_CHARS
     for _ in range(MAX_CANDIDATES):
         start = text.find("{", pos)
-        if start < 0:
+        if start < 0 or budget <= 0:
             return
         try:
             value, end = decoder.raw_decode(text, start)
-        except (ValueError, RecursionError):  # not valid JSON from here: the scan decides
-            value = None
-        if value is not None and _nested_within(value, MAX_JSON_DEPTH):
-            yield value
-            pos = end
+        except json.JSONDecodeError as exc:
+            if exc.pos >= len(text) or exc.msg.startswith(_UNTERMINATED):
+                return  # the object is cut by the end of the text: its inner objects are not plans
+            budget -= exc.pos - start
+            pos = start + 1  # no object starts at this brace: prose, try the next one
             continue
-        depth = 0
-        deepest = 0
-        end = -1
-        for match in _TOKEN.finditer(text, start):
-            token = match.group()
-            ch = token[0]
-            if ch == '"':
-                if len(token) == 1:  # unterminated string: no candidate can close
-                    return
-                continue
-            if ch in "{[":
-                depth += 1
-                deepest = max(deepest, depth)
-            else:
-                depth -= 1
-                if depth == 0:
-                    end = match.end()
-                    break
-        if end < 0:  # the object never closes
-            return
-        if deepest <= MAX_JSON_DEPTH:
-            obj = _decode(text[start:end])
-            if obj is not None:
-                yield obj
+        except (ValueError, RecursionError):  # nesting beyond Python's recursion limit
+            budget -= len(text) - start  # read up to there (at most the rest of the text)
+            pos = start + 1
+            continue
+        budget -= end - start
+        if _nested_within(value, MAX_JSON_DEPTH):
+            yield value
         pos = end
 
 

@@ -6,7 +6,7 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
    tokenizer trained on the project's prompts (:func:`orthojob.models.build_tiny`; with ``tool`` in
    the chain also on tool conversations, with 8192 positions,
    :func:`orthojob.tool_sft.build_tiny_tool_model`); then ``base``
-   (``base_eval``): the untrained model's held-out parse rate, format and terminal reward, for
+   (``base_eval``): the untrained model's held-out parse rate, format and scaled reward, for
    comparison (no gate file);
 2. the preset's training ``stages`` (:data:`orthojob.presets.PIPELINE_STAGES`), in order, each
    starting from the previous one's gated checkpoint, each in ``<out>/<name>`` with its own MLflow
@@ -45,7 +45,10 @@ Exit code (:class:`orthojob.exit_codes.ExitCode`): 0 when every stage ran and ev
 12 when an SFT stage's gate (format, tool-use, BC, RSFT) failed; 3 when GRPO trained but its gate failed; 2
 when RSFT kept no sample; otherwise the failing stage's exit code (GRPO refusing or crashing stops
 the pipeline at once). The summary reports GRPO's mean reward per step, strategy accuracy, RSFT's
-kept counts and every gate metric as measured, whether they rise or not.
+kept counts and every gate metric as measured, whether they rise or not. Every planner is judged
+there by the headline metric, the mean scaled terminal reward (``scaled_reward_mean``, bands in
+:mod:`server.reward_scaler`), beside its hard-rule share (:mod:`orthojob.metrics`); the evaluation's
+are MLflow metrics ``scaled_reward_mean/<planner>`` and ``hard_rule_share/<planner>``.
 
 :data:`orthojob.presets.PRESETS` holds every hyper-parameter, as config objects. ``overrides``
 (CLI ``--set section.key=value``, value parsed as JSON) change single values, e.g.
@@ -71,6 +74,7 @@ from orthojob.exit_codes import ExitCode
 from orthojob.gate import GateSettings
 from orthojob.grpo import run_grpo
 from orthojob.grpo_config import TRAIN_LOG_FILE, ConfigError
+from orthojob.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_MEAN
 from orthojob.models import TINY_MODEL, build_tiny
 from orthojob.presets import DEFAULT_STAGES, PIPELINE_STAGES, PRESETS, Preset, apply_overrides
 from orthojob.records import json_value
@@ -115,10 +119,17 @@ def _grpo_rewards(train_log: Path) -> dict:
     }
 
 
+_GATE_VIEW: tuple[str, ...] = (
+    "parse_rate", "format_reward", SCALED_REWARD_MEAN, f"uniform_slerp_{SCALED_REWARD_MEAN}",
+    f"oracle_{SCALED_REWARD_MEAN}", "margin_over_slerp", HARD_RULE_SHARE, f"oracle_{HARD_RULE_SHARE}",
+    f"{HARD_RULE_SHARE}_over_oracle", "strategy_accuracy", "truncated_rate", "mean_completion_tokens", "eval_seconds",
+    "tool_call_rate", "finished_rate", "valid_call_rate", "reward_mean",
+)  # fmt: skip
+"""The gate metrics a stage's row of the summary shows."""
+
+
 def _gate_view(content: dict) -> dict:
-    keys = ("parse_rate", "format_reward", "terminal_mean", "uniform_slerp_terminal_mean", "oracle_terminal_mean",
-            "margin_over_slerp", "strategy_accuracy", "truncated_rate", "mean_completion_tokens", "eval_seconds",
-            "tool_call_rate", "finished_rate", "valid_call_rate", "reward_mean")  # fmt: skip
+    keys = _GATE_VIEW
     m = content.get("metrics", {})
     return {"passed": content.get("passed"), "checks": content.get("checks")} | {k: m.get(k) for k in keys}
 
@@ -437,13 +448,18 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         stages["evaluate"] = {
             "seconds": time.perf_counter() - t,
             "file": str(out / EVALUATION_FILE),
-            "terminal_mean": {p: s["terminal_reward"]["mean"] for p, s in report[tasks[0]].items()},
+            SCALED_REWARD_MEAN: {p: s[SCALED_REWARD]["mean"] for p, s in report[tasks[0]].items()},
+            HARD_RULE_SHARE: {p: s[HARD_RULE_SHARE]["mean"] for p, s in report[tasks[0]].items()},
             "model_metrics": {
                 p: s["model_metrics"] for p, s in report[tasks[0]].items() if "model_metrics" in s
             },
         }
         tracking.log_metrics(
-            {f"terminal_mean/{p}": v for p, v in stages["evaluate"]["terminal_mean"].items()}
+            {
+                f"{key}/{p}": v
+                for key in (SCALED_REWARD_MEAN, HARD_RULE_SHARE)
+                for p, v in stages["evaluate"][key].items()
+            }
         )
         mlflow.log_artifact(str(out / EVALUATION_FILE))
     return finish(code)
@@ -476,6 +492,7 @@ def format_summary(summary: dict) -> str:
     """The pipeline's table: one row per stage with its wall time and key numbers."""
     s = summary["stages"]
     lines = [f"Pipeline {summary['preset']}: {_fmt(summary.get('wall_seconds'), '.0f')} s, exit {summary.get('exit_code')}",
+             f"(scaled_reward: the scaled terminal reward, {BANDS}; hard rules: share of plans breaking one)",
              f"{'stage':<15}{'seconds':>9}  result", "-" * 100]  # fmt: skip
     if "tiny-model" in s:
         lines.append(
@@ -485,7 +502,7 @@ def format_summary(summary: dict) -> str:
         x = s["base"]
         lines.append(
             f"{'base':<15}{_fmt(x['seconds'], '9.1f')}  before training: parse {_fmt(x['parse_rate'])}, format "
-            f"{_fmt(x['format_reward'])}, terminal {_fmt(x['terminal_mean'])}"
+            f"{_fmt(x['format_reward'])}, scaled_reward {_fmt(x.get(SCALED_REWARD_MEAN))}"
         )
     for name in summary.get("chain") or [PIPELINE_STAGES[step] for step in DEFAULT_STAGES]:
         x = s.get(name)
@@ -532,14 +549,18 @@ def format_summary(summary: dict) -> str:
             else:
                 lines.append(
                     f"{key:<15}{_fmt(g['seconds'], '9.1f')}  {'PASSED' if g['passed'] else 'FAILED'}: parse "
-                    f"{_fmt(g['parse_rate'])}, format {_fmt(g['format_reward'])}, terminal {_fmt(g['terminal_mean'])} "
-                    f"(SLERP {_fmt(g['uniform_slerp_terminal_mean'])}, oracle {_fmt(g['oracle_terminal_mean'])}), "
-                    f"strategy acc {_fmt(g['strategy_accuracy'])}"
-                )
+                    f"{_fmt(g['parse_rate'])}, format {_fmt(g['format_reward'])}, scaled_reward "
+                    f"{_fmt(g.get(SCALED_REWARD_MEAN))} (SLERP {_fmt(g.get(f'uniform_slerp_{SCALED_REWARD_MEAN}'))}, "
+                    f"oracle {_fmt(g.get(f'oracle_{SCALED_REWARD_MEAN}'))}), hard rules {_fmt(g.get(HARD_RULE_SHARE))} "
+                    f"(oracle {_fmt(g.get(f'oracle_{HARD_RULE_SHARE}'))}), strategy acc {_fmt(g['strategy_accuracy'])}"
+                )  # fmt: skip
     if "evaluate" in s:
         x = s["evaluate"]
-        terms = ", ".join(f"{p} {_fmt(v)}" for p, v in x["terminal_mean"].items())
-        lines.append(f"{'evaluate':<15}{_fmt(x['seconds'], '9.1f')}  terminal: {terms}")
+        terms = ", ".join(
+            f"{p} {_fmt(v)} ({_fmt((x.get(HARD_RULE_SHARE) or {}).get(p))})"
+            for p, v in x[SCALED_REWARD_MEAN].items()
+        )
+        lines.append(f"{'evaluate':<15}{_fmt(x['seconds'], '9.1f')}  scaled_reward (hard rules): {terms}")
     return "\n".join(lines)
 
 

@@ -18,7 +18,8 @@
    nothing. So every kept completion breaks no hard rule and scores at least as well as every
    dropped completion of its prompt (other than a copy of a kept one).
 5. **Fine-tune** the checkpoint on the kept (prompt, completion) pairs with the one SFT routine
-   (:func:`orthojob.sft.run_sft`), then **gate** it (stage ``rsft``, format thresholds by default).
+   (:func:`orthojob.sft.run_sft`), then **gate** it (stage ``rsft``: by default the format thresholds and
+   a hard-rule share no higher than the oracle's).
 
 ``--out`` receives the model, ``rsft_samples.jsonl`` (every sample: prompt case, completion, scores,
 kept or why dropped), ``sft_log.json`` whose summary holds the counts (``rsft``: prompts, samples,

@@ -9,8 +9,9 @@ The seed's stages that TRL's SFTTrainer trains, each its own command, MLflow sta
 * **stage 2, BC SFT** (``orthojob bc-sft``, :class:`~orthojob.sft_config.SFTJobConfig`, gate stage
   ``bc_sft``, ``sft0`` in earlier versions): the environment's rule-based oracle
   (:func:`server.oracle.oracle_plan`) on training seeds, only plans the environment judges safe
-  (:func:`demonstrations`; the number filtered out is logged and recorded). ``orthojob sft`` is the
-  same training without the gate (``orthojob gate`` then writes it).
+  (:func:`demonstrations`; the number filtered out is logged and recorded). Its gate is a quality gate:
+  the format, and a held-out hard-rule share no higher than the oracle's (:mod:`orthojob.gate`).
+  ``orthojob sft`` is the same training without the gate (``orthojob gate`` then writes it).
 * **stage 4, RSFT** (``orthojob rsft``, :mod:`orthojob.rsft`): a checkpoint's own samples that the
   environment scored best; :mod:`orthojob.rsft` samples and keeps them, then calls :func:`run_sft`
   with the kept rows.

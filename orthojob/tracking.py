@@ -18,6 +18,13 @@
   ``rewards/<name>/mean|std``, ``reward``, ``reward_std``, ``frac_reward_zero_std``,
   completion lengths, ``kl``) per step, with valid names and without profiling spam.
 * :func:`log_table_rows` appends rows to an MLflow table of the active run (GRPO's completions).
+* A planner is judged in MLflow by one headline metric, the scaled terminal reward, under the names
+  of :mod:`orthojob.metrics`: ``gate/scaled_reward_mean`` and ``gate/hard_rule_share`` (with
+  ``gate/hard_rule_share_over_oracle``, the bound every quality gate checks) in a gate's run, the
+  pipeline evaluation's ``scaled_reward_mean/<planner>`` and ``hard_rule_share/<planner>``, the
+  learning experiment's ``heldout/scaled_reward``; per GRPO step it is TRL's
+  ``rewards/reward_terminal/mean``. The raw [0, 1] score appears only as ``*terminal_raw*``
+  (``env/terminal_raw_mean``, ``gate/terminal_raw_mean``), for reference.
 """
 
 from __future__ import annotations

@@ -254,17 +254,19 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
     components = mlflow.transformers.load_model(f"models:/{logged.model_id}", return_type="components")
     assert components["model"] is not None and components["tokenizer"] is not None
 
-    # promote: candidate always; champion exactly when the gate passed
+    # promote: a passed gate (no more hard-rule breaks than the oracle's) is registered, candidate and
+    # the first champion; a failed one is refused and nothing is registered, even forced
     promoted = orthojob(["promote", "--run-id", run_id, "--model-name", "orthorl-e2e"], env)
-    assert promoted.returncode == 0, promoted.stderr
-    version = client.get_model_version_by_alias("orthorl-e2e", "candidate")
-    assert version.run_id == run_id or version.tags["run_id"] == run_id
-    aliases = client.get_registered_model("orthorl-e2e").aliases
-    assert ("champion" in aliases and aliases["champion"] == version.version) is gate["passed"]
     forced = orthojob(["promote", "--run-id", run_id, "--model-name", "orthorl-e2e", "--force"], env)
-    assert forced.returncode == 0
-    aliases = client.get_registered_model("orthorl-e2e").aliases
-    assert ("champion" in aliases) is gate["passed"]  # a failed gate is never promoted, even forced
+    if gate["passed"]:
+        assert promoted.returncode == 0 and forced.returncode == 0, promoted.stderr + forced.stderr
+        version = client.get_model_version_by_alias("orthorl-e2e", "candidate")
+        assert version.run_id == run_id or version.tags["run_id"] == run_id
+        assert client.get_registered_model("orthorl-e2e").aliases["champion"] == version.version
+    else:
+        assert promoted.returncode == forced.returncode == ExitCode.BAD_GATE, promoted.stderr
+        assert "not registered" in promoted.stderr
+        assert client.search_model_versions("name = 'orthorl-e2e'") == []
 
     # secrets: never in params, tags, artifacts or the job's output
     secrets = [s3.access_key, s3.secret_key, MLFLOW_PASSWORD]
@@ -420,8 +422,10 @@ def _gated_checkpoint(tiny: Path, folder: Path, passed: bool) -> Path:
     from orthojob import gate
 
     shutil.copytree(tiny, folder)
-    good = {"parse_rate": 1.0, "format_reward": 1.0, "margin_over_slerp": 0.1, "terminal_mean": 0.9}
-    bad = {"parse_rate": 0.0, "format_reward": 0.0, "margin_over_slerp": -1.0, "terminal_mean": 0.0}
+    good = {"parse_rate": 1.0, "format_reward": 1.0, "margin_over_slerp": 0.1, "scaled_reward_mean": 7.0,
+            "hard_rule_share_over_oracle": 0.0}  # fmt: skip
+    bad = {"parse_rate": 0.0, "format_reward": 0.0, "margin_over_slerp": -8.0, "scaled_reward_mean": -2.0,
+           "hard_rule_share_over_oracle": 0.0}  # fmt: skip
     gate.write_gate(folder, good if passed else bad, stage="bc_sft")
     return folder
 

@@ -155,7 +155,11 @@ def test_sft_gate_preflight_passes_and_fails_on_the_gate_file(no_model_load, tin
 
     checkpoint = tmp_path / "bc_sft"
     shutil.copytree(tiny_model, checkpoint)
-    good = {"parse_rate": 1.0, "format_reward": 1.0}  # stands in for an evaluation's metrics
+    good = {
+        "parse_rate": 1.0,
+        "format_reward": 1.0,
+        "hard_rule_share_over_oracle": 0.0,
+    }  # an evaluation's metrics
     write_gate(checkpoint, good, stage="bc_sft")
     assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == 0
     assert "SFT gate of" in capsys.readouterr().out
@@ -334,7 +338,7 @@ def test_mlflow_run_gets_the_completion_table_and_the_grpo_diagnostics(tiny_mode
     records = [json.loads(line) for line in (Path(config.out) / "completions.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 4
     columns = {"step", "group", "task_id", "seed", "force_decay", "completion", *FIVE, "reward", "advantage",
-               "terminal", "strategy_accuracy", "parse", *CANARIES, "strategy", "broken_rules",
+               "scaled_reward", "strategy_accuracy", "parse", *CANARIES, "strategy", "broken_rules",
                "degenerate_form"}  # fmt: skip
     assert columns <= set(table.columns)
     assert len(table) == 2 * 2 and sorted(table["step"]) == [1, 1, 2, 2] and set(table["group"]) == {0}

@@ -61,13 +61,13 @@ def test_ci_and_episode_metrics():
     assert ci["n"] == 3 and ci["mean"] == pytest.approx(2.0) and ci["lo"] < 2.0 < ci["hi"]
     case = generate_case("task_easy", HELDOUT_SEED_START, False)
     failed = episode_values(None, case, case.optimal_strategy)
-    assert failed["terminal"] == -2.0 and failed["parse"] == 0.0
+    assert failed["scaled_reward"] == -2.0 and failed["parse"] == 0.0
     assert set(failed) == set(METRICS)
 
 
 def test_reference_rows_oracle_beats_slerp():
     refs = reference_rows(heldout_cases("task_easy", 6))
-    assert refs["oracle"]["terminal"]["mean"] > refs["uniform_slerp"]["terminal"]["mean"]
+    assert refs["oracle"]["scaled_reward"]["mean"] > refs["uniform_slerp"]["scaled_reward"]["mean"]
     assert refs["oracle"]["strategy_accuracy"]["mean"] == 1.0
     assert refs["uniform_slerp"]["strategy_accuracy"]["mean"] == 0.0
 
@@ -135,7 +135,7 @@ def test_baselines_process_gets_the_same_settings_and_the_table_has_every_planne
     assert [r["planner"] for r in rows] == [
         "stage 0 (format SFT)", "BC (stage 2)", "RSFT (stage 4)", "GRPO step 40", "oracle", "uniform SLERP"
     ]  # fmt: skip
-    assert [r["terminal"]["mean"] for r in rows] == [1.0, 2.0, 2.5, 3.0, 7.8, 6.4]
+    assert [r["scaled_reward"]["mean"] for r in rows] == [1.0, 2.0, 2.5, 3.0, 7.8, 6.4]
     table = learning.markdown_table(rows).splitlines()
     assert len(table) == 2 + 6 and "3.000 [2.900, 3.100]" in table[5]
     del report["baselines"]  # --no-baselines: the table has what was run
@@ -206,7 +206,7 @@ def test_baselines_train_bc_and_rsft_and_evaluate_them(tmp_path):
         set(rows) == {"bc", "rsft"}
         and json.loads((tmp_path / learning.BASELINES_FILE).read_text()).keys() == rows.keys()
     )
-    assert rows["bc"]["terminal"]["n"] == 2 and "strategy_conditioning" in rows["bc"]
+    assert rows["bc"]["scaled_reward"]["n"] == 2 and "strategy_conditioning" in rows["bc"]
     assert (tmp_path / "bc" / "model.safetensors").is_file()
     if "error" in rows["rsft"]:
         assert "keep rule" in rows["rsft"]["error"]

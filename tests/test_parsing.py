@@ -10,10 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orthojob import parsing
 from orthojob.parsing import (
     FORMAT_CHECKS,
+    MAX_CANDIDATES,
     MAX_COMPLETION_CHARS,
+    MAX_DECODE_CHARS,
     MAX_JSON_DEPTH,
+    PLAN_KEY,
     completion_text,
     extract_plan,
     find_plan,
@@ -76,7 +80,7 @@ def _timed_extract(text: object) -> dict | None:
         ('{"s": "}{"} {"b": 2}', {"s": "}{"}),  # braces inside strings do not count
         ('{"s": "a\\"}b", "t": 1}', {"s": 'a"}b', "t": 1}),  # escaped quotes inside strings
         ('{"s": "\\\\"} tail}', {"s": "\\"}),  # an escaped backslash ends the string
-        ('{not json} {"ok": true}', {"ok": True}),  # a broken candidate is skipped whole
+        ('{not json} {"ok": true}', {"ok": True}),  # a brace from which nothing decodes is prose
         ('{"a": {"b": [1, {"c": 2}]}}', {"a": {"b": [1, {"c": 2}]}}),
         ('[1, 2] {"a": 1}', {"a": 1}),  # a top-level array is not an object
         ("{}", {}),
@@ -172,6 +176,101 @@ def test_unicode_and_surrogates() -> None:
     assert extract_plan('\x00{"a": 1}\x00') == {"a": 1}
 
 
+# --- prose with stray braces and quotes before the plan -------------------------------------
+
+PLAN_TEXT = json.dumps(PLAN)
+
+
+@pytest.mark.parametrize(
+    "prose",
+    [
+        "Use { carefully. Plan: ",
+        "Use {curly} braces. Plan: ",
+        'Use { "carefully. Plan: ',  # a brace, then an unterminated quote
+        'He said "hi. Use { and then "quote it. Plan: ',
+        'Note {a "b" and "c. Plan: ',
+        "{{ ",
+        "{ {{ }}} { Plan:\n",
+        '{"a": 1, oops ',  # an object broken before the plan
+        '{"note": "draft", ',  # ... and one the plan would have continued: ", {" is no key
+        'Use {"quote\n and a newline. ',  # a JSON string cannot hold a raw newline
+        'Use {\\ or {" or {: before ',
+    ],
+)
+def test_plan_found_after_prose_with_stray_braces(prose: str) -> None:
+    assert find_plan(prose + PLAN_TEXT + " Done.") == (PLAN, 1)
+    assert find_plan(prose + "```json\n" + json.dumps(PLAN, indent=2) + "\n```") == (PLAN, 1)
+
+
+def test_objects_inside_a_decoded_object_are_not_candidates() -> None:
+    assert find_plan('{"wrapper": ' + PLAN_TEXT + "}") == ({"wrapper": PLAN}, 0)
+
+
+def test_a_truncated_plan_hides_nothing_and_yields_no_fragment() -> None:
+    """A plan cut by the end of the text (a completion at its token limit) is no object, and its
+    complete inner groups are not objects of their own."""
+    for cut in (len(PLAN_TEXT) - 1, PLAN_TEXT.index('"priority": "medium"') + 5, 60):
+        assert find_plan("Use { carefully. " + PLAN_TEXT[:cut]) == (None, 0)
+
+
+def test_stray_braces_count_against_the_candidate_cap() -> None:
+    assert find_plan("{ " * (MAX_CANDIDATES - 1) + PLAN_TEXT) == (PLAN, 1)
+    assert find_plan("{ " * MAX_CANDIDATES + PLAN_TEXT) == (None, 0)
+
+
+def _hostile_16k(unit: str) -> str:
+    """``unit`` repeated to the scan's cap, the last characters ``x `` (a failure mid-text)."""
+    return (unit * (MAX_COMPLETION_CHARS // len(unit) + 1))[: MAX_COMPLETION_CHARS - 2] + "x "
+
+
+HOSTILE_16K = {
+    "braces": _hostile_16k("{ "),
+    "nested arrays failing late": _hostile_16k('{"a": [' + "0, " * 60),
+    "nested, non-finite numbers": _hostile_16k('{"a": [' + "1e1, " * 45),
+    "flat objects failing late": _hostile_16k('{"a": [' + "1e1, " * 60 + '0], "b": x} '),
+    "deep objects": _hostile_16k('{"a":'),
+    "deep objects failing": _hostile_16k('{"a":' * 40 + " x "),
+    "strings": _hostile_16k('{"' + "a" * 240 + '" x '),
+    "quotes and braces": _hostile_16k('{"{"'),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_16K))
+def test_hostile_16k_text_is_read_in_linear_time(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder reads at most MAX_DECODE_CHARS characters, however the braces fail, and a
+    hostile completion at the cap parses well within the time bound."""
+    text = HOSTILE_16K[name]
+    assert len(text) == MAX_COMPLETION_CHARS
+    read = []
+
+    class Counting:
+        def __init__(self, decoder: json.JSONDecoder) -> None:
+            self.decoder = decoder
+
+        def raw_decode(self, s: str, idx: int = 0):
+            try:
+                value, end = self.decoder.raw_decode(s, idx)
+            except json.JSONDecodeError as exc:
+                read.append(exc.pos - idx)
+                raise
+            except RecursionError:
+                read.append(len(s) - idx)
+                raise
+            read.append(end - idx)
+            return value, end
+
+    monkeypatch.setattr(parsing, "_DECODER", Counting(parsing._DECODER))
+    monkeypatch.setattr(parsing, "_PLAIN_DECODER", Counting(parsing._PLAIN_DECODER))
+    assert _timed_extract(text) is None
+    assert len(read) <= MAX_CANDIDATES
+    assert sum(read) <= MAX_DECODE_CHARS + MAX_COMPLETION_CHARS  # the last decode may overrun the budget
+    monkeypatch.undo()
+    t = time.perf_counter()
+    for _ in range(10):
+        extract_plan(text)
+    assert (time.perf_counter() - t) / 10 < 0.05  # ~1-9 ms here
+
+
 # --- properties -----------------------------------------------------------------------
 
 _json_scalars = st.one_of(
@@ -206,6 +305,15 @@ def test_finds_any_embedded_object(obj: dict, before: str, after: str, indent: i
         assert found == obj
     else:
         assert found is None or found != obj
+
+
+@settings(max_examples=300, deadline=None)
+@given(prose=st.text(alphabet='{}[]":, ab1\n', max_size=60))
+def test_plan_found_after_any_short_prose(prose: str) -> None:
+    """Prose of braces, brackets, quotes and punctuation before the plan (fewer braces than the
+    candidate cap) never hides it, unless the prose itself opens an object that decodes around it."""
+    plan, n = find_plan(prose + PLAN_TEXT + " Done.")
+    assert plan == PLAN or (plan is not None and PLAN_KEY not in plan and n == 0)
 
 
 _hostile_fragments = st.sampled_from(

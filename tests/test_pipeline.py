@@ -23,8 +23,12 @@ from orthojob.sft import config_from_args as sft_config_from_args
 from orthojob.sft_config import SFTJobConfig
 
 SMALL = {
-    # SFT exactly as make run's (its gate's thresholds too); fewer held-out seeds
+    # SFT exactly as make run's (its gate's format thresholds too); fewer held-out seeds
     "sft_gate.n_seeds": 20,
+    # the chain's mechanics, GRPO included: the tiny BC model breaks a hard rule on some held-out cases
+    # (make run's BC gate fails on that bound, README), so this test lifts it; the bound's own tests
+    # are in tests/test_tracking_registry.py and tests/test_headline_metric.py
+    "sft_gate.thresholds.max_hard_rule_share_over_oracle": None,
     "grpo.steps": 2,
     "grpo.gate_seeds": 8,
     "evaluate.n_seeds": 6,
@@ -56,6 +60,11 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     sft_gate = stages["gate_bc_sft"]
     assert sft_gate["parse_rate"] >= preset.sft_gate.thresholds.min_parse_rate, sft_gate
     assert sft_gate["passed"] is True
+    assert 0.0 <= sft_gate["hard_rule_share"] <= 1.0 and sft_gate["oracle_hard_rule_share"] == 0.0  # measured
+    assert "hard_rule_share_over_oracle" not in sft_gate["checks"]  # lifted above
+    assert (
+        preset.sft_gate.thresholds.max_hard_rule_share_over_oracle == 0.0
+    )  # make run's own BC gate bounds it
     gate.check_gate(out / "bc_sft")  # the file GRPO's pre-flight accepted
 
     # GRPO ran its steps, its rewards are reported as measured, and its own gate was evaluated
@@ -68,6 +77,8 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     # written once, by the GRPO stage, with the thresholds the pipeline asked for
     assert content["thresholds"]["min_margin_over_slerp"] == -5.0
     assert "gate grpo:" in text and text.count("gate grpo:") == 1
+    assert "hard_rule_share_over_oracle" in content["checks"]  # GRPO's gate keeps the bound
+    assert math.isfinite(content["metrics"]["scaled_reward_mean"])
     assert stages["gate_grpo"]["passed"] is content["passed"]
     assert summary["exit_code"] == (0 if content["passed"] else ExitCode.GRPO_GATE_FAILED)
 

@@ -26,8 +26,10 @@ from orthojob.sft import SFTJobConfig, demonstrations, run_sft
 from server.oracle import oracle_plan
 
 REPO = Path(__file__).resolve().parents[1]
-PASSING = {"parse_rate": 1.0, "format_reward": 0.95, "terminal_mean": 0.5, "margin_over_slerp": 0.1}
-FAILING = {"parse_rate": 0.2, "format_reward": 0.3, "terminal_mean": 0.1, "margin_over_slerp": -0.7}
+PASSING = {"parse_rate": 1.0, "format_reward": 0.95, "scaled_reward_mean": 6.5, "margin_over_slerp": 0.1,
+           "hard_rule_share": 0.0, "oracle_hard_rule_share": 0.0, "hard_rule_share_over_oracle": 0.0}  # fmt: skip
+FAILING = {"parse_rate": 0.2, "format_reward": 0.3, "scaled_reward_mean": -1.1, "margin_over_slerp": -7.5,
+           "hard_rule_share": 0.1, "oracle_hard_rule_share": 0.0, "hard_rule_share_over_oracle": 0.1}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +141,9 @@ def test_gate_file_contents_and_digest(tmp_path):
     assert content["passed"] is True and content["stage"] == "grpo"
     assert content["metrics"] == PASSING
     assert content["thresholds"] == {"min_parse_rate": 0.9, "min_format_reward": 0.8, "min_margin_over_slerp": 0.0,
-                                     "min_margin_over_oracle": None, "min_strategy_accuracy": None,
-                                     "min_tool_call_rate": None, "min_finished_rate": None}  # fmt: skip
+                                     "min_margin_over_oracle": None, "max_hard_rule_share_over_oracle": None,
+                                     "min_strategy_accuracy": None, "min_tool_call_rate": None,
+                                     "min_finished_rate": None}  # fmt: skip
     assert content["checks"] == {"parse_rate": True, "format_reward": True, "margin_over_slerp": True}
     assert content["checkpoint_digest"] == models.checkpoint_digest(ckpt)
     assert content["digest_files"] == ["config.json", "model.safetensors", "tokenizer.json"]
@@ -154,7 +157,11 @@ def test_a_failed_gate_never_says_passed(tmp_path):
     report = {"stage": "bc_sft", "metrics": FAILING, "passed": True, "checks": {"parse_rate": True}}
     content = write_gate(ckpt, report)
     assert content["passed"] is False
-    assert content["checks"] == {"parse_rate": False, "format_reward": False}
+    assert content["checks"] == {
+        "parse_rate": False,
+        "format_reward": False,
+        "hard_rule_share_over_oracle": False,
+    }
     # NaN metrics fail, and no thresholds at all is no evidence of passing
     assert write_gate(ckpt, PASSING | {"parse_rate": float("nan")})["passed"] is False
     assert write_gate(ckpt, PASSING, GateThresholds(None, None))["passed"] is False
@@ -167,12 +174,27 @@ def test_a_failed_gate_never_says_passed(tmp_path):
     parse=st.floats(0, 1),
     fmt=st.floats(0, 1),
     margin=st.floats(-1, 1),
-    limits=st.tuples(st.floats(0, 1) | st.none(), st.floats(0, 1) | st.none(), st.floats(-1, 1) | st.none()),
+    over=st.floats(-1, 1),
+    limits=st.tuples(
+        st.floats(0, 1) | st.none(),
+        st.floats(0, 1) | st.none(),
+        st.floats(-1, 1) | st.none(),
+        st.floats(0, 1) | st.none(),
+    ),
 )
-def test_passed_is_exactly_every_threshold_met(tmp_path_factory, parse, fmt, margin, limits):
-    metrics = {"parse_rate": parse, "format_reward": fmt, "margin_over_slerp": margin}
-    thresholds = GateThresholds(*limits)
-    expected = [v >= lim for v, lim in zip((parse, fmt, margin), limits) if lim is not None]
+def test_passed_is_exactly_every_threshold_met(tmp_path_factory, parse, fmt, margin, over, limits):
+    """min_* thresholds are met from above, the hard-rule bound (max_*) from below."""
+    metrics = {"parse_rate": parse, "format_reward": fmt, "margin_over_slerp": margin,
+               "hard_rule_share_over_oracle": over}  # fmt: skip
+    names = (
+        "min_parse_rate",
+        "min_format_reward",
+        "min_margin_over_slerp",
+        "max_hard_rule_share_over_oracle",
+    )
+    thresholds = GateThresholds(**dict(zip(names, limits)))
+    expected = [v >= lim for v, lim in zip((parse, fmt, margin), limits[:3]) if lim is not None]
+    expected += [over <= limits[3]] if limits[3] is not None else []
     checks = gate_checks(metrics, thresholds)
     assert list(checks.values()) == expected
     ckpt = fake_checkpoint(tmp_path_factory.mktemp("c"))
@@ -330,12 +352,14 @@ def test_gate_cli_evaluates_and_records_a_failing_untrained_model(tiny_base, tmp
     content = json.loads((ckpt / gate.GATE_FILE).read_text())
     assert content["passed"] is False and content["stage"] == "bc_sft"
     m = content["metrics"]
-    assert m["n"] == 3 and m["parse_rate"] == 0.0 and m["terminal_mean"] == 0.0
+    assert m["n"] == 3 and m["parse_rate"] == 0.0 and m["scaled_reward_mean"] == -2.0  # no plan: the floor
+    assert m["terminal_raw_mean"] == 0.0 and m["hard_rule_share"] == 0.0  # no plan breaks no rule
     # a random model rarely stops: most of its replies run to the token cap (which ones depends on
     # the vocabulary the tiny tokenizer was built on)
     assert m["truncated_rate"] >= 0.6 and 12 <= m["mean_completion_tokens"] <= 24
-    assert 0 < m["uniform_slerp_terminal_mean"] < m["oracle_terminal_mean"] <= 1
-    assert m["margin_over_slerp"] == pytest.approx(-m["uniform_slerp_terminal_mean"])
+    assert 0 < m["uniform_slerp_scaled_reward_mean"] < m["oracle_scaled_reward_mean"] <= 8
+    assert m["margin_over_slerp"] == pytest.approx(-2.0 - m["uniform_slerp_scaled_reward_mean"])
+    assert 0 < m["uniform_slerp_terminal_raw_mean"] < m["oracle_terminal_raw_mean"] <= 1  # kept, secondary
     assert content["evaluation"]["n_seeds"] == 3 and content["evaluation"]["seed_start"] == 1_000_000
     assert "FAILED" in capsys.readouterr().out
     with pytest.raises(GateError) as e:
@@ -354,7 +378,9 @@ def test_evaluate_checkpoint_cli_table_and_json(tiny_base, tmp_path, capsys):
     assert report["checkpoint"] == str(tiny_base)
     rows = report["results"]["task_easy"]
     assert set(rows) == {"checkpoint", "oracle", "uniform_slerp", "do_nothing"}
-    assert rows["checkpoint"]["terminal_reward"]["mean"] == 0.0  # no plan: a failed episode
+    assert rows["checkpoint"]["scaled_reward"]["mean"] == -2.0  # no plan: a failed episode
+    assert rows["checkpoint"]["terminal_raw"]["mean"] == 0.0
     assert rows["checkpoint"]["model_metrics"]["parse_rate"] == 0.0
-    assert rows["oracle"]["terminal_reward"]["mean"] > rows["uniform_slerp"]["terminal_reward"]["mean"]
+    assert rows["oracle"]["scaled_reward"]["mean"] > rows["uniform_slerp"]["scaled_reward"]["mean"]
+    assert "scaled_reward" in text.splitlines()[1] and "terminal_raw" in text.splitlines()[1]
     assert cli_main(["evaluate"]) == 2

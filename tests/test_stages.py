@@ -109,7 +109,9 @@ def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monk
     # an earlier bc-sft's gate file ("stage": "sft0") names the stage, under its name now
     (old_bc / "config.json").write_text("{}")
     (old_bc / "model.safetensors").write_bytes(b"weights")
-    content = gate.write_gate(old_bc, {"parse_rate": 1.0, "format_reward": 1.0})
+    content = gate.write_gate(
+        old_bc, {"parse_rate": 1.0, "format_reward": 1.0, "hard_rule_share_over_oracle": 0.0}
+    )
     (old_bc / gate.GATE_FILE).write_text(json.dumps(content | {"stage": "sft0"}))
     assert command("format-sft", "--model", "tiny", "--lora-r", "0") == ExitCode.USAGE
     assert "stage bc_sft" in capsys.readouterr().err
@@ -346,7 +348,8 @@ def test_bc_sft_cli_gates_and_rsft_with_real_sampling_that_keeps_nothing(
     assert refused.value.exit_code == ExitCode.GATE_FAILED
     # RSFT on the (passed) gate of the same checkpoint, real sampling: the untrained model writes no
     # plan, nothing is kept, and the stage says what to change (exit 2)
-    gate.write_gate(bc, {"parse_rate": 1.0, "format_reward": 1.0}, stage="bc_sft")
+    passing = {"parse_rate": 1.0, "format_reward": 1.0, "hard_rule_share_over_oracle": 0.0}
+    gate.write_gate(bc, passing, stage="bc_sft")
     capsys.readouterr()
     argv = ["rsft", "--from-checkpoint", str(bc), "--out", str(tmp_path / "rsft"), "--lora-r", "0",
             "--prompts", "1", "--samples-per-prompt", "2", "--max-new-tokens", "8"]  # fmt: skip

@@ -1,4 +1,6 @@
-"""Tracking and registry against a real `mlflow server` (SQLite backend, proxied artifacts)."""
+"""Tracking and registry against a real `mlflow server` (SQLite backend, proxied artifacts): the
+promotion rules, and a rule-breaking planner failing its gate and staying out of the registry while a
+safe planner that beats uniform SLERP passes and becomes champion."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ import pytest
 
 mlflow = pytest.importorskip("mlflow")
 
-from orthojob import registry, tracking  # noqa: E402
+from orthojob import gate, registry, tracking  # noqa: E402
 from orthojob.exit_codes import ExitCode  # noqa: E402
+from orthojob.prompts import plan_to_completion  # noqa: E402
+from server.dental_constants import TOOTH_IDS  # noqa: E402
+from server.oracle import oracle_plan  # noqa: E402
 from tests.services import mlflow_server  # noqa: E402
 
 SECRET = "sk-test-0b1e8d2f9a"
@@ -33,21 +38,29 @@ def tracked(server, monkeypatch, tmp_path):
         mlflow.end_run()
 
 
-def _logged_run(tmp_path, passed: bool, score: float) -> str:
-    """A run holding a small pyfunc model and a gate file (what a training stage leaves)."""
+def _logged_run(
+    tmp_path, passed: bool, score: float, share: float = 0.0, gate_file: dict | None = None
+) -> str:
+    """A run holding a small pyfunc model and a gate file (what a training stage leaves): ``gate_file``,
+    or one with the headline ``score`` and hard-rule ``share`` (the oracle's 0)."""
 
     class Echo(mlflow.pyfunc.PythonModel):
         def predict(self, context, model_input, params=None):
             return model_input
 
-    gate = {"passed": passed, "metrics": {"terminal_mean": score}, "thresholds": {}}
+    metrics = {"scaled_reward_mean": score, "hard_rule_share": share, "oracle_hard_rule_share": 0.0}
+    content = gate_file or {"passed": passed, "metrics": metrics, "thresholds": {}}
     with tracking.stage_run("grpo", params={"lr": 1e-5, "secret_echo": SECRET}) as run:
         mlflow.pyfunc.log_model(name="model", python_model=Echo(), pip_requirements=["mlflow"])
         folder = tmp_path / run.info.run_id
         folder.mkdir()
-        (folder / "gate_passed.json").write_text(json.dumps(gate))
+        (folder / "gate_passed.json").write_text(json.dumps(content))
         mlflow.log_artifact(str(folder / "gate_passed.json"))
         return run.info.run_id
+
+
+def _versions(name: str) -> list:
+    return mlflow.tracking.MlflowClient().search_model_versions(f"name = '{name}'")
 
 
 def test_promotion_rules(tracked, tmp_path):
@@ -56,18 +69,106 @@ def test_promotion_rules(tracked, tmp_path):
     assert first.candidate and first.champion
     worse = registry.promote(_logged_run(tmp_path, True, 4.0), name)
     assert not worse.champion and "does not beat" in worse.reason
-    failed = registry.promote(_logged_run(tmp_path, False, 9.0), name)
-    assert not failed.champion and "never promoted" in failed.reason
-    forced_fail = registry.promote(_logged_run(tmp_path, False, 9.0), name, force=True)
-    assert not forced_fail.champion
-    better = registry.promote(_logged_run(tmp_path, True, 6.0), name)
+    failed = _logged_run(tmp_path, False, 9.0)
+    for force in (False, True):  # a failed gate is never registered, forced or not
+        with pytest.raises(registry.PromotionError, match="its gate failed") as err:
+            registry.promote(failed, name, force=force)
+        assert err.value.exit_code == ExitCode.BAD_GATE
+    # a passed gate whose plans break hard rules more often than the oracle's (a gate run with the
+    # bound loosened) is not registered either, unless the promotion's own bound is loosened too
+    breaker = _logged_run(tmp_path, True, 9.0, share=0.125)
+    with pytest.raises(registry.PromotionError, match=r"0\.125 of its held-out plans break a hard rule"):
+        registry.promote(breaker, name)
+    assert len(_versions(name)) == 2
+    loose = registry.promote(breaker, name, max_hard_rule_share_over_oracle=0.2)
+    assert loose.candidate and loose.champion
+    better = registry.promote(_logged_run(tmp_path, True, 9.5), name)
     assert better.champion
 
     client = mlflow.tracking.MlflowClient()
     assert client.get_model_version_by_alias(name, "champion").version == better.version
     assert client.get_model_version_by_alias(name, "candidate").version == better.version
-    tags = client.get_model_version(name, failed.version).tags
-    assert tags["gate_passed"] == "false" and float(tags["terminal_mean"]) == 9.0
+    tags = client.get_model_version(name, loose.version).tags
+    assert tags["gate_passed"] == "true" and float(tags["scaled_reward_mean"]) == 9.0
+    assert float(tags["hard_rule_share"]) == 0.125
+    assert len(_versions(name)) == 4  # first, worse, loose, better: nothing of the refused runs
+
+    # a champion recorded before the headline metric (only the raw terminal tagged) is replaced
+    client.delete_model_version_tag(name, better.version, "scaled_reward_mean")
+    client.set_model_version_tag(name, better.version, "terminal_mean", "0.99")
+    after = registry.promote(_logged_run(tmp_path, True, 1.0), name)
+    assert after.champion and "has no scaled_reward_mean" in after.reason
+
+
+def test_a_gate_file_without_the_headline_or_the_hard_rule_share_is_refused(tracked, tmp_path):
+    old = {"passed": True, "metrics": {"terminal_mean": 0.9}, "thresholds": {}}  # an earlier gate file
+    with pytest.raises(registry.PromotionError, match=r"metrics\.scaled_reward_mean") as err:
+        registry.promote(_logged_run(tmp_path, True, 0.0, gate_file=old), "orthorl-old-gate")
+    assert err.value.exit_code == ExitCode.BAD_GATE
+    assert _versions("orthorl-old-gate") == []
+
+
+def _oracle(obs: list[dict]) -> list[str]:
+    """A safe planner that beats uniform SLERP: the oracle's plans, as completions."""
+    return [plan_to_completion(oracle_plan(o)) for o in obs]
+
+
+def _one_case_in_one_aligner(obs: list[dict]) -> list[str]:
+    """The oracle's plans, but the first case's whole movement in one aligner (every per-stage limit
+    broken): a planner that beats uniform SLERP on the mean scaled reward and breaks a hard rule."""
+    everything = {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 1.0}]}
+    return [plan_to_completion(everything), *_oracle(obs[1:])]
+
+
+def _gated_run(tmp_path, policy, stage: str, **limits) -> tuple[str, dict]:
+    """The planner's gate (the stage's default thresholds, ``limits`` changed) evaluated on 16
+    held-out task_easy seeds, written beside a checkpoint and logged with a model, as a stage does."""
+    thresholds = gate.thresholds_for(stage).replace(**limits)
+    report = gate.gate_report("scripted", n_seeds=16, stage=stage, thresholds=thresholds, policy=policy)
+    ckpt = tmp_path / f"{policy.__name__}-{stage}-{len(limits)}"  # checkpoint-shaped: weights and config
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "qwen2"}')
+    (ckpt / "model.safetensors").write_bytes(b"\x00weights\x01" * 100)
+    content = gate.write_gate(ckpt, report)
+    return _logged_run(tmp_path, content["passed"], 0.0, gate_file=content), content
+
+
+@pytest.mark.parametrize("stage", [gate.BC_SFT, gate.GRPO, gate.RSFT])
+def test_a_rule_breaking_planner_fails_its_gate_and_stays_unregistered(tracked, tmp_path, stage):
+    name = f"orthorl-breaker-{stage}"
+    run_id, content = _gated_run(tmp_path, _one_case_in_one_aligner, stage)
+    m = content["metrics"]
+    assert m["oracle_hard_rule_share"] == 0.0 and m["hard_rule_share"] == 1 / 16
+    # it beats uniform SLERP on the headline metric and passes every other check: the bound fails it
+    assert m["scaled_reward_mean"] > m["uniform_slerp_scaled_reward_mean"] and m["margin_over_slerp"] > 0
+    assert content["passed"] is False
+    assert {k for k, ok in content["checks"].items() if not ok} == {"hard_rule_share_over_oracle"}
+    with pytest.raises(gate.GateError) as refused:  # no later stage starts from it
+        gate.check_gate(tmp_path / f"_one_case_in_one_aligner-{stage}-0")
+    assert refused.value.exit_code == ExitCode.GATE_FAILED
+    with pytest.raises(registry.PromotionError) as err:
+        registry.promote(run_id, name)
+    assert err.value.exit_code == ExitCode.BAD_GATE and "its gate failed" in str(err.value)
+    assert _versions(name) == []
+    # its gate run with the bound loosened says passed; the promotion still bounds the share
+    loose_id, loose = _gated_run(
+        tmp_path, _one_case_in_one_aligner, stage, max_hard_rule_share_over_oracle=0.1
+    )
+    assert loose["passed"] is True
+    with pytest.raises(registry.PromotionError, match="break a hard rule"):
+        registry.promote(loose_id, name)
+    assert _versions(name) == []
+
+
+def test_a_safe_planner_beating_slerp_passes_and_becomes_champion(tracked, tmp_path):
+    name = "orthorl-safe"
+    run_id, content = _gated_run(tmp_path, _oracle, gate.GRPO)
+    m = content["metrics"]
+    assert content["passed"] is True and all(content["checks"].values())
+    assert m["hard_rule_share"] == 0.0 and m["margin_over_slerp"] > 0
+    promoted = registry.promote(run_id, name)
+    assert promoted.candidate and promoted.champion and promoted.score == m["scaled_reward_mean"]
+    assert [v.version for v in _versions(name)] == [promoted.version]
 
 
 def test_missing_and_bad_gate_are_refused(tracked, tmp_path):

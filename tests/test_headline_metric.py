@@ -1,0 +1,71 @@
+"""One headline metric wherever a planner is judged: the scaled terminal reward (``scaled_reward``),
+beside the hard-rule share; the raw [0, 1] score only as the secondary ``terminal_raw``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from orthojob import gate, learning, metrics, pipeline, registry
+from orthojob.evaluation import SUMMARY_KEYS, evaluate_planners, format_table
+from orthojob.prompts import plan_to_completion
+from server.oracle import oracle_plan
+
+OLD_NAMES = re.compile(r"^(?!.*terminal_raw).*terminal(_mean|_reward|_sd)?$")
+"""A metric named for the terminal score that is not the secondary ``terminal_raw``."""
+
+
+def _rushed(obs: list[dict]) -> list[str]:
+    """The oracle's plans with every fraction tripled: most of the movement done sooner, breaking the
+    per-stage limits on many cases; on the raw [0, 1] score still above uniform SLERP."""
+    out = []
+    for o in obs:
+        plan = oracle_plan(o)
+        groups = [{**g, "fraction": min(1.0, 3 * g["fraction"])} for g in plan["tooth_groups"]]
+        out.append(plan_to_completion({**plan, "tooth_groups": groups}))
+    return out
+
+
+def test_every_judgement_uses_the_one_name():
+    assert metrics.SCALED_REWARD_MEAN == "scaled_reward_mean" == registry.COMPARISON_METRIC
+    assert SUMMARY_KEYS[:3] == ("scaled_reward", "hard_rule_share", "terminal_raw")
+    assert learning.METRICS[0] == "scaled_reward"
+    assert "scaled_reward_mean" in pipeline._GATE_VIEW and "hard_rule_share" in pipeline._GATE_VIEW
+    for stage in gate.QUALITY_STAGES:
+        assert gate.DEFAULT_THRESHOLDS[stage].max_hard_rule_share_over_oracle == gate.HARD_RULE_BOUND == 0.0
+    for stage in (gate.FORMAT_SFT, gate.TOOL_SFT):
+        assert gate.DEFAULT_THRESHOLDS[stage].max_hard_rule_share_over_oracle is None
+
+
+def test_the_gate_judges_by_the_scaled_reward_not_the_raw_score():
+    """A planner above uniform SLERP on the raw score (what the gate compared before) but below it on
+    the scaled reward, breaking hard rules, fails the GRPO gate on both the margin and the bound."""
+    report = gate.gate_report("scripted", n_seeds=8, stage=gate.GRPO, policy=_rushed)
+    m = report["metrics"]
+    assert m["terminal_raw_mean"] > m["uniform_slerp_terminal_raw_mean"]  # the raw comparison would pass
+    assert m["scaled_reward_mean"] < m["uniform_slerp_scaled_reward_mean"] < m["oracle_scaled_reward_mean"]
+    assert m["margin_over_slerp"] == pytest.approx(
+        m["scaled_reward_mean"] - m["uniform_slerp_scaled_reward_mean"]
+    )
+    assert m["hard_rule_share"] > m["oracle_hard_rule_share"] == 0.0
+    assert report["passed"] is False
+    assert report["checks"] == {"parse_rate": True, "format_reward": True, "margin_over_slerp": False,
+                                "hard_rule_share_over_oracle": False}  # fmt: skip
+    assert not [k for k in m if OLD_NAMES.match(k)], sorted(m)
+    assert set(m["per_task_scaled_reward_mean"]) == set(m["per_task_hard_rule_share"]) == {"task_easy"}
+    text = gate.format_gate(report).splitlines()
+    assert text[0] == "gate grpo: FAILED"
+    assert any(line.startswith("  hard_rule_share_over_oracle") and line.endswith("FAIL") for line in text)
+    assert text[-2].strip().startswith("scaled_reward ") and "terminal_raw" in text[-1]
+
+
+def test_orthojob_evaluate_leads_with_the_scaled_reward():
+    report = evaluate_planners({"oracle": oracle_plan}, ["task_easy"], n_seeds=3)
+    row = report["task_easy"]["oracle"]
+    assert list(row)[:3] == ["scaled_reward", "hard_rule_share", "terminal_raw"]
+    assert not [k for k in row if OLD_NAMES.match(k)]
+    assert 7.0 < row["scaled_reward"]["mean"] <= 8.0 and 0.0 < row["terminal_raw"]["mean"] <= 1.0
+    title, header = format_table(report, 3).splitlines()[:2]
+    assert header.split()[2:5] == ["scaled_reward", "hard_rules", "terminal_raw"]
+    assert metrics.BANDS in title  # the scale's bands, from server.reward_scaler's constants
