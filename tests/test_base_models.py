@@ -95,7 +95,7 @@ def test_fetch_verifies_caches_and_refuses_what_is_not_a_model(staged, s3_env, t
                  "--skip-sft-gate", "--out", str(tmp_path / "grpo")]) == 30  # fmt: skip
     assert "is empty or does not exist" in capsys.readouterr().err
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
-    assert main(["model", "fetch", BASE]) == 30
+    assert main(["model", "fetch", BASE]) == ExitCode.STORAGE_DENIED == 32  # bad keys: never retried
     assert "refused the credentials" in capsys.readouterr().err
     with pytest.raises(storage.StorageError, match="does not exist"):
         base_models.resolve(str(tmp_path / "no-such-volume" / "qwen"))

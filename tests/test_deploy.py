@@ -85,6 +85,15 @@ def load_all(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
+def not_mlflow(docs: list[dict]) -> list[dict]:
+    """The objects outside the MLflow server component (k8s/mlflow; tests/test_k8s_defaults.py checks it)."""
+    return [
+        d
+        for d in docs
+        if d.get("metadata", {}).get("labels", {}).get("app.kubernetes.io/component") != "mlflow"
+    ]
+
+
 def one(docs: list[dict], kind: str) -> dict:
     """The one object of ``kind``, leaving out the MLflow server component's (k8s/mlflow, on by
     default: its ConfigMap, claim, Service, ...; tests/test_k8s_defaults.py checks those)."""
@@ -429,7 +438,7 @@ def test_an_unset_image_cannot_be_deployed(tmp_path):
 def test_the_image_is_set_once_for_every_workload(kustomize_output, multinode_output, agentic_output):
     """One edit (k8s/image) reaches the Job, the vLLM Deployment and the TrainJob, the environment
     server and the agentic Job's init container, and the IMAGE_DIGEST their MLflow runs are tagged with."""
-    docs = load_all(kustomize_output)
+    docs = not_mlflow(load_all(kustomize_output))
     assert sorted(d["kind"] for d in docs) == [
         "ConfigMap",
         "Job",
@@ -555,7 +564,7 @@ def test_model_cache_choices(kustomize_output, multinode_output, cache_variants)
     job_pod = one(default, "Job")["spec"]["template"]["spec"]
     claim = one(default, "PersistentVolumeClaim")["metadata"]["name"]
     assert volumes(job_pod)["cache"]["persistentVolumeClaim"]["claimName"] == claim
-    scratch = load_all(cache_variants["k8s-emptydir"])
+    scratch = not_mlflow(load_all(cache_variants["k8s-emptydir"]))
     assert not [d for d in scratch if d["kind"] == "PersistentVolumeClaim"]
     pod = one(scratch, "Job")["spec"]["template"]["spec"]
     assert volumes(pod)["cache"] == {"name": "cache", "emptyDir": {"sizeLimit": "100Gi"}}

@@ -155,11 +155,14 @@ def test_counterfactual_hook_scores_the_plan_under_the_five_strategies_with_the_
     from orthojob.grpo_trainer import RecordingGRPOTrainer
     from orthojob.rewards import active_reward_funcs
     from server.clinical_profiles import strategy_multiplier_class
+    from server.treatment import score_plans
 
     cases, texts = [], []
     for seed in range(1_000_000, 1_000_200):
         case = generate_case("task_easy", seed, False)
         wrong = next(s for s in STRATEGIES if strategy_multiplier_class(case.profile, s) == "wrong")
+        if score_plans([json.loads(_plan(case.optimal_strategy))], [case])[0]["broken_rules"]:
+            continue  # a plan breaking a hard rule earns no strategy credit whatever it names
         for strategy in (case.optimal_strategy, wrong):
             cases.append(CaseKey("task_easy", seed, False))
             texts.append(_plan(strategy))

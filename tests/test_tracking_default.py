@@ -49,10 +49,14 @@ def test_embedded_default_store(tmp_path, monkeypatch, capsys):
         if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
     assert linked == pytest.approx({f"gate/{k}": v for k, v in numeric.items()})
-    assert mlops.run_promote(run.info.run_id, "orthorl-default", force=False) == 0
-    version = client.get_model_version_by_alias("orthorl-default", "candidate")
-    gate = json.loads((tmp_path / "out" / "gate_passed.json").read_text())
-    assert ("champion" in client.get_registered_model("orthorl-default").aliases) is gate["passed"]
-    assert version.tags["gate_passed"] == str(gate["passed"]).lower()
+    # promotion registers only a model whose gate passed; a failed gate registers nothing
+    rc = mlops.run_promote(run.info.run_id, "orthorl-default", force=False)
+    if gate_file["passed"]:
+        assert rc == 0
+        version = client.get_model_version_by_alias("orthorl-default", "candidate")
+        assert version.tags["gate_passed"] == "true"
+    else:
+        assert rc == ExitCode.BAD_GATE
+        assert not client.search_registered_models(filter_string="name = 'orthorl-default'")
     out = capsys.readouterr()
     assert SECRET not in out.out + out.err + json.dumps(run.data.params) + json.dumps(run.data.tags)
