@@ -248,10 +248,12 @@ def test_mlflow_server_serves_and_shows_the_viewer(tmp_path):
             )
             assert frame
             # the viewer runs inside the UI's sandboxed frame: its page became ready (plots drawn)
+            # the frame is listed before it has navigated to the artifact's blob URL: wait for both
             deadline = time.monotonic() + 60
-            while not page.child_frames() and time.monotonic() < deadline:
-                time.sleep(0.2)
             inner = page.child_frames()
+            while not (inner and inner[0]["url"]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                inner = page.child_frames()
             assert [f["name"] for f in inner] == ["html"] and inner[0]["url"].startswith("blob:"), inner
             context = page.frame_context(inner[0]["id"])
             page.wait_for(
