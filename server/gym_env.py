@@ -20,6 +20,8 @@ from server.dental_constants import N_STAGES, N_TEETH, POSE_DIM
 from server.dental_environment import StepwiseDentalEnvironment
 
 ENV_ID = "OrthoRL/AlignerStaging-v0"
+REWARD_MODES = ("scaled", "shaped", "environment")
+"""The episode reward's forms (:class:`AlignerStagingEnv`, its Rewards section)."""
 POSITION_BOUND_MM = 100.0
 """The spaces' bound on a pose's position coordinates (mm): well beyond any case's arch (its teeth
 lie within about 40 mm of the origin), so any plan fits; the per-stage limits are far tighter."""
@@ -64,11 +66,24 @@ class AlignerStagingEnv(gym.Env):
 
     ## Rewards
 
-    Each step: the stage's ``step_reward`` (gain in accuracy minus 0.05 x the share of teeth over
-    the per-stage limits and 0.05 x the collision severity); the 24th adds the episode's
-    ``terminal_reward`` (the score in [0, 1]; 0 for a plan breaking a hard rule). ``info`` carries
-    ``reward_breakdown``, ``violations``, ``terminal_reward``, ``scaled_reward`` (the training
-    reward, [-2, 8]) and ``broken_rules`` when done.
+    ``reward_mode`` chooses; in the first two an episode's return is exactly its
+    ``scaled_reward`` (:mod:`server.reward_scaler`, [-2, 8]), the terminal reward an LLM planner is
+    trained and judged on, so every plan breaking a hard rule returns less than every safe plan,
+    doing nothing (0) included:
+
+    * ``"scaled"`` (default): 0 on each step, the ``scaled_reward`` on the 24th.
+    * ``"shaped"``: potential-based shaping (Ng, Harada and Russell, ICML 1999) with the running
+      accuracy as the potential: each step pays its gain in accuracy, and the 24th pays the
+      ``scaled_reward`` less the gains already paid. Dense, with the same return.
+    * ``"environment"``: the server's own per-step signal, ``step_reward`` (gain in accuracy minus
+      0.05 x the share of teeth over the per-stage limits and 0.05 x the collision severity), and
+      on the 24th the raw ``terminal_reward`` in [0, 1], as an OpenEnv or HTTP client sees them.
+      The raw score does not bound a rule-breaker below a safe plan: use it to compare with those
+      clients, not to train.
+
+    ``info`` carries ``reward_breakdown``, ``violations``, ``step_reward`` and ``terminal_reward``
+    (the environment's), and ``scaled_reward`` and ``broken_rules`` (the hard rules the plan
+    breaks) when done.
 
     ## Starting State
 
@@ -83,16 +98,24 @@ class AlignerStagingEnv(gym.Env):
     ## Arguments
 
     ``task_id`` (``task_easy``, ``task_medium``, ``task_hard``), ``force_decay`` (bool),
-    ``non_compliance`` (bool; the task's default when None).
+    ``non_compliance`` (bool; the task's default when None), ``reward_mode`` (above).
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
 
     def __init__(
-        self, task_id: str = "task_easy", force_decay: bool = False, non_compliance: bool | None = None
+        self,
+        task_id: str = "task_easy",
+        force_decay: bool = False,
+        non_compliance: bool | None = None,
+        reward_mode: str = "scaled",
     ):
         if task_id not in TASK_IDS:
             raise ValueError(f"task_id must be one of {', '.join(TASK_IDS)}, got {task_id!r}")
+        if reward_mode not in REWARD_MODES:
+            raise ValueError(f"reward_mode must be one of {', '.join(REWARD_MODES)}, got {reward_mode!r}")
+        self.reward_mode = reward_mode
+        self._paid = 0.0
         self.task_id, self.force_decay = task_id, bool(force_decay)
         self.non_compliance = non_compliance
         self._store = StepwiseDentalEnvironment(max_sessions=2, ttl_seconds=1e9)
@@ -131,16 +154,32 @@ class AlignerStagingEnv(gym.Env):
             task_id=self.task_id, seed=int(case_seed), force_decay=self.force_decay, **kwargs
         )
         self._episode_id, self._strategy = obs["episode_id"], strategy
+        self._accuracy = self._paid = 0.0
         return self._arrays(obs), self._info(obs)
 
     def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
         if self._episode_id is None:
             raise RuntimeError("call reset() before step()")
         obs = self._store.step(self._episode_id, np.asarray(action), strategy=self._strategy)
-        reward = float(obs["step_reward"])
-        if obs["done"] and obs.get("terminal_reward") is not None:
-            reward += float(obs["terminal_reward"])
-        return self._arrays(obs), reward, bool(obs["done"]), False, self._info(obs)
+        info = self._info(obs)
+        done = bool(obs["done"])
+        if done:
+            terminal = self._store.sessions.get(self._episode_id).terminal
+            info["scaled_reward"] = float(terminal["scaled_reward"])
+            info["broken_rules"] = list(terminal["broken_rules"])
+        if self.reward_mode == "environment":
+            reward = float(obs["step_reward"])
+            if done:
+                reward += float(obs["terminal_reward"])
+        elif done:  # the return is the scaled reward: the last step pays what the others did not
+            reward = info["scaled_reward"] - self._paid
+        elif self.reward_mode == "shaped":
+            accuracy = float(obs["reward_breakdown"]["accuracy"])
+            reward, self._accuracy = accuracy - self._accuracy, accuracy
+            self._paid += reward
+        else:
+            reward = 0.0
+        return self._arrays(obs), reward, done, False, info
 
     def close(self) -> None:
         if self._episode_id is not None:
@@ -175,6 +214,7 @@ class AlignerStagingEnv(gym.Env):
             "case_seed": int(obs["seed"]),
             "reward_breakdown": dict(obs["reward_breakdown"]),
             "violations": dict(obs["violations"]),
+            "step_reward": float(obs["step_reward"]),
             "terminal_reward": obs.get("terminal_reward"),
         }
 
@@ -182,4 +222,4 @@ class AlignerStagingEnv(gym.Env):
 if ENV_ID not in gym.registry:
     gym.register(id=ENV_ID, entry_point="server.gym_env:AlignerStagingEnv")
 
-__all__ = ["ENV_ID", "AlignerStagingEnv"]
+__all__ = ["ENV_ID", "REWARD_MODES", "AlignerStagingEnv"]

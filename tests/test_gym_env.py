@@ -1,7 +1,8 @@
 """The Gymnasium face (:mod:`server.gym_env`): ``gymnasium.make("OrthoRL/AlignerStaging-v0", ...)``
 passes Gymnasium's env checker; uniform SLERP and the oracle's plan played through the Gymnasium
 API score what the environment scores them (its stepwise episode, bit for bit, and its whole-plan
-scoring); the vector env steps and resets as the single ones."""
+scoring); the episode's return is the scaled reward the planners are judged on (a rule-breaker returns
+less than doing nothing), dense or sparse; the vector env steps and resets as the single ones."""
 
 from __future__ import annotations
 
@@ -64,7 +65,11 @@ def play(env: gym.Env, case_seed: int, trajectory: np.ndarray, strategy: str | N
     ("task_id", "force_decay"), [("task_easy", False), ("task_medium", True), ("task_hard", True)]
 )
 def test_uniform_slerp_and_the_oracle_score_as_the_environment_scores_them(task_id, force_decay):
-    env = gym.make(ENV_ID, task_id=task_id, force_decay=force_decay)
+    env = gym.make(ENV_ID, task_id=task_id, force_decay=force_decay, reward_mode="environment")
+    scaled = {
+        mode: gym.make(ENV_ID, task_id=task_id, force_decay=force_decay, reward_mode=mode)
+        for mode in ("scaled", "shaped")
+    }
     for case_seed in (2, 5):
         case = generate_case(task_id, case_seed, force_decay)
         oracle = oracle_plan(StepwiseDentalEnvironment().reset(task_id, case_seed, force_decay))
@@ -89,6 +94,17 @@ def test_uniform_slerp_and_the_oracle_score_as_the_environment_scores_them(task_
             assert info["terminal_reward"] == pytest.approx(whole["terminal_reward"], abs=1e-9)
             for name, value in whole["reward_breakdown"].items():
                 assert info["reward_breakdown"][name] == pytest.approx(value, abs=1e-9), name
+            assert info["scaled_reward"] == pytest.approx(whole["scaled_reward"], abs=1e-9)
+            assert info["broken_rules"] == whole["broken_rules"] == []
+            # the sparse and the shaped rewards return the scaled reward
+            for mode, other in scaled.items():
+                returns, last = play(other, case_seed, trajectory, plan.get("strategy"))
+                assert sum(returns) == pytest.approx(whole["scaled_reward"], abs=1e-9), mode
+                assert last["scaled_reward"] == info["scaled_reward"]
+                if mode == "scaled":
+                    assert returns[:-1] == [0.0] * (N_STAGES - 1)
+                else:  # dense: the running accuracy's gains, then the rest on the last step
+                    assert sum(r != 0 for r in returns[:-1]) > N_STAGES // 2
         assert oracle["strategy"] and info["terminal_reward"] > 0.5  # the oracle's plan scores well
     env.close()
 
@@ -127,3 +143,23 @@ def test_the_vector_env_steps_and_resets_as_the_single_ones():
     obs, reward, terminated, _, _ = envs.step(action)
     assert (obs["stage"][:, 0] == 0).all() and (reward == 0).all() and not terminated.any()
     envs.close()
+
+
+def test_a_rule_breaker_returns_less_than_doing_nothing():
+    """The issue's degenerate plans through the Gymnasium API: everything in the first aligner
+    (limits and PDL broken) returned 1.59 on the environment's raw score against doing nothing's 0;
+    as the scaled reward it returns less than doing nothing, sparse or shaped, on every level."""
+    for task_id in TASK_IDS:
+        for mode in ("scaled", "shaped"):
+            env = gym.make(ENV_ID, task_id=task_id, reward_mode=mode)
+            for case_seed in (1_000_000, 1_000_001):
+                case = generate_case(task_id, case_seed)
+                at_once = np.concatenate([case.initial[None], np.repeat(case.target[None], N_STAGES, 0)])
+                still = np.repeat(case.initial[None], N_STAGES + 1, 0)
+                broke, info = play(env, case_seed, at_once, None)
+                assert info["broken_rules"] and sum(broke) == pytest.approx(info["scaled_reward"], abs=1e-9)
+                nothing, info = play(env, case_seed, still, None)
+                assert info["broken_rules"] == [] and sum(nothing) == pytest.approx(0.0, abs=1e-9)
+                assert sum(broke) < sum(nothing), (task_id, mode, case_seed)
+    with pytest.raises(ValueError, match="reward_mode must be one of"):
+        gym.make(ENV_ID, reward_mode="raw")
