@@ -1,27 +1,31 @@
-"""``orthojob k8s render|submit|logs|status``: the GRPO Job on a cluster, from k8s/grpo-job.yaml.
+"""``orthojob k8s render|submit|logs|status``: the GRPO Job on a cluster, rendered from k8s/ by kustomize.
 
-* :func:`render` reads the base that ``kubectl apply -k k8s/`` renders (k8s/grpo-job.yaml, shipped
-  as package data in ``orthojob/manifests/`` so that an installed wheel has it: ServiceAccount,
-  ConfigMap, NetworkPolicy, Job) and applies :class:`Overrides`: image (required: the base's is
-  empty on purpose; also the IMAGE_DIGEST env that MLflow runs are tagged with), the ConfigMap's
-  run parameters (steps, task, model, preset, starting checkpoint, output base and run name,
-  MLflow tracking URI and experiment), namespace, the model cache (the shared claim, or a per-pod
-  emptyDir as k8s/model-cache/emptydir renders it), and a name suffix (Job and ConfigMap both get it,
-  so concurrent runs never share parameters). Outputs never collide: the Job writes below
-  ``OUTPUT_URI/<job name>-<uid[:8]>`` (orthojob/job.py), so every submitted Job has its own prefix.
-  Why not kustomize here: it needs kubectl or the kustomize binary, which a wheel install lacks;
-  the tests render both ways and compare them.
+* :func:`render` runs ``kubectl kustomize`` over a kustomization directory (``--kustomize DIR``;
+  default: ``k8s/`` of the working directory, else of the checkout this module lives in), so the
+  objects are exactly what ``kubectl apply -k`` would apply: k8s/grpo-job.yaml with every patch,
+  replacement and component the kustomization enables (the run parameters, the image of
+  k8s/image, the MLflow server, the GPU node selector, Kueue's queue label, pull secrets, ...).
+  Then it applies what a kustomization cannot say per submission, :class:`Overrides`: the image
+  (wherever the kustomization put the Job's image; also the IMAGE_DIGEST env that MLflow runs are
+  tagged with), the ConfigMap's run parameters (steps, task, model, preset, starting checkpoint,
+  output base and run name, MLflow tracking URI and experiment), the namespace, the model cache
+  (``emptydir``: the component k8s/model-cache/emptydir, added by kustomize in a temporary overlay)
+  and a name suffix (the Job and the ConfigMap it reads both get it, so concurrent runs never share
+  parameters). Outputs never collide: the Job writes below ``OUTPUT_URI/<job name>-<uid[:8]>``
+  (orthojob/job.py), so every submitted Job has its own prefix.
 * :func:`submit` creates those objects with the kubernetes client: shared ones (ServiceAccount,
-  the model cache's PersistentVolumeClaim, NetworkPolicy) only if missing -- 409 (exists) and 403 (a namespace where ML users may not
-  create them, the normal case on multi-tenant clusters: an admin made them) are fine -- the
-  ConfigMap, the Job, then makes the Job the ConfigMap's owner so that ``ttlSecondsAfterFinished``
-  collects both. Api objects can be injected (tests pass ones built on a recording ApiClient: the
-  request bodies are the API boundary).
+  the model cache's PersistentVolumeClaim, NetworkPolicy, the MLflow server's objects, ...) only
+  if missing -- 409 (exists) and 403 (a namespace where ML users may not create them, the normal
+  case on multi-tenant clusters: an admin made them) are fine -- then the Job's ConfigMap, the Job,
+  and makes the Job the ConfigMap's owner so that ``ttlSecondsAfterFinished`` collects both. Api
+  objects can be injected (tests pass ones built on a recording ApiClient: the request bodies are
+  the API boundary).
 * :func:`follow_logs` streams the newest pod's log; :func:`job_status` reports the Job's final
   condition, the pod's exit code and what it means (the CLI's documented codes), and the MLflow
   run id found in the log.
 
-Nothing here needs a cluster until submit/logs/status; ``render`` is pure.
+``render`` needs kubectl (or the kustomize binary) and a kustomization directory, no cluster;
+submit/logs/status need a cluster.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import importlib.resources
+import os
 import re
 import secrets
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
@@ -42,10 +49,14 @@ from typing import Any
 
 from orthojob.exit_codes import ExitCode, fail_fast_codes
 
-DEFAULT_MANIFEST = Path(str(importlib.resources.files("orthojob") / "manifests" / "grpo-job.yaml"))
 CONTAINER = "grpo"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 LEGACY_JOB_NAME_LABEL = "job-name"
+KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
+EMPTYDIR_COMPONENT = Path("model-cache") / "emptydir"
+DEFAULT_NAMESPACE = "orthorl"
+"""The namespace of logs/status when neither -n nor the kustomization names one."""
+KUSTOMIZE_TIMEOUT_S = 120
 
 # the CLI's documented exit codes (k8s/grpo-job.yaml's podFailurePolicy derives from the same enum)
 EXIT_MEANINGS = {int(code): code.meaning for code in ExitCode}
@@ -80,12 +91,11 @@ CONFIG_KEYS = {
 
 MODEL_CACHES = ("pvc", "emptydir")
 """Where the Job's /cache lives (``--model-cache``): the manifest's PersistentVolumeClaim, or a
-per-pod emptyDir (what the kustomize component k8s/model-cache/emptydir renders)."""
-EMPTYDIR_CACHE_GI = 100
+per-pod emptyDir (the kustomize component k8s/model-cache/emptydir)."""
 
 
 class K8sError(RuntimeError):
-    """A manifest or override problem; the CLI prints it and exits 2."""
+    """A manifest, kustomization or override problem; the CLI prints it and exits 2."""
 
 
 @dataclass
@@ -105,9 +115,20 @@ class Overrides:
     name_suffix: str | None = None
 
 
+def _pod_specs(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod spec of a workload object (Job, Deployment, ...), if it has one."""
+    spec = obj.get("spec", {}).get("template", {}).get("spec")
+    return [spec] if isinstance(spec, dict) else []
+
+
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(pod.get("initContainers", [])) + list(pod.get("containers", []))
+
+
 @dataclass
 class Rendered:
-    """The objects to create, in creation order."""
+    """The objects to create, in creation order (the kustomization's order: shared objects, then
+    the Job's ConfigMap and the Job)."""
 
     objects: list[dict[str, Any]] = field(default_factory=list)
 
@@ -126,25 +147,25 @@ class Rendered:
 
     @property
     def config_map(self) -> dict[str, Any]:
-        return self.one("ConfigMap")
+        """The ConfigMap the Job's container reads its parameters from (envFrom)."""
+        main = container(self.job)
+        names = [s["configMapRef"]["name"] for s in main.get("envFrom", []) if s.get("configMapRef")]
+        found = [o for o in self.of_kind("ConfigMap") if o["metadata"]["name"] in names]
+        if len(found) != 1:
+            raise K8sError(
+                f"expected the Job's container {CONTAINER!r} to read one ConfigMap of the manifest "
+                f"(envFrom configMapRef), found {len(found)}"
+            )
+        return found[0]
 
     @property
     def namespace(self) -> str:
-        return self.job["metadata"]["namespace"]
+        return self.job["metadata"].get("namespace") or "default"
 
     def to_yaml(self) -> str:
         import yaml
 
         return yaml.safe_dump_all(self.objects, sort_keys=False)
-
-
-def load_manifest(path: str | Path = DEFAULT_MANIFEST) -> list[dict[str, Any]]:
-    import yaml
-
-    path = Path(path)
-    if not path.exists():
-        raise K8sError(f"manifest {path} not found (pass --manifest)")
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
 def container(job: dict[str, Any], name: str = CONTAINER) -> dict[str, Any]:
@@ -183,53 +204,160 @@ def _validate(ov: Overrides) -> None:
         raise K8sError(f"model cache must be one of {', '.join(MODEL_CACHES)}, got {ov.model_cache!r}")
 
 
-def _gi(quantity: str) -> int:
-    if not quantity.endswith("Gi"):
-        raise K8sError(f"expected a quantity in Gi, got {quantity!r}")
-    return int(quantity[:-2])
+# ---------------------------------------------------------------------------------------------
+# kustomize
 
 
-def _cache_as_emptydir(rendered: Rendered, main: dict[str, Any]) -> None:
-    """k8s/model-cache/emptydir, without kustomize: /cache a per-pod emptyDir, the ephemeral-storage
-    limit raised by its size, the claims of the model cache dropped."""
-    pod = rendered.job["spec"]["template"]["spec"]
-    for volume in pod["volumes"]:
-        if volume["name"] == "cache":
-            volume.pop("persistentVolumeClaim", None)
-            volume["emptyDir"] = {"sizeLimit": f"{EMPTYDIR_CACHE_GI}Gi"}
-    limits = main["resources"]["limits"]
-    limits["ephemeral-storage"] = f"{_gi(limits['ephemeral-storage']) + EMPTYDIR_CACHE_GI}Gi"
-    rendered.objects[:] = [
-        o
-        for o in rendered.objects
-        if not (
-            o["kind"] == "PersistentVolumeClaim"
-            and o["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "orthorl-model-cache"
+def default_kustomize_dir() -> Path:
+    """``k8s/`` of the working directory, else of the checkout this module is in (an editable or
+    source install); the first that holds a kustomization. Neither: ``./k8s`` (render says what to do)."""
+    candidates = [Path.cwd() / "k8s", Path(__file__).resolve().parents[1] / "k8s"]
+    for folder in candidates:
+        if any((folder / name).is_file() for name in KUSTOMIZATION_FILES):
+            return folder
+    return candidates[0]
+
+
+def _kustomization_file(folder: Path) -> Path:
+    if not folder.is_dir():
+        raise K8sError(
+            f"no kustomization directory {folder}: run from the repository root (its k8s/ folder is the "
+            "default) or pass --kustomize DIR, a folder with a kustomization.yaml"
         )
-    ]
+    for name in KUSTOMIZATION_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise K8sError(
+        f"{folder} has no kustomization.yaml: pass --kustomize DIR, a folder with one (the repository's k8s/)"
+    )
 
 
-def render(overrides: Overrides | None = None, manifest: str | Path = DEFAULT_MANIFEST) -> Rendered:
-    """The manifest's objects with ``overrides`` applied (the input file is not changed)."""
+def _kustomize_command(folder: Path) -> list[str]:
+    kubectl = os.environ.get("ORTHORL_KUBECTL") or shutil.which("kubectl")
+    if kubectl:
+        return [kubectl, "kustomize", str(folder)]
+    standalone = shutil.which("kustomize")
+    if standalone:
+        return [standalone, "build", str(folder)]
+    raise K8sError(
+        "kubectl is not installed (or not on PATH): `orthojob k8s render|submit` renders the "
+        "kustomization with `kubectl kustomize`, offline; install kubectl (1.27 or later) or the "
+        "kustomize binary, or set ORTHORL_KUBECTL to kubectl's path"
+    )
+
+
+def kustomize(folder: str | Path, components: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
+    """The objects ``kubectl kustomize FOLDER`` renders; ``components`` (folders) are added on top
+    in a temporary overlay, as if the kustomization listed them."""
+    import yaml
+
+    folder = Path(folder).resolve()
+    _kustomization_file(folder)
+    with tempfile.TemporaryDirectory(prefix="orthojob-kustomize-") as tmp:
+        target = folder
+        if components:
+            for comp in components:
+                _kustomization_file(comp)
+            overlay = {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                # kustomize refuses absolute paths here; relative ones may leave the overlay's root
+                "resources": [os.path.relpath(folder, tmp)],
+                "components": [os.path.relpath(Path(c).resolve(), tmp) for c in components],
+            }
+            (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(overlay, sort_keys=False))
+            target = Path(tmp)
+        cmd = _kustomize_command(target)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=KUSTOMIZE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise K8sError(f"could not run {' '.join(cmd[:2])}: {exc}") from exc
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().replace(tmp, "<overlay>")[-2000:]
+        raise K8sError(f"`{Path(cmd[0]).name} {cmd[1]} {folder}` failed; fix the kustomization: {detail}")
+    try:
+        docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    except yaml.YAMLError as exc:
+        raise K8sError(f"the kustomize output of {folder} is not YAML: {exc}") from exc
+    if not all(isinstance(d, dict) and "kind" in d and "metadata" in d for d in docs):
+        raise K8sError(f"the kustomize output of {folder} holds something that is not a Kubernetes object")
+    return docs
+
+
+def kustomization_namespace(folder: str | Path | None = None) -> str | None:
+    """The ``namespace:`` a kustomization sets (read from its file: no kubectl needed), if any."""
+    import yaml
+
+    try:
+        path = _kustomization_file(Path(folder) if folder else default_kustomize_dir())
+        data = yaml.safe_load(path.read_text())
+    except (K8sError, OSError, yaml.YAMLError):
+        return None
+    ns = data.get("namespace") if isinstance(data, dict) else None
+    return ns if isinstance(ns, str) and ns else None
+
+
+# ---------------------------------------------------------------------------------------------
+# render: kustomize, then the per-submission overrides
+
+
+def _rename_config_map_refs(pod: dict[str, Any], old: str, new: str) -> None:
+    for c in _containers(pod):
+        for source in c.get("envFrom", []):
+            ref = source.get("configMapRef")
+            if ref and ref.get("name") == old:
+                ref["name"] = new
+        for env in c.get("env", []):
+            ref = env.get("valueFrom", {}).get("configMapKeyRef")
+            if ref and ref.get("name") == old:
+                ref["name"] = new
+    for volume in pod.get("volumes", []):
+        ref = volume.get("configMap")
+        if ref and ref.get("name") == old:
+            ref["name"] = new
+
+
+def _set_image(objects: list[dict[str, Any]], main: dict[str, Any], image: str) -> None:
+    """The training image wherever the kustomization put the Job's (k8s/image sets one image for
+    the Job, its init containers and the agentic environment server), and the IMAGE_DIGEST that
+    followed it; other images (the MLflow server's) stay."""
+    old = main.get("image") or ""
+    for obj in objects:
+        for pod in _pod_specs(obj):
+            for c in _containers(pod):
+                if c is main or (c.get("image") or "") == old:
+                    c["image"] = image
+                    for env in c.get("env", []):
+                        if env.get("name") == "IMAGE_DIGEST" and (env.get("value") or "") == old:
+                            env["value"] = image
+
+
+def apply_overrides(objects: list[dict[str, Any]], overrides: Overrides | None = None) -> Rendered:
+    """``objects`` (a kustomize output; not changed) with ``overrides`` applied."""
     ov = overrides or Overrides()
     _validate(ov)
-    objects = copy.deepcopy(load_manifest(manifest))
-    rendered = Rendered(objects)
+    rendered = Rendered(copy.deepcopy(objects))
     job, cm = rendered.job, rendered.config_map
+    pod = job["spec"]["template"]["spec"]
     main = container(job)
 
+    if ov.model_cache == "pvc":
+        cache = next((v for v in pod.get("volumes", []) if v.get("name") == "cache"), {})
+        if "persistentVolumeClaim" not in cache:
+            raise K8sError(
+                "--model-cache pvc, but the kustomization makes /cache something else (the component "
+                "model-cache/emptydir?): remove that component or pass --model-cache emptydir"
+            )
+
     if ov.namespace:
-        for obj in objects:
+        for obj in rendered.objects:
             obj["metadata"]["namespace"] = ov.namespace
 
     if ov.name_suffix:
         old_cm = cm["metadata"]["name"]
         cm["metadata"]["name"] = _check_name(f"{old_cm}-{ov.name_suffix}", "ConfigMap name")
         job["metadata"]["name"] = _check_name(f"{job['metadata']['name']}-{ov.name_suffix}", "Job name")
-        for source in main.get("envFrom", []):
-            ref = source.get("configMapRef")
-            if ref and ref.get("name") == old_cm:
-                ref["name"] = cm["metadata"]["name"]
+        _rename_config_map_refs(pod, old_cm, cm["metadata"]["name"])
 
     data = cm.setdefault("data", {})
     for attr, key in CONFIG_KEYS.items():
@@ -237,15 +365,13 @@ def render(overrides: Overrides | None = None, manifest: str | Path = DEFAULT_MA
         if value is not None:
             data[key] = str(value)
 
-    if ov.model_cache == "emptydir":
-        _cache_as_emptydir(rendered, main)
-
     if ov.image:
-        main["image"] = ov.image
+        _set_image(rendered.objects, main, ov.image)
     if not str(main.get("image") or "").strip():
         raise K8sError(
             "no image: the manifest's is empty on purpose (a placeholder must never be deployed); "
-            "pass --image REPO@sha256:DIGEST, the reference `docker push` printed"
+            "pass --image REPO@sha256:DIGEST, the reference `docker push` printed, or set it once in "
+            "k8s/image/kustomization.yaml"
         )
     # the env var MLflow runs are tagged with always names the image actually deployed
     for env in main.setdefault("env", []):
@@ -255,6 +381,25 @@ def render(overrides: Overrides | None = None, manifest: str | Path = DEFAULT_MA
     else:
         main["env"].append({"name": "IMAGE_DIGEST", "value": main["image"]})
     return rendered
+
+
+def render(overrides: Overrides | None = None, kustomize_dir: str | Path | None = None) -> Rendered:
+    """``kubectl kustomize`` of ``kustomize_dir`` (default: :func:`default_kustomize_dir`) with
+    ``overrides`` applied; ``--model-cache emptydir`` adds the component model-cache/emptydir of
+    that folder. Nothing on disk is changed."""
+    ov = overrides or Overrides()
+    _validate(ov)  # before kubectl runs: a bad flag is refused at once
+    folder = Path(kustomize_dir) if kustomize_dir else default_kustomize_dir()
+    components: tuple[Path, ...] = ()
+    if ov.model_cache == "emptydir":
+        component = folder / EMPTYDIR_COMPONENT
+        if not component.is_dir():
+            raise K8sError(
+                f"--model-cache emptydir adds the kustomize component {EMPTYDIR_COMPONENT}/ of the "
+                f"kustomization directory, and {component} does not exist"
+            )
+        components = (component,)
+    return apply_overrides(kustomize(folder, components), ov)
 
 
 def new_suffix() -> str:
@@ -271,6 +416,9 @@ class Apis:
     core: Any
     batch: Any
     networking: Any
+    apps: Any = None
+    """AppsV1Api: the Deployments a kustomization may render (the MLflow server, the agentic
+    environment server)."""
 
 
 def load_apis(context: str | None = None) -> Apis:
@@ -290,7 +438,7 @@ def load_apis(context: str | None = None) -> Apis:
                 f"no cluster to talk to: no usable kubeconfig ({kube_exc}) and not running in a pod ({exc}); "
                 "set KUBECONFIG or pass --context"
             ) from exc
-    return Apis(client.CoreV1Api(), client.BatchV1Api(), client.NetworkingV1Api())
+    return Apis(client.CoreV1Api(), client.BatchV1Api(), client.NetworkingV1Api(), client.AppsV1Api())
 
 
 def _status_code(exc: BaseException) -> int | None:
@@ -307,24 +455,40 @@ class Submitted:
     skipped: list[str] = field(default_factory=list)
 
 
+def _creators(apis: Apis) -> dict[str, Callable[..., Any] | None]:
+    """Kind -> the client call that creates one of the shared objects a kustomization renders."""
+    return {
+        "ServiceAccount": apis.core.create_namespaced_service_account,
+        "PersistentVolumeClaim": apis.core.create_namespaced_persistent_volume_claim,
+        "ConfigMap": apis.core.create_namespaced_config_map,
+        "Service": apis.core.create_namespaced_service,
+        "NetworkPolicy": apis.networking.create_namespaced_network_policy,
+        "Deployment": apis.apps.create_namespaced_deployment if apis.apps is not None else None,
+    }
+
+
 def submit(rendered: Rendered, apis: Apis) -> Submitted:
-    """Create the rendered objects: shared ones if missing, then ConfigMap, Job, owner link."""
+    """Create the rendered objects: shared ones if missing, then the Job's ConfigMap, the Job, the
+    owner link."""
     ns = rendered.namespace
     created: list[str] = []
     skipped: list[str] = []
-    creators: dict[str, Callable[..., Any]] = {
-        "ServiceAccount": apis.core.create_namespaced_service_account,
-        "PersistentVolumeClaim": apis.core.create_namespaced_persistent_volume_claim,
-        "NetworkPolicy": apis.networking.create_namespaced_network_policy,
-    }
-    for obj in rendered.objects:
+    creators = _creators(apis)
+    job_cm = rendered.config_map
+    shared = [o for o in rendered.objects if o["kind"] != "Job" and o is not job_cm]
+    # every kind checked before the first request: nothing is half-created
+    for obj in shared:
+        if creators.get(obj["kind"]) is None:
+            raise K8sError(
+                f"submit does not know how to create a {obj['kind']} ({obj['metadata']['name']}); "
+                "apply it with kubectl apply -k, or leave it out of the kustomization"
+            )
+    for obj in shared:
         kind = obj["kind"]
-        if kind in ("Job", "ConfigMap"):
-            continue
-        if kind not in creators:
-            raise K8sError(f"submit does not know how to create a {kind}")
+        create = creators[kind]
+        assert create is not None
         try:
-            creators[kind](namespace=ns, body=obj, _request_timeout=REQUEST_TIMEOUT)
+            create(namespace=obj["metadata"].get("namespace", ns), body=obj, _request_timeout=REQUEST_TIMEOUT)
             created.append(f"{kind}/{obj['metadata']['name']}")
         except Exception as exc:
             status = _status_code(exc)
@@ -556,9 +720,10 @@ def status_exit_code(status: JobStatus) -> int:
 
 def _add_render_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--manifest",
-        default=str(DEFAULT_MANIFEST),
-        help="the Job manifest (default: the packaged k8s/grpo-job.yaml)",
+        "--kustomize",
+        metavar="DIR",
+        help="the kustomization to render with `kubectl kustomize` (default: ./k8s, else the "
+        "checkout's k8s/): its patches and components apply, then the flags below",
     )
     p.add_argument("--image", help="image reference, REPO@sha256:DIGEST (required: the manifest has none)")
     p.add_argument("--steps", type=int, help="GRPO steps (ConfigMap STEPS)")
@@ -580,12 +745,13 @@ def _add_render_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-name", help="continue this named run: OUTPUT_URI/RUN_NAME (RUN_NAME)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI as seen from the cluster")
     p.add_argument("--experiment", help="MLflow experiment name")
-    p.add_argument("--namespace", help="namespace of every object (default: the manifest's)")
+    p.add_argument("--namespace", help="namespace of every object (default: the kustomization's)")
     p.add_argument(
         "--model-cache",
         choices=MODEL_CACHES,
-        help="/cache on the shared PersistentVolumeClaim orthorl-model-cache (default: pvc, reused by "
-        "retries and later Jobs) or a per-pod emptyDir",
+        help="/cache on the shared PersistentVolumeClaim orthorl-model-cache (pvc, the shipped "
+        "default, reused by retries and later Jobs) or a per-pod emptyDir (adds the component "
+        "model-cache/emptydir); default: what the kustomization says",
     )
 
 
@@ -597,7 +763,7 @@ def _overrides(args: argparse.Namespace, suffix: str | None) -> Overrides:
 
 def cmd_render(args: argparse.Namespace) -> int:
     def body() -> int:
-        sys.stdout.write(render(_overrides(args, args.name_suffix), args.manifest).to_yaml())
+        sys.stdout.write(render(_overrides(args, args.name_suffix), args.kustomize).to_yaml())
         return 0
 
     return _guarded("render", body)
@@ -650,7 +816,7 @@ def cmd_submit(args: argparse.Namespace, apis: Apis | None = None) -> int:
 
 def _submit(args: argparse.Namespace, apis: Apis | None) -> int:
     suffix = args.name_suffix if args.name_suffix is not None else new_suffix()
-    rendered = render(_overrides(args, suffix or None), args.manifest)
+    rendered = render(_overrides(args, suffix or None), args.kustomize)
     apis = apis or load_apis(args.context)
     done = submit(rendered, apis)
     print(f"submitted Job {done.namespace}/{done.job_name} (created: {', '.join(done.created)})")
@@ -666,9 +832,10 @@ def _submit(args: argparse.Namespace, apis: Apis | None) -> int:
 
 
 def _namespace(args: argparse.Namespace) -> str:
+    """-n, else the kustomization's namespace (read from its file), else orthorl."""
     if args.namespace:
         return args.namespace
-    return Rendered(load_manifest(DEFAULT_MANIFEST)).namespace
+    return kustomization_namespace(getattr(args, "kustomize", None)) or DEFAULT_NAMESPACE
 
 
 def cmd_logs(args: argparse.Namespace, apis: Apis | None = None) -> int:
@@ -718,7 +885,8 @@ def add_k8s_arguments(subparsers: Any) -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("job", help="Job name (as printed by submit)")
-        p.add_argument("-n", "--namespace", help="namespace (default: the manifest's)")
+        p.add_argument("-n", "--namespace", help="namespace (default: the kustomization's, else orthorl)")
+        p.add_argument("--kustomize", metavar="DIR", help="the kustomization whose namespace is the default")
         p.add_argument("--context", help="kubeconfig context")
         if name == "logs":
             p.add_argument("--no-follow", action="store_true", help="print the log so far and exit")

@@ -7,9 +7,12 @@ strongest offline means there is:
   user, `orthojob` entrypoint, nothing secret), the build context (.dockerignore), and the lock
   it installs from (scripts/check_lock.py resolves it again for Linux x86_64).
 * Manifests: kubernetes-validate --strict for Kubernetes 1.29 to 1.37 (one run per version over
-  every built-in-kind manifest, the kustomize output and `orthojob k8s render` output), checkov
-  (one run over the Dockerfile and every manifest), `kubectl kustomize`, and the TrainJob against
-  the Kubeflow CRD schema (k8s/schemas/), validated strictly.
+  every built-in-kind manifest, the kustomize output and `orthojob k8s render` output, the
+  TrainingRuntime's node Job), checkov (one run over the Dockerfile and every manifest),
+  `kubectl kustomize`, and the TrainJob against the Kubeflow CRD schema (k8s/schemas/), validated
+  strictly.
+* `orthojob k8s render` renders through `kubectl kustomize k8s/`: a patch or component enabled in
+  the kustomization reaches its output.
 * Every command line of every manifest and MLproject entry point parses with the real CLI parser.
 * Agentic GRPO (the component k8s/agentic/): the environment server's container command is run for
   real (its probes answer, the trainer's capacity check passes for the Job's generation batch), the
@@ -64,9 +67,10 @@ BUILTIN_MANIFESTS = [
     K8S / "mlflow-k8s" / "job-template-cpu.yaml",
 ]
 TRAINJOB = K8S / "multinode" / "trainjob.yaml"
+RUNTIME = K8S / "multinode" / "runtime.yaml"
 VLLM = K8S / "multinode" / "vllm.yaml"
 ENV_SERVER = K8S / "agentic" / "env-server.yaml"
-ALL_MANIFESTS = [*BUILTIN_MANIFESTS, TRAINJOB]
+ALL_MANIFESTS = [*BUILTIN_MANIFESTS, TRAINJOB, RUNTIME]
 TEST_IMAGE = "reg.test/orthorl/train@sha256:" + "ab" * 32
 USER_OUTPUT_URI = "s3://orthorl/runs"
 """The OUTPUT_URI a user sets (docs/deploy.md, step 4): the shipped value is empty, and required."""
@@ -196,14 +200,67 @@ def agentic_output(k8s_with_image, tmp_path_factory) -> Path:
     return out
 
 
+def orthojob_render(overrides: Any = None, folder: Path = K8S) -> Any:
+    """`orthojob k8s render` (orthojob.k8s.render) of ``folder``; it runs `kubectl kustomize`."""
+    from orthojob.k8s import render
+
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (`orthojob k8s render` runs `kubectl kustomize`)")
+    return render(overrides, kustomize_dir=folder)
+
+
 @pytest.fixture(scope="module")
 def render_output(tmp_path_factory) -> Path:
-    from orthojob.k8s import Overrides, render
+    from orthojob.k8s import Overrides
 
-    rendered = render(Overrides(image=TEST_IMAGE, steps=50, name_suffix="t1"))
+    rendered = orthojob_render(Overrides(image=TEST_IMAGE, steps=50, name_suffix="t1"))
     out = tmp_path_factory.mktemp("render") / "orthojob-k8s-render.yaml"
     out.write_text(rendered.to_yaml())
     return out
+
+
+def enable_knobs(k8s_copy: Path) -> None:
+    """In a copy of k8s/: the component gpu-node-selector, the Kueue label and the image-pull Secret
+    enabled as k8s/kustomization.yaml's comments say, and STEPS patched to 42."""
+    path = k8s_copy / "kustomization.yaml"
+    kz = yaml.safe_load(path.read_text())
+    kz["components"].append("gpu-node-selector")
+    ops = yaml.safe_load(kz["patches"][0]["patch"])
+    next(op for op in ops if op["path"] == "/data/STEPS")["value"] = "42"
+    kz["patches"][0]["patch"] = yaml.safe_dump(ops)
+    kz["patches"] += [
+        {
+            "target": {"kind": "Job", "name": "orthorl-grpo"},
+            "patch": "- op: add\n  path: /metadata/labels/kueue.x-k8s.io~1queue-name\n  value: team-q\n",
+        },
+        {
+            "target": {"kind": "ServiceAccount", "name": "orthorl-train"},
+            "patch": "- op: add\n  path: /imagePullSecrets\n  value: [{name: orthorl-pull}]\n",
+        },
+    ]
+    path.write_text(yaml.safe_dump(kz, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def render_patched_output(tmp_path_factory) -> Path:
+    """`orthojob k8s render --kustomize COPY` of a copy of k8s/ with the knobs of :func:`enable_knobs`."""
+    from orthojob.k8s import Overrides
+
+    work = tmp_path_factory.mktemp("k8s-knobs") / "k8s"
+    shutil.copytree(K8S, work)
+    enable_knobs(work)
+    rendered = orthojob_render(Overrides(image=TEST_IMAGE, name_suffix="p1"), work)
+    out = tmp_path_factory.mktemp("render") / "orthojob-k8s-render-patched.yaml"
+    out.write_text(rendered.to_yaml())
+    return out
+
+
+def runtime_node_job(runtime: dict) -> dict:
+    """The TrainingRuntime's node Job template as a batch/v1 Job (what JobSet creates from it)."""
+    (node,) = [r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == "node"]
+    template = copy.deepcopy(node["template"])
+    metadata = {**template.pop("metadata", {}), "name": "orthorl-grpo-multinode-node-0"}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, **template}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,8 +371,15 @@ def checkov_binary() -> str:
     return str(exe)
 
 
-def test_checkov_clean(kustomize_output, multinode_output, render_output, cache_variants, agentic_output):
-    variants = [cache_variants["k8s-emptydir"], cache_variants["multinode-shared"], agentic_output]
+def test_checkov_clean(
+    kustomize_output, multinode_output, render_output, render_patched_output, cache_variants, agentic_output
+):
+    variants = [
+        cache_variants["k8s-emptydir"],
+        cache_variants["multinode-shared"],
+        agentic_output,
+        render_patched_output,
+    ]
     files = [
         ROOT / "Dockerfile",
         *ALL_MANIFESTS,
@@ -365,23 +429,30 @@ def test_checkov_clean(kustomize_output, multinode_output, render_output, cache_
 
 
 def test_kubernetes_validate_strict_all_versions(
-    kustomize_output, render_output, cache_variants, agentic_output, tmp_path
+    kustomize_output, render_output, render_patched_output, cache_variants, agentic_output, tmp_path
 ):
     kv = tool("kubernetes-validate")
     if kv is None:
         pytest.skip("kubernetes-validate not installed (the dev extra has it)")
-    # the multi-node output minus the TrainJob (a CRD: validated against its schema below)
+    # the multi-node output minus the Kubeflow kinds (the TrainJob: validated against its CRD schema
+    # below), plus the Job that JobSet makes from the TrainingRuntime's node template
+    kubeflow = ("TrainJob", "TrainingRuntime")
     multinode = tmp_path / "multinode-builtin.yaml"
     proc = kustomize(K8S / "multinode")
     multinode.write_text(
-        yaml.safe_dump_all([d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] != "TrainJob"])
+        yaml.safe_dump_all([d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] not in kubeflow])
     )
+    node_job = tmp_path / "runtime-node-job.yaml"
+    node_job.write_text(yaml.safe_dump(runtime_node_job(one(load_all(RUNTIME), "TrainingRuntime"))))
     builtin = []
     for name, path in cache_variants.items():  # the model-cache choices too (their TrainJob: below)
         builtin.append(tmp_path / f"{name}-builtin.yaml")
-        builtin[-1].write_text(yaml.safe_dump_all([d for d in load_all(path) if d["kind"] != "TrainJob"]))
-    files = [str(f) for f in [*BUILTIN_MANIFESTS, kustomize_output, render_output, multinode, *builtin]]
-    files.append(str(agentic_output))
+        builtin[-1].write_text(yaml.safe_dump_all([d for d in load_all(path) if d["kind"] not in kubeflow]))
+    files = [
+        str(f)
+        for f in [*BUILTIN_MANIFESTS, kustomize_output, render_output, render_patched_output, multinode]
+    ]
+    files += [str(f) for f in [*builtin, node_job, agentic_output]]
     problems = []
     for version in KUBE_VERSIONS:
         proc = run([kv, "--strict", "--quiet", "-k", version, *files])
@@ -502,17 +573,73 @@ def test_kustomization_overrides_image_digest_and_params(tmp_path):
     assert one(docs, "ConfigMap")["data"]["STEPS"] == "42"
 
 
-def test_kustomize_and_render_agree(kustomize_output):
-    """`orthojob k8s render` (no kubectl needed, e.g. from a wheel) and `kubectl kustomize k8s/`
-    produce the same objects for the same image and parameters."""
-    from orthojob.k8s import Overrides, render
+def test_render_is_the_kustomize_output(kustomize_output):
+    """`orthojob k8s render` with only the image given is `kubectl kustomize k8s/` with that image
+    set in k8s/image: the same objects, in the same order, every component (MLflow) included."""
+    from orthojob.k8s import Overrides
 
-    kz = load_all(kustomize_output)
-    cm = one(kz, "ConfigMap")["data"]
-    rendered = render(Overrides(image=TEST_IMAGE)).objects
-    by_kind = {d["kind"]: d for d in rendered}
-    assert by_kind["ConfigMap"]["data"] == cm
-    assert by_kind["Job"]["spec"] == one(kz, "Job")["spec"]
+    assert orthojob_render(Overrides(image=TEST_IMAGE)).objects == load_all(kustomize_output)
+
+
+def test_render_applies_the_kustomization_patches(render_patched_output, tmp_path, capsys):
+    """A component and patches enabled in the kustomization (a copy of k8s/) reach
+    `orthojob k8s render --kustomize COPY`; the per-submission flags apply on top of them."""
+    from orthojob import k8s
+
+    docs = load_all(render_patched_output)
+    job = one(docs, "Job")
+    assert job["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-q"
+    assert job["metadata"]["name"] == "orthorl-grpo-p1"
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "orthorl-train")
+    assert sa["imagePullSecrets"] == [{"name": "orthorl-pull"}]
+    assert one(docs, "ConfigMap")["data"]["STEPS"] == "42"
+    # the CLI: the kustomization's value unless a flag overrides it
+    work = tmp_path / "k8s"
+    shutil.copytree(K8S, work)
+    enable_knobs(work)
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    parser = cli_parser()
+    for flags, steps in (([], "42"), (["--steps", "7"], "7")):
+        args = parser.parse_args(["k8s", "render", "--kustomize", str(work), "--image", TEST_IMAGE, *flags])
+        assert k8s.cmd_render(args) == 0
+        rendered = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+        assert one(rendered, "ConfigMap")["data"]["STEPS"] == steps
+        assert one(rendered, "Job")["spec"]["template"]["spec"]["nodeSelector"]
+
+
+def test_render_errors_say_what_to_fix(tmp_path, monkeypatch, capsys):
+    """No kubectl, no kustomization directory, a broken kustomization: exit 2 and what to fix, no
+    traceback; a bad flag is refused before kubectl runs."""
+    from orthojob import k8s
+
+    parser = cli_parser()
+
+    def render_exit(*flags: str) -> tuple[int, str]:
+        args = parser.parse_args(["k8s", "render", "--image", TEST_IMAGE, *flags])
+        code = k8s.cmd_render(args)
+        return code, capsys.readouterr().err
+
+    code, err = render_exit("--kustomize", str(tmp_path / "nowhere"))
+    assert code == 2 and "--kustomize DIR" in err and "Traceback" not in err
+    (tmp_path / "empty").mkdir()
+    code, err = render_exit("--kustomize", str(tmp_path / "empty"))
+    assert code == 2 and "no kustomization.yaml" in err
+    broken = tmp_path / "broken"
+    shutil.copytree(K8S, broken)
+    kz = yaml.safe_load((broken / "kustomization.yaml").read_text())
+    kz["resources"].append("missing.yaml")
+    (broken / "kustomization.yaml").write_text(yaml.safe_dump(kz, sort_keys=False))
+    if shutil.which("kubectl") is not None:
+        code, err = render_exit("--kustomize", str(broken))
+        assert code == 2 and "fix the kustomization" in err and "missing.yaml" in err, err
+    code, err = render_exit("--kustomize", str(broken), "--steps", "0")
+    assert code == 2 and "steps must be a positive integer" in err
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("ORTHORL_KUBECTL", raising=False)
+    code, err = render_exit("--kustomize", str(K8S))
+    assert code == 2 and "kubectl is not installed" in err and "Traceback" not in err
 
 
 def test_node_selector_and_queue_knobs(tmp_path):
@@ -555,7 +682,7 @@ def test_model_cache_choices(kustomize_output, multinode_output, cache_variants)
     claims. k8s/model-cache/emptydir makes it per-pod scratch (ephemeral-storage limit raised to
     match, claims dropped), and `orthojob k8s render --model-cache emptydir` renders the same;
     k8s/model-cache/shared gives the TrainJob's node pods one ReadWriteMany claim."""
-    from orthojob.k8s import Overrides, render
+    from orthojob.k8s import Overrides
 
     def volumes(pod: dict) -> dict[str, dict]:
         return {v["name"]: v for v in pod["volumes"]}
@@ -571,7 +698,7 @@ def test_model_cache_choices(kustomize_output, multinode_output, cache_variants)
     assert ephemeral_limit_covers_emptydirs(pod) and not ephemeral_limit_covers_emptydirs(
         {**pod, "containers": job_pod["containers"]}
     ), "the limit must grow with the emptyDir"
-    rendered = render(Overrides(image=TEST_IMAGE, model_cache="emptydir")).objects
+    rendered = not_mlflow(orthojob_render(Overrides(image=TEST_IMAGE, model_cache="emptydir")).objects)
     assert sorted(d["kind"] for d in rendered) == sorted(d["kind"] for d in scratch)
 
     def by_name(job: dict) -> dict:  # kustomize moves a patched volume first: order means nothing
@@ -756,6 +883,98 @@ def test_trainjob_validates_against_crd_schema():
     bad = copy.deepcopy(docs[0])
     bad["spec"]["trainer"]["numProcPerNode"] = 0
     assert trainjob_errors(bad)
+
+
+# the TrainingRuntime's fields as its CRD lists them (kubeflow/trainer
+# manifests/base/crds/trainer.kubeflow.org_trainingruntimes.yaml, the commit of k8s/schemas/README.md)
+RUNTIME_SPEC_FIELDS = {"mlPolicy", "podGroupPolicy", "template"}
+JOBSET_SPEC_FIELDS = {
+    "coordinator",
+    "failurePolicy",
+    "managedBy",
+    "network",
+    "replicatedJobs",
+    "startupPolicy",
+    "successPolicy",
+    "suspend",
+    "ttlSecondsAfterFinished",
+    "volumeClaimPolicies",
+}
+FAILURE_POLICY_FIELDS = {"maxRestarts", "restartStrategy", "rules"}
+FAILURE_RULE_FIELDS = {
+    "action",
+    "name",
+    "onJobFailureMessagePatterns",
+    "onJobFailureReasons",
+    "targetReplicatedJobs",
+}
+REPLICATED_JOB_FIELDS = {"dependsOn", "groupName", "name", "replicas", "template"}
+
+
+def test_trainjob_runtime_fails_fast_like_the_job():
+    """The TrainJob runs on the shipped TrainingRuntime, whose node Job carries the single-node
+    Job's podFailurePolicy (the exit codes of orthojob.exit_codes that must not be retried, and
+    DisruptionTarget ignored), restartPolicy Never (which a podFailurePolicy needs), the TrainJob's
+    grace period for the FSDP save, and whole-JobSet retries as many as the Job's backoffLimit."""
+    from orthojob.exit_codes import fail_fast_codes
+
+    runtime = one(load_all(RUNTIME), "TrainingRuntime")
+    tj = one(load_all(TRAINJOB), "TrainJob")
+    assert runtime["apiVersion"] == tj["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert tj["spec"]["runtimeRef"] == {
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "TrainingRuntime",
+        "name": runtime["metadata"]["name"],
+    }
+    assert runtime["metadata"]["namespace"] == tj["metadata"]["namespace"]  # namespaced: the same one
+    kz = yaml.safe_load((K8S / "multinode" / "kustomization.yaml").read_text())
+    assert RUNTIME.name in kz["resources"]
+
+    # the fields the CRD knows, strictly (a misspelt one would be refused by the API server)
+    spec = runtime["spec"]
+    assert set(spec) <= RUNTIME_SPEC_FIELDS and "torch" in spec["mlPolicy"]
+    jobset = spec["template"]["spec"]
+    assert set(jobset) <= JOBSET_SPEC_FIELDS
+    policy = jobset["failurePolicy"]
+    assert set(policy) <= FAILURE_POLICY_FIELDS
+    for rule in policy["rules"]:
+        assert set(rule) <= FAILURE_RULE_FIELDS and {"action", "name"} <= set(rule)
+        assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rule["name"])
+    (node,) = jobset["replicatedJobs"]
+    assert set(node) <= REPLICATED_JOB_FIELDS
+    # the Trainer puts spec.trainer (image, command, env, resources) into this Job's `node` container
+    assert node["name"] == "node"
+    assert node["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+
+    job = runtime_node_job(runtime)
+    single = one(load_all(K8S / "grpo-job.yaml"), "Job")
+    pod = job["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["node"]
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    expected = copy.deepcopy(single["spec"]["podFailurePolicy"]["rules"])
+    for rule in expected:
+        if "onExitCodes" in rule:
+            rule["onExitCodes"]["containerName"] = "node"
+    assert rules == expected
+    fail = next(r for r in rules if r["action"] == "FailJob")
+    assert tuple(fail["onExitCodes"]["values"]) == fail_fast_codes()
+    assert pod["restartPolicy"] == "Never"
+    # retries: the whole JobSet (every rank), as many times as the Job retries; a FailJob ends it
+    assert job["spec"]["backoffLimit"] == 0
+    assert policy["maxRestarts"] == single["spec"]["backoffLimit"]
+    assert policy["rules"][0]["action"] == "FailJobSet"
+    assert policy["rules"][0]["onJobFailureReasons"] == ["PodFailurePolicy"]
+    assert "targetReplicatedJobs" not in policy["rules"][0]
+    # SIGTERM -> FSDP save and sync: the runtime's grace period is the TrainJob's patch's
+    patched = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    assert patched["name"] == node["name"]
+    patched_pod = patched["template"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == patched_pod["terminationGracePeriodSeconds"] >= 300
+    assert [c["name"] for c in patched_pod["containers"]] == ["node"]
+    assert (
+        single["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        <= pod["terminationGracePeriodSeconds"]
+    )
 
 
 def pet_env(doc: dict) -> dict[str, str]:
@@ -1036,10 +1255,10 @@ def test_render_runs_the_whole_chain_into_a_per_job_prefix():
     then promote -> alias candidate) below OUTPUT_URI/<job name>-<uid[:8]>. Two Jobs never share a
     prefix; a retried pod (same Job) does. CHECKPOINT_URI set: GRPO from that checkpoint."""
     from orthojob import job
-    from orthojob.k8s import Overrides, render
+    from orthojob.k8s import Overrides
 
     uid_a, uid_b = "5f0c1a2b-0000-4000-8000-000000000001", "9e8d7c6b-0000-4000-8000-000000000002"
-    r = render(Overrides(image=TEST_IMAGE, name_suffix="a1", output_uri="s3://team-bucket/orthorl"))
+    r = orthojob_render(Overrides(image=TEST_IMAGE, name_suffix="a1", output_uri="s3://team-bucket/orthorl"))
     argv = job_argv(r.job, r.config_map, uid_a)
     assert argv[:3] == ["python", "-m", "orthojob.job"]
     args = job.build_parser().parse_args(argv[3:])
@@ -1061,7 +1280,7 @@ def test_render_runs_the_whole_chain_into_a_per_job_prefix():
     assert other.out != plan.out
     assert job.plan(args, {"K8S_JOB_NAME": r.job["metadata"]["name"], "K8S_JOB_UID": uid_a}).out == plan.out
     # from a gated checkpoint
-    r = render(
+    r = orthojob_render(
         Overrides(
             image=TEST_IMAGE,
             checkpoint_uri="s3://b/bc_sft",
@@ -1441,7 +1660,10 @@ def recording_apis(responder=None):
     recorder = Recorder(responder)
     api_client.rest_client.request = recorder
     apis = Apis(
-        client.CoreV1Api(api_client), client.BatchV1Api(api_client), client.NetworkingV1Api(api_client)
+        client.CoreV1Api(api_client),
+        client.BatchV1Api(api_client),
+        client.NetworkingV1Api(api_client),
+        client.AppsV1Api(api_client),
     )
     return apis, recorder
 
@@ -1473,38 +1695,48 @@ OVERRIDES = dict(
 )
 
 
-def test_render_then_submit_request_bodies_field_by_field():
-    from orthojob.k8s import CONFIG_KEYS, Overrides, render, submit
+COLLECTIONS = {
+    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+    "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
+    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
+    "Service": "/api/v1/namespaces/{ns}/services",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+    "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
+}
 
-    manifest = load_all(K8S / "grpo-job.yaml")
-    m_sa, m_pvc, m_cm, m_np, m_job = (
-        one(manifest, k)
-        for k in ("ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "NetworkPolicy", "Job")
+
+def test_render_then_submit_request_bodies_field_by_field():
+    """What submit sends is `kubectl kustomize k8s/` (the image unset there) with the overrides:
+    shared objects moved to the namespace only, the Job and its ConfigMap changed where the
+    overrides say and nowhere else."""
+    from orthojob.k8s import CONFIG_KEYS, Overrides, submit
+
+    manifest = list(yaml.safe_load_all(kustomize(K8S).stdout))
+    m_cm, m_job = (
+        next(d for d in manifest if d["kind"] == k and d["metadata"]["name"] == n)
+        for k, n in (("ConfigMap", "orthorl-grpo-config"), ("Job", "orthorl-grpo"))
     )
-    rendered = render(Overrides(**OVERRIDES))
-    assert load_all(K8S / "grpo-job.yaml") == manifest, "render must not change the manifest file"
+    m_shared = [d for d in manifest if d is not m_cm and d is not m_job]
+    assert {"ServiceAccount", "PersistentVolumeClaim", "NetworkPolicy"} <= {d["kind"] for d in m_shared}
+    rendered = orthojob_render(Overrides(**OVERRIDES))
+    assert list(yaml.safe_load_all(kustomize(K8S).stdout)) == manifest, "render must not change k8s/"
     apis, rec = recording_apis()
     done = submit(rendered, apis)
 
     ns, job_name = OVERRIDES["namespace"], f"{m_job['metadata']['name']}-{OVERRIDES['name_suffix']}"
     cm_name = f"{m_cm['metadata']['name']}-{OVERRIDES['name_suffix']}"
     assert [(m, u.removeprefix("https://cluster.test")) for m, u, _ in rec.calls] == [
-        ("POST", f"/api/v1/namespaces/{ns}/serviceaccounts"),
-        ("POST", f"/api/v1/namespaces/{ns}/persistentvolumeclaims"),
-        ("POST", f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies"),
+        *(("POST", COLLECTIONS[d["kind"]].format(ns=ns)) for d in m_shared),
         ("POST", f"/api/v1/namespaces/{ns}/configmaps"),
         ("POST", f"/apis/batch/v1/namespaces/{ns}/jobs"),
         ("PATCH", f"/api/v1/namespaces/{ns}/configmaps/{cm_name}"),
     ]
-    sa_body, pvc_body, np_body, cm_body, job_body, patch_body = (b for _, _, b in rec.calls)
+    *shared_bodies, cm_body, job_body, patch_body = (b for _, _, b in rec.calls)
 
-    # shared objects: the manifest's, moved to the namespace (the model cache is not per Job)
-    assert diff_paths(m_sa, sa_body) == {"/metadata/namespace"} and sa_body["metadata"]["namespace"] == ns
-    assert (
-        diff_paths(m_pvc, pvc_body) == {"/metadata/namespace"}
-        and pvc_body["metadata"]["name"] == m_pvc["metadata"]["name"]
-    )
-    assert diff_paths(m_np, np_body) == {"/metadata/namespace"} and np_body["metadata"]["namespace"] == ns
+    # shared objects: the kustomization's, moved to the namespace (the model cache is not per Job)
+    for m_obj, body in zip(m_shared, shared_bodies, strict=True):
+        assert diff_paths(m_obj, body) == {"/metadata/namespace"}, m_obj["metadata"]["name"]
+        assert body["metadata"]["namespace"] == ns and body["metadata"]["name"] == m_obj["metadata"]["name"]
 
     # ConfigMap: renamed, namespaced, and exactly the overridden keys changed
     changed = {f"/data/{CONFIG_KEYS[k]}" for k in CONFIG_KEYS if OVERRIDES.get(k) is not None}
@@ -1538,10 +1770,10 @@ def test_render_then_submit_request_bodies_field_by_field():
         "apiVersion": "batch/v1",
         "kind": "Job",
         "name": job_name,
-        "uid": "uid-5",
+        "uid": f"uid-{len(m_shared) + 2}",
         "blockOwnerDeletion": False,
     }
-    assert done.job_name == job_name and done.job_uid == "uid-5" and done.namespace == ns
+    assert done.job_name == job_name and done.job_uid == owner["uid"] and done.namespace == ns
 
 
 def _key(path: str) -> str:
@@ -1554,28 +1786,29 @@ def _key(path: str) -> str:
 def test_submit_leaves_existing_shared_objects_alone(status, reason):
     """409 (it exists) and 403 (a multi-tenant namespace where an admin made them) on the shared
     ServiceAccount, model-cache claim and NetworkPolicy are fine: submit goes on with the ConfigMap and the Job."""
-    from orthojob.k8s import Overrides, render, submit
+    from orthojob.k8s import Overrides, submit
+
+    rendered = orthojob_render(Overrides(image=TEST_IMAGE))
+    job_cm = rendered.config_map["metadata"]["name"]
 
     def refuse(method, url, body):
-        if method == "POST" and url.endswith(
-            ("/serviceaccounts", "/persistentvolumeclaims", "/networkpolicies")
-        ):
+        if method == "POST" and not url.endswith("/jobs") and body["metadata"]["name"] != job_cm:
             return FakeResponse(status, {"kind": "Status", "reason": reason, "code": status})
         return None
 
     apis, rec = recording_apis(refuse)
-    done = submit(render(Overrides(image=TEST_IMAGE)), apis)
-    assert [c.split("/")[0] for c in done.created] == ["ConfigMap", "Job"]
-    assert [c.split("/")[0] for c in done.skipped] == [
-        "ServiceAccount",
-        "PersistentVolumeClaim",
-        "NetworkPolicy",
+    done = submit(rendered, apis)
+    assert done.created == [f"ConfigMap/{job_cm}", "Job/orthorl-grpo"]
+    shared = [d for d in rendered.objects if d["kind"] != "Job" and d["metadata"]["name"] != job_cm]
+    assert {"ServiceAccount", "PersistentVolumeClaim", "NetworkPolicy"} <= {d["kind"] for d in shared}
+    assert done.skipped == [
+        f"{d['kind']}/{d['metadata']['name']} ({'exists' if status == 409 else 'forbidden'})" for d in shared
     ]
-    assert [m for m, _, _ in rec.calls] == ["POST", "POST", "POST", "POST", "POST", "PATCH"]
+    assert [m for m, _, _ in rec.calls] == ["POST"] * (len(shared) + 2) + ["PATCH"]
 
 
 def test_submit_still_fails_on_a_forbidden_job():
-    from orthojob.k8s import Overrides, render, submit
+    from orthojob.k8s import Overrides, submit
 
     def refuse(method, url, body):
         if url.endswith("/jobs"):
@@ -1584,7 +1817,7 @@ def test_submit_still_fails_on_a_forbidden_job():
 
     apis, _ = recording_apis(refuse)
     with pytest.raises(Exception) as err:
-        submit(render(Overrides(image=TEST_IMAGE)), apis)
+        submit(orthojob_render(Overrides(image=TEST_IMAGE)), apis)
     assert getattr(err.value, "status", None) == 403
 
 
@@ -1622,7 +1855,13 @@ def test_cli_render_and_submit_through_the_parser(capsys):
     )
     assert k8s.cmd_submit(args, apis) == 0
     job_body = next(b for m, u, b in rec.calls if u.endswith("/jobs"))
-    cm_body = next(b for m, u, b in rec.calls if m == "POST" and u.endswith("/configmaps"))
+    cm_body = next(
+        b
+        for m, u, b in rec.calls
+        if m == "POST"
+        and u.endswith("/configmaps")
+        and b["metadata"]["name"].startswith("orthorl-grpo-config-")
+    )
     assert re.fullmatch(r"orthorl-grpo-\d{10}-[0-9a-f]{4}", job_body["metadata"]["name"])
     assert cm_body["data"]["STEPS"] == "9" and cm_body["data"]["TASK_ID"] == "task_medium"
     assert capsys.readouterr().out.startswith("submitted Job orthorl/orthorl-grpo-")
@@ -1812,7 +2051,8 @@ def test_an_unreachable_api_server_fails_clearly_and_every_request_has_a_timeout
 
 
 def test_exit_code_table_everywhere_matches_the_enum():
-    """docs/deploy.md's table, both podFailurePolicies and `k8s status` derive from ExitCode."""
+    """docs/deploy.md's table, every podFailurePolicy (the Jobs', the TrainJob runtime's) and
+    `k8s status` derive from ExitCode."""
     from orthojob.exit_codes import ExitCode, fail_fast_codes
     from orthojob.k8s import EXIT_MEANINGS
 
@@ -1823,7 +2063,12 @@ def test_exit_code_table_everywhere_matches_the_enum():
             table[int(cells[0])] = cells[1]
     assert table == {int(c): c.meaning for c in ExitCode}
     assert table == EXIT_MEANINGS
-    for manifest in ("grpo-job.yaml", "mlflow-k8s/job-template.yaml", "mlflow-k8s/job-template-cpu.yaml"):
+    for manifest in (
+        "grpo-job.yaml",
+        "multinode/runtime.yaml",
+        "mlflow-k8s/job-template.yaml",
+        "mlflow-k8s/job-template-cpu.yaml",
+    ):
         text = (ROOT / "k8s" / manifest).read_text()
         values = re.search(r"operator: In\s*\n\s*values: \[([0-9, ]+)\]", text)
         assert values, manifest
@@ -1835,18 +2080,18 @@ def test_exit_code_table_everywhere_matches_the_enum():
 # `orthojob k8s` from an installed wheel
 
 
-def test_packaged_manifest_is_the_k8s_one():
-    """orthojob/manifests/grpo-job.yaml (package data) is k8s/grpo-job.yaml, byte for byte
-    (refresh: cp k8s/grpo-job.yaml orthojob/manifests/)."""
-    from orthojob.k8s import DEFAULT_MANIFEST
-
-    assert DEFAULT_MANIFEST.read_bytes() == (K8S / "grpo-job.yaml").read_bytes()
+def test_no_packaged_copy_of_the_manifests():
+    """One source of truth: `orthojob k8s` renders k8s/ through kustomize; the package ships no
+    copy of a manifest."""
+    assert not (ROOT / "orthojob" / "manifests").exists()
+    assert "manifests" not in (ROOT / "pyproject.toml").read_text()
 
 
 @pytest.mark.slow
 def test_k8s_render_from_an_installed_wheel(tmp_path):
     """Build the wheel, install it (no deps) into a fresh venv that sees the system's packages, and
-    run `orthojob k8s render` from a folder with no checkout: the manifest comes from the wheel."""
+    run `orthojob k8s render` from a folder with no checkout: without a kustomization it says to
+    pass --kustomize (exit 2); with --kustomize and a copy of k8s/ it renders."""
     src = tmp_path / "src"  # a copy: building in the checkout would leave build/ and egg-info there
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -1861,7 +2106,7 @@ def test_k8s_render_from_an_installed_wheel(tmp_path):
     (wheel,) = wheels.glob("orthorl-*.whl")
     import zipfile
 
-    assert "orthojob/manifests/grpo-job.yaml" in zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith((".yaml", ".yml"))]
     venv = tmp_path / "venv"
     made = run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=tmp_path)
     assert made.returncode == 0, made.stderr
@@ -1877,12 +2122,14 @@ def test_k8s_render_from_an_installed_wheel(tmp_path):
     env["PYTHONPATH"] = str(site)
     where = run([str(py), "-c", "import orthojob.k8s as k; print(k.__file__)"], cwd=elsewhere, env=env)
     assert str(venv) in where.stdout, where.stdout + where.stderr
-    proc = run(
-        [str(venv / "bin" / "orthojob"), "k8s", "render", "--image", TEST_IMAGE, "--steps", "7"],
-        cwd=elsewhere,
-        env=env,
-        timeout=120,
-    )
+    render_cmd = [str(venv / "bin" / "orthojob"), "k8s", "render", "--image", TEST_IMAGE, "--steps", "7"]
+    proc = run(render_cmd, cwd=elsewhere, env=env, timeout=120)
+    assert proc.returncode == 2 and "--kustomize DIR" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the wheel's render cannot run kustomize")
+    shutil.copytree(K8S, tmp_path / "deploy")
+    proc = run([*render_cmd, "--kustomize", str(tmp_path / "deploy")], cwd=elsewhere, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     docs = list(yaml.safe_load_all(proc.stdout))
     assert one(docs, "ConfigMap")["data"]["STEPS"] == "7"
