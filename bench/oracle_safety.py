@@ -1,8 +1,8 @@
 """The oracle's safety audit on 1,000 seeds per level and dynamics (benchmark, not a test).
 
-Prints, per (task, force_decay, non_compliance): plans breaking a hard rule, plans below uniform
-SLERP, the mean scaled-reward margin over SLERP, and seconds. Exit status 1 if any plan breaks a
-rule or falls below SLERP.
+Prints, per (task, force_decay, non_compliance): the oracle's plans breaking a hard rule, its plans
+below uniform SLERP, the mean scaled-reward margin over SLERP, uniform SLERP's plans breaking a
+hard rule, and seconds. Exit status 1 if any plan breaks a rule or the oracle falls below SLERP.
 
     OMP_NUM_THREADS=1 python bench/oracle_safety.py [--seeds 1000] [--workers 2]
 """
@@ -29,13 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bad = 0
     print(f"{'task':12s} {'decay':>5s} {'nc':>3s} {'seeds':>6s} {'breaking':>9s} {'below SLERP':>12s} "
-          f"{'margin':>8s} {'s':>7s}")  # fmt: skip
+          f"{'margin':>8s} {'SLERP breaking':>15s} {'s':>7s}")  # fmt: skip
     for combo in COMBOS:
         t = time.perf_counter()
         s = summary(audit({combo: range(args.seeds)}, workers=args.workers)[combo])
-        bad += len(s["broken"]) + len(s["below_slerp"])
+        bad += len(s["broken"]) + len(s["below_slerp"]) + len(s["slerp_broken"])
         print(f"{combo[0]:12s} {int(combo[1]):5d} {int(combo[2]):3d} {s['n']:6d} {len(s['broken']):9d} "
-              f"{len(s['below_slerp']):12d} {s['mean_margin']:+8.3f} {time.perf_counter() - t:7.1f}", flush=True)  # fmt: skip
+              f"{len(s['below_slerp']):12d} {s['mean_margin']:+8.3f} {len(s['slerp_broken']):15d} {time.perf_counter() - t:7.1f}", flush=True)  # fmt: skip
     return 1 if bad else 0
 
 

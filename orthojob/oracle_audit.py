@@ -26,12 +26,14 @@ and task_hard with non-compliance under both."""
 
 
 class AuditRow(NamedTuple):
-    """One seed's outcome: the rules the oracle's plan breaks and both scaled rewards."""
+    """One seed's outcome: the rules the oracle's plan breaks, both scaled rewards, and the rules
+    uniform SLERP's plan breaks."""
 
     seed: int
     broken_rules: list[str]
     oracle: float
     slerp: float
+    slerp_broken_rules: list[str]
 
 
 def audit_seeds(job: tuple[str, bool, bool, Sequence[int]]) -> list[AuditRow]:
@@ -45,7 +47,15 @@ def audit_seeds(job: tuple[str, bool, bool, Sequence[int]]) -> list[AuditRow]:
     for seed in seeds:
         case = generate_case(task, seed, decay, non_compliance)
         oracle, slerp = score_plans([plan_for_case(case), None], [case, case])
-        out.append(AuditRow(seed, oracle["broken_rules"], oracle["scaled_reward"], slerp["scaled_reward"]))
+        out.append(
+            AuditRow(
+                seed,
+                oracle["broken_rules"],
+                oracle["scaled_reward"],
+                slerp["scaled_reward"],
+                slerp["broken_rules"],
+            )
+        )
     return out
 
 
@@ -71,8 +81,16 @@ def audit(
 
 
 def summary(rows: list[AuditRow]) -> dict[str, object]:
-    """Counts over one combination's rows: plans breaking a rule, plans below SLERP, mean margin."""
+    """Counts over one combination's rows: the oracle's plans breaking a rule, its plans below SLERP,
+    the mean margin, and uniform SLERP's plans breaking a rule."""
     broken = [(r.seed, r.broken_rules) for r in rows if r.broken_rules]
+    slerp_broken = [(r.seed, r.slerp_broken_rules) for r in rows if r.slerp_broken_rules]
     below = [(r.seed, round(r.oracle, 4), round(r.slerp, 4)) for r in rows if r.oracle < r.slerp - SLERP_TIE]
     margin = sum(r.oracle - r.slerp for r in rows) / max(len(rows), 1)
-    return {"n": len(rows), "broken": broken, "below_slerp": below, "mean_margin": margin}
+    return {
+        "n": len(rows),
+        "broken": broken,
+        "below_slerp": below,
+        "mean_margin": margin,
+        "slerp_broken": slerp_broken,
+    }

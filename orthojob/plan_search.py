@@ -24,14 +24,15 @@ reward against the oracle's, the hard rules it breaks and its degenerate form, i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from orthojob.prompts import plan_to_completion
 from orthojob.rewards import DEFAULT_REWARD_WEIGHTS, REWARD_FUNCS, check_ordering
 from server.cases import Case
-from server.clinical_profiles import STRATEGIES
+from server.clinical_profiles import STRATEGIES, STRATEGY_LEVELS
 from server.dental_constants import IS_UPPER, MM_PER_DEG, N_STAGES, TOOTH_IDS, TYPE_INDEX
 from server.oracle import plan_for_case
 from server.plans import MAX_OVERCORRECTION, normalize_plan
@@ -65,6 +66,9 @@ class SearchResult:
     evaluations: int
     start_total: float
     """The objective of the plan the search started from (the best of the first population)."""
+    above_oracle: tuple[tuple[dict, tuple[str, ...], str | None], ...] = ()
+    """Every plan of a population search's last population above the oracle on the objective, with
+    the hard rules it breaks and its degenerate form (None: not degenerate)."""
 
     @property
     def beats_oracle(self) -> bool:
@@ -121,6 +125,51 @@ def degenerate_form(case: Case, plan: dict) -> str | None:
     if np.unique(np.stack((f, s)), axis=1).shape[1] == 1 and not np.isclose(f[0], 1.0 / N_STAGES, atol=1e-3):
         return "one_group"
     return None
+
+
+def exploit_plans(case: Case) -> dict[str, dict]:
+    """The plans an optimiser of the summed rewards was seen to exploit, for a case, by name: doing
+    nothing; everything in one aligner; the oracle's plan at three times its fractions; every tooth
+    overcorrected by its whole movement (the malocclusion mirrored); the lower incisors and one upper
+    central rushed in 5 aligners while the others take 24; and the strategy's first level left
+    unmoved while the rest follows uniform staging (when the oracle declares a strategy)."""
+    oracle = plan_for_case(case)
+    strategy = oracle.get("strategy")
+    every = [int(t) for t in TOOTH_IDS]
+    rushed = [11, 31, 41]
+    plans = {
+        "nothing": {"tooth_groups": [{"teeth": every, "fraction": 0.0}]},
+        "all_at_once": {"strategy": strategy, "tooth_groups": [{"teeth": every, "fraction": 1.0}]},
+        "oracle_x3": {
+            **oracle,
+            "tooth_groups": [
+                {**g, "fraction": min(1.0, 3 * g.get("fraction", 1 / N_STAGES))}
+                for g in oracle["tooth_groups"]
+            ],
+        },
+        "mirrored": {
+            "strategy": strategy,
+            "tooth_groups": [{"teeth": every, "fraction": 1 / N_STAGES, "overcorrection": 1.0}],
+        },
+        "rushed_incisors": {
+            "strategy": strategy,
+            "tooth_groups": [
+                {"teeth": rushed, "fraction": 0.2},
+                {"teeth": [t for t in every if t not in rushed], "fraction": 1 / N_STAGES},
+            ],
+        },
+    }
+    if strategy in STRATEGY_LEVELS:
+        levels = STRATEGY_LEVELS[strategy]
+        first = [t for t, level in zip(every, levels) if level == levels.min()]
+        plans["unmoved_first_level"] = {
+            "strategy": strategy,
+            "tooth_groups": [
+                {"teeth": first, "fraction": 0.0},
+                {"teeth": [t for t in every if t not in first], "fraction": 1 / N_STAGES},
+            ],
+        }
+    return plans
 
 
 def _from_plan(plan: dict) -> tuple[str | None, np.ndarray, np.ndarray]:
@@ -258,14 +307,17 @@ def population_search(
     rng: np.random.Generator,
     weights: dict[str, float] | None = None,
     target: str = "sum",
+    seed_plans: Sequence[dict] = (),
 ) -> SearchResult:
     """(mu + lambda) evolution of per-tooth plans (start, duration, overcorrection of each tooth and
-    the strategy) on :func:`objective`, seeded with the oracle's plan, uniform SLERP and random plans;
+    the strategy) on :func:`objective`, seeded with the oracle's plan, uniform SLERP, ``seed_plans``
+    (e.g. :func:`exploit_plans`, each as the per-tooth plan nearest it) and random plans;
     POPULATION kept and OFFSPRING mutants scored per generation."""
     oracle = plan_for_case(case)
     oracle_total, oracle_terminal = (float(v[0]) for v in objective(case, [oracle], weights, target))
     n = len(TOOTH_IDS)
     genes = [_genes_of(oracle), (None, np.ones(n, np.int64), np.full(n, N_STAGES, np.int64), np.zeros(n))]
+    genes += [_genes_of(p) for p in seed_plans]
     while len(genes) < POPULATION:
         genes.append(
             (
@@ -303,7 +355,9 @@ def population_search(
         keep = np.argsort(-totals, kind="stable")[:POPULATION]
         genes, plans = [genes[k] for k in keep], [plans[k] for k in keep]
         totals, terminals = totals[keep], terminals[keep]
-    return _result(
+    above = [p for p, t in zip(plans, totals) if t > oracle_total + 1e-9]
+    judged = score_plan_specs([normalize_plan(p) for p in above], [case] * len(above)) if above else []
+    result = _result(
         case,
         "population",
         plans[0],
@@ -314,6 +368,12 @@ def population_search(
         evaluations,
         start_total,
     )
+    return replace(
+        result,
+        above_oracle=tuple(
+            (p, tuple(j["broken_rules"]), degenerate_form(case, p)) for p, j in zip(above, judged)
+        ),
+    )
 
 
 __all__ = [
@@ -321,6 +381,7 @@ __all__ = [
     "PROPOSALS",
     "SearchResult",
     "degenerate_form",
+    "exploit_plans",
     "objective",
     "population_search",
     "search_case",

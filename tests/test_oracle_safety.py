@@ -1,5 +1,5 @@
-"""A safe oracle (the reward-fidelity issue): the oracle's plan breaks no hard rule and scores at
-least uniform SLERP on every seed, at every level, under ideal dynamics and force decay, and with
+"""A safe oracle and a safe baseline: the oracle's plan and uniform SLERP's break no hard rule, and
+the oracle's scores at least uniform SLERP's, on every seed, at every level, under ideal dynamics and force decay, and with
 non-compliance on task_hard (:mod:`orthojob.oracle_audit`).
 
 Within CI's time: all 1,000 seeds per level where the teeth follow the plan (ideal dynamics, full
@@ -27,10 +27,11 @@ def outcomes():
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{c[0]}-decay{int(c[1])}-noncompliance{int(c[2])}")
-def test_the_oracle_breaks_no_hard_rule_and_beats_slerp(outcomes, combo):
+def test_the_oracle_and_slerp_break_no_hard_rule_and_the_oracle_beats_slerp(outcomes, combo):
     s = summary(outcomes[combo])
     assert s["n"] == len(seeds_for(combo))
     print(f"{combo}: {len(s['broken'])} plans breaking a rule, {len(s['below_slerp'])} below SLERP, "
           f"mean margin {s['mean_margin']:+.3f}")  # fmt: skip
     assert not s["broken"], s["broken"][:10]
     assert not s["below_slerp"], s["below_slerp"][:10]
+    assert not s["slerp_broken"], s["slerp_broken"][:10]

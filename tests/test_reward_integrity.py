@@ -100,8 +100,8 @@ def _attack_plans(case) -> tuple[list[dict], list[str]]:
 def test_every_rule_breaker_sums_below_every_safe_plan(task, force_decay):
     """For every weighting the project trains with: max over breaking plans of the weighted sum <
     min over safe plans (doing nothing included), and within the failing band more breach sums lower."""
-    for k in range(3):
-        case = generate_case(task, H + 7 * k + 1, force_decay)
+    for seed in (H, H + 1, H + 8, H + 15, H + 22, H + 29):  # H: the case the attack was found on
+        case = generate_case(task, seed, force_decay)
         plans, names = _attack_plans(case)
         results = score_plans(plans, [case] * len(plans))
         values = _rewards(case, plans)
@@ -117,8 +117,10 @@ def test_every_rule_breaker_sums_below_every_safe_plan(task, force_decay):
                 dict(zip(names, total)),
             )
             # graded inside the failing band: a larger excess over the limit sums lower
+            # (a tooth whose whole movement is under 1.5 or 3 limits gets the same plan at both)
             i, j, m = (names.index(n) for n in ("one_tooth_1.15", "one_tooth_1.5", "one_tooth_3"))
-            assert total[i] > total[j] > total[m], (label, total[i], total[j], total[m])
+            assert total[i] > total[j] >= total[m], (label, total[i], total[j], total[m])
+            assert plans[j] == plans[m] or total[j] > total[m], (label, total[j], total[m])
         for name in ("reward_occlusion", "reward_strategy", "reward_format", "reward_anchorage"):
             assert np.all(values[name][broken] == 0.0), (name, dict(zip(names, values[name])))
 
@@ -201,7 +203,7 @@ def test_the_mirrored_malocclusion_scores_below_doing_nothing():
 def test_overshoot_scores_below_reaching_and_below_stopping_as_short(task):
     """50 seeds a level, ideal dynamics: overshooting the target by 15 % scores below reaching it and
     below stopping 15 % short of it; overshooting by 100 % (the malocclusion mirrored) below doing
-    nothing."""
+    nothing; on the weighted sum too, at every weighting the project trains with."""
     cases = [generate_case(task, H + 2000 + k) for k in range(50)]
     kinds = [
         _uniform(),
@@ -214,6 +216,19 @@ def test_overshoot_scores_below_reaching_and_below_stopping_as_short(task):
         reach, over, short, mirrored = (r["scaled_reward"] for r in results[4 * k : 4 * k + 4])
         assert over < reach and over < short, (task, k, reach, over, short)
         assert mirrored < 0.0, (task, k, mirrored)
+    # and the sum GRPO trains on, at every weighting: overshooting never beats stopping as short
+    completions = [plan_to_completion(p) for _ in cases for p in kinds]
+    cols = {
+        "seed": [c.seed for c in cases for _ in kinds],
+        "task_id": [task] * len(completions),
+        "force_decay": [False] * len(completions),
+        "non_compliance": [c.non_compliance for c in cases for _ in kinds],
+    }
+    values = {name: np.asarray(f(completions, **cols)) for name, f in REWARD_FUNCS.items()}
+    for label, weights in WEIGHTS.items():
+        total = _sums(values, weights).reshape(len(cases), len(kinds))
+        assert np.all(total[:, 1] < total[:, 2]), (label, task, total[total[:, 1] >= total[:, 2]])
+        assert np.all(total[:, 3] < total[:, 0]), (label, task)
 
 
 def _rushed(case, teeth: list[int], stages: int) -> dict:
@@ -321,3 +336,50 @@ def test_non_compliance_reaches_the_rewards():
         REWARD_FUNCS["reward_terminal"](
             [plan], seed=[3], task_id=["task_hard"], force_decay=[False], non_compliance=["yes"]
         )
+
+
+def _stepwise_rules(case, poses_at) -> list[str]:
+    """The hard rules an episode breaks that wears ``poses_at(stage)`` (28 x 7) as each aligner,
+    through the environment's stepwise store."""
+    from server.dental_environment import StepwiseDentalEnvironment
+
+    store = StepwiseDentalEnvironment()
+    eid = store.reset(case.task_id, case.seed, case.force_decay)["episode_id"]
+    for stage in range(1, N_STAGES + 1):
+        store.step(eid, poses_at(stage))
+    return store.sessions.get(eid).terminal["broken_rules"]
+
+
+def _moved(case, shifts: dict[int, tuple[float, float, float]], over: int = 6):
+    """Aligners that shift teeth (FDI id -> mm in x, y, z) from their initial poses, in ``over`` stages."""
+
+    def poses_at(stage: int) -> np.ndarray:
+        poses = case.initial.copy()
+        for tooth, shift in shifts.items():
+            poses[TOOTH_INDEX[tooth], 4:] += min(1.0, stage / over) * np.asarray(shift)
+        return poses
+
+    return poses_at
+
+
+def test_each_new_hard_rule_fires_on_the_plan_that_breaks_it():
+    """Crowns one apart meeting, the bite closing through the opposing incisors, the aligner shapes
+    colliding where the teeth lag them, and overshoot each break their own hard rule; doing nothing
+    breaks none. (x: the patient's left, y: anterior, z: occlusal-up for the upper arch, mm.)"""
+    case = generate_case("task_easy", H)
+    assert _stepwise_rules(case, _moved(case, {})) == []
+    # the upper right canine moved mesially onto the central incisor, the lateral moved out of its way
+    x11, x13 = case.initial[TOOTH_INDEX[11], 4], case.initial[TOOTH_INDEX[13], 4]
+    second = _stepwise_rules(case, _moved(case, {12: (0.0, 12.0, 0.0), 13: (x11 - x13 - 6.5, 5.0, 0.0)}))
+    assert "second_neighbour_collision" in second, second
+    # the upper centrals pushed down and back through the lower incisors
+    bite = _stepwise_rules(case, _moved(case, {11: (0.0, -2.9, -6.5), 21: (0.0, -2.9, -6.5)}))
+    assert "occlusal_collision" in bite and "second_neighbour_collision" not in bite, bite
+    # every tooth overcorrected by its whole movement: under force decay the aligner shapes collide
+    # where the teeth lag; under ideal dynamics the teeth end past their targets
+    mirrored = _uniform(strategy=plan_for_case(case)["strategy"], overcorrection=1.0)
+    decayed = generate_case("task_easy", H + 7, True)
+    (lagging,) = score_plans([mirrored], [decayed])
+    assert "aligner_collision" in lagging["broken_rules"], lagging["broken_rules"]
+    (ideal,) = score_plans([mirrored], [case])
+    assert "overshoot" in ideal["broken_rules"], ideal["broken_rules"]
