@@ -32,7 +32,7 @@ chromium:
 		|| echo "make: chromium could not be installed: the browser tests will skip"
 
 test: lint chromium
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 bench: install
 	$(BIN)/python bench/env_throughput.py
