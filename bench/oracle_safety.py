@@ -2,7 +2,8 @@
 
 Prints, per (task, force_decay, non_compliance): the oracle's plans breaking a hard rule, its plans
 below uniform SLERP, the mean scaled-reward margin over SLERP, uniform SLERP's plans breaking a
-hard rule, and seconds. Exit status 1 if any plan breaks a rule or the oracle falls below SLERP.
+hard rule, and seconds. Exit status 1 if the oracle's plan breaks a rule or falls below SLERP, or
+uniform SLERP's breaks one with full wear (it ignores non-compliance, so there it is only counted).
 
     OMP_NUM_THREADS=1 python bench/oracle_safety.py [--seeds 1000] [--workers 2]
 """
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     for combo in COMBOS:
         t = time.perf_counter()
         s = summary(audit({combo: range(args.seeds)}, workers=args.workers)[combo])
-        bad += len(s["broken"]) + len(s["below_slerp"]) + len(s["slerp_broken"])
+        # uniform SLERP is a safe baseline only with full wear (it ignores non-compliance)
+        bad += len(s["broken"]) + len(s["below_slerp"]) + (0 if combo[2] else len(s["slerp_broken"]))
         print(f"{combo[0]:12s} {int(combo[1]):5d} {int(combo[2]):3d} {s['n']:6d} {len(s['broken']):9d} "
               f"{len(s['below_slerp']):12d} {s['mean_margin']:+8.3f} {len(s['slerp_broken']):15d} {time.perf_counter() - t:7.1f}", flush=True)  # fmt: skip
     return 1 if bad else 0

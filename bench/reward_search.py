@@ -9,7 +9,10 @@ decay) and every objective (the five TRL rewards summed at the default weights, 
 weights, and the scaled terminal alone): :func:`orthojob.plan_search.search_case` hill-climbs from
 uniform SLERP, from the oracle's plan and from a random plan, ``--rounds`` rounds of 48 proposals
 each, and :func:`orthojob.plan_search.population_search` evolves per-tooth plans (start, duration,
-overcorrection) for ``--generations`` generations. Printed per level, objective and search: how
+overcorrection) for ``--generations`` generations, once from the oracle, SLERP and random plans and
+once seeded with :func:`orthojob.plan_search.exploit_plans` too (the plans an optimiser was seen to
+exploit: one aligner, the oracle at 3x, the mirrored malocclusion, rushed incisors, the strategy's
+first level unmoved). Printed per level, objective and search: how
 often the best plan found beats the oracle on that objective (and by how much), how often it breaks
 a hard rule or is a degenerate form (nothing, everything at once, one group), how often it beats
 the oracle on the objective with a lower terminal, and the best plan's terminal against the
@@ -30,10 +33,10 @@ if __package__ in (None, ""):
 import numpy as np
 
 from orthojob.learning import LearnConfig
-from orthojob.plan_search import population_search, search_case
+from orthojob.plan_search import exploit_plans, population_search, search_case
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 
-STARTS: tuple[str, ...] = ("slerp", "oracle", "random", "population")
+STARTS: tuple[str, ...] = ("slerp", "oracle", "random", "population", "exploits")
 OBJECTIVES: dict[str, tuple[dict | None, str]] = {
     "sum": (None, "sum"),
     "sum_learn": ({"reward_strategy": LearnConfig().strategy_weight}, "sum"),
@@ -66,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                 for start in STARTS:
                     if start == "population":
                         r = population_search(case, args.generations, rng, weights, target)
+                    elif start == "exploits":
+                        seeds = list(exploit_plans(case).values())
+                        r = population_search(case, args.generations, rng, weights, target, seeds)
                     else:
                         r = search_case(case, start, args.rounds, rng, weights, target)
                     results[start].append(r)
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             for start, rs in results.items():
                 beat = [r for r in rs if r.beats_oracle]
                 bad = [r for r in beat if r.broken_rules or r.degenerate]
+                # a population search's whole last population above the oracle, not only its best
+                bad += [r for r in rs if any(b or d for _, b, d in r.above_oracle) and r not in bad]
                 dishonest += len(bad)
                 margin = np.mean([r.best_total - r.oracle_total for r in beat]) if beat else 0.0
                 lower = sum(r.best_terminal < r.oracle_terminal for r in beat)

@@ -234,15 +234,27 @@ def cmd_model(args: argparse.Namespace) -> int:
         if not storage.is_s3_uri(args.uri):
             print(f"orthojob model stage: {args.uri!r} is not an s3:// URI", file=sys.stderr)
             return ExitCode.USAGE
-        if args.source == "tiny":  # the offline tiny model, as the pipeline builds it
-            from orthojob.models import build_tiny
+        try:
+            if args.hub_id:
+                base_models.parse_hub_id(args.hub_id)
+            if args.source == "tiny":  # the offline tiny model, as the pipeline builds it
+                from orthojob.models import build_tiny
 
-            with tempfile.TemporaryDirectory() as tmp:
-                folder = build_tiny(Path(tmp) / "tiny", list(TASK_IDS), force_decay=True)
-                manifest = base_models.stage(str(folder), args.uri, say)
-        else:
-            manifest = base_models.stage(args.source, args.uri, say)
-        print(f"staged {len(manifest['files'])} files at {args.uri}: use --model {args.uri}")
+                with tempfile.TemporaryDirectory() as tmp:
+                    folder = build_tiny(Path(tmp) / "tiny", list(TASK_IDS), force_decay=True)
+                    manifest = base_models.stage(str(folder), args.uri, say, hub_id=args.hub_id)
+            else:
+                manifest = base_models.stage(args.source, args.uri, say, hub_id=args.hub_id)
+        except ValueError as exc:
+            print(f"orthojob model stage: {exc}", file=sys.stderr)
+            return ExitCode.USAGE
+        hub = manifest.get(base_models.SOURCE_KEY) or {}
+        recorded = (
+            f"adapters record {hub['hub_id']}" + (f"@{hub['revision']}" if hub.get("revision") else "")
+            if hub.get("hub_id")
+            else "no hub id (a folder: --hub-id ID[@REVISION] names what it is a copy of): adapters record the URI"
+        )
+        print(f"staged {len(manifest['files'])} files at {args.uri}: use --model {args.uri} ({recorded})")
         return 0
     folder = base_models.local_folder(args.ref, say=say)
     if args.link:
@@ -511,6 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
     ms = msub.add_parser("stage", help="copy a base model to s3://bucket/prefix with a manifest (sha256s)")
     ms.add_argument("source", help="model hub id (HF_TOKEN for gated ones), a folder, or 'tiny'")
     ms.add_argument("uri", help="s3://bucket/prefix; then pass it as --model to every stage")
+    ms.add_argument(
+        "--hub-id",
+        metavar="ID[@REVISION]",
+        help="the model hub id (and commit) a folder is a copy of: adapters trained from the URI name it "
+        "as their base (a hub id or hub cache folder records its own)",
+    )
     mf = msub.add_parser("fetch", help="fetch a base model into the cache and print (or link) its folder")
     mf.add_argument(
         "ref", help="s3://bucket/prefix (into ORTHORL_MODEL_CACHE), a hub id (into HF_HOME), a folder"

@@ -194,8 +194,34 @@ def _pip_requirements(peft_model: bool) -> list[str]:
     return reqs
 
 
+def model_metadata(model: Any, base_model: str) -> dict[str, str]:
+    """The logged model's metadata: ``adapter`` and ``base_model``, what the adapter records as its
+    base (:func:`orthojob.models.record_base`: for an ``s3://`` base staged from the model hub, its hub
+    id), with ``base_model_revision``, ``base_model_uri`` and ``base_model_digest`` where known; a full
+    model's is ``base_model`` as given."""
+    from orthojob import base_models
+    from orthojob.models import recorded_base
+
+    peft_model = hasattr(model, "peft_config")
+    recorded = recorded_base(model) or {}
+    meta = {
+        "base_model": recorded.get("base_model_name_or_path") or base_model,
+        "adapter": str(peft_model).lower(),
+    }
+    for key, name in (
+        ("revision", "base_model_revision"),
+        (base_models.RECORD_URI, "base_model_uri"),
+        (base_models.RECORD_DIGEST, "base_model_digest"),
+    ):
+        if recorded.get(key):
+            meta[name] = recorded[key]
+    return meta
+
+
 def log_model(model: Any, tokenizer: Any, base_model: str) -> Any:
-    """Log the trained model (a PEFT adapter or a full model) with MLflow's transformers flavour."""
+    """Log the trained model (a PEFT adapter or a full model) with MLflow's transformers flavour.
+    Its ``peft/adapter_config.json`` records the base as the adapter does; metadata:
+    :func:`model_metadata`."""
     import mlflow
 
     peft_model = hasattr(model, "peft_config")
@@ -204,7 +230,7 @@ def log_model(model: Any, tokenizer: Any, base_model: str) -> Any:
         name="model",
         task="text-generation",
         pip_requirements=_pip_requirements(peft_model),
-        metadata={"base_model": base_model, "adapter": str(peft_model).lower()},
+        metadata=model_metadata(model, base_model),
     )
 
 

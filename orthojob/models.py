@@ -19,9 +19,11 @@ folder is loaded as the model. The tokenizer always comes from the checkpoint wh
 
 Base models may be hub ids, folders or ``s3://`` URIs (:mod:`orthojob.base_models`: fetched once
 into the model cache, verified, then loaded from there). A LoRA adapter records the *reference*
-it was trained from (the ``s3://`` URI, not the pod-local folder) as its ``base_model_name_or_path``
-(:func:`record_base`), and every loader here resolves that reference again: a fresh pod with an
-empty cache fetches the base from S3.
+it was trained from, never the pod-local folder (:func:`record_base`): for an ``s3://`` base staged
+from the model hub, the hub id as its ``base_model_name_or_path`` (what PEFT, MLflow and vLLM
+resolve) with the URI and the staged files' digest beside it (``orthorl_base_uri``,
+``orthorl_base_digest``). Every loader here resolves the recorded reference again
+(:func:`adapter_base`): a fresh pod with an empty cache fetches the staged copy from S3.
 
 :func:`load_for_inference` loads any checkpoint (full model or adapter) for greedy generation.
 
@@ -33,15 +35,18 @@ weights (the gate file, logs, ``training_args.bin``, ``MANIFEST.json``) are not 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orthojob import base_models
 from orthojob.base_models import reference
 from orthojob.base_models import resolve as resolve_base
 from orthojob.storage import is_s3_uri
@@ -282,16 +287,28 @@ def is_adapter(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def adapter_base(path: str | Path) -> str:
-    """The base model an adapter folder was trained on (``base_model_name_or_path``)."""
+def _adapter_config(path: str | Path) -> dict:
     try:
         cfg = json.loads((Path(path) / "adapter_config.json").read_text())
-        base = cfg["base_model_name_or_path"]
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError) as exc:
         raise ModelError(f"{path}/adapter_config.json is unreadable or names no base model: {exc}") from None
-    if not isinstance(base, str) or not base:
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{path}/adapter_config.json is no JSON object")
+    return cfg
+
+
+def adapter_base(path: str | Path) -> str:
+    """The base model reference an adapter folder was trained on: the staged copy's ``s3://`` URI
+    (``orthorl_base_uri``) when it records one, else ``base_model_name_or_path``."""
+    base, _digest = base_models.recorded_reference(_adapter_config(path))
+    if base is None:
         raise ModelError(f"{path}/adapter_config.json names no base model (base_model_name_or_path)")
     return base
+
+
+def adapter_base_digest(path: str | Path) -> str | None:
+    """The digest of the staged base an adapter records (``orthorl_base_digest``), None if none."""
+    return base_models.recorded_reference(_adapter_config(path))[1]
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -416,12 +433,69 @@ def lora_config(lora_r: int, lora_alpha: int | None = None, dropout: float = 0.0
     )
 
 
+class _SaveWithBaseRecord:
+    """A PEFT config's ``save_pretrained`` that also writes this project's keys (the staged base's
+    URI and digest) into the adapter_config.json it wrote. PEFT's config classes only save their
+    own fields; this travels with the config into every save (``checkpoint-N``, the final adapter,
+    the MLflow model's ``peft/`` folder)."""
+
+    def __init__(self, config, keys: Mapping[str, str]):
+        self.config = config
+        self.keys = dict(keys)
+
+    def __call__(self, save_directory: str, **kwargs: Any) -> None:
+        type(self.config).save_pretrained(self.config, save_directory, **kwargs)
+        path = Path(save_directory) / "adapter_config.json"
+        data = json.loads(path.read_text()) | self.keys
+        path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
 def record_base(model, base_ref: str) -> None:
-    """Make every PEFT adapter config of ``model`` name ``base_ref`` (an ``s3://`` URI, hub id or
-    absolute folder: :func:`orthojob.base_models.reference`) as its base, so that every adapter
-    saved from it (final and ``checkpoint-N``) resolves in another pod. No-op for a full model."""
-    for cfg in (getattr(model, "peft_config", None) or {}).values():
-        cfg.base_model_name_or_path = base_ref
+    """Make every PEFT adapter config of ``model`` record ``base_ref`` (an ``s3://`` URI, hub id or
+    absolute folder: :func:`orthojob.base_models.reference`) as
+    :func:`orthojob.base_models.record` says: an ``s3://`` base staged from the model hub as its hub
+    id and commit (``base_model_name_or_path``, ``revision``) with the URI and digest beside them,
+    so that every adapter saved from it (final and ``checkpoint-N``) resolves in another pod and in
+    PEFT, MLflow and vLLM. No-op for a full model."""
+    configs = list((getattr(model, "peft_config", None) or {}).values())
+    if not configs:
+        return
+    recorded = base_models.record(base_ref)
+    keys = {k: recorded[k] for k in (base_models.RECORD_URI, base_models.RECORD_DIGEST) if k in recorded}
+    for cfg in configs:
+        cfg.base_model_name_or_path = recorded["base_model_name_or_path"]
+        cfg.revision = recorded.get("revision")
+        vars(cfg).pop("save_pretrained", None)
+        if keys:
+            vars(cfg)["save_pretrained"] = _SaveWithBaseRecord(cfg, keys)
+
+
+def recorded_base(model) -> dict | None:
+    """What ``model``'s adapter records of its base (:func:`record_base`): ``base_model_name_or_path``
+    and, where known, ``revision``, ``orthorl_base_uri``, ``orthorl_base_digest``; None for a full
+    model."""
+    configs = list((getattr(model, "peft_config", None) or {}).values())
+    if not configs:
+        return None
+    cfg = configs[0]
+    out = {"base_model_name_or_path": cfg.base_model_name_or_path}
+    if getattr(cfg, "revision", None):
+        out["revision"] = cfg.revision
+    saver = vars(cfg).get("save_pretrained")
+    if isinstance(saver, _SaveWithBaseRecord):
+        out |= saver.keys
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_base_record() -> Iterator[None]:
+    """PEFT warns of adapter_config.json keys that are not its own; this project's
+    (``orthorl_base_*``) are expected, any other stays a warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"Unexpected keyword arguments \['orthorl_base_\w+'(, 'orthorl_base_\w+')*\]"
+        )
+        yield
 
 
 def _localized_adapter(checkpoint: str, local_base: str) -> str:
@@ -435,6 +509,7 @@ def _localized_adapter(checkpoint: str, local_base: str) -> str:
             (folder / item.name).symlink_to(item.resolve())
     cfg = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = local_base
+    cfg["revision"] = None  # a hub commit, meaningless for the local folder
     (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
     return str(folder)
 
@@ -451,16 +526,17 @@ def _load_unsloth(
 
     adapter = bool(checkpoint and is_adapter(checkpoint))
     base_ref = adapter_base(checkpoint) if adapter else reference(checkpoint or model_path)
-    local_base = resolve_base(base_ref)
+    local_base = resolve_base(base_ref, digest=adapter_base_digest(checkpoint) if adapter else None)
     source = checkpoint or local_base
-    if adapter and local_base != base_ref:  # Unsloth reads the adapter's base itself: name the local copy
-        source = _localized_adapter(checkpoint, local_base)
-    model, tok = FastLanguageModel.from_pretrained(
-        model_name=source,
-        max_seq_length=max_seq_length,
-        load_in_4bit=True,
-        fast_inference=use_vllm,
-    )
+    if adapter and local_base != _adapter_config(checkpoint).get("base_model_name_or_path"):
+        source = _localized_adapter(checkpoint, local_base)  # Unsloth reads the base itself: the local copy
+    with _quiet_base_record():
+        model, tok = FastLanguageModel.from_pretrained(
+            model_name=source,
+            max_seq_length=max_seq_length,
+            load_in_4bit=True,
+            fast_inference=use_vllm,
+        )
     if not adapter:  # an adapter checkpoint comes back with its LoRA
         model = FastLanguageModel.get_peft_model(
             model,
@@ -510,7 +586,8 @@ def load_policy(
 
     dtype = _dtype(devices)
     base_ref = adapter_base(checkpoint) if adapter else reference(checkpoint or model_path)
-    base = resolve_base(base_ref)  # an s3:// base: fetched once into the model cache
+    digest = adapter_base_digest(checkpoint) if adapter else None
+    base = resolve_base(base_ref, digest=digest)  # an s3:// base: fetched once into the model cache
     tok = _tokenizer(checkpoint or base)
     qlora = policy.loader == "qlora"
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -540,7 +617,8 @@ def load_policy(
         from peft import PeftModel
 
         log.info("continuing LoRA adapter %s on %s", checkpoint, base)
-        model = PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
+        with _quiet_base_record():
+            model = PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
     elif lora_r > 0:
         from peft import get_peft_model
 
@@ -570,8 +648,10 @@ def load_for_inference(path: str | Path, device: str | None = None):
     if is_adapter(path):
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(resolve_base(adapter_base(path)), dtype=dtype)
-        model = PeftModel.from_pretrained(base, path).merge_and_unload()
+        local_base = resolve_base(adapter_base(path), digest=adapter_base_digest(path))
+        base = AutoModelForCausalLM.from_pretrained(local_base, dtype=dtype)
+        with _quiet_base_record():
+            model = PeftModel.from_pretrained(base, path).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(device)
@@ -599,6 +679,7 @@ __all__ = [
     "LoadPolicy",
     "ModelError",
     "adapter_base",
+    "adapter_base_digest",
     "build_tiny",
     "checkpoint_digest",
     "checkpoint_files",
@@ -613,6 +694,7 @@ __all__ = [
     "load_policy_here",
     "lora_config",
     "record_base",
+    "recorded_base",
     "tiny_corpus",
     "wants_unsloth",
 ]

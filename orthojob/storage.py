@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -206,14 +206,19 @@ def build_manifest(folder: Path, skip: Callable[[str], bool] | None = None) -> d
 
 
 def upload_dir(
-    local: str | Path, uri: str, client: Any | None = None, skip: Callable[[str], bool] | None = None
+    local: str | Path,
+    uri: str,
+    client: Any | None = None,
+    skip: Callable[[str], bool] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict:
     """Upload a folder to ``uri`` (files first, manifest last), leaving out the relative paths
-    ``skip`` returns True for; returns the manifest."""
+    ``skip`` returns True for; returns the manifest. ``extra``: more keys for the manifest (beside
+    ``files``, e.g. where staged base weights came from)."""
     local = Path(local)
     loc = parse_s3_uri(uri)
     client = client or s3_client()
-    manifest = build_manifest(local, skip)
+    manifest = {**(extra or {}), **build_manifest(local, skip)}
     sizes = {rel: (local / rel).stat().st_size for rel in manifest["files"]}
     with progress(sum(sizes.values()), f"upload {loc.uri}", unit="B") as bar:  # a bar, or log lines
         for rel in manifest["files"]:

@@ -1,5 +1,5 @@
-"""A safe oracle and a safe baseline: the oracle's plan and uniform SLERP's break no hard rule, and
-the oracle's scores at least uniform SLERP's, on every seed, at every level, under ideal dynamics and force decay, and with
+"""A safe oracle and a safe baseline: the oracle's plan (and, with full wear, uniform SLERP's) breaks
+no hard rule, and the oracle's scores at least uniform SLERP's, on every seed, at every level, under ideal dynamics and force decay, and with
 non-compliance on task_hard (:mod:`orthojob.oracle_audit`).
 
 Within CI's time: all 1,000 seeds per level where the teeth follow the plan (ideal dynamics, full
@@ -34,4 +34,7 @@ def test_the_oracle_and_slerp_break_no_hard_rule_and_the_oracle_beats_slerp(outc
           f"mean margin {s['mean_margin']:+.3f}")  # fmt: skip
     assert not s["broken"], s["broken"][:10]
     assert not s["below_slerp"], s["below_slerp"][:10]
-    assert not s["slerp_broken"], s["slerp_broken"][:10]
+    # uniform SLERP ignores the wear it is given: only with full wear is it a safe baseline (with
+    # non-compliance about 1 plan in 5 breaks a rule, bench/oracle_safety.py)
+    if not combo[2]:
+        assert not s["slerp_broken"], s["slerp_broken"][:10]
