@@ -143,3 +143,105 @@ def test_mlflow_backend_names_the_image_once():
         assert template["spec"]["template"]["spec"]["containers"][0]["image"] == "", name
     main = project["entry_points"]["main"]
     assert "--use-vllm" not in main["command"] and "default" not in main["parameters"]["out_base"]
+
+
+def in_cluster_tracking_uris(docs: list[dict]) -> dict[str, str]:
+    """Every in-cluster client of the shipped MLflow server -> the tracking URI it uses."""
+    import re
+
+    uris = {"Job": find(docs, "ConfigMap", "orthorl-grpo-config")["data"]["MLFLOW_TRACKING_URI"]}
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    kube = re.findall(r"KUBE_MLFLOW_TRACKING_URI=(\S+)", deploy)
+    assert kube, "docs/deploy.md names the pods' view of the server"
+    uris |= {f"mlflow-k8s pod ({i})": u for i, u in enumerate(sorted(set(kube)))}
+    project = re.findall(r"KUBE_MLFLOW_TRACKING_URI=(\S+)", (ROOT / "mlflow-k8s" / "MLproject").read_text())
+    uris |= {f"mlflow-k8s/MLproject ({i})": u for i, u in enumerate(sorted(set(project)))}
+    return uris
+
+
+def deployment_server_command(docs: list[dict], port: int, work: Path) -> tuple[list[str], dict[str, str]]:
+    """The MLflow Deployment's command and environment as the kubelet runs them, on 127.0.0.1:port
+    with its database and artifact store in ``work`` (everything else as shipped)."""
+    import re
+    import sys
+
+    dep = find(docs, "Deployment", "orthorl-mlflow")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = dict(find(docs, "ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"])
+    env |= {e["name"]: e["value"] for e in c.get("env", [])}
+    env["MLFLOW_BACKEND_STORE_URI"] = f"sqlite:///{work / 'mlflow.db'}"
+    env["MLFLOW_ARTIFACTS_DESTINATION"] = str(work / "artifacts")
+    env["HOME"] = str(work)
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["command"] + c["args"]]
+    argv = [
+        "--host=127.0.0.1" if a.startswith("--host=") else f"--port={port}" if a.startswith("--port=") else a
+        for a in argv
+    ]
+    assert argv[0] == "mlflow"
+    argv[0] = str(Path(sys.executable).parent / "mlflow")
+    return argv, env
+
+
+def test_mlflow_server_answers_every_in_cluster_client(tmp_path):
+    """The shipped server, started for real with the Deployment's command and ConfigMap: a request
+    with the Host header each in-cluster client sends (the Service's name as that client's URI
+    spells it) gets 200; without MLFLOW_SERVER_ALLOWED_HOSTS the same request is refused (403),
+    which is what the Job's start-up probe would see (exit 33)."""
+    import http.client
+    import os
+    import subprocess
+    import sys
+    import urllib.parse
+
+    from tests.services import _stop, _wait_for_port, free_port
+
+    if not (Path(sys.executable).parent / "mlflow").exists():
+        pytest.skip("mlflow not installed (the train extra has it)")
+    docs = render(tmp_path)
+    uris = in_cluster_tracking_uris(docs)
+    service = find(docs, "Service", "mlflow")
+    port = service["spec"]["ports"][0]["port"]
+    for where, uri in uris.items():  # each names the shipped Service
+        u = urllib.parse.urlsplit(uri)
+        assert u.hostname.split(".")[0] == "mlflow" and u.port == port, (where, uri)
+        if "." in u.hostname:
+            assert u.hostname.split(".")[1] == service["metadata"]["namespace"], (where, uri)
+    hosts = sorted({urllib.parse.urlsplit(u).netloc for u in uris.values()} | {"localhost:5000"})
+    assert "mlflow:5000" in hosts and "mlflow.orthorl.svc.cluster.local:5000" in hosts
+
+    def statuses(allowed: bool) -> dict[str, int]:
+        work = tmp_path / ("allowed" if allowed else "default")
+        work.mkdir()
+        server_port = free_port()
+        argv, env = deployment_server_command(docs, server_port, work)
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | env
+        # the GenAI job runner (huey workers): no part of the Host check, and a minute of start-up here
+        full_env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
+        if not allowed:
+            full_env.pop("MLFLOW_SERVER_ALLOWED_HOSTS")
+        log = work / "mlflow.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                    start_new_session=True, cwd=work)  # fmt: skip
+        try:
+            _wait_for_port(server_port, proc, 120, "mlflow server", log)
+            got = {}
+            for host in hosts:
+                conn = http.client.HTTPConnection("127.0.0.1", server_port, timeout=30)
+                conn.request(
+                    "GET",
+                    "/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default",
+                    headers={"Host": host},
+                )
+                got[host] = conn.getresponse().status
+                conn.close()
+            return got
+        finally:
+            _stop(proc)
+
+    assert statuses(allowed=True) == dict.fromkeys(hosts, 200)
+    refused = statuses(allowed=False)
+    assert refused["localhost:5000"] == 200  # mlflow's default: loopback only
+    assert {h: s for h, s in refused.items() if h != "localhost:5000"} == dict.fromkeys(
+        [h for h in hosts if h != "localhost:5000"], 403
+    )
