@@ -999,7 +999,13 @@ def test_trainjob_launch_matches_its_resources_and_config():
     doc = one(load_all(TRAINJOB), "TrainJob")
     t = doc["spec"]["trainer"]
     argv = expand(t["command"] + t["args"], pet_env(doc))
-    assert argv[:2] == ["accelerate", "launch"]
+    # accelerate launch under orthojob.launch: the workers' fail-fast codes are the container's
+    assert argv[:5] == ["python", "-m", "orthojob.launch", "accelerate", "launch"]
+    from orthojob import launch as launcher
+
+    run_launcher, launcher_args = launcher.launcher_for(argv[3:])
+    assert run_launcher is launcher._run_accelerate and launcher_args == argv[5:]
+    argv = argv[3:]
     opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     assert int(opts["num_processes"]) == t["numNodes"] * t["numProcPerNode"]
     assert int(opts["num_machines"]) == t["numNodes"]
