@@ -911,7 +911,7 @@ FAILURE_RULE_FIELDS = {
 REPLICATED_JOB_FIELDS = {"dependsOn", "groupName", "name", "replicas", "template"}
 
 
-def test_trainjob_runtime_fails_fast_like_the_job():
+def test_trainjob_runtime_fails_fast_like_the_job(monkeypatch):
     """The TrainJob runs on the shipped TrainingRuntime, whose node Job carries the single-node
     Job's podFailurePolicy (the exit codes of orthojob.exit_codes that must not be retried, and
     DisruptionTarget ignored), restartPolicy Never (which a podFailurePolicy needs), the TrainJob's
@@ -975,6 +975,14 @@ def test_trainjob_runtime_fails_fast_like_the_job():
         single["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         <= pod["terminationGracePeriodSeconds"]
     )
+    # torch's agent gives the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT s after SIGTERM (default 30, which
+    # would cut the grace period short): most of the grace period, and below it (the agent exits first)
+    env = {e["name"]: e.get("value") for e in tj["spec"]["trainer"]["env"]}
+    shutdown = int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    assert 0.75 * pod["terminationGracePeriodSeconds"] <= shutdown < pod["terminationGracePeriodSeconds"]
+    launcher_api = pytest.importorskip("torch.distributed.launcher.api")  # the name torch reads
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown))
+    assert launcher_api.LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout == shutdown
 
 
 def pet_env(doc: dict) -> dict[str, str]:
