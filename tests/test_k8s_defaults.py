@@ -20,7 +20,11 @@ K8S = ROOT / "k8s"
 IMAGE = "reg.test/orthorl/train@sha256:" + "ab" * 32
 
 
-def render(tmp_path: Path, enable: tuple[str, ...] = (), disable: tuple[str, ...] = ()) -> list[dict]:
+def render(
+    tmp_path: Path, enable: tuple[str, ...] = (), disable: tuple[str, ...] = (), folder: str = "."
+) -> list[dict]:
+    """`kubectl kustomize` of a copy of k8s/ (or of its ``folder``, e.g. multinode) with the image
+    set, and components of k8s/kustomization.yaml enabled or disabled as its comments say."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed (it renders kustomize offline)")
@@ -39,7 +43,7 @@ def render(tmp_path: Path, enable: tuple[str, ...] = (), disable: tuple[str, ...
         assert f"  - {c}\n" in text, c
         text = text.replace(f"  - {c}\n", f"  # - {c}\n")
     (work / "kustomization.yaml").write_text(text)
-    proc = subprocess.run([kubectl, "kustomize", str(work)], capture_output=True, text=True)
+    proc = subprocess.run([kubectl, "kustomize", str(work / folder)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
@@ -145,11 +149,17 @@ def test_mlflow_backend_names_the_image_once():
     assert "--use-vllm" not in main["command"] and "default" not in main["parameters"]["out_base"]
 
 
-def in_cluster_tracking_uris(docs: list[dict]) -> dict[str, str]:
+def trainjob_tracking_uri(multinode: list[dict]) -> str:
+    tj = find(multinode, "TrainJob", "orthorl-grpo-multinode")
+    return {e["name"]: e.get("value") for e in tj["spec"]["trainer"]["env"]}["MLFLOW_TRACKING_URI"]
+
+
+def in_cluster_tracking_uris(docs: list[dict], multinode: list[dict]) -> dict[str, str]:
     """Every in-cluster client of the shipped MLflow server -> the tracking URI it uses."""
     import re
 
     uris = {"Job": find(docs, "ConfigMap", "orthorl-grpo-config")["data"]["MLFLOW_TRACKING_URI"]}
+    uris["TrainJob"] = trainjob_tracking_uri(multinode)
     deploy = (ROOT / "docs" / "deploy.md").read_text()
     kube = re.findall(r"KUBE_MLFLOW_TRACKING_URI=(\S+)", deploy)
     assert kube, "docs/deploy.md names the pods' view of the server"
@@ -198,7 +208,7 @@ def test_mlflow_server_answers_every_in_cluster_client(tmp_path):
     if not (Path(sys.executable).parent / "mlflow").exists():
         pytest.skip("mlflow not installed (the train extra has it)")
     docs = render(tmp_path)
-    uris = in_cluster_tracking_uris(docs)
+    uris = in_cluster_tracking_uris(docs, render(tmp_path / "multinode", folder="multinode"))
     service = find(docs, "Service", "mlflow")
     port = service["spec"]["ports"][0]["port"]
     for where, uri in uris.items():  # each names the shipped Service
@@ -245,3 +255,26 @@ def test_mlflow_server_answers_every_in_cluster_client(tmp_path):
     assert {h: s for h, s in refused.items() if h != "localhost:5000"} == dict.fromkeys(
         [h for h in hosts if h != "localhost:5000"], 403
     )
+
+
+def test_trainjob_tracks_to_the_shipped_mlflow_server(tmp_path):
+    """The TrainJob's MLFLOW_TRACKING_URI is the mlflow component's Service (k8s/mlflow), by its
+    cluster name in the TrainJob's namespace; the server admits the TrainJob's pods and its Host."""
+    docs = render(tmp_path)
+    multinode = render(tmp_path / "multinode", folder="multinode")
+    service = find(docs, "Service", "mlflow")
+    tj = find(multinode, "TrainJob", "orthorl-grpo-multinode")
+    name, namespace = service["metadata"]["name"], service["metadata"]["namespace"]
+    url = f"http://{name}.{namespace}.svc.cluster.local:{service['spec']['ports'][0]['port']}"
+    assert trainjob_tracking_uri(multinode) == url
+    assert tj["metadata"]["namespace"] == namespace
+    allowed = find(docs, "ConfigMap", "orthorl-mlflow-server")["data"]["MLFLOW_SERVER_ALLOWED_HOSTS"]
+    assert url.split("//")[1] in [h.strip() for h in allowed.split(",")]
+    # its NetworkPolicy admits every pod of the namespace (the node pods among them)
+    policy = find(docs, "NetworkPolicy", "orthorl-mlflow")
+    assert policy["spec"]["ingress"][0]["from"] == [{"podSelector": {}}]
+    # the multinode kustomization does not deploy a second copy (it would reset the server's
+    # artifact store patched in k8s/kustomization.yaml): the server comes from k8s/
+    assert not [
+        d for d in multinode if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "mlflow"
+    ]
