@@ -117,6 +117,13 @@ class Plan:
 
 def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     """What the job will run, without running anything (tests assert it)."""
+    if _given(args.vllm_server_url) and not _given(args.from_checkpoint):
+        # the full chain (pipeline) has no server mode: it would drop the server and its timeout
+        raise ValueError(
+            f"--vllm-server-url {_given(args.vllm_server_url)} needs --from-checkpoint: GRPO on a vLLM server "
+            "starts from a gated SFT checkpoint. Set CHECKPOINT_URI (the ConfigMap orthorl-multinode-config, "
+            "k8s/multinode/vllm.yaml) to one, e.g. OUTPUT_URI/<job name>-<uid[:8]>/bc_sft of a single-node run"
+        )
     out = output_prefix(args, env)
     env_url = _given(args.env_url)
     if env_url and args.mode != "agentic":
@@ -248,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--vllm-server-url",
         default="",
-        help="GRPO generation on this vLLM server (train path; implies --use-vllm, server mode)",
+        help="GRPO generation on this vLLM server (needs --from-checkpoint; implies --use-vllm, server mode)",
     )
     p.add_argument(
         "--vllm-server-timeout",

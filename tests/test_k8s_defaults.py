@@ -278,3 +278,41 @@ def test_trainjob_tracks_to_the_shipped_mlflow_server(tmp_path):
     assert not [
         d for d in multinode if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "mlflow"
     ]
+
+
+def trainjob_job_argv(multinode: list[dict], values: dict[str, str]) -> list[str]:
+    """The arguments `python -m orthojob.job` gets in a TrainJob node pod ($(VAR) expanded)."""
+    import re
+
+    t = find(multinode, "TrainJob", "orthorl-grpo-multinode")["spec"]["trainer"]
+    argv = t["command"] + t["args"]
+    argv = argv[argv.index("orthojob.job") + 1 :]
+    return [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in argv]
+
+
+def test_the_shipped_trainjob_refuses_without_a_checkpoint(tmp_path, capsys):
+    """As shipped, CHECKPOINT_URI is empty: the TrainJob's `orthojob.job` exits 2 and says to set it,
+    instead of running the single-GPU pipeline without its vLLM server (--dry-run included)."""
+    from orthojob import job
+    from orthojob.exit_codes import ExitCode
+
+    multinode = render(tmp_path, folder="multinode")
+    cm = find(multinode, "ConfigMap", "orthorl-multinode-config")["data"]
+    assert cm["CHECKPOINT_URI"] == ""
+    values = {**cm, "OUTPUT_URI": "s3://bucket/runs", "TRAINJOB_NAME": "orthorl-grpo-multinode"}
+    argv = trainjob_job_argv(multinode, values)
+    assert "--vllm-server-url" in argv
+    env = {"RANK": "0"}
+    for extra in ([], ["--dry-run"]):
+        code = job.main([*argv, *extra], env=env, cli=lambda a: pytest.fail(str(a)))
+        err = capsys.readouterr()
+        assert code == ExitCode.USAGE, err
+        assert "CHECKPOINT_URI" in err.err and "gated SFT checkpoint" in err.err and "pipeline" not in err.out
+    # set, the plan is GRPO on the server with its timeout
+    values["CHECKPOINT_URI"] = "s3://bucket/runs/sft-1/bc_sft"
+    plan = job.plan(job.build_parser().parse_args(trainjob_job_argv(multinode, values)), env)
+    assert (
+        plan.chain[0] == "train"
+        and "--vllm-server-url" in plan.chain
+        and "--vllm-server-timeout" in plan.chain
+    )
