@@ -369,6 +369,11 @@ def _tracked_train(
         trainer = result.trainer
         model = trainer.accelerator.unwrap_model(trainer.model)
         resolved = config.to_dict() | {"out": out_uri, "work_dir": str(result.out)}
+        data = trainer.train_dataset
+        columns = [c for c in ("task_id", "seed") if c in (getattr(data, "column_names", None) or ())]
+        training = mlops.training_cases(
+            list(data.select_columns(columns)) if columns else [], config.force_decay
+        )
         mlops.log_training_artifacts(
             result.out,
             resolved,
@@ -379,6 +384,7 @@ def _tracked_train(
             config.task_id,
             config.force_decay,
             COMPLETIONS_FILE,
+            training,
         )
         print(f"[grpo] GRPO gate: {'passed' if result.gate_passed else 'FAILED'}")
         return 0 if result.gate_passed else ExitCode.GRPO_GATE_FAILED

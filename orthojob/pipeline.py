@@ -9,8 +9,10 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
    (``base_eval``): the untrained model's held-out parse rate, format and scaled reward, for
    comparison (no gate file);
 2. the preset's training ``stages`` (:data:`orthojob.presets.PIPELINE_STAGES`), in order, each
-   starting from the previous one's gated checkpoint, each in ``<out>/<name>`` with its own MLflow
-   stage run and gate file:
+   starting from the previous one's gated checkpoint, each in ``<out>/<name>`` with its gate file and
+   its own MLflow stage run, which holds the training, the gate (summary entry ``gate_<name>``) and
+   the gated checkpoint as an MLflow LoggedModel with its gate metrics, verdict and datasets
+   (:func:`orthojob.mlops.log_gated_checkpoint`, what promotion searches):
 
    * ``format`` -> ``format_sft``: stage 0, format SFT on demonstrations that carry no clinical
      choice (:func:`orthojob.sft.run_sft`), then ``gate_format_sft`` (format only);
@@ -79,7 +81,7 @@ from orthojob.models import TINY_MODEL, build_tiny
 from orthojob.presets import DEFAULT_STAGES, PIPELINE_STAGES, PRESETS, Preset, apply_overrides
 from orthojob.records import json_value
 from orthojob.rsft import RSFTError, log_rsft, run_rsft
-from orthojob.sft import log_stage, run_sft
+from orthojob.sft import TRAINING_CASES, log_stage, run_sft
 from orthojob.tool_sft import build_tiny_tool_model
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,12 @@ _GATE_VIEW: tuple[str, ...] = (
     "tool_call_rate", "finished_rate", "valid_call_rate", "reward_mean",
 )  # fmt: skip
 """The gate metrics a stage's row of the summary shows."""
+
+
+def _entry(result: dict) -> dict:
+    """A training stage's summary entry: its result without the list of cases it trained on (logged
+    with its model in MLflow)."""
+    return {k: v for k, v in result.items() if k != TRAINING_CASES}
 
 
 def _gate_view(content: dict) -> dict:
@@ -264,15 +272,14 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         save()
         return content
 
-    def gate_stage(name: str, folder: Path, settings: GateSettings, params_key: str) -> bool:
-        """Evaluate a SFT stage's checkpoint, write its gate file (in its own stage run), publish both."""
+    def gate_stage(name: str, folder: Path, settings: GateSettings, params_key: str, result: dict) -> bool:
+        """Evaluate a SFT stage's checkpoint and write its gate file, in the stage's run (active), where
+        the checkpoint becomes a gated LoggedModel (:func:`orthojob.sft.log_stage`); publish both."""
         t = time.perf_counter()
-        with tracking.stage_run(f"gate_{name}", params={params_key: dataclasses.asdict(settings)}):
-            content = gate.run_gate(folder, name, settings, cfg.task_id, cfg.force_decay)
-            tracking.log_metrics({f"gate/{k}": v for k, v in content["metrics"].items()})
-            mlflow.log_artifact(str(gate.gate_path(folder)))
-            mlflow.set_tag("orthorl.gate_passed", str(content["passed"]).lower())
+        tracking.log_params({params_key: dataclasses.asdict(settings)})
+        content = gate.run_gate(folder, name, settings, cfg.task_id, cfg.force_decay)
         stages[f"gate_{name}"] = {"seconds": time.perf_counter() - t, **_gate_view(content)}
+        log_stage(result, content, folder)
         print(gate.format_gate(content))
         publish(name, folder)
         save()
@@ -299,11 +306,10 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
             name, params={key: config.to_dict(), "model": model, "force_decay": cfg.force_decay}
         ):
             result = run_sft(config)
-            log_stage(result, None, folder)
-        run_identity.write_identity(folder, identity)  # published with the checkpoint and its gate
-        stages[name] = {"seconds": time.perf_counter() - t, **result}
-        save()
-        return gate_stage(name, folder, settings, gate_key)
+            run_identity.write_identity(folder, identity)  # published with the checkpoint and its gate
+            stages[name] = {"seconds": time.perf_counter() - t, **_entry(result)}
+            save()
+            return gate_stage(name, folder, settings, gate_key, result)
 
     def stage_identity(config: Any, settings: GateSettings, previous: Path | None) -> dict:
         """What makes a stage's checkpoint this run's: its config with the preset's model reference
@@ -383,12 +389,11 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
                 mlflow.set_tag("orthorl.refused", exc.message[:250])
                 save()
                 return False, int(exc.exit_code)
-            log_stage(result, None, folder)
             log_rsft(result, folder)
-        run_identity.write_identity(folder, identity)
-        stages["rsft"] = {"seconds": time.perf_counter() - t, **result}
-        save()
-        return gate_stage("rsft", folder, cfg.rsft_gate, "rsft_gate"), 0
+            run_identity.write_identity(folder, identity)
+            stages["rsft"] = {"seconds": time.perf_counter() - t, **_entry(result)}
+            save()
+            return gate_stage("rsft", folder, cfg.rsft_gate, "rsft_gate", result), 0
 
     # 2. the training stages, each from the previous gated checkpoint
     trained: list[tuple[str, Path, bool]] = []  # (name, folder, gate passed)

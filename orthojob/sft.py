@@ -71,6 +71,9 @@ from server.treatment import score_plans
 
 log = logging.getLogger(__name__)
 
+TRAINING_CASES = "training_cases"
+"""The summary's key for the cases a stage trained on (:func:`orthojob.mlops.training_cases`)."""
+
 
 SECTIONS: dict[str, type[SFTJobConfig]] = {
     "format_sft": FormatSFTConfig,
@@ -307,6 +310,7 @@ def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info:
     }
     (out / SFT_LOG_FILE).write_text(json.dumps({"summary": summary, "log_history": history}, indent=1))
     (out / SFT_CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2))
+    summary[TRAINING_CASES] = mlops.training_cases(rows, config.force_decay)  # logged with the gated model
     log.info("SFT (%s demos): %d steps in %.0f s, loss %s -> %s", config.demos, summary["steps"], train_seconds,
              summary["first_loss"], summary["final_loss"])  # fmt: skip
     return summary
@@ -375,7 +379,9 @@ def localize(config: SFTJobConfig, say: Callable[[str], Any]) -> SFTJobConfig:
 
 def log_stage(summary: dict, content: dict | None, out: str | Path, prefix: str = "") -> None:
     """Into the active MLflow stage run (if any): the training summary's numbers, the demonstrations'
-    counts (``demos/*``), the gate's metrics (``gate/*``), the gate file and its verdict tag."""
+    counts (``demos/*``); with the gate's ``content``, the checkpoint at ``out`` as a gated LoggedModel
+    (:func:`orthojob.mlops.log_gated_checkpoint`: the gate's metrics ``gate/*``, file and verdict tag
+    on the run and the model, the training and held-out cases as its datasets)."""
     mlflow = sys.modules.get("mlflow")  # imported by the stage run, when there is one
     if mlflow is None or mlflow.active_run() is None:
         return
@@ -387,9 +393,8 @@ def log_stage(summary: dict, content: dict | None, out: str | Path, prefix: str 
     }
     tracking.log_metrics({f"{prefix}{k}": v for k, v in numbers.items()})
     if content is not None:
-        tracking.log_metrics({f"gate/{k}": v for k, v in content["metrics"].items()})
-        mlflow.log_artifact(str(gate.gate_path(out)))
-        mlflow.set_tag("orthorl.gate_passed", str(content["passed"]).lower())
+        base = str(summary.get("base_model") or "")
+        mlops.log_gated_checkpoint(out, content, base, training=summary.get(TRAINING_CASES))
 
 
 def _demo_line(summary: dict) -> str:

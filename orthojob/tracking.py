@@ -16,7 +16,11 @@
   (S3 keys, MLflow credentials) — secrets never reach params, tags, metrics or logs.
 * :class:`MlflowMetricsCallback` forwards the trainer's logs (TRL's
   ``rewards/<name>/mean|std``, ``reward``, ``reward_std``, ``frac_reward_zero_std``,
-  completion lengths, ``kl``) per step, with valid names and without profiling spam.
+  completion lengths, ``kl``) per step, with valid names and without profiling spam. It is kept
+  instead of transformers' ``MLflowCallback`` (``report_to="mlflow"``), which logs every numeric key
+  (TRL's per-call ``profiling/*`` timings, booleans and non-finite values included), and at setup
+  logs every ``TrainingArguments`` field and the model config as params and may start (and end) a run
+  of its own; here params are the stage run's (flattened, redacted) and only the metrics come per step.
 * :func:`log_table_rows` appends rows to an MLflow table of the active run (GRPO's completions).
 * A planner is judged in MLflow by one headline metric, the scaled terminal reward, under the names
   of :mod:`orthojob.metrics`: ``gate/scaled_reward_mean`` and ``gate/hard_rule_share`` (with

@@ -190,7 +190,7 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
     )
     children = {r.data.tags["orthorl.stage"]: r for r in family}
     assert len(children) == len(family), "one run per stage"
-    assert set(children) == {"bc_sft", "gate_bc_sft", "grpo", "evaluate"}
+    assert set(children) == {"bc_sft", "grpo", "evaluate"}  # each SFT stage's gate runs in its run
     assert all(r.info.status == "FINISHED" for r in family)
     projects = [r for r in client.search_runs([parent.info.experiment_id])
                 if r.data.tags.get("mlflow.project.entryPoint")]  # fmt: skip
@@ -254,6 +254,37 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
     components = mlflow.transformers.load_model(f"models:/{logged.model_id}", return_type="components")
     assert components["model"] is not None and components["tokenizer"] is not None
 
+    # every gated checkpoint (BC SFT's, GRPO's) is a LoggedModel of its stage's run with its gate's
+    # metrics and verdict, the metrics linked to the held-out cases; the run's inputs name the cases
+    # it trained on and was gated on (datasets, linked to the model)
+    gated = {}
+    for stage in ("bc_sft", "grpo"):
+        run = children[stage]
+        (model,) = client.search_logged_models(
+            [run.info.experiment_id],
+            filter_string=f"source_run_id = '{run.info.run_id}' AND tags.`orthorl.gate_stage` = '{stage}'",
+        )
+        content = json.loads(
+            Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="gate_passed.json",
+                                                     dst_path=str(tmp_path / stage))).read_text()
+        )  # fmt: skip
+        metrics = {m.key: m for m in model.metrics}
+        assert metrics["gate/scaled_reward_mean"].value == content["metrics"]["scaled_reward_mean"]
+        assert model.tags["orthorl.gate_passed"] == str(content["passed"]).lower()
+        start, n = content["evaluation"]["seed_start"], content["evaluation"]["n_seeds"]
+        heldout = f"heldout-task_easy-{start}-{start + n - 1}"
+        assert metrics["gate/hard_rule_share"].dataset_name == heldout
+        inputs = {
+            {t.key: t.value for t in i.tags}["mlflow.data.context"]: i.dataset
+            for i in client.get_run(run.info.run_id).inputs.dataset_inputs
+        }
+        assert inputs["evaluation"].name == heldout and inputs["evaluation"].digest
+        assert inputs["training"].name.startswith(f"{stage}-train-task_easy-")
+        assert json.loads(inputs["training"].profile)["num_rows"] >= 1
+        assert {i.model_id for i in client.get_run(run.info.run_id).inputs.model_inputs} >= {model.model_id}
+        gated[stage] = model
+    assert gated["grpo"].model_id == logged.model_id
+
     # promote: a passed gate (no more hard-rule breaks than the oracle's) is registered, candidate and
     # the first champion; a failed one is refused and nothing is registered, even forced
     promoted = orthojob(["promote", "--run-id", run_id, "--model-name", "orthorl-e2e"], env)
@@ -263,6 +294,8 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
         version = client.get_model_version_by_alias("orthorl-e2e", "candidate")
         assert version.run_id == run_id or version.tags["run_id"] == run_id
         assert client.get_registered_model("orthorl-e2e").aliases["champion"] == version.version
+        # registered from the gated record, which the champion was picked from
+        assert version.source == f"models:/{logged.model_id}" and version.tags["model_id"] == logged.model_id
     else:
         assert promoted.returncode == forced.returncode == ExitCode.BAD_GATE, promoted.stderr
         assert "not registered" in promoted.stderr

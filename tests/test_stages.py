@@ -374,6 +374,26 @@ def test_run_sft_takes_its_rows_from_the_caller(tiny_base, tmp_path):
     assert summary["examples"] == 2 and summary["demos"] == {"source": "test", "n": 2}
 
 
+def test_sft_and_its_gate_log_progress_lines_in_a_job(tiny_base, tmp_path, monkeypatch, capfd):
+    """Where stderr is no terminal (a Job's log) a real SFT and its gate's generation write whole
+    progress lines, steps done of the total with an ETA, never a carriage-return bar."""
+    monkeypatch.setenv("ORTHORL_PROGRESS", "log")
+    monkeypatch.setenv("ORTHORL_PROGRESS_INTERVAL", "0")  # a line per update
+    out = tmp_path / "o"
+    run_sft(SFTJobConfig(model=str(tiny_base), out=str(out), steps=3, batch_size=2, examples=4, lora_r=0))
+    gate.gate_report(
+        str(out), n_seeds=3, task_id="task_easy", max_new_tokens=8, batch_size=1, stage=gate.BC_SFT
+    )
+    lines = capfd.readouterr().err.split("\n")
+    sft = [x for x in lines if x.startswith("[sft] step ")]
+    assert [x.split(" (")[0] for x in sft] == ["[sft] step 1/3", "[sft] step 2/3", "[sft] step 3/3"]
+    assert "ETA" in sft[0] and sft[-1].startswith("[sft] step 3/3 (100%)")
+    generate = [x for x in lines if x.startswith("[generate] prompt ")]
+    assert [x.split(" (")[0] for x in generate] == [f"[generate] prompt {i}/3" for i in (1, 2, 3)]
+    assert "ETA" in generate[0] and ", done" in generate[-1]
+    assert not any("\r" in x for x in sft + generate)
+
+
 def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch, capsys):
     """format -> BC -> GRPO -> RSFT from one preset: each stage starts from the previous gated
     checkpoint, has its MLflow run and gate file; the evaluation has a row per checkpoint."""
@@ -424,17 +444,35 @@ def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch
     results = json.loads((out / "evaluation.json").read_text())["results"]["task_easy"]
     assert list(results)[:4] == ["rsft", "grpo", "bc_sft", "format_sft"]
     assert json.loads((out / SUMMARY_FILE).read_text())["exit_code"] == 0
-    names = {r.data.tags["orthorl.stage"] for r in stage_runs_under(summary["mlflow_run_id"])}
-    assert {
-        "format_sft",
-        "gate_format_sft",
-        "bc_sft",
-        "gate_bc_sft",
-        "grpo",
-        "rsft",
-        "gate_rsft",
-        "evaluate",
-    } <= names
+    runs = {r.data.tags["orthorl.stage"]: r for r in stage_runs_under(summary["mlflow_run_id"])}
+    assert set(runs) == {"format_sft", "bc_sft", "grpo", "rsft", "evaluate"}  # a stage's gate in its run
+    # every gated checkpoint is a LoggedModel of its stage's run carrying its gate (metrics, verdict),
+    # its held-out cases linked to the gate metrics, the cases it trained on among the run's inputs
+    import mlflow
+
+    for name in summary["chain"]:
+        run = runs[name]
+        (model,) = mlflow.search_logged_models(
+            experiment_ids=[run.info.experiment_id],
+            filter_string=f"source_run_id = '{run.info.run_id}' AND tags.`orthorl.gate_stage` = '{name}'",
+            output_format="list",
+        )
+        content = gate.read_gate(out / name)
+        metrics = {m.key: m for m in model.metrics}
+        assert metrics["gate/scaled_reward_mean"].value == content["metrics"]["scaled_reward_mean"]
+        assert model.tags["orthorl.gate_passed"] == "true" == run.data.tags["orthorl.gate_passed"]
+        evaluation = content["evaluation"]
+        heldout = f"heldout-task_easy-{evaluation['seed_start']}-{evaluation['seed_start'] + 1}"
+        assert metrics["gate/scaled_reward_mean"].dataset_name == heldout
+        inputs = {
+            (i.dataset.name, {t.key: t.value for t in i.tags}["mlflow.data.context"]): i.dataset
+            for i in mlflow.get_run(run.info.run_id).inputs.dataset_inputs
+        }
+        assert (heldout, "evaluation") in inputs
+        (trained,) = [d for (n, context), d in inputs.items() if context == "training"]
+        assert trained.name.startswith(f"{name}-train-task_easy-")
+        rows = json.loads(trained.profile)["num_rows"]  # one per case: SFT's examples, GRPO's prompts
+        assert rows == stages[name]["examples"] if "examples" in stages[name] else rows >= 1
 
 
 def stage_runs_under(parent: str) -> list:

@@ -10,7 +10,7 @@ import pytest
 
 mlflow = pytest.importorskip("mlflow")
 
-from orthojob import gate, registry, tracking  # noqa: E402
+from orthojob import gate, mlops, registry, tracking  # noqa: E402
 from orthojob.exit_codes import ExitCode  # noqa: E402
 from orthojob.prompts import plan_to_completion  # noqa: E402
 from server.dental_constants import TOOTH_IDS  # noqa: E402
@@ -38,24 +38,27 @@ def tracked(server, monkeypatch, tmp_path):
         mlflow.end_run()
 
 
+class _Echo(mlflow.pyfunc.PythonModel):
+    def predict(self, context, model_input, params=None):
+        return model_input
+
+
 def _logged_run(
     tmp_path, passed: bool, score: float, share: float = 0.0, gate_file: dict | None = None
 ) -> str:
-    """A run holding a small pyfunc model and a gate file (what a training stage leaves): ``gate_file``,
-    or one with the headline ``score`` and hard-rule ``share`` (the oracle's 0)."""
-
-    class Echo(mlflow.pyfunc.PythonModel):
-        def predict(self, context, model_input, params=None):
-            return model_input
+    """A run holding a small pyfunc model as a LoggedModel carrying its gate, recorded as a training
+    stage records it (:func:`orthojob.mlops.record_gate`: gate file, run metrics, the model's gate
+    metrics and verdict tag): ``gate_file``, or one with the headline ``score`` and hard-rule
+    ``share`` (the oracle's 0)."""
 
     metrics = {"scaled_reward_mean": score, "hard_rule_share": share, "oracle_hard_rule_share": 0.0}
     content = gate_file or {"passed": passed, "metrics": metrics, "thresholds": {}}
     with tracking.stage_run("grpo", params={"lr": 1e-5, "secret_echo": SECRET}) as run:
-        mlflow.pyfunc.log_model(name="model", python_model=Echo(), pip_requirements=["mlflow"])
+        info = mlflow.pyfunc.log_model(name="model", python_model=_Echo(), pip_requirements=["mlflow"])
         folder = tmp_path / run.info.run_id
         folder.mkdir()
         (folder / "gate_passed.json").write_text(json.dumps(content))
-        mlflow.log_artifact(str(folder / "gate_passed.json"))
+        mlops.record_gate(info.model_id, content, folder)
         return run.info.run_id
 
 
@@ -93,11 +96,23 @@ def test_promotion_rules(tracked, tmp_path):
     assert float(tags["hard_rule_share"]) == 0.125
     assert len(_versions(name)) == 4  # first, worse, loose, better: nothing of the refused runs
 
-    # a champion recorded before the headline metric (only the raw terminal tagged) is replaced
-    client.delete_model_version_tag(name, better.version, "scaled_reward_mean")
-    client.set_model_version_tag(name, better.version, "terminal_mean", "0.99")
-    after = registry.promote(_logged_run(tmp_path, True, 1.0), name)
-    assert after.champion and "has no scaled_reward_mean" in after.reason
+    # the champion is picked from the LoggedModel records: the registered versions' models, filtered
+    # on a passed gate within the bound and ordered by the headline metric, by MLflow
+    ids = [registry.version_model_id(v) for v in _versions(name)]
+    experiment = [client.get_experiment_by_name("registry-test").experiment_id]
+    ranked = registry.ranked_records(ids, experiment, 0.0)
+    assert [registry._score(m) for m in ranked] == [9.5, 5.0, 4.0]  # the breaker (0.125) is out of bound
+    assert ranked[0].model_id == registry.version_model_id(client.get_model_version(name, better.version))
+    assert [registry._score(m) for m in registry.ranked_records(ids, experiment, 0.2)] == [9.5, 9.0, 5.0, 4.0]
+
+    # a champion registered before the gated records (its model carries no gate) is replaced
+    old_name = "orthorl-test-older"
+    with tracking.stage_run("grpo") as run:
+        mlflow.pyfunc.log_model(name="model", python_model=_Echo(), pip_requirements=["mlflow"])
+    old = mlflow.register_model(f"runs:/{run.info.run_id}/model", old_name)
+    client.set_registered_model_alias(old_name, "champion", old.version)
+    after = registry.promote(_logged_run(tmp_path, True, 1.0), old_name)
+    assert after.champion and "has no gate record" in after.reason and after.previous_champion == old.version
 
 
 def test_a_gate_file_without_the_headline_or_the_hard_rule_share_is_refused(tracked, tmp_path):
@@ -184,6 +199,15 @@ def test_missing_and_bad_gate_are_refused(tracked, tmp_path):
     with pytest.raises(registry.PromotionError) as err:
         registry.promote(bad_id, "orthorl-badgate")
     assert err.value.exit_code == ExitCode.BAD_GATE
+    # a readable gate file on no LoggedModel (a hand-kept file): promotion reads the records, not it
+    metrics = {"scaled_reward_mean": 5.0, "hard_rule_share": 0.0, "oracle_hard_rule_share": 0.0}
+    (tmp_path / "gate_passed.json").write_text(json.dumps({"passed": True, "metrics": metrics}))
+    with tracking.stage_run("grpo") as run:
+        mlflow.log_artifact(str(tmp_path / "gate_passed.json"))
+        loose_id = run.info.run_id
+    with pytest.raises(registry.PromotionError, match="no LoggedModel carrying it") as err:
+        registry.promote(loose_id, "orthorl-nomodel")
+    assert err.value.exit_code == ExitCode.NO_MODEL and _versions("orthorl-nomodel") == []
 
 
 def test_params_are_redacted_and_metrics_sanitised(tracked):
