@@ -278,20 +278,23 @@ def download_dir(uri: str, local: str | Path, client: Any | None = None) -> Path
             return local
         tmp = local.with_name(local.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        for rel, meta in manifest["files"].items():
-            dest = tmp / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with_retries(
-                f"download {rel} from {loc.uri}",
-                lambda d=dest, r=rel: client.download_file(loc.bucket, loc.key(r), str(d)),
-            )
-            digest = sha256_file(dest)
-            if digest != meta["sha256"]:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise StorageError(
-                    f"{loc.uri}/{rel}: sha256 {digest[:12]}… does not match the manifest's "
-                    f"{meta['sha256'][:12]}…; the object is corrupt or was changed after upload"
+        total = sum(int(meta.get("size") or 0) for meta in manifest["files"].values())
+        with progress(total, f"download {loc.uri}", unit="B") as bar:  # a bar, or log lines
+            for rel, meta in manifest["files"].items():
+                dest = tmp / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with_retries(
+                    f"download {rel} from {loc.uri}",
+                    lambda d=dest, r=rel: client.download_file(loc.bucket, loc.key(r), str(d)),
                 )
+                digest = sha256_file(dest)
+                if digest != meta["sha256"]:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise StorageError(
+                        f"{loc.uri}/{rel}: sha256 {digest[:12]}… does not match the manifest's "
+                        f"{meta['sha256'][:12]}…; the object is corrupt or was changed after upload"
+                    )
+                bar.update(int(meta.get("size") or 0))
         shutil.rmtree(local, ignore_errors=True)
         tmp.rename(local)
     log.info("downloaded and verified %d files from %s", len(manifest["files"]), loc.uri)

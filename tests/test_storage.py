@@ -20,13 +20,22 @@ def _folder(root: Path) -> Path:
     return root
 
 
-def test_round_trip_verifies_digests(s3_env, tmp_path):
+def test_round_trip_verifies_digests(s3_env, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("ORTHORL_PROGRESS", "log")  # as in a Job: one line per interval, no bar
+    monkeypatch.setenv("ORTHORL_PROGRESS_INTERVAL", "0")
     src = _folder(tmp_path / "src")
     manifest = storage.upload_dir(src, "s3://orthorl/runs/a")
     assert set(manifest["files"]) == {"adapter_model.safetensors", "config.json", "sub/x.txt"}
     out = storage.download_dir("s3://orthorl/runs/a", tmp_path / "dst")
     for rel in manifest["files"]:
         assert (out / rel).read_bytes() == (src / rel).read_bytes()
+    # the download's progress: bytes done of the total, one whole line per update
+    total = sum(meta["size"] for meta in manifest["files"].values())
+    lines = [x for x in capfd.readouterr().err.split("\n") if x.startswith("[download s3://orthorl/runs/a]")]
+    assert len(lines) == 3 and "\r" not in "".join(lines)
+    assert lines[-1].startswith(
+        f"[download s3://orthorl/runs/a] {total / 1e6:.1f}/{total / 1e6:.1f} MB (100%)"
+    )
 
 
 def test_corrupt_object_is_refused(s3_env, tmp_path):
