@@ -316,3 +316,32 @@ def test_the_shipped_trainjob_refuses_without_a_checkpoint(tmp_path, capsys):
         and "--vllm-server-url" in plan.chain
         and "--vllm-server-timeout" in plan.chain
     )
+
+
+def guaranteed(resources: dict) -> bool:
+    """Guaranteed QoS for one container: cpu and memory limits set and equal to the requests."""
+    req, lim = resources.get("requests", {}), resources.get("limits", {})
+    return all(key in lim and req.get(key, lim[key]) == lim[key] for key in ("cpu", "memory"))
+
+
+def test_multinode_scheduling_defaults(tmp_path):
+    """`kubectl apply -k k8s/multinode/` as shipped: the TrainJob's node pods and the vLLM server are
+    Guaranteed (requests = limits, init containers included), claims are chowned only on a root
+    mismatch, no operator-only node label, and the run's ConfigMap is immutable."""
+    docs = render(tmp_path, folder="multinode")
+    tj = find(docs, "TrainJob", "orthorl-grpo-multinode")
+    res = tj["spec"]["trainer"]["resourcesPerNode"]
+    assert guaranteed(res), res
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"]
+    replicated = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    node_pod = replicated[0]["template"]["spec"]["template"]["spec"]
+    vllm_pod = find(docs, "Deployment", "orthorl-vllm")["spec"]["template"]["spec"]
+    for name, pod in (("TrainJob node", node_pod), ("vLLM", vllm_pod)):
+        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch", name
+        assert "nodeSelector" not in pod, name
+    for c in vllm_pod["containers"] + vllm_pod.get("initContainers", []):
+        assert guaranteed(c["resources"]), (c["name"], c["resources"])
+    vllm = next(c for c in vllm_pod["containers"] if c["name"] == "vllm")
+    assert vllm["resources"]["requests"]["nvidia.com/gpu"] == vllm["resources"]["limits"]["nvidia.com/gpu"]
+    cm = find(docs, "ConfigMap", "orthorl-multinode-config")
+    assert cm["immutable"] is True, "a restarted node pod must not see the run's parameters change"
