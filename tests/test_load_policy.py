@@ -133,3 +133,34 @@ def test_docs_table_has_every_row():
     loaders = {re.findall(r"`(\w+)`", cell)[0] for cell in cells}
     assert loaders == {"unsloth", "qlora", "lora", "full"} and len(rows) == 7
     assert "LOCAL_RANK" in table and LOADER_ENV in table and "WARNING" in table
+
+
+def test_load_policy_puts_a_rank_on_its_own_gpu(monkeypatch, tiny_model):
+    """The wiring of the policy's device (no GPU here): a rank whose policy says cuda:3 (LOCAL_RANK 3
+    of a multi-GPU launch) selects GPU 3 and loads with device_map {"": 3}, never GPU 0. The model
+    itself loads on CPU (device_map dropped), so the rest of load_policy runs for real."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    policy = LoadPolicy("lora", "cuda:3", "LOCAL_RANK 3 of 4")
+    monkeypatch.setattr(models, "load_policy_here", lambda *a, **k: policy)
+    selected: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    loads: list[dict] = []
+    original = AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained(path, *args, **kwargs):
+        loads.append(dict(kwargs))
+        kwargs.pop("device_map", None)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    model, _tok = models.load_policy(str(tiny_model), lora_r=4)
+    assert selected == [3]
+    assert len(loads) == 1 and loads[0]["device_map"] == {"": 3}
+    assert "quantization_config" not in loads[0]  # several ranks: bf16 LoRA, never 4-bit
+    assert models.count_parameters(model)["trainable"] > 0  # LoRA applied
+    # on CPU: neither a device nor a device_map
+    monkeypatch.setattr(models, "load_policy_here", lambda *a, **k: LoadPolicy("lora", "cpu", "no CUDA"))
+    models.load_policy(str(tiny_model), lora_r=4)
+    assert selected == [3] and "device_map" not in loads[1]
