@@ -1344,6 +1344,21 @@ def test_job_registers_only_a_passed_chain(tmp_path, monkeypatch):
             assert calls[1] == ["promote", "--run-id", "r" * 32, "--model-name", "orthorl-planner"]
 
 
+def test_job_promotes_on_rank_0_only(tmp_path, monkeypatch):
+    """Under a launcher (the TrainJob: every rank runs orthojob.job), a passed chain is promoted by
+    RANK 0 alone: rank 3 exits with the chain's code and calls no promote."""
+    from orthojob import job
+
+    monkeypatch.setattr(job, "cuda_available", lambda: True)
+    monkeypatch.setattr(job, "preflight", lambda *a, **k: 0)
+    monkeypatch.setattr(job, "grpo_run_id", lambda p: "r" * 32)
+    argv = ["--preset", "qwen2.5-3b", "--out", str(tmp_path / "run"), "--from-checkpoint", "s3://b/sft"]
+    for rank, want in (("3", ["train"]), ("0", ["train", "promote"]), ("", ["train", "promote"])):
+        calls: list[list[str]] = []
+        assert job.main(argv, env={"RANK": rank}, cli=lambda a, calls=calls: calls.append(a) or 0) == 0
+        assert [c[0] for c in calls] == want, rank
+
+
 # ---------------------------------------------------------------------------------------------
 # agentic GRPO: the environment server (k8s/agentic/) and the Job that uses it
 
