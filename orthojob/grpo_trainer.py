@@ -74,6 +74,9 @@ from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 log = logging.getLogger(__name__)
 
 TABLE_TEXT_CHARS = 4000
+SERVER_WAIT_MARGIN_S = 600
+"""vLLM server mode: the process group's timeout (ddp_timeout) exceeds rank 0's wait for the server
+(vllm_server_timeout) by this much (connecting, the weight-transfer group, the first gather)."""
 # logged by end_process_group when a gloo thread outlives the group (a launch's output is checked for it)
 PROCESS_GROUP_LEFT = "process group threads still running after destroy_process_group"
 """A completion's text in the MLflow table is cut to this many characters (completions.jsonl keeps it whole)."""
@@ -125,6 +128,9 @@ def build_grpo_args(
         if config.vllm_mode == "server" and config.vllm_server_url:
             kwargs["vllm_server_base_url"] = config.vllm_server_url
             kwargs["vllm_server_timeout"] = config.vllm_server_timeout
+            # while rank 0 waits for the server, the other ranks wait at their first collective for
+            # the process group's timeout (transformers' default 1800 s): longer than rank 0's wait
+            kwargs["ddp_timeout"] = max(1800, math.ceil(config.vllm_server_timeout) + SERVER_WAIT_MARGIN_S)
         if config.vllm_mode == "colocate":
             kwargs["vllm_gpu_memory_utilization"] = config.vllm_gpu_memory_utilization
     return GRPOConfig(**kwargs), funcs

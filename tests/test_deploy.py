@@ -1244,12 +1244,28 @@ def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None
         if "TrainJob" in where:
             t = one(load_all(TRAINJOB), "TrainJob")["spec"]["trainer"]
             n = t["numNodes"] * t["numProcPerNode"]
-        grpo.validate(grpo.config_from_args(parsed), n_processes=n, cuda=True)
+        cfg = grpo.config_from_args(parsed)
+        grpo.validate(cfg, n_processes=n, cuda=True)
+        if "TrainJob" in where:  # server mode: TRL waits --vllm-server-timeout for the server
+            monkeypatch.delitem(sys.modules, "vllm")  # TRL's import checks want a real one or none
+            check_vllm_server_wait(cfg)
     if args[0] == "pipeline":
         from orthojob.pipeline import run_pipeline_cli
 
         parsed.show = True  # the --set values must name real preset keys
         assert run_pipeline_cli(parsed) == 0, capsys.readouterr().err
+
+
+def check_vllm_server_wait(cfg: Any) -> None:
+    """The TrainJob's --vllm-server-timeout reaches TRL's GRPOConfig (the server may still be pulling
+    its image and loading the model), and the process group's timeout, which the other ranks wait
+    at their first collective while rank 0 waits for the server, is longer."""
+    trainer = pytest.importorskip("orthojob.grpo_trainer")
+    # built in this single CPU process (n_processes only picks gloo on CPU, which needs a group)
+    args = trainer.build_grpo_args(cfg, {"bf16": False, "cuda": False}, 1)[0]
+    assert args.use_vllm and args.vllm_mode == "server" and args.vllm_server_base_url == cfg.vllm_server_url
+    assert args.vllm_server_timeout == cfg.vllm_server_timeout >= 1800
+    assert args.ddp_timeout > args.vllm_server_timeout
 
 
 def job_argv(job: dict, cm: dict, uid: str) -> list[str]:
