@@ -299,7 +299,7 @@ def test_the_shipped_trainjob_refuses_without_a_checkpoint(tmp_path, capsys):
     multinode = render(tmp_path, folder="multinode")
     cm = find(multinode, "ConfigMap", "orthorl-multinode-config")["data"]
     assert cm["CHECKPOINT_URI"] == ""
-    values = {**cm, "OUTPUT_URI": "s3://bucket/runs", "TRAINJOB_NAME": "orthorl-grpo-multinode"}
+    values = {**cm, "OUTPUT_URI": "s3://bucket/runs"}
     argv = trainjob_job_argv(multinode, values)
     assert "--vllm-server-url" in argv
     env = {"RANK": "0"}
@@ -345,3 +345,33 @@ def test_multinode_scheduling_defaults(tmp_path):
     assert vllm["resources"]["requests"]["nvidia.com/gpu"] == vllm["resources"]["limits"]["nvidia.com/gpu"]
     cm = find(docs, "ConfigMap", "orthorl-multinode-config")
     assert cm["immutable"] is True, "a restarted node pod must not see the run's parameters change"
+
+
+def test_trainjob_output_prefix_is_per_trainjob(tmp_path):
+    """A TrainJob's prefix is OUTPUT_URI/<name>-<JobSet uid[:8]>, from the labels JobSet puts on every
+    pod (as the Job's is from its controller-uid): every node and a restarted JobSet (same uid) share
+    it, a TrainJob re-created under the same name (new uid) gets another, not its predecessor's
+    (which the run identity would refuse, exit 14)."""
+    from orthojob import job
+
+    multinode = render(tmp_path, folder="multinode")
+    trainer = find(multinode, "TrainJob", "orthorl-grpo-multinode")["spec"]["trainer"]
+    env = {e["name"]: e for e in trainer["env"]}
+    assert env["K8S_JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['jobset.sigs.k8s.io/jobset-name']"
+    )
+    assert env["K8S_JOB_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['jobset.sigs.k8s.io/jobset-uid']"
+    )
+    cm = find(multinode, "ConfigMap", "orthorl-multinode-config")["data"]
+    values = {**cm, "OUTPUT_URI": "s3://bucket/runs", "CHECKPOINT_URI": "s3://bucket/runs/sft-1/bc_sft"}
+    argv = trainjob_job_argv(multinode, values)
+    assert "--run-name" not in argv and "--out" not in argv  # the prefix comes from name and uid
+    args = job.build_parser().parse_args(argv)
+    name = "orthorl-grpo-multinode"
+    first = job.plan(args, {"K8S_JOB_NAME": name, "K8S_JOB_UID": "1f2e3d4c-0000-4000-8000-000000000001"})
+    assert first.out == f"s3://bucket/runs/{name}-1f2e3d4c"
+    assert first.chain[first.chain.index("--out") + 1] == f"{first.out}/grpo"
+    again = job.plan(args, {"K8S_JOB_NAME": name, "K8S_JOB_UID": "1f2e3d4c-0000-4000-8000-000000000001"})
+    recreated = job.plan(args, {"K8S_JOB_NAME": name, "K8S_JOB_UID": "9a8b7c6d-0000-4000-8000-000000000002"})
+    assert again.out == first.out and recreated.out != first.out
