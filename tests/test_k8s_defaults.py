@@ -375,3 +375,48 @@ def test_trainjob_output_prefix_is_per_trainjob(tmp_path):
     again = job.plan(args, {"K8S_JOB_NAME": name, "K8S_JOB_UID": "1f2e3d4c-0000-4000-8000-000000000001"})
     recreated = job.plan(args, {"K8S_JOB_NAME": name, "K8S_JOB_UID": "9a8b7c6d-0000-4000-8000-000000000002"})
     assert again.out == first.out and recreated.out != first.out
+
+
+def kubernetes_backend_walk() -> list[str]:
+    """The shell lines of docs/deploy.md's walk through MLflow's Kubernetes backend."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    blocks = text.split("```bash\n")[1:]
+    (block,) = [
+        b.split("```", 1)[0]
+        for b in blocks
+        if "mlflow run mlflow-k8s --backend kubernetes" in b.split("```", 1)[0]
+        and "kubectl apply" in b.split("```", 1)[0]
+    ]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_kubernetes_backend_walk_applies_what_it_uses(tmp_path):
+    """Every object the walk port-forwards to or waits for is among what it applied before (label
+    selections of `kubectl apply -k k8s/ -l ...`, rendered here), and it pulls the image
+    mlflow-k8s/MLproject names (the one place), evaluated by the shell, not a copy of the name."""
+    import re
+
+    docs = render(tmp_path)
+    walk = kubernetes_backend_walk()
+    applied: list[dict] = []
+    for line in walk:
+        if m := re.match(r"kubectl apply -k k8s/ -l app\.kubernetes\.io/component=(\S+)", line):
+            chosen = [
+                d for d in docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == m[1]
+            ]
+            assert chosen, line
+            applied += chosen
+        for kind, ref in (
+            ("Service", r"port-forward svc/(\S+)"),
+            ("Deployment", r"rollout status deploy/(\S+)"),
+        ):
+            if m := re.search(ref, line):
+                names = [d["metadata"]["name"] for d in applied if d["kind"] == kind]
+                assert m[1] in names, f"{line!r}: {kind} {m[1]} not applied before (applied: {names})"
+    assert any("port-forward svc/mlflow" in line for line in walk)
+    image = yaml.safe_load((ROOT / "mlflow-k8s" / "MLproject").read_text())["docker_env"]["image"]
+    assert image not in (ROOT / "docs" / "deploy.md").read_text(), "the docs copy the image name"
+    (pull,) = [line for line in walk if line.startswith("docker pull ")]
+    command = pull.split("#", 1)[0].replace("docker pull", "echo", 1)
+    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == image
