@@ -179,6 +179,64 @@ def test_the_oracle_submitted_through_the_tools_scores_as_the_one_shot_reward(ta
     assert values == [expected]
 
 
+def test_sampled_episodes_are_mlflow_traces_with_a_span_per_tool_call(tmp_path, monkeypatch):
+    """Within an active run, the sampled episodes (here 2 of a batch of 3) become MLflow traces when
+    the reward is read: a root span ``episode`` with the case and the reward, one span per tool call
+    with its arguments, result and duration; outside a run nothing is recorded."""
+    import mlflow
+
+    from orthojob import tracking
+    from orthojob.agentic import TRACE_EPISODES_ENV, TRACE_REWARD_TAG, flush_traces
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv(TRACE_EPISODES_ENV, "2")
+    flush_traces([])  # a fresh budget (an earlier test's episodes may have claimed some)
+    outside = DentalToolEnv()
+    outside.reset(**CASE)
+    assert outside._trace_calls is None  # no run: the hot path records nothing
+    seed = TRAIN_SEED_START + 3
+    text = plan_to_completion(oracle_plan(reset_observation(seed, "task_easy", False)))
+    with tracking.stage_run("grpo", experiment="traces") as run:
+        envs = [DentalToolEnv() for _ in range(3)]
+        for e in envs:
+            e.reset(seed=seed, task_id="task_easy", force_decay=False)
+            e.inspect_tooth(tooth_id=13)
+            e.simulate_stage(groups=STAGE)
+        envs[0].submit_plan(plan=text)
+        assert envs[2]._trace_calls is None  # beyond the budget: not recorded
+        rewards = reward_agentic([[{"role": "assistant", "content": ""}]] * 3, environments=envs)
+    mlflow.flush_trace_async_logging()
+    traces = mlflow.search_traces(
+        locations=[run.info.experiment_id], run_id=run.info.run_id, return_type="list"
+    )
+    assert len(traces) == 2
+    by_reward = {float(t.info.tags[TRACE_REWARD_TAG]): t for t in traces}
+    assert sorted(by_reward) == pytest.approx(sorted(rewards[:2]), abs=1e-5)
+    submitted = by_reward[max(by_reward)]
+    root = next(sp for sp in submitted.data.spans if sp.parent_id is None)
+    assert root.name == "episode" and root.inputs == {
+        "task_id": "task_easy",
+        "seed": seed,
+        "force_decay": False,
+    }
+    assert (
+        root.attributes["reward"] == pytest.approx(rewards[0])
+        and root.outputs["finished_by"] == "submit_plan"
+    )
+    tools = sorted((sp for sp in submitted.data.spans if sp.parent_id), key=lambda sp: sp.start_time_ns)
+    assert [sp.name for sp in tools] == ["inspect_tooth", "simulate_stage", "submit_plan"]
+
+    def result(span) -> dict:  # the tool's JSON text (MLflow reads a JSON output back as its value)
+        return span.outputs if isinstance(span.outputs, dict) else json.loads(span.outputs)
+
+    assert tools[0].inputs == {"tooth_id": 13} and result(tools[0])["tooth_id"] == 13
+    assert tools[1].inputs == {"groups": STAGE} and tools[2].inputs == {"plan": text}
+    assert result(tools[2])["finished"] is True
+    assert all(0 < sp.end_time_ns - sp.start_time_ns < 10e9 for sp in tools)  # each call's duration
+    unfinished = by_reward[min(by_reward)]
+    assert min(by_reward) == REWARD_MIN and len(unfinished.data.spans) == 3  # root + 2 tool calls
+
+
 def test_committing_24_stages_finishes_with_the_stepwise_score():
     env = DentalToolEnv()
     env.reset(**CASE)
@@ -441,6 +499,22 @@ def _two_agentic_steps(tiny_agentic_model: Path, tmp_path: Path, monkeypatch, en
             print(
                 f"agentic step {r['step']}: environment {r['agentic/env_seconds']:.4f} s of {r['step_time']:.2f} s"
             )
+    # the sampled episodes of each step are MLflow traces of the run: a span per tool call
+    import mlflow
+
+    from orthojob.agentic import DEFAULT_TRACE_EPISODES, TRACE_REWARD_TAG
+
+    mlflow.flush_trace_async_logging()
+    traces = mlflow.search_traces(
+        locations=[run.info.experiment_id], run_id=run.info.run_id, return_type="list"
+    )
+    assert len(traces) == 2 * DEFAULT_TRACE_EPISODES
+    for trace in traces:
+        root = next(sp for sp in trace.data.spans if sp.parent_id is None)
+        assert root.name == "episode"
+        assert float(trace.info.tags[TRACE_REWARD_TAG]) == pytest.approx(root.attributes["reward"], abs=1e-5)
+        names = [sp.name for sp in trace.data.spans if sp.parent_id]
+        assert "inspect_tooth" in names and set(names) <= set(TOOL_NAMES)
     client = MlflowClient()
     for key in ("agentic/calls/inspect_tooth", "agentic/invalid_calls", "agentic/rollbacks", "agentic/turns",
                 "agentic/finished_share", "rewards/reward_agentic/mean"):  # fmt: skip
