@@ -255,13 +255,14 @@ def test_committing_24_stages_finishes_with_the_stepwise_score():
 
 # --- tool results are unchanged by speed work -------------------------------------------------------
 
-TOOLS_DIGEST = ("5437ee2468862671316b63bde3c61edd3520bff00a67b165812943e2e8776a7c",)
-"""The tool transcripts' digest, re-recorded with the reward's new hard rules (CHANGELOG.md); a machine
-whose float bits differ (see tests/test_behaviour_digest.py) adds its own beside it."""
-"""sha256 of :func:`tool_transcript`'s results for 4 seeds x 3 tasks x force decay on and off, recorded
-on main at 8fc2757, before issue 15's speed work on simulate_stage/commit_stage (the stage report's
-colliding pairs, the stage poses, the argument checks); the second on session 7's machine, whose float
-bits differ (tests/test_behaviour_digest.py's EXPECTED)."""
+TOOLS_DIGEST = (
+    "5437ee2468862671316b63bde3c61edd3520bff00a67b165812943e2e8776a7c",
+    "e89d72d8e558588f08b4b86c8ead608b04e9a5272e12347072aad79d7ed19d67",
+)
+"""sha256 of :func:`tool_transcript`'s results for 4 seeds x 3 tasks x force decay on and off,
+re-recorded with the reward's new hard rules (CHANGELOG.md): the first on the machine kind where the
+project started, the second on the kind whose float bits differ (tests/test_behaviour_digest.py's
+EXPECTED), from the same code."""
 ALTERNATE = [{"teeth": list(TOOTH_IDS[::2]), "fraction": 1.0}]  # every other tooth at once: collides
 HALF = [{"teeth": list(TOOTH_IDS[1::2]), "fraction": 0.5}]
 
