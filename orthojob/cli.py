@@ -39,7 +39,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from orthojob import base_models, gate, mlops, storage, tracking, viewer
+from orthojob import base_models, gate, mlops, progress, storage, tracking, viewer
 from orthojob.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
 from orthojob.exit_codes import ExitCode, epilog
 from orthojob.flags import add_config_arguments, finite_float, given_values, positive_int, task_list
@@ -544,6 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from orthojob.preemption import install_termination_handler
 
     install_termination_handler()  # SIGTERM outside GRPO's guard: exit 143 at once (orthojob.preemption)
+    progress.quiet_library_bars()  # in a Job's log, no other library's carriage-return bars
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

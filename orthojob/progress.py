@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TextIO
 
 MODES: tuple[str, ...] = ("bar", "log", "off")
@@ -56,11 +56,11 @@ def log_interval(env: Mapping[str, str]) -> float:
     return value
 
 
-def current_mode(stream: TextIO | None = None) -> str:
+def current_mode(stream: TextIO | None = None, env: Mapping[str, str] | None = None) -> str:
     """:func:`progress_mode` of this process (stderr's TTY-ness and the environment)."""
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
-    return progress_mode(bool(isatty and isatty()), os.environ)
+    return progress_mode(bool(isatty and isatty()), os.environ if env is None else env)
 
 
 def log_due(now: float, last: float | None, interval: float, done: int, total: int) -> bool:
@@ -194,6 +194,24 @@ def log_progress_callback(desc: str, interval: float | None = None, emit: Callab
     return LogProgress()
 
 
+LIBRARY_BAR_SWITCHES: tuple[str, ...] = ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
+"""Environment switches that turn off the bars huggingface_hub (downloads, and transformers' weight
+loading, which follows it) and datasets (map, downloads) draw themselves; each is read when its
+library is imported."""
+
+
+def quiet_library_bars(env: MutableMapping[str, str] | None = None) -> None:
+    """Outside a terminal (log or off mode), turn the other libraries' own bars off: their carriage
+    returns would fill a Job's log, and this project's log lines already say where a stage is. Call it
+    before transformers, datasets or huggingface_hub are imported (the CLI's and the Job's start); a
+    switch the user set is left as it is."""
+    env = os.environ if env is None else env
+    if current_mode(env=env) == "bar":
+        return
+    for name in LIBRARY_BAR_SWITCHES:
+        env.setdefault(name, "1")
+
+
 def attach(trainer, desc: str) -> None:
     """Give a built Trainer this process's progress: in log mode the log-line callback in place of
     transformers' PrinterCallback; in bar mode nothing (its ProgressCallback is there when
@@ -218,5 +236,6 @@ __all__ = [
     "log_progress_callback",
     "progress",
     "progress_mode",
+    "quiet_library_bars",
     "trainer_bars",
 ]

@@ -108,3 +108,27 @@ def test_a_pipe_gets_lines_and_a_terminal_gets_a_bar():
     text = out.decode(errors="replace")
     assert "\r" in text and "5/5" in text and "generate" in text and "<" in text  # the ETA
     assert "[generate]" not in text
+
+
+_LIBRARY_BARS = """
+import sys
+from orthojob import cli
+try:
+    cli.main(["--help"])
+except SystemExit:
+    pass
+import datasets, transformers
+print(transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())
+"""
+
+
+@pytest.mark.parametrize(("mode", "enabled"), [("", "False False"), ("bar", "True True")])
+def test_the_cli_turns_the_libraries_own_bars_off_in_a_jobs_log(mode, enabled):
+    """transformers' weight-loading and datasets' map bars redraw with carriage returns; where stderr
+    is a pipe (a Job's log) the CLI turns them off before either library loads, and where the user
+    asks for bars it leaves them on."""
+    env = {k: v for k, v in _child_env().items() if k not in progress.LIBRARY_BAR_SWITCHES}
+    env["ORTHORL_PROGRESS"] = mode
+    out = subprocess.run([sys.executable, "-c", _LIBRARY_BARS], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == enabled
