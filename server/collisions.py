@@ -182,26 +182,34 @@ def second_neighbour_penetration_mm(
     :func:`penetration_mm`: (..., 28, 7) poses, (28,) or (..., 28) crown sizes -> (..., 24).
 
     In an aligned arch these crowns are a whole crown apart (clearance of 5-10 mm); they can only
-    meet when the crown between them is blocked out of the arch and they close the space.
+    meet when the crown between them is blocked out of the arch and they close the space. So the
+    ellipses are measured only when some pair of the batch is within reach: the crowns' centroids
+    closer than the sum of their larger half-dimensions (each ellipse's radius in any direction is
+    at most that). Otherwise every pair is far apart and the result is that bound less the
+    distance: a clearance no deeper than the ellipses' own, negative like it, so every threshold
+    (collision tolerance, the oracle's relief) reads the same.
     """
     width = np.asarray(width_mm)
     depth = np.asarray(depth_mm)
+    a, b = SECOND_CROWNS
+    dx = poses[..., b, 4] - poses[..., a, 4]
+    dy = poses[..., b, 5] - poses[..., a, 5]
+    dist = np.sqrt(dx * dx + dy * dy)
+    reach = 0.5 * np.maximum(width, depth)
+    bound = reach[..., a] + reach[..., b]
+    if not np.any(dist < bound):
+        return bound - dist
     inv_d2 = 4.0 / np.square(depth)
     crowns = CrownContacts(inv_d2[..., SECOND_CROWNS], (4.0 / np.square(width) - inv_d2)[..., SECOND_CROWNS])
     return _gathered_penetration(poses, crowns, SECOND_CROWNS)
 
 
-ALL_PAIR_CROWNS: np.ndarray = np.ascontiguousarray(np.concatenate((CONTACT_CROWNS, SECOND_CROWNS), axis=1))
-"""(2, 50) the 26 contacts, then the 24 second-neighbour pairs."""
-
-
 def all_pairs_penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
-    """:func:`penetration_mm` and :func:`second_neighbour_penetration_mm` in one pass: (..., 50)."""
+    """:func:`penetration_mm` and :func:`second_neighbour_penetration_mm` of the same poses: (..., 50),
+    the 26 contacts, then the 24 second-neighbour pairs."""
     width, depth = np.asarray(width_mm), np.asarray(depth_mm)
-    inv_d2 = 4.0 / np.square(depth)
-    k2 = 4.0 / np.square(width) - inv_d2
-    return _gathered_penetration(
-        poses, CrownContacts(inv_d2[..., ALL_PAIR_CROWNS], k2[..., ALL_PAIR_CROWNS]), ALL_PAIR_CROWNS
+    return np.concatenate(
+        (penetration_mm(poses, width, depth), second_neighbour_penetration_mm(poses, width, depth)), axis=-1
     )
 
 

@@ -285,3 +285,31 @@ def test_penetration_broadcasts_over_batches():
     out = penetration_mm(batch, np.broadcast_to(width, (3, 5, N_TEETH)), depth)
     assert out.shape == (3, 5, 26)
     assert np.allclose(out, penetration_mm(poses, width, depth))
+
+
+def test_far_second_neighbours_are_bounded_not_measured():
+    """Crowns one apart are measured only when some pair is within reach: otherwise the clearance is
+    an upper bound of the ellipses' (the sum of the larger half-dimensions less the distance), still
+    negative, so a collision is read the same; where a pair is near, every pair is measured exactly."""
+    from server.cases import generate_case
+    from server.collisions import (
+        SECOND_CROWNS,
+        CrownContacts,
+        _gathered_penetration,
+        second_neighbour_penetration_mm,
+    )
+
+    rng = np.random.default_rng(5)
+    for seed in range(20):
+        case = generate_case("task_medium", seed)
+        w, d = case.crown_width_mm, case.crown_depth_mm
+        inv_d2 = 4.0 / np.square(d)
+        crowns = CrownContacts(inv_d2[SECOND_CROWNS], (4.0 / np.square(w) - inv_d2)[SECOND_CROWNS])
+        poses = np.repeat(case.initial[None], 6, 0)
+        poses[3:, :, 4:6] += rng.normal(0.0, 4.0, (3, 28, 2))  # some crowns one apart brought together
+        for batch in (poses[:3], poses):
+            exact = _gathered_penetration(batch, crowns, SECOND_CROWNS)
+            fast = second_neighbour_penetration_mm(batch, w, d)
+            assert np.all(fast >= exact - 1e-12)
+            assert np.array_equal(np.maximum(fast, 0.0), np.maximum(exact, 0.0))
+        assert np.all(second_neighbour_penetration_mm(poses[:3], w, d) < 0.0)  # the aligned arch: far
