@@ -367,18 +367,16 @@ def load_checkpoint(folder: str | Path) -> tuple[Any, Any]:
     its base (not merged), a full model loads as itself; on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from orthojob.models import adapter_base, adapter_base_digest, is_adapter, resolve_base
+    from orthojob.models import adapter_base, adapter_base_digest, is_adapter, load_adapter, resolve_base
 
     folder = str(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if not is_adapter(folder):
         return AutoModelForCausalLM.from_pretrained(folder), tokenizer
-    from peft import PeftModel
-
     base = AutoModelForCausalLM.from_pretrained(
         resolve_base(adapter_base(folder), digest=adapter_base_digest(folder))
     )
-    return PeftModel.from_pretrained(base, folder), tokenizer
+    return load_adapter(base, folder), tokenizer
 
 
 def log_gated_checkpoint(

@@ -457,17 +457,32 @@ def record_base(model, base_ref: str) -> None:
     id and commit (``base_model_name_or_path``, ``revision``) with the URI and digest beside them,
     so that every adapter saved from it (final and ``checkpoint-N``) resolves in another pod and in
     PEFT, MLflow and vLLM. No-op for a full model."""
-    configs = list((getattr(model, "peft_config", None) or {}).values())
-    if not configs:
-        return
-    recorded = base_models.record(base_ref)
-    keys = {k: recorded[k] for k in (base_models.RECORD_URI, base_models.RECORD_DIGEST) if k in recorded}
-    for cfg in configs:
+    if getattr(model, "peft_config", None):
+        _apply_base_record(model, base_models.record(base_ref))
+
+
+def _apply_base_record(model, recorded: Mapping[str, Any]) -> None:
+    """Set a base record (:func:`orthojob.base_models.record`'s keys) on every adapter config of a
+    PEFT model, the keys PEFT does not know written by its saves."""
+    keys = {k: recorded[k] for k in (base_models.RECORD_URI, base_models.RECORD_DIGEST) if recorded.get(k)}
+    for cfg in (getattr(model, "peft_config", None) or {}).values():
         cfg.base_model_name_or_path = recorded["base_model_name_or_path"]
         cfg.revision = recorded.get("revision")
         vars(cfg).pop("save_pretrained", None)
         if keys:
             vars(cfg)["save_pretrained"] = _SaveWithBaseRecord(cfg, keys)
+
+
+def load_adapter(base, path: str | Path):
+    """The PEFT model of a saved adapter folder on ``base`` (a loaded model), not merged, keeping the
+    base record its adapter_config.json holds (PEFT drops the keys it does not know), so that saving
+    or logging it again records the same base."""
+    from peft import PeftModel
+
+    with _quiet_base_record():
+        model = PeftModel.from_pretrained(base, str(path))
+    _apply_base_record(model, _adapter_config(path))
+    return model
 
 
 def recorded_base(model) -> dict | None:
@@ -689,6 +704,7 @@ __all__ = [
     "distributed_env",
     "ensure_tiny",
     "is_adapter",
+    "load_adapter",
     "load_for_inference",
     "load_policy",
     "load_policy_here",

@@ -214,7 +214,7 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
     hub_cache, hub_staged, s3_env, tmp_path, monkeypatch
 ):
     """LoRA on ``--model s3://...`` staged from the model hub: adapter_config.json names the hub id
-    and its commit, which PEFT (``PeftConfig``, ``AutoPeftModelForCausalLM``) resolves on a machine
+    and its commit (kept when the folder is loaded again to be logged), which PEFT (``PeftConfig``, ``AutoPeftModelForCausalLM``) resolves on a machine
     without S3 (the same outputs as this project's loader, which fetches the staged copy from S3);
     the MLflow model's ``peft/`` folder and metadata name it too, and MLflow's loader loads it there;
     this project's loader refuses a prefix staged again with other files."""
@@ -239,6 +239,14 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
     assert cfg[base_models.RECORD_DIGEST] == base_models.staged_digest(hub_staged)
     assert str(tmp_path / "cache") not in text
     assert models.adapter_base(adapter) == HUB_BASE
+
+    # reloaded from the folder as the SFT stages log their checkpoints (PEFT drops the keys it does
+    # not know): the record is kept, and saved again the same
+    reloaded, _ = mlops.load_checkpoint(adapter)
+    assert models.recorded_base(reloaded) == {k: cfg[k] for k in models.recorded_base(model)}
+    reloaded.save_pretrained(tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    assert {k: again.get(k) for k in models.recorded_base(model)} == models.recorded_base(model)
 
     # logged with MLflow's transformers flavour (the sqlite store, artifacts beside it)
     monkeypatch.chdir(tmp_path)
