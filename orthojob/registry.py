@@ -40,7 +40,6 @@ from orthojob.mlops import EXCESS_METRIC, GATE_METRIC_PREFIX, GATE_PASSED_TAG, G
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "orthorl-planner"
-MODEL_ARTIFACT = "model"
 COMPARISON_METRIC = SCALED_REWARD_MEAN
 """The gate metric a version is compared by (the headline: the mean scaled terminal reward)."""
 ORACLE_SHARE = f"oracle_{HARD_RULE_SHARE}"
@@ -181,7 +180,7 @@ def ranked_records(
         order_by=[{"field_name": f"metrics.{GATE_METRIC_PREFIX}{COMPARISON_METRIC}", "ascending": False}],
         output_format="list",
     )
-    return [m for m in found if m.model_id in model_ids]  # the bound again, as :func:`refusal` reads it
+    return found
 
 
 def version_model_id(version) -> str | None:
@@ -253,11 +252,11 @@ def promote(
     others = [m for m in ranked if m.model_id != record.model_id]
     best = others[0] if others else None
 
-    previous, previous_score = None, None
+    previous, previous_score, champ_model = None, None, None
     try:
         champ = client.get_model_version_by_alias(model_name, "champion")
-        previous = champ.version
-        scored = [m for m in ranked if m.model_id == version_model_id(champ)]
+        previous, champ_model = champ.version, version_model_id(champ)
+        scored = [m for m in ranked if m.model_id == champ_model]
         previous_score = _score(scored[0]) if scored else float("-inf")
     except MlflowException:
         pass
@@ -265,11 +264,16 @@ def promote(
     if force:
         champion, reason = True, "manual promotion (--force) of a passed gate"
     elif best is None:
-        champion, reason = True, (
-            "gate passed; no champion yet" if previous is None else
-            f"gate passed; champion v{previous} has no gate record within the bound (an older model) "
-            "and no other registered model has"
-        )  # fmt: skip
+        if previous is None:
+            reason = "gate passed; no champion yet"
+        elif champ_model == record.model_id:
+            reason = f"gate passed; the champion v{previous} holds this model already"
+        else:
+            reason = (
+                f"gate passed; champion v{previous} has no gate record within the bound (an older model) "
+                "and no other registered model has"
+            )
+        champion = True
     elif gate["score"] > _score(best):
         champion, reason = (
             True,
@@ -282,7 +286,7 @@ def promote(
         champion, reason = (
             False,
             (
-                f"gate passed but {gate['score']:.4f} does not beat champion v{version_of[best.model_id]} "
+                f"gate passed but {gate['score']:.4f} does not beat v{version_of[best.model_id]} "
                 f"({_score(best):.4f}), the best registered record"
             ),
         )
