@@ -36,6 +36,7 @@ Non-tool members are private or properties: TRL exposes every public function as
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -257,6 +258,7 @@ def flush_traces(environments: Sequence[DentalToolEnv], stage: str = "grpo") -> 
     for env in recorded:
         calls, env._trace_calls = env._trace_calls, None
         key, reward = env._key, env.reward
+        root = None
         try:
             root = mlflow.start_span_no_context(
                 "episode",
@@ -285,6 +287,9 @@ def flush_traces(environments: Sequence[DentalToolEnv], stage: str = "grpo") -> 
             written += 1
         except Exception as exc:
             log.warning("episode trace not written: %s: %s", type(exc).__name__, str(exc)[:200])
+            if root is not None:  # never leave a half-built trace open in MLflow's trace manager
+                with contextlib.suppress(Exception):
+                    root.end(status="ERROR")
     return written
 
 

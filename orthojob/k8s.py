@@ -160,7 +160,7 @@ class Rendered:
 
     @property
     def namespace(self) -> str:
-        return self.job["metadata"].get("namespace") or "default"
+        return self.job["metadata"].get("namespace") or DEFAULT_NAMESPACE
 
     def to_yaml(self) -> str:
         import yaml

@@ -183,34 +183,48 @@ def second_neighbour_penetration_mm(
 
     In an aligned arch these crowns are a whole crown apart (clearance of 5-10 mm); they can only
     meet when the crown between them is blocked out of the arch and they close the space. So the
-    ellipses are measured only when some pair of the batch is within reach: the crowns' centroids
-    closer than the sum of their larger half-dimensions (each ellipse's radius in any direction is
-    at most that). Otherwise every pair is far apart and the result is that bound less the
-    distance: a clearance no deeper than the ellipses' own, negative like it, so every threshold
-    (collision tolerance, the oracle's relief) reads the same.
+    ellipses are measured only when some pair of the batch is within reach (:func:`_far_apart`).
     """
-    width = np.asarray(width_mm)
-    depth = np.asarray(depth_mm)
+    width, depth = np.asarray(width_mm), np.asarray(depth_mm)
+    far = _far_apart(poses, width, depth)
+    if far is not None:
+        return far
+    return _gathered_penetration(poses, _crowns(width, depth, SECOND_CROWNS), SECOND_CROWNS)
+
+
+ALL_PAIR_CROWNS: np.ndarray = np.ascontiguousarray(np.concatenate((CONTACT_CROWNS, SECOND_CROWNS), axis=1))
+"""(2, 50) the 26 contacts, then the 24 second-neighbour pairs."""
+
+
+def all_pairs_penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
+    """:func:`penetration_mm` and :func:`second_neighbour_penetration_mm` of the same poses: (..., 50),
+    the 26 contacts, then the 24 second-neighbour pairs (in one pass where some of the latter are
+    within reach)."""
+    width, depth = np.asarray(width_mm), np.asarray(depth_mm)
+    far = _far_apart(poses, width, depth)
+    if far is not None:
+        return np.concatenate((penetration_mm(poses, width, depth), far), axis=-1)
+    return _gathered_penetration(poses, _crowns(width, depth, ALL_PAIR_CROWNS), ALL_PAIR_CROWNS)
+
+
+def _crowns(width: np.ndarray, depth: np.ndarray, pairs: np.ndarray) -> CrownContacts:
+    inv_d2 = 4.0 / np.square(depth)
+    return CrownContacts(inv_d2[..., pairs], (4.0 / np.square(width) - inv_d2)[..., pairs])
+
+
+def _far_apart(poses: np.ndarray, width: np.ndarray, depth: np.ndarray) -> np.ndarray | None:
+    """When every second-neighbour pair of the poses (..., 28, 7) is out of reach (centroids farther
+    apart than the sum of the two crowns' larger half-dimensions, which bounds each ellipse's radius
+    in any direction): that bound less the distance, (..., 24), a clearance no deeper than the
+    ellipses' own and negative like it, so every threshold (collision tolerance, the oracle's relief)
+    reads the same. None when some pair is within reach: then they are measured."""
     a, b = SECOND_CROWNS
     dx = poses[..., b, 4] - poses[..., a, 4]
     dy = poses[..., b, 5] - poses[..., a, 5]
     dist = np.sqrt(dx * dx + dy * dy)
     reach = 0.5 * np.maximum(width, depth)
     bound = reach[..., a] + reach[..., b]
-    if not np.any(dist < bound):
-        return bound - dist
-    inv_d2 = 4.0 / np.square(depth)
-    crowns = CrownContacts(inv_d2[..., SECOND_CROWNS], (4.0 / np.square(width) - inv_d2)[..., SECOND_CROWNS])
-    return _gathered_penetration(poses, crowns, SECOND_CROWNS)
-
-
-def all_pairs_penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
-    """:func:`penetration_mm` and :func:`second_neighbour_penetration_mm` of the same poses: (..., 50),
-    the 26 contacts, then the 24 second-neighbour pairs."""
-    width, depth = np.asarray(width_mm), np.asarray(depth_mm)
-    return np.concatenate(
-        (penetration_mm(poses, width, depth), second_neighbour_penetration_mm(poses, width, depth)), axis=-1
-    )
+    return None if np.any(dist < bound) else bound - dist
 
 
 def collision_severity(penetration: np.ndarray) -> np.ndarray:

@@ -53,7 +53,7 @@ import numpy as np
 
 from server.cases import Case, generate_case
 from server.clinical_profiles import OPTIMAL_STRATEGY, SEQUENCED_TEETH, STRATEGY_LEVELS, optimal_strategy
-from server.collisions import COLLISION_TOLERANCE_MM, penetration_mm, second_neighbour_penetration_mm
+from server.collisions import COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
 from server.dental_constants import (
     ADJACENT_PAIRS,
     IS_UPPER,
@@ -496,10 +496,7 @@ def relieve_aligner_collisions(case: Case, stagings: list[Staging], rounds: int 
             break
         planned, _ = rollout_plans([_spec(out[k], None) for k in todo], [case] * len(todo))
         w, d = case.crown_width_mm, case.crown_depth_mm
-        pen = np.concatenate(
-            (penetration_mm(planned[:, 1:], w, d), second_neighbour_penetration_mm(planned[:, 1:], w, d)),
-            axis=-1,
-        ).max(axis=1)  # (n, 50) deepest over the aligners
+        pen = all_pairs_penetration_mm(planned[:, 1:], w, d).max(axis=1)  # (n, 50) deepest over the aligners
         changed = False
         for row, k in enumerate(todo):
             hit = pairs[pen[row] > COLLISION_TOLERANCE_MM]

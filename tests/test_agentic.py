@@ -466,9 +466,11 @@ def _two_agentic_steps(tiny_agentic_model: Path, tmp_path: Path, monkeypatch, en
     from mlflow.tracking import MlflowClient
 
     from orthojob import grpo_trainer, tracking
+    from orthojob.agentic import flush_traces
     from orthojob.grpo import config_from_args
     from orthojob.grpo_config import validate
 
+    flush_traces([])  # a fresh trace budget (an earlier test's episodes may have claimed some)
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -296,6 +296,7 @@ def test_far_second_neighbours_are_bounded_not_measured():
         SECOND_CROWNS,
         CrownContacts,
         _gathered_penetration,
+        all_pairs_penetration_mm,
         second_neighbour_penetration_mm,
     )
 
@@ -307,9 +308,13 @@ def test_far_second_neighbours_are_bounded_not_measured():
         crowns = CrownContacts(inv_d2[SECOND_CROWNS], (4.0 / np.square(w) - inv_d2)[SECOND_CROWNS])
         poses = np.repeat(case.initial[None], 6, 0)
         poses[3:, :, 4:6] += rng.normal(0.0, 4.0, (3, 28, 2))  # some crowns one apart brought together
-        for batch in (poses[:3], poses):
-            exact = _gathered_penetration(batch, crowns, SECOND_CROWNS)
-            fast = second_neighbour_penetration_mm(batch, w, d)
-            assert np.all(fast >= exact - 1e-12)
-            assert np.array_equal(np.maximum(fast, 0.0), np.maximum(exact, 0.0))
-        assert np.all(second_neighbour_penetration_mm(poses[:3], w, d) < 0.0)  # the aligned arch: far
+        exact = _gathered_penetration(poses[:3], crowns, SECOND_CROWNS)
+        fast = second_neighbour_penetration_mm(poses[:3], w, d)
+        assert np.all(fast >= exact - 1e-12) and np.all(fast < 0.0)  # the aligned arch: far, bounded
+        # brought together: within reach, so every pair is measured exactly, with the contacts
+        near = _gathered_penetration(poses, crowns, SECOND_CROWNS)
+        assert np.any(near > -1.0)
+        assert np.array_equal(second_neighbour_penetration_mm(poses, w, d), near)
+        both = all_pairs_penetration_mm(poses, w, d)
+        assert np.array_equal(both[..., 26:], near)
+        assert np.array_equal(both[..., :26], penetration_mm(poses, w, d))
