@@ -44,8 +44,7 @@ and stepwise digests were re-recorded once, on the first kind, when the reward l
 optimiser had found missing (crowns one apart, aligner shapes, the anterior bite, overshoot; unmoved
 teeth counted as moving last; occlusion credited up to the schedule; the strategy reward scaled by
 the movement delivered; the collision tolerance calibrated to 0.11 mm): see CHANGELOG.md. The
-second kind's rewards and stepwise digests beside them were computed on such a machine from the same
-code (the commit that recorded the first kind's gives them there). A change of behaviour changes
+second kind's rewards and stepwise digests beside them are the same code's on such a machine. A change of behaviour changes
 every kind's digest; record them together."""
 
 

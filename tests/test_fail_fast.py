@@ -184,7 +184,7 @@ def test_stage_runs_under_mlflow_run_id_are_children(tmp_path, monkeypatch):
         assert "MLFLOW_RUN_ID" not in os.environ
         with tracking.stage_run("bc_sft") as child:
             assert child.info.run_id != parent
-        with tracking.stage_run("gate_bc_sft") as child2:
+        with tracking.stage_run("evaluate") as child2:
             assert child2.info.run_id not in (parent, child.info.run_id)
         with tracking.stage_run("grpo") as grpo_run:
             pass
@@ -198,7 +198,7 @@ def test_stage_runs_under_mlflow_run_id_are_children(tmp_path, monkeypatch):
     for rid in (child.info.run_id, child2.info.run_id, grpo_run.info.run_id):
         assert runs[rid].data.tags["mlflow.parentRunId"] == parent
         assert runs[rid].info.experiment_id == exp
-    assert {runs[r].data.tags["orthorl.stage"] for r in runs} == {"pipeline", "bc_sft", "gate_bc_sft", "grpo"}
+    assert {runs[r].data.tags["orthorl.stage"] for r in runs} == {"pipeline", "bc_sft", "evaluate", "grpo"}
     while mlflow.active_run():
         mlflow.end_run()
 

@@ -146,8 +146,8 @@ def test_the_vector_env_steps_and_resets_as_the_single_ones():
 
 
 def test_a_rule_breaker_returns_less_than_doing_nothing():
-    """The issue's degenerate plans through the Gymnasium API: everything in the first aligner
-    (limits and PDL broken) returned 1.59 on the environment's raw score against doing nothing's 0;
+    """Everything in the first aligner (limits and PDL broken) through the Gymnasium API: on the
+    environment's raw score it returns more than doing nothing (the step rewards pay its accuracy);
     as the scaled reward it returns less than doing nothing, sparse or shaped, on every level."""
     for task_id in TASK_IDS:
         for mode in ("scaled", "shaped"):

@@ -100,7 +100,14 @@ def _attack_plans(case) -> tuple[list[dict], list[str]]:
 def test_every_rule_breaker_sums_below_every_safe_plan(task, force_decay):
     """For every weighting the project trains with: max over breaking plans of the weighted sum <
     min over safe plans (doing nothing included), and within the failing band more breach sums lower."""
-    for seed in (H, H + 1, H + 8, H + 15, H + 22, H + 29):  # H: the case the attack was found on
+    for seed in (
+        H,
+        H + 1,
+        H + 8,
+        H + 15,
+        H + 22,
+        H + 29,
+    ):  # H: one tooth over its limit beat doing nothing here
         case = generate_case(task, seed, force_decay)
         plans, names = _attack_plans(case)
         results = score_plans(plans, [case] * len(plans))
