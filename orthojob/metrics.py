@@ -28,6 +28,16 @@ HARD_RULE_SHARE: str = "hard_rule_share"
 TERMINAL_RAW: str = "terminal_raw"
 """The raw terminal score in [0, 1] (secondary)."""
 
+# the gate as MLflow records it, on the stage run and on its gated LoggedModel
+GATE_PASSED_TAG = "orthorl.gate_passed"
+"""The gate's verdict (``true``/``false``), a tag of the stage run and of its gated LoggedModel."""
+GATE_STAGE_TAG = "orthorl.gate_stage"
+"""The stage whose gate a LoggedModel carries (``bc_sft``, ``grpo``, ...)."""
+GATE_METRIC_PREFIX = "gate/"
+"""A gate's metrics on the run and on its LoggedModel: ``gate/<name>`` (e.g. ``gate/scaled_reward_mean``)."""
+EXCESS_METRIC = f"{HARD_RULE_SHARE}_over_oracle"
+"""The hard-rule share minus the oracle's on the gate's cases (a gate metric; promotion filters on it)."""
+
 BANDS: str = (
     f"safe {SAFE_SCALE:g}*raw in [0, {REWARD_MAX:g}], breaks a hard rule in ({REWARD_MIN:g}, {FAIL_TOP:g}], "
     f"not a plan {REWARD_MIN:g}"

@@ -28,7 +28,13 @@ from typing import Any
 
 from orthojob import storage
 from orthojob.exit_codes import ExitCode
-from orthojob.metrics import HARD_RULE_SHARE
+from orthojob.metrics import (
+    EXCESS_METRIC,
+    GATE_METRIC_PREFIX,
+    GATE_PASSED_TAG,
+    GATE_STAGE_TAG,
+    HARD_RULE_SHARE,
+)
 from orthojob.rollouts import DEFAULT_CACHE, NO_PLAN
 from server.cases import CaseKey, generate_case
 
@@ -288,16 +294,6 @@ def log_training_artifacts(
         log_gated_checkpoint(out, json.loads(gate.read_text()), base_model, model, tokenizer, training)
     else:
         log_model(model, tokenizer, base_model)
-
-
-GATE_PASSED_TAG = "orthorl.gate_passed"
-"""The gate's verdict (``true``/``false``), a tag of the stage run and of its gated LoggedModel."""
-GATE_STAGE_TAG = "orthorl.gate_stage"
-"""The stage whose gate a LoggedModel carries (``bc_sft``, ``grpo``, ...)."""
-GATE_METRIC_PREFIX = "gate/"
-"""A gate's metrics on the run and on its LoggedModel: ``gate/<name>`` (e.g. ``gate/scaled_reward_mean``)."""
-EXCESS_METRIC = f"{HARD_RULE_SHARE}_over_oracle"
-"""The hard-rule share minus the oracle's on the gate's cases (a gate metric; promotion filters on it)."""
 
 
 def cases_dataset(

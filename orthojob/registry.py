@@ -34,8 +34,14 @@ from pathlib import Path
 
 from orthojob.exit_codes import ExitCode
 from orthojob.gate import GATE_FILE, HARD_RULE_BOUND
-from orthojob.metrics import HARD_RULE_SHARE, SCALED_REWARD_MEAN
-from orthojob.mlops import EXCESS_METRIC, GATE_METRIC_PREFIX, GATE_PASSED_TAG, GATE_STAGE_TAG
+from orthojob.metrics import (
+    EXCESS_METRIC,
+    GATE_METRIC_PREFIX,
+    GATE_PASSED_TAG,
+    GATE_STAGE_TAG,
+    HARD_RULE_SHARE,
+    SCALED_REWARD_MEAN,
+)
 
 log = logging.getLogger(__name__)
 
