@@ -179,16 +179,29 @@ def test_the_oracle_submitted_through_the_tools_scores_as_the_one_shot_reward(ta
     assert values == [expected]
 
 
-def test_sampled_episodes_are_mlflow_traces_with_a_span_per_tool_call(tmp_path, monkeypatch):
+@pytest.mark.parametrize("store", ["sqlite", "server"])
+def test_sampled_episodes_are_mlflow_traces_with_a_span_per_tool_call(tmp_path, monkeypatch, store):
     """Within an active run, the sampled episodes (here 2 of a batch of 3) become MLflow traces when
     the reward is read: a root span ``episode`` with the case and the reward, one span per tool call
-    with its arguments, result and duration; outside a run nothing is recorded."""
+    with its arguments, result and duration; outside a run nothing is recorded. In a SQLite store and
+    read back from a real ``mlflow server``."""
+    from tests.services import mlflow_server
+
+    if store == "sqlite":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+        _check_sampled_traces(monkeypatch)
+        return
+    with mlflow_server(tmp_path / "server", str(tmp_path / "artifacts")) as service:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", service.uri)
+        _check_sampled_traces(monkeypatch)
+
+
+def _check_sampled_traces(monkeypatch) -> None:
     import mlflow
 
     from orthojob import tracking
     from orthojob.agentic import TRACE_EPISODES_ENV, TRACE_REWARD_TAG, flush_traces
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv(TRACE_EPISODES_ENV, "2")
     flush_traces([])  # a fresh budget (an earlier test's episodes may have claimed some)
     outside = DentalToolEnv()
