@@ -78,9 +78,13 @@ def main(argv: list[str] | None = None) -> int:
                     evaluations += r.evaluations
             for start, rs in results.items():
                 beat = [r for r in rs if r.beats_oracle]
-                bad = [r for r in beat if r.broken_rules or r.degenerate]
-                # a population search's whole last population above the oracle, not only its best
-                bad += [r for r in rs if any(b or d for _, b, d in r.above_oracle) and r not in bad]
+                # the best plan above the oracle, and a population search's whole last population there
+                bad = [
+                    r
+                    for r in rs
+                    if (r.beats_oracle and (r.broken_rules or r.degenerate))
+                    or any(b or d for _, b, d in r.above_oracle)
+                ]
                 dishonest += len(bad)
                 margin = np.mean([r.best_total - r.oracle_total for r in beat]) if beat else 0.0
                 lower = sum(r.best_terminal < r.oracle_terminal for r in beat)

@@ -661,12 +661,9 @@ def load_for_inference(path: str | Path, device: str | None = None):
     dtype = _dtype(devices) if device.startswith("cuda") else torch.float32
     tok = _tokenizer(path)
     if is_adapter(path):
-        from peft import PeftModel
-
         local_base = resolve_base(adapter_base(path), digest=adapter_base_digest(path))
         base = AutoModelForCausalLM.from_pretrained(local_base, dtype=dtype)
-        with _quiet_base_record():
-            model = PeftModel.from_pretrained(base, path).merge_and_unload()
+        model = load_adapter(base, path).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(device)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from orthojob.learning import LearnConfig
+from orthojob.plan_search import exploit_plans
 from orthojob.presets import PRESETS
 from orthojob.prompts import plan_to_completion
 from orthojob.rewards import REWARD_FUNCS, check_ordering, reward_weights
@@ -76,9 +77,7 @@ def _one_tooth_over_limit(case, oracle: dict, factor: float) -> dict:
 
 def _attack_plans(case) -> tuple[list[dict], list[str]]:
     oracle = plan_for_case(case)
-    tripled = copy.deepcopy(oracle)
-    for g in tripled["tooth_groups"]:
-        g["fraction"] = min(1.0, 3 * g["fraction"])
+    exploits = exploit_plans(case)
     plans = {
         "oracle": oracle,
         "slerp": _uniform(),
@@ -88,9 +87,9 @@ def _attack_plans(case) -> tuple[list[dict], list[str]]:
         "one_tooth_1.15": _one_tooth_over_limit(case, oracle, 1.15),
         "one_tooth_1.5": _one_tooth_over_limit(case, oracle, 1.5),
         "one_tooth_3": _one_tooth_over_limit(case, oracle, 3.0),
-        "everything_at_once": _uniform(1.0, strategy=oracle["strategy"]),
-        "oracle_x3": tripled,
-        "mirrored": _uniform(strategy=oracle["strategy"], overcorrection=1.0),
+        "everything_at_once": exploits["all_at_once"],
+        "oracle_x3": exploits["oracle_x3"],
+        "mirrored": exploits["mirrored"],
     }
     return list(plans.values()), list(plans)
 
