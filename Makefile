@@ -37,7 +37,7 @@ test: lint chromium
 bench: install
 	$(BIN)/python bench/env_throughput.py
 
-# issue 12's learning experiment: format stage 0 then GRPO (one process), BC and RSFT (a second),
-# one thread each on the two cores; held-out curves and the comparison in runs/learn/
+# the learning experiment: format stage 0 then GRPO (one process), BC then GRPO (a second), one
+# thread each on the two cores; held-out curves, the comparison and the targets in runs/learn/
 learn: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m orthojob.learning --out runs/learn

@@ -89,6 +89,13 @@ class GRPOJobConfig:
     out: str = field(default="./checkpoints/grpo", metadata={"help": "output folder or s3:// URI"})
     task_id: str = field(default="task_easy", metadata={"help": "the training task", "choices": TASK_IDS})
     force_decay: bool = field(default=False, metadata={"help": "pharmacokinetic force decay during training"})
+    mixed_cells: bool = field(
+        default=False,
+        metadata={
+            "help": "train on every task level under both dynamics, the prompts taking turns "
+            "(task_id and force_decay then unused)"
+        },
+    )
     use_vllm: bool = field(default=False, metadata={"help": "generate with vLLM (GPU only)"})
     vllm_mode: str = field(
         default="colocate",
@@ -314,6 +321,8 @@ class GRPOJobConfig:
                 "--mode agentic is scored by the environment's reward alone (orthojob.agentic.reward_agentic): "
                 "drop --rewards and --reward-weight"
             )
+        if self.mixed_cells and self.mode == "agentic":
+            raise ConfigError("--mixed-cells is for --mode oneshot; agentic prompts take one --task-id")
         if self.task_id not in TASK_IDS:
             raise ConfigError(f"--task-id must be one of {', '.join(TASK_IDS)}, got {self.task_id!r}")
         if self.vllm_mode not in VLLM_MODES:

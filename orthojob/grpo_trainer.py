@@ -63,13 +63,13 @@ from orthojob.grpo_config import (
 )
 from orthojob.mlops import checkpoint_sync_callback, env_diagnostics
 from orthojob.parsing import completion_text
-from orthojob.prompts import prompt_format_of, prompt_rows
+from orthojob.prompts import mixed_prompt_rows, prompt_format_of, prompt_rows
 from orthojob.records import json_value
 from orthojob.rewards import RewardFunc, reward_weights
 from orthojob.rollouts import DEFAULT_CACHE
 from orthojob.strategy_advantage import strategy_token_advantages, strategy_token_ids
 from orthojob.viewer import grpo_viewer_callback
-from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
+from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 
 log = logging.getLogger(__name__)
 
@@ -490,7 +490,10 @@ def _resolve_model(config: GRPOJobConfig, is_main: bool, wait) -> str:
     path = Path(config.out) / "tiny-model"
     if is_main:
         models.ensure_tiny(
-            path, [config.task_id], config.force_decay, max_position_embeddings=config.max_seq_length
+            path,
+            list(TASK_IDS) if config.mixed_cells else [config.task_id],
+            config.force_decay,
+            max_position_embeddings=config.max_seq_length,
         )
     wait()
     return str(path)
@@ -609,6 +612,8 @@ def train(
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             extra["environment_factory"] = RemoteToolEnvFactory(config.env_url)
+    elif config.mixed_cells:
+        rows = mixed_prompt_rows(n_prompts, config.prompt_seed_start, prompt_format_of(model))
     else:
         rows = prompt_rows(
             n_prompts, config.prompt_seed_start, config.task_id, config.force_decay, prompt_format_of(model)

@@ -1,41 +1,32 @@
-"""The learning experiment (issue 12): format stage 0, then GRPO, beside BC and RSFT, on held-out seeds.
+"""The learning experiment: does RL improve on imitation, and on the simple baselines?
 
-``make learn`` (or ``python -m orthojob.learning``; docs/learning_experiment.md) runs, on CPU and
-offline, in two processes (one per core):
+``make learn`` (``python -m orthojob.learning``; docs/learning_experiment.md) runs the seed's chain
+and, beside it, RL without any oracle data, on CPU and offline, in two processes (one per core):
 
-1. **model**: the offline tiny Qwen2 (:func:`base_model`, :func:`orthojob.models.build_tiny`; hidden
-   96, 3 layers, ~0.5M parameters), tokenizer trained on training prompts only, in the ``compact``
-   prompt format (:data:`orthojob.prompts.PROMPT_FORMATS`: the case without the plan-format text);
-2. **stage 0 (format SFT)** on :func:`orthojob.format_demos.format_demonstrations`: valid,
-   executable plans with random strategies and random feasible groups (no clinical choice), the
-   strategy written after the groups. The checkpoint is kept in ``<out>/stage0`` and reused by later
-   runs with the same settings (``--fresh-stage0`` rebuilds it);
-3. **BC and RSFT** (:func:`run_baselines`, the second process, started before stage 0): BC from the
-   base model on the oracle's safe plans, RSFT from stage 0 on its best-of-k samples;
-4. **GRPO** through the job's trainer (:func:`orthojob.grpo_trainer.train` with the
-   :class:`~orthojob.grpo_config.GRPOJobConfig` of :func:`grpo_job_config`: TRL's GRPOTrainer, the
-   project's five reward functions, ``reward_strategy`` weighted ``strategy_weight``) from stage 0:
-   4 prompts x 8 completions per step, temperature 0.8, DAPO loss, group-scaled rewards, and three
-   settings that let it learn the case-dependent strategy (docs/learning_experiment.md, runs 7A-7Q):
-   the tokens naming the strategy get the ``counterfactual`` advantage
-   (:mod:`orthojob.strategy_advantage`: the plan as written against the same plan under each of the
-   five strategies, centred per strategy over the batch), the output layer's strategy rows learn
-   at ``strategy_lr_scale`` x the learning rate, and a KL anchor to stage 0 (``beta`` 0.1) holds the
-   strategy distribution of every case near stage 0's until the case-dependent part wins;
-5. **evaluation** every ``--eval-every`` steps (and at step 0 = stage 0), and of BC and RSFT, on
-   held-out seeds (:data:`server.cases.HELDOUT_SEED_START`), greedy decoding: the headline metric, the
-   scaled terminal reward (``scaled_reward``, :mod:`orthojob.metrics`), strategy accuracy, and clinical canaries that are NOT in the reward (limit violations,
-   colliding contacts, peak PDL kPa, hard-rule share, degenerate-plan share,
-   :func:`orthojob.plan_search.degenerate_form`), each as mean and 95 % t-interval over the seeds, and
-   the strategy probe (:func:`strategy_distribution`, :func:`strategy_conditioning`). The oracle and
-   uniform SLERP are scored on the same seeds as reference rows.
+* **chain** (a second process): the base model, then **BC** (stage 2: the oracle's safe plans on
+  every task level and both dynamics), then **GRPO from BC**;
+* **from scratch** (this process): **stage 0** (format SFT on plans that carry no clinical choice,
+  :mod:`orthojob.format_demos`), then **GRPO from stage 0**.
 
-Writes ``<out>/learning.json`` (settings, references, per-step evaluations, the BC and RSFT rows, the
-comparison, TRL's log history with ``frac_reward_zero_std``, entropy, clip ratios, completion lengths,
-per-reward std and within-group std, ``reward_time_share`` per step), ``<out>/learning.png`` and
-``<out>/comparison.md``, inside an MLflow run ``learn`` (:func:`run`): the evaluations as
-``heldout/<metric>`` per step, the comparison table, the files as artifacts, and GRPO's own metrics
-and completion table (README, "What a GRPO run logs to MLflow").
+The base model is the offline tiny Qwen2 (:func:`orthojob.models.build_tiny`) in the ``compact``
+prompt format. Both GRPO runs go through the job's trainer (:func:`orthojob.grpo_trainer.train`,
+TRL's GRPOTrainer, the project's five reward functions) on prompts of every cell
+(:data:`orthojob.prompts.CELLS`: three task levels x ideal and force-decay dynamics, taking turns).
+
+Every planner (stage 0, BC, each GRPO run at its start, every ``eval_every`` steps and at its end)
+is evaluated greedily on ``eval_seeds`` held-out seeds (:data:`server.cases.HELDOUT_SEED_START`) of
+every cell, beside the oracle, uniform SLERP and doing nothing on the same cases: the headline
+metric, the scaled terminal reward (``scaled_reward``, :mod:`orthojob.metrics`), strategy accuracy,
+parse rate and the clinical canaries that are NOT rewards (:data:`orthojob.canaries.CANARIES`; the
+degenerate plans also counted by form), each as mean and 95 % t-interval per cell, per level (both
+dynamics) and pooled over the six cells.
+
+:func:`targets` judges the run against the claims it is meant to support (GRPO after BC beats BC;
+the final planner beats uniform SLERP on every level and closes half the gap to the oracle; GRPO
+from stage 0 beats uniform SLERP on ``task_easy``; no hard rule, few degenerate plans; a stable
+curve). Each target has a pass/fail in ``<out>/learning.json``, which ``make learn`` prints last.
+Also written: ``<out>/comparison.md`` (per cell and pooled), ``<out>/learning.png`` and an MLflow run
+``learn`` with ``heldout/<run>/<metric>`` per evaluated step.
 """
 
 from __future__ import annotations
@@ -46,9 +37,11 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,16 +49,20 @@ import numpy as np
 
 from orthojob.canaries import CANARIES, METRICS, episode_values, rollout_record  # noqa: F401 (re-exported)
 from orthojob.metrics import BANDS, SCALED_REWARD
+from orthojob.prompts import CELLS
 from orthojob.strategy_advantage import STRATEGY_ADVANTAGES, STRATEGY_KEY
-from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, CaseKey, generate_case
+from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START, CaseKey, generate_case
 
 log = logging.getLogger("orthojob.learning")
 
 
 GRPO_PROMPT_SEED_START = TRAIN_SEED_START + 50_000
-"""The GRPO training prompts' first seed (away from the stage-0 demonstrations' seeds)."""
+"""The GRPO training prompts' first seed (away from the SFT demonstrations' seeds)."""
 MAX_SEQ_LENGTH = 2048
-
+CHAIN_FILE = "chain.json"
+"""What the chain's process (BC, GRPO from BC) hands the main process."""
+RUNS: tuple[str, ...] = ("grpo_stage0", "grpo_bc")
+"""The experiment's two GRPO runs: from the format-only stage 0, and from BC."""
 
 _SWITCH = {"negatable": True}
 """A switch's flag pair --x / --no-x (:func:`orthojob.flags.add_config_arguments`)."""
@@ -75,30 +72,33 @@ _SWITCH = {"negatable": True}
 class LearnConfig:
     """Every setting of one learning run (the CLI flags are generated from these fields)."""
 
-    out: str = "runs/learn"
-    task_id: str = "task_easy"
+    out: str = field(default="runs/learn", metadata={"help": "output folder"})
+    seed: int = field(
+        default=0, metadata={"help": "the whole run's seed: model init, SFT order, GRPO sampling"}
+    )
     # model
     hidden_size: int = 96
     layers: int = 3
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 256
-    model_seed: int = 0
     prompt_format: str = "compact"
-    # stage 0
-    sft_examples: int = 1600
-    sft_steps: int = 500
+    # SFT (stage 0 and BC share the optimiser settings)
     sft_batch_size: int = 4
     sft_lr: float = 3e-3
-    demo_seed: int = 0
+    sft_examples: int = field(default=1600, metadata={"help": "stage 0's format demonstrations"})
+    sft_steps: int = field(default=500, metadata={"help": "stage 0's steps"})
     strategy_last: bool = field(default=True, metadata=_SWITCH)
     fresh_stage0: bool = field(default=False, metadata=_SWITCH)
-    # GRPO
+    bc_examples: int = field(default=1800, metadata={"help": "BC's oracle demonstrations, over every cell"})
+    bc_steps: int = field(default=600, metadata={"help": "BC's steps"})
+    # GRPO (both runs)
     steps: int = 90
     num_generations: int = 8
     prompts_per_step: int = 4
-    num_prompts: int = 1000
+    num_prompts: int = 1200
     lr: float = 3e-4
+    bc_lr: float = field(default=1e-4, metadata={"help": "GRPO's learning rate from BC"})
     temperature: float = 0.8
     beta: float = 0.1
     loss_type: str = "dapo"
@@ -107,20 +107,24 @@ class LearnConfig:
     strategy_advantage: str = field(default="counterfactual", metadata={"choices": STRATEGY_ADVANTAGES})
     strategy_advantage_scale: float = 1.0
     strategy_lr_scale: float = 10.0
-    max_completion_length: int = 128
-    seed: int = 0
-    # baselines on the same held-out seeds (a second process, the other core): BC and RSFT
-    baselines: bool = field(default=True, metadata=_SWITCH)
-    baselines_only: bool = field(default=False, metadata=_SWITCH)
-    bc_steps: int = 240
-    rsft_prompts: int = 128
-    rsft_samples: int = 8
-    rsft_steps: int = 120
+    max_completion_length: int = 320
+    # the two processes
+    parallel: bool = field(default=True, metadata={"help": "the chain in a second process", **_SWITCH})
+    chain_only: bool = field(
+        default=False, metadata={"help": "run only the chain (the second process)", **_SWITCH}
+    )
     # evaluation
-    eval_every: int = 15
-    eval_seeds: int = 48
-    eval_max_new_tokens: int = 256  # every planner's budget (the oracle's plans, BC's, take 145-249 tokens)
-    time_limit_min: float = 45.0
+    eval_every: int = 30
+    eval_seeds: int = field(default=32, metadata={"help": "held-out seeds per (level x dynamics) cell"})
+    eval_max_new_tokens: int = 320
+    time_limit_min: float = field(
+        default=50.0, metadata={"help": "each process stops GRPO at this wall time"}
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics over the cells
+# ---------------------------------------------------------------------------------------------
 
 
 def _ci(values: Sequence[float]) -> dict:
@@ -138,29 +142,65 @@ def _ci(values: Sequence[float]) -> dict:
 
 
 def summarise(episodes: Sequence[dict[str, float]]) -> dict[str, dict]:
+    """Each metric of :data:`METRICS`: mean and 95 % CI over the episodes."""
     return {m: _ci([e[m] for e in episodes]) for m in METRICS}
 
 
-def heldout_cases(task_id: str, n: int) -> list[CaseKey]:
-    return [CaseKey(task_id, HELDOUT_SEED_START + i, False) for i in range(n)]
+def cell_name(case: CaseKey) -> str:
+    """``"<task level>/<ideal|force_decay>"``: the cell a case belongs to."""
+    return f"{case.task_id}/{'force_decay' if case.force_decay else 'ideal'}"
+
+
+CELL_NAMES: tuple[str, ...] = tuple(cell_name(CaseKey(t, 0, fd)) for t, fd in CELLS)
+
+
+def heldout_cases(n: int, cells: Sequence[tuple[str, bool]] = CELLS) -> list[CaseKey]:
+    """``n`` held-out seeds of each cell, cell by cell."""
+    return [CaseKey(t, HELDOUT_SEED_START + i, fd) for t, fd in cells for i in range(n)]
+
+
+def grouped(cases: Sequence[CaseKey], episodes: Sequence[dict]) -> dict:
+    """Episodes (:func:`orthojob.canaries.episode_record` dicts, one per case) summarised per cell,
+    per task level (both dynamics) and pooled over every case: ``{"cells": {cell: summary},
+    "levels": {level: summary}, "pooled": summary, "degenerate_forms": {cell: {form: count}}}``."""
+    by_cell: dict[str, list] = {}
+    by_level: dict[str, list] = {}
+    forms: dict[str, Counter] = {}
+    for c, e in zip(cases, episodes):
+        by_cell.setdefault(cell_name(c), []).append(e)
+        by_level.setdefault(c.task_id, []).append(e)
+        if e.get("degenerate_form"):
+            forms.setdefault(cell_name(c), Counter())[e["degenerate_form"]] += 1
+    return {
+        "cells": {k: summarise(v) for k, v in by_cell.items()},
+        "levels": {k: summarise(v) for k, v in by_level.items()},
+        "pooled": summarise(episodes),
+        "degenerate_forms": {k: dict(v) for k, v in forms.items()},
+    }
 
 
 def reference_rows(cases: Sequence[CaseKey]) -> dict[str, dict]:
-    """The oracle and uniform SLERP on the held-out cases."""
-    from orthojob.evaluation import UNIFORM_SLERP_PLAN
+    """The oracle, uniform SLERP and doing nothing on the held-out cases (:func:`grouped`)."""
+    from orthojob.canaries import episode_record
+    from orthojob.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
     from server.oracle import plan_for_case
     from server.treatment import score_plans
 
     resolved = [generate_case(*c) for c in cases]
+    planners: dict[str, Callable] = {
+        "oracle": plan_for_case,
+        "uniform_slerp": lambda c: UNIFORM_SLERP_PLAN,
+        "do_nothing": lambda c: DO_NOTHING_PLAN,
+    }
     rows = {}
-    for name, planner in (("oracle", plan_for_case), ("uniform_slerp", lambda c: UNIFORM_SLERP_PLAN)):
+    for name, planner in planners.items():
         plans = [planner(c) for c in resolved]
-        results = score_plans(plans, resolved)
+        results = score_plans(plans, list(cases))
         episodes = [
-            episode_values({**r, "plan": p}, c, c.optimal_strategy)
+            episode_record({**r, "plan": p}, c, c.optimal_strategy)
             for r, p, c in zip(results, plans, resolved)
         ]
-        rows[name] = summarise(episodes)
+        rows[name] = grouped(cases, episodes)
     return rows
 
 
@@ -232,7 +272,8 @@ def strategy_conditioning(probs: np.ndarray, optimal: Sequence[str]) -> dict:
 
 
 def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> dict:
-    """Greedy plans of ``model`` for the held-out cases, scored as the rewards score them."""
+    """Greedy plans of ``model`` for the held-out cases, scored as the rewards score them:
+    :func:`grouped` summaries, the strategy probe (pooled), tokens, truncation and timing."""
     from orthojob.evaluation import generate_completions
     from orthojob.prompts import reset_observation
     from orthojob.rollouts import score_texts
@@ -246,194 +287,129 @@ def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: i
     if was_training:
         model.train()
     rolls = score_texts(texts, list(cases))
-    episodes = []
-    for r, c in zip(rolls, cases):
-        record = rollout_record(r, generate_case(*c))
-        episodes.append({m: record[m] for m in METRICS})
-    summary = summarise(episodes)
-    summary["strategies"] = {
-        s: sum(str(r.strategy) == s for r in rolls) for s in sorted({str(r.strategy) for r in rolls})
-    }
-    summary["strategy_conditioning"] = strategy_conditioning(
-        probs, [generate_case(*c).optimal_strategy for c in cases]
-    )
+    resolved = [generate_case(*c) for c in cases]
+    summary = grouped(cases, [rollout_record(r, c) for r, c in zip(rolls, resolved)])
+    summary["strategies"] = dict(sorted(Counter(str(r.strategy) for r in rolls).items()))
+    summary["strategy_conditioning"] = strategy_conditioning(probs, [c.optimal_strategy for c in resolved])
     summary["mean_tokens"] = float(np.mean(counts))
     summary["truncated"] = float(np.mean([not e for e in ended]))
     summary["eval_seconds"] = time.perf_counter() - t0
-    summary["example"] = texts[0]
+    summary["examples"] = {cell_name(c): t for c, t in reversed(list(zip(cases, texts)))}
     return summary
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 0
+# The base model and the SFT stages
 # ---------------------------------------------------------------------------------------------
 
 
-def _stage0_key(cfg: LearnConfig) -> dict:
-    keys = ("task_id", "prompt_format", "hidden_size", "layers", "heads", "kv_heads", "intermediate", "model_seed",
-            "sft_examples", "sft_steps", "sft_batch_size", "sft_lr", "demo_seed", "strategy_last")  # fmt: skip
-    return {k: getattr(cfg, k) for k in keys}
+def _arch(cfg: LearnConfig) -> dict:
+    return {"prompt_format": cfg.prompt_format, "hidden_size": cfg.hidden_size, "layers": cfg.layers,
+            "heads": cfg.heads, "kv_heads": cfg.kv_heads, "intermediate": cfg.intermediate, "seed": cfg.seed}  # fmt: skip
 
 
 def base_model(cfg: LearnConfig) -> Path:
     """The experiment's tiny base model in ``<out>/base-model`` (built unless one with the same
-    settings is there), in ``cfg.prompt_format``."""
+    settings is there; the build is deterministic), its tokenizer trained on every task's prompts."""
     from orthojob import models
 
     path = Path(cfg.out) / "base-model"
-    keys = (
-        "task_id",
-        "prompt_format",
-        "hidden_size",
-        "layers",
-        "heads",
-        "kv_heads",
-        "intermediate",
-        "model_seed",
-    )
-    key = {k: getattr(cfg, k) for k in keys}
+    key = _arch(cfg)
     key_file = path / "learn_base.json"
-    if key_file.is_file() and json.loads(key_file.read_text()) == key:  # built deterministically
+    if key_file.is_file() and json.loads(key_file.read_text()) == key:
         return path
-    models.build_tiny(path, [cfg.task_id], prompt_format=cfg.prompt_format, hidden_size=cfg.hidden_size,
-                      layers=cfg.layers, heads=cfg.heads, kv_heads=cfg.kv_heads, intermediate=cfg.intermediate,
-                      max_position_embeddings=MAX_SEQ_LENGTH, seed=cfg.model_seed)  # fmt: skip
+    arch = {k: v for k, v in key.items() if k != "prompt_format"}
+    models.build_tiny(path, list(TASK_IDS), prompt_format=cfg.prompt_format, max_position_embeddings=MAX_SEQ_LENGTH,
+                      **arch)  # fmt: skip
     key_file.write_text(json.dumps(key))
     return path
 
 
-def _cached_stage0(cfg: LearnConfig) -> dict | None:
-    meta_file = Path(cfg.out) / "stage0" / "stage0.json"
-    if meta_file.is_file():
-        meta = json.loads(meta_file.read_text())
-        if meta.get("key") == _stage0_key(cfg):
-            return meta
-    return None
+def _sft_stage_config(cfg: LearnConfig, kind: type | None = None, **changes):
+    """An SFT stage's config (``kind``, default :class:`~orthojob.sft_config.SFTJobConfig`) with the
+    experiment's one set of SFT optimiser settings (full fine-tuning), for stage 0 and BC."""
+    from orthojob.sft_config import SFTJobConfig
+
+    kind = kind or SFTJobConfig
+    settings = dict(task_ids=list(TASK_IDS), batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, lr_scheduler="cosine",
+                    warmup_steps=10, lora_r=0, max_length=MAX_SEQ_LENGTH, seed=cfg.seed, logging_steps=50)  # fmt: skip
+    return kind(**{**settings, **changes})
 
 
-def wait_for_stage0(cfg: LearnConfig, timeout_s: float) -> Path:
-    """Stage 0's checkpoint once the main process has saved it (the baselines' process, for RSFT)."""
-    deadline = time.monotonic() + timeout_s
-    while _cached_stage0(cfg) is None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no stage 0 checkpoint in {Path(cfg.out) / 'stage0'} after {timeout_s:.0f} s")
-        time.sleep(5)
-    return Path(cfg.out) / "stage0"
+def _stage0_key(cfg: LearnConfig) -> dict:
+    keys = ("sft_examples", "sft_steps", "sft_batch_size", "sft_lr", "strategy_last")
+    return {**_arch(cfg), **{k: getattr(cfg, k) for k in keys}}
 
 
 def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
-    """Train format SFT on random-choice demos from :func:`base_model` with the project's one SFT
-    routine (:func:`orthojob.sft.run_sft`, stage 0's :class:`~orthojob.sft_config.FormatSFTConfig`);
-    reuse a matching checkpoint unless ``fresh_stage0``."""
+    """Format SFT from :func:`base_model` on demonstrations with random strategies and random feasible
+    groups (no clinical choice), every task level, with the project's one SFT routine
+    (:func:`orthojob.sft.run_sft`, stage 0's :class:`~orthojob.sft_config.FormatSFTConfig`); a
+    checkpoint with the same settings in ``<out>/stage0`` is reused unless ``fresh_stage0``."""
     from orthojob.sft import run_sft
     from orthojob.sft_config import FormatSFTConfig
 
     out = Path(cfg.out) / "stage0"
-    key = _stage0_key(cfg)
     meta_file = out / "stage0.json"
-    if not cfg.fresh_stage0 and (meta := _cached_stage0(cfg)) is not None:
-        log.info("reusing stage 0 checkpoint %s", out)
-        return out, meta
+    if meta_file.is_file() and not cfg.fresh_stage0:
+        meta = json.loads(meta_file.read_text())
+        if meta.get("key") == _stage0_key(cfg):
+            log.info("reusing stage 0 checkpoint %s", out)
+            return out, meta
     meta_file.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    base = base_model(cfg)
-    config = _sft_stage_config(
-        cfg, FormatSFTConfig, model=str(base), out=str(out), examples=cfg.sft_examples, demo_seed=cfg.demo_seed,
-        strategy_last=cfg.strategy_last, steps=cfg.sft_steps,
-    )  # fmt: skip
+    config = _sft_stage_config(cfg, FormatSFTConfig, model=str(base_model(cfg)), out=str(out),
+                               examples=cfg.sft_examples, demo_seed=cfg.seed, strategy_last=cfg.strategy_last,
+                               steps=cfg.sft_steps)  # fmt: skip
     summary = run_sft(config)
-    meta = {
-        "key": key,
-        "demos": {k: v for k, v in summary["demos"].items() if k not in ("source", "examples")},
-        "parameters": summary["parameters"]["total"],
-        "sft_seconds": summary["train_seconds"],
-        "sft_seconds_per_step": summary["seconds_per_step"],
-        "loss_first": summary["first_loss"],
-        "loss_last": summary["final_loss"],
-        "wall_seconds": time.perf_counter() - t0,
-    }
+    meta = {"key": _stage0_key(cfg), **_sft_meta(summary), "wall_seconds": time.perf_counter() - t0}
     meta_file.write_text(json.dumps(meta, indent=1))
     return out, meta
 
 
-# ---------------------------------------------------------------------------------------------
-# Baselines: stage 2 (BC) and stage 4 (RSFT)
-# ---------------------------------------------------------------------------------------------
-
-BASELINES_FILE = "baselines.json"
-
-
-def _sft_stage_config(cfg: LearnConfig, kind: type | None = None, **changes):
-    """An SFT stage's config (``kind``, default :class:`~orthojob.sft_config.SFTJobConfig`) with the
-    experiment's one set of SFT optimiser settings (full fine-tuning), for stage 0, BC and RSFT."""
-    from orthojob.sft_config import SFTJobConfig
-
-    kind = kind or SFTJobConfig
-    settings = dict(task_ids=[cfg.task_id], batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, lr_scheduler="cosine",
-                    warmup_steps=10, lora_r=0, max_length=MAX_SEQ_LENGTH, seed=cfg.model_seed, logging_steps=20)  # fmt: skip
-    return kind(**{**settings, **changes})
+def _sft_meta(summary: dict) -> dict:
+    return {
+        "demos": {k: v for k, v in summary["demos"].items() if k not in ("source", "examples")},
+        "examples": summary["demos"].get("examples"),
+        "parameters": summary["parameters"]["total"],
+        "train_seconds": summary["train_seconds"],
+        "seconds_per_step": summary["seconds_per_step"],
+        "loss_first": summary["first_loss"],
+        "loss_last": summary["final_loss"],
+    }
 
 
-def run_baselines(cfg: LearnConfig, cases: Sequence[CaseKey]) -> dict:
-    """The other stages on the experiment's model and held-out seeds, for one table with GRPO:
+def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict], dict]:
+    """``bc_examples`` of the oracle's safe plans (:func:`orthojob.sft.oracle_demonstrations`),
+    half under ideal dynamics and half under force decay, every task level, taking turns."""
+    from orthojob.sft import oracle_demonstrations
 
-    * **BC** (stage 2): the base model fine-tuned on the oracle's safe plans
-      (:func:`orthojob.sft.oracle_demonstrations`), as many examples and ``bc_steps`` steps;
-    * **RSFT** (stage 4): stage 0 samples ``rsft_samples`` completions per training prompt at
-      temperature 1, keeps each prompt's best plan that breaks no hard rule and scores above doing
-      nothing (:class:`orthojob.rsft.KeepRule`'s default), and fine-tunes for ``rsft_steps``.
+    halves, filtered = [], 0
+    for k, force_decay in enumerate((False, True)):
+        rows, info = oracle_demonstrations(
+            cfg.bc_examples // 2 + (cfg.bc_examples % 2 if k == 0 else 0),
+            list(TASK_IDS),
+            force_decay,
+            prompt_format,
+        )
+        halves.append(rows)
+        filtered += info["filtered_hard_rule"]
+    demos = [r for pair in zip(*halves) for r in pair] + halves[0][len(halves[1]) :]
+    return demos, {"source": "oracle", "examples": len(demos), "filtered_hard_rule": filtered}
 
-    Each is evaluated greedily as GRPO's steps are. Written to ``<out>/baselines.json``."""
-    import dataclasses as dc
 
-    from orthojob import models
+def bc(cfg: LearnConfig) -> tuple[Path, dict]:
+    """Stage 2: the base model fine-tuned on :func:`bc_demonstrations` for ``bc_steps`` steps."""
     from orthojob.prompts import prompt_format_of
-    from orthojob.rsft import RSFTError, run_rsft
-    from orthojob.rsft_config import RSFTConfig
-    from orthojob.sft import oracle_demonstrations, run_sft
+    from orthojob.sft import run_sft
 
-    out = Path(cfg.out)
+    t0 = time.perf_counter()
     base = base_model(cfg)
-    rows: dict = {}
-
-    def evaluate(name: str, checkpoint: Path, summary: dict) -> None:
-        model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=MAX_SEQ_LENGTH)
-        rows[name] = {
-            **evaluate_model(model, tokenizer, cases, cfg.eval_max_new_tokens),
-            "train_seconds": summary.get("train_seconds"),
-            **({"rsft": summary["rsft"]} if "rsft" in summary else {}),
-        }
-        (out / BASELINES_FILE).write_text(json.dumps(rows, indent=1, default=float))
-
-    t0 = time.perf_counter()
-    demos, info = oracle_demonstrations(cfg.sft_examples, [cfg.task_id], False, prompt_format_of(base))
-    bc = _sft_stage_config(
-        cfg, model=str(base), out=str(out / "bc"), examples=cfg.sft_examples, steps=cfg.bc_steps
-    )
-    evaluate("bc", out / "bc", run_sft(bc, demos, info))
-    log.info("BC done in %.0f s", time.perf_counter() - t0)
-    stage0_dir = wait_for_stage0(cfg, timeout_s=3600)
-    t0 = time.perf_counter()
-    rsft = RSFTConfig(
-        **{k: v for k, v in dc.asdict(_sft_stage_config(cfg, steps=cfg.rsft_steps)).items() if k not in ("demos", "examples", "out", "model", "from_checkpoint")},
-        model=str(base),
-        out=str(out / "rsft"),
-        from_checkpoint=str(stage0_dir),
-        prompts=cfg.rsft_prompts,
-        prompt_seed_start=GRPO_PROMPT_SEED_START,
-        samples_per_prompt=cfg.rsft_samples,
-        max_new_tokens=cfg.eval_max_new_tokens,
-        skip_gate_check=True,  # stage 0 is not gated in the experiment; its step-0 row is its evaluation
-    )  # fmt: skip
-    try:
-        summary = run_rsft(rsft)
-    except RSFTError as exc:  # nothing met the keep rule: a row that says so, not a crash
-        rows["rsft"] = {"error": str(exc)}
-        (out / BASELINES_FILE).write_text(json.dumps(rows, indent=1, default=float))
-        return rows
-    log.info("RSFT kept %s in %.0f s", summary["rsft"], time.perf_counter() - t0)
-    evaluate("rsft", out / "rsft", summary)
-    return rows
+    demos, info = bc_demonstrations(cfg, prompt_format_of(base))
+    out = Path(cfg.out) / "bc"
+    config = _sft_stage_config(cfg, model=str(base), out=str(out), examples=len(demos), steps=cfg.bc_steps)
+    summary = run_sft(config, demos, info)
+    return out, {**_sft_meta(summary), "wall_seconds": time.perf_counter() - t0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,16 +417,11 @@ def run_baselines(cfg: LearnConfig, cases: Sequence[CaseKey]) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Progress:
-    evals: list = field(default_factory=list)
-    step_seconds: list = field(default_factory=list)
-
-
-def grpo_job_config(cfg: LearnConfig, checkpoint: Path):
-    """The :class:`orthojob.grpo_config.GRPOJobConfig` of the experiment's GRPO stage: full fine-tuning
-    of the stage-0 checkpoint, ``prompts_per_step`` prompt groups of ``num_generations`` per step, the
-    five rewards with weight 1, a constant learning rate, no checkpoints until the end."""
+def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"):
+    """The :class:`orthojob.grpo_config.GRPOJobConfig` of one of the experiment's GRPO runs
+    (:data:`RUNS`): full fine-tuning of ``checkpoint`` on prompts of every cell, ``prompts_per_step``
+    prompt groups of ``num_generations`` per step, a constant learning rate (``bc_lr`` from BC),
+    no checkpoints until the end."""
     from orthojob.grpo_config import GRPOJobConfig
 
     return GRPOJobConfig(
@@ -459,15 +430,14 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path):
         num_generations=cfg.num_generations,
         batch_size=cfg.num_generations * cfg.prompts_per_step,
         grad_accum=1,
-        lr=cfg.lr,
+        lr=cfg.bc_lr if run == "grpo_bc" else cfg.lr,
         lr_scheduler_type="constant",
         lora_r=0,
         max_prompt_length=MAX_SEQ_LENGTH - cfg.max_completion_length,
         max_completion_length=cfg.max_completion_length,
         max_seq_length=MAX_SEQ_LENGTH,
-        out=str(Path(cfg.out) / "grpo"),
-        task_id=cfg.task_id,
-        force_decay=False,
+        out=str(Path(cfg.out) / run),
+        mixed_cells=True,
         seed=cfg.seed,
         num_prompts=cfg.num_prompts,
         prompt_seed_start=GRPO_PROMPT_SEED_START,
@@ -484,10 +454,19 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path):
     )
 
 
-def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progress: Progress, save) -> dict:
-    """GRPO from the stage-0 checkpoint through :func:`orthojob.grpo_trainer.train` (the job's trainer:
-    completions, MLflow table and diagnostics when a run is active), with an evaluation callback;
-    returns timing, the reward functions' share of a step and TRL's logs."""
+def run_grpo(
+    cfg: LearnConfig,
+    checkpoint: Path,
+    cases: Sequence[CaseKey],
+    evals: list,
+    save: Callable[[], None],
+    run: str = "grpo_stage0",
+    deadline: float | None = None,
+) -> dict:
+    """GRPO from ``checkpoint`` through :func:`orthojob.grpo_trainer.train` (the job's trainer), with
+    an evaluation every ``eval_every`` steps, at the last step, and when ``deadline`` (a
+    ``time.monotonic()`` value) stops training early; each evaluation is appended to ``evals`` and
+    ``save`` called. Returns timing, the reward functions' share of a step and TRL's logs."""
     from transformers import TrainerCallback
 
     from orthojob import models
@@ -496,10 +475,10 @@ def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progr
     models.device_info()  # Unsloth (on a GPU) before TRL
     from orthojob import grpo_trainer
 
-    job = grpo_job_config(cfg, checkpoint)
+    job = grpo_job_config(cfg, checkpoint, run)
     validate(job)
-    deadline = time.monotonic() + cfg.time_limit_min * 60
     clock = {"train_begin": 0.0, "train_seconds": 0.0}
+    step_seconds: list[float] = []
 
     class EvalAndTime(TrainerCallback):
         t0 = 0.0
@@ -514,24 +493,19 @@ def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progr
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            progress.step_seconds.append(time.perf_counter() - self.t0)
+            step_seconds.append(time.perf_counter() - self.t0)
             step = state.global_step
-            if step % cfg.eval_every == 0 or step == cfg.steps or time.monotonic() > deadline:
+            late = deadline is not None and time.monotonic() > deadline
+            if step % cfg.eval_every == 0 or step == cfg.steps or late:
                 row = {
                     "step": step,
                     **evaluate_model(kw["model"], kw["processing_class"], cases, cfg.eval_max_new_tokens),
                 }
-                progress.evals.append(row)
-                log.info(
-                    "step %d: %s %s, strategy %s",
-                    step,
-                    SCALED_REWARD,
-                    row[SCALED_REWARD],
-                    row["strategy_accuracy"],
-                )
+                evals.append(row)
+                log.info("%s step %d: pooled %s %s", run, step, SCALED_REWARD, row["pooled"][SCALED_REWARD])
                 save()
-            if time.monotonic() > deadline:
-                log.warning("time limit reached at step %d", step)
+            if late:
+                log.warning("%s: time limit reached at step %d", run, step)
                 control.should_training_stop = True
 
     result = grpo_trainer.train(job, callbacks=[EvalAndTime()])
@@ -539,7 +513,7 @@ def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progr
     return {
         "grpo_seconds": clock["train_seconds"],
         "steps_done": trainer.state.global_step,
-        "seconds_per_step": float(np.mean(progress.step_seconds)) if progress.step_seconds else None,
+        "seconds_per_step": float(np.mean(step_seconds)) if step_seconds else None,
         "reward_seconds": result.reward_seconds,
         # the optimizer steps' wall time, evaluations excluded (as the trainer's reward_time_share)
         "reward_share_of_step": result.reward_seconds / max(1e-9, trainer.step_seconds),
@@ -548,43 +522,254 @@ def run_grpo(cfg: LearnConfig, checkpoint: Path, cases: Sequence[CaseKey], progr
     }
 
 
+def _evaluate_checkpoint(checkpoint: Path, cases: Sequence[CaseKey], cfg: LearnConfig) -> dict:
+    from orthojob import models
+
+    model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=MAX_SEQ_LENGTH)
+    return evaluate_model(model, tokenizer, cases, cfg.eval_max_new_tokens)
+
+
+def _grpo_from(cfg, name, checkpoint, cases, record: dict, save, deadline) -> None:
+    """One GRPO run recorded in ``record[name]``: its start's evaluation (step 0), then training."""
+    evals: list = []
+    record[name] = {"evaluations": evals}
+    evals.append({"step": 0, **_evaluate_checkpoint(checkpoint, cases, cfg)})
+    save()
+    record[name]["training"] = run_grpo(cfg, checkpoint, cases, evals, save, name, deadline)
+    save()
+
+
+def run_chain(cfg: LearnConfig, cases: Sequence[CaseKey], deadline: float | None = None) -> dict:
+    """The seed's chain: BC from the base model, its evaluation, then GRPO from BC; written to
+    ``<out>/chain.json`` as it goes (the main process reads it)."""
+    out = Path(cfg.out)
+    record: dict = {}
+
+    def save() -> None:
+        (out / CHAIN_FILE).write_text(json.dumps(record, indent=1, default=float))
+
+    checkpoint, record["bc"] = bc(cfg)
+    save()
+    _grpo_from(cfg, "grpo_bc", checkpoint, cases, record, save, deadline)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------------------------
+
+DEGENERATE_MAX = 0.1
+"""Largest degenerate-plan share a final planner may have on any cell."""
+GAP_CLOSED_MIN = 0.5
+"""Share of the pooled gap from uniform SLERP to the oracle the final planner must close."""
+
+
+def planners(report: dict) -> dict[str, dict]:
+    """The evaluated planners by name: ``stage0`` and ``bc`` (their GRPO runs' step 0), each GRPO
+    run's last evaluation, and the references; a planner whose run is missing is left out."""
+    rows: dict[str, dict] = {}
+    for run, start in (("grpo_stage0", "stage0"), ("grpo_bc", "bc")):
+        evals = report.get("runs", {}).get(run, {}).get("evaluations") or []
+        if evals:
+            rows[start] = evals[0]
+            if len(evals) > 1:
+                rows[run] = evals[-1]
+    return {**rows, **report.get("references", {})}
+
+
+def _mean(row: dict, where: str, key: str | None = None, metric: str = SCALED_REWARD) -> dict:
+    part = row[where] if key is None else row[where][key]
+    return part[metric]
+
+
+def targets(report: dict) -> list[dict]:
+    """The experiment's targets, each ``{"name", "claim", "value", "passed"}`` (``passed`` False when
+    a planner it needs is missing). The final planner is GRPO from BC. "CIs apart": the lower 95 %
+    bound of one above the upper bound of the other; "no worse": not CIs apart the other way."""
+    p = planners(report)
+    out: list[dict] = []
+
+    def add(name: str, claim: str, needs: Sequence[str], judge: Callable[[], tuple[object, bool]]) -> None:
+        missing = [n for n in needs if n not in p]
+        if missing:
+            out.append(
+                {"name": name, "claim": claim, "value": f"missing: {', '.join(missing)}", "passed": False}
+            )
+            return
+        value, passed = judge()
+        out.append({"name": name, "claim": claim, "value": value, "passed": bool(passed)})
+
+    def apart(a: dict, b: dict) -> bool:  # a above b, CIs apart
+        return a["lo"] is not None and b["hi"] is not None and a["lo"] > b["hi"]
+
+    def fmt(ci: dict) -> str:
+        return "-" if ci["mean"] is None else f"{ci['mean']:.2f} [{ci['lo']:.2f}, {ci['hi']:.2f}]"
+
+    levels = sorted({c.split("/")[0] for c in p.get("oracle", {}).get("cells", {})}, key=list(TASK_IDS).index)
+
+    add("grpo_bc_beats_bc", "GRPO after BC beats BC on the pooled mean, CIs apart", ("grpo_bc", "bc"),
+        lambda: (f"{fmt(_mean(p['grpo_bc'], 'pooled'))} vs {fmt(_mean(p['bc'], 'pooled'))}",
+                 apart(_mean(p["grpo_bc"], "pooled"), _mean(p["bc"], "pooled"))))  # fmt: skip
+    add("grpo_bc_no_worse_per_level", "GRPO after BC is no worse than BC on any level (CIs not apart below)",
+        ("grpo_bc", "bc"),
+        lambda: ({lv: f"{_mean(p['grpo_bc'], 'levels', lv)['mean']:.2f} vs {_mean(p['bc'], 'levels', lv)['mean']:.2f}"
+                  for lv in levels},
+                 all(not apart(_mean(p["bc"], "levels", lv), _mean(p["grpo_bc"], "levels", lv)) for lv in levels)))  # fmt: skip
+    add("final_beats_slerp_per_level", "the final planner beats uniform SLERP on every level, CIs apart",
+        ("grpo_bc", "uniform_slerp"),
+        lambda: ({lv: f"{fmt(_mean(p['grpo_bc'], 'levels', lv))} vs {fmt(_mean(p['uniform_slerp'], 'levels', lv))}"
+                  for lv in levels},
+                 all(apart(_mean(p["grpo_bc"], "levels", lv), _mean(p["uniform_slerp"], "levels", lv)) for lv in levels)))  # fmt: skip
+
+    def gap() -> tuple[object, bool]:
+        final, slerp, oracle = (_mean(p[n], "pooled")["mean"] for n in ("grpo_bc", "uniform_slerp", "oracle"))
+        closed = (final - slerp) / (oracle - slerp) if oracle != slerp else float("nan")
+        return round(closed, 3), closed >= GAP_CLOSED_MIN
+
+    add("final_closes_half_the_gap", f"the final planner closes >= {GAP_CLOSED_MIN:.0%} of the pooled gap "
+        "from uniform SLERP to the oracle", ("grpo_bc", "uniform_slerp", "oracle"), gap)  # fmt: skip
+    add("grpo_stage0_beats_slerp_easy", "GRPO from stage 0 (no oracle data) beats uniform SLERP on task_easy, "
+        "CIs apart", ("grpo_stage0", "uniform_slerp"),
+        lambda: (f"{fmt(_mean(p['grpo_stage0'], 'levels', 'task_easy'))} vs "
+                 f"{fmt(_mean(p['uniform_slerp'], 'levels', 'task_easy'))}",
+                 apart(_mean(p["grpo_stage0"], "levels", "task_easy"), _mean(p["uniform_slerp"], "levels", "task_easy"))))  # fmt: skip
+    for run in RUNS:
+
+        def canaries(run=run) -> tuple[object, bool]:
+            cells = p[run]["cells"]
+            hard = {c: cells[c]["hard_rule"]["mean"] for c in cells}
+            degenerate = {c: cells[c]["degenerate"]["mean"] for c in cells}
+            ok = all((h or 0.0) == 0.0 for h in hard.values()) and all(
+                (d or 0.0) <= DEGENERATE_MAX for d in degenerate.values()
+            )
+            return {"hard_rule_max": max((h or 0.0) for h in hard.values()),
+                    "degenerate_max": max((d or 0.0) for d in degenerate.values())}, ok  # fmt: skip
+
+        add(f"{run}_canaries", f"{run} at its last step: no hard rule broken and a degenerate share <= "
+            f"{DEGENERATE_MAX} on every cell", (run,), canaries)  # fmt: skip
+
+        def stable(run=run) -> tuple[object, bool]:
+            evals = report["runs"][run]["evaluations"]
+            start, last_step = evals[0], evals[-1]["step"]
+            floor = start["pooled"][SCALED_REWARD]["mean"]
+            late = {
+                e["step"]: round(e["pooled"][SCALED_REWARD]["mean"], 3)
+                for e in evals
+                if e["step"] > last_step / 3
+            }
+            return {"start": round(floor, 3), "after_first_third": late}, bool(late) and min(
+                late.values()
+            ) >= floor
+
+        add(f"{run}_stable", f"{run}: no evaluation after the first third of training falls below its start's "
+            "pooled mean", (run,), stable)  # fmt: skip
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
 
+PLANNER_LABELS: dict[str, str] = {
+    "stage0": "stage 0 (format SFT)",
+    "grpo_stage0": "GRPO from stage 0",
+    "bc": "BC (stage 2)",
+    "grpo_bc": "GRPO from BC (final)",
+    "oracle": "oracle",
+    "uniform_slerp": "uniform SLERP",
+    "do_nothing": "do nothing",
+}
+
+
+def _cell(ci: dict, digits: int = 2) -> str:
+    if ci["mean"] is None:
+        return "-"
+    if ci["n"] > 1 and ci["hi"] != ci["lo"]:
+        return f"{ci['mean']:.{digits}f} [{ci['lo']:.{digits}f}, {ci['hi']:.{digits}f}]"
+    return f"{ci['mean']:.{digits}f}"
+
+
+def markdown_tables(report: dict) -> str:
+    """The scaled reward of every planner per cell, per level and pooled; the canaries per cell."""
+    p = planners(report)
+    names = [n for n in PLANNER_LABELS if n in p]
+    cells = list(p["oracle"]["cells"]) if "oracle" in p else []
+    levels = list(p["oracle"]["levels"]) if "oracle" in p else []
+    lines = [f"{SCALED_REWARD} ({BANDS}), mean [95 % CI] over held-out seeds:", "",
+             "| planner | " + " | ".join([*cells, *levels, "pooled"]) + " |", "|---" * (len(cells) + len(levels) + 2) + "|"]  # fmt: skip
+    for n in names:
+        row = [_cell(p[n]["cells"][c][SCALED_REWARD]) for c in cells]
+        row += [_cell(p[n]["levels"][lv][SCALED_REWARD]) for lv in levels]
+        lines.append(
+            f"| {PLANNER_LABELS[n]} | " + " | ".join([*row, _cell(p[n]["pooled"][SCALED_REWARD])]) + " |"
+        )
+    lines += ["", "Canaries per cell (means; none is a reward): " + ", ".join(CANARIES[:-1]) + ", degenerate (by form)", "",
+              "| planner | cell | strategy acc. | parse | " + " | ".join(CANARIES) + " |", "|---" * (len(CANARIES) + 4) + "|"]  # fmt: skip
+    for n in names:
+        for c in cells:
+            s = p[n]["cells"][c]
+            forms = p[n].get("degenerate_forms", {}).get(c, {})
+            vals = [_cell(s[m]) for m in CANARIES[:-1]]
+            degenerate = _cell(s["degenerate"]) + (
+                f" ({', '.join(f'{k} {v}' for k, v in forms.items())})" if forms else ""
+            )
+            lines.append(f"| {PLANNER_LABELS[n]} | {c} | {_cell(s['strategy_accuracy'])} | {_cell(s['parse'])} | "
+                         + " | ".join([*vals, degenerate]) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def curve_table(report: dict) -> str:
+    """Each GRPO run's pooled evaluations by step."""
+    lines = ["| run | step | pooled " + SCALED_REWARD + " | strategy acc. | hard rule | degenerate | tokens |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for run in RUNS:
+        for e in report.get("runs", {}).get(run, {}).get("evaluations", []):
+            q = e["pooled"]
+            lines.append(f"| {run} | {e['step']} | {_cell(q[SCALED_REWARD])} | {_cell(q['strategy_accuracy'])} | "
+                         f"{_cell(q['hard_rule'])} | {_cell(q['degenerate'])} | {e['mean_tokens']:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def targets_table(rows: Sequence[dict]) -> str:
+    lines = ["| target | passed | value |", "|---|---|---|"]
+    lines += [
+        f"| {r['claim']} | {'PASS' if r['passed'] else 'FAIL'} | {json.dumps(r['value'])} |" for r in rows
+    ]
+    return "\n".join(lines)
+
 
 def plot(report: dict, path: Path) -> None:
+    """The pooled scaled reward of both GRPO runs by step, with 95 % CIs, beside the references."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    evals = report["evaluations"]
-    steps = [e["step"] for e in evals]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, metric, title in zip(
-        axes,
-        (SCALED_REWARD, "strategy_accuracy", "hard_rule"),
-        ("scaled_reward (scaled terminal)", "strategy accuracy", "hard-rule share"),
-    ):
-        mean, lo, hi = (
-            [np.nan if e[metric][k] is None else e[metric][k] for e in evals] for k in ("mean", "lo", "hi")
-        )
-        ax.plot(steps, mean, "o-", label="policy (greedy)")
-        ax.fill_between(steps, lo, hi, alpha=0.25)
-        for name, style in (("oracle", "g--"), ("uniform_slerp", "k:")):
-            ax.axhline(report["references"][name][metric]["mean"], ls=style[1:], color=style[0], label=name)
-        ax.set_title(title)
-        ax.set_xlabel("GRPO step")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"held-out {report['config']['task_id']}, {report['config']['eval_seeds']} seeds, 95 % CI")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in RUNS:
+        evals = report.get("runs", {}).get(run, {}).get("evaluations", [])
+        if not evals:
+            continue
+        steps = [e["step"] for e in evals]
+        mean, lo, hi = ([e["pooled"][SCALED_REWARD][k] for e in evals] for k in ("mean", "lo", "hi"))
+        ax.plot(steps, mean, "o-", label=PLANNER_LABELS[run])
+        ax.fill_between(steps, lo, hi, alpha=0.2)
+    for name, style in (("oracle", "--"), ("uniform_slerp", ":"), ("do_nothing", "-.")):
+        if name in report.get("references", {}):
+            ax.axhline(
+                report["references"][name]["pooled"][SCALED_REWARD]["mean"], ls=style, color="k", label=name
+            )
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(f"pooled {SCALED_REWARD}")
+    ax.legend(fontsize=7)
+    ax.set_title(f"held-out, {report['config']['eval_seeds']} seeds x {len(CELL_NAMES)} cells, 95 % CI")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
 def _argv(cfg: LearnConfig, **changes) -> list[str]:
-    """The command-line flags that rebuild ``cfg`` with ``changes`` (for the baselines' process)."""
+    """The command-line flags that rebuild ``cfg`` with ``changes`` (for the chain's process)."""
     argv = []
     for name, value in {**dataclasses.asdict(cfg), **changes}.items():
         flag = "--" + name.replace("_", "-")
@@ -595,38 +780,9 @@ def _argv(cfg: LearnConfig, **changes) -> list[str]:
     return argv
 
 
-def comparison(report: dict) -> list[dict]:
-    """One row per planner on the held-out seeds: stage 0, BC, RSFT, GRPO (last evaluation), the
-    oracle and uniform SLERP; each metric's mean and 95 % CI."""
-    rows = [("stage 0 (format SFT)", report["evaluations"][0]), *[
-        (name, report.get("baselines", {}).get(key)) for name, key in (("BC (stage 2)", "bc"), ("RSFT (stage 4)", "rsft"))
-    ], (f"GRPO step {report['evaluations'][-1]['step']}", report["evaluations"][-1]),
-        ("oracle", report["references"]["oracle"]), ("uniform SLERP", report["references"]["uniform_slerp"])]  # fmt: skip
-    return [
-        {"planner": name, **{m: row[m] for m in METRICS}} for name, row in rows if row and "error" not in row
-    ]
-
-
-def markdown_table(rows: Sequence[dict]) -> str:
-    """The comparison as a markdown table: mean [95 % CI] per metric."""
-
-    def cell(ci: dict) -> str:
-        if ci["mean"] is None:
-            return "-"
-        return (
-            f"{ci['mean']:.3f} [{ci['lo']:.3f}, {ci['hi']:.3f}]"
-            if ci["n"] > 1 and ci["hi"] != ci["lo"]
-            else f"{ci['mean']:.3f}"
-        )
-
-    lines = ["| planner | " + " | ".join(METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
-    lines += ["| " + r["planner"] + " | " + " | ".join(cell(r[m]) for m in METRICS) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def run(cfg: LearnConfig) -> dict:
-    """Stage 0, then GRPO with evaluations (this process) beside BC and RSFT (a second process);
-    inside an MLflow stage run ``learn`` (the embedded sqlite store unless MLFLOW_TRACKING_URI)."""
+    """The experiment inside an MLflow stage run ``learn`` (the embedded sqlite store unless
+    MLFLOW_TRACKING_URI)."""
     from orthojob import tracking
 
     with tracking.stage_run("learn", params=dataclasses.asdict(cfg)):
@@ -636,78 +792,71 @@ def run(cfg: LearnConfig) -> dict:
 
 
 def _log_report(report: dict, out: Path) -> None:
-    """Evaluations as step metrics, the comparison and both files as artifacts of the active run."""
+    """Evaluations as step metrics, the targets as 0/1 metrics and the files as artifacts."""
     import mlflow
 
     from orthojob import tracking
 
-    for e in report["evaluations"]:
-        tracking.log_metrics(
-            {f"heldout/{m}": e[m]["mean"] for m in METRICS if e[m]["mean"] is not None}, step=e["step"]
-        )
-    tracking.log_table_rows([{"planner": r["planner"], **{m: r[m]["mean"] for m in METRICS}} for r in report["comparison"]], "comparison.json")  # fmt: skip
+    for run_name in RUNS:
+        for e in report.get("runs", {}).get(run_name, {}).get("evaluations", []):
+            tracking.log_metrics({f"heldout/{run_name}/{m}": e["pooled"][m]["mean"] for m in METRICS
+                                  if e["pooled"][m]["mean"] is not None}, step=e["step"])  # fmt: skip
+    tracking.log_metrics({f"target/{t['name']}": float(t["passed"]) for t in report["targets"]})
     for name in ("learning.json", "learning.png", "comparison.md"):
         if (out / name).is_file():
             mlflow.log_artifact(str(out / name))
 
 
 def _run(cfg: LearnConfig) -> dict:
-    import subprocess
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    cases = heldout_cases(cfg.task_id, cfg.eval_seeds)
+    deadline = time.monotonic() + cfg.time_limit_min * 60
+    cases = heldout_cases(cfg.eval_seeds)
     report: dict = {
         "config": dataclasses.asdict(cfg),
         "threads": os.environ.get("OMP_NUM_THREADS"),
+        "cells": list(CELL_NAMES),
         "references": reference_rows(cases),
+        "runs": {},
     }
-    base_model(cfg)
-    if cfg.fresh_stage0:
-        (out / "stage0" / "stage0.json").unlink(missing_ok=True)
-    (out / BASELINES_FILE).unlink(missing_ok=True)
-    baselines = None
-    if cfg.baselines:  # the other core: BC from the base model while stage 0 trains, then RSFT
-        with (out / "baselines.log").open("w") as log_file:
-            baselines = subprocess.Popen(
-                [sys.executable, "-m", "orthojob.learning", *_argv(cfg, baselines_only=True, fresh_stage0=False)],
-                stdout=log_file, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-    checkpoint, meta = stage0(cfg)
-    report["stage0"] = meta
-    progress = Progress()
-    report["evaluations"] = progress.evals
 
     def save() -> None:
         (out / "learning.json").write_text(json.dumps(report, indent=1, default=float))
 
-    from orthojob import models
-
-    model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=2048)
-    progress.evals.append({"step": 0, **evaluate_model(model, tokenizer, cases, cfg.eval_max_new_tokens)})
-    del model
-    save()
-    report["grpo"] = run_grpo(cfg, checkpoint, cases, progress, save)
-    if baselines is not None:
-        code = baselines.wait()
-        if code == 0 and (out / BASELINES_FILE).is_file():
-            report["baselines"] = json.loads((out / BASELINES_FILE).read_text())
-        else:
-            log.warning("the baselines' process exited %s: see %s", code, out / "baselines.log")
-            report["baselines_error"] = f"exit {code}, see baselines.log"
-    report["comparison"] = comparison(report)
-    caption = f"{SCALED_REWARD}: the scaled terminal reward, the headline metric ({BANDS}).\n\n"
-    (out / "comparison.md").write_text(caption + markdown_table(report["comparison"]) + "\n")
-    first, last = progress.evals[0][SCALED_REWARD], progress.evals[-1][SCALED_REWARD]
-    report["verdict"] = {
-        f"{SCALED_REWARD}_stage0": first,
-        f"{SCALED_REWARD}_final": last,
-        "cis_apart_above": bool(last["lo"] > first["hi"]),
-        "strategy_accuracy_final": progress.evals[-1]["strategy_accuracy"],
-    }
+    base_model(cfg)  # once, before the chain's process reads it
+    (out / CHAIN_FILE).unlink(missing_ok=True)
+    chain = None
+    if cfg.parallel:
+        with (out / "chain.log").open("w") as log_file:
+            chain = subprocess.Popen([sys.executable, "-m", "orthojob.learning", *_argv(cfg, chain_only=True)],
+                                     stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
+    checkpoint, report["stage0"] = stage0(cfg)
+    _grpo_from(cfg, "grpo_stage0", checkpoint, cases, report["runs"], save, deadline)
+    if chain is None:
+        record = run_chain(cfg, cases, deadline + cfg.time_limit_min * 60)  # one after the other
+    else:
+        code = chain.wait()
+        record = json.loads((out / CHAIN_FILE).read_text()) if (out / CHAIN_FILE).is_file() else {}
+        if code != 0:
+            log.warning("the chain's process exited %s: see %s", code, out / "chain.log")
+            report["chain_error"] = f"exit {code}, see chain.log"
+    report["bc"] = record.get("bc")
+    if "grpo_bc" in record:
+        report["runs"]["grpo_bc"] = record["grpo_bc"]
+    report["targets"] = targets(report)
+    report["passed"] = all(t["passed"] for t in report["targets"])
     report["wall_seconds"] = time.perf_counter() - t0
     save()
+    text = (
+        markdown_tables(report)
+        + "\n\n"
+        + curve_table(report)
+        + "\n\n"
+        + targets_table(report["targets"])
+        + "\n"
+    )
+    (out / "comparison.md").write_text(text)
     try:
         plot(report, out / "learning.png")
     except Exception as exc:  # the plot never fails the run
@@ -725,17 +874,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """0 when every target passed, 1 when one failed (the run itself finished), 2 on bad flags."""
     parser = build_parser()
     cfg = LearnConfig(**vars(parser.parse_args(argv)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
-    if cfg.baselines_only:
-        run_baselines(cfg, heldout_cases(cfg.task_id, cfg.eval_seeds))
+    if cfg.chain_only:
+        run_chain(cfg, heldout_cases(cfg.eval_seeds), time.monotonic() + cfg.time_limit_min * 60)
         return 0
     report = run(cfg)
-    v = report["verdict"]
-    print(markdown_table(report["comparison"]))
-    print(json.dumps({"verdict": v, "seconds_per_step": report["grpo"]["seconds_per_step"]}, indent=1))
-    return 0
+    print(markdown_tables(report) + "\n\n" + curve_table(report))
+    print(f"\nwall time {report['wall_seconds']:.0f} s; targets ({Path(cfg.out) / 'learning.json'}):")
+    print(targets_table(report["targets"]))
+    print("ALL TARGETS PASSED" if report["passed"] else "SOME TARGETS FAILED")
+    return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, generate_case
+from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START, generate_case
 from server.clinical_profiles import STRATEGIES, STRATEGY_LEVELS
 from server.dental_constants import (
     DEFAULT_PRIORITY,
@@ -268,6 +268,21 @@ def prompt_rows(
     environment's InvalidActionError (no row is silently dropped).
     """
     return [row for row, _obs in prompt_cases(n, seed_start, task_id, force_decay, prompt_format)]
+
+
+CELLS: tuple[tuple[str, bool], ...] = tuple((t, fd) for t in TASK_IDS for fd in (False, True))
+"""Every (task level, force decay) cell, in the order mixed prompts take turns."""
+
+
+def mixed_prompt_rows(n: int, seed_start: int, prompt_format: str = "full") -> list[dict]:
+    """``n`` :func:`prompt_rows` rows over every cell of :data:`CELLS`, taking turns: row ``i`` is
+    seed ``seed_start + i`` of cell ``i % len(CELLS)``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    check_prompt_format(prompt_format)
+    return [
+        _case_row(seed_start + i, *CELLS[i % len(CELLS)], prompt_format)[0] for i in range(n)
+    ]
 
 
 def plan_to_completion(plan: dict, strategy_last: bool = False) -> str:

@@ -359,16 +359,15 @@ def test_mlflow_run_gets_the_completion_table_and_the_grpo_diagnostics(tiny_mode
 
 def test_learning_grpo_runs_through_the_job_trainer(tiny_model, tmp_path):
     """orthojob.learning's GRPO stage: the job's trainer, the evaluation callback every step, the reward
-    time share, the experiment's prompts and a constant learning rate."""
+    time share, prompts of every cell and a constant learning rate."""
     from orthojob import learning
 
     cfg = learning.LearnConfig(out=str(tmp_path), steps=2, num_generations=2, prompts_per_step=1, num_prompts=2,
-                               max_completion_length=24, eval_every=1, eval_seeds=2, lr=1e-3)  # fmt: skip
-    progress, saves = learning.Progress(), []
-    report = learning.run_grpo(
-        cfg, tiny_model, learning.heldout_cases(cfg.task_id, 2), progress, lambda: saves.append(1)
-    )
-    assert report["steps_done"] == 2 and [e["step"] for e in progress.evals] == [1, 2] and len(saves) == 2
+                               max_completion_length=24, eval_every=1, eval_seeds=1, lr=1e-3)  # fmt: skip
+    evals, saves = [], []
+    cases = learning.heldout_cases(1, [("task_easy", False)])
+    report = learning.run_grpo(cfg, tiny_model, cases, evals, lambda: saves.append(1))
+    assert report["steps_done"] == 2 and [e["step"] for e in evals] == [1, 2] and len(saves) == 2
     assert 0 < report["reward_share_of_step"] < 1 and report["grpo_seconds"] > 0
     rows = [r for r in report["log_history"] if "reward" in r]
     assert [r["learning_rate"] for r in rows] == [cfg.lr, cfg.lr]
@@ -377,8 +376,12 @@ def test_learning_grpo_runs_through_the_job_trainer(tiny_model, tmp_path):
     assert cfg.strategy_advantage == "counterfactual" and all(
         0 <= r["strategy_advantage/named"] <= 1 for r in rows
     )
-    records = [json.loads(x) for x in (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(x) for x in (tmp_path / "grpo_stage0" / "completions.jsonl").read_text().splitlines()
+    ]
     assert {r["seed"] for r in records} <= {learning.GRPO_PROMPT_SEED_START + i for i in range(2)}
+    # the prompts take turns over the cells: the first two are task_easy, ideal then force decay
+    assert {(r["task_id"], r["force_decay"]) for r in records} <= {("task_easy", False), ("task_easy", True)}
 
 
 def test_ddp_two_processes(tiny_model, tmp_path):

@@ -1,16 +1,17 @@
-"""Stage-0 format demonstrations and the learning experiment's metrics (no model is trained here)."""
+"""Stage-0 format demonstrations, the learning experiment's metrics and targets, and its code path on a
+1-layer model."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
 from orthojob.format_demos import format_demonstrations, random_format_plan
-from orthojob.learning import METRICS, _ci, episode_values, heldout_cases, reference_rows
+from orthojob.learning import CELL_NAMES, METRICS, _ci, episode_values, heldout_cases, reference_rows
 from orthojob.parsing import find_plan
 from orthojob.rewards import reward_format, reward_terminal
 from orthojob.rollouts import DEFAULT_CACHE
@@ -72,11 +73,101 @@ def test_ci_and_episode_metrics():
     assert set(failed) == set(METRICS)
 
 
-def test_reference_rows_oracle_beats_slerp():
-    refs = reference_rows(heldout_cases("task_easy", 6))
-    assert refs["oracle"]["scaled_reward"]["mean"] > refs["uniform_slerp"]["scaled_reward"]["mean"]
-    assert refs["oracle"]["strategy_accuracy"]["mean"] == 1.0
-    assert refs["uniform_slerp"]["strategy_accuracy"]["mean"] == 0.0
+def test_reference_rows_per_cell_level_and_pooled():
+    cases = heldout_cases(3)
+    assert len(cases) == 3 * len(CELL_NAMES) and all(c.seed >= HELDOUT_SEED_START for c in cases)
+    refs = reference_rows(cases)
+    assert set(refs) == {"oracle", "uniform_slerp", "do_nothing"}
+    for row in refs.values():
+        assert list(row["cells"]) == list(CELL_NAMES)
+        assert set(row["levels"]) == {"task_easy", "task_medium", "task_hard"}
+        assert row["pooled"]["scaled_reward"]["n"] == len(cases)
+        assert all(row["cells"][c]["scaled_reward"]["n"] == 3 for c in CELL_NAMES)
+    pooled = {name: row["pooled"] for name, row in refs.items()}
+    assert pooled["oracle"]["scaled_reward"]["mean"] > pooled["uniform_slerp"]["scaled_reward"]["mean"]
+    assert pooled["oracle"]["strategy_accuracy"]["mean"] == 1.0
+    assert pooled["uniform_slerp"]["strategy_accuracy"]["mean"] == 0.0
+    assert pooled["do_nothing"]["scaled_reward"]["mean"] == pytest.approx(0.0, abs=1e-9)
+    # doing nothing is a degenerate plan on every treated case, counted by form
+    assert refs["do_nothing"]["degenerate_forms"] == {c: {"nothing": 3} for c in CELL_NAMES}
+
+
+def _row(scaled: float, hard: float = 0.0, degenerate: float = 0.0, half: float = 0.1) -> dict:
+    """A planner's grouped evaluation with the same numbers in every cell, level and the pool."""
+    values = {"scaled_reward": scaled, "hard_rule": hard, "degenerate": degenerate}
+
+    def summary() -> dict:
+        return {
+            m: {
+                "mean": values.get(m, 0.5),
+                "lo": values.get(m, 0.5) - half,
+                "hi": values.get(m, 0.5) + half,
+                "n": 32,
+            }
+            for m in METRICS
+        }
+
+    levels = ("task_easy", "task_medium", "task_hard")
+    return {"cells": {c: summary() for c in CELL_NAMES}, "levels": {t: summary() for t in levels},
+            "pooled": summary(), "degenerate_forms": {}, "mean_tokens": 100.0}  # fmt: skip
+
+
+def _report(stage0=3.0, grpo_stage0=(5.0, 6.6), bc=5.0, grpo_bc=(6.0, 7.2), **final) -> dict:
+    """A learning.json with two evaluations after each start (steps 30 and 60); ``final`` sets the
+    canaries of GRPO from BC's last one."""
+
+    def curve(start: float, later: Sequence[float], last: dict) -> list[dict]:
+        rows = [{"step": 0, **_row(start)}]
+        rows += [
+            {"step": 30 * (k + 1), **_row(v, **(last if k == len(later) - 1 else {}))}
+            for k, v in enumerate(later)
+        ]
+        return rows
+
+    return {
+        "config": {"eval_seeds": 32},
+        "references": {"oracle": _row(7.8), "uniform_slerp": _row(6.4, half=0.01), "do_nothing": _row(0.0)},
+        "runs": {
+            "grpo_stage0": {"evaluations": curve(stage0, grpo_stage0, {})},
+            "grpo_bc": {"evaluations": curve(bc, grpo_bc, final)},
+        },
+    }
+
+
+def test_targets_pass_only_when_every_claim_holds():
+    """The pass/fail logic of make learn's self-check: a run that meets every target passes; each way
+    of missing one fails that target."""
+    from orthojob.learning import markdown_tables, targets, targets_table
+
+    good = targets(_report())
+    assert [t["name"] for t in good] == [
+        "grpo_bc_beats_bc", "grpo_bc_no_worse_per_level", "final_beats_slerp_per_level", "final_closes_half_the_gap",
+        "grpo_stage0_beats_slerp_easy", "grpo_stage0_canaries", "grpo_stage0_stable", "grpo_bc_canaries",
+        "grpo_bc_stable",
+    ]  # fmt: skip
+    assert all(t["passed"] for t in good), good
+
+    def failed(report: dict) -> set[str]:
+        return {t["name"] for t in targets(report) if not t["passed"]}
+
+    assert failed(_report(grpo_bc=(6.0, 5.1))) >= {"grpo_bc_beats_bc", "final_beats_slerp_per_level"}
+    assert failed(_report(grpo_bc=(6.0, 6.6))) == {
+        "final_closes_half_the_gap"
+    }  # above SLERP, but not by half
+    assert failed(_report(grpo_bc=(4.0, 7.2))) == {
+        "grpo_bc_stable"
+    }  # a dip below the start after step 20 of 60
+    assert failed(_report(grpo_stage0=(5.0, 6.45))) == {"grpo_stage0_beats_slerp_easy"}  # CIs overlap
+    assert failed(_report(hard=1 / 32)) == {"grpo_bc_canaries"}
+    assert failed(_report(degenerate=0.2)) == {"grpo_bc_canaries"}
+    assert "grpo_bc_no_worse_per_level" in failed(_report(grpo_bc=(6.0, 4.7)))
+    missing = _report()
+    del missing["runs"]["grpo_bc"]
+    assert failed(missing) == {"grpo_bc_beats_bc", "grpo_bc_no_worse_per_level", "final_beats_slerp_per_level",
+                               "final_closes_half_the_gap", "grpo_bc_canaries", "grpo_bc_stable"}  # fmt: skip
+    table = targets_table(targets(_report(hard=1 / 32)))
+    assert table.count("PASS") == 8 and table.count("FAIL") == 1
+    assert "GRPO from BC (final)" in markdown_tables(_report())
 
 
 def test_learning_grpo_settings_reach_trls_config(tmp_path):
@@ -97,7 +188,12 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
     )
     assert (args.loss_type, args.scale_rewards, args.temperature, args.beta) == ("dapo", "group", 0.8, 0.1)
     assert args.lr_scheduler_type == "constant" and args.learning_rate == cfg.lr == 3e-4
-    assert args.max_completion_length == 128 and args.max_steps == cfg.steps and args.seed == cfg.seed
+    assert (
+        args.max_completion_length == 320
+        and job.mixed_cells
+        and args.max_steps == cfg.steps
+        and args.seed == cfg.seed
+    )
     names = [f.__name__ for f in funcs]
     assert dict(zip(names, args.reward_weights)) == {
         "reward_terminal": 1.0, "reward_occlusion": 1.0, "reward_strategy": 3.0, "reward_format": 1.0, "reward_anchorage": 1.0
@@ -105,48 +201,9 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
     assert not args.gradient_checkpointing
     assert (job.strategy_advantage, job.strategy_lr_scale) == ("counterfactual", 10.0)
     assert (
-        job.num_prompts == 1000
+        job.num_prompts == 1200
         and job.prompt_seed_start == GRPO_PROMPT_SEED_START == TRAIN_SEED_START + 50_000
     )
-
-
-def test_baselines_process_gets_the_same_settings_and_the_table_has_every_planner(tmp_path):
-    """The BC/RSFT process is started with flags that rebuild the experiment's config; the comparison
-    table has stage 0, BC, RSFT, GRPO's last evaluation, the oracle and SLERP, each with its CI."""
-    import contextlib
-    import io
-
-    from orthojob import learning
-
-    cfg = learning.LearnConfig(out=str(tmp_path), steps=7, lr=1e-3, strategy_last=False, prompt_format="full")
-    argv = learning._argv(cfg, baselines_only=True)
-    seen = {}
-    with contextlib.redirect_stdout(io.StringIO()):
-        original = learning.run_baselines
-        learning.run_baselines = lambda c, cases: seen.setdefault("cfg", c)
-        try:
-            assert learning.main(argv) == 0
-        finally:
-            learning.run_baselines = original
-    assert seen["cfg"] == dataclasses.replace(cfg, baselines_only=True)
-
-    def row(value: float) -> dict:
-        return {m: {"mean": value, "lo": value - 0.1, "hi": value + 0.1, "n": 8} for m in METRICS}
-
-    report = {
-        "evaluations": [{"step": 0, **row(1.0)}, {"step": 40, **row(3.0)}],
-        "baselines": {"bc": row(2.0), "rsft": row(2.5)},
-        "references": {"oracle": row(7.8), "uniform_slerp": row(6.4)},
-    }
-    rows = learning.comparison(report)
-    assert [r["planner"] for r in rows] == [
-        "stage 0 (format SFT)", "BC (stage 2)", "RSFT (stage 4)", "GRPO step 40", "oracle", "uniform SLERP"
-    ]  # fmt: skip
-    assert [r["scaled_reward"]["mean"] for r in rows] == [1.0, 2.0, 2.5, 3.0, 7.8, 6.4]
-    table = learning.markdown_table(rows).splitlines()
-    assert len(table) == 2 + 6 and "3.000 [2.900, 3.100]" in table[5]
-    del report["baselines"]  # --no-baselines: the table has what was run
-    assert [r["planner"] for r in learning.comparison(report)][1] == "GRPO step 40"
 
 
 def test_strategy_conditioning_tells_a_case_blind_policy_from_one_that_reads_the_case():
@@ -198,27 +255,32 @@ def test_strategy_last_demos_are_the_same_plans_in_the_other_key_order():
     assert reward_format(texts, **cols) == pytest.approx([1.0] * 6)
 
 
-def test_baselines_train_bc_and_rsft_and_evaluate_them(tmp_path):
-    """The BC and RSFT rows on a 1-layer model and a few steps: BC trains from the base model on the
-    oracle's plans, RSFT samples stage 0 and keeps what the rule keeps (here, from an untrained stage 0,
-    nothing: the row says why instead of failing the run), and both land in baselines.json."""
+def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypatch, capsys):
+    """make learn's code path on a 1-layer model, a few steps each (both chains in one process): the
+    file has every cell, planner, curve and target, and an untrained model fails the targets (exit 1)."""
     from orthojob import learning
 
-    cfg = learning.LearnConfig(out=str(tmp_path), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate=32,
-                               sft_examples=8, sft_steps=2, bc_steps=2, rsft_prompts=2, rsft_samples=2, rsft_steps=1,
-                               eval_seeds=2, max_completion_length=24)  # fmt: skip
-    learning.stage0(cfg)
-    rows = learning.run_baselines(cfg, learning.heldout_cases(cfg.task_id, cfg.eval_seeds))
-    assert (
-        set(rows) == {"bc", "rsft"}
-        and json.loads((tmp_path / learning.BASELINES_FILE).read_text()).keys() == rows.keys()
-    )
-    assert rows["bc"]["scaled_reward"]["n"] == 2 and "strategy_conditioning" in rows["bc"]
-    assert (tmp_path / "bc" / "model.safetensors").is_file()
-    if "error" in rows["rsft"]:
-        assert "keep rule" in rows["rsft"]["error"]
-    else:
-        assert rows["rsft"]["rsft"]["samples"] == 4
-    report = {"evaluations": [{"step": 0, **rows["bc"]}], "baselines": rows,
-              "references": {"oracle": rows["bc"], "uniform_slerp": rows["bc"]}}  # fmt: skip
-    assert "BC (stage 2)" in [r["planner"] for r in learning.comparison(report)]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    argv = ["--out", str(tmp_path / "learn"), "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+            "--intermediate", "32", "--sft-examples", "8", "--sft-steps", "2", "--bc-examples", "12", "--bc-steps", "2",
+            "--steps", "2", "--eval-every", "1", "--num-generations", "2", "--prompts-per-step", "1", "--num-prompts",
+            "4", "--max-completion-length", "16", "--eval-max-new-tokens", "16", "--eval-seeds", "1",
+            "--no-parallel"]  # fmt: skip
+    assert learning.main(argv) == 1
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith("SOME TARGETS FAILED") and "| target | passed | value |" in printed
+    report = json.loads((tmp_path / "learn" / "learning.json").read_text())
+    assert report["cells"] == list(CELL_NAMES) and report["passed"] is False
+    assert set(report["runs"]) == {"grpo_stage0", "grpo_bc"}
+    for run in report["runs"].values():
+        assert [e["step"] for e in run["evaluations"]] == [0, 1, 2]
+        for e in run["evaluations"]:
+            assert list(e["cells"]) == list(CELL_NAMES) and e["pooled"]["scaled_reward"]["n"] == len(
+                CELL_NAMES
+            )
+        assert run["training"]["steps_done"] == 2 and run["training"]["grpo_config"]["mixed_cells"] is True
+    assert report["bc"]["examples"] == 12 and report["stage0"]["key"]["layers"] == 1
+    assert [t["name"] for t in report["targets"]] == [t["name"] for t in learning.targets(report)]
+    assert not all(t["passed"] for t in report["targets"])
+    assert "| GRPO from BC (final) |" in (tmp_path / "learn" / "comparison.md").read_text()
+    assert (tmp_path / "learn" / "learning.png").is_file()
