@@ -290,7 +290,16 @@ QWEN25_3B = Preset(
         n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
     ),
     grpo=GRPOJobConfig(
-        # the Unsloth Qwen2.5-3B GRPO recipe on one GPU: LoRA r 16, 8 completions per prompt
+        # the Unsloth Qwen2.5-3B GRPO recipe on one GPU (LoRA r 16, 8 completions per prompt) with what
+        # made the CPU learning experiment learn (docs/learning_experiment.md): prompts of every level and
+        # both dynamics, the counterfactual strategy advantage, a KL anchor (beta 0.1) to the previous
+        # stage, temperature 0.8. Not carried over: the strategy rows' faster learning rate
+        # (strategy_lr_scale) needs a trainable lm_head, which LoRA leaves frozen; reward_strategy's
+        # weight 3 would refuse a --set grpo.rewards list without it, so the weights stay 1
+        mixed_cells=True,
+        strategy_advantage="counterfactual",
+        beta=0.1,
+        temperature=0.8,
         steps=300,
         num_generations=8,
         batch_size=8,
