@@ -448,7 +448,7 @@ def main() -> None:
     )
     parser.add_argument("--deflate", action="store_true", help="WebSocket clients offer per-message deflate")
     parser.add_argument(
-        "--legacy-http", action="store_true", help="no expected_stage, no DELETE (a server before issue 14)"
+        "--legacy-http", action="store_true", help="no expected_stage, no DELETE (a server without them)"
     )
     args = parser.parse_args()
 

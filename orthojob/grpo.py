@@ -257,7 +257,7 @@ def run_grpo(
 def _check_sft_gate(config: GRPOJobConfig, say: Callable[..., Any]) -> int | None:
     """The SFT gate pre-flight: None when training may start, else the exit code (message printed)."""
     if config.from_checkpoint and not config.skip_sft_gate:
-        try:  # issue 12: the gate of any earlier stage (format SFT, BC, RSFT, GRPO) is accepted
+        try:  # the gate of any earlier stage (format SFT, BC, RSFT, GRPO) is accepted
             content = check_gate(config.from_checkpoint)
         except GateError as exc:
             print(f"orthojob train: {exc.message}", file=sys.stderr)

@@ -91,7 +91,7 @@ class LearnConfig:
     strategy_last: bool = field(default=True, metadata=_SWITCH)
     fresh_stage0: bool = field(default=False, metadata=_SWITCH)
     bc_examples: int = field(default=1800, metadata={"help": "BC's oracle demonstrations, over every cell"})
-    bc_steps: int = field(default=600, metadata={"help": "BC's steps"})
+    bc_steps: int = field(default=1000, metadata={"help": "BC's steps"})
     # GRPO (both runs)
     steps: int = 90
     num_generations: int = 8
@@ -107,7 +107,7 @@ class LearnConfig:
     strategy_advantage: str = field(default="counterfactual", metadata={"choices": STRATEGY_ADVANTAGES})
     strategy_advantage_scale: float = 1.0
     strategy_lr_scale: float = 10.0
-    max_completion_length: int = 320
+    max_completion_length: int = 384
     # the two processes
     parallel: bool = field(default=True, metadata={"help": "the chain in a second process", **_SWITCH})
     chain_only: bool = field(
@@ -116,9 +116,9 @@ class LearnConfig:
     # evaluation
     eval_every: int = 30
     eval_seeds: int = field(default=32, metadata={"help": "held-out seeds per (level x dynamics) cell"})
-    eval_max_new_tokens: int = 320
+    eval_max_new_tokens: int = 384
     time_limit_min: float = field(
-        default=50.0, metadata={"help": "each process stops GRPO at this wall time"}
+        default=52.0, metadata={"help": "each process stops GRPO at this wall time (minutes)"}
     )
 
 

@@ -23,8 +23,8 @@ grpo.mode=agentic``; a one-shot GRPO there is refused).
 format (``tiny_arch["prompt_format"]``, :data:`orthojob.prompts.PROMPT_FORMATS`: the case without the
 plan-format text, which the BC stage teaches), recorded in the model's ``config.json`` so every later
 stage prompts it the same way. Its GRPO stage is the one ``make run`` has always
-run (20 steps, prompts up to 1760 tokens, 256-token completions, 32 gate seeds); before issue 11,
-``orthojob train --preset tiny-cpu`` used a second table (8 steps, 3072, 128, 8 seeds). Its format
+run (20 steps, prompts up to 1760 tokens, 256-token completions, 32 gate seeds), the one table
+``orthojob train --preset tiny-cpu`` uses too. Its format
 and RSFT stages (not in the default chain) are set by analogy with its BC stage and not tuned.
 """
 

@@ -280,9 +280,7 @@ def mixed_prompt_rows(n: int, seed_start: int, prompt_format: str = "full") -> l
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
     check_prompt_format(prompt_format)
-    return [
-        _case_row(seed_start + i, *CELLS[i % len(CELLS)], prompt_format)[0] for i in range(n)
-    ]
+    return [_case_row(seed_start + i, *CELLS[i % len(CELLS)], prompt_format)[0] for i in range(n)]
 
 
 def plan_to_completion(plan: dict, strategy_last: bool = False) -> str:

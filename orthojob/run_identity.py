@@ -59,7 +59,7 @@ NOT_IDENTITY: frozenset[str] = frozenset(
 
 
 ADDED_DEFAULTS: dict[str, Any] = {"mode": "oneshot", "max_tool_turns": 8, "env_url": None}
-"""Fields added to a config after checkpoints recorded identities (issue 15's agentic mode): left
+"""Fields added to a config after checkpoints recorded identities (the agentic mode's fields): left
 out of the identity while they hold these defaults, so a one-shot run keeps the digest it had."""
 
 

@@ -1,4 +1,4 @@
-"""Agentic GRPO (issue 15): the stepwise environment as TRL tools (:mod:`orthojob.agentic`).
+"""Agentic GRPO: the stepwise environment as TRL tools (:mod:`orthojob.agentic`).
 
 (a) a 2-step tiny-model GRPO run driven by TRL's GRPOTrainer with ``environment_factory`` (the first
 turns scripted, so that tools are called and a plan submitted; later turns generated), its tool

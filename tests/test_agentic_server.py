@@ -1,4 +1,4 @@
-"""Agentic tools over the environment server (issue 15): :class:`DentalToolEnv` with ``env_url`` drives
+"""Agentic tools over the environment server: :class:`DentalToolEnv` with ``env_url`` drives
 a real local server (``server.app``, uvicorn in a thread) through OpenEnv's WebSocket client and gives
 the very results the in-process environment gives; the server's capacity is checked against the
 generation batch."""

@@ -1,4 +1,4 @@
-"""Base weights from S3 (issue 13, item 3), against a real SeaweedFS server and the offline tiny model.
+"""Base weights from S3, against a real SeaweedFS server and the offline tiny model.
 
 * ``orthojob model stage`` puts a base model in S3 with a manifest; :func:`orthojob.base_models.fetch`
   downloads it once into the model cache, verifies it (sha256 against the manifest, or sizes against

@@ -545,7 +545,7 @@ def test_standalone_stages_read_and_write_s3(services, env, tiny, tmp_path):
 
 @pytest.mark.parametrize("stage", ["format_sft", "tool_sft"])
 def test_stage_commands_read_and_write_s3(services, env, tiny, tmp_path, monkeypatch, request, stage):
-    """Issue 12's and 15's stage commands take s3:// in and out: format-sft (from a local base) and
+    """The format and tool-use stage commands take s3:// in and out: format-sft (from a local base) and
     tool-sft (its base model an s3:// URI) publish their gated checkpoint with their MLflow run; a
     fresh pod's pre-flight (gate --check, GRPO's) downloads it, digests and gate checked; rsft
     continues the format checkpoint from S3 and publishes its own."""

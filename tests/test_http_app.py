@@ -722,7 +722,7 @@ def test_http_error_replies_are_bounded_and_do_not_echo(http: httpx.Client) -> N
     assert stage_of(http, obs["episode_id"]) == 0
 
 
-# --- The hot path (issue 14's server time per step): the same answers, cheaper ----------------
+# --- The hot path (the server's time per step): the same answers, cheaper ----------------------
 
 
 def test_observation_encoder_writes_the_bytes_of_encode_json() -> None:

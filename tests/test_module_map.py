@@ -1,4 +1,4 @@
-"""The module map (issue 11): imports run one way, the CLI imports the stages and never the reverse."""
+"""The module map: imports run one way, the CLI imports the stages and never the reverse."""
 
 from __future__ import annotations
 

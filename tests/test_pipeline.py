@@ -137,7 +137,7 @@ def test_a_preset_means_the_same_run_under_train_sft_and_pipeline(name):
 
 
 def test_tiny_cpu_grpo_is_the_make_run_recipe():
-    """The values ``make run`` has always used (issue 11 picked the pipeline's over train's)."""
+    """The values ``make run`` has always used, in the one table ``train --preset tiny-cpu`` reads too."""
     g = PRESETS["tiny-cpu"].grpo
     assert (g.steps, g.max_prompt_length, g.max_completion_length, g.gate_seeds) == (20, 1760, 256, 32)
 

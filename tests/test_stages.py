@@ -1,4 +1,4 @@
-"""The seed's stages as stage commands (issue 12): format SFT (stage 0), BC SFT (stage 2) and RSFT
+"""The seed's stages as stage commands: format SFT (stage 0), BC SFT (stage 2) and RSFT
 (stage 4), each with its CLI, MLflow stage run and gate file; GRPO's pre-flight accepting a format
 gate; the pipeline preset choosing the stages; RSFT's keep rule, on real environment scores."""
 

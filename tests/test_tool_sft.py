@@ -1,4 +1,4 @@
-"""Stage 1, tool-use SFT (issue 15, :mod:`orthojob.tool_sft`): the oracle's tool conversations score
+"""Stage 1, tool-use SFT (:mod:`orthojob.tool_sft`): the oracle's tool conversations score
 as its one-shot plans do; the loss covers the assistant's turns only; ``orthojob tool-sft`` trains on
 them, writes its tool-call gate and MLflow stage run; GRPO's pre-flight accepts that gate; the
 pipeline runs the stage from a preset's chain. (``tests/test_e2e_mlflow_s3.py``: s3:// in and out.)"""
