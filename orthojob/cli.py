@@ -66,19 +66,6 @@ TRACKED_STAGES: dict[str, str] = {
 pipeline nests these stages under its parent run)."""
 
 
-def gate_stage(value: str) -> str:
-    """``orthojob gate --stage``: a stage of :data:`orthojob.gate.STAGES`; a deprecated name
-    (:data:`orthojob.gate.STAGE_ALIASES`, ``sft0``) is taken as the stage it names now, with a warning."""
-    stage = gate.canonical_stage(value)
-    if stage != value:
-        print(
-            f"orthojob gate: --stage {value} is deprecated, use --stage {stage} (the BC stage's name now; "
-            f"{value} was its name in earlier versions)",
-            file=sys.stderr,
-        )
-    return stage
-
-
 def cmd_evaluate(args: argparse.Namespace) -> int:
     if not args.baselines and not args.checkpoint:
         print(
@@ -412,11 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument(
         "--stage",
         default=gate.BC_SFT,
-        type=gate_stage,
         choices=gate.STAGES,
         help=f"{gate.FORMAT_SFT} (format gate), {gate.BC_SFT} (BC, default) or {gate.RSFT} (quality gates: format "
         f"and the hard-rule bound), {gate.TOOL_SFT} (tool-call gate), or {gate.GRPO} (quality gate, also the mean "
-        f"scaled reward against uniform SLERP's); sft0 is a deprecated alias of {gate.BC_SFT}",
+        f"scaled reward against uniform SLERP's)",
     )
     ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
     ga.add_argument("--seeds", type=positive_int, default=50, help="held-out seeds per task (default 50)")

@@ -33,10 +33,7 @@ the pipeline, the CLI and the presets import): ``format_sft`` (stage 0, format S
 fine-tuning). :func:`check_gate` accepts a gate of any of them (``accept``): GRPO and RSFT start from
 whichever gated stage came before.
 
-Earlier versions named the BC stage ``sft0`` (the seed's folder of stage 0, format SFT).
-:data:`STAGE_ALIASES` keeps that name readable: a gate file that says ``"stage": "sft0"`` is read
-as ``bc_sft`` (:func:`read_gate`, :func:`check_gate`), and ``orthojob gate --stage sft0`` is a
-deprecated alias of ``--stage bc_sft`` (:func:`canonical_stage`).
+A gate file whose stage is not one of these is refused (:func:`read_gate`, exit 11), naming them.
 
 The metrics a gate judges by are :mod:`orthojob.metrics`': the headline ``scaled_reward_mean`` (the
 scaled terminal reward GRPO is paid, bands in :mod:`server.reward_scaler`) and ``hard_rule_share``;
@@ -86,9 +83,6 @@ STAGES: tuple[str, ...] = (FORMAT_SFT, TOOL_SFT, BC_SFT, GRPO, RSFT)
 """Every stage that writes a gate file, in the seed's order: stage 0 format SFT, stage 1 tool-use
 SFT, stage 2 BC SFT, stage 3 GRPO, stage 4 RSFT. Each is also the stage's pipeline folder
 (``<out>/<name>``) and MLflow stage run (:data:`orthojob.presets.PIPELINE_STAGES`)."""
-STAGE_ALIASES: dict[str, str] = {"sft0": BC_SFT}
-"""Deprecated stage names -> the stage they name now: ``sft0``, the BC stage's name in earlier
-versions (in the gate files they wrote, and in ``orthojob gate --stage``)."""
 SFT_STAGES: tuple[str, ...] = (FORMAT_SFT, BC_SFT, RSFT)
 """The stages trained with TRL's SFTTrainer (:func:`orthojob.sft.run_sft`) whose gates check the plan
 format (stage 1, ``tool_sft``, is trained the same way; its gate checks tool calls)."""
@@ -274,16 +268,9 @@ _METRIC_OF: dict[str, str] = {
 }
 
 
-def canonical_stage(stage: str | None) -> str | None:
-    """``stage`` under its current name: a deprecated one (:data:`STAGE_ALIASES`, e.g. ``sft0``) ->
-    the stage it names now (``bc_sft``); any other name unchanged."""
-    return STAGE_ALIASES.get(stage, stage) if isinstance(stage, str) else stage
-
-
 def thresholds_for(stage: str | None) -> GateThresholds:
-    """The default thresholds of a stage (an alias is resolved; unknown ``sft*`` stages share the
-    format gate's)."""
-    stage = canonical_stage(stage)
+    """The default thresholds of a stage (a name starting with ``grpo`` shares GRPO's; any other
+    unknown name BC's)."""
     if stage in DEFAULT_THRESHOLDS:
         return DEFAULT_THRESHOLDS[stage]
     if stage and stage.startswith(GRPO):
@@ -400,7 +387,6 @@ def gate_report(
     mean_completion_tokens, truncated_rate, per-task scaled reward means and hard-rule shares,
     timings; terminal_raw_mean (secondary, the unscaled [0, 1] score, compared by nothing).
     """
-    stage = canonical_stage(stage)
     if stage == TOOL_SFT:  # stage 1's gate: greedy agentic episodes through the tools
         return _tool_gate_report(path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_tool_turns,
                                  seed_start, stage, thresholds, model, tokenizer)  # fmt: skip
@@ -507,15 +493,16 @@ def write_gate(
     ``metrics``: the metrics dict of an evaluation, or a whole report of :func:`gate_report`
     (its metrics, thresholds, stage and context are then used unless given here). ``passed`` is
     recomputed here from the metrics and the thresholds; a ``passed`` in the input is ignored.
-    ``stage`` (default: the report's, else ``bc_sft``) is written under its current name
-    (:func:`canonical_stage`).
+    ``stage`` (default: the report's, else ``bc_sft``) must be one of :data:`STAGES`.
     """
     report: dict = {}
     if isinstance(metrics, dict) and isinstance(metrics.get("metrics"), dict):
         report, metrics = metrics, metrics["metrics"]
     if not isinstance(metrics, dict) or not metrics:
         raise ValueError("write_gate needs the metrics of an evaluation (orthojob.gate.gate_report)")
-    stage = canonical_stage(stage or report.get("stage") or BC_SFT)
+    stage = stage or report.get("stage") or BC_SFT
+    if stage not in STAGES:
+        raise ValueError(f"unknown gate stage {stage!r}: one of {', '.join(STAGES)}")
     if thresholds is None:
         thresholds = report.get("thresholds") or thresholds_for(stage)
     if isinstance(thresholds, dict):
@@ -549,10 +536,8 @@ def write_gate(
 
 
 def read_gate(checkpoint: str | Path) -> dict:
-    """The parsed gate file; raises GateError 10 (missing) or 11 (unreadable / inconsistent).
-
-    A stage written under a deprecated name (:data:`STAGE_ALIASES`: ``"sft0"``, written by earlier versions) is
-    returned under its current one (``"bc_sft"``), the name as written in ``"stage_as_written"``."""
+    """The parsed gate file; raises GateError 10 (missing) or 11 (unreadable, inconsistent, or of a
+    stage that is not one of :data:`STAGES`)."""
     target = gate_path(checkpoint)
     redo = (
         f"Re-run the gate: orthojob gate --checkpoint {checkpoint} --stage {BC_SFT} (after orthojob sft --out "
@@ -584,6 +569,8 @@ def read_gate(checkpoint: str | Path) -> dict:
             problems.append("no 'metrics'")
         if not isinstance(content.get("thresholds"), dict):
             problems.append("no 'thresholds'")
+        if content.get("stage") is not None and content.get("stage") not in STAGES:
+            problems.append(f"its stage {content.get('stage')!r} is not a stage: one of {', '.join(STAGES)}")
     if problems:
         raise GateError(
             ExitCode.GATE_UNREADABLE, f"gate file {target} is malformed: {'; '.join(problems)}. {redo}"
@@ -601,11 +588,6 @@ def read_gate(checkpoint: str | Path) -> dict:
             f"gate file {target} says passed={content['passed']}, but its own metrics and thresholds give "
             f"{checks}: the file was edited, not written by an evaluation. {redo}",
         )
-    if content.get("stage") in STAGE_ALIASES:
-        written = content["stage"]
-        content["stage"] = canonical_stage(written)
-        content["stage_as_written"] = written
-        log.info("gate file %s: stage %r (a deprecated name) read as %r", target, written, content["stage"])
     return content
 
 
@@ -617,8 +599,6 @@ def check_gate(checkpoint: str | Path, accept: Sequence[str] | None = STAGES) ->
     from orthojob.models import ModelError, checkpoint_digest
 
     content = read_gate(checkpoint)
-    if accept is not None:
-        accept = [canonical_stage(name) for name in accept]
     if accept is not None and content.get("stage") not in accept:
         raise GateError(
             ExitCode.GATE_UNREADABLE,
@@ -696,13 +676,11 @@ __all__ = [
     "RSFT",
     "SFT_STAGES",
     "STAGES",
-    "STAGE_ALIASES",
     "TOOL_SFT",
     "GateError",
     "GateSettings",
     "GateThresholds",
     "add_gate_arguments",
-    "canonical_stage",
     "check_gate",
     "format_gate",
     "gate_checks",

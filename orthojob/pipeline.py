@@ -18,8 +18,7 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
      choice (:func:`orthojob.sft.run_sft`), then ``gate_format_sft`` (format only);
    * ``tool`` -> ``tool_sft``: stage 1, tool-use SFT on the oracle's tool conversations (the loss on
      the assistant's turns), then ``gate_tool_sft`` (greedy agentic episodes: tool calls, finished);
-   * ``bc`` -> ``bc_sft``: stage 2, BC SFT on the oracle's safe plans, then ``gate_bc_sft`` (the
-     stage was named ``sft0`` in earlier versions: folder ``<out>/sft0``, runs ``sft0`` and ``gate_sft0``);
+   * ``bc`` -> ``bc_sft``: stage 2, BC SFT on the oracle's safe plans, then ``gate_bc_sft``;
    * ``grpo`` -> ``grpo``: stage 3, the preset's GRPO config object with ``from_checkpoint`` = the
      previous stage, run by :func:`orthojob.grpo.run_grpo` (what ``orthojob train`` runs; its
      pre-flight accepts the gate of any earlier stage), which writes its own gate (``gate_grpo``)

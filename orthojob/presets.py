@@ -57,8 +57,7 @@ PIPELINE_STAGES: dict[str, str] = {
     "rsft": RSFT,
 }
 """A pipeline stage -> its name (:data:`orthojob.gate.STAGES`, where the names are defined): output
-folder ``<out>/<name>``, MLflow stage run, gate stage. The BC stage is ``bc_sft`` (``sft0`` in earlier
-versions; :data:`orthojob.gate.STAGE_ALIASES`)."""
+folder ``<out>/<name>``, MLflow stage run, gate stage. The BC stage is ``bc_sft``."""
 FIRST_STAGES: tuple[str, ...] = ("format", "tool", "bc")
 """The stages that can start from the base model."""
 DEFAULT_STAGES: tuple[str, ...] = ("bc", "grpo")

@@ -7,7 +7,7 @@ The seed's stages that TRL's SFTTrainer trains, each its own command, MLflow sta
   (:func:`orthojob.format_demos.format_demonstrations`: a uniformly random strategy, random feasible
   groups). Its gate checks the format only (parse rate, format score).
 * **stage 2, BC SFT** (``orthojob bc-sft``, :class:`~orthojob.sft_config.SFTJobConfig`, gate stage
-  ``bc_sft``, ``sft0`` in earlier versions): the environment's rule-based oracle
+  ``bc_sft``): the environment's rule-based oracle
   (:func:`server.oracle.oracle_plan`) on training seeds, only plans the environment judges safe
   (:func:`demonstrations`; the number filtered out is logged and recorded). Its gate is a quality gate:
   the format, and a held-out hard-rule share no higher than the oracle's (:mod:`orthojob.gate`).
@@ -407,8 +407,7 @@ def _demo_line(summary: dict) -> str:
 def _other_stage_at_default_out(args: argparse.Namespace, section: str, config: SFTJobConfig) -> str | None:
     """What another stage left in ``config.out`` when that is the command's default (no ``--out``
     given): its gate file's stage, else its ``sft_config.json``'s demonstrations; None when the folder
-    holds nothing of another stage. The default folders moved (``./checkpoints/sft0`` was BC's and is
-    format SFT's now), and a default must never overwrite another stage's checkpoint."""
+    holds nothing of another stage. A default must never overwrite another stage's checkpoint."""
     if "out" in given_values(args, SECTIONS[section]) or storage.is_s3_uri(config.out):
         return None
     folder = Path(config.out)
@@ -439,9 +438,9 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
     other = _other_stage_at_default_out(args, section, config)
     if other:
         print(
-            f"orthojob {command}: the default --out {config.out} holds another stage's checkpoint ({other}; earlier "
-            f"versions wrote BC SFT to ./checkpoints/sft0; it is format SFT's default folder now, BC's is "
-            f"./checkpoints/sft2). Pass --out: another folder, or --out {config.out} to overwrite it.",
+            f"orthojob {command}: the default --out {config.out} holds another stage's checkpoint ({other}; format "
+            f"SFT's default folder is ./checkpoints/sft0, BC's ./checkpoints/sft2). Pass --out: another folder, "
+            f"or --out {config.out} to overwrite it.",
             file=sys.stderr,
         )
         return ExitCode.USAGE

@@ -1622,7 +1622,7 @@ def test_every_entry_point_is_in_both_mlprojects():
     # main is the gated chain (orthojob/job.py), never GRPO from the base model without a gate
     for project in (root, k8s):
         assert project["entry_points"]["main"]["command"].startswith("python -m orthojob.job ")
-        # gate has no default checkpoint (a default overwrote the GRPO gate file: --stage sft0, now bc_sft)
+        # gate has no default checkpoint (a default pointing at another stage's output would overwrite its gate file)
         gate = project["entry_points"]["gate"]
         assert "default" not in gate["parameters"]["checkpoint"] and "--stage {stage}" in gate["command"]
     # the pipeline keeps its outputs: --out (root), a per-Job prefix below out_base (Kubernetes)

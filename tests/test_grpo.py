@@ -166,11 +166,12 @@ def test_sft_gate_preflight_passes_and_fails_on_the_gate_file(no_model_load, tin
     write_gate(checkpoint, {"parse_rate": 0.1, "format_reward": 0.2}, stage="bc_sft")
     assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == ExitCode.GATE_FAILED
     assert "failed its bc_sft gate" in capsys.readouterr().err
-    # a gate file an earlier version wrote for the BC stage ("stage": "sft0") is accepted as bc_sft
+    # a gate file of a stage that is not one ("stage": "sft0") is refused, naming the stages
     content = write_gate(checkpoint, good)
     (checkpoint / "gate_passed.json").write_text(json.dumps(content | {"stage": "sft0"}))
-    assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == 0
-    assert "passed (stage bc_sft)" in capsys.readouterr().out
+    assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == ExitCode.GATE_UNREADABLE
+    assert "'sft0' is not a stage" in capsys.readouterr().err
+    write_gate(checkpoint, good)
     # --skip-sft-gate bypasses the pre-flight (with a warning)
     assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint), "--skip-sft-gate"])) == 0
     assert "WARNING" in capsys.readouterr().out

@@ -266,81 +266,32 @@ def test_grpo_preflight_accepts_a_passed_matching_gate_via_cli(tmp_path):
     assert run_cli("gate", "--check", str(ckpt)).returncode == 0
 
 
-def _old_style_gate(ckpt: Path, metrics: dict) -> None:
-    """The gate file an earlier version wrote for the BC stage: ``"stage": "sft0"``."""
-    content = write_gate(ckpt, metrics)
-    assert content["stage"] == gate.BC_SFT
+def test_a_gate_file_of_an_unknown_stage_is_refused_naming_the_stages(tmp_path):
+    """A gate file whose stage is not one of gate.STAGES (here "sft0") is unreadable (exit 11), in the
+    reader, the pre-flight and the CLI, and the error lists the stages (bc_sft among them)."""
+    ckpt = fake_checkpoint(tmp_path / "old")
+    content = write_gate(ckpt, PASSING)
     (ckpt / gate.GATE_FILE).write_text(json.dumps(content | {"stage": "sft0"}, indent=2))
-
-
-def test_an_old_gate_file_of_stage_sft0_is_accepted_as_bc_sft(tmp_path):
-    ckpt = fake_checkpoint(tmp_path / "old")
-    _old_style_gate(ckpt, PASSING)
-    assert json.loads((ckpt / gate.GATE_FILE).read_text())["stage"] == "sft0"  # on disk, as written
-    content = read_gate(ckpt)
-    assert content["stage"] == "bc_sft" and content["stage_as_written"] == "sft0"
-    # GRPO's and RSFT's pre-flight (any stage), and one that asks for BC under either name
-    assert check_gate(ckpt)["stage"] == "bc_sft"
-    assert check_gate(ckpt, accept=("bc_sft",))["passed"] is True
-    assert check_gate(ckpt, accept=("sft0",))["stage"] == "bc_sft"
-    with pytest.raises(GateError) as e:
-        check_gate(ckpt, accept=("grpo",))
-    assert e.value.exit_code == ExitCode.GATE_UNREADABLE and "'bc_sft'" in e.value.message
-    # a failed one is refused as a failed BC gate
-    _old_style_gate(ckpt, FAILING)
-    with pytest.raises(GateError) as e:
-        check_gate(ckpt)
-    assert e.value.exit_code == ExitCode.GATE_FAILED and "failed its bc_sft gate" in e.value.message
-    # the old name given to write_gate is written as the new one
-    assert write_gate(ckpt, PASSING, stage="sft0")["stage"] == "bc_sft"
-    assert gate.thresholds_for("sft0") == gate.thresholds_for("bc_sft") == gate.DEFAULT_THRESHOLDS["bc_sft"]
-
-
-def test_grpo_preflight_accepts_an_old_sft0_gate_file_as_bc_sft_via_cli(tmp_path):
-    ckpt = fake_checkpoint(tmp_path / "old")
-    _old_style_gate(ckpt, PASSING)
+    for check in (read_gate, check_gate):
+        with pytest.raises(GateError) as e:
+            check(ckpt)
+        assert e.value.exit_code == ExitCode.GATE_UNREADABLE
+        assert "'sft0' is not a stage" in e.value.message and "bc_sft" in e.value.message
     proc = run_cli("train", "--from-checkpoint", str(ckpt), "--test")
-    assert proc.returncode == 0, proc.stderr
-    assert (
-        "SFT gate of" in proc.stdout and "passed (stage bc_sft)" in proc.stdout and "TEST OK" in proc.stdout
-    )
-    check = run_cli("gate", "--check", str(ckpt))
-    assert check.returncode == 0, check.stderr
+    assert proc.returncode == ExitCode.GATE_UNREADABLE and "bc_sft" in proc.stderr
+    with pytest.raises(ValueError, match="unknown gate stage 'sft0'"):
+        write_gate(ckpt, PASSING, stage="sft0")
 
 
-def test_gate_stage_sft0_is_a_deprecated_alias_of_bc_sft(tmp_path, monkeypatch, capsys):
+def test_gate_stage_takes_the_stage_names_only(tmp_path, capsys):
     from orthojob.cli import build_parser
 
-    # the parser: sft0 becomes bc_sft with a warning on stderr; bc_sft is the default, without one
-    args = build_parser().parse_args(["gate", "--stage", "sft0", "--check", str(tmp_path)])
-    assert args.stage == "bc_sft"
-    assert "--stage sft0 is deprecated, use --stage bc_sft" in capsys.readouterr().err
     assert build_parser().parse_args(["gate", "--check", str(tmp_path)]).stage == "bc_sft"
-    assert (
-        build_parser().parse_args(["gate", "--stage", "bc_sft", "--check", str(tmp_path)]).stage == "bc_sft"
-    )
-    assert "deprecated" not in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["gate", "--stage", "sft1", "--check", str(tmp_path)])
-    capsys.readouterr()
-    # the command: evaluates as bc_sft (its thresholds) and writes a bc_sft gate file
-    ckpt = fake_checkpoint(tmp_path / "ckpt")
-    seen = {}
-
-    def fake_report(path, stage=None, thresholds=None, **kw):
-        seen.update(stage=stage, thresholds=thresholds)
-        return {"stage": stage, "metrics": PASSING, "thresholds": thresholds.to_dict(), "samples": []}
-
-    monkeypatch.setattr(gate, "gate_report", fake_report)
-    assert cli_main(["gate", "--checkpoint", str(ckpt), "--stage", "sft0"]) == 0
-    out = capsys.readouterr()
-    assert "deprecated" in out.err and "gate bc_sft: PASSED" in out.out
-    assert seen == {"stage": "bc_sft", "thresholds": gate.DEFAULT_THRESHOLDS["bc_sft"]}
-    assert json.loads((ckpt / gate.GATE_FILE).read_text())["stage"] == "bc_sft"
-    assert check_gate(ckpt, accept=("bc_sft",))["passed"] is True
-
-
-# --- evaluation of a real (tiny) checkpoint --------------------------------------------------
+    assert build_parser().parse_args(["gate", "--stage", "grpo", "--check", str(tmp_path)]).stage == "grpo"
+    for name in ("sft0", "sft1"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["gate", "--stage", name, "--check", str(tmp_path)])
+        assert e.value.code == 2 and "bc_sft" in capsys.readouterr().err
 
 
 def test_gate_cli_evaluates_and_records_a_failing_untrained_model(tiny_base, tmp_path, capsys):

@@ -64,7 +64,6 @@ def test_stage_names_and_default_folders_follow_the_seed():
     assert gate.STAGES == ("format_sft", "tool_sft", "bc_sft", "grpo", "rsft")
     assert list(PIPELINE_STAGES.values()) == list(gate.STAGES)
     assert set(gate.DEFAULT_THRESHOLDS) == set(gate.STAGES)
-    assert gate.canonical_stage("sft0") == "bc_sft" and gate.canonical_stage("grpo") == "grpo"
     # the stand-alone commands' default --out: checkpoints/sft0 (format), sft1 (tool-use), sft2 (BC)
     parser = build_parser()
     outs = {
@@ -86,8 +85,8 @@ class _TrainedError(Exception):
 
 
 def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monkeypatch, capsys):
-    """./checkpoints/sft0 was BC's default folder and is format SFT's now: format-sft without --out
-    refuses a BC checkpoint there (ungated, or with an old "sft0" gate file); --out overrides."""
+    """./checkpoints/sft0 is format SFT's default folder: format-sft without --out refuses a BC
+    checkpoint there (ungated, or with its bc_sft gate file); --out overrides."""
     import orthojob.sft
 
     def trained(config):
@@ -106,13 +105,13 @@ def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monk
     assert command("format-sft", "--model", "tiny", "--lora-r", "0") == ExitCode.USAGE
     err = capsys.readouterr().err
     assert "./checkpoints/sft0" in err and "oracle demonstrations" in err and "--out" in err
-    # an earlier bc-sft's gate file ("stage": "sft0") names the stage, under its name now
+    # a bc-sft gate file there names its stage
     (old_bc / "config.json").write_text("{}")
     (old_bc / "model.safetensors").write_bytes(b"weights")
     content = gate.write_gate(
         old_bc, {"parse_rate": 1.0, "format_reward": 1.0, "hard_rule_share_over_oracle": 0.0}
     )
-    (old_bc / gate.GATE_FILE).write_text(json.dumps(content | {"stage": "sft0"}))
+    assert content["stage"] == "bc_sft"
     assert command("format-sft", "--model", "tiny", "--lora-r", "0") == ExitCode.USAGE
     assert "stage bc_sft" in capsys.readouterr().err
     with pytest.raises(_TrainedError, match="checkpoints/sft0"):  # asked for by name: overwritten
