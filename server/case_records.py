@@ -1,0 +1,318 @@
+"""Case records: one patient's case as data, validated, and the :class:`~server.cases.Case` it makes.
+
+The case-set format (docs/cases.md), version :data:`FORMAT`: one JSON object per case with
+
+* ``format``: ``"orthorl-case/1"``;
+* ``case_id`` and ``patient_id``: non-empty strings (a patient may have several cases);
+* ``teeth``: the FDI ids of the teeth whose poses follow (any order, each once), and ``absent``
+  (optional): the FDI ids of the teeth the patient does not have. Together they are the 28 teeth of
+  :data:`server.dental_constants.TOOTH_IDS`;
+* ``initial`` and ``target``: one pose per entry of ``teeth``, ``[qw, qx, qy, qz, tx, ty, tz]``: a
+  unit quaternion (w first) and the crown centroid in mm, in the patient frame (x to the patient's
+  left, y anterior, z occlusal-up);
+* ``crown_width_mm`` and ``crown_depth_mm`` (optional): one per entry of ``teeth``; the norms of
+  :data:`server.dental_constants.CROWN_WIDTH_MM` / ``CROWN_DEPTH_MM`` when absent (and counted);
+* ``labels`` (optional): ``profile`` (one of :data:`server.clinical_profiles.PROFILES`),
+  ``secondary_profile``, ``notes``;
+* ``force_decay`` (optional, default false): the dynamics the case is simulated under;
+* ``task_id`` and ``seed`` (optional): a generated case's key, which an exported record keeps so that
+  its observations are the generated case's; an imported case is ``task_id`` ``"imported"``.
+
+:func:`case_of_record` checks a record and reports every problem by case id and FDI tooth
+(:class:`Problem`); nothing is silently fixed except quaternions within :data:`QUATERNION_TOLERANCE`
+of unit length, which are normalised and counted. Pure numpy and the standard library: file and S3
+reading are :mod:`orthojob.case_sets`'.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from server.cases import TASK_IDS, Case, case_summary
+from server.clinical_profiles import PROFILES, SECONDARY_PROFILES, optimal_strategy
+from server.collisions import COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
+from server.dental_constants import (
+    ADJACENT_PAIRS,
+    CROWN_DEPTH_MM,
+    CROWN_WIDTH_MM,
+    MAX_ROTATION_DEG,
+    MAX_TRANSLATION_MM,
+    N_STAGES,
+    N_TEETH,
+    SECOND_NEIGHBOUR_PAIRS,
+    TOOTH_IDS,
+    TOOTH_INDEX,
+)
+from server.quaternion_utils import quaternion_angle
+
+FORMAT = "orthorl-case/1"
+IMPORTED_TASK = "imported"
+"""The ``task_id`` of an imported case that names none."""
+QUATERNION_TOLERANCE = 1e-3
+"""A quaternion whose norm is within this of 1 is normalised (and counted); beyond it, refused."""
+MAX_CENTROID_MM = 80.0
+"""No crown centroid lies this far from the frame's origin in a real arch (generated ones: < 40 mm)."""
+ARCH_SPAN_MM = (20.0, 120.0)
+"""Plausible span of the crown centroids along x (mm); outside it the units are likely wrong."""
+CROWN_SIZE_MM = (1.0, 20.0)
+"""Plausible crown widths and depths (mm)."""
+FIELDS = frozenset(
+    {"format", "case_id", "patient_id", "teeth", "absent", "initial", "target", "crown_width_mm",
+     "crown_depth_mm", "labels", "force_decay", "task_id", "seed"}
+)  # fmt: skip
+PAIRS = np.concatenate((ADJACENT_PAIRS, SECOND_NEIGHBOUR_PAIRS))
+"""The 26 contacts then the 24 second neighbours (:func:`server.collisions.all_pairs_penetration_mm`)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a record: its case id (None when it has none), the FDI tooth it concerns
+    (None for the whole case) and what to fix."""
+
+    case_id: str | None
+    tooth: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"case {self.case_id!r}" if self.case_id is not None else "a case without a case_id"
+        return f"{where}{f', tooth {self.tooth}' if self.tooth is not None else ''}: {self.message}"
+
+
+@dataclass
+class Checked:
+    """What :func:`case_of_record` made of a record: the case (None when a problem was found),
+    the problems, and what was filled in or normalised (counts by kind)."""
+
+    case: Case | None
+    case_id: str | None
+    patient_id: str | None
+    problems: list[Problem] = field(default_factory=list)
+    notes: dict[str, int] = field(default_factory=dict)
+
+
+def record_of_case(case: Case, case_id: str | None = None, patient_id: str | None = None) -> dict:
+    """A case as a :data:`FORMAT` record: every tooth present, the case's own crown sizes, its
+    generator's labels, and its key (``task_id``, ``seed``) so an import gives back the same case."""
+    cid = case_id or f"{case.task_id}-{case.seed}{'-fd' if case.force_decay else ''}"
+    return {
+        "format": FORMAT,
+        "case_id": cid,
+        "patient_id": patient_id or f"{case.task_id}-{case.seed}",
+        "teeth": [int(t) for t in TOOTH_IDS],
+        "initial": case.initial.tolist(),
+        "target": case.target.tolist(),
+        "crown_width_mm": case.crown_width_mm.tolist(),
+        "crown_depth_mm": case.crown_depth_mm.tolist(),
+        "labels": {"profile": case.profile, "secondary_profile": case.secondary_profile},
+        "force_decay": bool(case.force_decay),
+        "task_id": case.task_id,
+        "seed": int(case.seed),
+    }
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _poses(value: Any, name: str, teeth: list[int], report, notes: dict) -> np.ndarray | None:
+    """(28, 7) poses in TOOTH_IDS order from a list aligned with ``teeth``; None after a problem."""
+    if not isinstance(value, (list, tuple)) or len(value) != len(teeth):
+        report(None, f"{name} must be a list of {len(teeth)} poses, one per entry of teeth, got "
+                     f"{type(value).__name__}{f' of {len(value)}' if isinstance(value, (list, tuple)) else ''}")  # fmt: skip
+        return None
+    rows: list[int] = []  # teeth whose pose is 7 numbers
+    for tooth, pose in zip(teeth, value):
+        if not isinstance(pose, (list, tuple)) or len(pose) != 7:
+            report(tooth, f"{name} pose must be 7 numbers [qw, qx, qy, qz, tx, ty, tz]")
+        elif not all(type(v) is float or type(v) is int for v in pose):  # bool is not a number here
+            report(tooth, f"{name} pose has a value that is not a number: {pose!r}")
+        else:
+            rows.append(tooth)
+    if len(rows) != len(teeth):
+        return None
+    p = np.array(value, dtype=float)  # (n, 7), one row per entry of teeth: checked row-wise at once
+    finite = np.isfinite(p).all(axis=1)
+    norm = np.linalg.norm(np.where(finite[:, None], p[:, :4], 1.0), axis=1)
+    off = np.abs(norm - 1.0)
+    far = finite & (np.abs(np.where(finite[:, None], p[:, 4:], 0.0)).max(axis=1) > MAX_CENTROID_MM)
+    for k in np.flatnonzero(~finite):
+        report(teeth[k], f"{name} pose has a non-finite value: {value[k]!r}")
+    for k in np.flatnonzero(finite & (off > QUATERNION_TOLERANCE)):
+        report(teeth[k], f"{name} quaternion has norm {norm[k]:.4f}, not 1 (within {QUATERNION_TOLERANCE})")
+    if far.any():  # one message for the case: the units or the frame are wrong, not one tooth
+        teeth_far = [teeth[k] for k in np.flatnonzero(far)]
+        report(teeth_far[0] if len(teeth_far) == 1 else None, f"{name} crown centroids over {MAX_CENTROID_MM:.0f} mm "
+               f"from the origin (teeth {', '.join(map(str, teeth_far))}): are the units mm and the frame the patient's?")  # fmt: skip
+    if not finite.all() or (off > QUATERNION_TOLERANCE).any() or far.any():
+        return None
+    fix = off > 1e-9  # unit to float precision otherwise: left bit for bit as given
+    if fix.any():
+        p[fix, :4] /= norm[fix, None]
+        notes["quaternions_normalised"] = notes.get("quaternions_normalised", 0) + int(fix.sum())
+    out = np.zeros((N_TEETH, 7))
+    out[[TOOTH_INDEX[t] for t in teeth]] = p
+    return out
+
+
+def _sizes(
+    value: Any, name: str, default: np.ndarray, teeth: list[int], report, notes: dict
+) -> np.ndarray | None:
+    if value is None:
+        notes[f"{name}_from_norms"] = notes.get(f"{name}_from_norms", 0) + 1
+        return default.copy()
+    if not isinstance(value, (list, tuple)) or len(value) != len(teeth):
+        report(None, f"{name} must be a list of {len(teeth)} numbers (mm), one per entry of teeth")
+        return None
+    out = default.copy()
+    ok = True
+    for tooth, v in zip(teeth, value):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            report(tooth, f"{name} must be a finite number of mm, got {v!r}")
+            ok = False
+        elif not CROWN_SIZE_MM[0] <= v <= CROWN_SIZE_MM[1]:
+            report(
+                tooth, f"{name} {v} mm is outside {CROWN_SIZE_MM[0]}-{CROWN_SIZE_MM[1]} mm: are the units mm?"
+            )
+            ok = False
+        else:
+            out[TOOTH_IDS.index(tooth)] = float(v)
+    return out if ok else None
+
+
+def _collisions(poses: np.ndarray, width: np.ndarray, depth: np.ndarray) -> list[tuple[int, int, float]]:
+    """Pairs of crowns (neighbours and second neighbours) interpenetrating beyond the tolerance."""
+    pen = all_pairs_penetration_mm(poses, width, depth)
+    return [
+        (int(TOOTH_IDS[a]), int(TOOTH_IDS[b]), float(p))
+        for (a, b), p in zip(PAIRS, pen)
+        if p > COLLISION_TOLERANCE_MM
+    ]
+
+
+def case_of_record(record: Any) -> Checked:
+    """Check a record and build its case (see the module docstring); every problem is reported."""
+    problems: list[Problem] = []
+    notes: dict[str, int] = {}
+    case_id = record.get("case_id") if isinstance(record, dict) else None
+    cid = case_id if isinstance(case_id, str) and case_id else None
+
+    def report(tooth: int | None, message: str) -> None:
+        problems.append(Problem(cid, tooth, message))
+
+    if not isinstance(record, dict):
+        report(None, f"a case record must be a JSON object, got {type(record).__name__}")
+        return Checked(None, None, None, problems, notes)
+    if record.get("format") != FORMAT:
+        report(None, f"format must be {FORMAT!r}, got {record.get('format')!r}")
+    unknown = sorted(set(record) - FIELDS)
+    if unknown:
+        report(None, f"unknown fields {unknown}: the fields are {sorted(FIELDS)}")
+    if cid is None:
+        report(None, f"case_id must be a non-empty string, got {case_id!r}")
+    patient_id = record.get("patient_id")
+    if not isinstance(patient_id, str) or not patient_id:
+        report(None, f"patient_id must be a non-empty string, got {patient_id!r}")
+        patient_id = None
+
+    teeth_raw, absent_raw = record.get("teeth"), record.get("absent") or []
+    teeth: list[int] = []
+    if not isinstance(teeth_raw, (list, tuple)) or not isinstance(absent_raw, (list, tuple)):
+        report(None, "teeth (and absent, when given) must be lists of FDI tooth ids")
+    else:
+        seen: set[int] = set()
+        for name, ids in (("teeth", teeth_raw), ("absent", absent_raw)):
+            for t in ids:
+                if not _is_int(t) or int(t) not in TOOTH_IDS:
+                    report(t if _is_int(t) else None, f"{name} has {t!r}, not an FDI id of the 28 teeth "
+                           f"(11-17, 21-27, 31-37, 41-47)")  # fmt: skip
+                elif int(t) in seen:
+                    report(int(t), f"listed twice (in {name})")
+                else:
+                    seen.add(int(t))
+        teeth = [int(t) for t in teeth_raw if _is_int(t) and int(t) in TOOTH_IDS]
+        missing = [int(t) for t in TOOTH_IDS if int(t) not in seen]
+        for t in missing:
+            report(t, "neither in teeth nor in absent: list its poses, or mark it absent")
+        for t in absent_raw:
+            if _is_int(t) and int(t) in TOOTH_IDS:
+                report(int(t), "absent teeth are not supported yet: every one of the 28 teeth needs poses")
+    if problems:
+        return Checked(None, cid, patient_id, problems, notes)
+
+    initial = _poses(record.get("initial"), "initial", teeth, report, notes)
+    target = _poses(record.get("target"), "target", teeth, report, notes)
+    width = _sizes(record.get("crown_width_mm"), "crown_width_mm", CROWN_WIDTH_MM, teeth, report, notes)
+    depth = _sizes(record.get("crown_depth_mm"), "crown_depth_mm", CROWN_DEPTH_MM, teeth, report, notes)
+
+    labels = record.get("labels") or {}
+    profile = secondary = None
+    if not isinstance(labels, dict):
+        report(None, "labels must be an object {profile, secondary_profile, notes}")
+    else:
+        profile, secondary = labels.get("profile"), labels.get("secondary_profile")
+        if profile is None:
+            report(None, "labels.profile is needed (a diagnosis computed from the geometry is not supported "
+                         f"yet): one of {', '.join(PROFILES)}")  # fmt: skip
+        elif profile not in PROFILES:
+            report(None, f"labels.profile {profile!r} is not one of {', '.join(PROFILES)}")
+        elif secondary is not None and secondary not in SECONDARY_PROFILES.get(profile, ()):
+            report(None, f"labels.secondary_profile {secondary!r} does not go with {profile!r}: one of "
+                         f"{', '.join(SECONDARY_PROFILES.get(profile, ())) or 'none'}")  # fmt: skip
+    force_decay = record.get("force_decay", False)
+    if not isinstance(force_decay, bool):
+        report(None, f"force_decay must be true or false, got {force_decay!r}")
+    task_id, seed = record.get("task_id", IMPORTED_TASK), record.get("seed", 0)
+    if task_id != IMPORTED_TASK and task_id not in TASK_IDS:
+        report(None, f"task_id must be one of {', '.join(TASK_IDS)} (a generated case) or {IMPORTED_TASK!r}")
+    if not _is_int(seed) or not 0 <= int(seed) < 2**63:
+        report(None, f"seed must be an integer in [0, 2**63), got {seed!r}")
+    if problems:
+        return Checked(None, cid, patient_id, problems, notes)
+
+    for name, poses in (("initial", initial), ("target", target)):
+        span = float(np.ptp(poses[:, 4]))
+        if not ARCH_SPAN_MM[0] <= span <= ARCH_SPAN_MM[1]:
+            report(None, f"the {name} arch spans {span:.1f} mm across (x), outside {ARCH_SPAN_MM[0]:.0f}-"
+                         f"{ARCH_SPAN_MM[1]:.0f} mm: are the units mm?")  # fmt: skip
+    if problems:
+        return Checked(None, cid, patient_id, problems, notes)
+    normed = (
+        " (the crown widths are the norms: give crown_width_mm)"
+        if record.get("crown_width_mm") is None
+        else ""
+    )
+    for a, b, p in _collisions(initial, width, depth):
+        report(a, f"the initial crowns of {a} and {b} interpenetrate by {p:.2f} mm (tolerance "
+                  f"{COLLISION_TOLERANCE_MM} mm): check the segmentation or the crown sizes{normed}")  # fmt: skip
+    for a, b, p in _collisions(target, width, depth):
+        report(a, f"the target crowns of {a} and {b} interpenetrate by {p:.2f} mm at rest (tolerance "
+                  f"{COLLISION_TOLERANCE_MM} mm): the setup breaks the collision rule{normed}")  # fmt: skip
+    trans = np.linalg.norm(target[:, 4:] - initial[:, 4:], axis=-1)
+    rot = np.degrees(quaternion_angle(initial[:, :4], target[:, :4]))
+    needed = np.ceil(np.maximum(trans / MAX_TRANSLATION_MM, rot / MAX_ROTATION_DEG) - 1e-9).astype(int)
+    for t, n, mm, deg in zip(TOOTH_IDS, needed, trans, rot):
+        if n > N_STAGES:
+            report(int(t), f"infeasible in {N_STAGES} aligners: {mm:.2f} mm and {deg:.1f} deg need {n} aligners "
+                           f"within the per-stage limits ({MAX_TRANSLATION_MM} mm, {MAX_ROTATION_DEG} deg)")  # fmt: skip
+    if problems:
+        return Checked(None, cid, patient_id, problems, notes)
+    for arr in (initial, target, width, depth):
+        arr.setflags(write=False)
+    case = Case(
+        task_id=task_id,
+        seed=int(seed),
+        force_decay=force_decay,
+        profile=profile,
+        secondary_profile=secondary,
+        optimal_strategy=optimal_strategy(profile, secondary),
+        initial=initial,
+        target=target,
+        crown_width_mm=width,
+        crown_depth_mm=depth,
+        summary=case_summary(initial, width),
+    )
+    return Checked(case, cid, patient_id, problems, notes)
