@@ -107,7 +107,12 @@ class LearnConfig:
     strategy_advantage: str = field(default="counterfactual", metadata={"choices": STRATEGY_ADVANTAGES})
     strategy_advantage_scale: float = 1.0
     strategy_lr_scale: float = 10.0
-    max_completion_length: int = 384
+    max_completion_length: int = field(
+        default=384, metadata={"help": "GRPO's completion budget from BC (tokens)"}
+    )
+    stage0_completion_length: int = field(
+        default=128, metadata={"help": "GRPO's completion budget from stage 0 (tokens; its plans are short)"}
+    )
     # the two processes
     parallel: bool = field(default=True, metadata={"help": "the chain in a second process", **_SWITCH})
     chain_only: bool = field(
@@ -420,10 +425,12 @@ def bc(cfg: LearnConfig) -> tuple[Path, dict]:
 def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"):
     """The :class:`orthojob.grpo_config.GRPOJobConfig` of one of the experiment's GRPO runs
     (:data:`RUNS`): full fine-tuning of ``checkpoint`` on prompts of every cell, ``prompts_per_step``
-    prompt groups of ``num_generations`` per step, a constant learning rate (``bc_lr`` from BC),
-    no checkpoints until the end."""
+    prompt groups of ``num_generations`` per step, a constant learning rate and a completion budget
+    of their own for each start (``bc_lr`` and ``max_completion_length`` from BC, ``lr`` and
+    ``stage0_completion_length`` from stage 0), no checkpoints until the end."""
     from orthojob.grpo_config import GRPOJobConfig
 
+    completion = cfg.max_completion_length if run == "grpo_bc" else cfg.stage0_completion_length
     return GRPOJobConfig(
         model=str(checkpoint),
         steps=cfg.steps,
@@ -433,8 +440,8 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
         lr=cfg.bc_lr if run == "grpo_bc" else cfg.lr,
         lr_scheduler_type="constant",
         lora_r=0,
-        max_prompt_length=MAX_SEQ_LENGTH - cfg.max_completion_length,
-        max_completion_length=cfg.max_completion_length,
+        max_prompt_length=MAX_SEQ_LENGTH - completion,
+        max_completion_length=completion,
         max_seq_length=MAX_SEQ_LENGTH,
         out=str(Path(cfg.out) / run),
         mixed_cells=True,
