@@ -114,6 +114,9 @@ def record_of_case(case: Case, case_id: str | None = None, patient_id: str | Non
     }
 
 
+_NUMBER_TYPES = {float, int}
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -128,7 +131,7 @@ def _poses(value: Any, name: str, teeth: list[int], report, notes: dict) -> np.n
     for tooth, pose in zip(teeth, value):
         if not isinstance(pose, (list, tuple)) or len(pose) != 7:
             report(tooth, f"{name} pose must be 7 numbers [qw, qx, qy, qz, tx, ty, tz]")
-        elif not all(type(v) is float or type(v) is int for v in pose):  # bool is not a number here
+        elif not set(map(type, pose)) <= _NUMBER_TYPES:  # a bool is not a number here
             report(tooth, f"{name} pose has a value that is not a number: {pose!r}")
         else:
             rows.append(tooth)
@@ -187,9 +190,8 @@ def _collisions(poses: np.ndarray, width: np.ndarray, depth: np.ndarray) -> list
     """Pairs of crowns (neighbours and second neighbours) interpenetrating beyond the tolerance."""
     pen = all_pairs_penetration_mm(poses, width, depth)
     return [
-        (int(TOOTH_IDS[a]), int(TOOTH_IDS[b]), float(p))
-        for (a, b), p in zip(PAIRS, pen)
-        if p > COLLISION_TOLERANCE_MM
+        (int(TOOTH_IDS[PAIRS[k, 0]]), int(TOOTH_IDS[PAIRS[k, 1]]), float(pen[k]))
+        for k in np.flatnonzero(pen > COLLISION_TOLERANCE_MM)
     ]
 
 
