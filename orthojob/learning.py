@@ -98,7 +98,7 @@ class LearnConfig:
     prompts_per_step: int = 4
     num_prompts: int = 1200
     lr: float = 3e-4
-    bc_lr: float = field(default=1e-4, metadata={"help": "GRPO's learning rate from BC"})
+    bc_lr: float = field(default=3e-4, metadata={"help": "GRPO's learning rate from BC"})
     temperature: float = 0.8
     beta: float = 0.1
     loss_type: str = "dapo"
