@@ -290,13 +290,11 @@ QWEN25_3B = Preset(
     ),
     grpo=GRPOJobConfig(
         # the Unsloth Qwen2.5-3B GRPO recipe on one GPU (LoRA r 16, 8 completions per prompt) with what
-        # made the CPU learning experiment learn (docs/learning_experiment.md): prompts of every level and
-        # both dynamics, the counterfactual strategy advantage, a KL anchor (beta 0.1) to the previous
-        # stage, temperature 0.8. Not carried over: the strategy rows' faster learning rate
-        # (strategy_lr_scale) needs a trainable lm_head, which LoRA leaves frozen; reward_strategy's
-        # weight 3 would refuse a --set grpo.rewards list without it, so the weights stay 1
-        mixed_cells=True,
-        strategy_advantage="counterfactual",
+        # made the CPU learning experiment learn that holds in both modes: a KL anchor (beta 0.1) to the
+        # previous stage and temperature 0.8. The experiment's prompts of every cell (mixed_cells) and
+        # counterfactual strategy advantage are one-shot only, and the preset also serves
+        # --mode agentic: one-shot runs add them with --set (docs/learning_experiment.md). Not carried
+        # over: the strategy rows' faster learning rate needs a trainable lm_head, which LoRA freezes
         beta=0.1,
         temperature=0.8,
         steps=300,

@@ -244,7 +244,7 @@ def test_strategy_probe_reads_the_policy_where_its_plan_names_the_strategy(tiny_
     from orthojob.prompts import plan_to_completion
 
     model, tokenizer = models.load_policy(str(tiny_model), lora_r=0, max_seq_length=2048)
-    cases = heldout_cases("task_easy", 3)
+    cases = heldout_cases(3, [("task_easy", False)])
     plan = {"strategy": "distal_first", "tooth_groups": [{"teeth": [11], "fraction": 0.1}]}
     texts = [plan_to_completion(plan), plan_to_completion(plan, strategy_last=True), "no plan"]
     probs = strategy_distribution(model, tokenizer, cases, texts)
