@@ -19,14 +19,14 @@ orthojob model fetch REF [--link PATH]   # fetch a base model into the cache (an
 Every DIR may be an ``s3://bucket/prefix`` URI: inputs are downloaded and verified against their
 manifest, outputs (--out of every stage, a gated s3:// checkpoint) are published with a new manifest. A
 storage failure exits 30. ``--model`` of every stage takes a hub id, a folder or an ``s3://`` URI
-(:mod:`orthojob.base_models`: fetched once into the model cache, verified; an adapter records the
+(:mod:`orthojob.modeling.base_models`: fetched once into the model cache, verified; an adapter records the
 URI as its base).
 
 Gate refusals (orthojob train's pre-flight, orthojob gate --check) exit with: 10 gate file missing,
 11 gate file unreadable or inconsistent, 12 gate says failed, 13 checkpoint changed since its gate
 (digest mismatch). orthojob gate, format-sft, bc-sft and rsft exit 12 too when the checkpoint they
 evaluated fails its gate; orthojob train and pipeline exit 3 when GRPO's own gate fails; rsft exits 2
-when no sample met its keep rule. Every code: orthojob/exit_codes.py.
+when no sample met its keep rule. Every code: orthojob/ops/exit_codes.py.
 """
 
 from __future__ import annotations
@@ -39,17 +39,20 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from orthojob import base_models, gate, mlops, progress, storage, tracking, viewer
-from orthojob.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
-from orthojob.exit_codes import ExitCode, epilog
-from orthojob.flags import add_config_arguments, finite_float, given_values, positive_int, task_list
-from orthojob.grpo import add_train_arguments, run_train
-from orthojob.k8s import add_k8s_arguments
-from orthojob.models import tiny_corpus
-from orthojob.pipeline import add_pipeline_arguments, run_pipeline_cli
-from orthojob.registry import DEFAULT_MODEL_NAME
-from orthojob.rsft import add_rsft_arguments, run_rsft_cli
-from orthojob.sft import add_sft_arguments, run_sft_cli, run_sft_stage_cli
+from orthojob.eval import viewer
+from orthojob.eval.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
+from orthojob.modeling import base_models
+from orthojob.modeling.models import tiny_corpus
+from orthojob.ops import mlops, progress, storage, tracking
+from orthojob.ops.exit_codes import ExitCode, epilog
+from orthojob.ops.k8s import add_k8s_arguments
+from orthojob.ops.registry import DEFAULT_MODEL_NAME
+from orthojob.stages import gate
+from orthojob.stages.flags import add_config_arguments, finite_float, given_values, positive_int, task_list
+from orthojob.stages.grpo import add_train_arguments, run_train
+from orthojob.stages.pipeline import add_pipeline_arguments, run_pipeline_cli
+from orthojob.stages.rsft import add_rsft_arguments, run_rsft_cli
+from orthojob.stages.sft import add_sft_arguments, run_sft_cli, run_sft_stage_cli
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 from server.errors import InvalidActionError
 
@@ -68,7 +71,7 @@ pipeline nests these stages under its parent run)."""
 
 def cmd_cases(args: argparse.Namespace) -> int:
     """``orthojob cases validate SOURCE`` / ``orthojob cases export --task T --seeds A:B --out FILE``."""
-    from orthojob import case_sets
+    from orthojob.data import case_sets
 
     if args.cases_command == "export":
         try:
@@ -219,10 +222,10 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    """orthojob/tiny_model.py's CLI; unless ``--builtin-corpus`` is given, its tokenizer also learns the
+    """orthojob/modeling/tiny_model.py's CLI; unless ``--builtin-corpus`` is given, its tokenizer also learns the
     project's prompts and oracle plans (vocab 1024, as the pipeline's tiny model): a prompt is then
     ~1,450 tokens instead of ~2,200 (over the default 2,048-token context)."""
-    from orthojob.tiny_model import main as tiny_main  # imports torch: only for this command
+    from orthojob.modeling.tiny_model import main as tiny_main  # imports torch: only for this command
 
     rest = list(args.rest)
     if "--builtin-corpus" in rest or any(a in ("-h", "--help") for a in rest):
@@ -247,7 +250,7 @@ def cmd_model(args: argparse.Namespace) -> int:
             if args.hub_id:
                 base_models.parse_hub_id(args.hub_id)
             if args.source == "tiny":  # the offline tiny model, as the pipeline builds it
-                from orthojob.models import build_tiny
+                from orthojob.modeling.models import build_tiny
 
                 with tempfile.TemporaryDirectory() as tmp:
                     folder = build_tiny(Path(tmp) / "tiny", list(TASK_IDS), force_decay=True)
@@ -308,8 +311,8 @@ def _greedy(max_new_tokens: int):
     greedy completion (its prompt, its decoding) of the checkpoint in ``folder``."""
 
     def complete(folder: str, observation: dict) -> str:
-        from orthojob.evaluation import generate_completions
-        from orthojob.models import load_for_inference
+        from orthojob.eval.evaluation import generate_completions
+        from orthojob.modeling.models import load_for_inference
 
         model, tokenizer = load_for_inference(folder)
         return generate_completions(model, tokenizer, [observation], max_new_tokens)[0][0]
@@ -435,12 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-turns", type=positive_int, default=4, help="tool_sft: turns per episode (default 4)"
     )
     add_config_arguments(
-        ga.add_argument_group("thresholds (default: the stage's, orthojob/gate.py DEFAULT_THRESHOLDS)"),
+        ga.add_argument_group(
+            "thresholds (default: the stage's, orthojob/stages/gate.py DEFAULT_THRESHOLDS)"
+        ),
         gate.GateThresholds,
     )
     ga.set_defaults(func=cmd_gate)
 
-    # orthojob train: GRPO (flags generated from orthojob/grpo_config.py)
+    # orthojob train: GRPO (flags generated from orthojob/stages/grpo_config.py)
     tr = sub.add_parser(
         "train",
         help="GRPO training (stage 3); refuses without a passed gate of an earlier stage",
@@ -559,14 +564,14 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("--out", required=True, help="a .jsonl or .parquet file")
     ca.set_defaults(func=cmd_cases)
 
-    add_k8s_arguments(sub)  # k8s render|submit|logs|status (orthojob/k8s.py)
+    add_k8s_arguments(sub)  # k8s render|submit|logs|status (orthojob/ops/k8s.py)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from orthojob.preemption import install_termination_handler
+    from orthojob.ops.preemption import install_termination_handler
 
-    install_termination_handler()  # SIGTERM outside GRPO's guard: exit 143 at once (orthojob.preemption)
+    install_termination_handler()  # SIGTERM outside GRPO's guard: exit 143 at once (orthojob.ops.preemption)
     progress.quiet_library_bars()  # in a Job's log, no other library's carriage-return bars
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

@@ -8,14 +8,14 @@ shared :class:`~server.dental_environment.StepwiseDentalEnvironment` store at a 
 Routes
 ------
 * ``WS /ws`` -- OpenEnv's reset / step / state / close messages, served by
-  :mod:`server.websocket_sessions` (it replaces openenv-core's handler: capacity with a
+  :mod:`server.serving.sessions` (it replaces openenv-core's handler: capacity with a
   readable refusal, idle reaping, an error reply for every bad frame, quiet closes).
 * From openenv-core, kept as they are: ``POST /reset``, ``POST /step``, ``GET /state``
   (OpenEnv's *stateless* HTTP calls: ``/reset``'s episode is released at once, ``/step``
   has no episode and answers 409; use the episode routes for stateful HTTP), ``GET
   /health``, ``GET /schema``, ``GET /metadata``.
 * ``POST /mcp`` -- the agentic tools as MCP tools (JSON-RPC 2.0: ``tools/list``, ``tools/call``,
-  OpenEnv's ``openenv/session/create``/``close``), :mod:`server.mcp_tools`; over the WebSocket,
+  OpenEnv's ``openenv/session/create``/``close``), :mod:`server.serving.mcp_tools`; over the WebSocket,
   the ``mcp`` message on ``/ws``.
 
 The project's own routes, keyed by ``episode_id``:
@@ -42,9 +42,9 @@ Speed: a trainer's calls (``POST /episodes``, ``POST /episodes/{episode_id}/step
 /episodes/{episode_id}``) are answered by :class:`EpisodeFastPath` without FastAPI's request
 machinery when they succeed (the same bytes; everything else is the routes' own answer), and
 observations carry each case's constant fields encoded once
-(:class:`server.serialization.ObservationEncoder`).
+(:class:`server.serving.serialization.ObservationEncoder`).
 
-Configuration: :class:`server.settings.ServerSettings` (the ``ORTHORL_*`` variables:
+Configuration: :class:`server.serving.settings.ServerSettings` (the ``ORTHORL_*`` variables:
 WebSocket capacity 256, idle timeout 300 s, message limit 1 MB, episode cap 1024 and TTL
 3600 s). The limits are enforced by the app itself, so they hold however it is launched.
 
@@ -87,8 +87,8 @@ from server.errors import (
     UnknownEpisodeError,
 )
 from server.json_values import NonFiniteOutputError
-from server.mcp_tools import INVALID_PARAMS, McpEndpoint, ServerToolEpisode, oversized_answer
-from server.models import (
+from server.serving.mcp_tools import INVALID_PARAMS, McpEndpoint, ServerToolEpisode, oversized_answer
+from server.serving.models import (
     MAX_EPISODE_ID_CHARS,
     CollisionReport,
     CollisionsRequest,
@@ -105,8 +105,8 @@ from server.models import (
     ResetParams,
     TasksResponse,
 )
-from server.rubric import StagingRubric
-from server.serialization import (
+from server.serving.rubric import StagingRubric
+from server.serving.serialization import (
     ObservationEncoder,
     decode_json_body,
     describe_validation_errors,
@@ -116,8 +116,8 @@ from server.serialization import (
     short_repr,
     to_jsonable,
 )
-from server.settings import ENV_VARIABLES, WORKERS_VARIABLE, ServerSettings, SettingsError
-from server.websocket_sessions import WebSocketSessions
+from server.serving.sessions import WebSocketSessions
+from server.serving.settings import ENV_VARIABLES, WORKERS_VARIABLE, ServerSettings, SettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -137,12 +137,12 @@ TOOL_ARGUMENTS: dict[str, frozenset[str]] = {
 class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalState]):
     """OpenEnv ``Environment`` over the shared episode store.
 
-    One instance per WebSocket session (:mod:`server.websocket_sessions`) and per stateless
+    One instance per WebSocket session (:mod:`server.serving.sessions`) and per stateless
     HTTP ``/reset``/``/step``/``/state`` call of openenv-core. ``reset`` creates an episode
     in the shared :class:`StepwiseDentalEnvironment` (releasing this session's previous
     one), ``step`` forwards the poses (and optional strategy and expected stage) to that
     episode, ``close`` releases it. Isolation: a session only ever touches the episode id
-    its own reset returned. ``rubric`` is :class:`server.rubric.StagingRubric` (the reward's
+    its own reset returned. ``rubric`` is :class:`server.serving.rubric.StagingRubric` (the reward's
     parts, read from the observation). The ``*_observation`` methods return the environment's dict
     (the WebSocket path, no pydantic round trip); ``reset``/``step`` wrap it for OpenEnv.
     """
@@ -258,7 +258,7 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
 
     def mcp_dict(self, data: Any) -> dict[str, Any] | None:
         """One JSON-RPC request to the agentic MCP tools on this session's episode (the WebSocket
-        ``mcp`` message, :mod:`server.mcp_tools`); the JSON-RPC answer. The tools take the episode
+        ``mcp`` message, :mod:`server.serving.mcp_tools`); the JSON-RPC answer. The tools take the episode
         over at their first call, which must come at stage 0 (before any ``step``): their stages
         are groups of teeth, a step's are poses."""
         if self._mcp is None:
@@ -383,7 +383,7 @@ def make_observation(obs: dict[str, Any]) -> DentalObservation:
 class BodyLimitMiddleware:
     """Refuses HTTP request bodies above ``max_body_bytes`` with 413: from ``Content-Length``
     before reading, and while reading (chunked bodies). (WebSocket frames: the same limit,
-    in :mod:`server.websocket_sessions`.)"""
+    in :mod:`server.serving.sessions`.)"""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int):
         self.app = app
@@ -463,7 +463,7 @@ def _server_error(path: str, exc: Exception) -> JSONResponse:
 
 
 class FastJSONRequest(Request):
-    """A request whose JSON body is parsed by :func:`server.serialization.decode_json_body`."""
+    """A request whose JSON body is parsed by :func:`server.serving.serialization.decode_json_body`."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -485,7 +485,7 @@ class FastJSONRoute(APIRoute):
 
 
 class JSONBytesResponse(Response):
-    """A JSON response encoded by :func:`server.serialization.encode_json` (orjson, NaN refused)."""
+    """A JSON response encoded by :func:`server.serving.serialization.encode_json` (orjson, NaN refused)."""
 
     media_type = "application/json"
 
@@ -513,7 +513,7 @@ class EpisodeFastPath:
     declared (``Content-Length``, none for DELETE) within the message limit and is JSON
     (``application/json`` or no content type) that the route's model validates (pydantic, as
     the route does), and the store does what is asked: 200 with the bytes the route would send
-    (observations by :class:`server.serialization.ObservationEncoder`), or for a server bug the
+    (observations by :class:`server.serving.serialization.ObservationEncoder`), or for a server bug the
     app's own 500. Any other request goes on to the app with its body, and so does one the
     store refuses (it has changed nothing; the app then refuses it again, with its status and
     words): every answer but a success is the app's. The routes stay the app's, in its OpenAPI.
@@ -952,7 +952,7 @@ def build_app(store: StepwiseDentalEnvironment | None = None, **overrides: Any) 
 
 
 def _replace_mcp_routes(app: FastAPI, mcp: McpEndpoint) -> None:
-    """``POST /mcp`` answered by :class:`server.mcp_tools.McpEndpoint` instead of openenv-core's
+    """``POST /mcp`` answered by :class:`server.serving.mcp_tools.McpEndpoint` instead of openenv-core's
     (whose environments need a FastMCP server); openenv-core's ``WS /mcp`` goes (MCP over the
     WebSocket is the ``mcp`` message on ``/ws``, on the session's own episode)."""
     routes = app.router.routes

@@ -70,7 +70,7 @@ from server.errors import InvalidActionError, StageConflictError, UnknownEpisode
 from server.quaternion_utils import quaternion_angle, vector_norm
 from server.reward_scaler import broken_rules
 from server.scoring import StageMeasures, limit_ratio, pdl_stress_kpa, score_episodes
-from server.settings import MAX_FORGOTTEN_EPISODES
+from server.serving.settings import MAX_FORGOTTEN_EPISODES
 from server.treatment import score_plans
 
 MAX_ROLLBACKS: int = 2
@@ -239,7 +239,7 @@ class Session:
 class SessionStore:
     """Thread-safe episode store bounded by an LRU cap and a time-to-live (seconds).
 
-    It also remembers (LRU, at most :data:`server.settings.MAX_FORGOTTEN_EPISODES`) why the
+    It also remembers (LRU, at most :data:`server.serving.settings.MAX_FORGOTTEN_EPISODES`) why the
     last ids it dropped are gone -- closed, evicted or expired -- so that a later call names
     the reason instead of a bare "unknown".
     """

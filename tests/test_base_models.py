@@ -1,6 +1,6 @@
 """Base weights from S3, against a real SeaweedFS server and the offline tiny model.
 
-* ``orthojob model stage`` puts a base model in S3 with a manifest; :func:`orthojob.base_models.fetch`
+* ``orthojob model stage`` puts a base model in S3 with a manifest; :func:`orthojob.modeling.base_models.fetch`
   downloads it once into the model cache, verifies it (sha256 against the manifest, or sizes against
   the listing for a prefix staged by another tool), reuses it unchanged, and refuses an empty, wrong,
   unreadable or tampered prefix with exit 30 and a message saying what to do;
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from orthojob import base_models, storage
-from orthojob.exit_codes import ExitCode
+from orthojob.modeling import base_models
+from orthojob.ops import storage
+from orthojob.ops.exit_codes import ExitCode
 from tests.services import run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ HUB_BASE = f"s3://{BUCKET}/models/tiny-from-hub"
 @pytest.fixture(scope="module")
 def staged(s3, tmp_path_factory) -> Path:
     """A small tiny model (prompts fit: its tokenizer learned them), staged at BASE; its folder."""
-    from orthojob.models import build_tiny
+    from orthojob.modeling.models import build_tiny
 
     folder = build_tiny(tmp_path_factory.mktemp("tiny") / "tiny", ["task_easy"], hidden_size=32, layers=1,
                         heads=2, kv_heads=1, intermediate=64)  # fmt: skip
@@ -161,7 +162,7 @@ def test_load_policy_records_the_uri_not_the_cache(staged, s3_env, tmp_path, mon
     pod-local cache folder."""
     cache = tmp_path / "cache"
     monkeypatch.setenv(base_models.CACHE_ENV, str(cache))
-    from orthojob import models
+    from orthojob.modeling import models
 
     assert "source" not in storage.read_manifest(BASE)
     model, _tok = models.load_policy(BASE, lora_r=4)
@@ -220,7 +221,8 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
     this project's loader refuses a prefix staged again with other files."""
     import torch
 
-    from orthojob import mlops, models, tracking
+    from orthojob.modeling import models
+    from orthojob.ops import mlops, tracking
 
     monkeypatch.setenv(base_models.CACHE_ENV, str(tmp_path / "cache"))
     model, tok = models.load_policy(HUB_BASE, lora_r=4)

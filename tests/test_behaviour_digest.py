@@ -14,10 +14,10 @@ import json
 
 import numpy as np
 
-from orthojob.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
-from orthojob.prompts import build_prompt, plan_to_completion
-from orthojob.rewards import REWARD_FUNCS
-from orthojob.rollouts import DEFAULT_CACHE
+from orthojob.data.prompts import build_prompt, plan_to_completion
+from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
+from orthojob.rewards.reward_functions import REWARD_FUNCS
+from orthojob.rewards.rollouts import DEFAULT_CACHE
 from server.cases import TASK_IDS, generate_case
 from server.dental_environment import StepwiseDentalEnvironment
 from server.oracle import oracle_plan
@@ -49,7 +49,7 @@ every kind's digest; record them together."""
 
 
 def observation_of(task_id: str, seed: int, force_decay: bool) -> dict:
-    from orthojob.prompts import reset_observation
+    from orthojob.data.prompts import reset_observation
 
     return reset_observation(seed, task_id, force_decay)
 

@@ -27,8 +27,8 @@ mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("boto3")
 
 from orthojob import storage, tracking  # noqa: E402
-from orthojob.exit_codes import ExitCode  # noqa: E402
-from orthojob.grpo_trainer import PROCESS_GROUP_LEFT  # noqa: E402
+from orthojob.ops.exit_codes import ExitCode  # noqa: E402
+from orthojob.stages.grpo_trainer import PROCESS_GROUP_LEFT  # noqa: E402
 from tests.services import free_port, mlflow_server, run_process_group, seaweedfs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -324,7 +324,7 @@ SUMMARY = "pipeline_summary.json"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from orthojob.models import build_tiny
+    from orthojob.modeling.models import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("tiny") / "tiny", ["task_easy"], max_position_embeddings=4096)
 
@@ -452,7 +452,7 @@ def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(services, env,
 def _gated_checkpoint(tiny: Path, folder: Path, passed: bool) -> Path:
     import shutil
 
-    from orthojob import gate
+    from orthojob.stages import gate
 
     shutil.copytree(tiny, folder)
     good = {"parse_rate": 1.0, "format_reward": 1.0, "margin_over_slerp": 0.1, "scaled_reward_mean": 7.0,
@@ -549,8 +549,8 @@ def test_stage_commands_read_and_write_s3(services, env, tiny, tmp_path, monkeyp
     tool-sft (its base model an s3:// URI) publish their gated checkpoint with their MLflow run; a
     fresh pod's pre-flight (gate --check, GRPO's) downloads it, digests and gate checked; rsft
     continues the format checkpoint from S3 and publishes its own."""
-    from orthojob import rsft
     from orthojob.cli import main as cli_main
+    from orthojob.stages import rsft
     from tests.test_stages import GATE_FLAGS, fake_sampler
     from tests.test_tool_sft import TOOL_GATE_FLAGS
 
@@ -615,7 +615,8 @@ def test_s3_outage_during_upload(services, env, tiny, tmp_path, monkeypatch, cap
     half-made: no manifest (so no reader uses the folder), no gate file in the run, nothing promoted."""
     import argparse
 
-    from orthojob import grpo, registry
+    from orthojob.ops import registry
+    from orthojob.stages import grpo
 
     s3, server = services
     monkeypatch.setattr(storage, "RETRY_ATTEMPTS", 4)  # botocore's total attempts per request

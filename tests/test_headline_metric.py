@@ -7,9 +7,12 @@ import re
 
 import pytest
 
-from orthojob import gate, learning, metrics, pipeline, registry
-from orthojob.evaluation import SUMMARY_KEYS, evaluate_planners, format_table
-from orthojob.prompts import plan_to_completion
+from examples import learning
+from orthojob.data.prompts import plan_to_completion
+from orthojob.eval import metrics
+from orthojob.eval.evaluation import SUMMARY_KEYS, evaluate_planners, format_table
+from orthojob.ops import registry
+from orthojob.stages import gate, pipeline
 from server.oracle import oracle_plan
 
 OLD_NAMES = re.compile(r"^(?!.*terminal_raw).*terminal(_mean|_reward|_sd)?$")

@@ -35,8 +35,8 @@ from server.app import EpisodeFastPath, build_app
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
 from server.json_values import NonFiniteOutputError
-from server.models import DentalAction
-from server.serialization import ObservationEncoder, encode_json, observation_payload
+from server.serving.models import DentalAction
+from server.serving.serialization import ObservationEncoder, encode_json, observation_payload
 from tests.services import running_uvicorn
 
 # --- Server fixtures ----------------------------------------------------------------

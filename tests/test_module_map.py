@@ -81,7 +81,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle_in_orthojob_or_server():
     graph = import_graph()
-    assert "orthojob.grpo" in graph and "server.cases" in graph
+    assert "orthojob.stages.grpo" in graph and "server.cases" in graph
     assert cycles(graph) == []
 
 
@@ -132,9 +132,9 @@ def test_one_json_walk_with_two_policies():
     import pytest
     import torch
 
-    from orthojob.records import json_value
+    from orthojob.ops.records import json_value
     from server.json_values import NonFiniteOutputError
-    from server.serialization import to_jsonable
+    from server.serving.serialization import to_jsonable
 
     value = {
         "a": np.float32(0.5),

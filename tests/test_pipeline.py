@@ -10,17 +10,17 @@ import math
 
 import pytest
 
-from orthojob import gate
 from orthojob.cli import build_parser
 from orthojob.cli import main as cli_main
-from orthojob.exit_codes import ExitCode
-from orthojob.grpo import config_from_args
-from orthojob.grpo_config import ConfigError, GRPOJobConfig
-from orthojob.pipeline import SUMMARY_FILE, run_pipeline
-from orthojob.presets import PRESETS, Preset, apply_overrides
-from orthojob.prompts import prompt_format_of
-from orthojob.sft import config_from_args as sft_config_from_args
-from orthojob.sft_config import SFTJobConfig
+from orthojob.data.prompts import prompt_format_of
+from orthojob.ops.exit_codes import ExitCode
+from orthojob.stages import gate
+from orthojob.stages.grpo import config_from_args
+from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig
+from orthojob.stages.pipeline import SUMMARY_FILE, run_pipeline
+from orthojob.stages.presets import PRESETS, Preset, apply_overrides
+from orthojob.stages.sft import config_from_args as sft_config_from_args
+from orthojob.stages.sft_config import SFTJobConfig
 
 SMALL = {
     # SFT exactly as make run's (its gate's format thresholds too); fewer held-out seeds

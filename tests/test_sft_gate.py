@@ -16,13 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orthojob import gate, models
 from orthojob.cli import main as cli_main
-from orthojob.exit_codes import ExitCode
-from orthojob.gate import GateError, GateThresholds, check_gate, gate_checks, read_gate, write_gate
-from orthojob.parsing import extract_plan, format_checks
-from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
-from orthojob.sft import SFTJobConfig, demonstrations, run_sft
+from orthojob.data.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
+from orthojob.modeling import models
+from orthojob.ops.exit_codes import ExitCode
+from orthojob.rewards.parsing import extract_plan, format_checks
+from orthojob.stages import gate
+from orthojob.stages.gate import GateError, GateThresholds, check_gate, gate_checks, read_gate, write_gate
+from orthojob.stages.sft import SFTJobConfig, demonstrations, run_sft
 from server.oracle import oracle_plan
 
 REPO = Path(__file__).resolve().parents[1]

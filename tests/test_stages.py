@@ -12,18 +12,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orthojob import gate, models, rsft
 from orthojob.cli import build_parser
 from orthojob.cli import main as cli_main
-from orthojob.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
-from orthojob.exit_codes import ExitCode
-from orthojob.grpo_config import ConfigError
-from orthojob.presets import PIPELINE_STAGES, PRESETS, apply_overrides
-from orthojob.prompts import plan_to_completion
-from orthojob.rsft import KeepRule, select
-from orthojob.rsft_config import RSFT_SAMPLES_FILE, RSFTConfig
-from orthojob.sft import SECTIONS, config_from_args, run_sft
-from orthojob.sft_config import FormatSFTConfig, SFTJobConfig
+from orthojob.data.prompts import plan_to_completion
+from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
+from orthojob.modeling import models
+from orthojob.ops.exit_codes import ExitCode
+from orthojob.stages import gate, rsft
+from orthojob.stages.grpo_config import ConfigError
+from orthojob.stages.presets import PIPELINE_STAGES, PRESETS, apply_overrides
+from orthojob.stages.rsft import KeepRule, select
+from orthojob.stages.rsft_config import RSFT_SAMPLES_FILE, RSFTConfig
+from orthojob.stages.sft import SECTIONS, config_from_args, run_sft
+from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig
 from server.dental_constants import TOOTH_IDS
 from server.oracle import oracle_plan
 
@@ -87,7 +88,7 @@ class _TrainedError(Exception):
 def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monkeypatch, capsys):
     """./checkpoints/sft0 is format SFT's default folder: format-sft without --out refuses a BC
     checkpoint there (ungated, or with its bc_sft gate file); --out overrides."""
-    import orthojob.sft
+    import orthojob.stages.sft
 
     def trained(config):
         raise _TrainedError(config.out)
@@ -97,7 +98,7 @@ def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monk
         args = build_parser().parse_args(list(argv))
         return args.func(args)
 
-    monkeypatch.setattr(orthojob.sft, "run_sft", trained)
+    monkeypatch.setattr(orthojob.stages.sft, "run_sft", trained)
     monkeypatch.chdir(tmp_path)
     old_bc = tmp_path / "checkpoints" / "sft0"
     old_bc.mkdir(parents=True)
@@ -250,7 +251,7 @@ def test_rsft_keeps_the_environments_best_safe_sample_per_prompt(monkeypatch):
 
 
 def candidate_texts_of(row: dict) -> str:
-    from orthojob.prompts import reset_observation
+    from orthojob.data.prompts import reset_observation
 
     return candidate_texts(reset_observation(row["seed"], row["task_id"], False))[3]
 
@@ -396,7 +397,7 @@ def test_sft_and_its_gate_log_progress_lines_in_a_job(tiny_base, tmp_path, monke
 def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch, capsys):
     """format -> BC -> GRPO -> RSFT from one preset: each stage starts from the previous gated
     checkpoint, has its MLflow run and gate file; the evaluation has a row per checkpoint."""
-    from orthojob.pipeline import SUMMARY_FILE, run_pipeline
+    from orthojob.stages.pipeline import SUMMARY_FILE, run_pipeline
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(rsft, "sample_completions", fake_sampler)

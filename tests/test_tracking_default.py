@@ -11,8 +11,8 @@ import pytest
 mlflow = pytest.importorskip("mlflow")
 
 from orthojob import grpo, mlops  # noqa: E402
-from orthojob.exit_codes import ExitCode  # noqa: E402
-from orthojob.models import build_tiny  # noqa: E402
+from orthojob.modeling.models import build_tiny  # noqa: E402
+from orthojob.ops.exit_codes import ExitCode  # noqa: E402
 
 SECRET = "aws-secret-default-3d9e71"
 

@@ -11,8 +11,8 @@ import pytest
 mlflow = pytest.importorskip("mlflow")
 
 from orthojob import gate, mlops, registry, tracking  # noqa: E402
-from orthojob.exit_codes import ExitCode  # noqa: E402
-from orthojob.prompts import plan_to_completion  # noqa: E402
+from orthojob.data.prompts import plan_to_completion  # noqa: E402
+from orthojob.ops.exit_codes import ExitCode  # noqa: E402
 from server.dental_constants import TOOTH_IDS  # noqa: E402
 from server.oracle import oracle_plan  # noqa: E402
 from tests.services import mlflow_server  # noqa: E402
@@ -47,7 +47,7 @@ def _logged_run(
     tmp_path, passed: bool, score: float, share: float = 0.0, gate_file: dict | None = None
 ) -> str:
     """A run holding a small pyfunc model as a LoggedModel carrying its gate, recorded as a training
-    stage records it (:func:`orthojob.mlops.record_gate`: gate file, run metrics, the model's gate
+    stage records it (:func:`orthojob.ops.mlops.record_gate`: gate file, run metrics, the model's gate
     metrics and verdict tag): ``gate_file``, or one with the headline ``score`` and hard-rule
     ``share`` (the oracle's 0)."""
 

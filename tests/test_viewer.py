@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orthojob import cli, viewer
+from orthojob import cli
+from orthojob.eval import viewer
 from server.cases import HELDOUT_SEED_START, generate_case
 from server.collisions import COLLISION_TOLERANCE_MM
 from server.dental_constants import ADJACENT_PAIRS, N_STAGES, TOOTH_IDS
@@ -273,13 +274,13 @@ def _artifacts(run_id: str, path: str) -> list[str]:
 
 
 def test_evaluations_log_viewers_of_a_few_cases():
-    """A checkpoint's evaluation (its episodes as :func:`orthojob.evaluation.run_checkpoint` leaves
+    """A checkpoint's evaluation (its episodes as :func:`orthojob.eval.evaluation.run_checkpoint` leaves
     them) logs one viewer per case for the first cases of each task, the checkpoint's plan against the
     oracle and uniform SLERP; a completion without a plan gets the references only; nothing is logged
     outside a run."""
     mlflow = pytest.importorskip("mlflow")
-    from orthojob.evaluation import CheckpointEpisodes
-    from orthojob.rollouts import score_texts
+    from orthojob.eval.evaluation import CheckpointEpisodes
+    from orthojob.rewards.rollouts import score_texts
     from server.cases import CaseKey
 
     seeds = [HELDOUT_SEED_START + i for i in range(3)]
@@ -314,7 +315,7 @@ def test_grpo_callback_logs_the_best_and_worst_completion(tmp_path):
     mlflow = pytest.importorskip("mlflow")
     from types import SimpleNamespace
 
-    from orthojob.rollouts import score_texts
+    from orthojob.rewards.rollouts import score_texts
     from server.cases import CaseKey
 
     good = json.dumps(oracle_plan(initial_observation(generate_case("task_easy", HELDOUT_SEED_START))))
@@ -356,7 +357,8 @@ def test_a_checkpoint_evaluation_logs_viewers_and_view_decodes_the_checkpoint(tm
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    from orthojob import models, tracking
+    from orthojob.modeling import models
+    from orthojob.ops import tracking
 
     tiny = models.build_tiny(tmp_path / "tiny", ["task_easy"], max_position_embeddings=2048)
     argv = [

@@ -1,0 +1,480 @@
+"""Training-side MLOps glue: environment diagnostics, S3 checkpoint sync and resume, MLflow artifacts.
+
+* :func:`env_diagnostics` — per-batch environment metrics from the rollouts (``env/parse_rate``,
+  ``env/terminal_raw_mean``, ``env/collision_failure_rate``, ``env/pdl_failure_rate``,
+  ``env/strategy_accuracy``), logged per step next to TRL's reward metrics.
+* :func:`checkpoint_sync_callback` — a TrainerCallback that uploads every ``checkpoint-N`` the
+  trainer saves to ``<out>/checkpoint-N`` (manifest last), so a restarted pod resumes from it.
+* :func:`resume_checkpoint` — the newest complete checkpoint of ``--out`` (S3 or local), downloaded
+  and verified, for ``trainer.train(resume_from_checkpoint=...)``.
+* :func:`log_training_artifacts` — the model (MLflow transformers flavour, base model recorded),
+  ``gate_passed.json``, the resolved config, the completions (file and a sample table) and plots.
+
+Only rank 0 calls any of this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from orthojob.eval.metrics import (
+    EXCESS_METRIC,
+    GATE_METRIC_PREFIX,
+    GATE_PASSED_TAG,
+    GATE_STAGE_TAG,
+    HARD_RULE_SHARE,
+)
+from orthojob.ops import storage
+from orthojob.ops.exit_codes import ExitCode
+from orthojob.rewards.rollouts import DEFAULT_CACHE, NO_PLAN
+from server.cases import CaseKey, generate_case
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS_SAMPLE = 64
+
+
+TRACKING_REFUSALS = ("UNAUTHENTICATED", "PERMISSION_DENIED", "error code 401", "error code 403")
+"""How an MLflow refusal reads (error codes of MlflowException, or the HTTP status in its text)."""
+
+
+def tracking_refused(exc: BaseException | None) -> bool:
+    """Whether a tracking failure is the server refusing the job (credentials, permission)."""
+    while exc is not None:
+        code = str(getattr(exc, "error_code", ""))
+        if code in TRACKING_REFUSALS or any(r in str(exc) for r in TRACKING_REFUSALS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def job_error_code(exc: BaseException) -> int:
+    """The exit code of a storage or tracking failure: refused (32, 33: never retried, the message
+    says what to fix) or unreachable (30, 31: retried)."""
+    from orthojob.ops.tracking import TrackingError
+
+    if isinstance(exc, TrackingError):
+        return ExitCode.TRACKING_DENIED if tracking_refused(exc) else ExitCode.TRACKING
+    return ExitCode.STORAGE_DENIED if isinstance(exc, storage.StorageAccessError) else ExitCode.STORAGE
+
+
+def report_job_error(command: str, exc: BaseException) -> int:
+    """Print a storage or tracking failure as ``orthojob <command>: <message>`` (secrets redacted)
+    on stderr; returns its exit code (:func:`job_error_code`)."""
+    from orthojob.ops.tracking import redact
+
+    code = job_error_code(exc)
+    print(f"orthojob {command}: {redact(str(exc))} (exit {int(code)})", file=sys.stderr)
+    return code
+
+
+def env_diagnostics(texts: Sequence[str], cases: Sequence[CaseKey]) -> dict[str, float]:
+    """Environment metrics of one batch of completions on their cases (:class:`server.cases.CaseKey`)."""
+    if not texts:
+        return {}
+    keys = [CaseKey(*c) for c in cases]
+    rollouts = DEFAULT_CACHE.get_many(
+        list(texts), [k.seed for k in keys], [k.task_id for k in keys], [k.force_decay for k in keys]
+    )  # cache hits: the rewards scored them
+    n = len(rollouts)
+    parsed = [r for r in rollouts if r.error != NO_PLAN and r.plan is not None]
+    correct = sum(
+        1
+        for r, key in zip(rollouts, keys)
+        if r.strategy is not None and r.strategy == generate_case(*key).optimal_strategy
+    )
+
+    def breaking(rule: str) -> float:
+        """Share of the batch breaking a hard rule (a completion that is not a plan counts as failing)."""
+        return sum(1 for r in rollouts if r.error is not None or rule in r.broken_rules) / n
+
+    return {
+        "env/parse_rate": len(parsed) / n,
+        "env/terminal_raw_mean": sum(r.terminal_reward for r in rollouts) / n,
+        "env/collision_failure_rate": breaking("collision"),
+        "env/pdl_failure_rate": breaking("pdl_stress"),
+        "env/limit_failure_rate": breaking("limits"),
+        "env/strategy_accuracy": correct / n,
+    }
+
+
+def work_root() -> Path:
+    """The local work folder: ``ORTHORL_WORK_DIR``, or ./.orthorl-work."""
+    return Path(os.environ.get("ORTHORL_WORK_DIR") or ".orthorl-work")
+
+
+def local_work_dir(out: str) -> Path:
+    """Where a job whose ``--out`` is ``s3://...`` trains locally (below :func:`work_root`)."""
+    return storage.local_mirror(work_root(), out)
+
+
+def download_cache() -> Path:
+    """Where ``s3://`` inputs (checkpoints, base models) are downloaded and verified."""
+    return work_root() / ".downloads"
+
+
+def local_input(path_or_uri: str, say: Callable[[str], Any] = print) -> Path:
+    """A local folder for a stage's input: the folder itself, or a verified download of an
+    ``s3://`` URI into :func:`download_cache` (reused when its digests still match)."""
+    if storage.is_s3_uri(path_or_uri):
+        say(f"downloading {path_or_uri} (digests checked)")
+    return storage.materialize(path_or_uri, download_cache())
+
+
+def checkpoint_sync_callback(out_uri: str | None, config: Mapping[str, Any] | None = None) -> Any:
+    """TrainerCallback: after each save, write the run identity (``config``'s digest, see
+    :mod:`orthojob.ops.run_identity`) into ``<output_dir>/checkpoint-<step>`` and, with ``out_uri``,
+    upload that folder to ``<out_uri>/checkpoint-<step>`` (manifest last)."""
+    from transformers import TrainerCallback
+
+    from orthojob.ops import run_identity
+
+    class CheckpointSync(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if not state.is_world_process_zero:
+                return
+            name = f"checkpoint-{state.global_step}"
+            folder = Path(args.output_dir) / name
+            if not folder.is_dir():
+                return
+            if config is not None:
+                run_identity.write_identity(folder, config)
+            if out_uri:
+                uri = f"{out_uri.rstrip('/')}/{name}"
+                storage.upload_dir(folder, uri)
+                log.info("synced %s to %s", name, uri)
+
+    return CheckpointSync()
+
+
+def resume_checkpoint(
+    out: str, work_dir: Path, config: Mapping[str, Any] | None = None, on_foreign: str | None = None
+) -> tuple[int, Path] | None:
+    """``(step, local folder)`` of the newest complete checkpoint of ``out`` (downloaded if on S3).
+
+    With ``config``, the checkpoint's run identity is checked first
+    (:func:`orthojob.ops.run_identity.check_resume`): a checkpoint of another config raises
+    RunIdentityError (exit 14) unless ``on_foreign`` (or ORTHORL_ON_FOREIGN_CHECKPOINT) is
+    ``fresh`` (then None: train from the start) or ``continue``."""
+    from orthojob.ops import run_identity
+
+    if storage.is_s3_uri(out):
+        found = storage.latest_checkpoint(out)
+        if found is None:
+            return None
+        step, uri = found
+        folder = storage.download_dir(uri, work_dir / f"checkpoint-{step}")
+    else:
+        root = Path(out)
+        steps = sorted(
+            (int(m.group(1)), p)
+            for p in (root.iterdir() if root.is_dir() else [])
+            if (m := storage.CHECKPOINT_RE.match(p.name)) and (p / "trainer_state.json").is_file()
+        )
+        if not steps:
+            return None
+        step, folder = steps[-1]
+        uri = str(folder)
+    if config is not None and not run_identity.check_resume(folder, config, on_foreign, where=uri):
+        return None
+    return step, folder
+
+
+def _pip_requirements(peft_model: bool) -> list[str]:
+    from importlib.metadata import version
+
+    reqs = []
+    for pkg in ("torch", "transformers", "accelerate", "safetensors", "tokenizers") + (
+        ("peft",) if peft_model else ()
+    ):
+        with contextlib.suppress(Exception):
+            reqs.append(f"{pkg}=={version(pkg)}")
+    return reqs
+
+
+def model_metadata(model: Any, base_model: str) -> dict[str, str]:
+    """The logged model's metadata: ``adapter`` and ``base_model``, what the adapter records as its
+    base (:func:`orthojob.modeling.models.record_base`: for an ``s3://`` base staged from the model hub, its hub
+    id), with ``base_model_revision``, ``base_model_uri`` and ``base_model_digest`` where known; a full
+    model's is ``base_model`` as given."""
+    from orthojob.modeling import base_models
+    from orthojob.modeling.models import recorded_base
+
+    peft_model = hasattr(model, "peft_config")
+    recorded = recorded_base(model) or {}
+    meta = {
+        "base_model": recorded.get("base_model_name_or_path") or base_model,
+        "adapter": str(peft_model).lower(),
+    }
+    for key, name in (
+        ("revision", "base_model_revision"),
+        (base_models.RECORD_URI, "base_model_uri"),
+        (base_models.RECORD_DIGEST, "base_model_digest"),
+    ):
+        if recorded.get(key):
+            meta[name] = recorded[key]
+    return meta
+
+
+def log_model(model: Any, tokenizer: Any, base_model: str) -> Any:
+    """Log the trained model (a PEFT adapter or a full model) with MLflow's transformers flavour.
+    Its ``peft/adapter_config.json`` records the base as the adapter does; metadata:
+    :func:`model_metadata`."""
+    import mlflow
+
+    peft_model = hasattr(model, "peft_config")
+    return mlflow.transformers.log_model(
+        transformers_model={"model": model, "tokenizer": tokenizer},
+        name="model",
+        task="text-generation",
+        pip_requirements=_pip_requirements(peft_model),
+        metadata=model_metadata(model, base_model),
+    )
+
+
+def log_training_artifacts(
+    out: Path,
+    config: dict,
+    model: Any,
+    tokenizer: Any,
+    base_model: str,
+    log_history: Sequence[dict],
+    task_id: str,
+    force_decay: bool,
+    completions_file: str,
+    training: Mapping[str, Any] | None = None,
+) -> None:
+    """Everything a training stage leaves in its MLflow run (rank 0, active run); the model, when
+    its gate file is there, as a gated LoggedModel (:func:`log_gated_checkpoint`; ``training``: the
+    cases it trained on, :func:`training_cases`)."""
+    import mlflow
+
+    from orthojob.ops.tracking import redact
+    from orthojob.stages.gate import GATE_FILE
+
+    with tempfile.TemporaryDirectory() as tmp:
+        resolved = Path(tmp) / "resolved_config.json"
+        resolved.write_text(redact(json.dumps(config, indent=2, default=str)))
+        mlflow.log_artifact(str(resolved))
+        plot_dir = Path(tmp) / "plots"
+        try:
+            from orthojob.data.prompts import TRAIN_SEED_START
+            from orthojob.eval.plots import training_plots
+
+            for png in training_plots(log_history, plot_dir, task_id, TRAIN_SEED_START, force_decay):
+                mlflow.log_artifact(str(png), artifact_path="plots")
+        except Exception as exc:  # plots are diagnostics: never fail a finished training for them
+            log.warning("plots skipped: %s", exc)
+    completions = out / completions_file
+    if completions.is_file():
+        mlflow.log_artifact(str(completions))
+        rows = [
+            json.loads(line) for line in completions.read_text().splitlines()[:COMPLETIONS_SAMPLE] if line
+        ]
+        if rows:
+            table = {
+                "step": [r["step"] for r in rows],
+                "seed": [r["seed"] for r in rows],
+                "completion": [r["completion"][:2000] for r in rows],
+                "reward_total": [sum(v or 0.0 for v in r["rewards"].values()) for r in rows],
+                "advantage": [r["advantage"] for r in rows],
+            }
+            mlflow.log_table(table, artifact_file="completions_sample.json")
+    gate = out / GATE_FILE
+    if gate.is_file():  # last: a run with a gate file is a finished run
+        log_gated_checkpoint(out, json.loads(gate.read_text()), base_model, model, tokenizer, training)
+    else:
+        log_model(model, tokenizer, base_model)
+
+
+def cases_dataset(
+    name: str, task_ids: Sequence[str], seeds: Sequence[int], force_decay: bool, source: str
+) -> Any:
+    """An MLflow dataset (``mlflow.data.from_pandas``) of the cases a stage trained or was gated on:
+    one row per case (``task_id``, ``seed``, ``force_decay``); ``task_ids`` one per seed. Its source
+    is code (the cases are generated, :func:`server.cases.generate_case`) described by ``source``;
+    its digest is MLflow's of the rows, so the same cases are the same dataset in every run."""
+    import mlflow.data
+    import pandas as pd
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+
+    frame = pd.DataFrame(
+        {"task_id": list(task_ids), "seed": [int(s) for s in seeds], "force_decay": bool(force_decay)}
+    )
+    # the cases are generated by code (server.cases.generate_case), from these rows
+    origin = CodeDatasetSource({"generator": "server.cases.generate_case", "cases": source})
+    return mlflow.data.from_pandas(frame, source=origin, name=name)
+
+
+def training_cases(rows: Sequence[Mapping[str, Any]], force_decay: bool) -> dict:
+    """The cases of a stage's training rows (each with ``task_id`` and ``seed``), columnar, in the
+    form :func:`log_gated_checkpoint`'s ``training`` takes: ``{"task_id", "seed", "force_decay"}``."""
+    keep = [r for r in rows if r.get("seed") is not None and r.get("task_id") is not None]
+    return {
+        "task_id": [str(r["task_id"]) for r in keep],
+        "seed": [int(r["seed"]) for r in keep],
+        "force_decay": bool(force_decay),
+    }
+
+
+def gate_dataset(content: Mapping[str, Any]) -> Any | None:
+    """The held-out cases a gate evaluated (its file's ``evaluation``: task ids, ``n_seeds`` seeds
+    from ``seed_start``, force decay) as an MLflow dataset ``heldout-<tasks>-<first>-<last>``; None
+    when the gate file does not say."""
+    ev = content.get("evaluation") or {}
+    tasks, n, start = ev.get("task_ids"), ev.get("n_seeds"), ev.get("seed_start")
+    if not tasks or not isinstance(n, int) or not isinstance(start, int):
+        return None
+    seeds = range(start, start + n)
+    return cases_dataset(
+        f"heldout-{'+'.join(tasks)}-{start}-{start + n - 1}",
+        [t for t in tasks for _ in seeds],
+        [s for _ in tasks for s in seeds],
+        bool(ev.get("force_decay")),
+        source=f"heldout tasks={','.join(tasks)} seeds={start}-{start + n - 1}",
+    )
+
+
+def _training_dataset(training: Mapping[str, Any], stage: str) -> Any | None:
+    task_ids, seeds = list(training.get("task_id") or []), list(training.get("seed") or [])
+    if not seeds or len(task_ids) != len(seeds):
+        return None
+    tasks = sorted(set(task_ids))
+    return cases_dataset(
+        f"{stage}-train-{'+'.join(tasks)}-{min(seeds)}-{max(seeds)}",
+        task_ids,
+        seeds,
+        bool(training.get("force_decay")),
+        source=f"train stage={stage} tasks={','.join(tasks)} seeds={min(seeds)}-{max(seeds)}",
+    )
+
+
+def load_checkpoint(folder: str | Path) -> tuple[Any, Any]:
+    """(model, tokenizer) of a saved checkpoint as it is logged: a LoRA adapter stays a PEFT model on
+    its base (not merged), a full model loads as itself; on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from orthojob.modeling.models import (
+        adapter_base,
+        adapter_base_digest,
+        is_adapter,
+        load_adapter,
+        resolve_base,
+    )
+
+    folder = str(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not is_adapter(folder):
+        return AutoModelForCausalLM.from_pretrained(folder), tokenizer
+    base = AutoModelForCausalLM.from_pretrained(
+        resolve_base(adapter_base(folder), digest=adapter_base_digest(folder))
+    )
+    return load_adapter(base, folder), tokenizer
+
+
+def log_gated_checkpoint(
+    folder: str | Path,
+    content: Mapping[str, Any],
+    base_model: str,
+    model: Any = None,
+    tokenizer: Any = None,
+    training: Mapping[str, Any] | None = None,
+) -> str | None:
+    """Log a gated checkpoint into the active run as an MLflow LoggedModel carrying its gate; returns
+    its model id. Every training stage (format, tool-use and BC SFT, GRPO, RSFT) ends here.
+
+    The model (``model``/``tokenizer``, else loaded from ``folder`` by :func:`load_checkpoint`) is
+    logged by :func:`log_model`; the cases it was gated on (:func:`gate_dataset`, context
+    ``evaluation``) and, with ``training`` (:func:`training_cases`), those it trained on (context
+    ``training``) are logged as run inputs linked to the model; then :func:`record_gate` puts the
+    gate on the run and on the model."""
+    import mlflow
+    from mlflow.entities import LoggedModelInput
+
+    if model is None or tokenizer is None:
+        model, tokenizer = load_checkpoint(folder)
+    model_info = log_model(model, tokenizer, base_model)
+    model_id = getattr(model_info, "model_id", None)
+    linked = LoggedModelInput(model_id) if model_id else None
+    stage = str(content.get("stage") or "stage")
+    train = _training_dataset(training, stage) if training else None
+    if train is not None:
+        mlflow.log_input(train, context="training", model=linked)
+    evaluation = gate_dataset(content)
+    if evaluation is not None:
+        mlflow.log_input(evaluation, context="evaluation", model=linked)
+    record_gate(model_id, content, folder, dataset=evaluation)
+    return model_id
+
+
+def record_gate(
+    model_id: str | None, content: Mapping[str, Any], folder: str | Path | None = None, dataset: Any = None
+) -> None:
+    """Put a gate on the active run and on its LoggedModel ``model_id``: the run gets the gate file
+    (from ``folder``), the metrics ``gate/<name>`` and the tag ``orthorl.gate_passed``; the LoggedModel
+    gets the numeric metrics (``gate/<name>``, linked to ``dataset``, the held-out cases) and the tags
+    ``orthorl.gate_passed`` and ``orthorl.gate_stage``, so ``mlflow.search_logged_models`` finds gated
+    checkpoints by them (what :mod:`orthojob.ops.registry` promotes from). A model without an id (no
+    LoggedModel) gets nothing."""
+    import mlflow
+
+    from orthojob.ops.tracking import log_metrics
+    from orthojob.stages.gate import gate_path
+
+    passed = str(bool(content.get("passed"))).lower()
+    values = dict(content.get("metrics") or {})
+    share, oracle = values.get(HARD_RULE_SHARE), values.get(f"oracle_{HARD_RULE_SHARE}")
+    if EXCESS_METRIC not in values and isinstance(share, (int, float)) and isinstance(oracle, (int, float)):
+        values[EXCESS_METRIC] = share - oracle  # a gate file written before the gate computed it
+    log_metrics({f"{GATE_METRIC_PREFIX}{k}": v for k, v in values.items()})
+    if folder is not None and gate_path(folder).is_file():
+        mlflow.log_artifact(str(gate_path(folder)))
+    mlflow.set_tag(GATE_PASSED_TAG, passed)
+    if model_id is None:
+        return
+    metrics = {
+        f"{GATE_METRIC_PREFIX}{k}": float(v)
+        for k, v in values.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
+    if metrics:
+        mlflow.log_metrics(metrics, model_id=model_id, dataset=dataset)
+    tags = {GATE_PASSED_TAG: passed}
+    if content.get("stage"):
+        tags[GATE_STAGE_TAG] = str(content["stage"])
+    mlflow.set_logged_model_tags(model_id, tags)
+
+
+def publish_output(local: Path, uri: str) -> dict:
+    """Upload a finished output folder to ``uri`` without its ``checkpoint-N`` folders (already
+    synced); the manifest is written last, so a reader never sees a half-uploaded result."""
+    return storage.upload_dir(
+        Path(local), uri, skip=lambda rel: bool(storage.CHECKPOINT_RE.match(rel.split("/", 1)[0]))
+    )
+
+
+def run_promote(run_id: str, model_name: str, force: bool, **bounds) -> int:
+    """``orthojob promote``: register the run's model (aliases per :mod:`orthojob.ops.registry`; ``bounds``:
+    :func:`orthojob.ops.registry.promote`'s, e.g. ``max_hard_rule_share_over_oracle``); exit code."""
+    from orthojob.ops import registry, tracking
+
+    try:
+        tracking.configure()
+        result = registry.promote(run_id, model_name, force=force, **bounds)
+    except tracking.TrackingError as exc:
+        return report_job_error("promote", exc)
+    except registry.PromotionError as exc:
+        print(f"orthojob promote: {tracking.redact(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    aliases = "candidate" + (", champion" if result.champion else "")
+    print(f"{result.model_name} version {result.version}: {aliases} ({result.reason})")
+    return 0
