@@ -5,7 +5,7 @@ checks, the environment, the JSON result), per tool, median and p90 in milliseco
 
 * in process (target: under 1 ms per call);
 * over the WebSocket to a local server (``server.app`` served by uvicorn in a thread of this process,
-  so client and server share one core), through OpenEnv's client (:class:`orthojob.agentic.tools.RemoteStepwise`).
+  so client and server share one core), through OpenEnv's client (:class:`orthojob.agentic.remote.RemoteStepwise`).
 
 Each episode (seeds from the training range, task levels in turn): inspect_tooth, check_collisions,
 simulate_stage, commit_stage x 3, rollback_stage, then submit_plan (the oracle's plan, scored in

@@ -360,7 +360,7 @@ def breakdown() -> list[tuple[str, float, float]]:
     from openenv.core.env_server.serialization import serialize_observation
     from openenv.core.env_server.types import WSObservationResponse
 
-    from server.app import DentalOpenEnvAdapter, make_observation
+    from server.serving.adapter import DentalOpenEnvAdapter, make_observation
     from server.serving.models import DentalAction
     from server.serving.serialization import (
         ObservationEncoder,

@@ -16,11 +16,11 @@ computes for the same completion. No scoring here: the functions are the job's.
 ``verifiers.v1`` env config and returns ``verifiers.v1.load_environment(config)``.
 
 ``mode="tools"``: multi-turn with the agentic tools. The prompt is the agentic GRPO prompt
-(:func:`orthojob.agentic.tools.full_prompt`), the tools :class:`orthorl_aligner.tools.StagingToolset` (an
+(:func:`orthojob.agentic.prompts.full_prompt`), the tools :class:`orthorl_aligner.tools.StagingToolset` (an
 MCP server verifiers launches per rollout, over :class:`orthojob.agentic.tools.DentalToolEnv`), and the
 reward ``reward_agentic``: the environment-owned reward of the episode the tools played (the
 submitted plan's or the 24 committed stages' scaled reward; -2 unfinished), as TRL's
-:func:`orthojob.agentic.tools.reward_agentic`. In that mode the five one-shot rewards weigh 0.
+:func:`orthojob.agentic.reward.reward_agentic`. In that mode the five one-shot rewards weigh 0.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import verifiers.v1 as vf
 from pydantic import Field, model_validator
 from verifiers.v1.configs.task import RewardFunctionConfig
 
-from orthojob.agentic.tools import agentic_rows, full_prompt
+from orthojob.agentic.prompts import agentic_rows, full_prompt
 from orthojob.data.prompts import TRAIN_SEED_START, build_messages, reset_observation
 from orthojob.rewards.reward_functions import DEFAULT_REWARD_WEIGHTS, REWARD_FUNCS, reward_weights
 from orthorl_aligner.tools import EpisodeState, StagingToolset

@@ -18,14 +18,9 @@ import numpy as np
 import pytest
 from transformers.utils import get_json_schema
 
-from orthojob.agentic.tools import (
-    TOOL_NAMES,
-    DentalToolEnv,
-    agentic_rows,
-    full_prompt,
-    plan_stages,
-    reward_agentic,
-)
+from orthojob.agentic.prompts import agentic_rows, full_prompt
+from orthojob.agentic.reward import reward_agentic
+from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv, plan_stages
 from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from orthojob.ops.run_identity import config_digest
 from orthojob.rewards.reward_functions import reward_terminal
@@ -89,7 +84,7 @@ def test_the_tiny_tokenizer_renders_and_parses_tool_calls(tiny_agentic_model):
     from transformers import AutoTokenizer
     from trl.chat_template_utils import add_response_schema, parse_response, supports_tool_calling
 
-    from orthojob.agentic.tools import prepare_tokenizer
+    from orthojob.agentic.chat_template import prepare_tokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_agentic_model)
     assert not supports_tool_calling(tok)  # its own ChatML has no tools
@@ -199,7 +194,7 @@ def test_sampled_episodes_are_mlflow_traces_with_a_span_per_tool_call(tmp_path, 
 def _check_sampled_traces(monkeypatch) -> None:
     import mlflow
 
-    from orthojob.agentic.tools import TRACE_EPISODES_ENV, TRACE_REWARD_TAG, flush_traces
+    from orthojob.agentic.traces import TRACE_EPISODES_ENV, TRACE_REWARD_TAG, flush_traces
     from orthojob.ops import tracking
 
     monkeypatch.setenv(TRACE_EPISODES_ENV, "2")
@@ -385,7 +380,7 @@ def test_mode_flag_and_one_shot_identity_unchanged():
 @pytest.fixture(scope="module")
 def tiny_agentic_model(tmp_path_factory) -> Path:
     """The tiny Qwen2 model, its tokenizer also trained on agentic prompts (shorter prompts)."""
-    from orthojob.agentic.tools import prepare_tokenizer
+    from orthojob.agentic.chat_template import prepare_tokenizer
     from orthojob.modeling.tiny_model import build_tiny_model, train_tokenizer
 
     rows = agentic_rows(2, TRAIN_SEED_START, "task_easy", False)
@@ -478,7 +473,7 @@ def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkey
 def _two_agentic_steps(tiny_agentic_model: Path, tmp_path: Path, monkeypatch, env_url: str | None):
     from mlflow.tracking import MlflowClient
 
-    from orthojob.agentic.tools import flush_traces
+    from orthojob.agentic.traces import flush_traces
     from orthojob.ops import tracking
     from orthojob.stages import grpo_trainer
     from orthojob.stages.grpo import config_from_args
@@ -519,7 +514,7 @@ def _two_agentic_steps(tiny_agentic_model: Path, tmp_path: Path, monkeypatch, en
     # the sampled episodes of each step are MLflow traces of the run: a span per tool call
     import mlflow
 
-    from orthojob.agentic.tools import DEFAULT_TRACE_EPISODES, TRACE_REWARD_TAG
+    from orthojob.agentic.traces import DEFAULT_TRACE_EPISODES, TRACE_REWARD_TAG
 
     mlflow.flush_trace_async_logging()
     traces = mlflow.search_traces(

@@ -1542,7 +1542,7 @@ def test_the_env_server_container_runs_and_passes_the_trainers_check(
     route answers, the trainer's own capacity check passes for the Job's generation batch (and
     refuses one session more than the cap), and the Job's init container returns once it answers and
     fails, naming the URL, when nothing does."""
-    from orthojob.agentic.tools import check_server_capacity
+    from orthojob.agentic.remote import check_server_capacity
     from tests.services import free_port, start_server_process
 
     docs = load_all(agentic_output)

@@ -387,10 +387,10 @@ def test_the_reward_is_a_rubric_of_named_parts():
     import numpy as np
     from openenv.core.rubrics import Rubric
 
-    from server.app import DentalOpenEnvAdapter
     from server.cases import generate_case
     from server.dental_environment import StepwiseDentalEnvironment
     from server.plans import interpolate_poses
+    from server.serving.adapter import DentalOpenEnvAdapter
     from server.serving.models import DentalAction
 
     env = DentalOpenEnvAdapter(StepwiseDentalEnvironment())

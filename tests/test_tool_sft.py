@@ -52,7 +52,7 @@ def test_tool_traces_score_as_the_oracle_plans(task_id, force_decay, seed):
 
 
 def test_demonstrations_render_as_parseable_tool_calls():
-    from orthojob.agentic.tools import prepare_tokenizer
+    from orthojob.agentic.chat_template import prepare_tokenizer
     from orthojob.modeling.tiny_model import train_tokenizer
 
     rows, info = tool_demonstrations(3, ["task_easy", "task_hard"], seed=1)

@@ -37,7 +37,7 @@ LR_SCHEDULERS: tuple[str, ...] = ("linear", "constant", "cosine", "constant_with
 MODES: tuple[str, ...] = ("oneshot", "agentic")
 """``oneshot``: the policy writes a whole plan, scored by the five rewards. ``agentic``: the policy
 calls the environment's tools (:mod:`orthojob.agentic.tools`, TRL's ``environment_factory``) and is scored
-by the environment's reward (:func:`orthojob.agentic.tools.reward_agentic`)."""
+by the environment's reward (:func:`orthojob.agentic.reward.reward_agentic`)."""
 COMPLETIONS_FILE = "completions.jsonl"
 """In ``--out``: every training completion with its step, case and rewards (``--analyze`` reads it)."""
 TRAIN_LOG_FILE = "train_log.json"
@@ -319,7 +319,7 @@ class GRPOJobConfig:
             )
         if self.mode == "agentic" and (self.rewards is not None or self.reward_weights):
             raise ConfigError(
-                "--mode agentic is scored by the environment's reward alone (orthojob.agentic.tools.reward_agentic): "
+                "--mode agentic is scored by the environment's reward alone (orthojob.agentic.reward.reward_agentic): "
                 "drop --rewards and --reward-weight"
             )
         if self.mixed_cells and self.mode == "agentic":
@@ -340,9 +340,9 @@ class GRPOJobConfig:
     @functools.cached_property
     def reward_funcs(self) -> list:
         """The active reward functions (:func:`orthojob.rewards.reward_functions.active_reward_funcs`), in order,
-        resolved once per config; in agentic mode the environment's (:func:`orthojob.agentic.tools.reward_agentic`)."""
+        resolved once per config; in agentic mode the environment's (:func:`orthojob.agentic.reward.reward_agentic`)."""
         if self.mode == "agentic":
-            from orthojob.agentic.tools import reward_agentic  # the environment: only where it is used
+            from orthojob.agentic.reward import reward_agentic  # the environment: only where it is used
 
             return [reward_agentic]
         return active_reward_funcs(self.rewards)

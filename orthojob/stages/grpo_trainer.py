@@ -504,11 +504,11 @@ def _resolve_model(config: GRPOJobConfig, is_main: bool, wait) -> str:
 
 def _prompt_lengths(tokenizer, rows: Sequence[dict], tools: Sequence | None = None) -> list[int]:
     """Tokens of each row's prompt as the policy sees it (with ``tools``: the agentic prompt, the case
-    appended and the tool schemas rendered, :func:`orthojob.agentic.tools.full_prompt`)."""
+    appended and the tool schemas rendered, :func:`orthojob.agentic.prompts.full_prompt`)."""
     lengths = []
     for row in rows:
         if tools:
-            from orthojob.agentic.tools import full_prompt
+            from orthojob.agentic.prompts import full_prompt
 
             text = tokenizer.apply_chat_template(
                 full_prompt(row), tools=list(tools), add_generation_prompt=True, tokenize=False
@@ -600,7 +600,9 @@ def train(
     extra: dict[str, Any] = {}
     tools = None
     if agentic:
-        from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv, agentic_rows, prepare_tokenizer
+        from orthojob.agentic.chat_template import prepare_tokenizer
+        from orthojob.agentic.prompts import agentic_rows
+        from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv
 
         tokenizer = prepare_tokenizer(tokenizer)  # a chat template TRL can parse tool calls with
         rows = agentic_rows(n_prompts, config.prompt_seed_start, config.task_id, config.force_decay)
@@ -608,7 +610,8 @@ def train(
         tools = [getattr(probe, name) for name in TOOL_NAMES]
         extra["environment_factory"] = DentalToolEnv
         if config.env_url:  # the tools over the server: one WebSocket session per rollout
-            from orthojob.agentic.tools import RemoteToolEnvFactory, check_server_capacity
+            from orthojob.agentic.remote import check_server_capacity
+            from orthojob.agentic.tools import RemoteToolEnvFactory
 
             try:
                 check_server_capacity(config.env_url, generation_batch(config, n_processes))

@@ -197,14 +197,14 @@ def sft_trainer(config: SFTJobConfig, model, tokenizer, rows: Sequence[dict], de
     The loss: the completion's tokens (TRL's completion-only loss). Stage 1 (``demos="tool"``) trains
     on the assistant's turns only (TRL's ``assistant_only_loss``): its completions hold the tools'
     results as ``tool`` messages, the environment's text, not the policy's; the tokenizer gets the
-    tool-calling template (:func:`orthojob.agentic.tools.prepare_tokenizer`), and SFTTrainer renders with
+    tool-calling template (:func:`orthojob.agentic.chat_template.prepare_tokenizer`), and SFTTrainer renders with
     its training variant, which marks the assistant's turns (:func:`orthojob.stages.tool_sft.conversation_dataset`)."""
     from datasets import Dataset  # heavy, and only after Unsloth: imported when training starts
     from trl import SFTConfig, SFTTrainer
 
     tool = config.demos == "tool"
     if tool:
-        from orthojob.agentic.tools import prepare_tokenizer
+        from orthojob.agentic.chat_template import prepare_tokenizer
         from orthojob.stages.tool_sft import conversation_dataset
 
         tokenizer = prepare_tokenizer(tokenizer)

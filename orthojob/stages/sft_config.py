@@ -160,7 +160,7 @@ class FormatSFTConfig(SFTJobConfig):
 class ToolSFTConfig(SFTJobConfig):
     """Every ``orthojob tool-sft`` flag: stage 1, tool-use SFT on the oracle's tool conversations
     (:func:`orthojob.stages.tool_sft.tool_demonstrations`: inspect a tooth or two, check collisions, submit the
-    oracle's plan), with the tool-calling chat template (:func:`orthojob.agentic.tools.prepare_tokenizer`).
+    oracle's plan), with the tool-calling chat template (:func:`orthojob.agentic.chat_template.prepare_tokenizer`).
     Its gate runs greedy agentic episodes (:func:`orthojob.stages.tool_sft.tool_gate_metrics`)."""
 
     out: str = field(default="./checkpoints/sft1", metadata={"help": "output folder or s3:// URI"})

@@ -5,14 +5,14 @@
 through the very tools GRPO's agentic mode exposes: it inspects one or two of the teeth with the
 most movement (``inspect_tooth``), checks the arch's contacts (``check_collisions``) and submits its
 plan (``submit_plan``), then says it is done. Each row is the agentic prompt (system + instructions
-with the case appended, :func:`orthojob.agentic.tools.full_prompt`), the assistant's tool calls in the
+with the case appended, :func:`orthojob.agentic.prompts.full_prompt`), the assistant's tool calls in the
 chat template's tool-call format with the tools' real results as ``tool`` messages, and the tools'
 JSON schemas (column ``tools``, which TRL's SFTTrainer renders into the system message as GRPO
 does). Traces whose plan breaks a hard rule are skipped (as stage 2 does; counted). A trace ends
 with the reward the environment gave it, the one-shot reward of the oracle's plan.
 
 **Training** is :func:`orthojob.stages.sft.run_sft` (the tokenizer gets the tool-calling template,
-:func:`orthojob.agentic.tools.prepare_tokenizer`) on the conversations as messages
+:func:`orthojob.agentic.chat_template.prepare_tokenizer`) on the conversations as messages
 (:func:`conversation_dataset`). The loss covers the assistant's turns only, each tool call's JSON and
 the closing turn with their end-of-turn tokens: not the prompt, not the tools' results (the
 environment's text). TRL's SFTTrainer (``assistant_only_loss``) renders each conversation with the
@@ -39,7 +39,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv, agentic_messages, agentic_rows, full_prompt
+from orthojob.agentic.prompts import agentic_messages, agentic_rows, full_prompt
+from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv
 from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from server.dental_constants import MM_PER_DEG, TOOTH_IDS
 from server.oracle import oracle_plan
@@ -172,7 +173,7 @@ def tiny_tool_corpus(task_ids: Sequence[str], force_decay: bool = False, n_per_t
     """Tokenizer corpus for a tiny model of stage 1: the one-shot corpus
     (:func:`orthojob.modeling.models.tiny_corpus`) and a few training tool conversations rendered with the
     tool-calling template, so that the tools' schemas cost few tokens."""
-    from orthojob.agentic.tools import prepare_tokenizer
+    from orthojob.agentic.chat_template import prepare_tokenizer
     from orthojob.modeling.models import tiny_corpus
     from orthojob.modeling.tiny_model import train_tokenizer
 
@@ -218,14 +219,14 @@ def parse_tool_call(text: str) -> tuple[str, dict] | None:
 def agentic_rollouts(
     model, tokenizer, rows: Sequence[dict], max_turns: int, max_new_tokens: int, batch_size: int
 ) -> list[dict]:
-    """Greedy tool-calling episodes, one per row (:func:`orthojob.agentic.tools.agentic_rows`): each turn
+    """Greedy tool-calling episodes, one per row (:func:`orthojob.agentic.prompts.agentic_rows`): each turn
     is generated, its first tool call run on the row's :class:`DentalToolEnv` and the result
     appended as a ``tool`` message, until a turn without a tool call, the episode's end, or
     ``max_turns`` turns. Returns per episode: ``turns``, ``first_call`` (the first turn was a
     parseable call), ``calls``, ``invalid``, ``finished``, ``reward``, ``messages``."""
     import torch
 
-    from orthojob.agentic.tools import prepare_tokenizer
+    from orthojob.agentic.chat_template import prepare_tokenizer
 
     tokenizer = prepare_tokenizer(tokenizer)
     tokenizer.padding_side = "left"

@@ -209,7 +209,7 @@ class McpEndpoint:
         try:
             request = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
-            return _encode(_error(None, PARSE_ERROR, f"parse error: the body is not JSON ({exc})"))
+            return _encode(error_response(None, PARSE_ERROR, f"parse error: the body is not JSON ({exc})"))
         return _encode(self.handle(request))
 
     def handle(self, request: Any, episode: ServerToolEpisode | None = None) -> dict[str, Any] | None:
@@ -221,16 +221,16 @@ class McpEndpoint:
         try:
             method, params = _check_request(request)
         except JsonRpcError as exc:
-            return _error(request_id, exc.code, exc.message, exc.data)
+            return error_response(request_id, exc.code, exc.message, exc.data)
         if "id" not in request:  # a notification (notifications/initialized, ...): no answer, no effect
             return None
         try:
             result = self._dispatch(method, params, episode)
         except JsonRpcError as exc:
-            return _error(request_id, exc.code, exc.message, exc.data)
+            return error_response(request_id, exc.code, exc.message, exc.data)
         except Exception as exc:  # a server bug: logged, answered, the session goes on
             logger.exception("internal error in MCP %r", method)
-            return _error(request_id, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+            return error_response(request_id, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
         return {"jsonrpc": "2.0", "id": request_id, "result": result}
 
     def _dispatch(self, method: str, params: dict, episode: ServerToolEpisode | None) -> Any:
@@ -340,7 +340,7 @@ def _check_request(request: Any) -> tuple[str, dict]:
     return method, params
 
 
-def _error(request_id: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
+def error_response(request_id: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
     error: dict[str, Any] = {"code": code, "message": message[:2000]}
     if data is not None:
         error["data"] = data
@@ -353,7 +353,7 @@ def _encode(answer: dict[str, Any] | None) -> bytes | None:
 
 def oversized_answer(message: str) -> bytes:
     """The JSON-RPC error body of a request over the message limit."""
-    return orjson.dumps(_error(None, INVALID_REQUEST, message))
+    return orjson.dumps(error_response(None, INVALID_REQUEST, message))
 
 
 __all__ = [

@@ -49,7 +49,7 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
 MESSAGE_TYPES = ("reset", "step", "state", "close", "tool", "mcp")
 """The WebSocket message types this server answers: OpenEnv's four, ``tool`` (the environment's
-tools on the session's own episode, :meth:`server.app.DentalOpenEnvAdapter.tool_dict`) and OpenEnv's
+tools on the session's own episode, :meth:`server.serving.adapter.DentalOpenEnvAdapter.tool_dict`) and OpenEnv's
 ``mcp`` (a JSON-RPC request to the agentic MCP tools on that episode, :mod:`server.serving.mcp_tools`)."""
 
 

@@ -103,7 +103,7 @@ class WebSocketSessions:
 
     ``env_factory()`` makes one session's environment: an object with ``reset_observation
     (**data) -> dict``, ``step_observation(data: dict) -> dict``, ``state_dict() -> dict`` and
-    ``close()`` (:class:`server.app.DentalOpenEnvAdapter`). Refused requests raise
+    ``close()`` (:class:`server.serving.adapter.DentalOpenEnvAdapter`). Refused requests raise
     ``ValueError``/``ValidationError`` subclasses, answered as error replies.
     """
 

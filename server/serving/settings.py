@@ -36,9 +36,6 @@ send its first message and read the refusal; then it is closed (code 1013, try a
 MAX_PENDING_REFUSALS: int = 64
 """Refused connections waiting to be read at once; beyond this they are closed at once."""
 
-MAX_FORGOTTEN_EPISODES: int = 4096
-"""Closed, evicted or expired episode ids remembered (LRU), so a 404 can say which it was."""
-
 MAX_ERROR_CHARS: int = 2000
 """An error reply's message is cut to this many characters; replies never echo the input."""
 
