@@ -43,7 +43,7 @@ from orthojob.eval import viewer
 from orthojob.eval.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
 from orthojob.modeling import base_models
 from orthojob.modeling.models import tiny_corpus
-from orthojob.ops import mlops, progress, storage, tracking
+from orthojob.ops import gate_file, mlops, progress, storage, tracking
 from orthojob.ops.exit_codes import ExitCode, epilog
 from orthojob.ops.k8s import add_k8s_arguments
 from orthojob.ops.registry import DEFAULT_MODEL_NAME
@@ -57,11 +57,11 @@ from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 from server.errors import InvalidActionError
 
 TRACKED_STAGES: dict[str, str] = {
-    "sft": gate.BC_SFT,
-    "format-sft": gate.FORMAT_SFT,
-    "tool-sft": gate.TOOL_SFT,
-    "bc-sft": gate.BC_SFT,
-    "rsft": gate.RSFT,
+    "sft": gate_file.BC_SFT,
+    "format-sft": gate_file.FORMAT_SFT,
+    "tool-sft": gate_file.TOOL_SFT,
+    "bc-sft": gate_file.BC_SFT,
+    "rsft": gate_file.RSFT,
     "gate": "gate",
     "evaluate": "evaluate",
 }
@@ -165,8 +165,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if args.check:
         try:
             checked = _input_folder(args.check, "gate --check", must_exist=False)
-            gate.check_gate(checked)
-        except gate.GateError as exc:
+            gate_file.check_gate(checked)
+        except gate_file.GateError as exc:
             print(f"orthojob gate --check: {exc.message}", file=sys.stderr)
             return exc.exit_code
         print(f"gate of {args.check}: passed, digest matches")
@@ -180,7 +180,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     checkpoint = _input_folder(args.checkpoint, "gate")
     if checkpoint is None:
         return ExitCode.USAGE
-    limits = gate.thresholds_for(args.stage).replace(**given_values(args, gate.GateThresholds))
+    limits = gate_file.thresholds_for(args.stage).replace(**given_values(args, gate_file.GateThresholds))
     report = gate.gate_report(
         str(checkpoint),
         n_seeds=args.seeds,
@@ -192,9 +192,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
         thresholds=limits,
         max_tool_turns=args.tool_turns,
     )
-    content = gate.write_gate(str(checkpoint), report)
-    print(gate.format_gate(content))
-    print(f"wrote {gate.gate_path(checkpoint)}")
+    content = gate_file.write_gate(str(checkpoint), report)
+    print(gate_file.format_gate(content))
+    print(f"wrote {gate_file.gate_path(checkpoint)}")
     if storage.is_s3_uri(args.checkpoint):  # the gate file lives with the checkpoint: publish both again
         storage.publish(checkpoint, args.checkpoint)
         print(f"published {args.checkpoint} with its gate file")
@@ -358,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_evaluate)
 
-    refusals = "; ".join(f"{int(code)} {code.meaning}" for code in gate.PREFLIGHT_REFUSALS)
+    refusals = "; ".join(f"{int(code)} {code.meaning}" for code in gate_file.PREFLIGHT_REFUSALS)
     stage_codes = epilog(
         ExitCode.OK, ExitCode.USAGE, ExitCode.GATE_FAILED, ExitCode.STORAGE, ExitCode.TRACKING
     )
@@ -380,14 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bc = sub.add_parser(
         "bc-sft",
-        help=f"stage 2: BC SFT on the oracle's safe plans, then its gate (stage {gate.BC_SFT})",
+        help=f"stage 2: BC SFT on the oracle's safe plans, then its gate (stage {gate_file.BC_SFT})",
         epilog=stage_codes,
     )
     add_sft_arguments(bc, "sft", with_gate=True)
     bc.set_defaults(func=cmd_bc_sft)
 
     sf = sub.add_parser(
-        "sft", help=f"stage 2 (BC) without its gate: orthojob gate --stage {gate.BC_SFT} writes it"
+        "sft", help=f"stage 2 (BC) without its gate: orthojob gate --stage {gate_file.BC_SFT} writes it"
     )
     add_sft_arguments(sf)
     sf.set_defaults(func=cmd_sft)
@@ -423,10 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ga.add_argument(
         "--stage",
-        default=gate.BC_SFT,
-        choices=gate.STAGES,
-        help=f"{gate.FORMAT_SFT} (format gate), {gate.BC_SFT} (BC, default) or {gate.RSFT} (quality gates: format "
-        f"and the hard-rule bound), {gate.TOOL_SFT} (tool-call gate), or {gate.GRPO} (quality gate, also the mean "
+        default=gate_file.BC_SFT,
+        choices=gate_file.STAGES,
+        help=f"{gate_file.FORMAT_SFT} (format gate), {gate_file.BC_SFT} (BC, default) or {gate_file.RSFT} (quality gates: format "
+        f"and the hard-rule bound), {gate_file.TOOL_SFT} (tool-call gate), or {gate_file.GRPO} (quality gate, also the mean "
         f"scaled reward against uniform SLERP's)",
     )
     ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
         ga.add_argument_group(
             "thresholds (default: the stage's, orthojob/stages/gate.py DEFAULT_THRESHOLDS)"
         ),
-        gate.GateThresholds,
+        gate_file.GateThresholds,
     )
     ga.set_defaults(func=cmd_gate)
 
@@ -488,9 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "--max-hard-rule-share-over-oracle",
         type=finite_float,
-        default=gate.HARD_RULE_BOUND,
+        default=gate_file.HARD_RULE_BOUND,
         help="register only a run whose held-out share of plans breaking a hard rule exceeds the oracle's on the "
-        f"gate's cases by at most this (default {gate.HARD_RULE_BOUND:g}: no worse than the oracle)",
+        f"gate's cases by at most this (default {gate_file.HARD_RULE_BOUND:g}: no worse than the oracle)",
     )
     pr.set_defaults(func=cmd_promote)
 

@@ -452,14 +452,14 @@ def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(services, env,
 def _gated_checkpoint(tiny: Path, folder: Path, passed: bool) -> Path:
     import shutil
 
-    from orthojob.stages import gate
+    from orthojob.ops import gate_file
 
     shutil.copytree(tiny, folder)
     good = {"parse_rate": 1.0, "format_reward": 1.0, "margin_over_slerp": 0.1, "scaled_reward_mean": 7.0,
             "hard_rule_share_over_oracle": 0.0}  # fmt: skip
     bad = {"parse_rate": 0.0, "format_reward": 0.0, "margin_over_slerp": -8.0, "scaled_reward_mean": -2.0,
            "hard_rule_share_over_oracle": 0.0}  # fmt: skip
-    gate.write_gate(folder, good if passed else bad, stage="bc_sft")
+    gate_file.write_gate(folder, good if passed else bad, stage="bc_sft")
     return folder
 
 

@@ -139,7 +139,7 @@ def test_smoke_runs_every_reward_on_real_plans_without_a_model(no_model_load, ca
 
 
 def test_missing_sft_gate_refuses_to_start(no_model_load, tmp_path, capsys):
-    from orthojob.stages.gate import GateError, check_gate
+    from orthojob.ops.gate_file import GateError, check_gate
 
     with pytest.raises(GateError) as info:
         check_gate(str(tmp_path))
@@ -151,7 +151,7 @@ def test_missing_sft_gate_refuses_to_start(no_model_load, tmp_path, capsys):
 def test_sft_gate_preflight_passes_and_fails_on_the_gate_file(no_model_load, tiny_model, tmp_path, capsys):
     import shutil
 
-    from orthojob.stages.gate import write_gate
+    from orthojob.ops.gate_file import write_gate
 
     checkpoint = tmp_path / "bc_sft"
     shutil.copytree(tiny_model, checkpoint)
@@ -280,7 +280,7 @@ def test_grpo_trainer_calls_the_five_rewards(tiny_model, tmp_path):
     assert json.loads((out / "train_log.json").read_text())[0]["step"] == 1
     assert (out / "config.json").exists() or (out / "adapter_config.json").exists()
     # The GRPO gate: written by the held-out evaluation of the saved checkpoint, passed computed.
-    from orthojob.stages.gate import GATE_FILE, gate_checks
+    from orthojob.ops.gate_file import GATE_FILE, gate_checks
 
     gate = json.loads((out / GATE_FILE).read_text())
     assert gate["stage"] == "grpo" and gate["evaluation"]["n_seeds"] == config.gate_seeds

@@ -14,9 +14,9 @@ import pytest
 from orthojob.cli import main as cli_main
 from orthojob.data.prompts import PROMPT_FORMAT_KEY, TRAIN_SEED_START, plan_to_completion
 from orthojob.modeling import models
+from orthojob.ops import gate_file
 from orthojob.rewards.reward_functions import reward_terminal
 from orthojob.rewards.rollouts import DEFAULT_CACHE
-from orthojob.stages import gate
 from orthojob.stages.presets import PRESETS
 from orthojob.stages.tool_sft import (
     DONE_MESSAGE,
@@ -127,7 +127,7 @@ def test_tool_sft_cli_gate_mlflow_and_grpo_preflight(tiny_tool_base, tmp_path, m
     argv = ["tool-sft", "--model", str(tiny_tool_base), "--out", str(out), "--lora-r", "0", "--steps", "2",
             "--batch-size", "1", "--examples", "2", *TOOL_GATE_FLAGS]  # fmt: skip
     assert cli_main(argv) == 0, capsys.readouterr()
-    content = gate.read_gate(out)
+    content = gate_file.read_gate(out)
     assert content["stage"] == "tool_sft" and content["passed"] is True
     assert set(content["checks"]) == {"tool_call_rate", "finished_rate"}
     assert {"valid_call_rate", "reward_mean", "turns_mean"} <= set(content["metrics"])
@@ -151,7 +151,7 @@ def test_tool_sft_cli_gate_mlflow_and_grpo_preflight(tiny_tool_base, tmp_path, m
     # with the default thresholds two steps do not teach tool calls: the gate fails (exit 12)
     rc = cli_main(["gate", "--checkpoint", str(out), "--stage", "tool_sft", "--seeds", "1", "--max-new-tokens", "8",
                    "--tool-turns", "1"])  # fmt: skip
-    assert rc == 12 and gate.read_gate(out)["passed"] is False
+    assert rc == 12 and gate_file.read_gate(out)["passed"] is False
 
 
 def test_pipeline_runs_tool_use_sft_from_a_presets_chain(tmp_path, monkeypatch, capsys):
@@ -183,7 +183,7 @@ def test_pipeline_runs_tool_use_sft_from_a_presets_chain(tmp_path, monkeypatch, 
     tool = stages["tool_sft"]
     assert tool["demos"]["source"] == "tool" and tool["assistant_only_loss"] is True
     assert tool["examples_at_max_length"] == 0 and 0 < tool["loss_tokens"] < tool["tokens"]
-    content = gate.read_gate(out / "tool_sft")
+    content = gate_file.read_gate(out / "tool_sft")
     assert content["stage"] == "tool_sft" and stages["gate_tool_sft"]["passed"] is True
     assert stages["gate_tool_sft"]["tool_call_rate"] == content["metrics"]["tool_call_rate"]
     assert "gate_tool_sft" in capsys.readouterr().out  # the summary table's line

@@ -258,8 +258,8 @@ def log_training_artifacts(
     cases it trained on, :func:`training_cases`)."""
     import mlflow
 
+    from orthojob.ops.gate_file import GATE_FILE
     from orthojob.ops.tracking import redact
-    from orthojob.stages.gate import GATE_FILE
 
     with tempfile.TemporaryDirectory() as tmp:
         resolved = Path(tmp) / "resolved_config.json"
@@ -427,8 +427,8 @@ def record_gate(
     LoggedModel) gets nothing."""
     import mlflow
 
+    from orthojob.ops.gate_file import gate_path
     from orthojob.ops.tracking import log_metrics
-    from orthojob.stages.gate import gate_path
 
     passed = str(bool(content.get("passed"))).lower()
     values = dict(content.get("metrics") or {})

@@ -8,7 +8,7 @@ metrics as ``gate/<name>`` (the headline ``gate/scaled_reward_mean``, ``gate/har
 ``promote(run_id)`` reads the run's gated LoggedModel (``mlflow.search_logged_models`` by
 ``source_run_id``) and registers it only when its gate passed **and** its held-out hard-rule share is
 within the promotion's bound: no more plans breaking a hard rule than the oracle's on the gate's
-cases, plus ``max_hard_rule_share_over_oracle`` (default :data:`orthojob.stages.gate.HARD_RULE_BOUND`, 0;
+cases, plus ``max_hard_rule_share_over_oracle`` (default :data:`orthojob.ops.gate_file.HARD_RULE_BOUND`, 0;
 checked here even when the gate itself was run with a looser threshold or none). Such a version gets
 alias ``candidate``. The champion is picked from the records: ``search_logged_models`` over the
 registered versions' LoggedModels, filtered on a passed gate and the hard-rule bound, ordered by the
@@ -41,7 +41,7 @@ from orthojob.eval.metrics import (
     SCALED_REWARD_MEAN,
 )
 from orthojob.ops.exit_codes import ExitCode
-from orthojob.stages.gate import GATE_FILE, HARD_RULE_BOUND
+from orthojob.ops.gate_file import GATE_FILE, HARD_RULE_BOUND
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ Three modules hold the stage, as in TRL:
 :mod:`orthojob.eval.analysis`), then :func:`run_grpo`. :func:`run_grpo` takes a config object (the
 pipeline calls it directly): validation before any model loads (exit 2), ``--test`` (the seed's
 smoke: prompts and every reward on real plans, no model), the SFT gate pre-flight
-(:func:`orthojob.stages.gate.check_gate`, its exit code on refusal), then training inside the stage's
+(:func:`orthojob.ops.gate_file.check_gate`, its exit code on refusal), then training inside the stage's
 MLflow run with S3 in and out and resume. After training, :func:`run_grpo_gate` evaluates the
 saved checkpoint on held-out seeds and writes its gate file once, with the thresholds the caller
-passed (default :data:`orthojob.stages.gate.DEFAULT_THRESHOLDS` ``["grpo"]``).
+passed (default :data:`orthojob.ops.gate_file.DEFAULT_THRESHOLDS` ``["grpo"]``).
 
 Data parallel: ``torchrun --nproc_per_node N -m orthojob.cli train ...``. A resumed run resumes on
 every rank from the same checkpoint (with ``--out s3://...`` the first rank of each node downloads
@@ -45,11 +45,12 @@ from orthojob.eval.reward_signal import format_report, signal_groups, signal_rep
 from orthojob.modeling.models import adapter_base, device_info, is_adapter
 from orthojob.ops import mlops, storage, tracking
 from orthojob.ops.exit_codes import ExitCode
+from orthojob.ops.gate_file import GateError, GateThresholds, check_gate, format_gate, write_gate
 from orthojob.ops.preemption import PreemptionGuard
 from orthojob.ops.run_identity import RunIdentityError
 from orthojob.rewards.reward_functions import REWARD_FUNCS, RewardFunc
 from orthojob.stages.flags import add_config_arguments, given_values
-from orthojob.stages.gate import GateError, GateThresholds, check_gate, format_gate, gate_report, write_gate
+from orthojob.stages.gate import gate_report
 from orthojob.stages.grpo_config import COMPLETIONS_FILE, ConfigError, GRPOJobConfig, validate, world_size
 from orthojob.stages.presets import PRESETS
 from server.cases import CaseKey

@@ -72,7 +72,7 @@ from typing import Any
 from orthojob.eval.evaluation import evaluate_checkpoint, format_table
 from orthojob.eval.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_MEAN
 from orthojob.modeling.models import TINY_MODEL, build_tiny
-from orthojob.ops import mlops, run_identity, storage, tracking
+from orthojob.ops import gate_file, mlops, run_identity, storage, tracking
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.records import json_value
 from orthojob.stages import gate
@@ -248,11 +248,11 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
             if storage.read_manifest(where) is None:
                 return None
             storage.download_dir(where, folder)  # digests checked against its manifest
-        elif not gate.gate_path(folder).is_file():
+        elif not gate_file.gate_path(folder).is_file():
             return None
         try:
-            content = gate.check_gate(folder, accept=None)
-        except gate.GateError as exc:
+            content = gate_file.check_gate(folder, accept=None)
+        except gate_file.GateError as exc:
             print(f"[pipeline] {name} at {where} is not reused ({exc.message[:200]}): training it again")
             return None
         if run_identity.read_identity(folder) is None:  # not written by a run that records its config
@@ -280,7 +280,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         content = gate.run_gate(folder, name, settings, cfg.task_id, cfg.force_decay)
         stages[f"gate_{name}"] = {"seconds": time.perf_counter() - t, **_gate_view(content)}
         log_stage(result, content, folder)
-        print(gate.format_gate(content))
+        print(gate_file.format_gate(content))
         publish(name, folder)
         save()
         return bool(content["passed"])
@@ -333,11 +333,11 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         if out_uri and storage.read_manifest(target) is not None:  # published: trained and gated
             storage.download_dir(target, grpo_dir)
         if (
-            gate.gate_path(grpo_dir).is_file()
+            gate_file.gate_path(grpo_dir).is_file()
             and run_identity.read_identity(grpo_dir) is not None
             and run_identity.check_resume(grpo_dir, identity, where=target)
         ):
-            content = gate.read_gate(grpo_dir)
+            content = gate_file.read_gate(grpo_dir)
             print(f"[pipeline] grpo: already trained and gated at {target} (resumed, not trained again)")
             code = ExitCode.OK if content["passed"] else ExitCode.GRPO_GATE_FAILED
             stages["grpo"] = {"seconds": 0.0, "exit_code": int(code), **earlier.get("grpo", {})}
@@ -359,10 +359,10 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
             **_grpo_rewards(grpo_dir / TRAIN_LOG_FILE),
         }
         save()
-        if rc not in (0, ExitCode.GRPO_GATE_FAILED) or not gate.gate_path(grpo_dir).is_file():
+        if rc not in (0, ExitCode.GRPO_GATE_FAILED) or not gate_file.gate_path(grpo_dir).is_file():
             stages["grpo"]["error"] = f"orthojob train exited {rc}"
             return False, int(rc or ExitCode.FAILURE)
-        content = gate.read_gate(grpo_dir)  # as the GRPO stage wrote (and published and logged) it
+        content = gate_file.read_gate(grpo_dir)  # as the GRPO stage wrote (and published and logged) it
         stages["gate_grpo"] = {"seconds": content["metrics"].get("eval_seconds"), **_gate_view(content)}
         return bool(content["passed"]), int(rc)
 
@@ -380,7 +380,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         ):
             try:
                 result = run_rsft(config)
-            except (RSFTError, gate.GateError) as exc:
+            except (RSFTError, gate_file.GateError) as exc:
                 stages["rsft"] = {
                     "seconds": time.perf_counter() - t,
                     "error": exc.message,

@@ -35,16 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orthojob.modeling.models import TINY_MODEL
-from orthojob.stages.gate import (
+from orthojob.ops.gate_file import (
     BC_SFT,
     DEFAULT_THRESHOLDS,
     FORMAT_SFT,
     GRPO,
     RSFT,
     TOOL_SFT,
-    GateSettings,
     GateThresholds,
 )
+from orthojob.stages.gate import GateSettings
 from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.stages.rsft_config import RSFTConfig
 from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig, ToolSFTConfig
@@ -56,7 +56,7 @@ PIPELINE_STAGES: dict[str, str] = {
     "grpo": GRPO,
     "rsft": RSFT,
 }
-"""A pipeline stage -> its name (:data:`orthojob.stages.gate.STAGES`, where the names are defined): output
+"""A pipeline stage -> its name (:data:`orthojob.ops.gate_file.STAGES`, where the names are defined): output
 folder ``<out>/<name>``, MLflow stage run, gate stage. The BC stage is ``bc_sft``."""
 FIRST_STAGES: tuple[str, ...] = ("format", "tool", "bc")
 """The stages that can start from the base model."""

@@ -1,7 +1,7 @@
 """Stage 4, rejection fine-tuning (RSFT): ``orthojob rsft --from-checkpoint DIR --out DIR``.
 
 1. **Pre-flight**: ``--from-checkpoint`` must carry a passed gate of any earlier stage (format SFT,
-   BC, GRPO or RSFT; :func:`orthojob.stages.gate.check_gate`), whose digest still matches.
+   BC, GRPO or RSFT; :func:`orthojob.ops.gate_file.check_gate`), whose digest still matches.
 2. **Sample**: for each of ``prompts`` training prompts (seeds from ``prompt_seed_start``, tasks
    taking turns, never held-out seeds) the checkpoint samples ``samples_per_prompt`` (k) completions
    at ``temperature`` (:func:`orthojob.eval.evaluation.generate_completions`).
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orthojob.modeling import models
-from orthojob.ops import storage
+from orthojob.ops import gate_file, storage
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.stages import gate
 from orthojob.stages.rsft_config import RSFT_SAMPLES_FILE, ConfigError, RSFTConfig
@@ -234,12 +234,12 @@ def training_rows(samples: Sequence[dict], force_decay: bool, prompt_format: str
 
 def run_rsft(config: RSFTConfig) -> dict:
     """Steps 1-5 of the module docstring except the gate, on local folders; returns the SFT summary
-    with ``rsft`` (the counts) and ``sample_seconds``. Raises :class:`orthojob.stages.gate.GateError` when
+    with ``rsft`` (the counts) and ``sample_seconds``. Raises :class:`orthojob.ops.gate_file.GateError` when
     the pre-flight refuses, :class:`RSFTError` when nothing is kept."""
     if not config.from_checkpoint:
         raise ConfigError("orthojob rsft needs --from-checkpoint (the gated checkpoint to sample from)")
     if not config.skip_gate_check:
-        content = gate.check_gate(config.from_checkpoint)
+        content = gate_file.check_gate(config.from_checkpoint)
         log.info("RSFT starts from %s (gate %s passed)", config.from_checkpoint, content.get("stage"))
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -306,7 +306,7 @@ def run_rsft_cli(args: argparse.Namespace) -> int:
     config = localize(config, lambda m: print(f"[rsft] {m}"))
     try:
         summary = run_rsft(config)
-    except gate.GateError as exc:
+    except gate_file.GateError as exc:
         print(f"orthojob rsft: {exc.message}", file=sys.stderr)
         _tag("orthorl.refused", f"gate exit {exc.exit_code}")
         return exc.exit_code
@@ -315,7 +315,7 @@ def run_rsft_cli(args: argparse.Namespace) -> int:
         _tag("orthorl.refused", "nothing kept")
         return exc.exit_code
     content = gate.run_gate(config.out, stage, settings, config.task_ids, config.force_decay)
-    print(gate.format_gate(content))
+    print(gate_file.format_gate(content))
     log_stage(summary, content, config.out)
     log_rsft(summary, config.out)
     if destination != config.out:

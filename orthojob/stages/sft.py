@@ -52,11 +52,12 @@ from orthojob.data.prompts import (
 )
 from orthojob.modeling import models
 from orthojob.modeling.models import TINY_MODEL, ensure_tiny
-from orthojob.ops import mlops, progress, storage
+from orthojob.ops import gate_file, mlops, progress, storage
 from orthojob.ops.exit_codes import ExitCode
+from orthojob.ops.gate_file import DEFAULT_THRESHOLDS
 from orthojob.stages import gate
 from orthojob.stages.flags import add_config_arguments, given_values
-from orthojob.stages.gate import DEFAULT_THRESHOLDS, GateSettings, add_gate_arguments, gate_settings_from_args
+from orthojob.stages.gate import GateSettings, add_gate_arguments, gate_settings_from_args
 from orthojob.stages.presets import PRESETS
 from orthojob.stages.rsft_config import RSFTConfig
 from orthojob.stages.sft_config import (
@@ -85,12 +86,12 @@ SECTIONS: dict[str, type[SFTJobConfig]] = {
 }
 """A preset's SFT-stage sections (:class:`orthojob.stages.presets.Preset`) and their config classes."""
 GATE_SECTIONS: dict[str, tuple[str, str]] = {
-    "format_sft": ("format_gate", gate.FORMAT_SFT),
-    "tool_sft": ("tool_sft_gate", gate.TOOL_SFT),
-    "sft": ("sft_gate", gate.BC_SFT),
-    "rsft": ("rsft_gate", gate.RSFT),
+    "format_sft": ("format_gate", gate_file.FORMAT_SFT),
+    "tool_sft": ("tool_sft_gate", gate_file.TOOL_SFT),
+    "sft": ("sft_gate", gate_file.BC_SFT),
+    "rsft": ("rsft_gate", gate_file.RSFT),
 }
-"""Per section: the preset's gate settings and the gate's stage name (:data:`orthojob.stages.gate.STAGES`)."""
+"""Per section: the preset's gate settings and the gate's stage name (:data:`orthojob.ops.gate_file.STAGES`)."""
 
 
 def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -> list[dict]:
@@ -414,9 +415,9 @@ def _other_stage_at_default_out(args: argparse.Namespace, section: str, config: 
         return None
     folder = Path(config.out)
     try:
-        stage = gate.read_gate(folder).get("stage")
+        stage = gate_file.read_gate(folder).get("stage")
         return f"stage {stage}" if stage != GATE_SECTIONS[section][1] else None
-    except gate.GateError:
+    except gate_file.GateError:
         pass  # no readable gate file: what trained it, if anything did
     try:
         demos = json.loads((folder / SFT_CONFIG_FILE).read_text()).get("demos")
@@ -452,7 +453,7 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
     content = None
     if gated:
         content = gate.run_gate(config.out, stage, settings, config.task_ids, config.force_decay)
-        print(gate.format_gate(content))
+        print(gate_file.format_gate(content))
     log_stage(summary, content, config.out)
     if destination != config.out:
         storage.publish(config.out, destination)
@@ -464,7 +465,7 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
     )
     if not gated:
         print(
-            f"[{command}] next: orthojob gate --checkpoint {destination} --stage {gate.BC_SFT} (or run orthojob bc-sft, which gates)"
+            f"[{command}] next: orthojob gate --checkpoint {destination} --stage {gate_file.BC_SFT} (or run orthojob bc-sft, which gates)"
         )
         return 0
     return 0 if content["passed"] else ExitCode.GATE_FAILED

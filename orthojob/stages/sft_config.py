@@ -10,7 +10,7 @@ generated from the fields (:func:`orthojob.stages.flags.add_config_arguments`), 
 Default output folders, as the seed numbers them (``train_grpo.py``): ``./checkpoints/sft0`` (stage 0,
 format SFT), ``./checkpoints/sft1`` (stage 1, tool-use SFT), ``./checkpoints/sft2`` (stage 2, BC SFT);
 GRPO's is ``./checkpoints/grpo``, RSFT's ``./checkpoints/rsft``. The pipeline names its stage folders after the gate stages instead
-(``<out>/format_sft``, ``<out>/tool_sft``, ``<out>/bc_sft``, ...; :data:`orthojob.stages.gate.STAGES`).
+(``<out>/format_sft``, ``<out>/tool_sft``, ``<out>/bc_sft``, ...; :data:`orthojob.ops.gate_file.STAGES`).
 """
 
 from __future__ import annotations
