@@ -43,7 +43,7 @@ from orthojob.eval import viewer
 from orthojob.eval.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
 from orthojob.modeling import base_models
 from orthojob.modeling.models import tiny_corpus
-from orthojob.ops import gate_file, mlops, progress, storage, tracking
+from orthojob.ops import gate_file, job_errors, progress, registry, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode, epilog
 from orthojob.ops.k8s import add_k8s_arguments
 from orthojob.ops.registry import DEFAULT_MODEL_NAME
@@ -205,7 +205,7 @@ def _input_folder(path_or_uri: str, command: str, must_exist: bool = True) -> Pa
     """A stage's input folder (an ``s3://`` URI is downloaded and verified); None, with the
     reason printed, when a local folder does not exist and ``must_exist``."""
     if storage.is_s3_uri(path_or_uri):
-        return mlops.local_input(path_or_uri, lambda m: print(f"[{command.split()[0]}] {m}"))
+        return work_dirs.local_input(path_or_uri, lambda m: print(f"[{command.split()[0]}] {m}"))
     if must_exist and not Path(path_or_uri).is_dir():
         print(f"orthojob {command}: checkpoint folder {path_or_uri} does not exist", file=sys.stderr)
         return None
@@ -321,7 +321,7 @@ def _greedy(max_new_tokens: int):
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    return mlops.run_promote(
+    return registry.run_promote(
         args.run_id,
         args.model_name,
         args.force,
@@ -590,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args) or 0)
         return _tracked(stage, args)
     except (storage.StorageError, tracking.TrackingError) as exc:
-        return mlops.report_job_error(args.command, exc)
+        return job_errors.report_job_error(args.command, exc)
 
 
 def _tracked(stage: str, args: argparse.Namespace) -> int:
@@ -604,7 +604,7 @@ def _tracked(stage: str, args: argparse.Namespace) -> int:
             mlflow.set_tag("orthorl.exit_code", str(code))
             return code
     except tracking.TrackingError as exc:
-        return mlops.report_job_error(args.command, exc)
+        return job_errors.report_job_error(args.command, exc)
 
 
 if __name__ == "__main__":

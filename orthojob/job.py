@@ -176,7 +176,7 @@ def grpo_run_id(p: Plan) -> str | None:
     """The GRPO stage's MLflow run: from the pipeline's summary, or the last run of ``train``."""
     if p.chain[0] == "pipeline":
         from orthojob.ops import storage
-        from orthojob.ops.mlops import local_work_dir
+        from orthojob.ops.work_dirs import local_work_dir
 
         local = local_work_dir(p.out) if storage.is_s3_uri(p.out) else Path(p.out)
         summary = local / "pipeline_summary.json"
@@ -191,7 +191,7 @@ def grpo_run_id(p: Plan) -> str | None:
 def preflight(p: Plan, env: Mapping[str, str], say: Callable[[str], object] = print) -> int:
     """Probe the output prefix and MLflow (module docstring); 0, or the exit code (message printed)."""
     from orthojob.ops import storage, tracking
-    from orthojob.ops.mlops import report_job_error
+    from orthojob.ops.job_errors import report_job_error
 
     try:
         say(f"[job] probe: {storage.probe_output(p.out)}")
@@ -333,7 +333,7 @@ def main(
         print(f"[job] orthojob promote --run-id {run_id} --model-name {p.model_name}", flush=True)
         return int(cli(["promote", "--run-id", run_id, "--model-name", p.model_name]) or 0)
     except (TrackingError, StorageError) as exc:
-        from orthojob.ops.mlops import report_job_error
+        from orthojob.ops.job_errors import report_job_error
 
         return report_job_error("job", exc)
 

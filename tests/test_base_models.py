@@ -222,7 +222,7 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
     import torch
 
     from orthojob.modeling import models
-    from orthojob.ops import mlops, tracking
+    from orthojob.ops import model_logging, tracking
 
     monkeypatch.setenv(base_models.CACHE_ENV, str(tmp_path / "cache"))
     model, tok = models.load_policy(HUB_BASE, lora_r=4)
@@ -244,7 +244,7 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
 
     # reloaded from the folder as the SFT stages log their checkpoints (PEFT drops the keys it does
     # not know): the record is kept, and saved again the same
-    reloaded, _ = mlops.load_checkpoint(adapter)
+    reloaded, _ = model_logging.load_checkpoint(adapter)
     assert models.recorded_base(reloaded) == {k: cfg[k] for k in models.recorded_base(model)}
     reloaded.save_pretrained(tmp_path / "again")
     again = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
@@ -254,7 +254,7 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     with tracking.stage_run("grpo", experiment="hub-staged-base"):
-        info = mlops.log_model(model, tok, HUB_BASE)
+        info = model_logging.log_model(model, tok, HUB_BASE)
     assert info.metadata["base_model"] == HUB_ID and info.metadata["base_model_revision"] == COMMIT
     assert info.metadata["base_model_uri"] == HUB_BASE and info.metadata["adapter"] == "true"
     assert info.metadata["base_model_digest"] == cfg[base_models.RECORD_DIGEST]

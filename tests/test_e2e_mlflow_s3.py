@@ -26,7 +26,7 @@ import pytest
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("boto3")
 
-from orthojob import storage, tracking  # noqa: E402
+from orthojob.ops import storage, tracking  # noqa: E402
 from orthojob.ops.exit_codes import ExitCode  # noqa: E402
 from orthojob.stages.grpo_trainer import PROCESS_GROUP_LEFT  # noqa: E402
 from tests.services import free_port, mlflow_server, run_process_group, seaweedfs  # noqa: E402

@@ -10,7 +10,7 @@ Instead:
   request (async-signal-safe: no I/O, no MLflow call from the handler);
 * its :meth:`callback` (a ``TrainerCallback``) sees the request at the next step end and sets
   ``control.should_save`` and ``control.should_training_stop``: the Trainer saves
-  ``checkpoint-<step>``, every ``on_save`` callback runs (``mlops.checkpoint_sync_callback``
+  ``checkpoint-<step>``, every ``on_save`` callback runs (``checkpoints.checkpoint_sync_callback``
   uploads it, manifest last), and ``trainer.train()`` returns;
 * :meth:`exit_if_requested` (after ``train()`` returns) tags the run, ends it ``KILLED`` and
   raises ``SystemExit(143)``: the Job's policy retries 143 and the new pod resumes from the

@@ -1,7 +1,7 @@
 """Adapter promotion in the MLflow model registry (aliases, not stages), from MLflow's LoggedModel records.
 
 Every training stage logs its gated checkpoint as an MLflow LoggedModel carrying its gate
-(:func:`orthojob.ops.mlops.log_gated_checkpoint`): the verdict as tag ``orthorl.gate_passed``, the gate's
+(:func:`orthojob.ops.model_logging.log_gated_checkpoint`): the verdict as tag ``orthorl.gate_passed``, the gate's
 metrics as ``gate/<name>`` (the headline ``gate/scaled_reward_mean``, ``gate/hard_rule_share``,
 ``gate/oracle_hard_rule_share``, ``gate/hard_rule_share_over_oracle``), linked to the held-out cases.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +41,10 @@ from orthojob.eval.metrics import (
     HARD_RULE_SHARE,
     SCALED_REWARD_MEAN,
 )
+from orthojob.ops import tracking
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.gate_file import GATE_FILE, HARD_RULE_BOUND
+from orthojob.ops.job_errors import report_job_error
 
 log = logging.getLogger(__name__)
 
@@ -301,3 +304,19 @@ def promote(
     client.set_model_version_tag(model_name, v, "promotion", reason)
     log.info("%s v%s: candidate; %s", model_name, v, reason)
     return Promotion(model_name, v, True, champion, reason, gate["score"], previous, previous_score)
+
+
+def run_promote(run_id: str, model_name: str, force: bool, **bounds) -> int:
+    """``orthojob promote``: register the run's model (aliases per :mod:`orthojob.ops.registry`; ``bounds``:
+    :func:`orthojob.ops.registry.promote`'s, e.g. ``max_hard_rule_share_over_oracle``); exit code."""
+    try:
+        tracking.configure()
+        result = promote(run_id, model_name, force=force, **bounds)
+    except tracking.TrackingError as exc:
+        return report_job_error("promote", exc)
+    except PromotionError as exc:
+        print(f"orthojob promote: {tracking.redact(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    aliases = "candidate" + (", champion" if result.champion else "")
+    print(f"{result.model_name} version {result.version}: {aliases} ({result.reason})")
+    return 0

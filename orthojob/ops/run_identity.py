@@ -15,7 +15,7 @@ silently continued the old run (a 300-step run resumed at step 300 and trained n
   ``ORTHORL_ON_FOREIGN_CHECKPOINT``. A checkpoint without an identity file (written before this
   existed) is resumed, with a warning: refusing every old checkpoint would strand them.
 
-Pure logic: no storage, no MLflow. ``orthojob.ops.mlops`` writes the file into each synced checkpoint
+Pure logic: no storage, no MLflow. :mod:`orthojob.ops.checkpoints` writes the file into each synced checkpoint
 and calls :func:`check_resume` from ``resume_checkpoint``.
 """
 

@@ -43,7 +43,7 @@ from orthojob.eval.analysis import analyze
 from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
 from orthojob.eval.reward_signal import format_report, signal_groups, signal_report
 from orthojob.modeling.models import adapter_base, device_info, is_adapter
-from orthojob.ops import mlops, storage, tracking
+from orthojob.ops import checkpoints, job_errors, model_logging, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.gate_file import GateError, GateThresholds, check_gate, format_gate, write_gate
 from orthojob.ops.preemption import PreemptionGuard
@@ -177,7 +177,7 @@ def train_and_gate(
     ``identity``: recorded in every checkpoint (:mod:`orthojob.ops.run_identity`). ``guard``: a SIGTERM
     saves a checkpoint and stops training; the gate is then skipped (the grace period is short)."""
     device_info()  # imports Unsloth where it can be used: it must come before TRL
-    from orthojob import grpo_trainer  # imports TRL and torch: only once training starts
+    from orthojob.stages import grpo_trainer  # imports TRL and torch: only once training starts
 
     def gate(out: Path) -> tuple[dict, bool]:
         if guard is not None and guard.requested:
@@ -252,7 +252,7 @@ def run_grpo(
     try:
         return _tracked_train(given or {}, config, main_rank, say, gate_thresholds)
     except (tracking.TrackingError, storage.StorageError) as exc:
-        return mlops.report_job_error("train", exc)
+        return job_errors.report_job_error("train", exc)
 
 
 def _check_sft_gate(config: GRPOJobConfig, say: Callable[..., Any]) -> int | None:
@@ -319,7 +319,7 @@ def _tracked_train(
     identity = config.to_dict()  # as asked for: before inputs and outputs are made local
     with run_ctx, PreemptionGuard() as guard:
         if config.from_checkpoint and storage.is_s3_uri(config.from_checkpoint):
-            local = mlops.local_input(config.from_checkpoint, lambda m: say(f"[grpo] {m}"))
+            local = work_dirs.local_input(config.from_checkpoint, lambda m: say(f"[grpo] {m}"))
             config = dataclasses.replace(config, from_checkpoint=str(local))
         code = _check_sft_gate(config, say)
         if code is not None:
@@ -328,12 +328,12 @@ def _tracked_train(
         sync_to = None
         if storage.is_s3_uri(out_uri):
             sync_to = out_uri
-            config = dataclasses.replace(config, out=str(mlops.local_work_dir(out_uri)))
+            config = dataclasses.replace(config, out=str(work_dirs.local_work_dir(out_uri)))
             say(f"[grpo] training in {config.out}; checkpoints and the result go to {out_uri}")
         # every rank resumes from the same checkpoint: the first rank of each node downloads
         # it, the others find the verified copy (storage.download_dir takes turns on a lock)
         try:
-            resume = mlops.resume_checkpoint(
+            resume = checkpoints.resume_checkpoint(
                 out_uri, Path(config.out), config=identity, on_foreign=config.on_foreign_checkpoint
             )
         except RunIdentityError as exc:
@@ -365,17 +365,17 @@ def _tracked_train(
         if times:
             print(f"[grpo] {len(times)} steps, {sum(times) / len(times):.2f} s/step; saved to {result.out}")
         if sync_to:
-            mlops.publish_output(result.out, out_uri)
+            work_dirs.publish_output(result.out, out_uri)
             say(f"[grpo] published to {out_uri}")
         trainer = result.trainer
         model = trainer.accelerator.unwrap_model(trainer.model)
         resolved = config.to_dict() | {"out": out_uri, "work_dir": str(result.out)}
         data = trainer.train_dataset
         columns = [c for c in ("task_id", "seed") if c in (getattr(data, "column_names", None) or ())]
-        training = mlops.training_cases(
+        training = model_logging.training_cases(
             list(data.select_columns(columns)) if columns else [], config.force_decay
         )
-        mlops.log_training_artifacts(
+        model_logging.log_training_artifacts(
             result.out,
             resolved,
             model,

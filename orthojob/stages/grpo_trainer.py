@@ -54,9 +54,10 @@ from orthojob.data.prompts import mixed_prompt_rows, prompt_format_of, prompt_ro
 from orthojob.eval.viewer import grpo_viewer_callback
 from orthojob.modeling import models
 from orthojob.ops import progress, tracking
-from orthojob.ops.mlops import checkpoint_sync_callback, env_diagnostics
+from orthojob.ops.checkpoints import checkpoint_sync_callback
 from orthojob.ops.records import json_value
 from orthojob.rewards.canaries import rollout_record
+from orthojob.rewards.diagnostics import env_diagnostics
 from orthojob.rewards.parsing import completion_text
 from orthojob.rewards.reward_functions import RewardFunc, reward_weights
 from orthojob.rewards.rollouts import DEFAULT_CACHE

@@ -12,7 +12,7 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
    starting from the previous one's gated checkpoint, each in ``<out>/<name>`` with its gate file and
    its own MLflow stage run, which holds the training, the gate (summary entry ``gate_<name>``) and
    the gated checkpoint as an MLflow LoggedModel with its gate metrics, verdict and datasets
-   (:func:`orthojob.ops.mlops.log_gated_checkpoint`, what promotion searches):
+   (:func:`orthojob.ops.model_logging.log_gated_checkpoint`, what promotion searches):
 
    * ``format`` -> ``format_sft``: stage 0, format SFT on demonstrations that carry no clinical
      choice (:func:`orthojob.stages.sft.run_sft`), then ``gate_format_sft`` (format only);
@@ -72,7 +72,7 @@ from typing import Any
 from orthojob.eval.evaluation import evaluate_checkpoint, format_table
 from orthojob.eval.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_MEAN
 from orthojob.modeling.models import TINY_MODEL, build_tiny
-from orthojob.ops import gate_file, mlops, run_identity, storage, tracking
+from orthojob.ops import gate_file, run_identity, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.records import json_value
 from orthojob.stages import gate
@@ -151,7 +151,7 @@ def run_pipeline(preset: str | Preset, out: str | Path, overrides: dict[str, Any
     returns the summary (also written to ``<out>/pipeline_summary.json``) with ``exit_code``.
 
     ``out`` may be ``s3://bucket/prefix``: the stages run in a local work folder
-    (:func:`orthojob.ops.mlops.local_work_dir`), each SFT stage's checkpoint is published with its gate
+    (:func:`orthojob.ops.work_dirs.local_work_dir`), each SFT stage's checkpoint is published with its gate
     file to ``<out>/<name>`` (``<out>/bc_sft`` for BC), GRPO pulls the previous one from there (digests
     checked) and pushes its result to ``<out>/grpo``."""
     import mlflow  # heavy: imported when a pipeline runs, not when the CLI parses its flags
@@ -174,7 +174,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
 
     out_uri = str(out).rstrip("/") if storage.is_s3_uri(out) else None
     if out_uri:
-        out = mlops.local_work_dir(out_uri)
+        out = work_dirs.local_work_dir(out_uri)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -640,7 +640,7 @@ def run_pipeline_cli(args: argparse.Namespace) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     summary = run_pipeline(args.preset, args.out, overrides)
-    local = mlops.local_work_dir(args.out) if storage.is_s3_uri(args.out) else Path(args.out)
+    local = work_dirs.local_work_dir(args.out) if storage.is_s3_uri(args.out) else Path(args.out)
     print(f"wrote {local / SUMMARY_FILE} (and the pipeline run's artifact {SUMMARY_FILE})")
     return int(summary["exit_code"])
 

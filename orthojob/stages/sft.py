@@ -52,7 +52,7 @@ from orthojob.data.prompts import (
 )
 from orthojob.modeling import models
 from orthojob.modeling.models import TINY_MODEL, ensure_tiny
-from orthojob.ops import gate_file, mlops, progress, storage
+from orthojob.ops import gate_file, model_logging, progress, storage, work_dirs
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.gate_file import DEFAULT_THRESHOLDS
 from orthojob.stages import gate
@@ -75,7 +75,7 @@ from server.treatment import score_plans
 log = logging.getLogger(__name__)
 
 TRAINING_CASES = "training_cases"
-"""The summary's key for the cases a stage trained on (:func:`orthojob.ops.mlops.training_cases`)."""
+"""The summary's key for the cases a stage trained on (:func:`orthojob.ops.model_logging.training_cases`)."""
 
 
 SECTIONS: dict[str, type[SFTJobConfig]] = {
@@ -313,7 +313,9 @@ def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info:
     }
     (out / SFT_LOG_FILE).write_text(json.dumps({"summary": summary, "log_history": history}, indent=1))
     (out / SFT_CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2))
-    summary[TRAINING_CASES] = mlops.training_cases(rows, config.force_decay)  # logged with the gated model
+    summary[TRAINING_CASES] = model_logging.training_cases(
+        rows, config.force_decay
+    )  # logged with the gated model
     log.info("SFT (%s demos): %d steps in %.0f s, loss %s -> %s", config.demos, summary["steps"], train_seconds,
              summary["first_loss"], summary["final_loss"])  # fmt: skip
     return summary
@@ -368,14 +370,14 @@ def gate_settings_for(args: argparse.Namespace | dict, section: str) -> tuple[st
 
 def localize(config: SFTJobConfig, say: Callable[[str], Any]) -> SFTJobConfig:
     """``config`` with an ``s3://`` ``from_checkpoint`` downloaded (verified) and an ``s3://`` ``out``
-    replaced by a local work folder (:func:`orthojob.ops.mlops.local_work_dir`; publish to the original
+    replaced by a local work folder (:func:`orthojob.ops.work_dirs.local_work_dir`; publish to the original
     when done). An ``s3://`` ``model`` stays a URI: :func:`orthojob.modeling.models.load_policy` fetches it
     into the model cache, and adapters record the URI as their base."""
     if storage.is_s3_uri(config.out):
-        config = dataclasses.replace(config, out=str(mlops.local_work_dir(config.out)))
+        config = dataclasses.replace(config, out=str(work_dirs.local_work_dir(config.out)))
     if config.from_checkpoint and storage.is_s3_uri(config.from_checkpoint):
         config = dataclasses.replace(
-            config, from_checkpoint=str(mlops.local_input(config.from_checkpoint, say))
+            config, from_checkpoint=str(work_dirs.local_input(config.from_checkpoint, say))
         )
     return config
 
@@ -383,7 +385,7 @@ def localize(config: SFTJobConfig, say: Callable[[str], Any]) -> SFTJobConfig:
 def log_stage(summary: dict, content: dict | None, out: str | Path, prefix: str = "") -> None:
     """Into the active MLflow stage run (if any): the training summary's numbers, the demonstrations'
     counts (``demos/*``); with the gate's ``content``, the checkpoint at ``out`` as a gated LoggedModel
-    (:func:`orthojob.ops.mlops.log_gated_checkpoint`: the gate's metrics ``gate/*``, file and verdict tag
+    (:func:`orthojob.ops.model_logging.log_gated_checkpoint`: the gate's metrics ``gate/*``, file and verdict tag
     on the run and the model, the training and held-out cases as its datasets)."""
     mlflow = sys.modules.get("mlflow")  # imported by the stage run, when there is one
     if mlflow is None or mlflow.active_run() is None:
@@ -397,7 +399,7 @@ def log_stage(summary: dict, content: dict | None, out: str | Path, prefix: str 
     tracking.log_metrics({f"{prefix}{k}": v for k, v in numbers.items()})
     if content is not None:
         base = str(summary.get("base_model") or "")
-        mlops.log_gated_checkpoint(out, content, base, training=summary.get(TRAINING_CASES))
+        model_logging.log_gated_checkpoint(out, content, base, training=summary.get(TRAINING_CASES))
 
 
 def _demo_line(summary: dict) -> str:

@@ -1,14 +1,5 @@
-"""Training-side MLOps glue: environment diagnostics, S3 checkpoint sync and resume, MLflow artifacts.
-
-* :func:`env_diagnostics` — per-batch environment metrics from the rollouts (``env/parse_rate``,
-  ``env/terminal_raw_mean``, ``env/collision_failure_rate``, ``env/pdl_failure_rate``,
-  ``env/strategy_accuracy``), logged per step next to TRL's reward metrics.
-* :func:`checkpoint_sync_callback` — a TrainerCallback that uploads every ``checkpoint-N`` the
-  trainer saves to ``<out>/checkpoint-N`` (manifest last), so a restarted pod resumes from it.
-* :func:`resume_checkpoint` — the newest complete checkpoint of ``--out`` (S3 or local), downloaded
-  and verified, for ``trainer.train(resume_from_checkpoint=...)``.
-* :func:`log_training_artifacts` — the model (MLflow transformers flavour, base model recorded),
-  ``gate_passed.json``, the resolved config, the completions (file and a sample table) and plots.
+"""What a stage logs to MLflow: the model (a LoggedModel, base model recorded), its gate, the cases it
+trained and was gated on (MLflow datasets), the resolved config, the completions and plots.
 
 Only rank 0 calls any of this.
 """
@@ -19,10 +10,8 @@ import contextlib
 import json
 import logging
 import math
-import os
-import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,160 +22,11 @@ from orthojob.eval.metrics import (
     GATE_STAGE_TAG,
     HARD_RULE_SHARE,
 )
-from orthojob.ops import storage
-from orthojob.ops.exit_codes import ExitCode
-from orthojob.rewards.rollouts import DEFAULT_CACHE, NO_PLAN
-from server.cases import CaseKey, generate_case
 
 log = logging.getLogger(__name__)
 
+
 COMPLETIONS_SAMPLE = 64
-
-
-TRACKING_REFUSALS = ("UNAUTHENTICATED", "PERMISSION_DENIED", "error code 401", "error code 403")
-"""How an MLflow refusal reads (error codes of MlflowException, or the HTTP status in its text)."""
-
-
-def tracking_refused(exc: BaseException | None) -> bool:
-    """Whether a tracking failure is the server refusing the job (credentials, permission)."""
-    while exc is not None:
-        code = str(getattr(exc, "error_code", ""))
-        if code in TRACKING_REFUSALS or any(r in str(exc) for r in TRACKING_REFUSALS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def job_error_code(exc: BaseException) -> int:
-    """The exit code of a storage or tracking failure: refused (32, 33: never retried, the message
-    says what to fix) or unreachable (30, 31: retried)."""
-    from orthojob.ops.tracking import TrackingError
-
-    if isinstance(exc, TrackingError):
-        return ExitCode.TRACKING_DENIED if tracking_refused(exc) else ExitCode.TRACKING
-    return ExitCode.STORAGE_DENIED if isinstance(exc, storage.StorageAccessError) else ExitCode.STORAGE
-
-
-def report_job_error(command: str, exc: BaseException) -> int:
-    """Print a storage or tracking failure as ``orthojob <command>: <message>`` (secrets redacted)
-    on stderr; returns its exit code (:func:`job_error_code`)."""
-    from orthojob.ops.tracking import redact
-
-    code = job_error_code(exc)
-    print(f"orthojob {command}: {redact(str(exc))} (exit {int(code)})", file=sys.stderr)
-    return code
-
-
-def env_diagnostics(texts: Sequence[str], cases: Sequence[CaseKey]) -> dict[str, float]:
-    """Environment metrics of one batch of completions on their cases (:class:`server.cases.CaseKey`)."""
-    if not texts:
-        return {}
-    keys = [CaseKey(*c) for c in cases]
-    rollouts = DEFAULT_CACHE.get_many(
-        list(texts), [k.seed for k in keys], [k.task_id for k in keys], [k.force_decay for k in keys]
-    )  # cache hits: the rewards scored them
-    n = len(rollouts)
-    parsed = [r for r in rollouts if r.error != NO_PLAN and r.plan is not None]
-    correct = sum(
-        1
-        for r, key in zip(rollouts, keys)
-        if r.strategy is not None and r.strategy == generate_case(*key).optimal_strategy
-    )
-
-    def breaking(rule: str) -> float:
-        """Share of the batch breaking a hard rule (a completion that is not a plan counts as failing)."""
-        return sum(1 for r in rollouts if r.error is not None or rule in r.broken_rules) / n
-
-    return {
-        "env/parse_rate": len(parsed) / n,
-        "env/terminal_raw_mean": sum(r.terminal_reward for r in rollouts) / n,
-        "env/collision_failure_rate": breaking("collision"),
-        "env/pdl_failure_rate": breaking("pdl_stress"),
-        "env/limit_failure_rate": breaking("limits"),
-        "env/strategy_accuracy": correct / n,
-    }
-
-
-def work_root() -> Path:
-    """The local work folder: ``ORTHORL_WORK_DIR``, or ./.orthorl-work."""
-    return Path(os.environ.get("ORTHORL_WORK_DIR") or ".orthorl-work")
-
-
-def local_work_dir(out: str) -> Path:
-    """Where a job whose ``--out`` is ``s3://...`` trains locally (below :func:`work_root`)."""
-    return storage.local_mirror(work_root(), out)
-
-
-def download_cache() -> Path:
-    """Where ``s3://`` inputs (checkpoints, base models) are downloaded and verified."""
-    return work_root() / ".downloads"
-
-
-def local_input(path_or_uri: str, say: Callable[[str], Any] = print) -> Path:
-    """A local folder for a stage's input: the folder itself, or a verified download of an
-    ``s3://`` URI into :func:`download_cache` (reused when its digests still match)."""
-    if storage.is_s3_uri(path_or_uri):
-        say(f"downloading {path_or_uri} (digests checked)")
-    return storage.materialize(path_or_uri, download_cache())
-
-
-def checkpoint_sync_callback(out_uri: str | None, config: Mapping[str, Any] | None = None) -> Any:
-    """TrainerCallback: after each save, write the run identity (``config``'s digest, see
-    :mod:`orthojob.ops.run_identity`) into ``<output_dir>/checkpoint-<step>`` and, with ``out_uri``,
-    upload that folder to ``<out_uri>/checkpoint-<step>`` (manifest last)."""
-    from transformers import TrainerCallback
-
-    from orthojob.ops import run_identity
-
-    class CheckpointSync(TrainerCallback):
-        def on_save(self, args, state, control, **kwargs):
-            if not state.is_world_process_zero:
-                return
-            name = f"checkpoint-{state.global_step}"
-            folder = Path(args.output_dir) / name
-            if not folder.is_dir():
-                return
-            if config is not None:
-                run_identity.write_identity(folder, config)
-            if out_uri:
-                uri = f"{out_uri.rstrip('/')}/{name}"
-                storage.upload_dir(folder, uri)
-                log.info("synced %s to %s", name, uri)
-
-    return CheckpointSync()
-
-
-def resume_checkpoint(
-    out: str, work_dir: Path, config: Mapping[str, Any] | None = None, on_foreign: str | None = None
-) -> tuple[int, Path] | None:
-    """``(step, local folder)`` of the newest complete checkpoint of ``out`` (downloaded if on S3).
-
-    With ``config``, the checkpoint's run identity is checked first
-    (:func:`orthojob.ops.run_identity.check_resume`): a checkpoint of another config raises
-    RunIdentityError (exit 14) unless ``on_foreign`` (or ORTHORL_ON_FOREIGN_CHECKPOINT) is
-    ``fresh`` (then None: train from the start) or ``continue``."""
-    from orthojob.ops import run_identity
-
-    if storage.is_s3_uri(out):
-        found = storage.latest_checkpoint(out)
-        if found is None:
-            return None
-        step, uri = found
-        folder = storage.download_dir(uri, work_dir / f"checkpoint-{step}")
-    else:
-        root = Path(out)
-        steps = sorted(
-            (int(m.group(1)), p)
-            for p in (root.iterdir() if root.is_dir() else [])
-            if (m := storage.CHECKPOINT_RE.match(p.name)) and (p / "trainer_state.json").is_file()
-        )
-        if not steps:
-            return None
-        step, folder = steps[-1]
-        uri = str(folder)
-    if config is not None and not run_identity.check_resume(folder, config, on_foreign, where=uri):
-        return None
-    return step, folder
 
 
 def _pip_requirements(peft_model: bool) -> list[str]:
@@ -452,29 +292,3 @@ def record_gate(
     if content.get("stage"):
         tags[GATE_STAGE_TAG] = str(content["stage"])
     mlflow.set_logged_model_tags(model_id, tags)
-
-
-def publish_output(local: Path, uri: str) -> dict:
-    """Upload a finished output folder to ``uri`` without its ``checkpoint-N`` folders (already
-    synced); the manifest is written last, so a reader never sees a half-uploaded result."""
-    return storage.upload_dir(
-        Path(local), uri, skip=lambda rel: bool(storage.CHECKPOINT_RE.match(rel.split("/", 1)[0]))
-    )
-
-
-def run_promote(run_id: str, model_name: str, force: bool, **bounds) -> int:
-    """``orthojob promote``: register the run's model (aliases per :mod:`orthojob.ops.registry`; ``bounds``:
-    :func:`orthojob.ops.registry.promote`'s, e.g. ``max_hard_rule_share_over_oracle``); exit code."""
-    from orthojob.ops import registry, tracking
-
-    try:
-        tracking.configure()
-        result = registry.promote(run_id, model_name, force=force, **bounds)
-    except tracking.TrackingError as exc:
-        return report_job_error("promote", exc)
-    except registry.PromotionError as exc:
-        print(f"orthojob promote: {tracking.redact(str(exc))}", file=sys.stderr)
-        return exc.exit_code
-    aliases = "candidate" + (", champion" if result.champion else "")
-    print(f"{result.model_name} version {result.version}: {aliases} ({result.reason})")
-    return 0
