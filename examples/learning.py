@@ -47,11 +47,23 @@ from pathlib import Path
 
 import numpy as np
 
-from orthojob.data.prompts import CELLS
+from orthojob.data.prompts import CELLS, build_messages, prompt_format_of, reset_observation
+from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN, generate_completions
 from orthojob.eval.metrics import BANDS, SCALED_REWARD
-from orthojob.rewards.canaries import CANARIES, METRICS, episode_values, rollout_record  # noqa: F401 (re-exported)
+from orthojob.modeling import models
+from orthojob.ops import tracking
+from orthojob.rewards.canaries import CANARIES, METRICS, episode_record, episode_values, rollout_record  # noqa: F401 (re-exported)
+from orthojob.rewards.rollouts import score_texts
 from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES, STRATEGY_KEY
+from orthojob.stages import grpo_trainer
+from orthojob.stages.flags import add_config_arguments
+from orthojob.stages.grpo_config import GRPOJobConfig, validate
+from orthojob.stages.sft import oracle_demonstrations, run_sft
+from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig
 from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START, CaseKey, generate_case
+from server.clinical_profiles import STRATEGIES
+from server.oracle import plan_for_case
+from server.treatment import score_plans
 
 log = logging.getLogger("examples.learning")
 
@@ -186,10 +198,6 @@ def grouped(cases: Sequence[CaseKey], episodes: Sequence[dict]) -> dict:
 
 def reference_rows(cases: Sequence[CaseKey]) -> dict[str, dict]:
     """The oracle, uniform SLERP and doing nothing on the held-out cases (:func:`grouped`)."""
-    from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
-    from orthojob.rewards.canaries import episode_record
-    from server.oracle import plan_for_case
-    from server.treatment import score_plans
 
     resolved = [generate_case(*c) for c in cases]
     planners: dict[str, Callable] = {
@@ -218,9 +226,6 @@ def strategy_distribution(model, tokenizer, cases: Sequence[CaseKey], texts: Seq
     strategy's first token after the plan's text up to ``"strategy": "``, renormalised over the five
     (one forward pass per case; NaN where the plan names none)."""
     import torch
-
-    from orthojob.data.prompts import build_messages, prompt_format_of, reset_observation
-    from server.clinical_profiles import STRATEGIES
 
     head = tokenizer(STRATEGY_KEY, add_special_tokens=False)["input_ids"]
     first = []
@@ -257,7 +262,6 @@ def strategy_conditioning(probs: np.ndarray, optimal: Sequence[str]) -> dict:
     variation distance between a case's distribution and the mean over cases: 0 = the same
     distribution for every case), and the mean distribution by the case's optimal strategy, over the
     cases whose plan names a strategy (rows of ``probs`` without NaN)."""
-    from server.clinical_profiles import STRATEGIES
 
     named = ~np.isnan(probs).any(axis=1)
     probs = probs[named]
@@ -279,9 +283,6 @@ def strategy_conditioning(probs: np.ndarray, optimal: Sequence[str]) -> dict:
 def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> dict:
     """Greedy plans of ``model`` for the held-out cases, scored as the rewards score them:
     :func:`grouped` summaries, the strategy probe (pooled), tokens, truncation and timing."""
-    from orthojob.data.prompts import reset_observation
-    from orthojob.eval.evaluation import generate_completions
-    from orthojob.rewards.rollouts import score_texts
 
     was_training = model.training
     model.eval()
@@ -316,7 +317,6 @@ def _arch(cfg: LearnConfig) -> dict:
 def base_model(cfg: LearnConfig) -> Path:
     """The experiment's tiny base model in ``<out>/base-model`` (built unless one with the same
     settings is there; the build is deterministic), its tokenizer trained on every task's prompts."""
-    from orthojob.modeling import models
 
     path = Path(cfg.out) / "base-model"
     key = _arch(cfg)
@@ -333,7 +333,6 @@ def base_model(cfg: LearnConfig) -> Path:
 def _sft_stage_config(cfg: LearnConfig, kind: type | None = None, **changes):
     """An SFT stage's config (``kind``, default :class:`~orthojob.stages.sft_config.SFTJobConfig`) with the
     experiment's one set of SFT optimiser settings (full fine-tuning), for stage 0 and BC."""
-    from orthojob.stages.sft_config import SFTJobConfig
 
     kind = kind or SFTJobConfig
     settings = dict(task_ids=list(TASK_IDS), batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, lr_scheduler="cosine",
@@ -351,8 +350,6 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
     groups (no clinical choice), every task level, with the project's one SFT routine
     (:func:`orthojob.stages.sft.run_sft`, stage 0's :class:`~orthojob.stages.sft_config.FormatSFTConfig`); a
     checkpoint with the same settings in ``<out>/stage0`` is reused unless ``fresh_stage0``."""
-    from orthojob.stages.sft import run_sft
-    from orthojob.stages.sft_config import FormatSFTConfig
 
     out = Path(cfg.out) / "stage0"
     meta_file = out / "stage0.json"
@@ -387,7 +384,6 @@ def _sft_meta(summary: dict) -> dict:
 def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict], dict]:
     """``bc_examples`` of the oracle's safe plans (:func:`orthojob.stages.sft.oracle_demonstrations`),
     half under ideal dynamics and half under force decay, every task level, taking turns."""
-    from orthojob.stages.sft import oracle_demonstrations
 
     halves, filtered = [], 0
     for k, force_decay in enumerate((False, True)):
@@ -405,8 +401,6 @@ def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict],
 
 def bc(cfg: LearnConfig) -> tuple[Path, dict]:
     """Stage 2: the base model fine-tuned on :func:`bc_demonstrations` for ``bc_steps`` steps."""
-    from orthojob.data.prompts import prompt_format_of
-    from orthojob.stages.sft import run_sft
 
     t0 = time.perf_counter()
     base = base_model(cfg)
@@ -428,7 +422,6 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
     prompt groups of ``num_generations`` per step, a constant learning rate and a completion budget
     of their own for each start (``bc_lr`` and ``max_completion_length`` from BC, ``lr`` and
     ``stage0_completion_length`` from stage 0), no checkpoints until the end."""
-    from orthojob.stages.grpo_config import GRPOJobConfig
 
     completion = cfg.max_completion_length if run == "grpo_bc" else cfg.stage0_completion_length
     return GRPOJobConfig(
@@ -476,11 +469,7 @@ def run_grpo(
     ``save`` called. Returns timing, the reward functions' share of a step and TRL's logs."""
     from transformers import TrainerCallback
 
-    from orthojob.modeling import models
-    from orthojob.stages.grpo_config import validate
-
     models.device_info()  # Unsloth (on a GPU) before TRL
-    from orthojob.stages import grpo_trainer
 
     job = grpo_job_config(cfg, checkpoint, run)
     validate(job)
@@ -530,7 +519,6 @@ def run_grpo(
 
 
 def _evaluate_checkpoint(checkpoint: Path, cases: Sequence[CaseKey], cfg: LearnConfig) -> dict:
-    from orthojob.modeling import models
 
     model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=MAX_SEQ_LENGTH)
     return evaluate_model(model, tokenizer, cases, cfg.eval_max_new_tokens)
@@ -790,7 +778,6 @@ def _argv(cfg: LearnConfig, **changes) -> list[str]:
 def run(cfg: LearnConfig) -> dict:
     """The experiment inside an MLflow stage run ``learn`` (the embedded sqlite store unless
     MLFLOW_TRACKING_URI)."""
-    from orthojob.ops import tracking
 
     with tracking.stage_run("learn", params=dataclasses.asdict(cfg)):
         report = _run(cfg)
@@ -801,8 +788,6 @@ def run(cfg: LearnConfig) -> dict:
 def _log_report(report: dict, out: Path) -> None:
     """Evaluations as step metrics, the targets as 0/1 metrics and the files as artifacts."""
     import mlflow
-
-    from orthojob.ops import tracking
 
     for run_name in RUNS:
         for e in report.get("runs", {}).get(run_name, {}).get("evaluations", []):
@@ -874,7 +859,6 @@ def _run(cfg: LearnConfig) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     """``python -m examples.learning``'s flags, one per :class:`LearnConfig` field (the project's one
     flag generator, :func:`orthojob.stages.flags.add_config_arguments`)."""
-    from orthojob.stages.flags import add_config_arguments
 
     parser = argparse.ArgumentParser(prog="examples.learning", description=__doc__.splitlines()[0])
     return add_config_arguments(parser, LearnConfig)

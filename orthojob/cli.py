@@ -39,13 +39,20 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from orthojob.data import case_sets
 from orthojob.eval import viewer
-from orthojob.eval.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
+from orthojob.eval.evaluation import (
+    evaluate_baselines,
+    evaluate_checkpoint,
+    format_table,
+    generate_completions,
+)
 from orthojob.modeling import base_models
-from orthojob.modeling.models import tiny_corpus
+from orthojob.modeling.models import build_tiny, load_for_inference, tiny_corpus
 from orthojob.ops import gate_file, job_errors, progress, registry, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode, epilog
 from orthojob.ops.k8s import add_k8s_arguments
+from orthojob.ops.preemption import install_termination_handler
 from orthojob.ops.registry import DEFAULT_MODEL_NAME
 from orthojob.stages import gate
 from orthojob.stages.flags import add_config_arguments, finite_float, given_values, positive_int, task_list
@@ -71,7 +78,6 @@ pipeline nests these stages under its parent run)."""
 
 def cmd_cases(args: argparse.Namespace) -> int:
     """``orthojob cases validate SOURCE`` / ``orthojob cases export --task T --seeds A:B --out FILE``."""
-    from orthojob.data import case_sets
 
     if args.cases_command == "export":
         try:
@@ -250,8 +256,6 @@ def cmd_model(args: argparse.Namespace) -> int:
             if args.hub_id:
                 base_models.parse_hub_id(args.hub_id)
             if args.source == "tiny":  # the offline tiny model, as the pipeline builds it
-                from orthojob.modeling.models import build_tiny
-
                 with tempfile.TemporaryDirectory() as tmp:
                     folder = build_tiny(Path(tmp) / "tiny", list(TASK_IDS), force_decay=True)
                     manifest = base_models.stage(str(folder), args.uri, say, hub_id=args.hub_id)
@@ -311,8 +315,6 @@ def _greedy(max_new_tokens: int):
     greedy completion (its prompt, its decoding) of the checkpoint in ``folder``."""
 
     def complete(folder: str, observation: dict) -> str:
-        from orthojob.eval.evaluation import generate_completions
-        from orthojob.modeling.models import load_for_inference
 
         model, tokenizer = load_for_inference(folder)
         return generate_completions(model, tokenizer, [observation], max_new_tokens)[0][0]
@@ -569,7 +571,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from orthojob.ops.preemption import install_termination_handler
 
     install_termination_handler()  # SIGTERM outside GRPO's guard: exit 143 at once (orthojob.ops.preemption)
     progress.quiet_library_bars()  # in a Job's log, no other library's carriage-return bars

@@ -60,7 +60,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orthojob.cli import main as cli_main
+from orthojob.ops import storage, tracking
 from orthojob.ops.exit_codes import ExitCode
+from orthojob.ops.job_errors import report_job_error
+from orthojob.ops.preemption import install_termination_handler
+from orthojob.ops.registry import DEFAULT_MODEL_NAME
+from orthojob.ops.storage import StorageError
+from orthojob.ops.tracking import TrackingError
+from orthojob.ops.work_dirs import local_work_dir
 
 TINY_PRESETS = ("tiny-cpu",)
 MODES = ("oneshot", "agentic")
@@ -175,24 +183,16 @@ def cuda_available() -> bool:
 def grpo_run_id(p: Plan) -> str | None:
     """The GRPO stage's MLflow run: from the pipeline's summary, or the last run of ``train``."""
     if p.chain[0] == "pipeline":
-        from orthojob.ops import storage
-        from orthojob.ops.work_dirs import local_work_dir
-
         local = local_work_dir(p.out) if storage.is_s3_uri(p.out) else Path(p.out)
         summary = local / "pipeline_summary.json"
         if summary.is_file():
             return json.loads(summary.read_text()).get("stages", {}).get("grpo", {}).get("mlflow_run_id")
         return None
-    from orthojob.ops import tracking
-
     return tracking.last_stage_run("grpo")
 
 
 def preflight(p: Plan, env: Mapping[str, str], say: Callable[[str], object] = print) -> int:
     """Probe the output prefix and MLflow (module docstring); 0, or the exit code (message printed)."""
-    from orthojob.ops import storage, tracking
-    from orthojob.ops.job_errors import report_job_error
-
     try:
         say(f"[job] probe: {storage.probe_output(p.out)}")
         tracking.configure()
@@ -222,7 +222,6 @@ def preflight(p: Plan, env: Mapping[str, str], say: Callable[[str], object] = pr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from orthojob.ops.registry import DEFAULT_MODEL_NAME
 
     p = argparse.ArgumentParser(
         prog="python -m orthojob.job",
@@ -287,8 +286,6 @@ def main(
     cli: Callable[[list[str]], int] | None = None,
 ) -> int:
     env = os.environ if env is None else env
-    from orthojob.ops.preemption import install_termination_handler
-
     install_termination_handler()  # SIGTERM anywhere: exit 143 now, not SIGKILL after the grace period
     args = build_parser().parse_args(argv)
     try:
@@ -308,7 +305,7 @@ def main(
         )
         return ExitCode.USAGE
     if cli is None:
-        from orthojob.cli import main as cli
+        cli = cli_main
     print(f"[job] output prefix {p.out}")
     for note in p.notes:
         print(f"[job] {note}")
@@ -316,9 +313,6 @@ def main(
     if code:
         return code
     print(f"[job] orthojob {' '.join(p.chain)}", flush=True)
-
-    from orthojob.ops.storage import StorageError
-    from orthojob.ops.tracking import TrackingError
 
     try:
         code = int(cli(p.chain) or 0)
@@ -333,8 +327,6 @@ def main(
         print(f"[job] orthojob promote --run-id {run_id} --model-name {p.model_name}", flush=True)
         return int(cli(["promote", "--run-id", run_id, "--model-name", p.model_name]) or 0)
     except (TrackingError, StorageError) as exc:
-        from orthojob.ops.job_errors import report_job_error
-
         return report_job_error("job", exc)
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from orthojob.agentic.env_client import EnvServerError, EnvSession, EpisodeLostError
 from server.agent_tools import (
     ToolError,
 )
@@ -23,13 +24,11 @@ class RemoteStepwise:
     ``submit_plan`` is scored in process (the one-shot rewards' scoring), as without a server."""
 
     def __init__(self, url: str, message_timeout_s: float = 60.0) -> None:
-        from orthojob.agentic.env_client import EnvSession
 
         self.url = url
         self.session = EnvSession(url, message_timeout_s=message_timeout_s)
 
     def _guard(self, call: Callable) -> dict:
-        from orthojob.agentic.env_client import EnvServerError, EpisodeLostError
 
         try:
             return call()

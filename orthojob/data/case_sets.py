@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orthojob.ops import storage
 from server.case_records import Checked, Problem, case_of_record, record_of_case
 from server.cases import Case, generate_case
 
@@ -134,7 +135,6 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
 
 def _local(source: str, tmp: str) -> Path:
     """The local path of ``source``; an ``s3://`` object is downloaded into ``tmp`` first."""
-    from orthojob.ops import storage
 
     if not storage.is_s3_uri(source):
         return Path(source)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from orthojob.data.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
-from server.cases import Case, generate_case
+from server.cases import Case, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import (
     MAX_ROTATION_DEG,
@@ -43,6 +43,7 @@ from server.dental_constants import (
     TOOTH_IDS,
 )
 from server.scoring import MOVEMENT_EPS_MM
+from server.treatment import score_plans
 
 MAX_DEMO_GROUPS: int = 3
 """Most groups in a demo plan (keeps completions short: about 60-110 tokens with the tiny tokenizer)."""
@@ -130,8 +131,6 @@ def format_demonstrations(
 def demo_stats(rows: Sequence[dict]) -> dict:
     """Scores of the demos' plans: mean scaled reward, hard-rule share, executable share, strategy
     counts and the share naming the case's optimal strategy."""
-    from server.cases import CaseKey
-    from server.treatment import score_plans
 
     results = score_plans(
         [r["plan"] for r in rows], [CaseKey(r["task_id"], r["seed"], r["force_decay"]) for r in rows]

@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from orthojob.data.prompts import build_messages, prompt_format_of
 from orthojob.eval.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD, TERMINAL_RAW, mean_of
+from orthojob.eval.viewer import log_checkpoint_viewers
+from orthojob.modeling.models import load_for_inference
+from orthojob.ops.progress import progress
+from orthojob.rewards.parsing import FORMAT_CHECKS
+from orthojob.rewards.rollouts import score_texts
 from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.dental_environment import initial_observation
@@ -225,9 +231,6 @@ def generate_completions(
     """
     import torch
 
-    from orthojob.data.prompts import build_messages, prompt_format_of
-    from orthojob.ops.progress import progress
-
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
     if tokenizer.eos_token_id is not None:
@@ -299,7 +302,6 @@ def run_checkpoint(
 ) -> CheckpointEpisodes:
     """Generate and score a model's plans for ``n_seeds`` held-out cases of each task; with
     ``policy``, its completions instead of the model's (no tokens counted, none truncated)."""
-    from orthojob.rewards.rollouts import score_texts
 
     obs = [o for task_id in task_ids for o in observations(task_id, n_seeds, seed_start, force_decay)]
     t0 = time.perf_counter()
@@ -329,7 +331,6 @@ def run_checkpoint(
 def episode_metrics(ep: CheckpointEpisodes, index: Sequence[int] | None = None) -> dict:
     """Parse rate, format score (mean and per check), the headline ``scaled_reward_mean`` / ``_sd``,
     ``hard_rule_share``, strategy accuracy, lengths, and the secondary ``terminal_raw_mean``."""
-    from orthojob.rewards.parsing import FORMAT_CHECKS
 
     idx = list(range(len(ep.texts))) if index is None else list(index)
     if not idx:
@@ -385,12 +386,9 @@ def evaluate_checkpoint(
     Returns ``{task: {planner: summary}}`` like :func:`evaluate_baselines`; the checkpoint's summary
     also holds ``model_metrics`` (:func:`episode_metrics`).
     """
-    from orthojob.eval.viewer import log_checkpoint_viewers
 
     model = tokenizer = None
     if policy is None:
-        from orthojob.modeling.models import load_for_inference
-
         model, tokenizer = load_for_inference(path)
     ep = run_checkpoint(
         model, tokenizer, task_ids, n_seeds, seed_start, force_decay, max_new_tokens, batch_size, policy

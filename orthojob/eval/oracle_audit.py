@@ -12,6 +12,10 @@ import multiprocessing
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from server.cases import generate_case
+from server.oracle import plan_for_case
+from server.treatment import score_plans
+
 SLERP_TIE: float = 1e-4
 """The oracle writes fractions to 4 decimals: where it stages uniformly it can trail exact uniform
 SLERP by ~5e-6 on the scaled reward."""
@@ -38,9 +42,6 @@ class AuditRow(NamedTuple):
 
 def audit_seeds(job: tuple[str, bool, bool, Sequence[int]]) -> list[AuditRow]:
     """Rows for the seeds of one (task_id, force_decay, non_compliance, seeds) job."""
-    from server.cases import generate_case
-    from server.oracle import plan_for_case
-    from server.treatment import score_plans
 
     task, decay, non_compliance, seeds = job
     out = []

@@ -16,6 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from orthojob.data.prompts import reset_observation
+from server.cases import generate_case
+from server.oracle import oracle_plan
+from server.plans import normalize_plan, planned_progress
+from server.treatment import rollout_plans
+
 
 def _plt():
     import matplotlib
@@ -48,17 +54,12 @@ def reward_components(log_history: Sequence[dict], path: str | Path) -> Path:
 
 def case_plan(task_id: str, seed: int, force_decay: bool = False) -> dict:
     """The oracle's plan for a case (a plan dict, as a completion would hold)."""
-    from orthojob.data.prompts import reset_observation
-    from server.oracle import oracle_plan
 
     return oracle_plan(reset_observation(seed, task_id, force_decay))
 
 
 def _rollout(plan: dict, task_id: str, seed: int, force_decay: bool):
     """(case, planned progress per stage and tooth, achieved poses per stage) of a plan on a case."""
-    from server.cases import generate_case
-    from server.plans import normalize_plan, planned_progress
-    from server.treatment import rollout_plans
 
     case = generate_case(task_id, seed, force_decay)
     spec = normalize_plan(plan)

@@ -50,7 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from orthojob.rewards.parsing import find_plan
-from server.cases import Case, generate_case
+from orthojob.rewards.rollouts import score_texts
+from server.cases import Case, CaseKey, generate_case
 from server.collisions import COLLISION_TOLERANCE_MM, collision_severity
 from server.dental_constants import (
     ADJACENT_PAIRS,
@@ -63,7 +64,7 @@ from server.dental_constants import (
     PDL_CRITICAL_KPA,
     TOOTH_IDS,
 )
-from server.dental_environment import STEP_PENALTY, StepwiseDentalEnvironment
+from server.dental_environment import STEP_PENALTY, StepwiseDentalEnvironment, initial_observation
 from server.oracle import infer_profiles, oracle_plan
 from server.plans import UNIFORM_FRACTION, normalize_plan
 from server.quaternion_utils import quaternion_rotate
@@ -218,7 +219,6 @@ def resolve_plan(
     case; :class:`PlanSourceError` when it cannot be read. ``complete(folder, observation)``: a
     checkpoint's completion for the case's stage-0 observation (``orthojob view`` passes the
     evaluation's greedy decoding); without it a ``checkpoint:`` source is refused."""
-    from server.dental_environment import initial_observation
 
     kind, _, rest = source.partition(":")
     if source == "oracle":
@@ -823,7 +823,6 @@ def log_viewer(
 
 def reference_plans(case: Case) -> list[tuple[str, dict, None]]:
     """The oracle's and uniform SLERP's plans for a case (the references a viewer compares with)."""
-    from server.dental_environment import initial_observation
 
     return [
         ("oracle", oracle_plan(initial_observation(case)), None),
@@ -882,8 +881,6 @@ def best_and_worst(records: Sequence[dict]) -> tuple[int, int] | None:
     records (``completion``, ``task_id``, ``seed``, ``force_decay``), by the scaled reward the
     environment gives them (:func:`orthojob.rewards.rollouts.score_texts`, the rewards' own rollouts);
     completions holding no plan are not candidates. None when none holds one."""
-    from orthojob.rewards.rollouts import score_texts
-    from server.cases import CaseKey
 
     rolls = score_texts([r["completion"] for r in records], [CaseKey.of_row(r) for r in records])
     scored = [i for i, r in enumerate(rolls) if r.error is None]

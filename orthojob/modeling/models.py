@@ -46,10 +46,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orthojob.data.prompts import (
+    SYSTEM_PROMPT,
+    TRAIN_SEED_START,
+    check_prompt_format,
+    plan_to_completion,
+    prompt_cases,
+    set_prompt_format,
+)
 from orthojob.modeling import base_models
 from orthojob.modeling.base_models import reference
 from orthojob.modeling.base_models import resolve as resolve_base
 from orthojob.ops.storage import is_s3_uri
+from server.oracle import oracle_plan
 
 log = logging.getLogger(__name__)
 
@@ -359,8 +368,6 @@ def tiny_corpus(task_ids: Sequence[str], force_decay: bool = False, n_per_task: 
     With it the BPE learns the prompt's wording (a 1k vocabulary cuts a prompt from ~2,200 to
     ~1,450 tokens); held-out seeds are never used.
     """
-    from orthojob.data.prompts import SYSTEM_PROMPT, TRAIN_SEED_START, plan_to_completion, prompt_cases
-    from server.oracle import oracle_plan
 
     corpus = [SYSTEM_PROMPT]
     for task_id in task_ids:
@@ -386,8 +393,7 @@ def build_tiny(
     the model is trained and evaluated with (:data:`orthojob.data.prompts.PROMPT_FORMATS`, recorded in its
     ``config.json``). ``corpus``: the tokenizer's training texts (default :func:`tiny_corpus`).
     """
-    from orthojob.data.prompts import check_prompt_format, set_prompt_format
-    from orthojob.modeling.tiny_model import build_tiny_model
+    from orthojob.modeling.tiny_model import build_tiny_model  # torch at import: orthojob --help stays light
 
     check_prompt_format(prompt_format)
     arch = {"vocab_size": 1024, **arch}

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from orthojob.ops import storage
+from orthojob.ops import run_identity, storage
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +21,6 @@ def checkpoint_sync_callback(out_uri: str | None, config: Mapping[str, Any] | No
     :mod:`orthojob.ops.run_identity`) into ``<output_dir>/checkpoint-<step>`` and, with ``out_uri``,
     upload that folder to ``<out_uri>/checkpoint-<step>`` (manifest last)."""
     from transformers import TrainerCallback
-
-    from orthojob.ops import run_identity
 
     class CheckpointSync(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
@@ -51,7 +49,6 @@ def resume_checkpoint(
     (:func:`orthojob.ops.run_identity.check_resume`): a checkpoint of another config raises
     RunIdentityError (exit 14) unless ``on_foreign`` (or ORTHORL_ON_FOREIGN_CHECKPOINT) is
     ``fresh`` (then None: train from the start) or ``continue``."""
-    from orthojob.ops import run_identity
 
     if storage.is_s3_uri(out):
         found = storage.latest_checkpoint(out)

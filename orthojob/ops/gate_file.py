@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orthojob.eval.metrics import HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_MEAN, TERMINAL_RAW, mean_of
+from orthojob.modeling.models import ModelError, checkpoint_digest, checkpoint_files
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.records import json_value
 
@@ -250,7 +251,6 @@ def write_gate(
         thresholds = report.get("thresholds") or thresholds_for(stage)
     if isinstance(thresholds, dict):
         thresholds = GateThresholds.from_dict(thresholds)
-    from orthojob.modeling.models import checkpoint_digest, checkpoint_files
 
     checks = gate_checks(metrics, thresholds)
     content = {
@@ -339,7 +339,6 @@ def check_gate(checkpoint: str | Path, accept: Sequence[str] | None = STAGES) ->
     when ``checkpoint`` has a passed gate of a stage in ``accept`` (None: any) whose digest still
     matches; else raise :class:`GateError` (exit codes 10-13, see the module docstring; a gate of a
     stage not in ``accept`` is 11)."""
-    from orthojob.modeling.models import ModelError, checkpoint_digest
 
     content = read_gate(checkpoint)
     if accept is not None and content.get("stage") not in accept:

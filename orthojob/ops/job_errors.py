@@ -8,6 +8,7 @@ import sys
 
 from orthojob.ops import storage
 from orthojob.ops.exit_codes import ExitCode
+from orthojob.ops.tracking import TrackingError, redact
 
 TRACKING_REFUSALS = ("UNAUTHENTICATED", "PERMISSION_DENIED", "error code 401", "error code 403")
 """How an MLflow refusal reads (error codes of MlflowException, or the HTTP status in its text)."""
@@ -26,7 +27,6 @@ def tracking_refused(exc: BaseException | None) -> bool:
 def job_error_code(exc: BaseException) -> int:
     """The exit code of a storage or tracking failure: refused (32, 33: never retried, the message
     says what to fix) or unreachable (30, 31: retried)."""
-    from orthojob.ops.tracking import TrackingError
 
     if isinstance(exc, TrackingError):
         return ExitCode.TRACKING_DENIED if tracking_refused(exc) else ExitCode.TRACKING
@@ -36,7 +36,6 @@ def job_error_code(exc: BaseException) -> int:
 def report_job_error(command: str, exc: BaseException) -> int:
     """Print a storage or tracking failure as ``orthojob <command>: <message>`` (secrets redacted)
     on stderr; returns its exit code (:func:`job_error_code`)."""
-    from orthojob.ops.tracking import redact
 
     code = job_error_code(exc)
     print(f"orthojob {command}: {redact(str(exc))} (exit {int(code)})", file=sys.stderr)

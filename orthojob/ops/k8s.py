@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from orthojob.ops.exit_codes import ExitCode, fail_fast_codes
+from server.cases import TASK_IDS
 
 CONTAINER = "grpo"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -185,11 +186,8 @@ def _check_name(name: str, what: str) -> str:
 def _validate(ov: Overrides) -> None:
     if ov.steps is not None and (isinstance(ov.steps, bool) or int(ov.steps) != ov.steps or ov.steps < 1):
         raise K8sError(f"steps must be a positive integer, got {ov.steps!r}")
-    if ov.task_id is not None:
-        from server.cases import TASK_IDS
-
-        if ov.task_id not in TASK_IDS:
-            raise K8sError(f"unknown task {ov.task_id!r}: one of {', '.join(TASK_IDS)}")
+    if ov.task_id is not None and ov.task_id not in TASK_IDS:
+        raise K8sError(f"unknown task {ov.task_id!r}: one of {', '.join(TASK_IDS)}")
     if ov.image is not None and (not ov.image.strip() or any(ch.isspace() for ch in ov.image)):
         raise K8sError(f"image must be a non-empty reference without spaces, got {ov.image!r}")
     if ov.output_uri is not None and not ov.output_uri.strip():

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from orthojob.data.prompts import TRAIN_SEED_START
 from orthojob.eval.metrics import (
     EXCESS_METRIC,
     GATE_METRIC_PREFIX,
@@ -22,6 +23,18 @@ from orthojob.eval.metrics import (
     GATE_STAGE_TAG,
     HARD_RULE_SHARE,
 )
+from orthojob.eval.plots import training_plots
+from orthojob.modeling import base_models
+from orthojob.modeling.models import (
+    adapter_base,
+    adapter_base_digest,
+    is_adapter,
+    load_adapter,
+    recorded_base,
+    resolve_base,
+)
+from orthojob.ops.gate_file import GATE_FILE, gate_path
+from orthojob.ops.tracking import log_metrics, redact
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +59,6 @@ def model_metadata(model: Any, base_model: str) -> dict[str, str]:
     base (:func:`orthojob.modeling.models.record_base`: for an ``s3://`` base staged from the model hub, its hub
     id), with ``base_model_revision``, ``base_model_uri`` and ``base_model_digest`` where known; a full
     model's is ``base_model`` as given."""
-    from orthojob.modeling import base_models
-    from orthojob.modeling.models import recorded_base
 
     peft_model = hasattr(model, "peft_config")
     recorded = recorded_base(model) or {}
@@ -98,18 +109,12 @@ def log_training_artifacts(
     cases it trained on, :func:`training_cases`)."""
     import mlflow
 
-    from orthojob.ops.gate_file import GATE_FILE
-    from orthojob.ops.tracking import redact
-
     with tempfile.TemporaryDirectory() as tmp:
         resolved = Path(tmp) / "resolved_config.json"
         resolved.write_text(redact(json.dumps(config, indent=2, default=str)))
         mlflow.log_artifact(str(resolved))
         plot_dir = Path(tmp) / "plots"
         try:
-            from orthojob.data.prompts import TRAIN_SEED_START
-            from orthojob.eval.plots import training_plots
-
             for png in training_plots(log_history, plot_dir, task_id, TRAIN_SEED_START, force_decay):
                 mlflow.log_artifact(str(png), artifact_path="plots")
         except Exception as exc:  # plots are diagnostics: never fail a finished training for them
@@ -203,14 +208,6 @@ def load_checkpoint(folder: str | Path) -> tuple[Any, Any]:
     its base (not merged), a full model loads as itself; on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from orthojob.modeling.models import (
-        adapter_base,
-        adapter_base_digest,
-        is_adapter,
-        load_adapter,
-        resolve_base,
-    )
-
     folder = str(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if not is_adapter(folder):
@@ -266,9 +263,6 @@ def record_gate(
     checkpoints by them (what :mod:`orthojob.ops.registry` promotes from). A model without an id (no
     LoggedModel) gets nothing."""
     import mlflow
-
-    from orthojob.ops.gate_file import gate_path
-    from orthojob.ops.tracking import log_metrics
 
     passed = str(bool(content.get("passed"))).lower()
     values = dict(content.get("metrics") or {})

@@ -17,6 +17,7 @@ averages with confidence intervals; :func:`rollout_record` does the same for a c
 from __future__ import annotations
 
 from orthojob.eval.metrics import SCALED_REWARD
+from orthojob.rewards.plan_search import degenerate_form
 from server.cases import Case
 from server.reward_scaler import REWARD_MIN
 
@@ -36,7 +37,6 @@ def episode_record(result: dict | None, case: Case, optimal: str) -> dict:
     """:data:`METRICS` of one scored plan plus ``strategy``, ``broken_rules`` (comma-joined) and
     ``degenerate_form`` (None when not degenerate). ``result``: a :func:`server.treatment.score_plans`
     dict with ``plan``; None for a completion that is not a plan (scaled reward -2, canaries NaN)."""
-    from orthojob.rewards.plan_search import degenerate_form
 
     if result is None:
         nan = float("nan")

@@ -33,7 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orthojob.eval.evaluation import BASELINES, episode_metrics, run_checkpoint
 from orthojob.eval.metrics import HARD_RULE_SHARE, SCALED_REWARD_MEAN, TERMINAL_RAW, mean_of
+from orthojob.modeling.models import load_for_inference
 from orthojob.ops.gate_file import (
     BC_SFT,
     DEFAULT_THRESHOLDS,
@@ -44,7 +46,9 @@ from orthojob.ops.gate_file import (
     write_gate,
 )
 from orthojob.stages.flags import add_config_arguments, given_values, positive_int
+from orthojob.stages.tool_sft import tool_gate_metrics
 from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey
+from server.treatment import score_plans
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +149,6 @@ def _tool_gate_report(
 ) -> dict:  # fmt: skip
     """:func:`gate_report` of stage 1 (tool-use SFT): :func:`orthojob.stages.tool_sft.tool_gate_metrics` on the
     held-out seeds, checked against the stage's thresholds."""
-    from orthojob.stages.tool_sft import tool_gate_metrics
 
     t0 = time.perf_counter()
     tasks = _task_list(task_id)
@@ -153,8 +156,6 @@ def _tool_gate_report(
     if unknown:
         raise ValueError(f"unknown task ids {unknown}: use {TASK_IDS}")
     if model is None or tokenizer is None:
-        from orthojob.modeling.models import load_for_inference
-
         model, tokenizer = load_for_inference(path)
     rows = [
         {"seed": s, "task_id": t, "force_decay": bool(force_decay)}
@@ -198,14 +199,10 @@ def gate_report(
     if stage == TOOL_SFT:  # stage 1's gate: greedy agentic episodes through the tools
         return _tool_gate_report(path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_tool_turns,
                                  seed_start, stage, thresholds, model, tokenizer)  # fmt: skip
-    from orthojob.eval.evaluation import BASELINES, episode_metrics, run_checkpoint
-    from server.treatment import score_plans
 
     t0 = time.perf_counter()
     tasks = _task_list(task_id)
     if policy is None and (model is None or tokenizer is None):
-        from orthojob.modeling.models import load_for_inference
-
         model, tokenizer = load_for_inference(path)
     ep = run_checkpoint(
         model, tokenizer, tasks, n_seeds, seed_start, force_decay, max_new_tokens, batch_size, policy

@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from orthojob.agentic.reward import reward_agentic  # the environment: only where it is used
 from orthojob.modeling.models import TINY_MODEL
 from orthojob.ops.run_identity import POLICIES
 from orthojob.rewards.reward_functions import active_reward_funcs, reward_weights
@@ -342,8 +343,6 @@ class GRPOJobConfig:
         """The active reward functions (:func:`orthojob.rewards.reward_functions.active_reward_funcs`), in order,
         resolved once per config; in agentic mode the environment's (:func:`orthojob.agentic.reward.reward_agentic`)."""
         if self.mode == "agentic":
-            from orthojob.agentic.reward import reward_agentic  # the environment: only where it is used
-
             return [reward_agentic]
         return active_reward_funcs(self.rewards)
 

@@ -50,6 +50,10 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from orthojob.agentic.chat_template import prepare_tokenizer
+from orthojob.agentic.prompts import agentic_rows, full_prompt
+from orthojob.agentic.remote import check_server_capacity
+from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv, RemoteToolEnvFactory
 from orthojob.data.prompts import mixed_prompt_rows, prompt_format_of, prompt_rows
 from orthojob.eval.viewer import grpo_viewer_callback
 from orthojob.modeling import models
@@ -509,8 +513,6 @@ def _prompt_lengths(tokenizer, rows: Sequence[dict], tools: Sequence | None = No
     lengths = []
     for row in rows:
         if tools:
-            from orthojob.agentic.prompts import full_prompt
-
             text = tokenizer.apply_chat_template(
                 full_prompt(row), tools=list(tools), add_generation_prompt=True, tokenize=False
             )
@@ -601,19 +603,12 @@ def train(
     extra: dict[str, Any] = {}
     tools = None
     if agentic:
-        from orthojob.agentic.chat_template import prepare_tokenizer
-        from orthojob.agentic.prompts import agentic_rows
-        from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv
-
         tokenizer = prepare_tokenizer(tokenizer)  # a chat template TRL can parse tool calls with
         rows = agentic_rows(n_prompts, config.prompt_seed_start, config.task_id, config.force_decay)
         probe = DentalToolEnv()
         tools = [getattr(probe, name) for name in TOOL_NAMES]
         extra["environment_factory"] = DentalToolEnv
         if config.env_url:  # the tools over the server: one WebSocket session per rollout
-            from orthojob.agentic.remote import check_server_capacity
-            from orthojob.agentic.tools import RemoteToolEnvFactory
-
             try:
                 check_server_capacity(config.env_url, generation_batch(config, n_processes))
             except ValueError as exc:

@@ -39,9 +39,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from orthojob.data.prompts import build_messages, prompt_format_of, reset_observation
+from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN, generate_completions
 from orthojob.modeling import models
-from orthojob.ops import gate_file, storage
+from orthojob.ops import gate_file, storage, tracking
 from orthojob.ops.exit_codes import ExitCode
+from orthojob.rewards.rollouts import score_texts
 from orthojob.stages import gate
 from orthojob.stages.rsft_config import RSFT_SAMPLES_FILE, ConfigError, RSFTConfig
 from orthojob.stages.sft import (
@@ -52,6 +55,8 @@ from orthojob.stages.sft import (
     log_stage,
     run_sft,
 )
+from server.cases import CaseKey
+from server.treatment import score_plans
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +165,6 @@ def sample_completions(config: RSFTConfig, checkpoint: str | Path, observations:
     """k sampled completions per observation from ``checkpoint`` (prompt-major)."""
     import torch
 
-    from orthojob.eval.evaluation import generate_completions
-
     model, tokenizer = models.load_for_inference(checkpoint)
     torch.manual_seed(config.seed)
     texts, _counts, _ended = generate_completions(
@@ -181,11 +184,6 @@ def sample_and_keep(config: RSFTConfig, checkpoint: str | Path) -> list[dict]:
     (``prompt_index``, ``task_id``, ``seed``), ``sample`` index, ``completion``, ``scaled_reward``,
     ``terminal_reward``, ``broken_rules``, ``error``, ``strategy``, ``slerp_scaled_reward``, ``kept``
     and ``dropped``."""
-    from orthojob.data.prompts import reset_observation
-    from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
-    from orthojob.rewards.rollouts import score_texts
-    from server.cases import CaseKey
-    from server.treatment import score_plans
 
     prompts = prompt_cases(config)
     keys = [CaseKey(task_id, seed, config.force_decay) for task_id, seed in prompts]
@@ -218,7 +216,6 @@ def sample_and_keep(config: RSFTConfig, checkpoint: str | Path) -> list[dict]:
 def training_rows(samples: Sequence[dict], force_decay: bool, prompt_format: str = "full") -> list[dict]:
     """The kept samples as SFT rows (the policy's prompt in its ``prompt_format``, the sampled
     completion as it was written)."""
-    from orthojob.data.prompts import build_messages, reset_observation
 
     return [
         {
@@ -251,7 +248,6 @@ def run_rsft(config: RSFTConfig) -> dict:
             f.write(json.dumps(s) + "\n")
     tally = counts(samples)
     log.info("RSFT samples: %s", tally)
-    from orthojob.data.prompts import prompt_format_of
 
     rows = training_rows(samples, config.force_decay, prompt_format_of(config.from_checkpoint))
     if not rows:
@@ -275,7 +271,6 @@ def log_rsft(summary: dict, out: str | Path) -> None:
     mlflow = sys.modules.get("mlflow")
     if mlflow is None or mlflow.active_run() is None:
         return
-    from orthojob.ops import tracking
 
     tracking.log_metrics({f"rsft/{k}": v for k, v in summary["rsft"].items()})
     samples_file = Path(out) / RSFT_SAMPLES_FILE

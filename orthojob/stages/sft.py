@@ -43,6 +43,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from orthojob.agentic.chat_template import prepare_tokenizer
+from orthojob.data.format_demos import demo_stats, format_demonstrations
 from orthojob.data.prompts import (
     TRAIN_SEED_START,
     build_messages,
@@ -52,7 +54,7 @@ from orthojob.data.prompts import (
 )
 from orthojob.modeling import models
 from orthojob.modeling.models import TINY_MODEL, ensure_tiny
-from orthojob.ops import gate_file, model_logging, progress, storage, work_dirs
+from orthojob.ops import gate_file, model_logging, progress, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.gate_file import DEFAULT_THRESHOLDS
 from orthojob.stages import gate
@@ -68,6 +70,7 @@ from orthojob.stages.sft_config import (
     SFTJobConfig,
     ToolSFTConfig,
 )
+from orthojob.stages.tool_sft import build_tiny_tool_model, conversation_dataset, tool_demonstrations
 from server.cases import CaseKey
 from server.oracle import oracle_plan
 from server.treatment import score_plans
@@ -148,8 +151,6 @@ def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tup
     if config.demos == "oracle":
         return oracle_demonstrations(config.examples, config.task_ids, config.force_decay, prompt_format)
     if config.demos == "format":
-        from orthojob.data.format_demos import demo_stats, format_demonstrations
-
         rows = format_demonstrations(
             config.examples,
             config.task_ids,
@@ -162,8 +163,6 @@ def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tup
         log.info("format demonstrations: %s", stats)
         return rows, {"source": "format", "examples": len(rows), **stats}
     if config.demos == "tool":
-        from orthojob.stages.tool_sft import tool_demonstrations
-
         return tool_demonstrations(
             config.examples, config.task_ids, config.force_decay, seed=getattr(config, "demo_seed", 0)
         )
@@ -179,8 +178,6 @@ def resolve_model(config: SFTJobConfig) -> str:
     if config.model != TINY_MODEL:
         return config.model
     if config.demos == "tool":  # stage 1: a tokenizer that knows the tool conversations, longer context
-        from orthojob.stages.tool_sft import build_tiny_tool_model
-
         return str(
             build_tiny_tool_model(
                 Path(config.out) / "base-model", config.task_ids, config.force_decay, **config.tiny_arch
@@ -205,9 +202,6 @@ def sft_trainer(config: SFTJobConfig, model, tokenizer, rows: Sequence[dict], de
 
     tool = config.demos == "tool"
     if tool:
-        from orthojob.agentic.chat_template import prepare_tokenizer
-        from orthojob.stages.tool_sft import conversation_dataset
-
         tokenizer = prepare_tokenizer(tokenizer)
         dataset = conversation_dataset(rows)
     else:
@@ -390,7 +384,6 @@ def log_stage(summary: dict, content: dict | None, out: str | Path, prefix: str 
     mlflow = sys.modules.get("mlflow")  # imported by the stage run, when there is one
     if mlflow is None or mlflow.active_run() is None:
         return
-    from orthojob.ops import tracking
 
     numbers = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
     numbers |= {

@@ -39,9 +39,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from orthojob.agentic.chat_template import prepare_tokenizer
 from orthojob.agentic.prompts import agentic_messages, agentic_rows, full_prompt
 from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv
 from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
+from orthojob.modeling.models import build_tiny, tiny_corpus
 from server.dental_constants import MM_PER_DEG, TOOTH_IDS
 from server.oracle import oracle_plan
 
@@ -173,9 +175,7 @@ def tiny_tool_corpus(task_ids: Sequence[str], force_decay: bool = False, n_per_t
     """Tokenizer corpus for a tiny model of stage 1: the one-shot corpus
     (:func:`orthojob.modeling.models.tiny_corpus`) and a few training tool conversations rendered with the
     tool-calling template, so that the tools' schemas cost few tokens."""
-    from orthojob.agentic.chat_template import prepare_tokenizer
-    from orthojob.modeling.models import tiny_corpus
-    from orthojob.modeling.tiny_model import train_tokenizer
+    from orthojob.modeling.tiny_model import train_tokenizer  # torch at import: orthojob --help stays light
 
     renderer = prepare_tokenizer(train_tokenizer(["x y"]))
     rows, _ = tool_demonstrations(n_per_task * len(task_ids), task_ids, force_decay)
@@ -188,8 +188,6 @@ def build_tiny_tool_model(out_dir, task_ids: Sequence[str], force_decay: bool = 
     knows the tool conversations and room for them (at least 8192 positions). ``arch`` may name a
     ``prompt_format`` (:func:`orthojob.modeling.models.build_tiny`), recorded in its ``config.json``."""
     from pathlib import Path
-
-    from orthojob.modeling.models import build_tiny
 
     path = Path(out_dir)
     if (path / "config.json").is_file():
@@ -225,8 +223,6 @@ def agentic_rollouts(
     ``max_turns`` turns. Returns per episode: ``turns``, ``first_call`` (the first turn was a
     parseable call), ``calls``, ``invalid``, ``finished``, ``reward``, ``messages``."""
     import torch
-
-    from orthojob.agentic.chat_template import prepare_tokenizer
 
     tokenizer = prepare_tokenizer(tokenizer)
     tokenizer.padding_side = "left"
