@@ -17,19 +17,27 @@ starts, linear in between and beyond (:data:`GRADE_ANCHORS`):
   (mm): an overbite of 4-5 mm is mild, 5-6 moderate, 6 or more severe against the ideal 2-3 (ABO;
   Proffit), i.e. 1.5 / 2.5 / 3.5 mm of reduction; a curve of Spee deeper than 1.5 mm is not ideal
   (Andrews 1972) and levelling it is the same intrusion;
-* ``protrusion_spacing``: the upper spacing the setup closes (mm, summed gaps between neighbours):
-  1-3 mm mild, 4-6 moderate, over 6 severe (:data:`server.clinical_profiles.SPACING_MM`);
+* ``protrusion_spacing``: how far the setup retracts the upper central incisal edges (mm, sagittal,
+  the smaller of the two sides: a protrusion proclines both, one displaced incisor is an
+  irregularity), on the overjet's scale (the lower incisors in place, the overjet falls by as much):
+  an overjet of 4, 6 and 8 mm against the ideal 2-3 (ABO), increased from 4 mm, severe from 7-9 mm
+  (Proffit), i.e. 1.5 / 3.5 / 5.5 mm of retraction. Not the spacing it closes: proclined incisors
+  need not have opened their contacts, and one displaced incisor opens a gap;
 * ``crowding``: the lower anterior irregularity the setup resolves (Little's index, mm: 1-3 minimal,
   4-6 moderate, 7-9 severe; Little 1975) in an arch the setup widens between the first molars
-  (:data:`EXPANSION_MIN_MM`): an arch-length deficit resolved by expansion;
+  (:data:`EXPANSION_MIN_MM`): an arch-length deficit resolved by expansion. The widening (mm) grades
+  it on the same scale where it is the larger: blocked-out incisors can keep their contacts, and the
+  target arch need not have a Little index of 0;
 * ``mild_irregularity``: the largest rotation of a crown about its long axis the setup corrects
-  (deg; :data:`server.clinical_profiles.ROTATION_DEG`); in an arch the setup widens, only the
-  premolars' and molars' (the crowded anterior teeth's rotations are the crowding's).
+  (deg; :data:`server.clinical_profiles.ROTATION_DEG`). A mild irregularity is a Class I arch without
+  an arch-length deficit: in an arch the setup widens it is at most the crowding's companion (graded
+  no higher than the crowding), and only the premolars' and molars' rotations count (the crowded
+  anterior teeth's are the crowding's).
 
 The primary profile is the highest grade, with one clinical rule: with a Class II molar relation
-(:data:`CLASS_II_MIN_MM` or more to correct) spacing is not a protrusion (the proclined, spaced upper
-incisors are the Class II's overjet). The secondary profile is the highest-graded of the primary's
-possible companions (:data:`server.clinical_profiles.SECONDARY_PROFILES`) at
+(:data:`CLASS_II_MIN_MM` or more to correct) the upper incisors' retraction is not a protrusion (the
+proclined upper incisors are the Class II's overjet). The secondary profile is the highest-graded of
+the primary's possible companions (:data:`server.clinical_profiles.SECONDARY_PROFILES`) at
 :data:`SECONDARY_MIN_GRADE` or more. The severity is the primary's grade band. A case whose every
 grade is below :data:`FINDING_MIN_GRADE` has no named finding and reads ``mild_irregularity``,
 ``mild`` (the generic staging, ``anterior_first``); it needs treatment only if the setup moves a
@@ -63,12 +71,12 @@ from server.quaternion_utils import quaternion_angle, vector_norm
 GRADE_ANCHORS: dict[str, tuple[float, float, float]] = {
     "crowding": (1.0, 3.5, 6.5),
     "class_ii": (1.75, 3.5, 5.0),
-    "protrusion_spacing": (1.0, 3.5, 6.0),
+    "protrusion_spacing": (1.5, 3.5, 5.5),
     "deep_bite": (1.5, 2.5, 3.5),
     "mild_irregularity": (4.0, 8.0, 14.0),
 }
-"""Per profile, its defining correction (mm; deg for ``mild_irregularity``) at grades 1, 2 and 3:
-where the finding starts, where moderate starts, where severe starts. Where the literature's grades
+"""Per profile, its defining correction (the module docstring; mm, deg for ``mild_irregularity``) at
+grades 1, 2 and 3: where the finding starts, where moderate starts, where severe starts. Where the literature's grades
 leave a gap (Little's 1-3 and 4-6 mm) the boundary is the middle of the gap; where they overlap
 (rotations of 8-14 and 12-20 deg) the top of the milder one."""
 EXPANSION_MIN_MM: float = 0.15
@@ -77,7 +85,8 @@ below what can be measured on casts (~0.5 mm), above the numbers' noise (a setup
 molars in place widens them by 0)."""
 CLASS_II_MIN_MM: float = 1.0
 """A molar relation correction beyond the Class I band (|molar relation| <= 1 mm, the occlusion
-key's band and ``case_summary``'s molar class) makes spacing a Class II's, not a protrusion."""
+key's band and ``case_summary``'s molar class) makes the upper incisors' retraction a Class II's, not
+a protrusion."""
 SECONDARY_MIN_GRADE: float = 0.5
 """Grade from which a companion finding is a secondary profile (half its clinical onset: the
 companions of a combined case are drawn at half a moderate finding)."""
@@ -88,7 +97,7 @@ MOVEMENT_MIN: tuple[float, float] = (0.1, 1.0)
 """(mm, deg) a crown must move, initial to target, for the case to need treatment: below it the
 movement is within a segmentation's accuracy."""
 
-_U6, _L6 = UPPER_PAIRS[5], LOWER_PAIRS[5]
+_U1, _U6, _L6 = UPPER_PAIRS[0], UPPER_PAIRS[5], LOWER_PAIRS[5]
 _POSTERIOR = TOOTH_NUMBER >= 4
 
 
@@ -108,6 +117,8 @@ class Diagnosis:
         curve_of_spee_mm: curve of Spee levelled.
         midline_mm: |midline| shift corrected.
         upper_spacing_mm: upper spacing closed (summed gaps between neighbours).
+        incisor_retraction_mm: how far the upper central incisal edges are retracted (y; the
+            smaller of the two sides).
         lower_irregularity_mm: lower Little index resolved.
         expansion_mm: intermolar widening (the larger of the two arches).
         rotation_deg: the largest crown rotation about its long axis.
@@ -126,6 +137,7 @@ class Diagnosis:
     curve_of_spee_mm: float
     midline_mm: float
     upper_spacing_mm: float
+    incisor_retraction_mm: float
     lower_irregularity_mm: float
     expansion_mm: float
     rotation_deg: float
@@ -140,6 +152,7 @@ MEASURES: tuple[str, ...] = (
     "curve_of_spee_mm",
     "midline_mm",
     "upper_spacing_mm",
+    "incisor_retraction_mm",
     "lower_irregularity_mm",
     "expansion_mm",
     "rotation_deg",
@@ -173,6 +186,7 @@ def corrections(initial: np.ndarray, target: np.ndarray, crown_width_mm: np.ndar
         "curve_of_spee_mm": _change(curve_of_spee_mm(both, edge)),
         "midline_mm": np.abs(_change(midline_mm(both))),
         "upper_spacing_mm": _change(sp_u),
+        "incisor_retraction_mm": np.min(_change(edge[..., _U1, 1]), axis=-1),
         "lower_irregularity_mm": _change(irr_l),
         "expansion_mm": np.maximum(-_change(upper_width), -_change(lower_width)),
         "rotation_deg": np.max(rotation, axis=-1),
@@ -200,15 +214,23 @@ def _grade(value: np.ndarray, anchors: tuple[float, float, float]) -> np.ndarray
 def grades(measures: dict[str, np.ndarray]) -> np.ndarray:
     """(..., 5) each profile's grade, PROFILES order, from :func:`corrections`' measures."""
     expanded = measures["expansion_mm"] >= EXPANSION_MIN_MM
-    spacing = np.where(measures["molar_relation_mm"] >= CLASS_II_MIN_MM, 0.0, measures["upper_spacing_mm"])
     value = {
-        "crowding": np.where(expanded, measures["lower_irregularity_mm"], 0.0),
+        "crowding": np.where(
+            expanded, np.maximum(measures["lower_irregularity_mm"], measures["expansion_mm"]), 0.0
+        ),
         "class_ii": measures["molar_relation_mm"],
-        "protrusion_spacing": spacing,
+        "protrusion_spacing": measures["incisor_retraction_mm"],
         "deep_bite": np.maximum(measures["overbite_mm"], measures["curve_of_spee_mm"]),
         "mild_irregularity": np.where(expanded, measures["posterior_rotation_deg"], measures["rotation_deg"]),
     }
-    return np.stack([_grade(value[p], GRADE_ANCHORS[p]) for p in PROFILES], axis=-1)
+    g = {p: _grade(value[p], GRADE_ANCHORS[p]) for p in PROFILES}
+    g["protrusion_spacing"] = np.where(
+        measures["molar_relation_mm"] >= CLASS_II_MIN_MM, 0.0, g["protrusion_spacing"]
+    )
+    g["mild_irregularity"] = np.where(
+        expanded, np.minimum(g["mild_irregularity"], g["crowding"]), g["mild_irregularity"]
+    )
+    return np.stack([g[p] for p in PROFILES], axis=-1)
 
 
 _COMPANIONS: np.ndarray = np.array([[q in SECONDARY_PROFILES[p] for q in PROFILES] for p in PROFILES])
