@@ -103,7 +103,7 @@ _POSTERIOR = TOOTH_NUMBER >= 4
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """A case's diagnosis and the corrections (initial minus target) it was decided on.
+    """A case's diagnosis and the corrections (initial minus target) it was decided on, rounded to 0.001.
 
     Attributes:
         profile: one of :data:`server.clinical_profiles.PROFILES`.
@@ -199,15 +199,21 @@ def _change(measure: np.ndarray) -> np.ndarray:
     return measure[0] - measure[1]
 
 
-def _grade(value: np.ndarray, anchors: tuple[float, float, float]) -> np.ndarray:
-    """Piecewise-linear grade of a correction: 0 at 0, 1 / 2 / 3 at the anchors, linear beyond the
-    last; 0 for a correction the other way."""
-    a1, a2, a3 = anchors
+_ANCHORS: np.ndarray = np.array([GRADE_ANCHORS[p] for p in PROFILES]).T  # (3, 5): a1, a2, a3
+_CROWDING, _PROTRUSION, _IRREGULARITY = map(
+    PROFILES.index, ("crowding", "protrusion_spacing", "mild_irregularity")
+)
+
+
+def _grade(value: np.ndarray) -> np.ndarray:
+    """(..., 5) piecewise-linear grades of (..., 5) corrections (PROFILES order): 0 at 0, 1 / 2 / 3
+    at the anchors, on the last segment's slope beyond them; 0 for a correction the other way."""
+    a1, a2, a3 = _ANCHORS
     v = np.maximum(value, 0.0)
-    return np.select(
-        [v < a1, v < a2, v < a3],
-        [v / a1, 1.0 + (v - a1) / (a2 - a1), 2.0 + (v - a2) / (a3 - a2)],
-        3.0 + (v - a3) / (a3 - a2),
+    return (
+        np.minimum(v, a1) / a1
+        + np.clip(v - a1, 0.0, a2 - a1) / (a2 - a1)
+        + np.maximum(v - a2, 0.0) / (a3 - a2)
     )
 
 
@@ -223,14 +229,12 @@ def grades(measures: dict[str, np.ndarray]) -> np.ndarray:
         "deep_bite": np.maximum(measures["overbite_mm"], measures["curve_of_spee_mm"]),
         "mild_irregularity": np.where(expanded, measures["posterior_rotation_deg"], measures["rotation_deg"]),
     }
-    g = {p: _grade(value[p], GRADE_ANCHORS[p]) for p in PROFILES}
-    g["protrusion_spacing"] = np.where(
-        measures["molar_relation_mm"] >= CLASS_II_MIN_MM, 0.0, g["protrusion_spacing"]
+    g = _grade(np.stack([value[p] for p in PROFILES], axis=-1))
+    g[..., _PROTRUSION] *= measures["molar_relation_mm"] < CLASS_II_MIN_MM
+    g[..., _IRREGULARITY] = np.where(
+        expanded, np.minimum(g[..., _IRREGULARITY], g[..., _CROWDING]), g[..., _IRREGULARITY]
     )
-    g["mild_irregularity"] = np.where(
-        expanded, np.minimum(g["mild_irregularity"], g["crowding"]), g["mild_irregularity"]
-    )
-    return np.stack([g[p] for p in PROFILES], axis=-1)
+    return g
 
 
 _COMPANIONS: np.ndarray = np.array([[q in SECONDARY_PROFILES[p] for q in PROFILES] for p in PROFILES])
@@ -269,6 +273,8 @@ def diagnose_many(initial: np.ndarray, target: np.ndarray, crown_width_mm: np.nd
     moved = (vector_norm(target[..., 4:] - initial[..., 4:]).max(axis=-1) >= MOVEMENT_MIN[0]) | (
         np.degrees(quaternion_angle(initial[..., :4], target[..., :4])).max(axis=-1) >= MOVEMENT_MIN[1]
     )
+    values = (np.round(np.stack([m[name] for name in MEASURES], axis=-1), 3) + 0.0).tolist()
+    rounded = (np.round(g, 3) + 0.0).tolist()
     out = []
     for k in range(len(primary)):
         profile = PROFILES[primary[k]] if found[k] else "mild_irregularity"
@@ -280,8 +286,8 @@ def diagnose_many(initial: np.ndarray, target: np.ndarray, crown_width_mm: np.nd
                 severity=SEVERITIES[band[k]] if found[k] else "mild",
                 optimal_strategy=optimal_strategy(profile, secondary),
                 treatment_needed=bool(moved[k]),
-                **{name: round(float(m[name][k]), 3) + 0.0 for name in MEASURES},
-                grades=tuple(round(float(x), 3) + 0.0 for x in g[k]),
+                **dict(zip(MEASURES, values[k])),
+                grades=tuple(rounded[k]),
             )
         )
     return out
