@@ -1,15 +1,23 @@
 """The ideal (target) arch of a case: crowns placed in contact along an arch form.
 
-The arch form is a power curve ``y = -b |x|^p`` (mm, incisal point at the origin),
-fitted once at import so that, with Wheeler's mean crown widths placed in contact
-along the curve, the centroid widths between the canines and the first molars
-equal the Class I norms (35.4 / 53.8 mm upper, 26.9 / 51.7 mm lower). Per case the
-arch is scaled (overall size, transverse, sagittal), the lower arch is placed for an
-ideal overjet and a Class I molar relation (its sagittal scale solves that exactly),
-and crown widths follow from the positions so that neighbours just touch.
-A power curve is used rather than Braun's beta function because the beta curve
-ends at the molars' width and cannot hold Wheeler's 55 mm half-arch; catenary
-and beta forms differ from it by well under a millimetre anteriorly.
+The arch form is an even polynomial ``y = -(a x^2 + c x^6)`` (mm, incisal point at the origin;
+polynomials fit human arches well: Pepe 1975, Ferrario 1994), fitted once at import so that,
+with Wheeler's mean crown widths placed in contact along the curve, the arch widths equal the
+Class I norms at the landmarks they are measured at: 35.4 / 26.9 mm (upper / lower) between the
+canine cusp tips, 53.8 / 51.7 mm across the first molars' buccal surfaces. Each landmark lies
+outward of its crown's centroid by :data:`WIDTH_LANDMARK_OFFSET_MM` (along the crown's labial
+direction in the occlusal plane), so the centroids sit inside the norms: 31.4 / 26.4 mm between
+the canines and 42.9 / 41.3 mm between the first molars on the nominal arch (a real jaw's
+centroids, Open-Full-Jaw Patient 26: 28.2 / 23.2 and 43.4 / 41.8 mm, its canine cusp tips
+4.1 / 2.7 mm inside the norms). Neighbours touch in the collision model's terms
+(:mod:`server.collisions`: occlusal ellipses turned along the curve), so where the arch turns at
+the canines the centroids are closer than the half widths' sum. The x^2 term rounds the incisor
+segment and the x^6 term turns the posterior segments back, which a single power of x (or Braun's
+beta curve, which ends at the molars' width) cannot do for arches this narrow at the centroids
+without a sharp corner at the lateral incisors. Per case the arch is scaled (overall size,
+transverse, sagittal), the lower arch is placed for an ideal overjet and a Class I molar relation
+(its sagittal scale solves that exactly), and crown widths follow from the positions so that
+neighbours just touch.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from server.collisions import mesiodistal_axis_xy
 from server.dental_constants import (
     CLASS_I_MOLAR_OFFSET_MM,
     CROWN_DEPTH_MM,
@@ -26,6 +35,7 @@ from server.dental_constants import (
     INTERCANINE_WIDTH_MM,
     INTERMOLAR_WIDTH_MM,
     IS_UPPER,
+    LOWER_CROWN_DEPTH_MM,
     LOWER_CROWN_WIDTH_MM,
     LOWER_PAIRS,
     N_TEETH,
@@ -34,8 +44,10 @@ from server.dental_constants import (
     TOOTH_NUMBER,
     TORQUE_DEG,
     TYPE_INDEX,
+    UPPER_CROWN_DEPTH_MM,
     UPPER_CROWN_WIDTH_MM,
     UPPER_PAIRS,
+    WIDTH_LANDMARK_OFFSET_MM,
     side_mean,
 )
 from server.quaternion_utils import (
@@ -63,35 +75,87 @@ INCISAL_LEVEL_MM: np.ndarray = np.array([1.25, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0])
 (upper below it, lower above it): the centrals overlap by 2 x 1.25 = 2.5 mm of overbite."""
 
 
-def _fit_power_curve(widths: np.ndarray, intercanine: float, intermolar: float) -> tuple[float, float]:
-    """Solve (b, p) of y = -b x^p so that canine and first-molar centroids hit the norms."""
+def _curve(coef: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """y and dy/dx of the arch form y = -(a x^2 + c x^6) at x (mm), ``coef`` = (a, c)."""
+    a, c = coef
+    x2 = x * x
+    x4 = x2 * x2
+    return -(a + c * x4) * x2, -(2.0 * a + 6.0 * c * x4) * x
+
+
+def _fit_curve(
+    widths: np.ndarray, depths: np.ndarray, intercanine: float, intermolar: float, arch: str
+) -> np.ndarray:
+    """Solve (a, c) of the arch form so that the canine cusp tips and the first molars' buccal surfaces
+    (their centroids plus :data:`WIDTH_LANDMARK_OFFSET_MM` along the curve's outward normal) are
+    the norms apart."""
     from scipy.optimize import least_squares  # import-time fit only
 
-    def residual(params: np.ndarray) -> list[float]:
-        x, _ = _place_on_curve(params[0], params[1], widths)
-        return [2 * x[2] - intercanine, 2 * x[5] - intermolar]
+    offset = np.array(WIDTH_LANDMARK_OFFSET_MM[arch])
 
-    fit = least_squares(residual, [1e-3, 3.0], bounds=([1e-7, 1.0], [1.0, 6.0]), xtol=1e-12)
-    return float(fit.x[0]), float(fit.x[1])
+    def residual(coef: np.ndarray) -> np.ndarray:
+        x, _ = _place_on_curve(coef, widths, depths)
+        _, slope = _curve(coef, x[[2, 5]])
+        normal_x = -slope / np.hypot(1.0, slope)  # transverse part of the outward unit normal
+        return 2 * (x[[2, 5]] + offset * normal_x) - [intercanine, intermolar]
+
+    fit = least_squares(
+        residual, [0.01, 1e-6], bounds=([0.0, 0.0], [1.0, 1.0]), x_scale=[0.01, 1e-6], xtol=1e-15
+    )
+    return fit.x
 
 
-def _place_on_curve(b: float, p: float, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of 7 crown centroids placed in contact along y = -b x^p from the midline."""
+def _ellipse_radius(width: np.ndarray, depth: np.ndarray, c2: np.ndarray) -> np.ndarray:
+    """Radius (mm) of a crown's occlusal ellipse (semi-axes width/2, depth/2) in a direction at
+    squared cosine ``c2`` to its mesiodistal axis (:mod:`server.collisions`' crown model)."""
+    inv_d2 = 4.0 / np.square(depth)
+    return 1.0 / np.sqrt(inv_d2 + c2 * (4.0 / np.square(width) - inv_d2))
+
+
+def _place_on_curve(
+    coef: np.ndarray, widths: np.ndarray, depths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of 7 crown centroids placed along the arch form from the midline so that neighbours touch
+    in the collision model: each crown an ellipse turned along the curve's tangent, the central
+    incisor touching its mirror image and each next crown the one before it (where the arch turns,
+    crowns touch at less than their half widths' sum)."""
     x = np.linspace(0.0, 45.0, 9001)
-    y = -b * x**p
-    s = np.concatenate(([0.0], np.cumsum(np.hypot(np.diff(x), np.diff(y)))))
-    along = np.cumsum(widths) - widths / 2
-    return np.interp(along, s, x), np.interp(along, s, y)
+    y, slope = _curve(coef, x)
+    ax, ay = 1.0 / np.hypot(1.0, slope), slope / np.hypot(1.0, slope)  # the tangent, unit
+    # the central incisor: 2 x = twice its radius along the transverse line to its mirror image
+    gap = x - _ellipse_radius(widths[0], depths[0], ax * ax)
+    i = int(np.argmax(gap >= 0.0))
+    k = [i - 1 + gap[i - 1] / (gap[i - 1] - gap[i])]  # fractional sample index of each centroid
+    for n in range(1, 7):
+        j = int(k[-1])
+        t = k[-1] - j
+        px, py = (1 - t) * x[j] + t * x[j + 1], (1 - t) * y[j] + t * y[j + 1]
+        pax, pay = (1 - t) * ax[j] + t * ax[j + 1], (1 - t) * ay[j] + t * ay[j + 1]
+        dx, dy = x[j + 1 :] - px, y[j + 1 :] - py
+        dist = np.hypot(dx, dy)
+        c2_prev = np.square((dx * pax + dy * pay) / dist) / (pax * pax + pay * pay)
+        c2_here = np.square((dx * ax[j + 1 :] + dy * ay[j + 1 :]) / dist)
+        gap = (
+            dist
+            - _ellipse_radius(widths[n - 1], depths[n - 1], c2_prev)
+            - _ellipse_radius(widths[n], depths[n], c2_here)
+        )
+        i = int(np.argmax(gap >= 0.0))
+        k.append(j + i + (gap[i - 1] / (gap[i - 1] - gap[i]) if i > 0 else 1.0))
+    cx = np.interp(np.array(k), np.arange(x.size), x)
+    return cx, _curve(coef, cx)[0]
 
 
-def _nominal_arch(widths: np.ndarray, arch: str) -> tuple[np.ndarray, np.ndarray, float, float]:
-    b, p = _fit_power_curve(widths, INTERCANINE_WIDTH_MM[arch][0], INTERMOLAR_WIDTH_MM[arch][0])
-    x, y = _place_on_curve(b, p, widths)
-    return x, y, b, p
+def _nominal_arch(
+    widths: np.ndarray, depths: np.ndarray, arch: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    coef = _fit_curve(widths, depths, INTERCANINE_WIDTH_MM[arch][0], INTERMOLAR_WIDTH_MM[arch][0], arch)
+    x, y = _place_on_curve(coef, widths, depths)
+    return x, y, _curve(coef, x)[1]
 
 
-_UX, _UY, _UB, _UP = _nominal_arch(UPPER_CROWN_WIDTH_MM, "upper")
-_LX, _LY, _LB, _LP = _nominal_arch(LOWER_CROWN_WIDTH_MM, "lower")
+_UX, _UY, _US = _nominal_arch(UPPER_CROWN_WIDTH_MM, UPPER_CROWN_DEPTH_MM, "upper")
+_LX, _LY, _LS = _nominal_arch(LOWER_CROWN_WIDTH_MM, LOWER_CROWN_DEPTH_MM, "lower")
 NOMINAL_XY: np.ndarray = np.stack(
     [
         np.where(IS_UPPER, _UX[TYPE_INDEX], _LX[TYPE_INDEX]),
@@ -100,11 +164,7 @@ NOMINAL_XY: np.ndarray = np.stack(
     axis=-1,
 )
 """(28, 2) nominal centroid x (always >= 0, unsigned) and y of each tooth."""
-NOMINAL_SLOPE: np.ndarray = np.where(
-    IS_UPPER,
-    -_UB * _UP * _UX[TYPE_INDEX] ** (_UP - 1),
-    -_LB * _LP * _LX[TYPE_INDEX] ** (_LP - 1),
-)
+NOMINAL_SLOPE: np.ndarray = np.where(IS_UPPER, _US[TYPE_INDEX], _LS[TYPE_INDEX])
 """(28,) dy/dx of the nominal arch form at each crown (for x >= 0)."""
 
 
@@ -126,13 +186,16 @@ class ArchParameters:
 
     @classmethod
     def sample(cls, rng: np.random.Generator) -> ArchParameters:
-        """Draw one patient's arch: about 1 SD of the Class I norms in each dimension."""
+        """Draw one patient's arch: about 1 SD of the Class I norms in each dimension. The upper arch's
+        depth is clipped at 2 SD: the posterior segments run almost sagittally, so the crowns there
+        (whose widths follow from the positions) lengthen with it, the lower ones more (the lower
+        arch's depth is solved for Class I from the upper one's)."""
         size = _clip(rng.normal(1.0, 0.03), 0.92, 1.08)
         transverse = _clip(rng.normal(1.0, 0.03), 0.93, 1.07)
         return cls(
             size=size,
             upper_transverse=transverse,
-            upper_sagittal=_clip(rng.normal(1.0, 0.03), 0.93, 1.07),
+            upper_sagittal=_clip(rng.normal(1.0, 0.03), 0.94, 1.06),
             lower_size=_clip(rng.normal(1.0, 0.01), 0.97, 1.03),
             lower_transverse=_clip(transverse * rng.normal(1.0, 0.01), 0.92, 1.08),
             curve_of_spee_mm=float(rng.uniform(0.3, 1.2)),
@@ -157,6 +220,36 @@ def occlusal_points_of(poses: np.ndarray, teeth: np.ndarray) -> np.ndarray:
     """:func:`occlusal_points` of the crowns ``teeth`` (indices, (T,)) only: (..., T, 3)."""
     some = poses[..., teeth, :]
     return some[..., 4:7] + _OCCLUSAL_HEIGHT[teeth, None] * quaternion_axis(some[..., :4], 2)
+
+
+WIDTH_TEETH: np.ndarray = np.stack((UPPER_PAIRS[2], LOWER_PAIRS[2], UPPER_PAIRS[5], LOWER_PAIRS[5]))
+"""(4, 2) (right, left) indices of the crowns the arch widths are measured on: upper canines, lower
+canines, upper first molars, lower first molars."""
+WIDTH_NAMES: tuple[str, ...] = (
+    "upper_intercanine",
+    "lower_intercanine",
+    "upper_intermolar",
+    "lower_intermolar",
+)
+_WIDTH_OFFSET: np.ndarray = np.array(
+    [
+        WIDTH_LANDMARK_OFFSET_MM["upper"][0],
+        WIDTH_LANDMARK_OFFSET_MM["lower"][0],
+        WIDTH_LANDMARK_OFFSET_MM["upper"][1],
+        WIDTH_LANDMARK_OFFSET_MM["lower"][1],
+    ]
+)
+
+
+def width_landmarks_xy(poses: np.ndarray) -> np.ndarray:
+    """Occlusal-plane position (mm) of each arch-width landmark, (..., 4, 2, 2) [width (WIDTH_NAMES),
+    side (right, left), (x, y)] from poses (..., 28, 7): the canine cusp tips and the first molars'
+    buccal surfaces, each its crown's centroid plus :data:`WIDTH_LANDMARK_OFFSET_MM` along the crown's
+    labial axis (local y) projected on the occlusal plane."""
+    some = poses[..., WIDTH_TEETH, :]  # (..., 4, 2, 7)
+    labial = quaternion_axis(some[..., :4], 1)[..., :2]
+    labial = labial / np.maximum(vector_norm(labial), 1e-12)[..., None]
+    return some[..., 4:6] + _WIDTH_OFFSET[:, None, None] * labial
 
 
 _OCCLUSAL_HEIGHT: np.ndarray = OCCLUSAL_END * CROWN_HEIGHT_MM / 2
@@ -212,8 +305,8 @@ def build_ideal_arch(params: ArchParameters) -> IdealArch:
     edge_y = y + offset_y
     dy = side_mean(edge_y[_U1]) - overjet - side_mean(edge_y[_L1])
     poses[~upper, 5] += dy
-    width = _widths_from_contacts(poses[:, 4:6])
     depth = CROWN_DEPTH_MM * params.size
+    width = _widths_from_contacts(poses, depth)
     return IdealArch(poses=poses, crown_width_mm=width, crown_depth_mm=depth, params=params)
 
 
@@ -258,16 +351,34 @@ _INCISAL_LEVEL: np.ndarray = INCISAL_LEVEL_MM[TYPE_INDEX]
 _SPEE: np.ndarray = SPEE_PROFILE[TYPE_INDEX]
 
 
-def _widths_from_contacts(xy: np.ndarray) -> np.ndarray:
-    """Mesiodistal widths (28,) such that neighbours along each arch half touch.
+def _widths_from_contacts(poses: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """Mesiodistal widths (28,) such that neighbours along each arch half just touch in the collision
+    model (:mod:`server.collisions`: ellipses of these widths and depths ``depth`` (28,), turned by
+    the poses (28, 7)).
 
-    Central incisors span the midline contact; each next tooth takes twice the
-    centroid distance to its mesial neighbour minus that neighbour's width.
+    Central incisors touch across the midline at half their centroids' distance each; along each
+    half arch, a crown's radius towards its mesial neighbour is the centroids' distance less that
+    neighbour's radius, and its width follows from that radius and the direction.
     """
     width = np.empty(N_TEETH)
-    dist = vector_norm(xy[_HALF_ARCHES] - xy[_CONTACT_A])  # (4, 7)
-    # w_0 = d_0, w_k = 2 d_k - w_(k-1): an alternating sum, one product per half arch
-    width[_HALF_ARCHES] = dist @ _ALTERNATING.T
+    axis = mesiodistal_axis_xy(poses[:, :4])
+    d = poses[_HALF_ARCHES, 4:6] - poses[_CONTACT_A, 4:6]  # (4, 7, 2) from the mesial neighbour
+    dist = vector_norm(d)
+    u = d / dist[..., None]
+    c2_here = np.square(np.sum(u * axis[_HALF_ARCHES], axis=-1))  # (4, 7)
+    c2_mesial = np.square(np.sum(u * axis[_CONTACT_A], axis=-1))
+    dep = depth[_HALF_ARCHES]
+    inv_d2 = 4.0 / np.square(dep)
+    w = np.empty((4, 7))
+    r = dist[:, 0] / 2  # the centrals: mirror images across the midline
+    for n in range(7):
+        if n:
+            r = dist[:, n] - _ellipse_radius(w[:, n - 1], dep[:, n - 1], c2_mesial[:, n])
+        # 1 / r^2 = inv_d2 + c2 (4 / w^2 - inv_d2), solved for w
+        w[:, n] = 2.0 * np.sqrt(
+            c2_here[:, n] / np.maximum(1.0 / np.square(r) - inv_d2[:, n] * (1.0 - c2_here[:, n]), 1e-12)
+        )
+    width[_HALF_ARCHES] = w
     return width
 
 
@@ -278,7 +389,3 @@ _CONTACT_A: np.ndarray = np.concatenate(
     (np.concatenate((UPPER_PAIRS.T[::-1], LOWER_PAIRS.T[::-1]))[:, :1], _HALF_ARCHES[:, :-1]), axis=1
 )
 """(4, 7) the mesial neighbour of each tooth in _HALF_ARCHES (the other central for a central)."""
-_ALTERNATING: np.ndarray = (
-    np.tril((-1.0) ** np.subtract.outer(np.arange(7), np.arange(7))) * np.r_[1.0, np.full(6, 2.0)]
-)
-"""(7, 7) w = _ALTERNATING @ d solves w_0 = d_0, w_k = 2 d_k - w_(k-1)."""

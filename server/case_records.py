@@ -13,7 +13,10 @@ The case-set format (docs/cases.md), version :data:`FORMAT`: one JSON object per
 * ``crown_width_mm`` and ``crown_depth_mm`` (optional): one per entry of ``teeth``; the norms of
   :data:`server.dental_constants.CROWN_WIDTH_MM` / ``CROWN_DEPTH_MM`` when absent (and counted);
 * ``labels`` (optional): ``profile`` (one of :data:`server.clinical_profiles.PROFILES`),
-  ``secondary_profile``, ``notes``;
+  ``secondary_profile``, ``notes``; without a ``profile`` the diagnosis (profile, secondary profile
+  and so the optimal strategy) is computed from the initial and target poses
+  (:func:`server.diagnosis.diagnose`), kept in :attr:`Checked.diagnosis` and counted in the notes
+  (``diagnosis_computed``); given labels are checked and used as given;
 * ``force_decay`` (optional, default false): the dynamics the case is simulated under;
 * ``task_id`` and ``seed`` (optional): a generated case's key, which an exported record keeps so that
   its observations are the generated case's; an imported case is ``task_id`` ``"imported"``.
@@ -47,6 +50,7 @@ from server.dental_constants import (
     TOOTH_IDS,
     TOOTH_INDEX,
 )
+from server.diagnosis import Diagnosis, diagnose
 from server.quaternion_utils import quaternion_angle
 
 FORMAT = "orthorl-case/1"
@@ -85,13 +89,15 @@ class Problem:
 @dataclass
 class Checked:
     """What :func:`case_of_record` made of a record: the case (None when a problem was found),
-    the problems, and what was filled in or normalised (counts by kind)."""
+    the problems, what was filled in or normalised (counts by kind), and the diagnosis computed from
+    the geometry when the record's labels gave no profile (None when the labels' were used)."""
 
     case: Case | None
     case_id: str | None
     patient_id: str | None
     problems: list[Problem] = field(default_factory=list)
     notes: dict[str, int] = field(default_factory=dict)
+    diagnosis: Diagnosis | None = None
 
 
 def record_of_case(case: Case, case_id: str | None = None, patient_id: str | None = None) -> dict:
@@ -250,15 +256,16 @@ def case_of_record(record: Any) -> Checked:
     width = _sizes(record.get("crown_width_mm"), "crown_width_mm", CROWN_WIDTH_MM, teeth, report, notes)
     depth = _sizes(record.get("crown_depth_mm"), "crown_depth_mm", CROWN_DEPTH_MM, teeth, report, notes)
 
-    labels = record.get("labels") or {}
+    labels = {} if record.get("labels") is None else record.get("labels")
     profile = secondary = None
     if not isinstance(labels, dict):
         report(None, "labels must be an object {profile, secondary_profile, notes}")
     else:
         profile, secondary = labels.get("profile"), labels.get("secondary_profile")
         if profile is None:
-            report(None, "labels.profile is needed (a diagnosis computed from the geometry is not supported "
-                         f"yet): one of {', '.join(PROFILES)}")  # fmt: skip
+            if secondary is not None:
+                report(None, "labels.secondary_profile without labels.profile: give both, or neither and the "
+                             "diagnosis is computed from the poses")  # fmt: skip
         elif profile not in PROFILES:
             report(None, f"labels.profile {profile!r} is not one of {', '.join(PROFILES)}")
         elif secondary is not None and secondary not in SECONDARY_PROFILES.get(profile, ()):
@@ -302,6 +309,11 @@ def case_of_record(record: Any) -> Checked:
                            f"within the per-stage limits ({MAX_TRANSLATION_MM} mm, {MAX_ROTATION_DEG} deg)")  # fmt: skip
     if problems:
         return Checked(None, cid, patient_id, problems, notes)
+    diagnosis = None
+    if profile is None:
+        diagnosis = diagnose(initial, target, width)
+        profile, secondary = diagnosis.profile, diagnosis.secondary_profile
+        notes["diagnosis_computed"] = notes.get("diagnosis_computed", 0) + 1
     for arr in (initial, target, width, depth):
         arr.setflags(write=False)
     case = Case(
@@ -317,4 +329,4 @@ def case_of_record(record: Any) -> Checked:
         crown_depth_mm=depth,
         summary=case_summary(initial, width),
     )
-    return Checked(case, cid, patient_id, problems, notes)
+    return Checked(case, cid, patient_id, problems, notes, diagnosis)

@@ -239,8 +239,17 @@ def _resolve_penetration(
         excess = np.where(over, excess + 0.1, 0.0)
         push = np.maximum(excess[_PUSHED_BY[0]], excess[_PUSHED_BY[1]]) * _PUSHABLE
         # keep the side a tooth was already displaced to; else block it out labially (on a
-        # convex arch a lingual push first moves a crown towards its neighbours)
-        sign = np.where(np.einsum("ij,ij->i", t, labial) < -0.5, -1.0, 1.0)
+        # convex arch a lingual push first moves a crown towards its neighbours). A lingually
+        # displaced crown whose pushing neighbour lies lingual of it goes labially too: where the arch
+        # turns at the canine, the lateral incisor's neighbour is beside it, and a lingual push only
+        # slides the incisor along the canine
+        worst = np.where(excess[_PUSHED_BY[0]] >= excess[_PUSHED_BY[1]], _PUSHED_BY[0], _PUSHED_BY[1])
+        other = np.where(
+            CONTACT_CROWNS[0, worst] == _TEETH, CONTACT_CROWNS[1, worst], CONTACT_CROWNS[0, worst]
+        )
+        at = target[:, 4:6] + t[:, :2]
+        behind = np.einsum("ij,ij->i", at - at[other], labial[:, :2]) > 0.0
+        sign = np.where((np.einsum("ij,ij->i", t, labial) < -0.5) & ~behind, -1.0, 1.0)
         t += labial * (sign * push)[:, None]
     poses[:, 4:7] = target[:, 4:7] + t
     return poses
@@ -257,6 +266,7 @@ _PUSHED_BY: np.ndarray = np.array(
     [(([k for k, tooth in enumerate(_BLOCKED_OUT) if tooth == i] or [0]) * 2)[:2] for i in range(28)]
 ).T
 """(2, 28) the (at most two) contacts that push each tooth (a tooth with one listed twice)."""
+_TEETH: np.ndarray = np.arange(28)
 _PUSHABLE: np.ndarray = np.isin(np.arange(28), _BLOCKED_OUT).astype(float)
 """(28,) 1 for a tooth some contact pushes, 0 for the others (the second molars)."""
 

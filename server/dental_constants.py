@@ -100,9 +100,24 @@ BOLTON_ANTERIOR: float = 0.772
 # --- Arch dimensions (Class I norms) -------------------------------------------
 
 INTERCANINE_WIDTH_MM: dict[str, tuple[float, float]] = {"upper": (35.4, 1.5), "lower": (26.9, 1.6)}
-"""Intercanine width, mean and SD (Class I norms)."""
+"""Intercanine width, mean and SD (Class I norms), measured where the literature measures it: between
+the canine cusp tips (Bishara 1997; Staley 1985), not between the crown centroids."""
 INTERMOLAR_WIDTH_MM: dict[str, tuple[float, float]] = {"upper": (53.8, 2.8), "lower": (51.7, 2.6)}
-"""Intermolar width, mean and SD (Class I norms)."""
+"""Intermolar width, mean and SD (Class I norms), measured across the first molars' buccal surfaces
+(the greatest transverse width of the crowns), not between the crown centroids. The lower value
+places the landmark: the lower buccal cusps occlude in the upper central fossae, some 5 mm inside
+the upper buccal cusps (Andrews 1972, key I), so a lower width only 2 mm below the upper one is not
+a cusp-tip width; the real jaw of ``tests/data`` measures 51.6 / 50.6 mm across its first molars'
+buccal surfaces, and 48.3 mm between its upper mesiobuccal cusp tips."""
+WIDTH_LANDMARK_OFFSET_MM: dict[str, tuple[float, float]] = {"upper": (2.3, 5.5), "lower": (0.4, 5.25)}
+"""How far (mm) the landmark of each arch-width norm lies outward of its crown's centroid, along the
+crown's labial (buccal) direction in the occlusal plane: (canine cusp tip, first molar's buccal
+surface) per arch. Molars: half Wheeler's buccolingual crown diameter (11.0 mm upper, 10.5 mm lower;
+the diameter is taken between the buccal and lingual heights of contour). Canine cusp tips: measured
+on a real jaw's crown meshes (Open-Full-Jaw, Patient 26, CBCT; Gholamalizadeh et al. 2022):
+2.3 mm upper, 0.4 mm lower (0.29 and 0.05 of Wheeler's 8.0 / 7.5 mm canine diameters): the upper
+canine's cusp is labial of its crown's centre, the lower one's almost over it. Centroid widths are the
+norms less twice these offsets' transverse parts (:func:`server.arch.width_landmarks_xy`)."""
 ARCH_FORM_EXPONENT: float = 0.8
 """Exponent of the beta-function arch form y = D (1 - (2x/W)^2)^0.8 (Braun 1998)."""
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.arch import occlusal_points, occlusal_points_of
+from server.arch import WIDTH_NAMES, WIDTH_TEETH, occlusal_points, occlusal_points_of, width_landmarks_xy
 from server.collisions import mesiodistal_axis_xy
 from server.dental_constants import (
     ADJACENT_PAIRS,
@@ -53,8 +53,8 @@ OCCLUSION_WEIGHTS: dict[str, float] = {
 """Weights of the occlusion composite (Andrews 1972 six keys + ABO grading items)."""
 
 
-_U1, _U3, _U6 = UPPER_PAIRS[[0, 2, 5]]  # (right, left) indices
-_L1, _L3, _L6, _L7 = LOWER_PAIRS[[0, 2, 5, 6]]
+_U1, _U6 = UPPER_PAIRS[[0, 5]]  # (right, left) indices
+_L1, _L6, _L7 = LOWER_PAIRS[[0, 5, 6]]
 _L_SPEE = LOWER_PAIRS[2:6].T  # (2, 4): (right, left) x lower teeth 3..6
 _LOWER_ANTERIOR_CONTACTS = np.array([k for k in ANTERIOR_CONTACTS if not IS_UPPER[ADJACENT_PAIRS[k, 0]]])
 _UPPER_ANTERIOR_CONTACTS = np.array([k for k in ANTERIOR_CONTACTS if IS_UPPER[ADJACENT_PAIRS[k, 0]]])
@@ -200,14 +200,20 @@ def asymmetry_mm(poses: np.ndarray) -> np.ndarray:
 
 
 def arch_widths_mm(poses: np.ndarray) -> dict[str, np.ndarray]:
-    """Intercanine and intermolar centroid widths per arch."""
-    x = poses[..., _WIDTH_PAIRS, 4]  # (..., 4, 2)
+    """Intercanine and intermolar widths per arch (mm) at the landmarks the norms are measured at
+    (:data:`server.dental_constants.INTERCANINE_WIDTH_MM`, ``INTERMOLAR_WIDTH_MM``): the transverse
+    distance between the canine cusp tips and across the first molars' buccal surfaces
+    (:func:`server.arch.width_landmarks_xy`)."""
+    x = width_landmarks_xy(poses)[..., 0]  # (..., 4, 2)
     width = np.abs(x[..., 1] - x[..., 0])
-    return {name: width[..., k] for k, name in enumerate(_WIDTH_NAMES)}
+    return {name: width[..., k] for k, name in enumerate(WIDTH_NAMES)}
 
 
-_WIDTH_NAMES = ("upper_intercanine", "lower_intercanine", "upper_intermolar", "lower_intermolar")
-_WIDTH_PAIRS = np.stack((_U3, _L3, _U6, _L6))
+def centroid_widths_mm(poses: np.ndarray) -> dict[str, np.ndarray]:
+    """The same widths between the crown centroids (mm): each norm's width less its landmarks' offsets."""
+    x = poses[..., WIDTH_TEETH, 4]  # (..., 4, 2)
+    width = np.abs(x[..., 1] - x[..., 0])
+    return {name: width[..., k] for k, name in enumerate(WIDTH_NAMES)}
 
 
 def six_keys(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> dict[str, np.ndarray]:

@@ -21,9 +21,11 @@ from server.dental_constants import (
     N_TEETH,
     TOOTH_IDS,
     TOOTH_INDEX,
+    WIDTH_LANDMARK_OFFSET_MM,
 )
 from server.occlusion import (
     arch_widths_mm,
+    centroid_widths_mm,
     curve_of_spee_mm,
     midline_mm,
     molar_relation_mm,
@@ -190,6 +192,13 @@ def test_nominal_arch_hits_class_i_norms():
     assert float(widths["lower_intercanine"]) == pytest.approx(INTERCANINE_WIDTH_MM["lower"][0], abs=0.2)
     assert float(widths["upper_intermolar"]) == pytest.approx(INTERMOLAR_WIDTH_MM["upper"][0], abs=0.2)
     assert float(widths["lower_intermolar"]) == pytest.approx(INTERMOLAR_WIDTH_MM["lower"][0], abs=0.2)
+    # the norms hold at their landmarks (cusp tips, buccal surfaces); the centroids lie inside them by
+    # twice each landmark's outward offset (its transverse part), not on them
+    centroid = centroid_widths_mm(arch.poses)
+    for k, name in enumerate(widths):
+        offset = WIDTH_LANDMARK_OFFSET_MM["upper" if name.startswith("upper") else "lower"][k // 2]
+        inside = float(widths[name] - centroid[name])
+        assert 1.2 * offset <= inside <= 2 * offset, (name, inside)
     # crown widths derived from the contacts stay close to Wheeler's means
     assert np.allclose(arch.crown_width_mm, CROWN_WIDTH_MM, rtol=0.05), arch.crown_width_mm
 
