@@ -519,7 +519,6 @@ def run_grpo(
 
 
 def _evaluate_checkpoint(checkpoint: Path, cases: Sequence[CaseKey], cfg: LearnConfig) -> dict:
-
     model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=MAX_SEQ_LENGTH)
     return evaluate_model(model, tokenizer, cases, cfg.eval_max_new_tokens)
 

@@ -315,7 +315,6 @@ def _greedy(max_new_tokens: int):
     greedy completion (its prompt, its decoding) of the checkpoint in ``folder``."""
 
     def complete(folder: str, observation: dict) -> str:
-
         model, tokenizer = load_for_inference(folder)
         return generate_completions(model, tokenizer, [observation], max_new_tokens)[0][0]
 
@@ -571,7 +570,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-
     install_termination_handler()  # SIGTERM outside GRPO's guard: exit 143 at once (orthojob.ops.preemption)
     progress.quiet_library_bars()  # in a Job's log, no other library's carriage-return bars
     parser = build_parser()

@@ -222,7 +222,6 @@ def preflight(p: Plan, env: Mapping[str, str], say: Callable[[str], object] = pr
 
 
 def build_parser() -> argparse.ArgumentParser:
-
     p = argparse.ArgumentParser(
         prog="python -m orthojob.job",
         description="the whole chain into a per-Job output prefix, then registration (alias candidate)",

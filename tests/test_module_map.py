@@ -177,11 +177,12 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_the_cli_imports_no_heavy_dependency():
-    """``orthojob --help`` stays fast: torch, TRL, transformers and MLflow load when a stage runs."""
+    """``orthojob --help`` stays fast: torch, TRL, transformers, MLflow and OpenEnv's client load when a
+    stage (or ``--env-url``) needs them."""
     import subprocess
     import sys
 
-    code = "import sys, orthojob.cli; print(sorted(m for m in ('torch', 'trl', 'transformers', 'mlflow') if m in sys.modules))"
+    code = "import sys, orthojob.cli; print(sorted(m for m in ('torch', 'trl', 'transformers', 'mlflow', 'openenv') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"
 

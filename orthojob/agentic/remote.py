@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from orthojob.agentic.env_client import EnvServerError, EnvSession, EpisodeLostError
 from server.agent_tools import (
     ToolError,
 )
@@ -24,11 +23,15 @@ class RemoteStepwise:
     ``submit_plan`` is scored in process (the one-shot rewards' scoring), as without a server."""
 
     def __init__(self, url: str, message_timeout_s: float = 60.0) -> None:
+        # OpenEnv's client takes seconds to import and sets the hub's progress-bar state: only --env-url
+        # loads it (tests/test_module_map.py: the CLI imports no openenv)
+        from orthojob.agentic.env_client import EnvSession
 
         self.url = url
         self.session = EnvSession(url, message_timeout_s=message_timeout_s)
 
     def _guard(self, call: Callable) -> dict:
+        from orthojob.agentic.env_client import EnvServerError, EpisodeLostError
 
         try:
             return call()
