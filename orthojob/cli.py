@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from orthojob.data import case_sets
-from orthojob.eval import viewer
+from orthojob.eval import viewer, viewer_logging
 from orthojob.eval.evaluation import (
     evaluate_baselines,
     evaluate_checkpoint,
@@ -127,7 +127,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         report = evaluate_baselines(
             args.task_id, args.seeds, force_decay=args.force_decay, non_compliance=args.non_compliance
         )
-        viewer.log_baseline_viewers(args.task_id, HELDOUT_SEED_START, args.force_decay, args.non_compliance)
+        viewer_logging.log_baseline_viewers(
+            args.task_id, HELDOUT_SEED_START, args.force_decay, args.non_compliance
+        )
     print(format_table(report, args.seeds, args.force_decay, args.non_compliance))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ import numpy as np
 
 from orthojob.data.prompts import build_messages, prompt_format_of
 from orthojob.eval.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD, TERMINAL_RAW, mean_of
-from orthojob.eval.viewer import log_checkpoint_viewers
+from orthojob.eval.viewer_logging import log_checkpoint_viewers
 from orthojob.modeling.models import load_for_inference
 from orthojob.ops.progress import progress
 from orthojob.rewards.parsing import FORMAT_CHECKS

@@ -40,36 +40,26 @@ from __future__ import annotations
 import html
 import json
 import logging
-import math
-import sys
-import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from orthojob.eval.plan_geometry import PlanView, _rounded, plan_view, prism_triangles, stage_data
 from orthojob.rewards.parsing import find_plan
-from orthojob.rewards.rollouts import score_texts
-from server.cases import Case, CaseKey, generate_case
-from server.collisions import COLLISION_TOLERANCE_MM, collision_severity
+from server.cases import Case
+from server.collisions import COLLISION_TOLERANCE_MM
 from server.dental_constants import (
     ADJACENT_PAIRS,
-    CROWN_HEIGHT_MM,
     LIMIT_TOLERANCE,
     MAX_TRANSLATION_MM,
-    MM_PER_DEG,
     N_STAGES,
-    N_TEETH,
     PDL_CRITICAL_KPA,
     TOOTH_IDS,
 )
-from server.dental_environment import STEP_PENALTY, StepwiseDentalEnvironment, initial_observation
+from server.dental_environment import initial_observation
 from server.oracle import infer_profiles, oracle_plan
-from server.plans import UNIFORM_FRACTION, normalize_plan
-from server.quaternion_utils import quaternion_rotate
-from server.scoring import limit_ratio, movement_mm, pdl_stress_kpa
-from server.treatment import rollout_plans, score_plan_specs
+from server.plans import UNIFORM_FRACTION
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +69,6 @@ EVALUATION_VIEWER_CASES: int = 2
 """Held-out cases per task an evaluation logs a viewer for (each ~5 MB: plotly's JS is inlined)."""
 GRPO_VIEWER_EVERY: int = 10
 """GRPO logs its best and worst completions' viewers every this many optimizer steps."""
-DRAWN_HEIGHT_SHARE: float = 0.6
-"""Share of the crown height the 3-D prisms are drawn with (full height would overlap the arches)."""
-RING_POINTS: int = 8
-"""Points on each drawn crown's outline (a prism has 2 rings and 2 cap centres)."""
-DECIMALS: int = 4
-"""Decimals of the coordinates and measures written into the page (0.1 micrometre)."""
 PDL_COLOUR_MAX_KPA: float = 1.5 * PDL_CRITICAL_KPA
 """Top of the PDL colour scale: where :func:`server.scoring.pdl_tooth_score` reaches 0."""
 LIMIT_COLOUR_MAX: float = 1.5
@@ -101,99 +85,6 @@ BASELINE_PLANS: dict[str, dict] = {
 # ---------------------------------------------------------------------------------------------
 # One plan on one case: arrays from the environment
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PlanView:
-    """One plan's treatment of a case, as the environment computes it. Stage axis 0..24 (25 rows;
-    stage 0 is the initial arch, whose per-stage measures are 0).
-
-    planned, achieved: (25, 28, 7) aligner shapes and achieved poses (the stepwise environment's).
-    pdl_kpa: (25, 28) PDL stress at each aligner's insertion (:func:`server.scoring.pdl_stress_kpa`
-        of the session's StageMeasures mismatches).
-    limit: (25, 28) planned increment over the per-stage limit (:func:`server.scoring.limit_ratio`).
-    increment_mm: (25, 28) planned movement per aligner, mm-equivalent (MM_PER_DEG mm per degree).
-    penetration: (25, 26) adjacent-crown penetration of the achieved arch (mm; ADJACENT_PAIRS order).
-    step_reward, accuracy: (25,) the environment's step reward and its running accuracy.
-    limit_penalty, collision_penalty: (25,) the two penalties the step reward subtracts
-        (STEP_PENALTY x share of teeth over the limit, x the stage's collision severity).
-    violations: (25, 3) the environment's running counts of limit violations, colliding contacts
-        and PDL events.
-    result: the plan's score (:func:`server.treatment.plan_result`: terminal and scaled reward,
-        broken rules, reward breakdown, diagnostics) as GRPO's rewards and the evaluation score it.
-    """
-
-    name: str
-    plan: dict
-    planned: np.ndarray
-    achieved: np.ndarray
-    pdl_kpa: np.ndarray
-    limit: np.ndarray
-    increment_mm: np.ndarray
-    penetration: np.ndarray
-    step_reward: np.ndarray
-    accuracy: np.ndarray
-    limit_penalty: np.ndarray
-    collision_penalty: np.ndarray
-    violations: np.ndarray
-    result: dict
-    text: str | None = None
-
-    @property
-    def strategy(self) -> str | None:
-        return self.result.get("strategy")
-
-
-def plan_view(case: Case, plan: dict, name: str, text: str | None = None) -> PlanView:
-    """A plan (JSON-like dict) on a generated case, through the environment.
-
-    The aligners are the plan's (:func:`server.treatment.rollout_plans`); each is worn in turn in
-    a :class:`server.dental_environment.StepwiseDentalEnvironment` episode of the case, which gives
-    the achieved poses, the step rewards and the per-stage measures. ``text``: the completion the
-    plan was read from, shown on the page.
-    """
-    spec = normalize_plan(plan)
-    planned = rollout_plans([spec], [case])[0][0]
-    env = StepwiseDentalEnvironment(max_sessions=1)
-    obs = env.reset(case.task_id, case.seed, case.force_decay, non_compliance=case.non_compliance)
-    episode = obs["episode_id"]
-    step_reward = np.zeros(N_STAGES + 1)
-    accuracy = np.zeros(N_STAGES + 1)
-    for s in range(1, N_STAGES + 1):
-        obs = env.step(episode, planned[s], strategy=spec.strategy, expected_stage=s - 1)
-        step_reward[s] = obs["step_reward"]
-        accuracy[s] = obs["reward_breakdown"]["accuracy"]
-    session = env.sessions.get(episode)
-    m = session.stage_measures()  # a batch of one, stages 1..24
-    pad = np.zeros((1, N_TEETH))
-    pdl = np.concatenate((pad, pdl_stress_kpa(m.mis_t, m.mis_r)[0]))
-    ratio = np.concatenate((pad, limit_ratio(m.inc_t, m.inc_r)[0]))
-    increment = np.concatenate((pad, np.hypot(m.inc_t, MM_PER_DEG * m.inc_r)[0]))
-    penetration = session.penetration.copy()
-    violations = session.violations.copy()
-    over_limit = np.diff(violations[:, 0], prepend=0)
-    limit_penalty = STEP_PENALTY * over_limit / N_TEETH
-    collision_penalty = STEP_PENALTY * collision_severity(penetration)
-    collision_penalty[0] = 0.0
-    result = score_plan_specs([spec], [case])[0]
-    env.close_episode(episode)
-    return PlanView(
-        name=name,
-        plan=plan,
-        planned=planned,
-        achieved=session.achieved.copy(),
-        pdl_kpa=pdl,
-        limit=ratio,
-        increment_mm=increment,
-        penetration=penetration,
-        step_reward=step_reward,
-        accuracy=accuracy,
-        limit_penalty=limit_penalty,
-        collision_penalty=collision_penalty,
-        violations=violations,
-        result=result,
-        text=text,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,126 +156,6 @@ def plan_of_text(name: str, text: str, where: str) -> tuple[str, dict, str]:
 # ---------------------------------------------------------------------------------------------
 # Drawing: pure functions of the arrays
 # ---------------------------------------------------------------------------------------------
-
-
-def crown_prisms(poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray) -> np.ndarray:
-    """Vertices (..., 28, V, 3) of the drawn crowns of poses (..., 28, 7): per tooth a bottom ring,
-    a top ring (RING_POINTS each, the occlusal ellipse of half-width and half-depth in the crown's
-    local x-y plane) and the two cap centres, turned by the crown's rotation about its centroid."""
-    angle = np.linspace(0.0, 2.0 * np.pi, RING_POINTS, endpoint=False)
-    half_h = 0.5 * DRAWN_HEIGHT_SHARE * CROWN_HEIGHT_MM  # (28,)
-    ring_x = 0.5 * width_mm[:, None] * np.cos(angle)  # (28, R)
-    ring_y = 0.5 * depth_mm[:, None] * np.sin(angle)
-    zeros = np.zeros((N_TEETH, 1))
-    local = np.concatenate(
-        (
-            np.stack((ring_x, ring_y, np.broadcast_to(-half_h[:, None], ring_x.shape)), axis=-1),
-            np.stack((ring_x, ring_y, np.broadcast_to(half_h[:, None], ring_x.shape)), axis=-1),
-            np.stack((zeros, zeros, -half_h[:, None]), axis=-1),
-            np.stack((zeros, zeros, half_h[:, None]), axis=-1),
-        ),
-        axis=1,
-    )  # (28, V, 3)
-    q = poses[..., :4][..., None, :]  # (..., 28, 1, 4)
-    return (
-        quaternion_rotate(np.broadcast_to(q, (*poses.shape[:-1], local.shape[1], 4)), local)
-        + poses[..., None, 4:]
-    )
-
-
-def prism_triangles() -> tuple[list[int], list[int], list[int]]:
-    """Mesh3d's ``i, j, k`` of 28 prisms laid out as :func:`crown_prisms` flattened (tooth-major)."""
-    r = RING_POINTS
-    per_tooth = 2 * r + 2
-    tris = []
-    for a in range(r):
-        b = (a + 1) % r
-        tris += [(a, b, r + a), (b, r + b, r + a), (2 * r, b, a), (2 * r + 1, r + a, r + b)]
-    ii, jj, kk = [], [], []
-    for t in range(N_TEETH):
-        off = t * per_tooth
-        for x, y, z in tris:
-            ii.append(off + x)
-            jj.append(off + y)
-            kk.append(off + z)
-    return ii, jj, kk
-
-
-def collision_segments(achieved: np.ndarray, penetration: np.ndarray) -> list[dict]:
-    """Per stage, the colliding contacts (penetration over COLLISION_TOLERANCE_MM) as line segments
-    between the two crowns' centroids: ``{"x", "y", "z"}`` lists with None between segments,
-    ``"label"`` per point (the contact and its penetration, mm)."""
-    out = []
-    for s in range(achieved.shape[0]):
-        x, y, z, label = [], [], [], []
-        for k in np.flatnonzero(penetration[s] > COLLISION_TOLERANCE_MM):
-            a, b = ADJACENT_PAIRS[k]
-            text = f"{TOOTH_IDS[a]}-{TOOTH_IDS[b]}: {penetration[s, k]:.2f} mm"
-            for i in (a, b):
-                x.append(_r(achieved[s, i, 4]))
-                y.append(_r(achieved[s, i, 5]))
-                z.append(_r(achieved[s, i, 6]))
-                label.append(text)
-            x.append(None)
-            y.append(None)
-            z.append(None)
-            label.append(None)
-        out.append({"x": x, "y": y, "z": z, "label": label})
-    return out
-
-
-def _r(x: float) -> float | None:
-    x = float(x)
-    return round(x, DECIMALS) if math.isfinite(x) else None
-
-
-def _rounded(a: np.ndarray) -> list:
-    """A nested list of ``a`` rounded to DECIMALS (non-finite -> None)."""
-    a = np.asarray(a, dtype=np.float64)
-    if np.isfinite(a).all():
-        return np.round(a, DECIMALS).tolist()
-    return [None if not math.isfinite(v) else round(v, DECIMALS) for v in a.ravel().tolist()]
-
-
-def stage_data(view: PlanView, case: Case) -> dict:
-    """The page's per-stage arrays of one plan (JSON-safe): mesh coordinates of the achieved and the
-    planned crowns, the centroids, the collisions, the colour measures (PDL kPa, limit ratio, the lag
-    of each tooth behind its aligner in mm-equivalent: :func:`server.scoring.movement_mm` of the planned
-    and the achieved pose) and the stage summaries (with the mean wear factor under non-compliance)."""
-    ach = crown_prisms(view.achieved, case.crown_width_mm, case.crown_depth_mm)  # (25, 28, V, 3)
-    pla = crown_prisms(view.planned, case.crown_width_mm, case.crown_depth_mm)
-    flat_a = ach.reshape(ach.shape[0], -1, 3)
-    flat_p = pla.reshape(pla.shape[0], -1, 3)
-    v = ach.shape[2]
-    over = view.limit > 1.0 + LIMIT_TOLERANCE
-    over_pdl = view.pdl_kpa > PDL_CRITICAL_KPA
-    colliding = view.penetration > COLLISION_TOLERANCE_MM
-    lag = movement_mm(view.planned, view.achieved)  # (25, 28) the teeth behind (or past) their aligner
-    return {
-        "name": view.name,
-        "vertices_per_tooth": v,
-        "mesh": {key: _rounded(flat_a[..., k]) for k, key in enumerate("xyz")},
-        "aligner": {key: _rounded(flat_p[..., k]) for k, key in enumerate("xyz")},
-        "centroid": {key: _rounded(view.achieved[..., 4 + k]) for k, key in enumerate("xyz")},
-        "collisions": collision_segments(view.achieved, view.penetration),
-        "pdl_kpa": _rounded(view.pdl_kpa),
-        "limit": _rounded(view.limit),
-        "lag_mm": _rounded(lag),
-        "summary": [
-            {
-                "step_reward": _r(view.step_reward[s]),
-                "accuracy": _r(view.accuracy[s]),
-                "over_limit": int(over[s].sum()),
-                "pdl_over_critical": int(over_pdl[s].sum()),
-                "colliding": int(colliding[s].sum()),
-                "peak_pdl_kpa": _r(view.pdl_kpa[s].max()),
-                "peak_limit": _r(view.limit[s].max()),
-                "peak_lag_mm": _r(lag[s].max()),
-                "worn": None if case.wear is None or s == 0 else _r(case.wear[s - 1].mean()),
-            }
-            for s in range(N_STAGES + 1)
-        ],
-    }
 
 
 def _go():
@@ -793,180 +564,3 @@ def write_viewer(
 # ---------------------------------------------------------------------------------------------
 # MLflow artifacts: evaluations and GRPO runs
 # ---------------------------------------------------------------------------------------------
-
-
-def _active_mlflow():
-    """The mlflow module when a run is active in this process (it was imported by the job), else None."""
-    mlflow = sys.modules.get("mlflow")
-    if mlflow is None or mlflow.active_run() is None:
-        return None
-    return mlflow
-
-
-def log_viewer(
-    case: Case, plans: Sequence[tuple[str, dict, str | None]], artifact_path: str, file_name: str
-) -> Path | None:
-    """Write a viewer and log it to the active MLflow run under ``artifact_path``; None (nothing
-    written) when no run is active. A failure is logged and never stops the caller."""
-    mlflow = _active_mlflow()
-    if mlflow is None:
-        return None
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = write_viewer(Path(tmp) / file_name, case, plans)
-            mlflow.log_artifact(str(path), artifact_path=artifact_path)
-        return Path(artifact_path) / file_name
-    except Exception as exc:  # a picture never fails a job
-        log.warning("viewer %s/%s not logged: %s", artifact_path, file_name, exc)
-        return None
-
-
-def reference_plans(case: Case) -> list[tuple[str, dict, None]]:
-    """The oracle's and uniform SLERP's plans for a case (the references a viewer compares with)."""
-
-    return [
-        ("oracle", oracle_plan(initial_observation(case)), None),
-        ("uniform_slerp", BASELINE_PLANS["uniform_slerp"], None),
-    ]
-
-
-def log_checkpoint_viewers(episodes, name: str, per_task: int = EVALUATION_VIEWER_CASES) -> list[Path]:
-    """Viewers of a checkpoint's evaluation (:class:`orthojob.eval.evaluation.CheckpointEpisodes`): for the
-    first ``per_task`` held-out cases of each task, the checkpoint's greedy plan against the oracle's
-    and uniform SLERP's, under ``viewers/evaluate/<name>/``. A completion without a plan is shown
-    by the references only, its text in the title. Nothing when no MLflow run is active."""
-    if _active_mlflow() is None:
-        return []
-    logged = []
-    for task_id in dict.fromkeys(episodes.task_ids):
-        for i in episodes.select(task_id)[:per_task]:
-            case = generate_case(task_id, episodes.seeds[i], episodes.force_decay)
-            rollout = episodes.rollouts[i]
-            mine = [(name, rollout.plan, episodes.texts[i])] if rollout.error is None else []
-            path = log_viewer(
-                case, mine + reference_plans(case), f"{VIEWER_ARTIFACT_DIR}/evaluate/{name}",
-                f"{task_id}_seed{case.seed}.html",
-            )  # fmt: skip
-            if path is not None:
-                logged.append(path)
-    return logged
-
-
-def log_baseline_viewers(
-    task_ids: Sequence[str],
-    seed_start: int,
-    force_decay: bool = False,
-    non_compliance: bool = False,
-    per_task: int = EVALUATION_VIEWER_CASES,
-) -> list[Path]:
-    """Viewers of a baseline evaluation: oracle against uniform SLERP on the first ``per_task``
-    held-out cases of each task, under ``viewers/evaluate/baselines/``. Nothing without an MLflow run."""
-    if _active_mlflow() is None:
-        return []
-    logged = []
-    for task_id in task_ids:
-        for seed in range(seed_start, seed_start + per_task):
-            case = generate_case(task_id, seed, force_decay, non_compliance and task_id == "task_hard")
-            path = log_viewer(
-                case, reference_plans(case), f"{VIEWER_ARTIFACT_DIR}/evaluate/baselines",
-                f"{task_id}_seed{seed}.html",
-            )  # fmt: skip
-            if path is not None:
-                logged.append(path)
-    return logged
-
-
-def best_and_worst(records: Sequence[dict]) -> tuple[int, int] | None:
-    """Indices of the best and the worst scored completion among GRPO's ``completions.jsonl``
-    records (``completion``, ``task_id``, ``seed``, ``force_decay``), by the scaled reward the
-    environment gives them (:func:`orthojob.rewards.rollouts.score_texts`, the rewards' own rollouts);
-    completions holding no plan are not candidates. None when none holds one."""
-
-    rolls = score_texts([r["completion"] for r in records], [CaseKey.of_row(r) for r in records])
-    scored = [i for i, r in enumerate(rolls) if r.error is None]
-    if not scored:
-        return None
-    key = [rolls[i].scaled_reward for i in scored]
-    return scored[int(np.argmax(key))], scored[int(np.argmin(key))]
-
-
-def new_records(path: Path, offset: int) -> tuple[list[dict], int]:
-    """The JSON lines of ``path`` from byte ``offset`` on (whole lines only) and the new offset."""
-    if not path.is_file():
-        return [], offset
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        chunk = fh.read()
-    end = chunk.rfind(b"\n") + 1
-    lines = chunk[:end].decode("utf-8", errors="replace").splitlines()
-    return [json.loads(line) for line in lines if line.strip()], offset + end
-
-
-def log_grpo_viewers(records: Sequence[dict], step: int) -> list[Path]:
-    """The best and the worst completion of a GRPO step's records, each against the oracle on its
-    case, under ``viewers/grpo/`` (``step_000010_best.html``); nothing without an MLflow run."""
-    if _active_mlflow() is None or not records:
-        return []
-    picked = best_and_worst(records)
-    if picked is None:
-        log.info("GRPO step %d: no completion holds a plan; no viewer", step)
-        return []
-    logged = []
-    for label, i in zip(("best", "worst"), picked):
-        r = records[i]
-        case = generate_case(r["task_id"], int(r["seed"]), bool(r.get("force_decay", False)))
-        plan = find_plan(r["completion"])[0]
-        oracle = reference_plans(case)[0]
-        path = log_viewer(
-            case, [(f"step {step} {label}", plan, r["completion"]), oracle],
-            f"{VIEWER_ARTIFACT_DIR}/grpo", f"step_{step:06d}_{label}.html",
-        )  # fmt: skip
-        if path is not None:
-            logged.append(path)
-    return logged
-
-
-def grpo_viewer_callback(completions_path: str | Path, every: int = GRPO_VIEWER_EVERY):
-    """A TrainerCallback (rank 0) that every ``every`` optimizer steps, and at the end of training,
-    logs the viewers of the best and the worst completion generated since its last look (the new
-    records of GRPO's ``completions.jsonl``) to the active MLflow run."""
-    from transformers import TrainerCallback
-
-    path = Path(completions_path)
-
-    class GrpoViewers(TrainerCallback):
-        def __init__(self):
-            self.offset = 0
-            self.logged: list[Path] = []
-
-        def _look(self, step: int) -> None:
-            records, self.offset = new_records(path, self.offset)
-            if records:  # the latest generation batch among the new records
-                last = max(int(r.get("step", 0)) for r in records)
-                self.logged += log_grpo_viewers([r for r in records if int(r.get("step", 0)) == last], step)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.is_world_process_zero and every > 0 and state.global_step % every == 0:
-                self._look(state.global_step)
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if state.is_world_process_zero and every > 0 and state.global_step % every != 0:
-                self._look(state.global_step)
-
-    return GrpoViewers()
-
-
-__all__ = [
-    "PLAN_SOURCES_HELP",
-    "PlanSourceError",
-    "PlanView",
-    "best_and_worst",
-    "grpo_viewer_callback",
-    "log_baseline_viewers",
-    "log_checkpoint_viewers",
-    "log_grpo_viewers",
-    "plan_view",
-    "render_html",
-    "resolve_plan",
-    "write_viewer",
-]

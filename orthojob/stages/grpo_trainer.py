@@ -55,7 +55,7 @@ from orthojob.agentic.prompts import agentic_rows, full_prompt
 from orthojob.agentic.remote import check_server_capacity
 from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv, RemoteToolEnvFactory
 from orthojob.data.prompts import mixed_prompt_rows, prompt_format_of, prompt_rows
-from orthojob.eval.viewer import grpo_viewer_callback
+from orthojob.eval.viewer_logging import grpo_viewer_callback
 from orthojob.modeling import models
 from orthojob.ops import progress, tracking
 from orthojob.ops.checkpoints import checkpoint_sync_callback
