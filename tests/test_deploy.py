@@ -201,8 +201,8 @@ def agentic_output(k8s_with_image, tmp_path_factory) -> Path:
 
 
 def orthojob_render(overrides: Any = None, folder: Path = K8S) -> Any:
-    """`orthojob k8s render` (orthojob.ops.k8s.render) of ``folder``; it runs `kubectl kustomize`."""
-    from orthojob.ops.k8s import render
+    """`orthojob k8s render` (orthojob.ops.k8s_manifests.render) of ``folder``; it runs `kubectl kustomize`."""
+    from orthojob.ops.k8s_manifests import render
 
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed (`orthojob k8s render` runs `kubectl kustomize`)")
@@ -211,7 +211,7 @@ def orthojob_render(overrides: Any = None, folder: Path = K8S) -> Any:
 
 @pytest.fixture(scope="module")
 def render_output(tmp_path_factory) -> Path:
-    from orthojob.ops.k8s import Overrides
+    from orthojob.ops.k8s_manifests import Overrides
 
     rendered = orthojob_render(Overrides(image=TEST_IMAGE, steps=50, name_suffix="t1"))
     out = tmp_path_factory.mktemp("render") / "orthojob-k8s-render.yaml"
@@ -244,7 +244,7 @@ def enable_knobs(k8s_copy: Path) -> None:
 @pytest.fixture(scope="module")
 def render_patched_output(tmp_path_factory) -> Path:
     """`orthojob k8s render --kustomize COPY` of a copy of k8s/ with the knobs of :func:`enable_knobs`."""
-    from orthojob.ops.k8s import Overrides
+    from orthojob.ops.k8s_manifests import Overrides
 
     work = tmp_path_factory.mktemp("k8s-knobs") / "k8s"
     shutil.copytree(K8S, work)
@@ -484,7 +484,7 @@ def test_an_unset_image_cannot_be_deployed(tmp_path):
     kustomization (kubectl apply -k, image not yet set) carry an empty image, which the API server
     refuses for the Job and the vLLM Deployment; the TrainJob's runtime cannot start it either.
     `orthojob k8s render` refuses without --image."""
-    from orthojob.ops.k8s import K8sError, render
+    from orthojob.ops.k8s_manifests import K8sError, render
 
     for manifest in (K8S / "grpo-job.yaml", VLLM, ENV_SERVER):
         assert api_image_errors(load_all(manifest)), f"{manifest} would deploy an image unset"
@@ -576,7 +576,7 @@ def test_kustomization_overrides_image_digest_and_params(tmp_path):
 def test_render_is_the_kustomize_output(kustomize_output):
     """`orthojob k8s render` with only the image given is `kubectl kustomize k8s/` with that image
     set in k8s/image: the same objects, in the same order, every component (MLflow) included."""
-    from orthojob.ops.k8s import Overrides
+    from orthojob.ops.k8s_manifests import Overrides
 
     assert orthojob_render(Overrides(image=TEST_IMAGE)).objects == load_all(kustomize_output)
 
@@ -682,7 +682,7 @@ def test_model_cache_choices(kustomize_output, multinode_output, cache_variants)
     claims. k8s/model-cache/emptydir makes it per-pod scratch (ephemeral-storage limit raised to
     match, claims dropped), and `orthojob k8s render --model-cache emptydir` renders the same;
     k8s/model-cache/shared gives the TrainJob's node pods one ReadWriteMany claim."""
-    from orthojob.ops.k8s import Overrides
+    from orthojob.ops.k8s_manifests import Overrides
 
     def volumes(pod: dict) -> dict[str, dict]:
         return {v["name"]: v for v in pod["volumes"]}
@@ -1285,7 +1285,7 @@ def test_render_runs_the_whole_chain_into_a_per_job_prefix():
     then promote -> alias candidate) below OUTPUT_URI/<job name>-<uid[:8]>. Two Jobs never share a
     prefix; a retried pod (same Job) does. CHECKPOINT_URI set: GRPO from that checkpoint."""
     from orthojob import job
-    from orthojob.ops.k8s import Overrides
+    from orthojob.ops.k8s_manifests import Overrides
 
     uid_a, uid_b = "5f0c1a2b-0000-4000-8000-000000000001", "9e8d7c6b-0000-4000-8000-000000000002"
     r = orthojob_render(Overrides(image=TEST_IMAGE, name_suffix="a1", output_uri="s3://team-bucket/orthorl"))
@@ -1754,7 +1754,8 @@ def test_render_then_submit_request_bodies_field_by_field():
     """What submit sends is `kubectl kustomize k8s/` (the image unset there) with the overrides:
     shared objects moved to the namespace only, the Job and its ConfigMap changed where the
     overrides say and nowhere else."""
-    from orthojob.ops.k8s import CONFIG_KEYS, Overrides, submit
+    from orthojob.ops.k8s import submit
+    from orthojob.ops.k8s_manifests import CONFIG_KEYS, Overrides
 
     manifest = list(yaml.safe_load_all(kustomize(K8S).stdout))
     m_cm, m_job = (
@@ -1822,7 +1823,7 @@ def test_render_then_submit_request_bodies_field_by_field():
 
 
 def _key(path: str) -> str:
-    from orthojob.ops.k8s import CONFIG_KEYS
+    from orthojob.ops.k8s_manifests import CONFIG_KEYS
 
     return next(k for k, v in CONFIG_KEYS.items() if v == path.split("/")[-1])
 
@@ -1831,7 +1832,8 @@ def _key(path: str) -> str:
 def test_submit_leaves_existing_shared_objects_alone(status, reason):
     """409 (it exists) and 403 (a multi-tenant namespace where an admin made them) on the shared
     ServiceAccount, model-cache claim and NetworkPolicy are fine: submit goes on with the ConfigMap and the Job."""
-    from orthojob.ops.k8s import Overrides, submit
+    from orthojob.ops.k8s import submit
+    from orthojob.ops.k8s_manifests import Overrides
 
     rendered = orthojob_render(Overrides(image=TEST_IMAGE))
     job_cm = rendered.config_map["metadata"]["name"]
@@ -1853,7 +1855,8 @@ def test_submit_leaves_existing_shared_objects_alone(status, reason):
 
 
 def test_submit_still_fails_on_a_forbidden_job():
-    from orthojob.ops.k8s import Overrides, submit
+    from orthojob.ops.k8s import submit
+    from orthojob.ops.k8s_manifests import Overrides
 
     def refuse(method, url, body):
         if url.endswith("/jobs"):
@@ -1867,7 +1870,7 @@ def test_submit_still_fails_on_a_forbidden_job():
 
 
 def test_render_rejects_bad_overrides():
-    from orthojob.ops.k8s import K8sError, Overrides, render
+    from orthojob.ops.k8s_manifests import K8sError, Overrides, render
 
     for bad in (
         Overrides(steps=0),
