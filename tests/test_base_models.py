@@ -221,7 +221,7 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
     this project's loader refuses a prefix staged again with other files."""
     import torch
 
-    from orthojob.modeling import models
+    from orthojob.modeling import adapters, models
     from orthojob.ops import model_logging, tracking
 
     monkeypatch.setenv(base_models.CACHE_ENV, str(tmp_path / "cache"))
@@ -245,10 +245,10 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
     # reloaded from the folder as the SFT stages log their checkpoints (PEFT drops the keys it does
     # not know): the record is kept, and saved again the same
     reloaded, _ = model_logging.load_checkpoint(adapter)
-    assert models.recorded_base(reloaded) == {k: cfg[k] for k in models.recorded_base(model)}
+    assert adapters.recorded_base(reloaded) == {k: cfg[k] for k in adapters.recorded_base(model)}
     reloaded.save_pretrained(tmp_path / "again")
     again = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
-    assert {k: again.get(k) for k in models.recorded_base(model)} == models.recorded_base(model)
+    assert {k: again.get(k) for k in adapters.recorded_base(model)} == adapters.recorded_base(model)
 
     # logged with MLflow's transformers flavour (the sqlite store, artifacts beside it)
     monkeypatch.chdir(tmp_path)

@@ -25,14 +25,8 @@ from orthojob.eval.metrics import (
 )
 from orthojob.eval.plots import training_plots
 from orthojob.modeling import base_models
-from orthojob.modeling.models import (
-    adapter_base,
-    adapter_base_digest,
-    is_adapter,
-    load_adapter,
-    recorded_base,
-    resolve_base,
-)
+from orthojob.modeling.adapters import load_adapter, recorded_base
+from orthojob.modeling.models import adapter_base, adapter_base_digest, is_adapter, resolve_base
 from orthojob.ops.gate_file import GATE_FILE, gate_path
 from orthojob.ops.tracking import log_metrics, redact
 
@@ -56,7 +50,7 @@ def _pip_requirements(peft_model: bool) -> list[str]:
 
 def model_metadata(model: Any, base_model: str) -> dict[str, str]:
     """The logged model's metadata: ``adapter`` and ``base_model``, what the adapter records as its
-    base (:func:`orthojob.modeling.models.record_base`: for an ``s3://`` base staged from the model hub, its hub
+    base (:func:`orthojob.modeling.adapters.record_base`: for an ``s3://`` base staged from the model hub, its hub
     id), with ``base_model_revision``, ``base_model_uri`` and ``base_model_digest`` where known; a full
     model's is ``base_model`` as given."""
 
