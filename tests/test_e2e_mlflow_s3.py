@@ -28,7 +28,7 @@ pytest.importorskip("boto3")
 
 from orthojob.ops import storage, tracking  # noqa: E402
 from orthojob.ops.exit_codes import ExitCode  # noqa: E402
-from orthojob.stages.grpo_trainer import PROCESS_GROUP_LEFT  # noqa: E402
+from orthojob.ops.process_group import PROCESS_GROUP_LEFT  # noqa: E402
 from tests.services import free_port, mlflow_server, run_process_group, seaweedfs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -404,7 +404,7 @@ def test_two_ranks_resume_from_s3_on_every_rank(services, env, tiny, tmp_path):
         still held its process group at exit (one that did was seen to abort in CI)."""
         codes = re.findall(r"exitcode  : (-?\d+)", run.stdout)
         gate_failed = "GRPO gate: FAILED" in run.stdout and str(int(ExitCode.GRPO_GATE_FAILED)) in codes
-        ended = PROCESS_GROUP_LEFT not in run.stdout  # grpo_trainer.end_process_group
+        ended = PROCESS_GROUP_LEFT not in run.stdout  # orthojob.ops.process_group.end_process_group
         return ended and (
             run.returncode == 0
             or (gate_failed and all(c in (str(int(ExitCode.GRPO_GATE_FAILED)), "-15") for c in codes))

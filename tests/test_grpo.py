@@ -20,7 +20,7 @@ from orthojob.eval.analysis import analyze, plan_metrics
 from orthojob.modeling.models import device_info
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.rewards.reward_functions import REWARD_FUNCS
-from orthojob.stages import grpo, grpo_trainer
+from orthojob.stages import grpo, grpo_config, grpo_trainer
 from orthojob.stages.grpo import add_train_arguments, config_from_args, run_train
 from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig, validate
 from orthojob.stages.presets import PRESETS
@@ -117,7 +117,7 @@ def test_other_bad_configs_are_named():
 
 def test_cpu_training_arguments_have_no_bf16(tmp_path):
     config = config_from_args({"preset": "tiny-cpu", "out": str(tmp_path)})
-    args, funcs = grpo_trainer.build_grpo_args(config, {"cuda": False, "bf16": False}, 1)
+    args, funcs = grpo_config.build_grpo_args(config, {"cuda": False, "bf16": False}, 1)
     assert not args.bf16 and not args.fp16 and args.use_cpu
     assert [f.__name__ for f in funcs] == list(FIVE) and args.reward_weights == [1.0] * 5
     assert args.report_to in ("none", [], ["none"]) and args.logging_steps == 1 and not args.use_vllm
@@ -400,7 +400,7 @@ def test_ddp_two_processes(tiny_model, tmp_path):
     for r in reports:
         assert r["world_size"] == 2 and r["accelerate_processes"] == 2 and r["global_step"] == 2
         assert "MULTI_CPU" in r["distributed_type"]
-        assert r["process_group_threads"] == []  # ended before exit (grpo_trainer.end_process_group)
+        assert r["process_group_threads"] == []  # ended before exit (process_group.end_process_group)
     assert reports[0]["digest"] == reports[1]["digest"]
     assert reports[0]["digest"] != reports[0]["initial_digest"]  # the weights did move
     assert reports[0]["reward_names"][:5] == list(FIVE)
@@ -417,7 +417,7 @@ def test_ddp_two_processes(tiny_model, tmp_path):
 )
 def test_gpu_training_uses_bf16_where_supported(tiny_model, tmp_path):
     config = _tiny_config(tiny_model, tmp_path / "gpu")
-    args, _ = grpo_trainer.build_grpo_args(config, device_info(), 1)
+    args, _ = grpo_config.build_grpo_args(config, device_info(), 1)
     import torch
 
     assert args.bf16 == torch.cuda.is_bf16_supported() and not args.use_cpu

@@ -173,8 +173,7 @@ def test_targets_pass_only_when_every_claim_holds():
 def test_learning_grpo_settings_reach_trls_config(tmp_path):
     """run_grpo trains through the job's trainer: its GRPOJobConfig gives TRL the experiment's settings."""
     from examples.learning import GRPO_PROMPT_SEED_START, LearnConfig, grpo_job_config
-    from orthojob.stages.grpo_config import validate
-    from orthojob.stages.grpo_trainer import build_grpo_args
+    from orthojob.stages.grpo_config import build_grpo_args, validate
 
     cfg = LearnConfig(out=str(tmp_path))
     job = grpo_job_config(cfg, tmp_path / "stage0")

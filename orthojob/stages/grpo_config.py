@@ -18,12 +18,15 @@ import dataclasses
 import functools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from orthojob.agentic.reward import reward_agentic  # the environment: only where it is used
 from orthojob.modeling.models import TINY_MODEL
+from orthojob.ops import progress
 from orthojob.ops.run_identity import POLICIES
-from orthojob.rewards.reward_functions import active_reward_funcs, reward_weights
+from orthojob.rewards.reward_functions import RewardFunc, active_reward_funcs, reward_weights
 from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
 from orthojob.stages.flags import CollectPairs, name_list, name_weight, non_negative_int, positive_int
 from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START
@@ -416,3 +419,64 @@ __all__ = [
     "validate",
     "world_size",
 ]
+
+
+SERVER_WAIT_MARGIN_S = 600
+"""vLLM server mode: the process group's timeout (ddp_timeout) exceeds rank 0's wait for the server
+(vllm_server_timeout) by this much (connecting, the weight-transfer group, the first gather)."""
+
+
+def build_grpo_args(
+    config: GRPOJobConfig, devices: dict, n_processes: int, reward_funcs: Sequence[RewardFunc] | None = None
+) -> tuple[Any, list[RewardFunc]]:
+    """TRL's GRPOConfig for a job config, and the reward functions it weights (default: the
+    config's, :attr:`GRPOJobConfig.reward_funcs`)."""
+    from trl import GRPOConfig  # TRL loads only where a GRPO run starts
+
+    funcs = list(reward_funcs if reward_funcs is not None else config.reward_funcs)
+    kwargs: dict[str, Any] = {
+        "output_dir": config.out,
+        "max_steps": config.steps,
+        "learning_rate": config.lr,
+        "per_device_train_batch_size": config.batch_size,
+        "gradient_accumulation_steps": config.grad_accum,
+        "num_generations": config.num_generations,
+        "max_completion_length": config.max_completion_length,
+        "temperature": config.temperature,
+        "beta": config.beta,
+        "loss_type": config.loss_type,
+        "scale_rewards": config.scale_rewards,
+        "lr_scheduler_type": config.lr_scheduler_type,
+        "seed": config.seed,
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "steps" if config.save_steps else "no",
+        "save_steps": config.save_steps or 500,
+        "bf16": devices["bf16"],
+        "fp16": False,
+        "use_cpu": not devices["cuda"],
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "reward_weights": config.weights
+        if reward_funcs is None
+        else reward_weights(funcs, config.reward_weights),
+        "ddp_find_unused_parameters": False,
+        "dataloader_num_workers": 0,
+        "log_completions": False,
+        "disable_tqdm": not progress.trainer_bars(),  # a bar on a terminal, log lines in a Job
+        "use_vllm": config.use_vllm,
+    }
+    if config.mode == "agentic":
+        kwargs["max_tool_calling_iterations"] = config.max_tool_turns
+    if n_processes > 1 and not devices["cuda"]:
+        kwargs["ddp_backend"] = "gloo"
+    if config.use_vllm:
+        kwargs["vllm_mode"] = config.vllm_mode
+        if config.vllm_mode == "server" and config.vllm_server_url:
+            kwargs["vllm_server_base_url"] = config.vllm_server_url
+            kwargs["vllm_server_timeout"] = config.vllm_server_timeout
+            # while rank 0 waits for the server, the other ranks wait at their first collective for
+            # the process group's timeout (transformers' default 1800 s): longer than rank 0's wait
+            kwargs["ddp_timeout"] = max(1800, math.ceil(config.vllm_server_timeout) + SERVER_WAIT_MARGIN_S)
+        if config.vllm_mode == "colocate":
+            kwargs["vllm_gpu_memory_utilization"] = config.vllm_gpu_memory_utilization
+    return GRPOConfig(**kwargs), funcs

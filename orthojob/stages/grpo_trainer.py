@@ -19,7 +19,7 @@
   ``--env-url`` the factory is :class:`orthojob.agentic.tools.RemoteToolEnvFactory` (the tools over the
   environment server), whose WebSocket sessions are closed when training ends, or fails.
 * Data parallel: launch with ``torchrun --nproc_per_node N -m orthojob.cli train ...``. Only rank 0
-  writes files; every rank ends the process group in :func:`end_process_group`, which first lets go
+  writes files; every rank ends the process group in :func:`orthojob.ops.process_group.end_process_group`, which first lets go
   of the DDP wrapper that keeps it alive.
 
 Import this module after :func:`orthojob.modeling.models.device_info` has run: Unsloth must be imported
@@ -29,7 +29,6 @@ before TRL where it is used, which is why :mod:`orthojob.stages.grpo` imports th
 from __future__ import annotations
 
 import functools
-import gc
 import hashlib
 import inspect
 import json
@@ -48,7 +47,7 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 from orthojob.agentic.chat_template import prepare_tokenizer
 from orthojob.agentic.prompts import agentic_rows, full_prompt
@@ -59,11 +58,12 @@ from orthojob.eval.viewer_logging import grpo_viewer_callback
 from orthojob.modeling import models
 from orthojob.ops import progress, tracking
 from orthojob.ops.checkpoints import checkpoint_sync_callback
+from orthojob.ops.process_group import end_process_group
 from orthojob.ops.records import json_value
 from orthojob.rewards.canaries import rollout_record
 from orthojob.rewards.diagnostics import env_diagnostics
 from orthojob.rewards.parsing import completion_text
-from orthojob.rewards.reward_functions import RewardFunc, reward_weights
+from orthojob.rewards.reward_functions import RewardFunc
 from orthojob.rewards.rollouts import DEFAULT_CACHE
 from orthojob.rewards.strategy_advantage import strategy_token_advantages, strategy_token_ids
 from orthojob.stages.grpo_config import (
@@ -72,6 +72,7 @@ from orthojob.stages.grpo_config import (
     TRAIN_LOG_FILE,
     ConfigError,
     GRPOJobConfig,
+    build_grpo_args,
     generation_batch,
     world_size,
 )
@@ -80,66 +81,6 @@ from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 log = logging.getLogger(__name__)
 
 TABLE_TEXT_CHARS = 4000
-SERVER_WAIT_MARGIN_S = 600
-"""vLLM server mode: the process group's timeout (ddp_timeout) exceeds rank 0's wait for the server
-(vllm_server_timeout) by this much (connecting, the weight-transfer group, the first gather)."""
-# logged by end_process_group when a gloo thread outlives the group (a launch's output is checked for it)
-PROCESS_GROUP_LEFT = "process group threads still running after destroy_process_group"
-"""A completion's text in the MLflow table is cut to this many characters (completions.jsonl keeps it whole)."""
-
-
-def build_grpo_args(
-    config: GRPOJobConfig, devices: dict, n_processes: int, reward_funcs: Sequence[RewardFunc] | None = None
-) -> tuple[GRPOConfig, list[RewardFunc]]:
-    """TRL's GRPOConfig for a job config, and the reward functions it weights (default: the
-    config's, :attr:`GRPOJobConfig.reward_funcs`)."""
-    funcs = list(reward_funcs if reward_funcs is not None else config.reward_funcs)
-    kwargs: dict[str, Any] = {
-        "output_dir": config.out,
-        "max_steps": config.steps,
-        "learning_rate": config.lr,
-        "per_device_train_batch_size": config.batch_size,
-        "gradient_accumulation_steps": config.grad_accum,
-        "num_generations": config.num_generations,
-        "max_completion_length": config.max_completion_length,
-        "temperature": config.temperature,
-        "beta": config.beta,
-        "loss_type": config.loss_type,
-        "scale_rewards": config.scale_rewards,
-        "lr_scheduler_type": config.lr_scheduler_type,
-        "seed": config.seed,
-        "logging_steps": 1,
-        "report_to": "none",
-        "save_strategy": "steps" if config.save_steps else "no",
-        "save_steps": config.save_steps or 500,
-        "bf16": devices["bf16"],
-        "fp16": False,
-        "use_cpu": not devices["cuda"],
-        "gradient_checkpointing": config.gradient_checkpointing,
-        "reward_weights": config.weights
-        if reward_funcs is None
-        else reward_weights(funcs, config.reward_weights),
-        "ddp_find_unused_parameters": False,
-        "dataloader_num_workers": 0,
-        "log_completions": False,
-        "disable_tqdm": not progress.trainer_bars(),  # a bar on a terminal, log lines in a Job
-        "use_vllm": config.use_vllm,
-    }
-    if config.mode == "agentic":
-        kwargs["max_tool_calling_iterations"] = config.max_tool_turns
-    if n_processes > 1 and not devices["cuda"]:
-        kwargs["ddp_backend"] = "gloo"
-    if config.use_vllm:
-        kwargs["vllm_mode"] = config.vllm_mode
-        if config.vllm_mode == "server" and config.vllm_server_url:
-            kwargs["vllm_server_base_url"] = config.vllm_server_url
-            kwargs["vllm_server_timeout"] = config.vllm_server_timeout
-            # while rank 0 waits for the server, the other ranks wait at their first collective for
-            # the process group's timeout (transformers' default 1800 s): longer than rank 0's wait
-            kwargs["ddp_timeout"] = max(1800, math.ceil(config.vllm_server_timeout) + SERVER_WAIT_MARGIN_S)
-        if config.vllm_mode == "colocate":
-            kwargs["vllm_gpu_memory_utilization"] = config.vllm_gpu_memory_utilization
-    return GRPOConfig(**kwargs), funcs
 
 
 def _timeable(func: Any) -> bool:
@@ -666,53 +607,3 @@ def train(
     state.wait_for_everyone()
     end_process_group(trainer)
     return result
-
-
-def process_group_threads() -> list[str]:
-    """The names of this process's threads that belong to a gloo process group (Linux ``/proc``;
-    elsewhere an empty list)."""
-    tasks = Path("/proc/self/task")
-    names = []
-    for task in tasks.iterdir() if tasks.is_dir() else ():
-        try:
-            names.append((task / "comm").read_text().strip())
-        except OSError:  # the thread ended while listed
-            continue
-    return sorted(name for name in names if "gloo" in name)
-
-
-def end_process_group(trainer: GRPOTrainer) -> None:
-    """Destroy the process group once nothing holds it (data parallel; no-op in one process).
-
-    The DDP wrapper, held by the trainer (``model_wrapped``) and its accelerator, keeps the gloo
-    process group and its threads alive past ``destroy_process_group`` until the interpreter's
-    teardown joins them. In CI a rank that had finished its work once aborted there (SIGABRT,
-    ``terminate called without an active exception``), failing the whole torchrun job. So the
-    trainer keeps the unwrapped model, the accelerator lets go of the wrapper, and the group and its
-    threads end here; a gloo thread still left is logged.
-    """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    trainer.accelerator.free_memory()
-    trainer.model = trainer.model_wrapped = unwrapped
-    gc.collect()  # the wrapper sits in reference cycles
-    torch.distributed.destroy_process_group()
-    left = process_group_threads()
-    if left:
-        log.warning("%s: %s", PROCESS_GROUP_LEFT, left)
-
-
-__all__ = [
-    "PROCESS_GROUP_LEFT",
-    "TABLE_TEXT_CHARS",
-    "RecordingGRPOTrainer",
-    "StepTimer",
-    "TrainResult",
-    "build_grpo_args",
-    "end_process_group",
-    "group_std",
-    "process_group_threads",
-    "train",
-    "trainable_digest",
-]
