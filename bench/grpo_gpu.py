@@ -8,7 +8,7 @@ vocabulary, so every sampled id decodes. A random model never emits EOS: every c
 ``--max-completion-length``, which makes the generation workload fixed and comparable.
 
 Each configuration runs in its own process: a few GRPO steps of the project's training setup
-(``orthojob.stages.grpo_trainer.build_grpo_args`` for the ``qwen2.5-3b`` preset: LoRA r 16, bf16, gradient
+(``orthojob.stages.grpo_config.build_grpo_args`` for the ``qwen2.5-3b`` preset: LoRA r 16, bf16, gradient
 checkpointing; the real prompts; the five project rewards), once with transformers generation and
 once with vLLM colocated (skipped, with the reason, when vLLM does not import). Printed per run:
 
@@ -134,9 +134,9 @@ def run_one(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     from orthojob.data.prompts import prompt_rows
-    from orthojob.modeling.models import lora_config
+    from orthojob.modeling.adapters import lora_config
     from orthojob.stages.grpo import config_from_args
-    from orthojob.stages.grpo_trainer import build_grpo_args
+    from orthojob.stages.grpo_config import build_grpo_args
 
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     use_vllm = args.run_one == "vllm"

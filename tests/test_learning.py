@@ -137,7 +137,7 @@ def _report(stage0=3.0, grpo_stage0=(5.0, 6.6), bc=5.0, grpo_bc=(6.0, 7.2), **fi
 def test_targets_pass_only_when_every_claim_holds():
     """The pass/fail logic of make learn's self-check: a run that meets every target passes; each way
     of missing one fails that target."""
-    from examples.learning import markdown_tables, targets, targets_table
+    from examples.learning_report import markdown_tables, targets, targets_table
 
     good = targets(_report())
     assert [t["name"] for t in good] == [
@@ -264,7 +264,7 @@ def test_strategy_last_demos_are_the_same_plans_in_the_other_key_order():
 def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypatch, capsys):
     """make learn's code path on a 1-layer model, a few steps each (both chains in one process): the
     file has every cell, planner, curve and target, and an untrained model fails the targets (exit 1)."""
-    from examples import learning
+    from examples import learning, learning_report
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     argv = ["--out", str(tmp_path / "learn"), "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
@@ -286,7 +286,7 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
             )
         assert run["training"]["steps_done"] == 2 and run["training"]["grpo_config"]["mixed_cells"] is True
     assert report["bc"]["examples"] == 12 and report["stage0"]["key"]["layers"] == 1
-    assert [t["name"] for t in report["targets"]] == [t["name"] for t in learning.targets(report)]
+    assert [t["name"] for t in report["targets"]] == [t["name"] for t in learning_report.targets(report)]
     assert not all(t["passed"] for t in report["targets"])
     assert "| GRPO from BC (final) |" in (tmp_path / "learn" / "comparison.md").read_text()
     assert (tmp_path / "learn" / "learning.png").is_file()
