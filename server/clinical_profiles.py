@@ -156,8 +156,14 @@ SPACING_MM: dict[str, tuple[float, float]] = {
 """Upper anterior spacing (sum of the gaps between the anterior teeth) the protrusion profile aims at:
 mild 1-3, moderate 4-6, severe > 6 mm (the arch-length-excess grading mirroring Little's crowding
 grades, Little 1975)."""
-SPACING_CALIBRATION: float = 1.45
-"""Labial flaring per mm of spacing aimed at (fitted so the measured spacing lands in SPACING_MM)."""
+SPACING_CALIBRATION: float = 1.2
+"""Labial flaring per mm of spacing aimed at (fitted with SPACING_BASELINE_MM so the measured spacing
+lands in SPACING_MM)."""
+SPACING_BASELINE_MM: float = 2.0
+"""Spacing the flaring first spends (fitted): in the ideal arch the upper anterior crowns' contact
+points overlap where the arch turns at the canines (up to ~0.45 mm a contact, ~1.4 mm in all; crowns
+touch as the collision model's ellipses, :mod:`server.arch`), and flaring opens those before it
+opens gaps."""
 OVERBITE_MM: dict[str, tuple[float, float]] = {
     "mild": (4.0, 5.0),
     "moderate": (5.0, 6.0),
@@ -213,7 +219,7 @@ def protrusion_spacing(rng: np.random.Generator, severity: str, labial: np.ndarr
     arches = (True,) if severity == "mild" else (True, False)
     numbers = (1, 2) if severity == "mild" else (1, 2, 3)
     for upper in arches:
-        spacing = _range(rng, SPACING_MM, severity) * (1.0 if upper else 0.6)
+        spacing = (_range(rng, SPACING_MM, severity) + SPACING_BASELINE_MM) * (1.0 if upper else 0.6)
         for number in numbers:
             share = {1: 1.0, 2: 0.85, 3: 0.45}[number]
             m = _teeth((number,), upper)

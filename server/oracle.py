@@ -30,8 +30,11 @@ teeth in the strategy's order:
    Under force decay the best staged candidates are also tried *compensated*: each tooth
    overcorrected by the share of its movement the simulator shows it fails to express, within
    the per-stage limits (:func:`compensate`), and tried again with the overcorrection trimmed on
-   the teeth whose aligner shapes would collide (:func:`relieve_aligner_collisions`). Teeth outside the strategy's sequence (the lower
-   dentition of a Class II, moved by elastics) move together at the slowest speed.
+   the teeth whose aligner shapes would collide (:func:`relieve_aligner_collisions`, coarsely and
+   finely, both teeth of a pair or the more overcorrected one); the best safe staging (uniform
+   included) is compensated too, as trimming overcorrection cannot undo a staging's own
+   collisions. Teeth outside the strategy's sequence (the lower dentition of a Class II, moved
+   by elastics) move together at the slowest speed.
    Uniform staging with the strategy named is a candidate too, so the oracle never scores
    below uniform SLERP (every case has a safe uniform staging, :mod:`server.cases`). A
    diagnosis the check judges wrong (the wrong multiplier) is revised to the next most
@@ -129,6 +132,8 @@ OC_QUANTUM: float = 0.05
 """Overcorrections are written rounded down to this."""
 MIN_EXPRESSED_SHARE: float = 0.25
 """A tooth is assumed to express at least this share when its overcorrection is computed."""
+RELIEF_TRIMS: tuple[tuple[float, int, bool], ...] = ((0.5, 4, False), (0.75, 8, False), (0.75, 12, True))
+"""Share of the overcorrection kept per round, and the rounds at most, of each collision relief tried."""
 ORACLE_CACHE_SIZE: int = 4096
 """Oracle plans kept per process (LRU) for generated cases, as many as the case cache holds."""
 FRACTION_QUANTUM: float = 1e-4
@@ -483,7 +488,9 @@ def compensate(case: Case, stagings: list[Staging], rounds: int = 2) -> list[Sta
     return out
 
 
-def relieve_aligner_collisions(case: Case, stagings: list[Staging], rounds: int = 4) -> list[Staging]:
+def relieve_aligner_collisions(
+    case: Case, stagings: list[Staging], rounds: int = 4, keep: float = 0.5, one_side: bool = False
+) -> list[Staging]:
     """The stagings with the overcorrection of the teeth whose aligner shapes collide (neighbours or
     crowns one apart, beyond COLLISION_TOLERANCE_MM at any aligner) halved, ``rounds`` times at most,
     as a technician trims an overcorrected setup whose tooth sockets overlap; a tooth whose
@@ -504,8 +511,10 @@ def relieve_aligner_collisions(case: Case, stagings: list[Staging], rounds: int 
                 continue
             start, fraction, oc = out[k]
             teeth = np.unique(hit)
+            if one_side:  # only the more overcorrected tooth of each colliding pair
+                teeth = np.unique(np.where(oc[hit[:, 0]] >= oc[hit[:, 1]], hit[:, 0], hit[:, 1]))
             oc = oc.copy()
-            oc[teeth] = np.floor(oc[teeth] / 2.0 / OC_QUANTUM) * OC_QUANTUM
+            oc[teeth] = np.floor(oc[teeth] * keep / OC_QUANTUM + 1e-9) * OC_QUANTUM
             out[k] = (start, fraction, oc)
             changed = True
         if not changed:
@@ -527,9 +536,18 @@ def _best_staging(case: Case, strategy: str, secondary: str | None) -> tuple[Sta
     candidates = _candidates(case, strategy, secondary)
     results = _score(case, strategy, candidates)
     if case.force_decay:
-        quality = np.argsort([-r["terminal_reward"] for r in results[:-1]], kind="stable")[:COMPENSATED]
+        terminal = np.array([r["terminal_reward"] for r in results])
+        safe = np.array([not r["broken_rules"] for r in results])
+        quality = list(np.argsort(-terminal[:-1], kind="stable")[:COMPENSATED])
+        if safe.any():  # and the best safe staging (uniform included): a breaking one's collisions stay
+            best_safe = int(np.flatnonzero(safe)[np.argmax(terminal[safe])])
+            quality += [best_safe] if best_safe not in quality else []
         extra = compensate(case, [x for k in quality for x in (candidates[k], _slowest(candidates[k]))])
-        extra = extra + relieve_aligner_collisions(case, extra)
+        extra = extra + [
+            x
+            for keep, rounds, one in RELIEF_TRIMS
+            for x in relieve_aligner_collisions(case, extra, rounds, keep, one)
+        ]
         # uniform staging stays last (the fallback the repair logic knows)
         candidates = [*candidates[:-1], *extra, candidates[-1]]
         results = [*results[:-1], *_score(case, strategy, extra), results[-1]]

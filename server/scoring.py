@@ -113,6 +113,9 @@ STAGING_AGAINST_RHO: float = -0.2
 """Sequence concordance below which a declared strategy is contradicted by the plan (wrong)."""
 STAGING_FOLLOWS_RHO: float = 0.45
 """Sequence concordance from which the optimal strategy earns its 1.2."""
+RHO_ROUNDING: float = 1e-9
+"""A concordance this close below a threshold is on it: leads in whole aligners over LEAD_STAGES give
+concordances such as 0.45 exactly, which the floating-point mean can put at 0.44999999999999996."""
 LEAD_STAGES: float = 2.5
 """Aligners by which a level's movement centroid must precede the next level's for a full
 lead (+1) in :func:`sequence_concordance`; smaller leads count in proportion."""
@@ -554,7 +557,7 @@ def score_episodes(
     classes = [
         "wrong"
         if s is not None and r < STAGING_AGAINST_RHO
-        else ("neutral" if c == "optimal" and r < STAGING_FOLLOWS_RHO else c)
+        else ("neutral" if c == "optimal" and r < STAGING_FOLLOWS_RHO - RHO_ROUNDING else c)
         for c, s, r in zip(classes, declared, rho)
     ]
     multiplier = np.array([STRATEGY_MULTIPLIERS[c] for c in classes])

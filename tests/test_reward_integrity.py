@@ -375,8 +375,10 @@ def test_each_new_hard_rule_fires_on_the_plan_that_breaks_it():
     case = generate_case("task_easy", H)
     assert _stepwise_rules(case, _moved(case, {})) == []
     # the upper right canine moved mesially onto the central incisor, the lateral moved out of its way
-    x11, x13 = case.initial[TOOTH_INDEX[11], 4], case.initial[TOOTH_INDEX[13], 4]
-    second = _stepwise_rules(case, _moved(case, {12: (0.0, 12.0, 0.0), 13: (x11 - x13 - 6.5, 5.0, 0.0)}))
+    (x11, y11), (x13, y13) = case.initial[TOOTH_INDEX[11], 4:6], case.initial[TOOTH_INDEX[13], 4:6]
+    second = _stepwise_rules(
+        case, _moved(case, {12: (0.0, 12.0, 0.0), 13: (x11 - x13 - 6.5, y11 - y13, 0.0)})
+    )
     assert "second_neighbour_collision" in second, second
     # the upper centrals pushed down and back through the lower incisors
     bite = _stepwise_rules(case, _moved(case, {11: (0.0, -2.9, -6.5), 21: (0.0, -2.9, -6.5)}))
