@@ -263,16 +263,11 @@ def test_committing_24_stages_finishes_with_the_stepwise_score():
 
 # --- tool results are unchanged by speed work -------------------------------------------------------
 
-TOOLS_DIGEST = (
-    "5437ee2468862671316b63bde3c61edd3520bff00a67b165812943e2e8776a7c",
-    "62d7f698cc27bb90b5a7a91159a187fe6199249cc04f755b0e07eac0ca703a32",
-)
-"""sha256 of :func:`tool_transcript`'s results for 4 seeds x 3 tasks x force decay on and off,
-re-recorded with the reward's new hard rules (CHANGELOG.md): the first on the machine kind where the
-project started, the second on the kind whose float bits differ (tests/test_behaviour_digest.py's
-EXPECTED), from the same code. The second was re-recorded, on its kind only, when the arch widths moved
-to their landmarks (every generated case changed; CHANGELOG.md): the first still holds the code before
-that change and must be re-recorded on its kind of machine."""
+TOOLS_DIGEST = ("008fd2c0237972b5debc73a29fdcf318347b5725addcca03ef712b2ed2f2e463",)
+"""sha256 of :func:`tool_transcript`'s results for 4 seeds x 3 tasks x force decay on and off: the
+same on both machine kinds of tests/test_behaviour_digest.py's EXPECTED (the tool results are rounded
+text). Re-recorded on both when the arch widths moved to their landmarks and the oracle's force-decay
+compensation changed (CHANGELOG.md)."""
 ALTERNATE = [{"teeth": list(TOOTH_IDS[::2]), "fraction": 1.0}]  # every other tooth at once: collides
 HALF = [{"teeth": list(TOOTH_IDS[1::2]), "fraction": 0.5}]
 

@@ -284,7 +284,7 @@ def _tooth_plan(strategy: str | None, start: np.ndarray, duration: np.ndarray, o
     for i, t in enumerate(TOOTH_IDS):
         g = {
             "teeth": [int(t)],
-            "fraction": round(1.0 / duration[i], 4) if duration[i] > 0 else 0.0,
+            "fraction": round(min(1.0, 1.0 / duration[i]), 4) if duration[i] > 0 else 0.0,
             "start_stage": int(start[i]),
         }
         if over[i] > 0:
@@ -295,10 +295,10 @@ def _tooth_plan(strategy: str | None, start: np.ndarray, duration: np.ndarray, o
 
 def _genes_of(plan: dict) -> tuple[str | None, np.ndarray, np.ndarray, np.ndarray]:
     spec = normalize_plan(plan)
-    with np.errstate(divide="ignore"):
-        duration = np.where(spec.fraction > 0, np.ceil(1.0 / np.maximum(spec.fraction, 1e-9) - 1e-9), 0)
+    # the exact (fractional) number of aligners, so the re-encoded plan moves each tooth as the plan does
+    duration = np.where(spec.fraction > 0, 1.0 / np.maximum(spec.fraction, 1e-9), 0.0)
     over = spec.overcorrections() if spec.overcorrection is not None else np.zeros(len(TOOTH_IDS))
-    return spec.strategy, spec.start.astype(np.int64), np.minimum(duration, N_STAGES).astype(np.int64), over
+    return spec.strategy, spec.start.astype(np.int64), np.minimum(duration, float(N_STAGES)), over
 
 
 def population_search(
