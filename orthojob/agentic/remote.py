@@ -31,7 +31,7 @@ class RemoteStepwise:
         self.session = EnvSession(url, message_timeout_s=message_timeout_s)
 
     def _guard(self, call: Callable) -> dict:
-        from orthojob.agentic.env_client import EnvServerError, EpisodeLostError
+        from orthojob.agentic.env_client import EnvServerError, EpisodeLostError  # loaded by __init__ already
 
         try:
             return call()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orthojob.agentic.reward import reward_agentic  # the environment: only where it is used
+from orthojob.agentic.reward import reward_agentic
 from orthojob.modeling.models import TINY_MODEL
 from orthojob.ops import progress
 from orthojob.ops.run_identity import POLICIES
