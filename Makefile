@@ -40,4 +40,4 @@ bench: install
 # the learning experiment: format stage 0 then GRPO (one process), BC then GRPO (a second), one
 # thread each on the two cores; held-out curves, the comparison and the targets in runs/learn/
 learn: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m orthojob.learning --out runs/learn
+	OMP_NUM_THREADS=1 $(BIN)/python -m examples.learning --out runs/learn

@@ -32,7 +32,7 @@ import json, os, random, sys, time
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 import numpy as np
 import reward_throughput as R
-from orthojob import rewards, rollouts
+from orthojob.rewards import reward_functions as rewards, rollouts
 from server.cases import clear_case_cache, generate_case
 from server.dental_environment import StepwiseDentalEnvironment
 from server.plans import interpolate_poses, planned_progress

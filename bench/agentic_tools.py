@@ -1,11 +1,11 @@
 """Agentic tool-call benchmark (not a test): single process, OMP_NUM_THREADS=1.
 
-Environment time per tool call of :class:`orthojob.agentic.DentalToolEnv` (the whole method: argument
+Environment time per tool call of :class:`orthojob.agentic.tools.DentalToolEnv` (the whole method: argument
 checks, the environment, the JSON result), per tool, median and p90 in milliseconds:
 
 * in process (target: under 1 ms per call);
 * over the WebSocket to a local server (``server.app`` served by uvicorn in a thread of this process,
-  so client and server share one core), through OpenEnv's client (:class:`orthojob.agentic.RemoteStepwise`).
+  so client and server share one core), through OpenEnv's client (:class:`orthojob.agentic.remote.RemoteStepwise`).
 
 Each episode (seeds from the training range, task levels in turn): inspect_tooth, check_collisions,
 simulate_stage, commit_stage x 3, rollback_stage, then submit_plan (the oracle's plan, scored in
@@ -15,10 +15,10 @@ keyword arguments, as TRL calls them.
 Then the environment's mean ms per tool call over two oracle-like episodes (reset not counted; each
 call's fastest of 3 runs of the episode, as a shared machine's preemptions would otherwise count):
 
-* ``trace``: the tool-use SFT demonstration (:func:`orthojob.tool_sft.oracle_tool_trace`):
+* ``trace``: the tool-use SFT demonstration (:func:`orthojob.stages.tool_sft.oracle_tool_trace`):
   inspect_tooth x 2, check_collisions, submit_plan (the oracle's plan);
 * ``stepwise``: inspect_tooth x 2, check_collisions, then the oracle's plan stage by stage
-  (:func:`orthojob.agentic.plan_stages`): simulate_stage and commit_stage x 24 (the 24th commit
+  (:func:`orthojob.agentic.tools.plan_stages`): simulate_stage and commit_stage x 24 (the 24th commit
   finishes the episode and scores it).
 
     OMP_NUM_THREADS=1 python bench/agentic_tools.py [--episodes 200] [--no-server]
@@ -37,8 +37,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 
-from orthojob.agentic import TOOL_NAMES, DentalToolEnv, plan_stages
-from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
+from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv, plan_stages
+from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from server.cases import TASK_IDS
 from server.oracle import oracle_plan
 
@@ -148,7 +148,7 @@ def serve() -> tuple[str, object, threading.Thread]:
     import uvicorn
 
     from server.app import create_app
-    from server.settings import ServerSettings
+    from server.serving.settings import ServerSettings
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))

@@ -20,12 +20,12 @@ import json
 
 import numpy as np
 
-from orthojob import models
-from orthojob.canaries import episode_record
-from orthojob.evaluation import generate_completions
-from orthojob.learning import CELL_NAMES, MAX_SEQ_LENGTH, cell_name, heldout_cases
-from orthojob.parsing import find_plan
-from orthojob.prompts import reset_observation
+from examples.learning import CELL_NAMES, MAX_SEQ_LENGTH, cell_name, heldout_cases
+from orthojob.data.prompts import reset_observation
+from orthojob.eval.evaluation import generate_completions
+from orthojob.modeling import models
+from orthojob.rewards.canaries import episode_record
+from orthojob.rewards.parsing import find_plan
 from server.cases import generate_case
 from server.dental_constants import TOOTH_IDS
 from server.oracle import plan_for_case

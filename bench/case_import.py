@@ -2,7 +2,7 @@
 against a generated one (not a test; single process).
 
 Writes N generated cases (the three levels in turn, half under force decay) as JSON Lines with
-``orthojob cases export``'s code, then times :func:`orthojob.case_sets.validate` on the file (every
+``orthojob cases export``'s code, then times :func:`orthojob.data.case_sets.validate` on the file (every
 check of docs/cases.md, each case built), and scores the oracle's plans on 64 imported and the same
 64 generated cases (batch scoring, median of ``--rounds``).
 
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from orthojob import case_sets
+from orthojob.data import case_sets
 from server.case_records import record_of_case
 from server.cases import TASK_IDS, generate_case
 from server.oracle import plan_for_case

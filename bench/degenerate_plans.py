@@ -9,8 +9,8 @@ import json
 
 import numpy as np
 
-from orthojob import rewards
-from orthojob.prompts import plan_to_completion
+from orthojob.data.prompts import plan_to_completion
+from orthojob.rewards import reward_functions as rewards
 from server.cases import generate_case
 from server.dental_constants import TOOTH_IDS
 from server.oracle import plan_for_case

@@ -3,12 +3,12 @@
 No model can be downloaded here, so the model is a ``Qwen2Config`` with Qwen2.5-3B-Instruct's sizes
 (3.09 B parameters: hidden 2048, 36 layers, 16 query / 2 KV heads, MLP 11008, vocabulary 151,936,
 tied embeddings, rope theta 1e6) and random initialisation. The tokenizer is the offline tiny one
-(:mod:`orthojob.tiny_model`, trained on the real prompts) padded with unused entries to the full
+(:mod:`orthojob.modeling.tiny_model`, trained on the real prompts) padded with unused entries to the full
 vocabulary, so every sampled id decodes. A random model never emits EOS: every completion runs to
 ``--max-completion-length``, which makes the generation workload fixed and comparable.
 
 Each configuration runs in its own process: a few GRPO steps of the project's training setup
-(``orthojob.grpo_trainer.build_grpo_args`` for the ``qwen2.5-3b`` preset: LoRA r 16, bf16, gradient
+(``orthojob.stages.grpo_config.build_grpo_args`` for the ``qwen2.5-3b`` preset: LoRA r 16, bf16, gradient
 checkpointing; the real prompts; the five project rewards), once with transformers generation and
 once with vLLM colocated (skipped, with the reason, when vLLM does not import). Printed per run:
 
@@ -71,8 +71,8 @@ RESULT_TAG = "BENCH_RESULT "
 
 def build_tokenizer(work: Path, vocab_size: int) -> Path:
     """The tiny tokenizer (trained on real prompts) padded with unused entries to ``vocab_size``."""
-    from orthojob.prompts import prompt_rows
-    from orthojob.tiny_model import build_tiny_model
+    from orthojob.data.prompts import prompt_rows
+    from orthojob.modeling.tiny_model import build_tiny_model
 
     rows = prompt_rows(4, 0, "task_medium", False) + prompt_rows(2, 0, "task_hard", True)
     corpus = [m["content"] for r in rows for m in r["prompt"]]
@@ -133,10 +133,10 @@ def run_one(args: argparse.Namespace) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from orthojob.grpo import config_from_args
-    from orthojob.grpo_trainer import build_grpo_args
-    from orthojob.models import lora_config
-    from orthojob.prompts import prompt_rows
+    from orthojob.data.prompts import prompt_rows
+    from orthojob.modeling.adapters import lora_config
+    from orthojob.stages.grpo import config_from_args
+    from orthojob.stages.grpo_config import build_grpo_args
 
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     use_vllm = args.run_one == "vllm"

@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orthojob.oracle_audit import COMBOS, audit, summary
+from orthojob.eval.oracle_audit import COMBOS, audit, summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,11 +6,11 @@ Run from the repository root (single process, one BLAS thread)::
 
 For every task level and ``--seeds`` held-out seeds (dynamics alternate between ideal and force
 decay) and every objective (the five TRL rewards summed at the default weights, at ``make learn``'s
-weights, and the scaled terminal alone): :func:`orthojob.plan_search.search_case` hill-climbs from
+weights, and the scaled terminal alone): :func:`orthojob.rewards.plan_search.search_case` hill-climbs from
 uniform SLERP, from the oracle's plan and from a random plan, ``--rounds`` rounds of 48 proposals
-each, and :func:`orthojob.plan_search.population_search` evolves per-tooth plans (start, duration,
+each, and :func:`orthojob.rewards.plan_search.population_search` evolves per-tooth plans (start, duration,
 overcorrection) for ``--generations`` generations, once from the oracle, SLERP and random plans and
-once seeded with :func:`orthojob.plan_search.exploit_plans` too (the plans an optimiser was seen to
+once seeded with :func:`orthojob.rewards.plan_search.exploit_plans` too (the plans an optimiser was seen to
 exploit: one aligner, the oracle at 3x, the mirrored malocclusion, rushed incisors, the strategy's
 first level unmoved). Printed per level, objective and search: how
 often the best plan found beats the oracle on that objective (and by how much), how often it breaks
@@ -32,8 +32,8 @@ if __package__ in (None, ""):
 
 import numpy as np
 
-from orthojob.learning import LearnConfig
-from orthojob.plan_search import exploit_plans, population_search, search_case
+from examples.learning import LearnConfig
+from orthojob.rewards.plan_search import exploit_plans, population_search, search_case
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 
 STARTS: tuple[str, ...] = ("slerp", "oracle", "random", "population", "exploits")
@@ -42,7 +42,7 @@ OBJECTIVES: dict[str, tuple[dict | None, str]] = {
     "sum_learn": ({"reward_strategy": LearnConfig().strategy_weight}, "sum"),
     "terminal": (None, "terminal"),
 }
-"""Objective name -> (reward weights, target) of :func:`orthojob.plan_search.objective`."""
+"""Objective name -> (reward weights, target) of :func:`orthojob.rewards.plan_search.objective`."""
 
 
 def main(argv: list[str] | None = None) -> int:

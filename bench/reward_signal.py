@@ -5,7 +5,7 @@ Run from the repository root (single process, one BLAS thread)::
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/reward_signal.py [--seeds 10] [--group-size 32]
 
 For every task level, both dynamics and ``--seeds`` held-out seeds, a group of ``--group-size``
-plausible plans (:func:`orthojob.reward_signal.plausible_plans`: the oracle's plan and its
+plausible plans (:func:`orthojob.eval.reward_signal.plausible_plans`: the oracle's plan and its
 perturbations, uniform SLERP variants, compressed and slowed versions) is scored through the five
 TRL reward functions. Printed per reward: the mean within-group std, the share of groups above
 the reward's threshold, the mean Spearman correlation with reward_terminal; then the clinical
@@ -24,9 +24,9 @@ if __package__ in (None, ""):
 
 import numpy as np
 
-from orthojob.prompts import plan_to_completion
-from orthojob.reward_signal import format_report, signal_groups, signal_report
-from orthojob.rewards import reward_anchorage
+from orthojob.data.prompts import plan_to_completion
+from orthojob.eval.reward_signal import format_report, signal_groups, signal_report
+from orthojob.rewards.reward_functions import reward_anchorage
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.oracle import plan_for_case

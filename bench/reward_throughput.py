@@ -31,9 +31,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orthojob import rewards, rollouts
-from orthojob.parsing import extract_plan
-from orthojob.prompts import plan_to_completion, reset_observation
+from orthojob.data.prompts import plan_to_completion, reset_observation
+from orthojob.rewards import reward_functions as rewards
+from orthojob.rewards import rollouts
+from orthojob.rewards.parsing import extract_plan
 from server import treatment
 from server.cases import generate_case
 from server.clinical_profiles import STRATEGIES
@@ -155,9 +156,9 @@ def grpo_step_seconds(prompts: int, generations: int) -> float:
     completions: generation, the five rewards, the loss and the update, as TRL runs them."""
     import tempfile
 
-    from orthojob.grpo import train_and_gate as train
-    from orthojob.grpo_config import GRPOJobConfig
-    from orthojob.models import build_tiny
+    from orthojob.modeling.models import build_tiny
+    from orthojob.stages.grpo import train_and_gate as train
+    from orthojob.stages.grpo_config import GRPOJobConfig
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as tmp:

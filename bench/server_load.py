@@ -360,9 +360,14 @@ def breakdown() -> list[tuple[str, float, float]]:
     from openenv.core.env_server.serialization import serialize_observation
     from openenv.core.env_server.types import WSObservationResponse
 
-    from server.app import DentalOpenEnvAdapter, make_observation
-    from server.models import DentalAction
-    from server.serialization import ObservationEncoder, decode_message, encode_json, observation_payload
+    from server.serving.adapter import DentalOpenEnvAdapter, make_observation
+    from server.serving.models import DentalAction
+    from server.serving.serialization import (
+        ObservationEncoder,
+        decode_message,
+        encode_json,
+        observation_payload,
+    )
 
     env = StepwiseDentalEnvironment()
     adapter = DentalOpenEnvAdapter(env)

@@ -18,9 +18,9 @@ import json
 import numpy as np
 import torch
 
-from orthojob import models
-from orthojob.prompts import build_messages, prompt_format_of, reset_observation
-from orthojob.strategy_advantage import STRATEGY_KEY
+from orthojob.data.prompts import build_messages, prompt_format_of, reset_observation
+from orthojob.modeling import models
+from orthojob.rewards.strategy_advantage import STRATEGY_KEY
 from server.cases import TRAIN_SEED_START, generate_case
 from server.clinical_profiles import STRATEGIES
 

@@ -19,14 +19,14 @@ orthojob model fetch REF [--link PATH]   # fetch a base model into the cache (an
 Every DIR may be an ``s3://bucket/prefix`` URI: inputs are downloaded and verified against their
 manifest, outputs (--out of every stage, a gated s3:// checkpoint) are published with a new manifest. A
 storage failure exits 30. ``--model`` of every stage takes a hub id, a folder or an ``s3://`` URI
-(:mod:`orthojob.base_models`: fetched once into the model cache, verified; an adapter records the
+(:mod:`orthojob.modeling.base_models`: fetched once into the model cache, verified; an adapter records the
 URI as its base).
 
 Gate refusals (orthojob train's pre-flight, orthojob gate --check) exit with: 10 gate file missing,
 11 gate file unreadable or inconsistent, 12 gate says failed, 13 checkpoint changed since its gate
 (digest mismatch). orthojob gate, format-sft, bc-sft and rsft exit 12 too when the checkpoint they
 evaluated fails its gate; orthojob train and pipeline exit 3 when GRPO's own gate fails; rsft exits 2
-when no sample met its keep rule. Every code: orthojob/exit_codes.py.
+when no sample met its keep rule. Every code: orthojob/ops/exit_codes.py.
 """
 
 from __future__ import annotations
@@ -39,26 +39,36 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from orthojob import base_models, gate, mlops, progress, storage, tracking, viewer
-from orthojob.evaluation import evaluate_baselines, evaluate_checkpoint, format_table
-from orthojob.exit_codes import ExitCode, epilog
-from orthojob.flags import add_config_arguments, finite_float, given_values, positive_int, task_list
-from orthojob.grpo import add_train_arguments, run_train
-from orthojob.k8s import add_k8s_arguments
-from orthojob.models import tiny_corpus
-from orthojob.pipeline import add_pipeline_arguments, run_pipeline_cli
-from orthojob.registry import DEFAULT_MODEL_NAME
-from orthojob.rsft import add_rsft_arguments, run_rsft_cli
-from orthojob.sft import add_sft_arguments, run_sft_cli, run_sft_stage_cli
+from orthojob.data import case_sets
+from orthojob.eval import viewer, viewer_logging
+from orthojob.eval.evaluation import (
+    evaluate_baselines,
+    evaluate_checkpoint,
+    format_table,
+    generate_completions,
+)
+from orthojob.modeling import base_models
+from orthojob.modeling.models import build_tiny, load_for_inference, tiny_corpus
+from orthojob.ops import gate_file, job_errors, progress, registry, storage, tracking, work_dirs
+from orthojob.ops.exit_codes import ExitCode, epilog
+from orthojob.ops.k8s import add_k8s_arguments
+from orthojob.ops.preemption import install_termination_handler
+from orthojob.ops.registry import DEFAULT_MODEL_NAME
+from orthojob.stages import gate
+from orthojob.stages.flags import add_config_arguments, finite_float, given_values, positive_int, task_list
+from orthojob.stages.grpo import add_train_arguments, run_train
+from orthojob.stages.pipeline import add_pipeline_arguments, run_pipeline_cli
+from orthojob.stages.rsft import add_rsft_arguments, run_rsft_cli
+from orthojob.stages.sft import add_sft_arguments, run_sft_cli, run_sft_stage_cli
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 from server.errors import InvalidActionError
 
 TRACKED_STAGES: dict[str, str] = {
-    "sft": gate.BC_SFT,
-    "format-sft": gate.FORMAT_SFT,
-    "tool-sft": gate.TOOL_SFT,
-    "bc-sft": gate.BC_SFT,
-    "rsft": gate.RSFT,
+    "sft": gate_file.BC_SFT,
+    "format-sft": gate_file.FORMAT_SFT,
+    "tool-sft": gate_file.TOOL_SFT,
+    "bc-sft": gate_file.BC_SFT,
+    "rsft": gate_file.RSFT,
     "gate": "gate",
     "evaluate": "evaluate",
 }
@@ -68,7 +78,6 @@ pipeline nests these stages under its parent run)."""
 
 def cmd_cases(args: argparse.Namespace) -> int:
     """``orthojob cases validate SOURCE`` / ``orthojob cases export --task T --seeds A:B --out FILE``."""
-    from orthojob import case_sets
 
     if args.cases_command == "export":
         try:
@@ -118,7 +127,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         report = evaluate_baselines(
             args.task_id, args.seeds, force_decay=args.force_decay, non_compliance=args.non_compliance
         )
-        viewer.log_baseline_viewers(args.task_id, HELDOUT_SEED_START, args.force_decay, args.non_compliance)
+        viewer_logging.log_baseline_viewers(
+            args.task_id, HELDOUT_SEED_START, args.force_decay, args.non_compliance
+        )
     print(format_table(report, args.seeds, args.force_decay, args.non_compliance))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -162,8 +173,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if args.check:
         try:
             checked = _input_folder(args.check, "gate --check", must_exist=False)
-            gate.check_gate(checked)
-        except gate.GateError as exc:
+            gate_file.check_gate(checked)
+        except gate_file.GateError as exc:
             print(f"orthojob gate --check: {exc.message}", file=sys.stderr)
             return exc.exit_code
         print(f"gate of {args.check}: passed, digest matches")
@@ -177,7 +188,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     checkpoint = _input_folder(args.checkpoint, "gate")
     if checkpoint is None:
         return ExitCode.USAGE
-    limits = gate.thresholds_for(args.stage).replace(**given_values(args, gate.GateThresholds))
+    limits = gate_file.thresholds_for(args.stage).replace(**given_values(args, gate_file.GateThresholds))
     report = gate.gate_report(
         str(checkpoint),
         n_seeds=args.seeds,
@@ -189,9 +200,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
         thresholds=limits,
         max_tool_turns=args.tool_turns,
     )
-    content = gate.write_gate(str(checkpoint), report)
-    print(gate.format_gate(content))
-    print(f"wrote {gate.gate_path(checkpoint)}")
+    content = gate_file.write_gate(str(checkpoint), report)
+    print(gate_file.format_gate(content))
+    print(f"wrote {gate_file.gate_path(checkpoint)}")
     if storage.is_s3_uri(args.checkpoint):  # the gate file lives with the checkpoint: publish both again
         storage.publish(checkpoint, args.checkpoint)
         print(f"published {args.checkpoint} with its gate file")
@@ -202,7 +213,7 @@ def _input_folder(path_or_uri: str, command: str, must_exist: bool = True) -> Pa
     """A stage's input folder (an ``s3://`` URI is downloaded and verified); None, with the
     reason printed, when a local folder does not exist and ``must_exist``."""
     if storage.is_s3_uri(path_or_uri):
-        return mlops.local_input(path_or_uri, lambda m: print(f"[{command.split()[0]}] {m}"))
+        return work_dirs.local_input(path_or_uri, lambda m: print(f"[{command.split()[0]}] {m}"))
     if must_exist and not Path(path_or_uri).is_dir():
         print(f"orthojob {command}: checkpoint folder {path_or_uri} does not exist", file=sys.stderr)
         return None
@@ -219,10 +230,10 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    """orthojob/tiny_model.py's CLI; unless ``--builtin-corpus`` is given, its tokenizer also learns the
+    """orthojob/modeling/tiny_model.py's CLI; unless ``--builtin-corpus`` is given, its tokenizer also learns the
     project's prompts and oracle plans (vocab 1024, as the pipeline's tiny model): a prompt is then
     ~1,450 tokens instead of ~2,200 (over the default 2,048-token context)."""
-    from orthojob.tiny_model import main as tiny_main  # imports torch: only for this command
+    from orthojob.modeling.tiny_model import main as tiny_main  # imports torch: only for this command
 
     rest = list(args.rest)
     if "--builtin-corpus" in rest or any(a in ("-h", "--help") for a in rest):
@@ -247,8 +258,6 @@ def cmd_model(args: argparse.Namespace) -> int:
             if args.hub_id:
                 base_models.parse_hub_id(args.hub_id)
             if args.source == "tiny":  # the offline tiny model, as the pipeline builds it
-                from orthojob.models import build_tiny
-
                 with tempfile.TemporaryDirectory() as tmp:
                     folder = build_tiny(Path(tmp) / "tiny", list(TASK_IDS), force_decay=True)
                     manifest = base_models.stage(str(folder), args.uri, say, hub_id=args.hub_id)
@@ -308,9 +317,6 @@ def _greedy(max_new_tokens: int):
     greedy completion (its prompt, its decoding) of the checkpoint in ``folder``."""
 
     def complete(folder: str, observation: dict) -> str:
-        from orthojob.evaluation import generate_completions
-        from orthojob.models import load_for_inference
-
         model, tokenizer = load_for_inference(folder)
         return generate_completions(model, tokenizer, [observation], max_new_tokens)[0][0]
 
@@ -318,7 +324,7 @@ def _greedy(max_new_tokens: int):
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    return mlops.run_promote(
+    return registry.run_promote(
         args.run_id,
         args.model_name,
         args.force,
@@ -355,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_evaluate)
 
-    refusals = "; ".join(f"{int(code)} {code.meaning}" for code in gate.PREFLIGHT_REFUSALS)
+    refusals = "; ".join(f"{int(code)} {code.meaning}" for code in gate_file.PREFLIGHT_REFUSALS)
     stage_codes = epilog(
         ExitCode.OK, ExitCode.USAGE, ExitCode.GATE_FAILED, ExitCode.STORAGE, ExitCode.TRACKING
     )
@@ -377,14 +383,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bc = sub.add_parser(
         "bc-sft",
-        help=f"stage 2: BC SFT on the oracle's safe plans, then its gate (stage {gate.BC_SFT})",
+        help=f"stage 2: BC SFT on the oracle's safe plans, then its gate (stage {gate_file.BC_SFT})",
         epilog=stage_codes,
     )
     add_sft_arguments(bc, "sft", with_gate=True)
     bc.set_defaults(func=cmd_bc_sft)
 
     sf = sub.add_parser(
-        "sft", help=f"stage 2 (BC) without its gate: orthojob gate --stage {gate.BC_SFT} writes it"
+        "sft", help=f"stage 2 (BC) without its gate: orthojob gate --stage {gate_file.BC_SFT} writes it"
     )
     add_sft_arguments(sf)
     sf.set_defaults(func=cmd_sft)
@@ -420,10 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ga.add_argument(
         "--stage",
-        default=gate.BC_SFT,
-        choices=gate.STAGES,
-        help=f"{gate.FORMAT_SFT} (format gate), {gate.BC_SFT} (BC, default) or {gate.RSFT} (quality gates: format "
-        f"and the hard-rule bound), {gate.TOOL_SFT} (tool-call gate), or {gate.GRPO} (quality gate, also the mean "
+        default=gate_file.BC_SFT,
+        choices=gate_file.STAGES,
+        help=f"{gate_file.FORMAT_SFT} (format gate), {gate_file.BC_SFT} (BC, default) or {gate_file.RSFT} (quality gates: format "
+        f"and the hard-rule bound), {gate_file.TOOL_SFT} (tool-call gate), or {gate_file.GRPO} (quality gate, also the mean "
         f"scaled reward against uniform SLERP's)",
     )
     ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
@@ -435,12 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-turns", type=positive_int, default=4, help="tool_sft: turns per episode (default 4)"
     )
     add_config_arguments(
-        ga.add_argument_group("thresholds (default: the stage's, orthojob/gate.py DEFAULT_THRESHOLDS)"),
-        gate.GateThresholds,
+        ga.add_argument_group(
+            "thresholds (default: the stage's, orthojob/stages/gate.py DEFAULT_THRESHOLDS)"
+        ),
+        gate_file.GateThresholds,
     )
     ga.set_defaults(func=cmd_gate)
 
-    # orthojob train: GRPO (flags generated from orthojob/grpo_config.py)
+    # orthojob train: GRPO (flags generated from orthojob/stages/grpo_config.py)
     tr = sub.add_parser(
         "train",
         help="GRPO training (stage 3); refuses without a passed gate of an earlier stage",
@@ -483,9 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "--max-hard-rule-share-over-oracle",
         type=finite_float,
-        default=gate.HARD_RULE_BOUND,
+        default=gate_file.HARD_RULE_BOUND,
         help="register only a run whose held-out share of plans breaking a hard rule exceeds the oracle's on the "
-        f"gate's cases by at most this (default {gate.HARD_RULE_BOUND:g}: no worse than the oracle)",
+        f"gate's cases by at most this (default {gate_file.HARD_RULE_BOUND:g}: no worse than the oracle)",
     )
     pr.set_defaults(func=cmd_promote)
 
@@ -559,14 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("--out", required=True, help="a .jsonl or .parquet file")
     ca.set_defaults(func=cmd_cases)
 
-    add_k8s_arguments(sub)  # k8s render|submit|logs|status (orthojob/k8s.py)
+    add_k8s_arguments(sub)  # k8s render|submit|logs|status (orthojob/ops/k8s.py)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from orthojob.preemption import install_termination_handler
-
-    install_termination_handler()  # SIGTERM outside GRPO's guard: exit 143 at once (orthojob.preemption)
+    install_termination_handler()  # SIGTERM outside GRPO's guard: exit 143 at once (orthojob.ops.preemption)
     progress.quiet_library_bars()  # in a Job's log, no other library's carriage-return bars
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -585,7 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args) or 0)
         return _tracked(stage, args)
     except (storage.StorageError, tracking.TrackingError) as exc:
-        return mlops.report_job_error(args.command, exc)
+        return job_errors.report_job_error(args.command, exc)
 
 
 def _tracked(stage: str, args: argparse.Namespace) -> int:
@@ -599,7 +605,7 @@ def _tracked(stage: str, args: argparse.Namespace) -> int:
             mlflow.set_tag("orthorl.exit_code", str(code))
             return code
     except tracking.TrackingError as exc:
-        return mlops.report_job_error(args.command, exc)
+        return job_errors.report_job_error(args.command, exc)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ grpo.env_url=URL`` on ``pipeline``. The other stages do not use the server.
 Base weights (``--model``, the ConfigMap's ``MODEL``): a hub id, an ``s3://bucket/prefix`` staged
 with ``orthojob model stage``, or a folder on a mounted volume; every stage fetches an ``s3://``
 base once into the model cache (``ORTHORL_MODEL_CACHE``, on the pod's persistent ``/cache``), and
-adapters record the URI as their base (:mod:`orthojob.base_models`).
+adapters record the URI as their base (:mod:`orthojob.modeling.base_models`).
 
 Pre-flight, before anything is downloaded or trained (:func:`preflight`):
 
@@ -38,14 +38,14 @@ Pre-flight, before anything is downloaded or trained (:func:`preflight`):
   default: a bucket of someone else's is no default) and probed: a marker is written, read back and
   deleted there. Bad keys, no permission or no such bucket end the job at once with exit 32 (never
   retried) and what to fix; an endpoint that stays unreachable is exit 30 (retried);
-* MLflow is probed (:func:`orthojob.tracking.configure`): unreachable is exit 31 (retried), a
+* MLflow is probed (:func:`orthojob.ops.tracking.configure`): unreachable is exit 31 (retried), a
   refusal (credentials, permission) exit 33; under ``MLFLOW_RUN_ID`` (MLflow Projects) that run must
   exist on this server: MLflow's Kubernetes backend creates it in the *workstation's* tracking store,
   so a workstation pointed elsewhere than the pods ends here with exit 33 and the fix;
 * a model that is not the offline tiny one needs a GPU; without CUDA the job refuses (exit 2) rather
   than "training" a 3B model on CPU for days (``ORTHORL_ALLOW_CPU=1`` overrides).
 
-Exit code: the first failing step's, from :class:`orthojob.exit_codes.ExitCode`: 3 when GRPO's
+Exit code: the first failing step's, from :class:`orthojob.ops.exit_codes.ExitCode`: 3 when GRPO's
 gate failed (nothing is registered), 30/31 when storage/MLflow stayed unreachable, 32/33 when they
 refused, 20-22 when the registry refused.
 """
@@ -60,11 +60,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orthojob.exit_codes import ExitCode
+from orthojob.cli import main as cli_main
+from orthojob.ops import storage, tracking
+from orthojob.ops.exit_codes import ExitCode
+from orthojob.ops.job_errors import report_job_error
+from orthojob.ops.preemption import install_termination_handler
+from orthojob.ops.registry import DEFAULT_MODEL_NAME
+from orthojob.ops.storage import StorageError
+from orthojob.ops.tracking import TrackingError
+from orthojob.ops.work_dirs import local_work_dir
 
 TINY_PRESETS = ("tiny-cpu",)
 MODES = ("oneshot", "agentic")
-"""GRPO's modes (:data:`orthojob.grpo_config.MODES`, which this module does not import: it is the
+"""GRPO's modes (:data:`orthojob.stages.grpo_config.MODES`, which this module does not import: it is the
 container's command and stays light; a test keeps the two equal)."""
 ALLOW_CPU_ENV = "ORTHORL_ALLOW_CPU"
 
@@ -175,24 +183,16 @@ def cuda_available() -> bool:
 def grpo_run_id(p: Plan) -> str | None:
     """The GRPO stage's MLflow run: from the pipeline's summary, or the last run of ``train``."""
     if p.chain[0] == "pipeline":
-        from orthojob import storage
-        from orthojob.mlops import local_work_dir
-
         local = local_work_dir(p.out) if storage.is_s3_uri(p.out) else Path(p.out)
         summary = local / "pipeline_summary.json"
         if summary.is_file():
             return json.loads(summary.read_text()).get("stages", {}).get("grpo", {}).get("mlflow_run_id")
         return None
-    from orthojob import tracking
-
     return tracking.last_stage_run("grpo")
 
 
 def preflight(p: Plan, env: Mapping[str, str], say: Callable[[str], object] = print) -> int:
     """Probe the output prefix and MLflow (module docstring); 0, or the exit code (message printed)."""
-    from orthojob import storage, tracking
-    from orthojob.mlops import report_job_error
-
     try:
         say(f"[job] probe: {storage.probe_output(p.out)}")
         tracking.configure()
@@ -222,8 +222,6 @@ def preflight(p: Plan, env: Mapping[str, str], say: Callable[[str], object] = pr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from orthojob.registry import DEFAULT_MODEL_NAME
-
     p = argparse.ArgumentParser(
         prog="python -m orthojob.job",
         description="the whole chain into a per-Job output prefix, then registration (alias candidate)",
@@ -287,8 +285,6 @@ def main(
     cli: Callable[[list[str]], int] | None = None,
 ) -> int:
     env = os.environ if env is None else env
-    from orthojob.preemption import install_termination_handler
-
     install_termination_handler()  # SIGTERM anywhere: exit 143 now, not SIGKILL after the grace period
     args = build_parser().parse_args(argv)
     try:
@@ -308,7 +304,7 @@ def main(
         )
         return ExitCode.USAGE
     if cli is None:
-        from orthojob.cli import main as cli
+        cli = cli_main
     print(f"[job] output prefix {p.out}")
     for note in p.notes:
         print(f"[job] {note}")
@@ -316,9 +312,6 @@ def main(
     if code:
         return code
     print(f"[job] orthojob {' '.join(p.chain)}", flush=True)
-
-    from orthojob.storage import StorageError
-    from orthojob.tracking import TrackingError
 
     try:
         code = int(cli(p.chain) or 0)
@@ -333,8 +326,6 @@ def main(
         print(f"[job] orthojob promote --run-id {run_id} --model-name {p.model_name}", flush=True)
         return int(cli(["promote", "--run-id", run_id, "--model-name", p.model_name]) or 0)
     except (TrackingError, StorageError) as exc:
-        from orthojob.mlops import report_job_error
-
         return report_job_error("job", exc)
 
 

@@ -3,9 +3,9 @@
 verifiers resolves a taskset id to the installed module of that name (``orthorl-aligner`` ->
 ``orthorl_aligner``) and takes the ``Taskset`` subclass it exports in ``__all__``. Each task is one
 case (``task_id``, ``seed``, ``force_decay``) with the one-shot prompt the GRPO job trains on
-(:func:`orthojob.prompts.build_messages`); its rewards are the job's five TRL reward functions
-(:data:`orthojob.rewards.REWARD_FUNCS`) applied to the trace's reply, weighted as GRPO weights
-them (:func:`orthojob.rewards.reward_weights`), so a trace's ``reward`` is the weighted sum TRL
+(:func:`orthojob.data.prompts.build_messages`); its rewards are the job's five TRL reward functions
+(:data:`orthojob.rewards.reward_functions.REWARD_FUNCS`) applied to the trace's reply, weighted as GRPO weights
+them (:func:`orthojob.rewards.reward_functions.reward_weights`), so a trace's ``reward`` is the weighted sum TRL
 computes for the same completion. No scoring here: the functions are the job's.
 
     import orthorl_aligner
@@ -16,11 +16,11 @@ computes for the same completion. No scoring here: the functions are the job's.
 ``verifiers.v1`` env config and returns ``verifiers.v1.load_environment(config)``.
 
 ``mode="tools"``: multi-turn with the agentic tools. The prompt is the agentic GRPO prompt
-(:func:`orthojob.agentic.full_prompt`), the tools :class:`orthorl_aligner.tools.StagingToolset` (an
-MCP server verifiers launches per rollout, over :class:`orthojob.agentic.DentalToolEnv`), and the
+(:func:`orthojob.agentic.prompts.full_prompt`), the tools :class:`orthorl_aligner.tools.StagingToolset` (an
+MCP server verifiers launches per rollout, over :class:`orthojob.agentic.tools.DentalToolEnv`), and the
 reward ``reward_agentic``: the environment-owned reward of the episode the tools played (the
 submitted plan's or the 24 committed stages' scaled reward; -2 unfinished), as TRL's
-:func:`orthojob.agentic.reward_agentic`. In that mode the five one-shot rewards weigh 0.
+:func:`orthojob.agentic.reward.reward_agentic`. In that mode the five one-shot rewards weigh 0.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import verifiers.v1 as vf
 from pydantic import Field, model_validator
 from verifiers.v1.configs.task import RewardFunctionConfig
 
-from orthojob.agentic import agentic_rows, full_prompt
-from orthojob.prompts import TRAIN_SEED_START, build_messages, reset_observation
-from orthojob.rewards import DEFAULT_REWARD_WEIGHTS, REWARD_FUNCS, reward_weights
+from orthojob.agentic.prompts import agentic_rows, full_prompt
+from orthojob.data.prompts import TRAIN_SEED_START, build_messages, reset_observation
+from orthojob.rewards.reward_functions import DEFAULT_REWARD_WEIGHTS, REWARD_FUNCS, reward_weights
 from orthorl_aligner.tools import EpisodeState, StagingToolset
 from server.cases import TASK_IDS
 from server.reward_scaler import REWARD_MIN
@@ -108,7 +108,7 @@ class AlignerTask(vf.Task[CaseData, EpisodeState, AlignerTaskConfig]):
 
     @vf.reward(weight=0.0)
     async def reward_agentic(self, trace: vf.Trace) -> float:
-        """The tools' episode reward (:attr:`orthojob.agentic.DentalToolEnv.reward`); -2 unfinished."""
+        """The tools' episode reward (:attr:`orthojob.agentic.tools.DentalToolEnv.reward`); -2 unfinished."""
         reward = trace.state.reward
         return REWARD_MIN if reward is None else float(reward)
 

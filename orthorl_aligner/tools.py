@@ -1,6 +1,6 @@
 """The agentic tools as a verifiers ``Toolset`` (an MCP server verifiers launches per rollout).
 
-Each tool is :class:`orthojob.agentic.DentalToolEnv`'s (so :class:`server.agent_tools.StagingTools`'),
+Each tool is :class:`orthojob.agentic.tools.DentalToolEnv`'s (so :class:`server.agent_tools.StagingTools`'),
 on the episode of the rollout's case (``setup_task``); after every call the episode's standing goes
 to the rollout's state (:class:`EpisodeState`), which the task's ``reward_agentic`` reads: the
 environment-owned reward TRL's ``reward_agentic`` gives the same episode.
@@ -14,7 +14,7 @@ from typing import Any
 
 import verifiers.v1 as vf
 
-from orthojob.agentic import DentalToolEnv
+from orthojob.agentic.tools import DentalToolEnv
 from server.agent_tools import StagingTools
 
 

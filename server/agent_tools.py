@@ -1,5 +1,5 @@
 """The agentic tools of one aligner-staging episode: what an LLM agent calls, over TRL
-(:class:`orthojob.agentic.DentalToolEnv`) or MCP (:mod:`server.mcp_tools`), with one implementation.
+(:class:`orthojob.agentic.tools.DentalToolEnv`) or MCP (:mod:`server.serving.mcp_tools`), with one implementation.
 
 Tools (every argument checked; a bad one raises :class:`ToolError`, answered as ``"error: ..."``
 text by :func:`_tool`, and changes nothing):

@@ -24,7 +24,7 @@ The case-set format (docs/cases.md), version :data:`FORMAT`: one JSON object per
 :func:`case_of_record` checks a record and reports every problem by case id and FDI tooth
 (:class:`Problem`); nothing is silently fixed except quaternions within :data:`QUATERNION_TOLERANCE`
 of unit length, which are normalised and counted. Pure numpy and the standard library: file and S3
-reading are :mod:`orthojob.case_sets`'.
+reading are :mod:`orthojob.data.case_sets`'.
 """
 
 from __future__ import annotations

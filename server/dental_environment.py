@@ -70,8 +70,10 @@ from server.errors import InvalidActionError, StageConflictError, UnknownEpisode
 from server.quaternion_utils import quaternion_angle, vector_norm
 from server.reward_scaler import broken_rules
 from server.scoring import StageMeasures, limit_ratio, pdl_stress_kpa, score_episodes
-from server.settings import MAX_FORGOTTEN_EPISODES
 from server.treatment import score_plans
+
+MAX_FORGOTTEN_EPISODES: int = 4096
+"""Closed, evicted or expired episode ids remembered (LRU), so a 404 can say which it was."""
 
 MAX_ROLLBACKS: int = 2
 POSE_FIELDS: tuple[str, ...] = ("qw", "qx", "qy", "qz", "tx", "ty", "tz")
@@ -239,7 +241,7 @@ class Session:
 class SessionStore:
     """Thread-safe episode store bounded by an LRU cap and a time-to-live (seconds).
 
-    It also remembers (LRU, at most :data:`server.settings.MAX_FORGOTTEN_EPISODES`) why the
+    It also remembers (LRU, at most :data:`MAX_FORGOTTEN_EPISODES`) why the
     last ids it dropped are gone -- closed, evicted or expired -- so that a later call names
     the reason instead of a bare "unknown".
     """

@@ -5,14 +5,14 @@ with ``.item()``, arrays and tensors with ``.tolist()``, pydantic models with ``
 into ``None``/``bool``/``int``/``float``/``str``/``list``/``dict`` with string keys. What it does
 with a non-finite number is the caller's policy, the one thing the callers differ in:
 
-* ``non_finite="raise"`` (the server's outputs, :func:`server.serialization.to_jsonable`):
+* ``non_finite="raise"`` (the server's outputs, :func:`server.serving.serialization.to_jsonable`):
   :class:`NonFiniteOutputError` naming the path of the value, e.g. ``teeth[3].pdl``. A client must
   never read a NaN the environment produced as a JSON ``null``. A value of another type raises too.
 * ``non_finite="null"`` (the job's files: gate files, train logs, summaries,
-  :func:`orthojob.records.json_value`): ``None``, so the files stay valid JSON (``allow_nan=False``)
+  :func:`orthojob.ops.records.json_value`): ``None``, so the files stay valid JSON (``allow_nan=False``)
   and a missing value reads as missing; a value of another type becomes its ``str``.
 
-Error details echoed to a client are not walked whole: :func:`server.serialization.json_safe`
+Error details echoed to a client are not walked whole: :func:`server.serving.serialization.json_safe`
 summarises untrusted input within size bounds.
 """
 

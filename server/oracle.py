@@ -49,6 +49,7 @@ baseline, not a model of what a planner can know from the observation alone.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
 
@@ -489,36 +490,40 @@ def compensate(case: Case, stagings: list[Staging], rounds: int = 2) -> list[Sta
 
 
 def relieve_aligner_collisions(
-    case: Case, stagings: list[Staging], rounds: int = 4, keep: float = 0.5, one_side: bool = False
+    case: Case, stagings: list[Staging], trims: Sequence[tuple[float, int, bool]] = ((0.5, 4, False),)
 ) -> list[Staging]:
-    """The stagings with the overcorrection of the teeth whose aligner shapes collide (neighbours or
-    crowns one apart, beyond COLLISION_TOLERANCE_MM at any aligner) halved, ``rounds`` times at most,
-    as a technician trims an overcorrected setup whose tooth sockets overlap; a tooth whose
-    overcorrection falls below OC_QUANTUM gets none."""
+    """The stagings once per trim ``(keep, rounds, one_side)`` (trim-major order), with the
+    overcorrection of the teeth whose aligner shapes collide (neighbours or crowns one apart, beyond
+    COLLISION_TOLERANCE_MM at any aligner) cut to the share ``keep``, ``rounds`` times at most, as a
+    technician trims an overcorrected setup whose tooth sockets overlap; ``one_side`` trims only the
+    more overcorrected tooth of each colliding pair. A tooth whose overcorrection falls below
+    OC_QUANTUM gets none. Every trim's stagings are simulated together, one batch per round."""
     pairs = np.concatenate((ADJACENT_PAIRS, SECOND_NEIGHBOUR_PAIRS))
-    out = list(stagings)
-    for _ in range(rounds):
-        todo = [k for k, (_, _, oc) in enumerate(out) if oc.any()]
+    out = [s for _ in trims for s in stagings]
+    trim_of = [t for t in trims for _ in stagings]
+    settled = [False] * len(out)  # no collision left: its overcorrection stays as it is
+    for round_ in range(max((rounds for _, rounds, _ in trims), default=0)):
+        todo = [
+            k for k, (_, _, oc) in enumerate(out) if not settled[k] and round_ < trim_of[k][1] and oc.any()
+        ]
         if not todo:
             break
         planned, _ = rollout_plans([_spec(out[k], None) for k in todo], [case] * len(todo))
         w, d = case.crown_width_mm, case.crown_depth_mm
         pen = all_pairs_penetration_mm(planned[:, 1:], w, d).max(axis=1)  # (n, 50) deepest over the aligners
-        changed = False
         for row, k in enumerate(todo):
             hit = pairs[pen[row] > COLLISION_TOLERANCE_MM]
             if not hit.size:
+                settled[k] = True
                 continue
+            keep, _, one_side = trim_of[k]
             start, fraction, oc = out[k]
             teeth = np.unique(hit)
-            if one_side:  # only the more overcorrected tooth of each colliding pair
+            if one_side:
                 teeth = np.unique(np.where(oc[hit[:, 0]] >= oc[hit[:, 1]], hit[:, 0], hit[:, 1]))
             oc = oc.copy()
             oc[teeth] = np.floor(oc[teeth] * keep / OC_QUANTUM + 1e-9) * OC_QUANTUM
             out[k] = (start, fraction, oc)
-            changed = True
-        if not changed:
-            break
     return out
 
 
@@ -543,11 +548,7 @@ def _best_staging(case: Case, strategy: str, secondary: str | None) -> tuple[Sta
             best_safe = int(np.flatnonzero(safe)[np.argmax(terminal[safe])])
             quality += [best_safe] if best_safe not in quality else []
         extra = compensate(case, [x for k in quality for x in (candidates[k], _slowest(candidates[k]))])
-        extra = extra + [
-            x
-            for keep, rounds, one in RELIEF_TRIMS
-            for x in relieve_aligner_collisions(case, extra, rounds, keep, one)
-        ]
+        extra = extra + relieve_aligner_collisions(case, extra, RELIEF_TRIMS)
         # uniform staging stays last (the fallback the repair logic knows)
         candidates = [*candidates[:-1], *extra, candidates[-1]]
         results = [*results[:-1], *_score(case, strategy, extra), results[-1]]

@@ -17,7 +17,7 @@ Plan semantics (the one statement of them; the prompt and README quote it):
   (a group with a bad fraction is ignored whole; a bad ``start_stage`` falls back to the
   priority) and counted in :class:`PlanFormat`; nothing here raises. A group is *usable*
   when it sets at least one tooth; a plan with no usable group is not a plan (the
-  training rewards give it their minimum, :mod:`orthojob.rollouts`), while this module
+  training rewards give it their minimum, :mod:`orthojob.rewards.rollouts`), while this module
   still reads it as uniform SLERP for the baseline API.
 * ``overcorrection`` (optional, a number in [0, :data:`MAX_OVERCORRECTION`], default 0) plans
   the group's teeth beyond their targets, to ``1 + overcorrection`` times their movement, as
@@ -216,7 +216,7 @@ class StagePoses:
     ``StagePoses(initial, target)(progress)`` equals ``interpolate_poses(initial, target,
     progress[None])[0]`` bit for bit. What does not depend on the progress (each tooth's SLERP
     angle, the sign-aligned target rotations, the translations' span) is computed once, so a
-    stage costs a few small numpy calls (the agentic tools' hot path, :mod:`orthojob.agentic`).
+    stage costs a few small numpy calls (the agentic tools' hot path, :mod:`orthojob.agentic.tools`).
 
     initial, target: (28, 7) poses; progress: (28,) shares (above 1: overcorrection).
     """

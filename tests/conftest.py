@@ -20,7 +20,7 @@ def _isolated_mlflow(tmp_path_factory):
     os.environ["ORTHORL_WORK_DIR"] = str(root / "work")
     os.environ.setdefault("ORTHORL_MODEL_CACHE", str(root / "model-cache"))  # s3:// base models
     try:
-        from orthojob import tracking
+        from orthojob.ops import tracking
 
         cwd = os.getcwd()
         os.chdir(root)  # the embedded store puts the experiment's artifacts next to the database
@@ -49,9 +49,9 @@ def s3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_tool_base(tmp_path_factory):
-    """The offline tiny model of stage 1 (:func:`orthojob.tool_sft.build_tiny_tool_model`): its
+    """The offline tiny model of stage 1 (:func:`orthojob.stages.tool_sft.build_tiny_tool_model`): its
     tokenizer knows the tool conversations, 8192 positions. ~20 s to build, once per test module."""
-    from orthojob.tool_sft import build_tiny_tool_model
+    from orthojob.stages.tool_sft import build_tiny_tool_model
 
     return build_tiny_tool_model(tmp_path_factory.mktemp("tiny-tool") / "base", ["task_easy"])
 

@@ -3,7 +3,7 @@
 Launched as ``torchrun --standalone --nproc_per_node 2 tests/ddp_grpo_worker.py WORKDIR``;
 WORKDIR/tiny holds the tiny model, built by the test before the launch (ranks building it
 themselves would race on the files). Every rank trains 2 GRPO steps through
-:func:`orthojob.grpo.train` (gloo on CPU) and writes WORKDIR/rank<R>.json with the digest of its
+:func:`orthojob.stages.grpo.train` (gloo on CPU) and writes WORKDIR/rank<R>.json with the digest of its
 trainable weights, so the test can compare the ranks, and the gloo threads still running once
 training has returned (there should be none).
 
@@ -25,11 +25,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import orthojob.rewards as rewards  # noqa: E402
-from orthojob.grpo import config_from_args, train_and_gate  # noqa: E402
-from orthojob.grpo_config import validate  # noqa: E402
-from orthojob.grpo_trainer import process_group_threads, trainable_digest  # noqa: E402
-from orthojob.parsing import completion_text  # noqa: E402
+import orthojob.rewards.reward_functions as rewards  # noqa: E402
+from orthojob.ops.process_group import process_group_threads  # noqa: E402
+from orthojob.rewards.parsing import completion_text  # noqa: E402
+from orthojob.stages.grpo import config_from_args, train_and_gate  # noqa: E402
+from orthojob.stages.grpo_config import validate  # noqa: E402
+from orthojob.stages.grpo_trainer import trainable_digest  # noqa: E402
 
 _five = rewards.active_reward_funcs
 

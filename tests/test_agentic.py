@@ -1,4 +1,4 @@
-"""Agentic GRPO: the stepwise environment as TRL tools (:mod:`orthojob.agentic`).
+"""Agentic GRPO: the stepwise environment as TRL tools (:mod:`orthojob.agentic.tools`).
 
 (a) a 2-step tiny-model GRPO run driven by TRL's GRPOTrainer with ``environment_factory`` (the first
 turns scripted, so that tools are called and a plan submitted; later turns generated), its tool
@@ -18,19 +18,14 @@ import numpy as np
 import pytest
 from transformers.utils import get_json_schema
 
-from orthojob.agentic import (
-    TOOL_NAMES,
-    DentalToolEnv,
-    agentic_rows,
-    full_prompt,
-    plan_stages,
-    reward_agentic,
-)
-from orthojob.grpo_config import ConfigError, GRPOJobConfig
-from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
-from orthojob.rewards import reward_terminal
-from orthojob.rollouts import DEFAULT_CACHE
-from orthojob.run_identity import config_digest
+from orthojob.agentic.prompts import agentic_rows, full_prompt
+from orthojob.agentic.reward import reward_agentic
+from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv, plan_stages
+from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
+from orthojob.ops.run_identity import config_digest
+from orthojob.rewards.reward_functions import reward_terminal
+from orthojob.rewards.rollouts import DEFAULT_CACHE
+from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig
 from server.cases import TASK_IDS
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import MAX_ROLLBACKS
@@ -89,7 +84,7 @@ def test_the_tiny_tokenizer_renders_and_parses_tool_calls(tiny_agentic_model):
     from transformers import AutoTokenizer
     from trl.chat_template_utils import add_response_schema, parse_response, supports_tool_calling
 
-    from orthojob.agentic import prepare_tokenizer
+    from orthojob.agentic.chat_template import prepare_tokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_agentic_model)
     assert not supports_tool_calling(tok)  # its own ChatML has no tools
@@ -199,8 +194,8 @@ def test_sampled_episodes_are_mlflow_traces_with_a_span_per_tool_call(tmp_path, 
 def _check_sampled_traces(monkeypatch) -> None:
     import mlflow
 
-    from orthojob import tracking
-    from orthojob.agentic import TRACE_EPISODES_ENV, TRACE_REWARD_TAG, flush_traces
+    from orthojob.agentic.traces import TRACE_EPISODES_ENV, TRACE_REWARD_TAG, flush_traces
+    from orthojob.ops import tracking
 
     monkeypatch.setenv(TRACE_EPISODES_ENV, "2")
     flush_traces([])  # a fresh budget (an earlier test's episodes may have claimed some)
@@ -268,16 +263,11 @@ def test_committing_24_stages_finishes_with_the_stepwise_score():
 
 # --- tool results are unchanged by speed work -------------------------------------------------------
 
-TOOLS_DIGEST = (
-    "5437ee2468862671316b63bde3c61edd3520bff00a67b165812943e2e8776a7c",
-    "62d7f698cc27bb90b5a7a91159a187fe6199249cc04f755b0e07eac0ca703a32",
-)
-"""sha256 of :func:`tool_transcript`'s results for 4 seeds x 3 tasks x force decay on and off,
-re-recorded with the reward's new hard rules (CHANGELOG.md): the first on the machine kind where the
-project started, the second on the kind whose float bits differ (tests/test_behaviour_digest.py's
-EXPECTED), from the same code. The second was re-recorded, on its kind only, when the arch widths moved
-to their landmarks (every generated case changed; CHANGELOG.md): the first still holds the code before
-that change and must be re-recorded on its kind of machine."""
+TOOLS_DIGEST = ("008fd2c0237972b5debc73a29fdcf318347b5725addcca03ef712b2ed2f2e463",)
+"""sha256 of :func:`tool_transcript`'s results for 4 seeds x 3 tasks x force decay on and off: the
+same on both machine kinds of tests/test_behaviour_digest.py's EXPECTED (the tool results are rounded
+text). Re-recorded on both when the arch widths moved to their landmarks and the oracle's force-decay
+compensation changed (CHANGELOG.md)."""
 ALTERNATE = [{"teeth": list(TOOTH_IDS[::2]), "fraction": 1.0}]  # every other tooth at once: collides
 HALF = [{"teeth": list(TOOTH_IDS[1::2]), "fraction": 0.5}]
 
@@ -364,7 +354,7 @@ def test_stage_poses_are_interpolate_poses_bit_for_bit():
 def test_mode_flag_and_one_shot_identity_unchanged():
     import argparse
 
-    from orthojob.grpo import add_train_arguments, config_from_args
+    from orthojob.stages.grpo import add_train_arguments, config_from_args
 
     parse = add_train_arguments(argparse.ArgumentParser()).parse_args
     config = config_from_args(parse(["--mode", "agentic", "--max-tool-turns", "3"]))
@@ -387,8 +377,8 @@ def test_mode_flag_and_one_shot_identity_unchanged():
 @pytest.fixture(scope="module")
 def tiny_agentic_model(tmp_path_factory) -> Path:
     """The tiny Qwen2 model, its tokenizer also trained on agentic prompts (shorter prompts)."""
-    from orthojob.agentic import prepare_tokenizer
-    from orthojob.tiny_model import build_tiny_model, train_tokenizer
+    from orthojob.agentic.chat_template import prepare_tokenizer
+    from orthojob.modeling.tiny_model import build_tiny_model, train_tokenizer
 
     rows = agentic_rows(2, TRAIN_SEED_START, "task_easy", False)
     env = DentalToolEnv()
@@ -405,7 +395,7 @@ def _scripted_turns(monkeypatch, tokenizer_path: Path, plan_text: str) -> dict:
     ``plan_text`` (even rollouts) or is generated (odd); later turns are generated."""
     from transformers import AutoTokenizer
 
-    from orthojob.grpo_trainer import RecordingGRPOTrainer
+    from orthojob.stages.grpo_trainer import RecordingGRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -454,7 +444,7 @@ def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkey
         url = None
         if over_server:
             from server.app import create_app
-            from server.settings import ServerSettings
+            from server.serving.settings import ServerSettings
             from tests.services import running_uvicorn
 
             settings = ServerSettings(max_sessions=8, ws_idle_timeout_s=300)
@@ -480,10 +470,11 @@ def test_agentic_grpo_two_steps_through_trl(tiny_agentic_model, tmp_path, monkey
 def _two_agentic_steps(tiny_agentic_model: Path, tmp_path: Path, monkeypatch, env_url: str | None):
     from mlflow.tracking import MlflowClient
 
-    from orthojob import grpo_trainer, tracking
-    from orthojob.agentic import flush_traces
-    from orthojob.grpo import config_from_args
-    from orthojob.grpo_config import validate
+    from orthojob.agentic.traces import flush_traces
+    from orthojob.ops import tracking
+    from orthojob.stages import grpo_trainer
+    from orthojob.stages.grpo import config_from_args
+    from orthojob.stages.grpo_config import validate
 
     flush_traces([])  # a fresh trace budget (an earlier test's episodes may have claimed some)
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -520,7 +511,7 @@ def _two_agentic_steps(tiny_agentic_model: Path, tmp_path: Path, monkeypatch, en
     # the sampled episodes of each step are MLflow traces of the run: a span per tool call
     import mlflow
 
-    from orthojob.agentic import DEFAULT_TRACE_EPISODES, TRACE_REWARD_TAG
+    from orthojob.agentic.traces import DEFAULT_TRACE_EPISODES, TRACE_REWARD_TAG
 
     mlflow.flush_trace_async_logging()
     traces = mlflow.search_traces(

@@ -9,11 +9,12 @@ import json
 
 import pytest
 
-from orthojob.agentic import DentalToolEnv, check_server_capacity
-from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
+from orthojob.agentic.remote import check_server_capacity
+from orthojob.agentic.tools import DentalToolEnv
+from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from server.app import create_app
 from server.oracle import oracle_plan
-from server.settings import ServerSettings
+from server.serving.settings import ServerSettings
 from tests.services import running_uvicorn
 
 CASE = {"seed": TRAIN_SEED_START + 1, "task_id": "task_hard", "force_decay": True}
@@ -87,9 +88,9 @@ def test_server_capacity_is_checked_against_the_generation_batch(server_url):
 def test_env_url_flag(server_url):
     import argparse
 
-    from orthojob.grpo import add_train_arguments, config_from_args
-    from orthojob.grpo_config import ConfigError
-    from orthojob.run_identity import config_digest
+    from orthojob.ops.run_identity import config_digest
+    from orthojob.stages.grpo import add_train_arguments, config_from_args
+    from orthojob.stages.grpo_config import ConfigError
 
     parse = add_train_arguments(argparse.ArgumentParser()).parse_args
     config = config_from_args(parse(["--mode", "agentic", "--env-url", server_url]))

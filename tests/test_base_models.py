@@ -1,6 +1,6 @@
 """Base weights from S3, against a real SeaweedFS server and the offline tiny model.
 
-* ``orthojob model stage`` puts a base model in S3 with a manifest; :func:`orthojob.base_models.fetch`
+* ``orthojob model stage`` puts a base model in S3 with a manifest; :func:`orthojob.modeling.base_models.fetch`
   downloads it once into the model cache, verifies it (sha256 against the manifest, or sizes against
   the listing for a prefix staged by another tool), reuses it unchanged, and refuses an empty, wrong,
   unreadable or tampered prefix with exit 30 and a message saying what to do;
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from orthojob import base_models, storage
-from orthojob.exit_codes import ExitCode
+from orthojob.modeling import base_models
+from orthojob.ops import storage
+from orthojob.ops.exit_codes import ExitCode
 from tests.services import run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ HUB_BASE = f"s3://{BUCKET}/models/tiny-from-hub"
 @pytest.fixture(scope="module")
 def staged(s3, tmp_path_factory) -> Path:
     """A small tiny model (prompts fit: its tokenizer learned them), staged at BASE; its folder."""
-    from orthojob.models import build_tiny
+    from orthojob.modeling.models import build_tiny
 
     folder = build_tiny(tmp_path_factory.mktemp("tiny") / "tiny", ["task_easy"], hidden_size=32, layers=1,
                         heads=2, kv_heads=1, intermediate=64)  # fmt: skip
@@ -161,7 +162,7 @@ def test_load_policy_records_the_uri_not_the_cache(staged, s3_env, tmp_path, mon
     pod-local cache folder."""
     cache = tmp_path / "cache"
     monkeypatch.setenv(base_models.CACHE_ENV, str(cache))
-    from orthojob import models
+    from orthojob.modeling import models
 
     assert "source" not in storage.read_manifest(BASE)
     model, _tok = models.load_policy(BASE, lora_r=4)
@@ -220,7 +221,8 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
     this project's loader refuses a prefix staged again with other files."""
     import torch
 
-    from orthojob import mlops, models, tracking
+    from orthojob.modeling import adapters, models
+    from orthojob.ops import model_logging, tracking
 
     monkeypatch.setenv(base_models.CACHE_ENV, str(tmp_path / "cache"))
     model, tok = models.load_policy(HUB_BASE, lora_r=4)
@@ -242,17 +244,17 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
 
     # reloaded from the folder as the SFT stages log their checkpoints (PEFT drops the keys it does
     # not know): the record is kept, and saved again the same
-    reloaded, _ = mlops.load_checkpoint(adapter)
-    assert models.recorded_base(reloaded) == {k: cfg[k] for k in models.recorded_base(model)}
+    reloaded, _ = model_logging.load_checkpoint(adapter)
+    assert adapters.recorded_base(reloaded) == {k: cfg[k] for k in adapters.recorded_base(model)}
     reloaded.save_pretrained(tmp_path / "again")
     again = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
-    assert {k: again.get(k) for k in models.recorded_base(model)} == models.recorded_base(model)
+    assert {k: again.get(k) for k in adapters.recorded_base(model)} == adapters.recorded_base(model)
 
     # logged with MLflow's transformers flavour (the sqlite store, artifacts beside it)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     with tracking.stage_run("grpo", experiment="hub-staged-base"):
-        info = mlops.log_model(model, tok, HUB_BASE)
+        info = model_logging.log_model(model, tok, HUB_BASE)
     assert info.metadata["base_model"] == HUB_ID and info.metadata["base_model_revision"] == COMMIT
     assert info.metadata["base_model_uri"] == HUB_BASE and info.metadata["adapter"] == "true"
     assert info.metadata["base_model_digest"] == cfg[base_models.RECORD_DIGEST]

@@ -14,10 +14,10 @@ import json
 
 import numpy as np
 
-from orthojob.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
-from orthojob.prompts import build_prompt, plan_to_completion
-from orthojob.rewards import REWARD_FUNCS
-from orthojob.rollouts import DEFAULT_CACHE
+from orthojob.data.prompts import build_prompt, plan_to_completion
+from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
+from orthojob.rewards.reward_functions import REWARD_FUNCS
+from orthojob.rewards.rollouts import DEFAULT_CACHE
 from server.cases import TASK_IDS, generate_case
 from server.dental_environment import StepwiseDentalEnvironment
 from server.oracle import oracle_plan
@@ -25,34 +25,32 @@ from server.oracle import oracle_plan
 SEEDS = range(50)
 EXPECTED = {  # one digest per machine type: the float bits differ between them (below)
     "cases": (
-        "37e501ac32777fa9dabad2b9a146a13bf4b8d6c9988f6e2720c1aa990a56d06f",
+        "f7a50a5cd0329e4e85c6d44eb1d23983d710cb443935c8a4ff23b8c6987ae0b3",
         "47afccaf42d0db7007dc94138d90475379dde01fdccf0f81a7aff5498440ff0f",
     ),
     "rewards": (
-        "75cd15ef362a21b8fd385700c1d06440e885781c5cf6e6caf2d917dd79a0360a",
-        "7f20f1256d2942f713a8b04b362384cc21136faa0487bb474cb28fcb46fad285",
+        "65d6d541f90473f75fcc1b1a21c0fd59e4b000c475ed64f4f45f7e0e298a7745",
+        "4374c264464272ff34cc7abae4e14cea1b293ff300415d53ea39f48c3110786c",
     ),
     "stepwise": (
-        "95fa7445258ff5f453afb7a0b986d4763a1bee375fe25f9f15d3d1defe905055",
+        "d1c8dca5a7e8ac7e671db9f29c16183223619391508dbd39169ac6325d28c874",
         "46b41829c4e12dac1947ff43d11d9db99859aa83728d30feb32fe207b4f2b739",
     ),
 }
-"""Accepted digests. The cases pair: the first recorded on the machines where this project started,
-the second on an AMD EPYC machine (numpy 2.4.6 dispatching AVX512_ICL), where the same code computes
-other float bits (the SIMD and BLAS kernels differ; every tolerance test passes on both). The rewards
-and stepwise digests were re-recorded once, on the first kind, when the reward learnt the rules an
-optimiser had found missing (crowns one apart, aligner shapes, the anterior bite, overshoot; unmoved
-teeth counted as moving last; occlusion credited up to the schedule; the strategy reward scaled by
-the movement delivered; the collision tolerance calibrated to 0.11 mm): see CHANGELOG.md. The
-second kind's rewards and stepwise digests beside them are the same code's on such a machine. A change of behaviour changes
-every kind's digest; record them together. The second kind's three digests were re-recorded when the
-arch widths moved to the landmarks they are measured at (cusp tips and buccal surfaces, not crown
-centroids: every generated case changed; CHANGELOG.md), on that kind only: the first kind's three
-still hold the code before that change and must be re-recorded on such a machine."""
+"""Accepted digests, one per machine kind: the first where the project started (numpy dispatching no
+AVX-512, OpenBLAS's Haswell kernels), the second on an AMD EPYC machine (numpy 2.4.6 dispatching
+AVX512_ICL, OpenBLAS's SkylakeX kernels), where the same code computes other float bits (every
+tolerance test passes on both). An AVX-512 machine computes the first kind's digests too with
+``OPENBLAS_CORETYPE=Haswell NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL"`` (checked: it gives the
+first kind's recorded digests of the code before the change below). A change of behaviour changes
+every kind's digest; record them together. Last re-recorded, both kinds, when the arch widths moved to
+the landmarks they are measured at (cusp tips and buccal surfaces, not crown centroids: every
+generated case changed) and the oracle learnt to keep its force-decay compensation on crowns that
+touch (CHANGELOG.md)."""
 
 
 def observation_of(task_id: str, seed: int, force_decay: bool) -> dict:
-    from orthojob.prompts import reset_observation
+    from orthojob.data.prompts import reset_observation
 
     return reset_observation(seed, task_id, force_decay)
 

@@ -11,10 +11,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from orthojob import case_sets
 from orthojob.cli import main as cli_main
-from orthojob.evaluation import UNIFORM_SLERP_PLAN
-from orthojob.exit_codes import ExitCode
+from orthojob.data import case_sets
+from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
+from orthojob.ops.exit_codes import ExitCode
 from server.case_records import FORMAT, case_of_record, record_of_case
 from server.cases import TASK_IDS, generate_case
 from server.dental_environment import initial_observation
@@ -151,7 +151,7 @@ def test_cases_cli_exit_codes(tmp_path, records, capsys):
 def test_a_case_set_in_s3_validates_like_a_local_file(s3_env, tmp_path, capsys):
     """The storage layer reads an s3:// case file (a real SeaweedFS); a key that is not there is a
     storage error naming the URI, not a crash."""
-    from orthojob import storage
+    from orthojob.ops import storage
 
     local = tmp_path / "hard.jsonl"
     case_sets.export("task_hard", range(3), True, local)

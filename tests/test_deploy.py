@@ -48,7 +48,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from orthojob.exit_codes import ExitCode  # noqa: E402
+from orthojob.ops.exit_codes import ExitCode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -201,8 +201,8 @@ def agentic_output(k8s_with_image, tmp_path_factory) -> Path:
 
 
 def orthojob_render(overrides: Any = None, folder: Path = K8S) -> Any:
-    """`orthojob k8s render` (orthojob.k8s.render) of ``folder``; it runs `kubectl kustomize`."""
-    from orthojob.k8s import render
+    """`orthojob k8s render` (orthojob.ops.k8s_manifests.render) of ``folder``; it runs `kubectl kustomize`."""
+    from orthojob.ops.k8s_manifests import render
 
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed (`orthojob k8s render` runs `kubectl kustomize`)")
@@ -211,7 +211,7 @@ def orthojob_render(overrides: Any = None, folder: Path = K8S) -> Any:
 
 @pytest.fixture(scope="module")
 def render_output(tmp_path_factory) -> Path:
-    from orthojob.k8s import Overrides
+    from orthojob.ops.k8s_manifests import Overrides
 
     rendered = orthojob_render(Overrides(image=TEST_IMAGE, steps=50, name_suffix="t1"))
     out = tmp_path_factory.mktemp("render") / "orthojob-k8s-render.yaml"
@@ -244,7 +244,7 @@ def enable_knobs(k8s_copy: Path) -> None:
 @pytest.fixture(scope="module")
 def render_patched_output(tmp_path_factory) -> Path:
     """`orthojob k8s render --kustomize COPY` of a copy of k8s/ with the knobs of :func:`enable_knobs`."""
-    from orthojob.k8s import Overrides
+    from orthojob.ops.k8s_manifests import Overrides
 
     work = tmp_path_factory.mktemp("k8s-knobs") / "k8s"
     shutil.copytree(K8S, work)
@@ -484,7 +484,7 @@ def test_an_unset_image_cannot_be_deployed(tmp_path):
     kustomization (kubectl apply -k, image not yet set) carry an empty image, which the API server
     refuses for the Job and the vLLM Deployment; the TrainJob's runtime cannot start it either.
     `orthojob k8s render` refuses without --image."""
-    from orthojob.k8s import K8sError, render
+    from orthojob.ops.k8s_manifests import K8sError, render
 
     for manifest in (K8S / "grpo-job.yaml", VLLM, ENV_SERVER):
         assert api_image_errors(load_all(manifest)), f"{manifest} would deploy an image unset"
@@ -576,7 +576,7 @@ def test_kustomization_overrides_image_digest_and_params(tmp_path):
 def test_render_is_the_kustomize_output(kustomize_output):
     """`orthojob k8s render` with only the image given is `kubectl kustomize k8s/` with that image
     set in k8s/image: the same objects, in the same order, every component (MLflow) included."""
-    from orthojob.k8s import Overrides
+    from orthojob.ops.k8s_manifests import Overrides
 
     assert orthojob_render(Overrides(image=TEST_IMAGE)).objects == load_all(kustomize_output)
 
@@ -584,7 +584,7 @@ def test_render_is_the_kustomize_output(kustomize_output):
 def test_render_applies_the_kustomization_patches(render_patched_output, tmp_path, capsys):
     """A component and patches enabled in the kustomization (a copy of k8s/) reach
     `orthojob k8s render --kustomize COPY`; the per-submission flags apply on top of them."""
-    from orthojob import k8s
+    from orthojob.ops import k8s
 
     docs = load_all(render_patched_output)
     job = one(docs, "Job")
@@ -612,7 +612,7 @@ def test_render_applies_the_kustomization_patches(render_patched_output, tmp_pat
 def test_render_errors_say_what_to_fix(tmp_path, monkeypatch, capsys):
     """No kubectl, no kustomization directory, a broken kustomization: exit 2 and what to fix, no
     traceback; a bad flag is refused before kubectl runs."""
-    from orthojob import k8s
+    from orthojob.ops import k8s
 
     parser = cli_parser()
 
@@ -682,7 +682,7 @@ def test_model_cache_choices(kustomize_output, multinode_output, cache_variants)
     claims. k8s/model-cache/emptydir makes it per-pod scratch (ephemeral-storage limit raised to
     match, claims dropped), and `orthojob k8s render --model-cache emptydir` renders the same;
     k8s/model-cache/shared gives the TrainJob's node pods one ReadWriteMany claim."""
-    from orthojob.k8s import Overrides
+    from orthojob.ops.k8s_manifests import Overrides
 
     def volumes(pod: dict) -> dict[str, dict]:
         return {v["name"]: v for v in pod["volumes"]}
@@ -763,7 +763,7 @@ def test_grpo_job_contract():
     }
     fail = next(r for r in rules if r["action"] == "FailJob")
     assert fail["onExitCodes"]["containerName"] == c["name"] and fail["onExitCodes"]["operator"] == "In"
-    from orthojob.k8s import FAIL_FAST_CODES
+    from orthojob.ops.k8s import FAIL_FAST_CODES
 
     assert sorted(fail["onExitCodes"]["values"]) == sorted(FAIL_FAST_CODES)
     assert {2, 3, 10, 11, 12, 13, 14, 20, 21, 22} <= set(FAIL_FAST_CODES)
@@ -913,10 +913,10 @@ REPLICATED_JOB_FIELDS = {"dependsOn", "groupName", "name", "replicas", "template
 
 def test_trainjob_runtime_fails_fast_like_the_job(monkeypatch):
     """The TrainJob runs on the shipped TrainingRuntime, whose node Job carries the single-node
-    Job's podFailurePolicy (the exit codes of orthojob.exit_codes that must not be retried, and
+    Job's podFailurePolicy (the exit codes of orthojob.ops.exit_codes that must not be retried, and
     DisruptionTarget ignored), restartPolicy Never (which a podFailurePolicy needs), the TrainJob's
     grace period for the FSDP save, and whole-JobSet retries as many as the Job's backoffLimit."""
-    from orthojob.exit_codes import fail_fast_codes
+    from orthojob.ops.exit_codes import fail_fast_codes
 
     runtime = one(load_all(RUNTIME), "TrainingRuntime")
     tj = one(load_all(TRAINJOB), "TrainJob")
@@ -1007,9 +1007,9 @@ def test_trainjob_launch_matches_its_resources_and_config():
     doc = one(load_all(TRAINJOB), "TrainJob")
     t = doc["spec"]["trainer"]
     argv = expand(t["command"] + t["args"], pet_env(doc))
-    # accelerate launch under orthojob.launch: the workers' fail-fast codes are the container's
-    assert argv[:5] == ["python", "-m", "orthojob.launch", "accelerate", "launch"]
-    from orthojob import launch as launcher
+    # accelerate launch under orthojob.ops.launch: the workers' fail-fast codes are the container's
+    assert argv[:5] == ["python", "-m", "orthojob.ops.launch", "accelerate", "launch"]
+    from orthojob.ops import launch as launcher
 
     run_launcher, launcher_args = launcher.launcher_for(argv[3:])
     assert run_launcher is launcher._run_accelerate and launcher_args == argv[5:]
@@ -1213,10 +1213,10 @@ def test_command_line_parses_with_the_real_cli(where, argv, capsys, monkeypatch)
 def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None:
     """``argv`` parses with the real CLI (through ``python -m orthojob.job``'s parser and chain when
     it is the Job's command), and the chain's GRPO config passes its pre-flight checks."""
-    if "orthojob.learning" in argv:  # make learn's module: its own flags
-        from orthojob import learning
+    if "examples.learning" in argv:  # make learn's module: its own flags
+        from examples import learning
 
-        learning.build_parser().parse_args(argv[argv.index("orthojob.learning") + 1 :])
+        learning.build_parser().parse_args(argv[argv.index("examples.learning") + 1 :])
         return
     parser = cli_parser()
     args = orthojob_argv(argv)
@@ -1235,10 +1235,10 @@ def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None
             f"{where}: `orthojob {shlex.join(args)}` does not parse (exit {exc.code}):\n{capsys.readouterr().err}"
         )
     assert parsed.command == args[0]
-    if args[0] == "train" and importlib.util.find_spec("orthojob.grpo") is not None:
+    if args[0] == "train" and importlib.util.find_spec("orthojob.stages.grpo") is not None:
         # and the job's own pre-flight accepts it on its target: CUDA, the TrainJob's world size,
         # vLLM importable (it is in the image; a stand-in module here)
-        grpo = pytest.importorskip("orthojob.grpo")
+        grpo = pytest.importorskip("orthojob.stages.grpo")
         monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
         n = 1
         if "TrainJob" in where:
@@ -1250,7 +1250,7 @@ def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None
             monkeypatch.delitem(sys.modules, "vllm")  # TRL's import checks want a real one or none
             check_vllm_server_wait(cfg)
     if args[0] == "pipeline":
-        from orthojob.pipeline import run_pipeline_cli
+        from orthojob.stages.pipeline import run_pipeline_cli
 
         parsed.show = True  # the --set values must name real preset keys
         assert run_pipeline_cli(parsed) == 0, capsys.readouterr().err
@@ -1260,7 +1260,7 @@ def check_vllm_server_wait(cfg: Any) -> None:
     """The TrainJob's --vllm-server-timeout reaches TRL's GRPOConfig (the server may still be pulling
     its image and loading the model), and the process group's timeout, which the other ranks wait
     at their first collective while rank 0 waits for the server, is longer."""
-    trainer = pytest.importorskip("orthojob.grpo_trainer")
+    trainer = pytest.importorskip("orthojob.stages.grpo_trainer")
     # built in this single CPU process (n_processes only picks gloo on CPU, which needs a group)
     args = trainer.build_grpo_args(cfg, {"bf16": False, "cuda": False}, 1)[0]
     assert args.use_vllm and args.vllm_mode == "server" and args.vllm_server_base_url == cfg.vllm_server_url
@@ -1285,7 +1285,7 @@ def test_render_runs_the_whole_chain_into_a_per_job_prefix():
     then promote -> alias candidate) below OUTPUT_URI/<job name>-<uid[:8]>. Two Jobs never share a
     prefix; a retried pod (same Job) does. CHECKPOINT_URI set: GRPO from that checkpoint."""
     from orthojob import job
-    from orthojob.k8s import Overrides
+    from orthojob.ops.k8s_manifests import Overrides
 
     uid_a, uid_b = "5f0c1a2b-0000-4000-8000-000000000001", "9e8d7c6b-0000-4000-8000-000000000002"
     r = orthojob_render(Overrides(image=TEST_IMAGE, name_suffix="a1", output_uri="s3://team-bucket/orthorl"))
@@ -1397,8 +1397,8 @@ def agentic_chains(docs: list[dict], capsys, monkeypatch) -> dict[str, int]:
     empty: `orthojob pipeline`) and from a checkpoint (`orthojob train`): each parses with the real
     CLI, runs GRPO in agentic mode against ENV_URL, and passes its pre-flight. Returns the
     generation batch of each (one process: the Job's command is no distributed launcher)."""
-    from orthojob.grpo_config import generation_batch
-    from orthojob.presets import PRESETS, apply_overrides
+    from orthojob.stages.grpo_config import generation_batch
+    from orthojob.stages.presets import PRESETS, apply_overrides
 
     job_doc, cm = one(docs, "Job"), one(docs, "ConfigMap")
     url = cm["data"]["ENV_URL"]
@@ -1416,7 +1416,7 @@ def agentic_chains(docs: list[dict], capsys, monkeypatch) -> dict[str, int]:
             config = apply_overrides(PRESETS[parsed.preset], dict(parsed.overrides)).grpo
         else:
             assert chain[0] == "train" and checkpoint
-            config = pytest.importorskip("orthojob.grpo").config_from_args(parsed)
+            config = pytest.importorskip("orthojob.stages.grpo").config_from_args(parsed)
         assert config.mode == "agentic" and config.env_url == url, chain
         batches[chain[0]] = generation_batch(config, 1)
     return batches
@@ -1482,7 +1482,7 @@ def test_agentic_component_runs_the_job_against_the_env_server(
         assert server[probe]["httpGet"] == {"path": "/health", "port": container_port["name"]}, probe
     # the session cap: >= twice the generation batch of the Job's chain, whichever way it starts (a
     # retried trainer pod connects while the sessions of the one before may still be open)
-    from server.settings import ServerSettings
+    from server.serving.settings import ServerSettings
 
     env = {e["name"]: e["value"] for e in server["env"]}
     settings = ServerSettings.from_env(env)
@@ -1542,7 +1542,7 @@ def test_the_env_server_container_runs_and_passes_the_trainers_check(
     route answers, the trainer's own capacity check passes for the Job's generation batch (and
     refuses one session more than the cap), and the Job's init container returns once it answers and
     fails, naming the URL, when nothing does."""
-    from orthojob.agentic import check_server_capacity
+    from orthojob.agentic.remote import check_server_capacity
     from tests.services import free_port, start_server_process
 
     docs = load_all(agentic_output)
@@ -1590,7 +1590,7 @@ def test_job_mode_flags_pass_into_the_chain(capsys):
     """`python -m orthojob.job --mode agentic [--env-url URL]`: GRPO's mode and server on either
     chain; --env-url without agentic mode is refused before anything runs."""
     from orthojob import job
-    from orthojob.grpo_config import MODES
+    from orthojob.stages.grpo_config import MODES
 
     assert job.MODES == MODES
     env = {"K8S_JOB_NAME": "j", "K8S_JOB_UID": "u" * 36}
@@ -1697,7 +1697,7 @@ class Recorder:
 
 def recording_apis(responder=None):
     client = pytest.importorskip("kubernetes.client")
-    from orthojob.k8s import Apis
+    from orthojob.ops.k8s import Apis
 
     cfg = client.Configuration()
     cfg.host = "https://cluster.test"
@@ -1754,7 +1754,8 @@ def test_render_then_submit_request_bodies_field_by_field():
     """What submit sends is `kubectl kustomize k8s/` (the image unset there) with the overrides:
     shared objects moved to the namespace only, the Job and its ConfigMap changed where the
     overrides say and nowhere else."""
-    from orthojob.k8s import CONFIG_KEYS, Overrides, submit
+    from orthojob.ops.k8s import submit
+    from orthojob.ops.k8s_manifests import CONFIG_KEYS, Overrides
 
     manifest = list(yaml.safe_load_all(kustomize(K8S).stdout))
     m_cm, m_job = (
@@ -1822,7 +1823,7 @@ def test_render_then_submit_request_bodies_field_by_field():
 
 
 def _key(path: str) -> str:
-    from orthojob.k8s import CONFIG_KEYS
+    from orthojob.ops.k8s_manifests import CONFIG_KEYS
 
     return next(k for k, v in CONFIG_KEYS.items() if v == path.split("/")[-1])
 
@@ -1831,7 +1832,8 @@ def _key(path: str) -> str:
 def test_submit_leaves_existing_shared_objects_alone(status, reason):
     """409 (it exists) and 403 (a multi-tenant namespace where an admin made them) on the shared
     ServiceAccount, model-cache claim and NetworkPolicy are fine: submit goes on with the ConfigMap and the Job."""
-    from orthojob.k8s import Overrides, submit
+    from orthojob.ops.k8s import submit
+    from orthojob.ops.k8s_manifests import Overrides
 
     rendered = orthojob_render(Overrides(image=TEST_IMAGE))
     job_cm = rendered.config_map["metadata"]["name"]
@@ -1853,7 +1855,8 @@ def test_submit_leaves_existing_shared_objects_alone(status, reason):
 
 
 def test_submit_still_fails_on_a_forbidden_job():
-    from orthojob.k8s import Overrides, submit
+    from orthojob.ops.k8s import submit
+    from orthojob.ops.k8s_manifests import Overrides
 
     def refuse(method, url, body):
         if url.endswith("/jobs"):
@@ -1867,7 +1870,7 @@ def test_submit_still_fails_on_a_forbidden_job():
 
 
 def test_render_rejects_bad_overrides():
-    from orthojob.k8s import K8sError, Overrides, render
+    from orthojob.ops.k8s_manifests import K8sError, Overrides, render
 
     for bad in (
         Overrides(steps=0),
@@ -1885,7 +1888,7 @@ def test_cli_render_and_submit_through_the_parser(capsys):
     parser = cli_parser()
     if "k8s" not in subcommands(parser):
         pytest.skip("`orthojob k8s` is not wired into the CLI yet")
-    from orthojob import k8s
+    from orthojob.ops import k8s
 
     args = parser.parse_args(
         ["k8s", "render", "--steps", "7", "--image", "reg.test/x:1", "--name-suffix", "abc"]
@@ -1913,7 +1916,7 @@ def test_cli_render_and_submit_through_the_parser(capsys):
 
 
 def test_logs_and_status_through_the_client():
-    from orthojob.k8s import follow_logs, job_status, status_exit_code
+    from orthojob.ops.k8s import follow_logs, job_status, status_exit_code
 
     run_id = "0123456789abcdef0123456789abcdef"
     log = (
@@ -2051,7 +2054,7 @@ def test_cli_reports_api_errors(capsys):
     parser = cli_parser()
     if "k8s" not in subcommands(parser):
         pytest.skip("`orthojob k8s` is not wired into the CLI yet")
-    from orthojob import k8s
+    from orthojob.ops import k8s
 
     def forbidden(method, url, body):
         if url.endswith("/jobs"):
@@ -2074,7 +2077,7 @@ def test_an_unreachable_api_server_fails_clearly_and_every_request_has_a_timeout
     not a traceback; and no request waits forever (the client's default has no timeout)."""
     from urllib3.exceptions import MaxRetryError, NewConnectionError
 
-    from orthojob import k8s
+    from orthojob.ops import k8s
 
     parser = cli_parser()
 
@@ -2098,8 +2101,8 @@ def test_an_unreachable_api_server_fails_clearly_and_every_request_has_a_timeout
 def test_exit_code_table_everywhere_matches_the_enum():
     """docs/deploy.md's table, every podFailurePolicy (the Jobs', the TrainJob runtime's) and
     `k8s status` derive from ExitCode."""
-    from orthojob.exit_codes import ExitCode, fail_fast_codes
-    from orthojob.k8s import EXIT_MEANINGS
+    from orthojob.ops.exit_codes import ExitCode, fail_fast_codes
+    from orthojob.ops.k8s import EXIT_MEANINGS
 
     table = {}
     for line in (ROOT / "docs" / "deploy.md").read_text().splitlines():
@@ -2165,7 +2168,7 @@ def test_k8s_render_from_an_installed_wheel(tmp_path):
     # dev venv's site-packages, put after the wheel's own on the path
     site = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "yaml").exists())
     env["PYTHONPATH"] = str(site)
-    where = run([str(py), "-c", "import orthojob.k8s as k; print(k.__file__)"], cwd=elsewhere, env=env)
+    where = run([str(py), "-c", "import orthojob.ops.k8s as k; print(k.__file__)"], cwd=elsewhere, env=env)
     assert str(venv) in where.stdout, where.stdout + where.stderr
     render_cmd = [str(venv / "bin" / "orthojob"), "k8s", "render", "--image", TEST_IMAGE, "--steps", "7"]
     proc = run(render_cmd, cwd=elsewhere, env=env, timeout=120)

@@ -26,9 +26,9 @@ import pytest
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("boto3")
 
-from orthojob import storage, tracking  # noqa: E402
-from orthojob.exit_codes import ExitCode  # noqa: E402
-from orthojob.grpo_trainer import PROCESS_GROUP_LEFT  # noqa: E402
+from orthojob.ops import storage, tracking  # noqa: E402
+from orthojob.ops.exit_codes import ExitCode  # noqa: E402
+from orthojob.ops.process_group import PROCESS_GROUP_LEFT  # noqa: E402
 from tests.services import free_port, mlflow_server, run_process_group, seaweedfs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -324,7 +324,7 @@ SUMMARY = "pipeline_summary.json"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from orthojob.models import build_tiny
+    from orthojob.modeling.models import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("tiny") / "tiny", ["task_easy"], max_position_embeddings=4096)
 
@@ -404,7 +404,7 @@ def test_two_ranks_resume_from_s3_on_every_rank(services, env, tiny, tmp_path):
         still held its process group at exit (one that did was seen to abort in CI)."""
         codes = re.findall(r"exitcode  : (-?\d+)", run.stdout)
         gate_failed = "GRPO gate: FAILED" in run.stdout and str(int(ExitCode.GRPO_GATE_FAILED)) in codes
-        ended = PROCESS_GROUP_LEFT not in run.stdout  # grpo_trainer.end_process_group
+        ended = PROCESS_GROUP_LEFT not in run.stdout  # orthojob.ops.process_group.end_process_group
         return ended and (
             run.returncode == 0
             or (gate_failed and all(c in (str(int(ExitCode.GRPO_GATE_FAILED)), "-15") for c in codes))
@@ -452,14 +452,14 @@ def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(services, env,
 def _gated_checkpoint(tiny: Path, folder: Path, passed: bool) -> Path:
     import shutil
 
-    from orthojob import gate
+    from orthojob.ops import gate_file
 
     shutil.copytree(tiny, folder)
     good = {"parse_rate": 1.0, "format_reward": 1.0, "margin_over_slerp": 0.1, "scaled_reward_mean": 7.0,
             "hard_rule_share_over_oracle": 0.0}  # fmt: skip
     bad = {"parse_rate": 0.0, "format_reward": 0.0, "margin_over_slerp": -8.0, "scaled_reward_mean": -2.0,
            "hard_rule_share_over_oracle": 0.0}  # fmt: skip
-    gate.write_gate(folder, good if passed else bad, stage="bc_sft")
+    gate_file.write_gate(folder, good if passed else bad, stage="bc_sft")
     return folder
 
 
@@ -549,8 +549,8 @@ def test_stage_commands_read_and_write_s3(services, env, tiny, tmp_path, monkeyp
     tool-sft (its base model an s3:// URI) publish their gated checkpoint with their MLflow run; a
     fresh pod's pre-flight (gate --check, GRPO's) downloads it, digests and gate checked; rsft
     continues the format checkpoint from S3 and publishes its own."""
-    from orthojob import rsft
     from orthojob.cli import main as cli_main
+    from orthojob.stages import rsft
     from tests.test_stages import GATE_FLAGS, fake_sampler
     from tests.test_tool_sft import TOOL_GATE_FLAGS
 
@@ -615,7 +615,8 @@ def test_s3_outage_during_upload(services, env, tiny, tmp_path, monkeypatch, cap
     half-made: no manifest (so no reader uses the folder), no gate file in the run, nothing promoted."""
     import argparse
 
-    from orthojob import grpo, registry
+    from orthojob.ops import registry
+    from orthojob.stages import grpo
 
     s3, server = services
     monkeypatch.setattr(storage, "RETRY_ATTEMPTS", 4)  # botocore's total attempts per request

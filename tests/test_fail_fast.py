@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from orthojob import storage, tracking
-from orthojob.exit_codes import ExitCode, fail_fast_codes
+from orthojob.ops import storage, tracking
+from orthojob.ops.exit_codes import ExitCode, fail_fast_codes
 from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

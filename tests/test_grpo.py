@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from orthojob import grpo, grpo_trainer
-from orthojob.analysis import analyze, plan_metrics
-from orthojob.exit_codes import ExitCode
-from orthojob.grpo import add_train_arguments, config_from_args, run_train
-from orthojob.grpo_config import ConfigError, GRPOJobConfig, validate
-from orthojob.models import device_info
-from orthojob.presets import PRESETS
-from orthojob.prompts import TRAIN_SEED_START, plan_to_completion, prompt_rows, reset_observation
-from orthojob.rewards import REWARD_FUNCS
+from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, prompt_rows, reset_observation
+from orthojob.eval.analysis import analyze, plan_metrics
+from orthojob.modeling.models import device_info
+from orthojob.ops.exit_codes import ExitCode
+from orthojob.rewards.reward_functions import REWARD_FUNCS
+from orthojob.stages import grpo, grpo_config, grpo_trainer
+from orthojob.stages.grpo import add_train_arguments, config_from_args, run_train
+from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig, validate
+from orthojob.stages.presets import PRESETS
 from tests.services import run_process_group
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """The tiny Qwen2 model, its tokenizer also trained on real prompts (shorter prompts)."""
-    from orthojob.tiny_model import build_tiny_model
+    from orthojob.modeling.tiny_model import build_tiny_model
 
     rows = prompt_rows(4, TRAIN_SEED_START, "task_easy", False) + prompt_rows(2, 0, "task_hard", True)
     corpus = [m["content"] for r in rows for m in r["prompt"]]
@@ -117,7 +117,7 @@ def test_other_bad_configs_are_named():
 
 def test_cpu_training_arguments_have_no_bf16(tmp_path):
     config = config_from_args({"preset": "tiny-cpu", "out": str(tmp_path)})
-    args, funcs = grpo_trainer.build_grpo_args(config, {"cuda": False, "bf16": False}, 1)
+    args, funcs = grpo_config.build_grpo_args(config, {"cuda": False, "bf16": False}, 1)
     assert not args.bf16 and not args.fp16 and args.use_cpu
     assert [f.__name__ for f in funcs] == list(FIVE) and args.reward_weights == [1.0] * 5
     assert args.report_to in ("none", [], ["none"]) and args.logging_steps == 1 and not args.use_vllm
@@ -139,7 +139,7 @@ def test_smoke_runs_every_reward_on_real_plans_without_a_model(no_model_load, ca
 
 
 def test_missing_sft_gate_refuses_to_start(no_model_load, tmp_path, capsys):
-    from orthojob.gate import GateError, check_gate
+    from orthojob.ops.gate_file import GateError, check_gate
 
     with pytest.raises(GateError) as info:
         check_gate(str(tmp_path))
@@ -151,7 +151,7 @@ def test_missing_sft_gate_refuses_to_start(no_model_load, tmp_path, capsys):
 def test_sft_gate_preflight_passes_and_fails_on_the_gate_file(no_model_load, tiny_model, tmp_path, capsys):
     import shutil
 
-    from orthojob.gate import write_gate
+    from orthojob.ops.gate_file import write_gate
 
     checkpoint = tmp_path / "bc_sft"
     shutil.copytree(tiny_model, checkpoint)
@@ -280,7 +280,7 @@ def test_grpo_trainer_calls_the_five_rewards(tiny_model, tmp_path):
     assert json.loads((out / "train_log.json").read_text())[0]["step"] == 1
     assert (out / "config.json").exists() or (out / "adapter_config.json").exists()
     # The GRPO gate: written by the held-out evaluation of the saved checkpoint, passed computed.
-    from orthojob.gate import GATE_FILE, gate_checks
+    from orthojob.ops.gate_file import GATE_FILE, gate_checks
 
     gate = json.loads((out / GATE_FILE).read_text())
     assert gate["stage"] == "grpo" and gate["evaluation"]["n_seeds"] == config.gate_seeds
@@ -313,8 +313,8 @@ def test_mlflow_run_gets_the_completion_table_and_the_grpo_diagnostics(tiny_mode
     import numpy as np
     from mlflow.tracking import MlflowClient
 
-    from orthojob import tracking
-    from orthojob.canaries import CANARIES
+    from orthojob.ops import tracking
+    from orthojob.rewards.canaries import CANARIES
 
     monkeypatch.chdir(tmp_path)  # the sqlite store keeps the experiment's artifacts beside the database
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -359,9 +359,9 @@ def test_mlflow_run_gets_the_completion_table_and_the_grpo_diagnostics(tiny_mode
 
 
 def test_learning_grpo_runs_through_the_job_trainer(tiny_model, tmp_path):
-    """orthojob.learning's GRPO stage: the job's trainer, the evaluation callback every step, the reward
+    """examples.learning's GRPO stage: the job's trainer, the evaluation callback every step, the reward
     time share, prompts of every cell and a constant learning rate."""
-    from orthojob import learning
+    from examples import learning
 
     cfg = learning.LearnConfig(out=str(tmp_path), steps=2, num_generations=2, prompts_per_step=1, num_prompts=2,
                                max_completion_length=24, eval_every=1, eval_seeds=1, lr=1e-3)  # fmt: skip
@@ -400,7 +400,7 @@ def test_ddp_two_processes(tiny_model, tmp_path):
     for r in reports:
         assert r["world_size"] == 2 and r["accelerate_processes"] == 2 and r["global_step"] == 2
         assert "MULTI_CPU" in r["distributed_type"]
-        assert r["process_group_threads"] == []  # ended before exit (grpo_trainer.end_process_group)
+        assert r["process_group_threads"] == []  # ended before exit (process_group.end_process_group)
     assert reports[0]["digest"] == reports[1]["digest"]
     assert reports[0]["digest"] != reports[0]["initial_digest"]  # the weights did move
     assert reports[0]["reward_names"][:5] == list(FIVE)
@@ -417,7 +417,7 @@ def test_ddp_two_processes(tiny_model, tmp_path):
 )
 def test_gpu_training_uses_bf16_where_supported(tiny_model, tmp_path):
     config = _tiny_config(tiny_model, tmp_path / "gpu")
-    args, _ = grpo_trainer.build_grpo_args(config, device_info(), 1)
+    args, _ = grpo_config.build_grpo_args(config, device_info(), 1)
     import torch
 
     assert args.bf16 == torch.cuda.is_bf16_supported() and not args.use_cpu
@@ -430,8 +430,8 @@ def test_a_checkpoint_of_another_config_is_refused_before_any_model_load(
 ):
     """Run identity: --out holding a checkpoint of another config exits 14 naming what differs;
     --on-foreign-checkpoint fresh trains from the start instead (here: reaches the trainer)."""
-    from orthojob.exit_codes import ExitCode
-    from orthojob.run_identity import write_identity
+    from orthojob.ops.exit_codes import ExitCode
+    from orthojob.ops.run_identity import write_identity
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)

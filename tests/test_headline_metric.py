@@ -7,9 +7,12 @@ import re
 
 import pytest
 
-from orthojob import gate, learning, metrics, pipeline, registry
-from orthojob.evaluation import SUMMARY_KEYS, evaluate_planners, format_table
-from orthojob.prompts import plan_to_completion
+from examples import learning
+from orthojob.data.prompts import plan_to_completion
+from orthojob.eval import metrics
+from orthojob.eval.evaluation import SUMMARY_KEYS, evaluate_planners, format_table
+from orthojob.ops import gate_file, registry
+from orthojob.stages import gate, pipeline
 from server.oracle import oracle_plan
 
 OLD_NAMES = re.compile(r"^(?!.*terminal_raw).*terminal(_mean|_reward|_sd)?$")
@@ -32,16 +35,20 @@ def test_every_judgement_uses_the_one_name():
     assert SUMMARY_KEYS[:3] == ("scaled_reward", "hard_rule_share", "terminal_raw")
     assert learning.METRICS[0] == "scaled_reward"
     assert "scaled_reward_mean" in pipeline._GATE_VIEW and "hard_rule_share" in pipeline._GATE_VIEW
-    for stage in gate.QUALITY_STAGES:
-        assert gate.DEFAULT_THRESHOLDS[stage].max_hard_rule_share_over_oracle == gate.HARD_RULE_BOUND == 0.0
-    for stage in (gate.FORMAT_SFT, gate.TOOL_SFT):
-        assert gate.DEFAULT_THRESHOLDS[stage].max_hard_rule_share_over_oracle is None
+    for stage in gate_file.QUALITY_STAGES:
+        assert (
+            gate_file.DEFAULT_THRESHOLDS[stage].max_hard_rule_share_over_oracle
+            == gate_file.HARD_RULE_BOUND
+            == 0.0
+        )
+    for stage in (gate_file.FORMAT_SFT, gate_file.TOOL_SFT):
+        assert gate_file.DEFAULT_THRESHOLDS[stage].max_hard_rule_share_over_oracle is None
 
 
 def test_the_gate_judges_by_the_scaled_reward_not_the_raw_score():
     """A planner above uniform SLERP on the raw score (what the gate compared before) but below it on
     the scaled reward, breaking hard rules, fails the GRPO gate on both the margin and the bound."""
-    report = gate.gate_report("scripted", n_seeds=8, stage=gate.GRPO, policy=_rushed)
+    report = gate.gate_report("scripted", n_seeds=8, stage=gate_file.GRPO, policy=_rushed)
     m = report["metrics"]
     assert m["terminal_raw_mean"] > m["uniform_slerp_terminal_raw_mean"]  # the raw comparison would pass
     assert m["scaled_reward_mean"] < m["uniform_slerp_scaled_reward_mean"] < m["oracle_scaled_reward_mean"]
@@ -54,7 +61,7 @@ def test_the_gate_judges_by_the_scaled_reward_not_the_raw_score():
                                 "hard_rule_share_over_oracle": False}  # fmt: skip
     assert not [k for k in m if OLD_NAMES.match(k)], sorted(m)
     assert set(m["per_task_scaled_reward_mean"]) == set(m["per_task_hard_rule_share"]) == {"task_easy"}
-    text = gate.format_gate(report).splitlines()
+    text = gate_file.format_gate(report).splitlines()
     assert text[0] == "gate grpo: FAILED"
     assert any(line.startswith("  hard_rule_share_over_oracle") and line.endswith("FAIL") for line in text)
     assert text[-2].strip().startswith("scaled_reward ") and "terminal_raw" in text[-1]

@@ -31,12 +31,13 @@ import websockets
 from openenv.core.generic_client import GenericEnvClient
 from websockets.sync.client import connect as ws_connect
 
-from server.app import EpisodeFastPath, build_app
+from server.app import build_app
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
 from server.json_values import NonFiniteOutputError
-from server.models import DentalAction
-from server.serialization import ObservationEncoder, encode_json, observation_payload
+from server.serving.fast_path import EpisodeFastPath
+from server.serving.models import DentalAction
+from server.serving.serialization import ObservationEncoder, encode_json, observation_payload
 from tests.services import running_uvicorn
 
 # --- Server fixtures ----------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_default_scheduling_and_parameters(tmp_path):
 def test_the_shipped_defaults_refuse_without_an_output_prefix(tmp_path, capsys):
     """As applied, without OUTPUT_URI: the Job's command exits 2 at once and says what to set."""
     from orthojob import job
-    from orthojob.exit_codes import ExitCode
+    from orthojob.ops.exit_codes import ExitCode
 
     docs = render(tmp_path)
     cm = find(docs, "ConfigMap", "orthorl-grpo-config")["data"]
@@ -294,7 +294,7 @@ def test_the_shipped_trainjob_refuses_without_a_checkpoint(tmp_path, capsys):
     """As shipped, CHECKPOINT_URI is empty: the TrainJob's `orthojob.job` exits 2 and says to set it,
     instead of running the single-GPU pipeline without its vLLM server (--dry-run included)."""
     from orthojob import job
-    from orthojob.exit_codes import ExitCode
+    from orthojob.ops.exit_codes import ExitCode
 
     multinode = render(tmp_path, folder="multinode")
     cm = find(multinode, "ConfigMap", "orthorl-multinode-config")["data"]

@@ -1,7 +1,7 @@
-"""`python -m orthojob.launch`: the TrainJob's launcher exits with the workers' fail-fast code.
+"""`python -m orthojob.ops.launch`: the TrainJob's launcher exits with the workers' fail-fast code.
 
 Real launches on CPU (gloo, two workers): torchrun and `accelerate launch` with the TrainJob's own
-accelerate config; a rank's exit code in :func:`orthojob.exit_codes.fail_fast_codes` becomes the
+accelerate config; a rank's exit code in :func:`orthojob.ops.exit_codes.fail_fast_codes` becomes the
 launcher's, any other failure stays 1, success 0; SIGTERM to the launcher reaches every worker,
 which gets ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds to save before torch's agent kills it.
 """
@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("torch.distributed.run")
 
-from orthojob import launch
-from orthojob.exit_codes import fail_fast_codes
+from orthojob.ops import launch
+from orthojob.ops.exit_codes import fail_fast_codes
 from tests.services import free_port, run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ def torchrun(script: Path) -> list[str]:
 
 
 def wrapped(argv: list[str]) -> list[str]:
-    return [sys.executable, "-m", "orthojob.launch", *argv]
+    return [sys.executable, "-m", "orthojob.ops.launch", *argv]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,11 @@ def worker(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(("codes", "want"), [("0,32", 32), ("1,0", 1), ("0,0", 0)])
 def test_torchrun_worker_code_is_the_launchers(worker, codes, want):
     proc = run_process_group(
-        wrapped(torchrun(worker)), env(WORKER_CODES=codes), ROOT, timeout=120, what="orthojob.launch torchrun"
+        wrapped(torchrun(worker)),
+        env(WORKER_CODES=codes),
+        ROOT,
+        timeout=120,
+        what="orthojob.ops.launch torchrun",
     )
     assert proc.returncode == want, proc.stderr[-3000:]
     if want == 32:

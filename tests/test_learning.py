@@ -10,11 +10,11 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from orthojob.format_demos import format_demonstrations, random_format_plan
-from orthojob.learning import CELL_NAMES, METRICS, _ci, episode_values, heldout_cases, reference_rows
-from orthojob.parsing import find_plan
-from orthojob.rewards import reward_format, reward_terminal
-from orthojob.rollouts import DEFAULT_CACHE
+from examples.learning import CELL_NAMES, METRICS, _ci, episode_values, heldout_cases, reference_rows
+from orthojob.data.format_demos import format_demonstrations, random_format_plan
+from orthojob.rewards.parsing import find_plan
+from orthojob.rewards.reward_functions import reward_format, reward_terminal
+from orthojob.rewards.rollouts import DEFAULT_CACHE
 from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, generate_case
 from server.clinical_profiles import STRATEGIES
 
@@ -137,7 +137,7 @@ def _report(stage0=3.0, grpo_stage0=(5.0, 6.6), bc=5.0, grpo_bc=(6.0, 7.2), **fi
 def test_targets_pass_only_when_every_claim_holds():
     """The pass/fail logic of make learn's self-check: a run that meets every target passes; each way
     of missing one fails that target."""
-    from orthojob.learning import markdown_tables, targets, targets_table
+    from examples.learning_report import markdown_tables, targets, targets_table
 
     good = targets(_report())
     assert [t["name"] for t in good] == [
@@ -172,9 +172,8 @@ def test_targets_pass_only_when_every_claim_holds():
 
 def test_learning_grpo_settings_reach_trls_config(tmp_path):
     """run_grpo trains through the job's trainer: its GRPOJobConfig gives TRL the experiment's settings."""
-    from orthojob.grpo_config import validate
-    from orthojob.grpo_trainer import build_grpo_args
-    from orthojob.learning import GRPO_PROMPT_SEED_START, LearnConfig, grpo_job_config
+    from examples.learning import GRPO_PROMPT_SEED_START, LearnConfig, grpo_job_config
+    from orthojob.stages.grpo_config import build_grpo_args, validate
 
     cfg = LearnConfig(out=str(tmp_path))
     job = grpo_job_config(cfg, tmp_path / "stage0")
@@ -214,7 +213,7 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
 
 
 def test_strategy_conditioning_tells_a_case_blind_policy_from_one_that_reads_the_case():
-    from orthojob.learning import strategy_conditioning
+    from examples.learning import strategy_conditioning
 
     optimal = list(STRATEGIES) * 4
     blind = np.tile([0.6, 0.1, 0.1, 0.1, 0.1], (len(optimal), 1))
@@ -229,7 +228,7 @@ def test_strategy_conditioning_tells_a_case_blind_policy_from_one_that_reads_the
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from orthojob import models
+    from orthojob.modeling import models
 
     path = tmp_path_factory.mktemp("tiny") / "tiny"
     return models.build_tiny(path, ["task_easy"], prompt_format="compact", hidden_size=32, layers=1, heads=2,
@@ -239,9 +238,9 @@ def tiny_model(tmp_path_factory):
 def test_strategy_probe_reads_the_policy_where_its_plan_names_the_strategy(tiny_model):
     """On the tiny model: the probe finds the strategy key in either key order, gives a distribution
     over the five per case, and NaN for a text that names no strategy."""
-    from orthojob import models
-    from orthojob.learning import strategy_distribution
-    from orthojob.prompts import plan_to_completion
+    from examples.learning import strategy_distribution
+    from orthojob.data.prompts import plan_to_completion
+    from orthojob.modeling import models
 
     model, tokenizer = models.load_policy(str(tiny_model), lora_r=0, max_seq_length=2048)
     cases = heldout_cases(3, [("task_easy", False)])
@@ -265,7 +264,7 @@ def test_strategy_last_demos_are_the_same_plans_in_the_other_key_order():
 def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypatch, capsys):
     """make learn's code path on a 1-layer model, a few steps each (both chains in one process): the
     file has every cell, planner, curve and target, and an untrained model fails the targets (exit 1)."""
-    from orthojob import learning
+    from examples import learning, learning_report
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     argv = ["--out", str(tmp_path / "learn"), "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
@@ -287,7 +286,7 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
             )
         assert run["training"]["steps_done"] == 2 and run["training"]["grpo_config"]["mixed_cells"] is True
     assert report["bc"]["examples"] == 12 and report["stage0"]["key"]["layers"] == 1
-    assert [t["name"] for t in report["targets"]] == [t["name"] for t in learning.targets(report)]
+    assert [t["name"] for t in report["targets"]] == [t["name"] for t in learning_report.targets(report)]
     assert not all(t["passed"] for t in report["targets"])
     assert "| GRPO from BC (final) |" in (tmp_path / "learn" / "comparison.md").read_text()
     assert (tmp_path / "learn" / "learning.png").is_file()

@@ -1,4 +1,4 @@
-"""The load policy: one pure function (orthojob.models.choose_load_policy), every row of the table in
+"""The load policy: one pure function (orthojob.modeling.models.choose_load_policy), every row of the table in
 docs/deploy.md, and load_policy_here wiring it to this process (CUDA, WORLD_SIZE, LOCAL_RANK,
 ORTHORL_LOADER). No GPU here: the GPU rows are the decision, tested up to the loader."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orthojob import models
-from orthojob.models import LOADER_ENV, LoadPolicy, ModelError, choose_load_policy, wants_unsloth
+from orthojob.modeling import models
+from orthojob.modeling.models import LOADER_ENV, LoadPolicy, ModelError, choose_load_policy, wants_unsloth
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPORT_ERROR = "ImportError: Unsloth: no NVIDIA GPU"
@@ -19,7 +19,7 @@ IMPORT_ERROR = "ImportError: Unsloth: no NVIDIA GPU"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from orthojob.tiny_model import build_tiny_model
+    from orthojob.modeling.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", seed=0)
 
@@ -119,7 +119,7 @@ def test_failed_unsloth_import_is_a_warning_in_load_policy(monkeypatch, caplog, 
         "lora", "cpu", "test", warning=f"Unsloth did not import ({IMPORT_ERROR}); falling back"
     )
     monkeypatch.setattr(models, "load_policy_here", lambda *a, **k: warned)
-    with caplog.at_level(logging.INFO, logger="orthojob.models"):
+    with caplog.at_level(logging.INFO, logger="orthojob.modeling.models"):
         models.load_policy(str(tiny_model), lora_r=4)
     rows = [r for r in caplog.records if "Unsloth did not import" in r.getMessage()]
     assert rows and rows[0].levelno == logging.WARNING

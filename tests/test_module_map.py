@@ -6,41 +6,59 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("orthojob", "server")
+PACKAGES = ("orthojob", "server", "examples")
+PRODUCT = ("orthojob", "server")
 STAGE_MODULES = (
-    "grpo",
-    "grpo_config",
-    "grpo_trainer",
-    "sft",
-    "sft_config",
-    "rsft",
-    "rsft_config",
-    "pipeline",
-    "presets",
-    "gate",
+    "stages.grpo",
+    "stages.grpo_config",
+    "stages.grpo_trainer",
+    "stages.sft",
+    "stages.sft_config",
+    "stages.rsft",
+    "stages.rsft_config",
+    "stages.pipeline",
+    "stages.presets",
+    "stages.gate",
 )
 ENTRY_POINTS = ("orthojob.job",)
 """Above the CLI: the container's command (``python -m orthojob.job``) runs ``orthojob pipeline`` then
 ``orthojob promote`` through it; nothing imports it."""
+SERVING = ("server.app", "server.serving")
+"""The serving layer: FastAPI, OpenEnv's server, sessions. The simulation (every other ``server``
+module) never imports it."""
+WEB_FRAMEWORKS = ("fastapi", "starlette", "uvicorn", "openenv", "pydantic")
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the packages (sub-packages too)."""
+    files = {}
+    for pkg in PACKAGES:
+        for f in sorted((REPO / pkg).rglob("*.py")):
+            parts = f.relative_to(REPO).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return files
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every absolute import of the module's source, function-local ones too: ``a.b`` for
+    ``import a.b``; ``a.b`` and ``a.b.c`` for ``from a.b import c``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the project modules it imports anywhere in its source (function-local imports too)."""
-    files = {
-        (pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"): f
-        for pkg in PACKAGES
-        for f in (REPO / pkg).glob("*.py")
-    }
+    """module -> the project modules it imports anywhere in its source (function-local imports too).
+    Importing ``pkg.mod`` counts as importing ``pkg.mod``, not the package ``pkg`` (whose
+    ``__init__`` holds only a docstring)."""
+    files = module_files()
     graph: dict[str, set[str]] = {m: set() for m in files}
     for module, path in files.items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            graph[module] |= {t for t in targets if t in files and t != module}
+        graph[module] = {t for t in imported_names(path) if t in files and t != module}
     return graph
 
 
@@ -81,7 +99,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle_in_orthojob_or_server():
     graph = import_graph()
-    assert "orthojob.grpo" in graph and "server.cases" in graph
+    assert "orthojob.stages.grpo" in graph and "server.cases" in graph
     assert cycles(graph) == []
 
 
@@ -91,9 +109,10 @@ def test_no_stage_module_imports_the_cli():
     assert [m for m in importers if m not in ENTRY_POINTS] == []
     assert not any(e in targets for e in ENTRY_POINTS for targets in graph.values())
     for stage in STAGE_MODULES:
+        assert f"orthojob.{stage}" in graph, stage
         assert (
             f"orthojob.{stage}" in graph["orthojob.cli"]
-            or stage in ("gate", "grpo_trainer")
+            or stage in ("stages.gate", "stages.grpo_trainer")
             or any(f"orthojob.{stage}" in graph[m] for m in graph["orthojob.cli"])
         ), stage
 
@@ -109,16 +128,61 @@ def test_server_never_imports_the_job():
     ]
 
 
+def test_the_simulation_imports_nothing_from_serving_or_the_job():
+    """``server``'s simulation is pure numpy: no web framework, no serving module, nothing of ``orthojob``."""
+    files = module_files()
+    simulation = [m for m in files if m.startswith("server") and not m.startswith(SERVING) and m != "server"]
+    assert "server.scoring" in simulation and "server.serving.sessions" not in simulation
+    bad = {
+        m: sorted(
+            t
+            for t in imported_names(files[m])
+            if t.startswith(("orthojob", *SERVING)) or t.split(".")[0] in WEB_FRAMEWORKS
+        )
+        for m in simulation
+    }
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
+def test_nothing_in_the_product_imports_an_experiment():
+    """``examples/`` (``make learn``) runs on the product; no module of ``orthojob`` or ``server`` imports it."""
+    graph = import_graph()
+    assert "examples.learning" in graph
+    assert [
+        (m, t) for m, ts in graph.items() if m.startswith(PRODUCT) for t in ts if t.startswith("examples")
+    ] == []
+
+
+def test_every_module_sits_in_a_package_of_its_role():
+    """``orthojob/`` holds only the CLI and the container's entry point at its top; every other module
+    sits in a sub-package (stages, data, rewards, agentic, eval, modeling, ops)."""
+    top = sorted(m for m in module_files() if m.startswith("orthojob.") and m.count(".") == 1)
+    roles = {"orthojob.stages", "orthojob.data", "orthojob.rewards", "orthojob.agentic", "orthojob.eval",
+             "orthojob.modeling", "orthojob.ops"}  # fmt: skip
+    assert [m for m in top if m not in roles] == ["orthojob.cli", "orthojob.job"]
+
+
+def test_the_module_map_sees_an_upward_import(tmp_path, monkeypatch):
+    """The walk finds a function-local import of a serving module in a simulation module."""
+    (tmp_path / "m.py").write_text(
+        "def f():\n    from server.serving.sessions import X\n    import fastapi\n"
+    )
+    assert {"server.serving.sessions", "server.serving.sessions.X", "fastapi"} <= imported_names(
+        tmp_path / "m.py"
+    )
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_the_cli_imports_no_heavy_dependency():
-    """``orthojob --help`` stays fast: torch, TRL, transformers and MLflow load when a stage runs."""
+    """``orthojob --help`` stays fast: torch, TRL, transformers, MLflow and OpenEnv's client load when a
+    stage (or ``--env-url``) needs them."""
     import subprocess
     import sys
 
-    code = "import sys, orthojob.cli; print(sorted(m for m in ('torch', 'trl', 'transformers', 'mlflow') if m in sys.modules))"
+    code = "import sys, orthojob.cli; print(sorted(m for m in ('torch', 'trl', 'transformers', 'mlflow', 'openenv') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -132,9 +196,9 @@ def test_one_json_walk_with_two_policies():
     import pytest
     import torch
 
-    from orthojob.records import json_value
+    from orthojob.ops.records import json_value
     from server.json_values import NonFiniteOutputError
-    from server.serialization import to_jsonable
+    from server.serving.serialization import to_jsonable
 
     value = {
         "a": np.float32(0.5),
@@ -152,3 +216,20 @@ def test_one_json_walk_with_two_policies():
     assert json_value({"o": object}) == {"o": str(object)}  # a file never fails on an odd type
     with pytest.raises(NonFiniteOutputError, match="type"):
         to_jsonable({"o": object})
+
+
+def test_the_architecture_page_names_only_modules_that_exist():
+    """docs/architecture.md draws the house; every module or package path it names is in the tree."""
+    import re
+
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"\b((?:orthojob|server|examples)(?:/[a-z_]+)*(?:\.py|/))", text))
+    assert len(named) > 40
+    missing = sorted(p for p in named if not (REPO / p).exists())
+    assert missing == []
+    rows = re.findall(r"\| `(orthojob/[a-z_]+/)` \|([^\n]*)", text)  # a package's row names its modules bare
+    assert len(rows) == 7
+    for row in rows:
+        package, cells = row
+        for module in re.findall(r"`([a-z_]+\.py)`", cells):
+            assert (REPO / package / module).is_file(), package + module

@@ -19,13 +19,13 @@ import pytest
 from fastapi.testclient import TestClient
 from websockets.sync.client import connect as ws_connect
 
-from orthojob.agentic import DentalToolEnv
-from orthojob.prompts import TRAIN_SEED_START
+from orthojob.agentic.tools import DentalToolEnv
+from orthojob.data.prompts import TRAIN_SEED_START
 from server.agent_tools import TOOL_NAMES, StagingTools
 from server.app import build_app
 from server.cases import TASK_IDS
 from server.dental_constants import N_STAGES, TOOTH_IDS
-from server.mcp_tools import EPISODE_REFUSED, INVALID_PARAMS, METHOD_NOT_FOUND, tool_schemas
+from server.serving.mcp_tools import EPISODE_REFUSED, INVALID_PARAMS, METHOD_NOT_FOUND, tool_schemas
 from tests.services import free_port, start_server_process
 from tests.test_agentic import ALTERNATE, tool_transcript
 
@@ -387,11 +387,11 @@ def test_the_reward_is_a_rubric_of_named_parts():
     import numpy as np
     from openenv.core.rubrics import Rubric
 
-    from server.app import DentalOpenEnvAdapter
     from server.cases import generate_case
     from server.dental_environment import StepwiseDentalEnvironment
-    from server.models import DentalAction
     from server.plans import interpolate_poses
+    from server.serving.adapter import DentalOpenEnvAdapter
+    from server.serving.models import DentalAction
 
     env = DentalOpenEnvAdapter(StepwiseDentalEnvironment())
     assert isinstance(env.rubric, Rubric)

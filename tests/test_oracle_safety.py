@@ -1,6 +1,6 @@
 """A safe oracle and a safe baseline: the oracle's plan (and, with full wear, uniform SLERP's) breaks
 no hard rule, and the oracle's scores at least uniform SLERP's, on every seed, at every level, under ideal dynamics and force decay, and with
-non-compliance on task_hard (:mod:`orthojob.oracle_audit`).
+non-compliance on task_hard (:mod:`orthojob.eval.oracle_audit`).
 
 Within CI's time: all 1,000 seeds per level where the teeth follow the plan (ideal dynamics, full
 wear), the first 250 where the dynamics are simulated (4x the cost a case). The full 1,000 seeds
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from orthojob.oracle_audit import COMBOS, audit, summary
+from orthojob.eval.oracle_audit import COMBOS, audit, summary
 
 SEEDS_FOLLOWING_THE_PLAN = 1000
 SEEDS_SIMULATED = 250

@@ -1,4 +1,4 @@
-"""Tests of orthojob.parsing: the first balanced JSON object, caps, hostile input, format checks."""
+"""Tests of orthojob.rewards.parsing: the first balanced JSON object, caps, hostile input, format checks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orthojob import parsing
-from orthojob.parsing import (
+from orthojob.rewards import parsing
+from orthojob.rewards.parsing import (
     FORMAT_CHECKS,
     MAX_CANDIDATES,
     MAX_COMPLETION_CHARS,

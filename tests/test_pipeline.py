@@ -10,17 +10,17 @@ import math
 
 import pytest
 
-from orthojob import gate
 from orthojob.cli import build_parser
 from orthojob.cli import main as cli_main
-from orthojob.exit_codes import ExitCode
-from orthojob.grpo import config_from_args
-from orthojob.grpo_config import ConfigError, GRPOJobConfig
-from orthojob.pipeline import SUMMARY_FILE, run_pipeline
-from orthojob.presets import PRESETS, Preset, apply_overrides
-from orthojob.prompts import prompt_format_of
-from orthojob.sft import config_from_args as sft_config_from_args
-from orthojob.sft_config import SFTJobConfig
+from orthojob.data.prompts import prompt_format_of
+from orthojob.ops import gate_file
+from orthojob.ops.exit_codes import ExitCode
+from orthojob.stages.grpo import config_from_args
+from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig
+from orthojob.stages.pipeline import SUMMARY_FILE, run_pipeline
+from orthojob.stages.presets import PRESETS, Preset, apply_overrides
+from orthojob.stages.sft import config_from_args as sft_config_from_args
+from orthojob.stages.sft_config import SFTJobConfig
 
 SMALL = {
     # SFT exactly as make run's (its gate's format thresholds too); fewer held-out seeds
@@ -65,14 +65,14 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     assert (
         preset.sft_gate.thresholds.max_hard_rule_share_over_oracle == 0.0
     )  # make run's own BC gate bounds it
-    gate.check_gate(out / "bc_sft")  # the file GRPO's pre-flight accepted
+    gate_file.check_gate(out / "bc_sft")  # the file GRPO's pre-flight accepted
 
     # GRPO ran its steps, its rewards are reported as measured, and its own gate was evaluated
     grpo = stages["grpo"]
     assert grpo["exit_code"] in (0, ExitCode.GRPO_GATE_FAILED)
     assert grpo["steps"] == 2 and len(grpo["reward_per_step"]) == 2
     assert all(math.isfinite(r) for r in grpo["reward_per_step"])
-    content = gate.read_gate(out / "grpo")  # consistent: passed follows from its metrics
+    content = gate_file.read_gate(out / "grpo")  # consistent: passed follows from its metrics
     assert content["stage"] == "grpo" and content["metrics"]["n"] == 8
     # written once, by the GRPO stage, with the thresholds the pipeline asked for
     assert content["thresholds"]["min_margin_over_slerp"] == -5.0

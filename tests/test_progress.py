@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from orthojob import progress
+from orthojob.ops import progress
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,7 @@ def test_the_trainer_callback_logs_steps_of_the_total_with_the_loss():
 
 _CHILD = """
 import time
-from orthojob.progress import progress
+from orthojob.ops.progress import progress
 with progress(5, "generate", unit="prompt") as bar:
     for _ in range(5):
         time.sleep(0.01)

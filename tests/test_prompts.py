@@ -1,4 +1,4 @@
-"""Tests of orthojob.prompts: content drawn from the observation and the server's constants, rows, SFT text."""
+"""Tests of orthojob.data.prompts: content drawn from the observation and the server's constants, rows, SFT text."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from orthojob import prompts
-from orthojob.parsing import extract_plan, format_checks
-from orthojob.prompts import (
+from orthojob.data import prompts
+from orthojob.data.prompts import (
     HELDOUT_SEED_START,
     PLAN_SEMANTICS,
     SYSTEM_PROMPT,
@@ -22,6 +21,7 @@ from orthojob.prompts import (
     prompt_rows,
     reset_observation,
 )
+from orthojob.rewards.parsing import extract_plan, format_checks
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import (
     DEFAULT_PRIORITY,
@@ -180,9 +180,9 @@ def test_compact_prompt_format_is_the_case_alone_and_travels_with_the_model(obs:
     survives save/load, and every stage builds that model's prompts (SFT demos, GRPO rows, evaluation)."""
     from transformers import AutoConfig, Qwen2Config
 
-    from orthojob.format_demos import format_demonstrations
-    from orthojob.rsft import training_rows
-    from orthojob.sft import oracle_demonstrations
+    from orthojob.data.format_demos import format_demonstrations
+    from orthojob.stages.rsft import training_rows
+    from orthojob.stages.sft import oracle_demonstrations
 
     compact = prompts.build_prompt(obs, "compact")
     assert compact == prompts.case_description(obs)

@@ -18,8 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from orthojob import pipeline, storage
-from orthojob.exit_codes import ExitCode
+from orthojob.ops import storage
+from orthojob.ops.exit_codes import ExitCode
+from orthojob.stages import pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "s3://orthorl/runs/resume-test"

@@ -9,15 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orthojob.prompts import plan_to_completion
-from orthojob.reward_signal import (
+from orthojob.data.prompts import plan_to_completion
+from orthojob.eval.reward_signal import (
     MIN_GROUP_STD,
     MIN_INFORMATIVE_SHARE,
     format_report,
     signal_groups,
     signal_report,
 )
-from orthojob.rewards import REWARD_FUNCS, reward_anchorage
+from orthojob.rewards.reward_functions import REWARD_FUNCS, reward_anchorage
 from server.cases import TASK_IDS, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.oracle import plan_for_case

@@ -9,11 +9,11 @@ import copy
 import numpy as np
 import pytest
 
-from orthojob.learning import LearnConfig
-from orthojob.plan_search import exploit_plans
-from orthojob.presets import PRESETS
-from orthojob.prompts import plan_to_completion
-from orthojob.rewards import REWARD_FUNCS, check_ordering, reward_weights
+from examples.learning import LearnConfig
+from orthojob.data.prompts import plan_to_completion
+from orthojob.rewards.plan_search import exploit_plans
+from orthojob.rewards.reward_functions import REWARD_FUNCS, check_ordering, reward_weights
+from orthojob.stages.presets import PRESETS
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 from server.clinical_profiles import STRATEGY_LEVELS
 from server.dental_constants import MIRROR_INDEX, MM_PER_DEG, N_STAGES, TOOTH_IDS, TOOTH_INDEX

@@ -9,7 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orthojob.plan_search import degenerate_form, exploit_plans, objective, population_search, search_case
+from orthojob.rewards.plan_search import (
+    degenerate_form,
+    exploit_plans,
+    objective,
+    population_search,
+    search_case,
+)
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 from server.dental_constants import TOOTH_IDS
 
@@ -48,8 +54,8 @@ def test_population_search_on_the_weighted_sum_finds_nothing_dishonest(task):
     """The per-tooth population search (start, duration, overcorrection of each tooth) on the sum at
     the weights make learn trains with, under both dynamics: any plan found above the oracle breaks no
     hard rule and is not a degenerate form."""
-    from orthojob.learning import LearnConfig
-    from orthojob.plan_search import population_search
+    from examples.learning import LearnConfig
+    from orthojob.rewards.plan_search import population_search
 
     rng = np.random.default_rng(1)
     weights = {"reward_strategy": LearnConfig().strategy_weight}
@@ -70,7 +76,7 @@ def test_a_search_from_the_exploits_finds_only_honest_plans_above_the_oracle(tas
     only plans that break no rule and are not degenerate above the oracle. Under force decay it does
     find plans above the oracle (the oracle's hand rules are weakest there), so the check is not
     empty."""
-    from orthojob.learning import LearnConfig
+    from examples.learning import LearnConfig
     from server.plans import normalize_plan
     from server.treatment import score_plan_specs
 

@@ -1,4 +1,4 @@
-"""Tests of orthojob.rewards and orthojob.rollouts: TRL contract, hostile completions, signal, cache."""
+"""Tests of orthojob.rewards.reward_functions and orthojob.rewards.rollouts: TRL contract, hostile completions, signal, cache."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orthojob import rollouts
-from orthojob.parsing import completion_text, extract_plan
-from orthojob.prompts import plan_to_completion
-from orthojob.rewards import (
+from orthojob.data.prompts import plan_to_completion
+from orthojob.rewards import rollouts
+from orthojob.rewards.parsing import completion_text, extract_plan
+from orthojob.rewards.reward_functions import (
     DEFAULT_REWARD_WEIGHTS,
     REWARD_FUNCS,
     accuracy_reward_func,
@@ -30,7 +30,7 @@ from orthojob.rewards import (
     reward_weights,
     staging_reward_func,
 )
-from orthojob.rollouts import Rollout, RolloutCache
+from orthojob.rewards.rollouts import Rollout, RolloutCache
 from server import treatment
 from server.cases import generate_case
 from server.clinical_profiles import NEUTRAL_STRATEGIES, STRATEGIES

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from orthojob import run_identity
-from orthojob.exit_codes import ExitCode
+from orthojob.ops import run_identity
+from orthojob.ops.exit_codes import ExitCode
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"model": "tiny", "lr": 1e-5, "steps": 300, "task_id": "task_easy", "out": "s3://b/run-a", "seed": 0}
@@ -48,7 +48,7 @@ def test_check_resume_policies(tmp_path, monkeypatch):
 
 
 def test_resume_checkpoint_checks_the_identity(tmp_path):
-    from orthojob import mlops
+    from orthojob.ops import checkpoints
 
     out = tmp_path / "out"
     for step in (2, 4):
@@ -56,11 +56,11 @@ def test_resume_checkpoint_checks_the_identity(tmp_path):
         folder.mkdir(parents=True)
         (folder / "trainer_state.json").write_text("{}")
         run_identity.write_identity(folder, CONFIG)
-    assert mlops.resume_checkpoint(str(out), tmp_path / "w", CONFIG) == (4, out / "checkpoint-4")
+    assert checkpoints.resume_checkpoint(str(out), tmp_path / "w", CONFIG) == (4, out / "checkpoint-4")
     with pytest.raises(run_identity.RunIdentityError):
-        mlops.resume_checkpoint(str(out), tmp_path / "w", {**CONFIG, "steps": 10})
-    assert mlops.resume_checkpoint(str(out), tmp_path / "w", {**CONFIG, "steps": 10}, "fresh") is None
-    assert mlops.resume_checkpoint(str(out), tmp_path / "w") == (
+        checkpoints.resume_checkpoint(str(out), tmp_path / "w", {**CONFIG, "steps": 10})
+    assert checkpoints.resume_checkpoint(str(out), tmp_path / "w", {**CONFIG, "steps": 10}, "fresh") is None
+    assert checkpoints.resume_checkpoint(str(out), tmp_path / "w") == (
         4,
         out / "checkpoint-4",
     )  # no config: as before

@@ -36,11 +36,11 @@ import websockets
 from openenv.core.generic_client import GenericEnvClient
 from websockets.sync.client import connect as ws_connect
 
-from orthojob.env_client import DentalEnvClient, EnvSession, EpisodeLostError, ServerUnavailableError
+from orthojob.agentic.env_client import DentalEnvClient, EnvSession, EpisodeLostError, ServerUnavailableError
 from server.app import build_app, requested_workers
 from server.dental_constants import N_STAGES
 from server.dental_environment import StepwiseDentalEnvironment
-from server.settings import ENV_VARIABLES, MAX_ERROR_CHARS, ServerSettings, SettingsError
+from server.serving.settings import ENV_VARIABLES, MAX_ERROR_CHARS, ServerSettings, SettingsError
 from tests.services import free_port, running_uvicorn, start_server_process
 
 N_EPISODES = 64

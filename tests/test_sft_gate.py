@@ -16,13 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orthojob import gate, models
 from orthojob.cli import main as cli_main
-from orthojob.exit_codes import ExitCode
-from orthojob.gate import GateError, GateThresholds, check_gate, gate_checks, read_gate, write_gate
-from orthojob.parsing import extract_plan, format_checks
-from orthojob.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
-from orthojob.sft import SFTJobConfig, demonstrations, run_sft
+from orthojob.data.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
+from orthojob.modeling import models
+from orthojob.ops import gate_file
+from orthojob.ops.exit_codes import ExitCode
+from orthojob.ops.gate_file import GateError, GateThresholds, check_gate, gate_checks, read_gate, write_gate
+from orthojob.rewards.parsing import extract_plan, format_checks
+from orthojob.stages.sft import SFTJobConfig, demonstrations, run_sft
 from server.oracle import oracle_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,7 +137,7 @@ def test_digest_covers_weights_and_config_only(tmp_path):
 def test_gate_file_contents_and_digest(tmp_path):
     ckpt = fake_checkpoint(tmp_path / "c")
     content = write_gate(ckpt, PASSING, GateThresholds(min_margin_over_slerp=0.0), stage="grpo")
-    on_disk = json.loads((ckpt / gate.GATE_FILE).read_text())
+    on_disk = json.loads((ckpt / gate_file.GATE_FILE).read_text())
     assert on_disk == content
     assert content["passed"] is True and content["stage"] == "grpo"
     assert content["metrics"] == PASSING
@@ -224,10 +225,10 @@ def _prepare(tmp_path: Path, case: str) -> Path:
     """A checkpoint whose gate triggers one refusal (or none)."""
     ckpt = fake_checkpoint(tmp_path / case)
     if case == "unparseable":
-        (ckpt / gate.GATE_FILE).write_text('{"passed": tru')
+        (ckpt / gate_file.GATE_FILE).write_text('{"passed": tru')
     elif case == "edited":  # a failed gate whose "passed" was flipped by hand
         content = write_gate(ckpt, FAILING)
-        (ckpt / gate.GATE_FILE).write_text(json.dumps(content | {"passed": True}))
+        (ckpt / gate_file.GATE_FILE).write_text(json.dumps(content | {"passed": True}))
     elif case == "failed":
         write_gate(ckpt, FAILING)
     elif case == "changed":
@@ -267,11 +268,11 @@ def test_grpo_preflight_accepts_a_passed_matching_gate_via_cli(tmp_path):
 
 
 def test_a_gate_file_of_an_unknown_stage_is_refused_naming_the_stages(tmp_path):
-    """A gate file whose stage is not one of gate.STAGES (here "sft0") is unreadable (exit 11), in the
+    """A gate file whose stage is not one of gate_file.STAGES (here "sft0") is unreadable (exit 11), in the
     reader, the pre-flight and the CLI, and the error lists the stages (bc_sft among them)."""
     ckpt = fake_checkpoint(tmp_path / "old")
     content = write_gate(ckpt, PASSING)
-    (ckpt / gate.GATE_FILE).write_text(json.dumps(content | {"stage": "sft0"}, indent=2))
+    (ckpt / gate_file.GATE_FILE).write_text(json.dumps(content | {"stage": "sft0"}, indent=2))
     for check in (read_gate, check_gate):
         with pytest.raises(GateError) as e:
             check(ckpt)
@@ -300,7 +301,7 @@ def test_gate_cli_evaluates_and_records_a_failing_untrained_model(tiny_base, tmp
     ckpt = Path(shutil.copytree(tiny_base, tmp_path / "untrained"))
     rc = cli_main(["gate", "--checkpoint", str(ckpt), "--seeds", "3", "--max-new-tokens", "24"])
     assert rc == ExitCode.GATE_FAILED
-    content = json.loads((ckpt / gate.GATE_FILE).read_text())
+    content = json.loads((ckpt / gate_file.GATE_FILE).read_text())
     assert content["passed"] is False and content["stage"] == "bc_sft"
     m = content["metrics"]
     assert m["n"] == 3 and m["parse_rate"] == 0.0 and m["scaled_reward_mean"] == -2.0  # no plan: the floor

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from orthojob.exit_codes import ExitCode
+from orthojob.ops.exit_codes import ExitCode
 
 ROOT = Path(__file__).resolve().parents[1]
 GRACE_S = 30.0
@@ -101,7 +101,7 @@ def test_sigterm_during_sft_exits_143_at_once(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    from orthojob.tiny_model import build_tiny_model
+    from orthojob.modeling.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", seed=0)
 
@@ -117,7 +117,8 @@ def test_sigterm_during_evaluation_exits_143_at_once(tmp_path, tiny_checkpoint):
 
 
 def test_the_handler_is_what_the_job_installs(capsys):
-    from orthojob import job, preemption
+    from orthojob import job
+    from orthojob.ops import preemption
 
     previous = signal.getsignal(signal.SIGTERM)
     try:

@@ -12,18 +12,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orthojob import gate, models, rsft
 from orthojob.cli import build_parser
 from orthojob.cli import main as cli_main
-from orthojob.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
-from orthojob.exit_codes import ExitCode
-from orthojob.grpo_config import ConfigError
-from orthojob.presets import PIPELINE_STAGES, PRESETS, apply_overrides
-from orthojob.prompts import plan_to_completion
-from orthojob.rsft import KeepRule, select
-from orthojob.rsft_config import RSFT_SAMPLES_FILE, RSFTConfig
-from orthojob.sft import SECTIONS, config_from_args, run_sft
-from orthojob.sft_config import FormatSFTConfig, SFTJobConfig
+from orthojob.data.prompts import plan_to_completion
+from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
+from orthojob.modeling import models
+from orthojob.ops import gate_file
+from orthojob.ops.exit_codes import ExitCode
+from orthojob.stages import gate, rsft
+from orthojob.stages.grpo_config import ConfigError
+from orthojob.stages.presets import PIPELINE_STAGES, PRESETS, apply_overrides
+from orthojob.stages.rsft import KeepRule, select
+from orthojob.stages.rsft_config import RSFT_SAMPLES_FILE, RSFTConfig
+from orthojob.stages.sft import SECTIONS, config_from_args, run_sft
+from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig
 from server.dental_constants import TOOTH_IDS
 from server.oracle import oracle_plan
 
@@ -60,10 +62,10 @@ def stage_runs(stage: str) -> list:
 
 
 def test_stage_names_and_default_folders_follow_the_seed():
-    # one list of stage names (gate.STAGES), in the seed's order; the pipeline's stages are those names
-    assert gate.STAGES == ("format_sft", "tool_sft", "bc_sft", "grpo", "rsft")
-    assert list(PIPELINE_STAGES.values()) == list(gate.STAGES)
-    assert set(gate.DEFAULT_THRESHOLDS) == set(gate.STAGES)
+    # one list of stage names (gate_file.STAGES), in the seed's order; the pipeline's stages are those names
+    assert gate_file.STAGES == ("format_sft", "tool_sft", "bc_sft", "grpo", "rsft")
+    assert list(PIPELINE_STAGES.values()) == list(gate_file.STAGES)
+    assert set(gate_file.DEFAULT_THRESHOLDS) == set(gate_file.STAGES)
     # the stand-alone commands' default --out: checkpoints/sft0 (format), sft1 (tool-use), sft2 (BC)
     parser = build_parser()
     outs = {
@@ -87,7 +89,7 @@ class _TrainedError(Exception):
 def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monkeypatch, capsys):
     """./checkpoints/sft0 is format SFT's default folder: format-sft without --out refuses a BC
     checkpoint there (ungated, or with its bc_sft gate file); --out overrides."""
-    import orthojob.sft
+    import orthojob.stages.sft
 
     def trained(config):
         raise _TrainedError(config.out)
@@ -97,7 +99,7 @@ def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monk
         args = build_parser().parse_args(list(argv))
         return args.func(args)
 
-    monkeypatch.setattr(orthojob.sft, "run_sft", trained)
+    monkeypatch.setattr(orthojob.stages.sft, "run_sft", trained)
     monkeypatch.chdir(tmp_path)
     old_bc = tmp_path / "checkpoints" / "sft0"
     old_bc.mkdir(parents=True)
@@ -108,7 +110,7 @@ def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monk
     # a bc-sft gate file there names its stage
     (old_bc / "config.json").write_text("{}")
     (old_bc / "model.safetensors").write_bytes(b"weights")
-    content = gate.write_gate(
+    content = gate_file.write_gate(
         old_bc, {"parse_rate": 1.0, "format_reward": 1.0, "hard_rule_share_over_oracle": 0.0}
     )
     assert content["stage"] == "bc_sft"
@@ -250,7 +252,7 @@ def test_rsft_keeps_the_environments_best_safe_sample_per_prompt(monkeypatch):
 
 
 def candidate_texts_of(row: dict) -> str:
-    from orthojob.prompts import reset_observation
+    from orthojob.data.prompts import reset_observation
 
     return candidate_texts(reset_observation(row["seed"], row["task_id"], False))[3]
 
@@ -290,7 +292,7 @@ def test_format_sft_gate_grpo_preflight_and_rsft_cli(tiny_base, tmp_path, monkey
     # stage 0: format SFT, its format gate, its MLflow stage run
     rc = cli_main(["format-sft", "--model", str(tiny_base), "--out", str(fmt), *TRAIN_FLAGS, *GATE_FLAGS])
     assert rc == 0, capsys.readouterr()
-    content = gate.read_gate(fmt)
+    content = gate_file.read_gate(fmt)
     assert content["stage"] == "format_sft" and content["passed"] is True
     assert set(content["checks"]) == {"parse_rate", "format_reward"}  # the format only
     summary = json.loads((fmt / "sft_log.json").read_text())["summary"]
@@ -311,7 +313,7 @@ def test_format_sft_gate_grpo_preflight_and_rsft_cli(tiny_base, tmp_path, monkey
             "--batch-size", "2", "--prompts", "2", "--samples-per-prompt", "6", *GATE_FLAGS]  # fmt: skip
     assert cli_main(argv) == 0, capsys.readouterr()
     assert "kept 2 of 12 samples" in capsys.readouterr().out
-    assert gate.read_gate(out)["stage"] == "rsft"
+    assert gate_file.read_gate(out)["stage"] == "rsft"
     samples = [json.loads(line) for line in (out / RSFT_SAMPLES_FILE).read_text().splitlines()]
     assert len(samples) == 12 and sum(s["kept"] for s in samples) == 2
     assert_keep_rule(samples, KeepRule())
@@ -338,17 +340,17 @@ def test_bc_sft_cli_gates_and_rsft_with_real_sampling_that_keeps_nothing(
     rc = cli_main(["bc-sft", "--model", str(tiny_base), "--out", str(bc), *TRAIN_FLAGS, "--gate-seeds", "2",
                    "--gate-max-new-tokens", "16"])  # fmt: skip
     assert rc == ExitCode.GATE_FAILED
-    content = gate.read_gate(bc)
+    content = gate_file.read_gate(bc)
     assert content["stage"] == "bc_sft" and content["passed"] is False
     demos = json.loads((bc / "sft_log.json").read_text())["summary"]["demos"]
     assert demos["source"] == "oracle" and demos["filtered_hard_rule"] >= 0
-    with pytest.raises(gate.GateError) as refused:
-        gate.check_gate(bc)
+    with pytest.raises(gate_file.GateError) as refused:
+        gate_file.check_gate(bc)
     assert refused.value.exit_code == ExitCode.GATE_FAILED
     # RSFT on the (passed) gate of the same checkpoint, real sampling: the untrained model writes no
     # plan, nothing is kept, and the stage says what to change (exit 2)
     passing = {"parse_rate": 1.0, "format_reward": 1.0, "hard_rule_share_over_oracle": 0.0}
-    gate.write_gate(bc, passing, stage="bc_sft")
+    gate_file.write_gate(bc, passing, stage="bc_sft")
     capsys.readouterr()
     argv = ["rsft", "--from-checkpoint", str(bc), "--out", str(tmp_path / "rsft"), "--lora-r", "0",
             "--prompts", "1", "--samples-per-prompt", "2", "--max-new-tokens", "8"]  # fmt: skip
@@ -381,7 +383,7 @@ def test_sft_and_its_gate_log_progress_lines_in_a_job(tiny_base, tmp_path, monke
     out = tmp_path / "o"
     run_sft(SFTJobConfig(model=str(tiny_base), out=str(out), steps=3, batch_size=2, examples=4, lora_r=0))
     gate.gate_report(
-        str(out), n_seeds=3, task_id="task_easy", max_new_tokens=8, batch_size=1, stage=gate.BC_SFT
+        str(out), n_seeds=3, task_id="task_easy", max_new_tokens=8, batch_size=1, stage=gate_file.BC_SFT
     )
     lines = capfd.readouterr().err.split("\n")
     sft = [x for x in lines if x.startswith("[sft] step ")]
@@ -396,7 +398,7 @@ def test_sft_and_its_gate_log_progress_lines_in_a_job(tiny_base, tmp_path, monke
 def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch, capsys):
     """format -> BC -> GRPO -> RSFT from one preset: each stage starts from the previous gated
     checkpoint, has its MLflow run and gate file; the evaluation has a row per checkpoint."""
-    from orthojob.pipeline import SUMMARY_FILE, run_pipeline
+    from orthojob.stages.pipeline import SUMMARY_FILE, run_pipeline
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(rsft, "sample_completions", fake_sampler)
@@ -430,7 +432,7 @@ def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch
     assert summary["chain"] == ["format_sft", "bc_sft", "grpo", "rsft"]
     stages = summary["stages"]
     for name in summary["chain"]:
-        assert gate.read_gate(out / name)["stage"] == name and stages[f"gate_{name}"]["passed"] is True
+        assert gate_file.read_gate(out / name)["stage"] == name and stages[f"gate_{name}"]["passed"] is True
     assert (
         stages["format_sft"]["demos"]["source"] == "format"
         and stages["bc_sft"]["demos"]["source"] == "oracle"
@@ -456,7 +458,7 @@ def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch
             filter_string=f"source_run_id = '{run.info.run_id}' AND tags.`orthorl.gate_stage` = '{name}'",
             output_format="list",
         )
-        content = gate.read_gate(out / name)
+        content = gate_file.read_gate(out / name)
         metrics = {m.key: m for m in model.metrics}
         assert metrics["gate/scaled_reward_mean"].value == content["metrics"]["scaled_reward_mean"]
         assert model.tags["orthorl.gate_passed"] == "true" == run.data.tags["orthorl.gate_passed"]

@@ -1,4 +1,4 @@
-"""orthojob.storage against a real SeaweedFS S3 server with enforced keys."""
+"""orthojob.ops.storage against a real SeaweedFS S3 server with enforced keys."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orthojob import storage
+from orthojob.ops import storage
 
 
 def _folder(root: Path) -> Path:

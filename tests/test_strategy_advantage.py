@@ -1,4 +1,4 @@
-"""The strategy tokens' centred advantage (orthojob.strategy_advantage) and the trainer hook that
+"""The strategy tokens' centred advantage (orthojob.rewards.strategy_advantage) and the trainer hook that
 applies it to TRL's token-level advantages."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from orthojob.strategy_advantage import (
+from orthojob.rewards.strategy_advantage import (
     INVALID,
     centred_strategy_advantages,
     counterfactual_strategy_advantages,
@@ -95,7 +95,7 @@ def test_counterfactual_advantage_compares_the_plan_as_written_with_it_under_eve
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from orthojob import models
+    from orthojob.modeling import models
 
     path = tmp_path_factory.mktemp("tiny") / "tiny"
     models.build_tiny(path, ["task_easy"], prompt_format="compact", hidden_size=32, layers=1, heads=2,
@@ -107,7 +107,7 @@ def test_trainer_hook_gives_the_strategy_tokens_the_centred_advantage(tokenizer)
     """RecordingGRPOTrainer._centre_strategy_advantages on a real tokenizer: (B, T) advantages in
     which the tokens spelling the strategy carry the centred value x scale, and every other token
     (padding included) TRL's advantage; the two diagnostics logged."""
-    from orthojob.grpo_trainer import RecordingGRPOTrainer
+    from orthojob.stages.grpo_trainer import RecordingGRPOTrainer
 
     texts = [
         _plan("anterior_first"),
@@ -152,8 +152,8 @@ def test_counterfactual_hook_scores_the_plan_under_the_five_strategies_with_the_
     """counterfactual on real cases: the strategy tokens of a plan naming its case's optimal strategy
     get a positive advantage, of a plan naming a wrong one a negative advantage, each the same plan's
     weighted reward under its strategy less the mean over the five (the project's reward functions)."""
-    from orthojob.grpo_trainer import RecordingGRPOTrainer
-    from orthojob.rewards import active_reward_funcs
+    from orthojob.rewards.reward_functions import active_reward_funcs
+    from orthojob.stages.grpo_trainer import RecordingGRPOTrainer
     from server.clinical_profiles import strategy_multiplier_class
     from server.treatment import score_plans
 
@@ -214,9 +214,9 @@ def test_strategy_lr_scale_speeds_up_only_the_strategy_rows_of_the_output_layer(
     parameter) as far."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-    from orthojob import models
-    from orthojob.grpo_trainer import RecordingGRPOTrainer
-    from orthojob.strategy_advantage import strategy_token_ids
+    from orthojob.modeling import models
+    from orthojob.rewards.strategy_advantage import strategy_token_ids
+    from orthojob.stages.grpo_trainer import RecordingGRPOTrainer
 
     path = models.build_tiny(tmp_path / "tiny", ["task_easy"], prompt_format="compact", hidden_size=32, layers=1,
                              heads=2, kv_heads=1, intermediate=32)  # fmt: skip

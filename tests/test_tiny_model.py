@@ -1,4 +1,4 @@
-"""Tests of orthojob.tiny_model: offline tiny Qwen2 model + tokenizer."""
+"""Tests of orthojob.modeling.tiny_model: offline tiny Qwen2 model + tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from orthojob.tiny_model import (
+from orthojob.modeling.tiny_model import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
     IM_END,

@@ -1,4 +1,4 @@
-"""Stage 1, tool-use SFT (:mod:`orthojob.tool_sft`): the oracle's tool conversations score
+"""Stage 1, tool-use SFT (:mod:`orthojob.stages.tool_sft`): the oracle's tool conversations score
 as its one-shot plans do; the loss covers the assistant's turns only; ``orthojob tool-sft`` trains on
 them, writes its tool-call gate and MLflow stage run; GRPO's pre-flight accepts that gate; the
 pipeline runs the stage from a preset's chain. (``tests/test_e2e_mlflow_s3.py``: s3:// in and out.)"""
@@ -11,13 +11,14 @@ import re
 
 import pytest
 
-from orthojob import gate, models
 from orthojob.cli import main as cli_main
-from orthojob.presets import PRESETS
-from orthojob.prompts import PROMPT_FORMAT_KEY, TRAIN_SEED_START, plan_to_completion
-from orthojob.rewards import reward_terminal
-from orthojob.rollouts import DEFAULT_CACHE
-from orthojob.tool_sft import (
+from orthojob.data.prompts import PROMPT_FORMAT_KEY, TRAIN_SEED_START, plan_to_completion
+from orthojob.modeling import models
+from orthojob.ops import gate_file
+from orthojob.rewards.reward_functions import reward_terminal
+from orthojob.rewards.rollouts import DEFAULT_CACHE
+from orthojob.stages.presets import PRESETS
+from orthojob.stages.tool_sft import (
     DONE_MESSAGE,
     oracle_tool_trace,
     parse_tool_call,
@@ -51,8 +52,8 @@ def test_tool_traces_score_as_the_oracle_plans(task_id, force_decay, seed):
 
 
 def test_demonstrations_render_as_parseable_tool_calls():
-    from orthojob.agentic import prepare_tokenizer
-    from orthojob.tiny_model import train_tokenizer
+    from orthojob.agentic.chat_template import prepare_tokenizer
+    from orthojob.modeling.tiny_model import train_tokenizer
 
     rows, info = tool_demonstrations(3, ["task_easy", "task_hard"], seed=1)
     assert info["examples"] == 3 and info["source"] == "tool" and info["reward_mean"] > 0
@@ -85,8 +86,8 @@ def test_the_loss_covers_exactly_the_assistant_turns(tiny_tool_base, tmp_path):
     tools' results; the training template renders the same text as the checkpoint's template."""
     from trl.chat_template_utils import has_generation_markers, qwen2_5_chat_template
 
-    from orthojob.sft import sft_trainer, token_counts
-    from orthojob.sft_config import ToolSFTConfig
+    from orthojob.stages.sft import sft_trainer, token_counts
+    from orthojob.stages.sft_config import ToolSFTConfig
 
     config = ToolSFTConfig(model=str(tiny_tool_base), out=str(tmp_path), steps=1, batch_size=1, lora_r=0)
     model, tokenizer = models.load_policy(config.model, lora_r=0, max_seq_length=config.max_length)
@@ -126,7 +127,7 @@ def test_tool_sft_cli_gate_mlflow_and_grpo_preflight(tiny_tool_base, tmp_path, m
     argv = ["tool-sft", "--model", str(tiny_tool_base), "--out", str(out), "--lora-r", "0", "--steps", "2",
             "--batch-size", "1", "--examples", "2", *TOOL_GATE_FLAGS]  # fmt: skip
     assert cli_main(argv) == 0, capsys.readouterr()
-    content = gate.read_gate(out)
+    content = gate_file.read_gate(out)
     assert content["stage"] == "tool_sft" and content["passed"] is True
     assert set(content["checks"]) == {"tool_call_rate", "finished_rate"}
     assert {"valid_call_rate", "reward_mean", "turns_mean"} <= set(content["metrics"])
@@ -150,14 +151,14 @@ def test_tool_sft_cli_gate_mlflow_and_grpo_preflight(tiny_tool_base, tmp_path, m
     # with the default thresholds two steps do not teach tool calls: the gate fails (exit 12)
     rc = cli_main(["gate", "--checkpoint", str(out), "--stage", "tool_sft", "--seeds", "1", "--max-new-tokens", "8",
                    "--tool-turns", "1"])  # fmt: skip
-    assert rc == 12 and gate.read_gate(out)["passed"] is False
+    assert rc == 12 and gate_file.read_gate(out)["passed"] is False
 
 
 def test_pipeline_runs_tool_use_sft_from_a_presets_chain(tmp_path, monkeypatch, capsys):
     """``stages=tool``: the pipeline builds the tiny model with a tokenizer that knows the tool
     conversations, trains stage 1 on the assistant's turns, gates it (MLflow runs, gate file); GRPO's
     agentic pre-flight accepts the checkpoint. (GRPO's agentic training: tests/test_agentic.py.)"""
-    from orthojob.pipeline import run_pipeline
+    from orthojob.stages.pipeline import run_pipeline
 
     monkeypatch.chdir(tmp_path)
     overrides = {
@@ -182,7 +183,7 @@ def test_pipeline_runs_tool_use_sft_from_a_presets_chain(tmp_path, monkeypatch, 
     tool = stages["tool_sft"]
     assert tool["demos"]["source"] == "tool" and tool["assistant_only_loss"] is True
     assert tool["examples_at_max_length"] == 0 and 0 < tool["loss_tokens"] < tool["tokens"]
-    content = gate.read_gate(out / "tool_sft")
+    content = gate_file.read_gate(out / "tool_sft")
     assert content["stage"] == "tool_sft" and stages["gate_tool_sft"]["passed"] is True
     assert stages["gate_tool_sft"]["tool_call_rate"] == content["metrics"]["tool_call_rate"]
     assert "gate_tool_sft" in capsys.readouterr().out  # the summary table's line

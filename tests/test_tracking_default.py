@@ -10,9 +10,10 @@ import pytest
 
 mlflow = pytest.importorskip("mlflow")
 
-from orthojob import grpo, mlops  # noqa: E402
-from orthojob.exit_codes import ExitCode  # noqa: E402
-from orthojob.models import build_tiny  # noqa: E402
+from orthojob.modeling.models import build_tiny  # noqa: E402
+from orthojob.ops import registry  # noqa: E402
+from orthojob.ops.exit_codes import ExitCode  # noqa: E402
+from orthojob.stages import grpo  # noqa: E402
 
 SECRET = "aws-secret-default-3d9e71"
 
@@ -50,7 +51,7 @@ def test_embedded_default_store(tmp_path, monkeypatch, capsys):
     }
     assert linked == pytest.approx({f"gate/{k}": v for k, v in numeric.items()})
     # promotion registers only a model whose gate passed; a failed gate registers nothing
-    rc = mlops.run_promote(run.info.run_id, "orthorl-default", force=False)
+    rc = registry.run_promote(run.info.run_id, "orthorl-default", force=False)
     if gate_file["passed"]:
         assert rc == 0
         version = client.get_model_version_by_alias("orthorl-default", "candidate")

@@ -10,9 +10,15 @@ import pytest
 
 mlflow = pytest.importorskip("mlflow")
 
-from orthojob import gate, mlops, registry, tracking  # noqa: E402
-from orthojob.exit_codes import ExitCode  # noqa: E402
-from orthojob.prompts import plan_to_completion  # noqa: E402
+from orthojob.data.prompts import plan_to_completion  # noqa: E402
+from orthojob.ops import (  # noqa: E402
+    gate_file,
+    model_logging,
+    registry,
+    tracking,
+)
+from orthojob.ops.exit_codes import ExitCode  # noqa: E402
+from orthojob.stages import gate  # noqa: E402
 from server.dental_constants import TOOTH_IDS  # noqa: E402
 from server.oracle import oracle_plan  # noqa: E402
 from tests.services import mlflow_server  # noqa: E402
@@ -47,7 +53,7 @@ def _logged_run(
     tmp_path, passed: bool, score: float, share: float = 0.0, gate_file: dict | None = None
 ) -> str:
     """A run holding a small pyfunc model as a LoggedModel carrying its gate, recorded as a training
-    stage records it (:func:`orthojob.mlops.record_gate`: gate file, run metrics, the model's gate
+    stage records it (:func:`orthojob.ops.model_logging.record_gate`: gate file, run metrics, the model's gate
     metrics and verdict tag): ``gate_file``, or one with the headline ``score`` and hard-rule
     ``share`` (the oracle's 0)."""
 
@@ -58,7 +64,7 @@ def _logged_run(
         folder = tmp_path / run.info.run_id
         folder.mkdir()
         (folder / "gate_passed.json").write_text(json.dumps(content))
-        mlops.record_gate(info.model_id, content, folder)
+        model_logging.record_gate(info.model_id, content, folder)
         return run.info.run_id
 
 
@@ -138,17 +144,17 @@ def _one_case_in_one_aligner(obs: list[dict]) -> list[str]:
 def _gated_run(tmp_path, policy, stage: str, **limits) -> tuple[str, dict]:
     """The planner's gate (the stage's default thresholds, ``limits`` changed) evaluated on 16
     held-out task_easy seeds, written beside a checkpoint and logged with a model, as a stage does."""
-    thresholds = gate.thresholds_for(stage).replace(**limits)
+    thresholds = gate_file.thresholds_for(stage).replace(**limits)
     report = gate.gate_report("scripted", n_seeds=16, stage=stage, thresholds=thresholds, policy=policy)
     ckpt = tmp_path / f"{policy.__name__}-{stage}-{len(limits)}"  # checkpoint-shaped: weights and config
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"model_type": "qwen2"}')
     (ckpt / "model.safetensors").write_bytes(b"\x00weights\x01" * 100)
-    content = gate.write_gate(ckpt, report)
+    content = gate_file.write_gate(ckpt, report)
     return _logged_run(tmp_path, content["passed"], 0.0, gate_file=content), content
 
 
-@pytest.mark.parametrize("stage", [gate.BC_SFT, gate.GRPO, gate.RSFT])
+@pytest.mark.parametrize("stage", [gate_file.BC_SFT, gate_file.GRPO, gate_file.RSFT])
 def test_a_rule_breaking_planner_fails_its_gate_and_stays_unregistered(tracked, tmp_path, stage):
     name = f"orthorl-breaker-{stage}"
     run_id, content = _gated_run(tmp_path, _one_case_in_one_aligner, stage)
@@ -158,8 +164,8 @@ def test_a_rule_breaking_planner_fails_its_gate_and_stays_unregistered(tracked, 
     assert m["scaled_reward_mean"] > m["uniform_slerp_scaled_reward_mean"] and m["margin_over_slerp"] > 0
     assert content["passed"] is False
     assert {k for k, ok in content["checks"].items() if not ok} == {"hard_rule_share_over_oracle"}
-    with pytest.raises(gate.GateError) as refused:  # no later stage starts from it
-        gate.check_gate(tmp_path / f"_one_case_in_one_aligner-{stage}-0")
+    with pytest.raises(gate_file.GateError) as refused:  # no later stage starts from it
+        gate_file.check_gate(tmp_path / f"_one_case_in_one_aligner-{stage}-0")
     assert refused.value.exit_code == ExitCode.GATE_FAILED
     with pytest.raises(registry.PromotionError) as err:
         registry.promote(run_id, name)
@@ -177,7 +183,7 @@ def test_a_rule_breaking_planner_fails_its_gate_and_stays_unregistered(tracked, 
 
 def test_a_safe_planner_beating_slerp_passes_and_becomes_champion(tracked, tmp_path):
     name = "orthorl-safe"
-    run_id, content = _gated_run(tmp_path, _oracle, gate.GRPO)
+    run_id, content = _gated_run(tmp_path, _oracle, gate_file.GRPO)
     m = content["metrics"]
     assert content["passed"] is True and all(content["checks"].values())
     assert m["hard_rule_share"] == 0.0 and m["margin_over_slerp"] > 0

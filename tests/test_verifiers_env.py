@@ -24,8 +24,8 @@ from verifiers.v1.state import state_cls
 from verifiers.v1.trace import TraceTask
 
 import orthorl_aligner
-from orthojob.prompts import build_messages, plan_to_completion, reset_observation
-from orthojob.rewards import REWARD_FUNCS, reward_weights
+from orthojob.data.prompts import build_messages, plan_to_completion, reset_observation
+from orthojob.rewards.reward_functions import REWARD_FUNCS, reward_weights
 from server.dental_constants import TOOTH_IDS
 from server.oracle import oracle_plan
 from tests.services import running_uvicorn
@@ -207,7 +207,7 @@ def test_vf_eval_with_the_tools_scores_the_episode_the_tools_played(tmp_path):
     rollout, and ``reward_agentic`` the episode's reward. The scripted model calls submit_plan
     with the oracle's plan (one case) or prose (the other): the rewards are what DentalToolEnv
     gives the same calls in process."""
-    from orthojob.agentic import DentalToolEnv
+    from orthojob.agentic.tools import DentalToolEnv
 
     env = orthorl_aligner.load_environment(mode="tools", task_id="task_easy", num_tasks=2)
     tasks = list(env.taskset)

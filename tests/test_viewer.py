@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orthojob import cli, viewer
+from orthojob import cli
+from orthojob.eval import plan_geometry, viewer, viewer_logging
 from server.cases import HELDOUT_SEED_START, generate_case
 from server.collisions import COLLISION_TOLERANCE_MM
 from server.dental_constants import ADJACENT_PAIRS, N_STAGES, TOOTH_IDS
@@ -44,7 +45,7 @@ def _env_poses(case, plan) -> np.ndarray:
 def test_plan_view_is_the_environment():
     case = generate_case(*HARD)
     plan = oracle_plan(initial_observation(case))
-    view = viewer.plan_view(case, plan, "oracle")
+    view = plan_geometry.plan_view(case, plan, "oracle")
     spec = normalize_plan(plan)
     planned, achieved = rollout_plans([spec], [case])
     assert np.array_equal(view.planned, planned[0])
@@ -65,11 +66,11 @@ def test_collisions_and_breaches_are_marked():
     case = generate_case("task_hard", HELDOUT_SEED_START)
     # every tooth planned twice its movement at 0.1 a stage: over the limits, and neighbours collide
     plan = {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 0.1, "overcorrection": 1.0}]}
-    view = viewer.plan_view(case, plan, "overdone")
+    view = plan_geometry.plan_view(case, plan, "overdone")
     assert {"collision", "limits"} <= set(view.result["broken_rules"])
     colliding = view.penetration > COLLISION_TOLERANCE_MM
     assert colliding.sum() == view.violations[-1, 1] > 0
-    segments = viewer.collision_segments(view.achieved, view.penetration)
+    segments = plan_geometry.collision_segments(view.achieved, view.penetration)
     assert [len(s["x"]) for s in segments] == (3 * colliding.sum(axis=1)).tolist()  # two ends and a gap each
     s, k = np.argwhere(colliding)[0]
     a, b = ADJACENT_PAIRS[k]
@@ -83,7 +84,7 @@ def test_collisions_and_breaches_are_marked():
         == view.violations[-1, 0]
     )
     assert len(marks["in a colliding contact"]["x"]) > 0
-    summary = viewer.stage_data(view, case)["summary"]
+    summary = plan_geometry.stage_data(view, case)["summary"]
     assert [x["colliding"] for x in summary] == colliding.sum(axis=1).tolist()
     assert [x["over_limit"] for x in summary] == np.diff(view.violations[:, 0], prepend=0).tolist()
     assert view.collision_penalty[s] > 0 and view.limit_penalty[1] > 0
@@ -91,9 +92,9 @@ def test_collisions_and_breaches_are_marked():
 
 def test_prisms_are_centred_on_the_crowns():
     case = generate_case(*HARD)
-    v = viewer.crown_prisms(case.initial, case.crown_width_mm, case.crown_depth_mm)
+    v = plan_geometry.crown_prisms(case.initial, case.crown_width_mm, case.crown_depth_mm)
     np.testing.assert_allclose(v.mean(axis=-2), case.initial[:, 4:], atol=1e-12)
-    assert max(max(t) for t in viewer.prism_triangles()) == v.shape[0] * v.shape[1] - 1
+    assert max(max(t) for t in plan_geometry.prism_triangles()) == v.shape[0] * v.shape[1] - 1
 
 
 def test_view_command_writes_a_self_contained_page(tmp_path, capsys):
@@ -185,7 +186,7 @@ def test_viewer_in_chromium_follows_the_environment(tmp_path):
                 _mesh_centres(page, i, 1, per_tooth), planned[i][stage, :, 4:], atol=1e-4
             )
         status = page.evaluate("document.getElementById('status-0').textContent")
-        step_reward = viewer.plan_view(case, oracle, "oracle").step_reward[stage]
+        step_reward = plan_geometry.plan_view(case, oracle, "oracle").step_reward[stage]
         assert status.startswith(f"stage {stage}: step reward {step_reward:.4f}")
         # the keyboard: End goes to the last aligner
         page.evaluate("document.getElementById('stage').focus()")
@@ -217,8 +218,8 @@ def test_mlflow_server_serves_and_shows_the_viewer(tmp_path):
             experiment_id = mlflow.tracking.MlflowClient().create_experiment("viewer-test")
             with mlflow.start_run(experiment_id=experiment_id) as run:
                 # one plan: a 3-D scene less to draw on the CPU than a side-by-side page
-                logged = viewer.log_viewer(
-                    case, viewer.reference_plans(case)[:1], "viewers/evaluate", "case.html"
+                logged = viewer_logging.log_viewer(
+                    case, viewer_logging.reference_plans(case)[:1], "viewers/evaluate", "case.html"
                 )
         finally:
             mlflow.set_tracking_uri(previous)
@@ -273,13 +274,13 @@ def _artifacts(run_id: str, path: str) -> list[str]:
 
 
 def test_evaluations_log_viewers_of_a_few_cases():
-    """A checkpoint's evaluation (its episodes as :func:`orthojob.evaluation.run_checkpoint` leaves
+    """A checkpoint's evaluation (its episodes as :func:`orthojob.eval.evaluation.run_checkpoint` leaves
     them) logs one viewer per case for the first cases of each task, the checkpoint's plan against the
     oracle and uniform SLERP; a completion without a plan gets the references only; nothing is logged
     outside a run."""
     mlflow = pytest.importorskip("mlflow")
-    from orthojob.evaluation import CheckpointEpisodes
-    from orthojob.rollouts import score_texts
+    from orthojob.eval.evaluation import CheckpointEpisodes
+    from orthojob.rewards.rollouts import score_texts
     from server.cases import CaseKey
 
     seeds = [HELDOUT_SEED_START + i for i in range(3)]
@@ -288,9 +289,9 @@ def test_evaluations_log_viewers_of_a_few_cases():
     cases = [CaseKey("task_easy", s) for s in seeds]
     episodes = CheckpointEpisodes(["task_easy"] * 3, seeds, False, texts, [9, 5, 9], [True] * 3,
                                   rollouts=score_texts(texts, cases))  # fmt: skip
-    assert viewer.log_checkpoint_viewers(episodes, "bc_sft") == []  # no active run
+    assert viewer_logging.log_checkpoint_viewers(episodes, "bc_sft") == []  # no active run
     with mlflow.start_run() as run:
-        logged = viewer.log_checkpoint_viewers(episodes, "bc_sft", per_task=2)
+        logged = viewer_logging.log_checkpoint_viewers(episodes, "bc_sft", per_task=2)
     names = [f"viewers/evaluate/bc_sft/task_easy_seed{s}.html" for s in seeds[:2]]
     assert [str(p) for p in logged] == names == _artifacts(run.info.run_id, "viewers/evaluate/bc_sft")
     local = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="viewers"))
@@ -300,7 +301,12 @@ def test_evaluations_log_viewers_of_a_few_cases():
         assert [p["name"] for p in data["plans"]] == shown
     with mlflow.start_run() as run:
         assert (
-            len(viewer.log_baseline_viewers(["task_easy", "task_hard"], HELDOUT_SEED_START, per_task=1)) == 2
+            len(
+                viewer_logging.log_baseline_viewers(
+                    ["task_easy", "task_hard"], HELDOUT_SEED_START, per_task=1
+                )
+            )
+            == 2
         )
     assert _artifacts(run.info.run_id, "viewers/evaluate/baselines") == [
         f"viewers/evaluate/baselines/{t}_seed{HELDOUT_SEED_START}.html" for t in ("task_easy", "task_hard")
@@ -314,7 +320,7 @@ def test_grpo_callback_logs_the_best_and_worst_completion(tmp_path):
     mlflow = pytest.importorskip("mlflow")
     from types import SimpleNamespace
 
-    from orthojob.rollouts import score_texts
+    from orthojob.rewards.rollouts import score_texts
     from server.cases import CaseKey
 
     good = json.dumps(oracle_plan(initial_observation(generate_case("task_easy", HELDOUT_SEED_START))))
@@ -326,11 +332,11 @@ def test_grpo_callback_logs_the_best_and_worst_completion(tmp_path):
     ]
     rolls = score_texts(texts, [CaseKey("task_easy", HELDOUT_SEED_START)] * 3)
     assert rolls[0].error is not None and rolls[2].scaled_reward > rolls[1].scaled_reward
-    assert viewer.best_and_worst(records) == (2, 1)
+    assert viewer_logging.best_and_worst(records) == (2, 1)
     path = tmp_path / "completions.jsonl"
     old = {**records[1], "step": 1, "completion": good}
     path.write_text(json.dumps(old) + "\n" + "".join(json.dumps(r) + "\n" for r in records) + '{"step": 3')
-    callback = viewer.grpo_viewer_callback(path, every=2)
+    callback = viewer_logging.grpo_viewer_callback(path, every=2)
     state = SimpleNamespace(is_world_process_zero=True, global_step=1)
     with mlflow.start_run() as run:
         callback.on_step_end(None, state, None)  # not a multiple of 2: no look
@@ -356,7 +362,8 @@ def test_a_checkpoint_evaluation_logs_viewers_and_view_decodes_the_checkpoint(tm
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    from orthojob import models, tracking
+    from orthojob.modeling import models
+    from orthojob.ops import tracking
 
     tiny = models.build_tiny(tmp_path / "tiny", ["task_easy"], max_position_embeddings=2048)
     argv = [

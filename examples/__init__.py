@@ -1,0 +1,1 @@
+"""Experiments run on the product package; nothing in it imports them."""

@@ -1,0 +1,679 @@
+"""The learning experiment: does RL improve on imitation, and on the simple baselines?
+
+``make learn`` (``python -m examples.learning``; docs/learning_experiment.md) runs the seed's chain
+and, beside it, RL without any oracle data, on CPU and offline, in two processes (one per core):
+
+* **chain** (a second process): the base model, then **BC** (stage 2: the oracle's safe plans on
+  every task level and both dynamics), then **GRPO from BC**;
+* **from scratch** (this process): **stage 0** (format SFT on plans that carry no clinical choice,
+  :mod:`orthojob.data.format_demos`), then **GRPO from stage 0**.
+
+The base model is the offline tiny Qwen2 (:func:`orthojob.modeling.models.build_tiny`) in the ``compact``
+prompt format. Both GRPO runs go through the job's trainer (:func:`orthojob.stages.grpo_trainer.train`,
+TRL's GRPOTrainer, the project's five reward functions) on prompts of every cell
+(:data:`orthojob.data.prompts.CELLS`: three task levels x ideal and force-decay dynamics, taking turns).
+
+Every planner (stage 0, BC, each GRPO run at its start, every ``eval_every`` steps and at its end)
+is evaluated greedily on ``eval_seeds`` held-out seeds (:data:`server.cases.HELDOUT_SEED_START`) of
+every cell, beside the oracle, uniform SLERP and doing nothing on the same cases: the headline
+metric, the scaled terminal reward (``scaled_reward``, :mod:`orthojob.eval.metrics`), strategy accuracy,
+parse rate and the clinical canaries that are NOT rewards (:data:`orthojob.rewards.canaries.CANARIES`; the
+degenerate plans also counted by form), each as mean and 95 % t-interval per cell, per level (both
+dynamics) and pooled over the six cells.
+
+:func:`targets` judges the run against the claims it is meant to support (GRPO after BC beats BC;
+the final planner beats uniform SLERP on every level and closes half the gap to the oracle; GRPO
+from stage 0 beats uniform SLERP on ``task_easy``; no hard rule, few degenerate plans; a stable
+curve). Each target has a pass/fail in ``<out>/learning.json``, which ``make learn`` prints last.
+Also written: ``<out>/comparison.md`` (per cell and pooled), ``<out>/learning.png`` and an MLflow run
+``learn`` with ``heldout/<run>/<metric>`` per evaluated step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from examples.learning_report import (
+    CELL_NAMES,
+    RUNS,
+    cell_name,
+    curve_table,
+    markdown_tables,
+    plot,
+    targets,
+    targets_table,
+)
+from orthojob.data.prompts import CELLS, build_messages, prompt_format_of, reset_observation
+from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN, generate_completions
+from orthojob.eval.metrics import SCALED_REWARD
+from orthojob.modeling import models
+from orthojob.ops import tracking
+from orthojob.rewards.canaries import CANARIES, METRICS, episode_record, episode_values, rollout_record  # noqa: F401 (re-exported)
+from orthojob.rewards.rollouts import score_texts
+from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES, STRATEGY_KEY
+from orthojob.stages import grpo_trainer
+from orthojob.stages.flags import add_config_arguments
+from orthojob.stages.grpo_config import GRPOJobConfig, validate
+from orthojob.stages.sft import oracle_demonstrations, run_sft
+from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig
+from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START, CaseKey, generate_case
+from server.clinical_profiles import STRATEGIES
+from server.oracle import plan_for_case
+from server.treatment import score_plans
+
+log = logging.getLogger("examples.learning")
+
+
+GRPO_PROMPT_SEED_START = TRAIN_SEED_START + 50_000
+"""The GRPO training prompts' first seed (away from the SFT demonstrations' seeds)."""
+MAX_SEQ_LENGTH = 2048
+CHAIN_FILE = "chain.json"
+"""What the chain's process (BC, GRPO from BC) hands the main process."""
+
+_SWITCH = {"negatable": True}
+"""A switch's flag pair --x / --no-x (:func:`orthojob.stages.flags.add_config_arguments`)."""
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    """Every setting of one learning run (the CLI flags are generated from these fields)."""
+
+    out: str = field(default="runs/learn", metadata={"help": "output folder"})
+    seed: int = field(
+        default=0, metadata={"help": "the whole run's seed: model init, SFT order, GRPO sampling"}
+    )
+    # model
+    hidden_size: int = 96
+    layers: int = 3
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 256
+    prompt_format: str = "compact"
+    # SFT (stage 0 and BC share the optimiser settings)
+    sft_batch_size: int = 4
+    sft_lr: float = 3e-3
+    sft_examples: int = field(default=1600, metadata={"help": "stage 0's format demonstrations"})
+    sft_steps: int = field(default=500, metadata={"help": "stage 0's steps"})
+    strategy_last: bool = field(default=True, metadata=_SWITCH)
+    fresh_stage0: bool = field(default=False, metadata=_SWITCH)
+    bc_examples: int = field(default=1800, metadata={"help": "BC's oracle demonstrations, over every cell"})
+    bc_steps: int = field(default=1000, metadata={"help": "BC's steps"})
+    # GRPO (both runs)
+    steps: int = 90
+    num_generations: int = 8
+    prompts_per_step: int = 4
+    num_prompts: int = 1200
+    lr: float = 3e-4
+    bc_lr: float = field(default=3e-4, metadata={"help": "GRPO's learning rate from BC"})
+    temperature: float = 0.8
+    beta: float = 0.1
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    strategy_weight: float = 3.0
+    strategy_advantage: str = field(default="counterfactual", metadata={"choices": STRATEGY_ADVANTAGES})
+    strategy_advantage_scale: float = 1.0
+    strategy_lr_scale: float = 10.0
+    max_completion_length: int = field(
+        default=384, metadata={"help": "GRPO's completion budget from BC (tokens)"}
+    )
+    stage0_completion_length: int = field(
+        default=128, metadata={"help": "GRPO's completion budget from stage 0 (tokens; its plans are short)"}
+    )
+    # the two processes
+    parallel: bool = field(default=True, metadata={"help": "the chain in a second process", **_SWITCH})
+    chain_only: bool = field(
+        default=False, metadata={"help": "run only the chain (the second process)", **_SWITCH}
+    )
+    # evaluation
+    eval_every: int = 30
+    eval_seeds: int = field(default=32, metadata={"help": "held-out seeds per (level x dynamics) cell"})
+    eval_max_new_tokens: int = 384
+    time_limit_min: float = field(
+        default=52.0, metadata={"help": "each process stops GRPO at this wall time (minutes)"}
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics over the cells
+# ---------------------------------------------------------------------------------------------
+
+
+def _ci(values: Sequence[float]) -> dict:
+    """Mean and 95 % t-interval of values (NaN dropped)."""
+    from scipy import stats
+
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if len(x) == 0:
+        return {"mean": None, "lo": None, "hi": None, "n": 0}
+    mean = float(x.mean())
+    if len(x) < 2:
+        return {"mean": mean, "lo": mean, "hi": mean, "n": 1}
+    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(x)}
+
+
+def summarise(episodes: Sequence[dict[str, float]]) -> dict[str, dict]:
+    """Each metric of :data:`METRICS`: mean and 95 % CI over the episodes."""
+    return {m: _ci([e[m] for e in episodes]) for m in METRICS}
+
+
+def heldout_cases(n: int, cells: Sequence[tuple[str, bool]] = CELLS) -> list[CaseKey]:
+    """``n`` held-out seeds of each cell, cell by cell."""
+    return [CaseKey(t, HELDOUT_SEED_START + i, fd) for t, fd in cells for i in range(n)]
+
+
+def grouped(cases: Sequence[CaseKey], episodes: Sequence[dict]) -> dict:
+    """Episodes (:func:`orthojob.rewards.canaries.episode_record` dicts, one per case) summarised per cell,
+    per task level (both dynamics) and pooled over every case: ``{"cells": {cell: summary},
+    "levels": {level: summary}, "pooled": summary, "degenerate_forms": {cell: {form: count}}}``."""
+    by_cell: dict[str, list] = {}
+    by_level: dict[str, list] = {}
+    forms: dict[str, Counter] = {}
+    for c, e in zip(cases, episodes):
+        by_cell.setdefault(cell_name(c), []).append(e)
+        by_level.setdefault(c.task_id, []).append(e)
+        if e.get("degenerate_form"):
+            forms.setdefault(cell_name(c), Counter())[e["degenerate_form"]] += 1
+    return {
+        "cells": {k: summarise(v) for k, v in by_cell.items()},
+        "levels": {k: summarise(v) for k, v in by_level.items()},
+        "pooled": summarise(episodes),
+        "degenerate_forms": {k: dict(v) for k, v in forms.items()},
+    }
+
+
+def reference_rows(cases: Sequence[CaseKey]) -> dict[str, dict]:
+    """The oracle, uniform SLERP and doing nothing on the held-out cases (:func:`grouped`)."""
+
+    resolved = [generate_case(*c) for c in cases]
+    planners: dict[str, Callable] = {
+        "oracle": plan_for_case,
+        "uniform_slerp": lambda c: UNIFORM_SLERP_PLAN,
+        "do_nothing": lambda c: DO_NOTHING_PLAN,
+    }
+    rows = {}
+    for name, planner in planners.items():
+        plans = [planner(c) for c in resolved]
+        results = score_plans(plans, list(cases))
+        episodes = [
+            episode_record({**r, "plan": p}, c, c.optimal_strategy)
+            for r, p, c in zip(results, plans, resolved)
+        ]
+        rows[name] = grouped(cases, episodes)
+    return rows
+
+
+"""Where a plan names its strategy: the probe reads the next token's distribution there."""
+
+
+def strategy_distribution(model, tokenizer, cases: Sequence[CaseKey], texts: Sequence[str]) -> np.ndarray:
+    """(n_cases, 5) the policy's probabilities of each strategy (:data:`server.clinical_profiles.STRATEGIES`
+    order) where its own greedy plan (``texts``) names one: the next-token probabilities of each
+    strategy's first token after the plan's text up to ``"strategy": "``, renormalised over the five
+    (one forward pass per case; NaN where the plan names none)."""
+    import torch
+
+    head = tokenizer(STRATEGY_KEY, add_special_tokens=False)["input_ids"]
+    first = []
+    for s in STRATEGIES:  # the token after the key as the policy writes it
+        ids = tokenizer(STRATEGY_KEY + s, add_special_tokens=False)["input_ids"]
+        if ids[: len(head)] != head:
+            raise ValueError(f"the tokenizer splits {STRATEGY_KEY!r} differently before {s!r}; cannot probe")
+        first.append(ids[len(head)])
+    if len(set(first)) != len(first):
+        raise ValueError("two strategies share a first token; cannot probe strategies")
+    fmt = prompt_format_of(model)
+    device = next(model.parameters()).device
+    out = np.full((len(cases), len(STRATEGIES)), np.nan)
+    with torch.inference_mode():
+        for i, (c, text) in enumerate(zip(cases, texts)):
+            at = text.find(STRATEGY_KEY)
+            if at < 0:
+                continue
+            messages = build_messages(reset_observation(c.seed, c.task_id, c.force_decay), fmt)
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(
+                prompt + text[: at + len(STRATEGY_KEY)], return_tensors="pt", add_special_tokens=False
+            )
+            p = torch.softmax(model(input_ids=ids["input_ids"].to(device)).logits[0, -1].float(), dim=-1)[
+                first
+            ]
+            out[i] = (p / p.sum()).cpu().numpy()
+    return out
+
+
+def strategy_conditioning(probs: np.ndarray, optimal: Sequence[str]) -> dict:
+    """How much the policy's strategy depends on the case: ``p_optimal`` (mean probability of the
+    case's optimal strategy; a case-blind uniform policy has 0.2), ``case_dependence`` (mean total
+    variation distance between a case's distribution and the mean over cases: 0 = the same
+    distribution for every case), and the mean distribution by the case's optimal strategy, over the
+    cases whose plan names a strategy (rows of ``probs`` without NaN)."""
+
+    named = ~np.isnan(probs).any(axis=1)
+    probs = probs[named]
+    index = [STRATEGIES.index(o) for o, n in zip(optimal, named) if n]
+    if not index:
+        return {"p_optimal": _ci([]), "case_dependence": _ci([]), "by_optimal": {}}
+    mean = probs.mean(axis=0)
+    return {
+        "p_optimal": _ci(probs[np.arange(len(index)), index].tolist()),
+        "case_dependence": _ci((0.5 * np.abs(probs - mean).sum(axis=1)).tolist()),
+        "by_optimal": {
+            s: np.round(probs[[k for k, i in enumerate(index) if i == j]].mean(axis=0), 4).tolist()
+            for j, s in enumerate(STRATEGIES)
+            if j in index
+        },
+    }
+
+
+def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> dict:
+    """Greedy plans of ``model`` for the held-out cases, scored as the rewards score them:
+    :func:`grouped` summaries, the strategy probe (pooled), tokens, truncation and timing."""
+
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    obs = [reset_observation(c.seed, c.task_id, c.force_decay) for c in cases]
+    texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size=16)
+    probs = strategy_distribution(model, tokenizer, cases, texts)
+    if was_training:
+        model.train()
+    rolls = score_texts(texts, list(cases))
+    resolved = [generate_case(*c) for c in cases]
+    summary = grouped(cases, [rollout_record(r, c) for r, c in zip(rolls, resolved)])
+    summary["strategies"] = dict(sorted(Counter(str(r.strategy) for r in rolls).items()))
+    summary["strategy_conditioning"] = strategy_conditioning(probs, [c.optimal_strategy for c in resolved])
+    summary["mean_tokens"] = float(np.mean(counts))
+    summary["truncated"] = float(np.mean([not e for e in ended]))
+    summary["eval_seconds"] = time.perf_counter() - t0
+    summary["examples"] = {cell_name(c): t for c, t in reversed(list(zip(cases, texts)))}
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# The base model and the SFT stages
+# ---------------------------------------------------------------------------------------------
+
+
+def _arch(cfg: LearnConfig) -> dict:
+    return {"prompt_format": cfg.prompt_format, "hidden_size": cfg.hidden_size, "layers": cfg.layers,
+            "heads": cfg.heads, "kv_heads": cfg.kv_heads, "intermediate": cfg.intermediate, "seed": cfg.seed}  # fmt: skip
+
+
+def base_model(cfg: LearnConfig) -> Path:
+    """The experiment's tiny base model in ``<out>/base-model`` (built unless one with the same
+    settings is there; the build is deterministic), its tokenizer trained on every task's prompts."""
+
+    path = Path(cfg.out) / "base-model"
+    key = _arch(cfg)
+    key_file = path / "learn_base.json"
+    if key_file.is_file() and json.loads(key_file.read_text()) == key:
+        return path
+    arch = {k: v for k, v in key.items() if k != "prompt_format"}
+    models.build_tiny(path, list(TASK_IDS), prompt_format=cfg.prompt_format, max_position_embeddings=MAX_SEQ_LENGTH,
+                      **arch)  # fmt: skip
+    key_file.write_text(json.dumps(key))
+    return path
+
+
+def _sft_stage_config(cfg: LearnConfig, kind: type | None = None, **changes):
+    """An SFT stage's config (``kind``, default :class:`~orthojob.stages.sft_config.SFTJobConfig`) with the
+    experiment's one set of SFT optimiser settings (full fine-tuning), for stage 0 and BC."""
+
+    kind = kind or SFTJobConfig
+    settings = dict(task_ids=list(TASK_IDS), batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, lr_scheduler="cosine",
+                    warmup_steps=10, lora_r=0, max_length=MAX_SEQ_LENGTH, seed=cfg.seed, logging_steps=50)  # fmt: skip
+    return kind(**{**settings, **changes})
+
+
+def _stage0_key(cfg: LearnConfig) -> dict:
+    keys = ("sft_examples", "sft_steps", "sft_batch_size", "sft_lr", "strategy_last")
+    return {**_arch(cfg), **{k: getattr(cfg, k) for k in keys}}
+
+
+def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
+    """Format SFT from :func:`base_model` on demonstrations with random strategies and random feasible
+    groups (no clinical choice), every task level, with the project's one SFT routine
+    (:func:`orthojob.stages.sft.run_sft`, stage 0's :class:`~orthojob.stages.sft_config.FormatSFTConfig`); a
+    checkpoint with the same settings in ``<out>/stage0`` is reused unless ``fresh_stage0``."""
+
+    out = Path(cfg.out) / "stage0"
+    meta_file = out / "stage0.json"
+    if meta_file.is_file() and not cfg.fresh_stage0:
+        meta = json.loads(meta_file.read_text())
+        if meta.get("key") == _stage0_key(cfg):
+            log.info("reusing stage 0 checkpoint %s", out)
+            return out, meta
+    meta_file.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    config = _sft_stage_config(cfg, FormatSFTConfig, model=str(base_model(cfg)), out=str(out),
+                               examples=cfg.sft_examples, demo_seed=cfg.seed, strategy_last=cfg.strategy_last,
+                               steps=cfg.sft_steps)  # fmt: skip
+    summary = run_sft(config)
+    meta = {"key": _stage0_key(cfg), **_sft_meta(summary), "wall_seconds": time.perf_counter() - t0}
+    meta_file.write_text(json.dumps(meta, indent=1))
+    return out, meta
+
+
+def _sft_meta(summary: dict) -> dict:
+    return {
+        "demos": {k: v for k, v in summary["demos"].items() if k not in ("source", "examples")},
+        "examples": summary["demos"].get("examples"),
+        "parameters": summary["parameters"]["total"],
+        "train_seconds": summary["train_seconds"],
+        "seconds_per_step": summary["seconds_per_step"],
+        "loss_first": summary["first_loss"],
+        "loss_last": summary["final_loss"],
+    }
+
+
+def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict], dict]:
+    """``bc_examples`` of the oracle's safe plans (:func:`orthojob.stages.sft.oracle_demonstrations`),
+    half under ideal dynamics and half under force decay, every task level, taking turns."""
+
+    halves, filtered = [], 0
+    for k, force_decay in enumerate((False, True)):
+        rows, info = oracle_demonstrations(
+            cfg.bc_examples // 2 + (cfg.bc_examples % 2 if k == 0 else 0),
+            list(TASK_IDS),
+            force_decay,
+            prompt_format,
+        )
+        halves.append(rows)
+        filtered += info["filtered_hard_rule"]
+    demos = [r for pair in zip(*halves) for r in pair] + halves[0][len(halves[1]) :]
+    return demos, {"source": "oracle", "examples": len(demos), "filtered_hard_rule": filtered}
+
+
+def bc(cfg: LearnConfig) -> tuple[Path, dict]:
+    """Stage 2: the base model fine-tuned on :func:`bc_demonstrations` for ``bc_steps`` steps."""
+
+    t0 = time.perf_counter()
+    base = base_model(cfg)
+    demos, info = bc_demonstrations(cfg, prompt_format_of(base))
+    out = Path(cfg.out) / "bc"
+    config = _sft_stage_config(cfg, model=str(base), out=str(out), examples=len(demos), steps=cfg.bc_steps)
+    summary = run_sft(config, demos, info)
+    return out, {**_sft_meta(summary), "wall_seconds": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO
+# ---------------------------------------------------------------------------------------------
+
+
+def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"):
+    """The :class:`orthojob.stages.grpo_config.GRPOJobConfig` of one of the experiment's GRPO runs
+    (:data:`RUNS`): full fine-tuning of ``checkpoint`` on prompts of every cell, ``prompts_per_step``
+    prompt groups of ``num_generations`` per step, a constant learning rate and a completion budget
+    of their own for each start (``bc_lr`` and ``max_completion_length`` from BC, ``lr`` and
+    ``stage0_completion_length`` from stage 0), no checkpoints until the end."""
+
+    completion = cfg.max_completion_length if run == "grpo_bc" else cfg.stage0_completion_length
+    return GRPOJobConfig(
+        model=str(checkpoint),
+        steps=cfg.steps,
+        num_generations=cfg.num_generations,
+        batch_size=cfg.num_generations * cfg.prompts_per_step,
+        grad_accum=1,
+        lr=cfg.bc_lr if run == "grpo_bc" else cfg.lr,
+        lr_scheduler_type="constant",
+        lora_r=0,
+        max_prompt_length=MAX_SEQ_LENGTH - completion,
+        max_completion_length=completion,
+        max_seq_length=MAX_SEQ_LENGTH,
+        out=str(Path(cfg.out) / run),
+        mixed_cells=True,
+        seed=cfg.seed,
+        num_prompts=cfg.num_prompts,
+        prompt_seed_start=GRPO_PROMPT_SEED_START,
+        beta=cfg.beta,
+        temperature=cfg.temperature,
+        loss_type=cfg.loss_type,
+        scale_rewards=cfg.scale_rewards,
+        reward_weights={"reward_strategy": cfg.strategy_weight} if cfg.strategy_weight != 1.0 else {},
+        strategy_advantage=cfg.strategy_advantage,
+        strategy_advantage_scale=cfg.strategy_advantage_scale,
+        strategy_lr_scale=cfg.strategy_lr_scale,
+        gradient_checkpointing=False,
+        save_steps=0,
+    )
+
+
+def run_grpo(
+    cfg: LearnConfig,
+    checkpoint: Path,
+    cases: Sequence[CaseKey],
+    evals: list,
+    save: Callable[[], None],
+    run: str = "grpo_stage0",
+    deadline: float | None = None,
+) -> dict:
+    """GRPO from ``checkpoint`` through :func:`orthojob.stages.grpo_trainer.train` (the job's trainer), with
+    an evaluation every ``eval_every`` steps, at the last step, and when ``deadline`` (a
+    ``time.monotonic()`` value) stops training early; each evaluation is appended to ``evals`` and
+    ``save`` called. Returns timing, the reward functions' share of a step and TRL's logs."""
+    from transformers import TrainerCallback
+
+    models.device_info()  # Unsloth (on a GPU) before TRL
+
+    job = grpo_job_config(cfg, checkpoint, run)
+    validate(job)
+    clock = {"train_begin": 0.0, "train_seconds": 0.0}
+    step_seconds: list[float] = []
+
+    class EvalAndTime(TrainerCallback):
+        t0 = 0.0
+
+        def on_train_begin(self, args, state, control, **kw):
+            clock["train_begin"] = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kw):
+            clock["train_seconds"] = time.perf_counter() - clock["train_begin"]
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            step_seconds.append(time.perf_counter() - self.t0)
+            step = state.global_step
+            late = deadline is not None and time.monotonic() > deadline
+            if step % cfg.eval_every == 0 or step == cfg.steps or late:
+                row = {
+                    "step": step,
+                    **evaluate_model(kw["model"], kw["processing_class"], cases, cfg.eval_max_new_tokens),
+                }
+                evals.append(row)
+                log.info("%s step %d: pooled %s %s", run, step, SCALED_REWARD, row["pooled"][SCALED_REWARD])
+                save()
+            if late:
+                log.warning("%s: time limit reached at step %d", run, step)
+                control.should_training_stop = True
+
+    result = grpo_trainer.train(job, callbacks=[EvalAndTime()])
+    trainer = result.trainer
+    return {
+        "grpo_seconds": clock["train_seconds"],
+        "steps_done": trainer.state.global_step,
+        "seconds_per_step": float(np.mean(step_seconds)) if step_seconds else None,
+        "reward_seconds": result.reward_seconds,
+        # the optimizer steps' wall time, evaluations excluded (as the trainer's reward_time_share)
+        "reward_share_of_step": result.reward_seconds / max(1e-9, trainer.step_seconds),
+        "grpo_config": job.to_dict(),
+        "log_history": trainer.state.log_history,
+    }
+
+
+def _evaluate_checkpoint(checkpoint: Path, cases: Sequence[CaseKey], cfg: LearnConfig) -> dict:
+    model, tokenizer = models.load_policy(str(checkpoint), lora_r=0, max_seq_length=MAX_SEQ_LENGTH)
+    return evaluate_model(model, tokenizer, cases, cfg.eval_max_new_tokens)
+
+
+def _grpo_from(cfg, name, checkpoint, cases, record: dict, save, deadline) -> None:
+    """One GRPO run recorded in ``record[name]``: its start's evaluation (step 0), then training."""
+    evals: list = []
+    record[name] = {"evaluations": evals}
+    evals.append({"step": 0, **_evaluate_checkpoint(checkpoint, cases, cfg)})
+    save()
+    record[name]["training"] = run_grpo(cfg, checkpoint, cases, evals, save, name, deadline)
+    save()
+
+
+def run_chain(cfg: LearnConfig, cases: Sequence[CaseKey], deadline: float | None = None) -> dict:
+    """The seed's chain: BC from the base model, its evaluation, then GRPO from BC; written to
+    ``<out>/chain.json`` as it goes (the main process reads it)."""
+    out = Path(cfg.out)
+    record: dict = {}
+
+    def save() -> None:
+        (out / CHAIN_FILE).write_text(json.dumps(record, indent=1, default=float))
+
+    checkpoint, record["bc"] = bc(cfg)
+    save()
+    _grpo_from(cfg, "grpo_bc", checkpoint, cases, record, save, deadline)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def _argv(cfg: LearnConfig, **changes) -> list[str]:
+    """The command-line flags that rebuild ``cfg`` with ``changes`` (for the chain's process)."""
+    argv = []
+    for name, value in {**dataclasses.asdict(cfg), **changes}.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run(cfg: LearnConfig) -> dict:
+    """The experiment inside an MLflow stage run ``learn`` (the embedded sqlite store unless
+    MLFLOW_TRACKING_URI)."""
+
+    with tracking.stage_run("learn", params=dataclasses.asdict(cfg)):
+        report = _run(cfg)
+        _log_report(report, Path(cfg.out))
+    return report
+
+
+def _log_report(report: dict, out: Path) -> None:
+    """Evaluations as step metrics, the targets as 0/1 metrics and the files as artifacts."""
+    import mlflow
+
+    for run_name in RUNS:
+        for e in report.get("runs", {}).get(run_name, {}).get("evaluations", []):
+            tracking.log_metrics({f"heldout/{run_name}/{m}": e["pooled"][m]["mean"] for m in METRICS
+                                  if e["pooled"][m]["mean"] is not None}, step=e["step"])  # fmt: skip
+    tracking.log_metrics({f"target/{t['name']}": float(t["passed"]) for t in report["targets"]})
+    for name in ("learning.json", "learning.png", "comparison.md"):
+        if (out / name).is_file():
+            mlflow.log_artifact(str(out / name))
+
+
+def _run(cfg: LearnConfig) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + cfg.time_limit_min * 60
+    cases = heldout_cases(cfg.eval_seeds)
+    report: dict = {
+        "config": dataclasses.asdict(cfg),
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "cells": list(CELL_NAMES),
+        "references": reference_rows(cases),
+        "runs": {},
+    }
+
+    def save() -> None:
+        (out / "learning.json").write_text(json.dumps(report, indent=1, default=float))
+
+    base_model(cfg)  # once, before the chain's process reads it
+    (out / CHAIN_FILE).unlink(missing_ok=True)
+    chain = None
+    if cfg.parallel:
+        with (out / "chain.log").open("w") as log_file:
+            chain = subprocess.Popen([sys.executable, "-m", "examples.learning", *_argv(cfg, chain_only=True)],
+                                     stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
+    checkpoint, report["stage0"] = stage0(cfg)
+    _grpo_from(cfg, "grpo_stage0", checkpoint, cases, report["runs"], save, deadline)
+    if chain is None:
+        record = run_chain(cfg, cases, deadline + cfg.time_limit_min * 60)  # one after the other
+    else:
+        code = chain.wait()
+        record = json.loads((out / CHAIN_FILE).read_text()) if (out / CHAIN_FILE).is_file() else {}
+        if code != 0:
+            log.warning("the chain's process exited %s: see %s", code, out / "chain.log")
+            report["chain_error"] = f"exit {code}, see chain.log"
+    report["bc"] = record.get("bc")
+    if "grpo_bc" in record:
+        report["runs"]["grpo_bc"] = record["grpo_bc"]
+    report["targets"] = targets(report)
+    report["passed"] = all(t["passed"] for t in report["targets"])
+    report["wall_seconds"] = time.perf_counter() - t0
+    save()
+    text = (
+        markdown_tables(report)
+        + "\n\n"
+        + curve_table(report)
+        + "\n\n"
+        + targets_table(report["targets"])
+        + "\n"
+    )
+    (out / "comparison.md").write_text(text)
+    try:
+        plot(report, out / "learning.png")
+    except Exception as exc:  # the plot never fails the run
+        log.warning("no plot: %s", exc)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m examples.learning``'s flags, one per :class:`LearnConfig` field (the project's one
+    flag generator, :func:`orthojob.stages.flags.add_config_arguments`)."""
+
+    parser = argparse.ArgumentParser(prog="examples.learning", description=__doc__.splitlines()[0])
+    return add_config_arguments(parser, LearnConfig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """0 when every target passed, 1 when one failed (the run itself finished), 2 on bad flags."""
+    parser = build_parser()
+    cfg = LearnConfig(**vars(parser.parse_args(argv)))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
+    if cfg.chain_only:
+        run_chain(cfg, heldout_cases(cfg.eval_seeds), time.monotonic() + cfg.time_limit_min * 60)
+        return 0
+    report = run(cfg)
+    print(markdown_tables(report) + "\n\n" + curve_table(report))
+    print(f"\nwall time {report['wall_seconds']:.0f} s; targets ({Path(cfg.out) / 'learning.json'}):")
+    print(targets_table(report["targets"]))
+    print("ALL TARGETS PASSED" if report["passed"] else "SOME TARGETS FAILED")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""The learning experiment's verdict and report: the targets it is judged by (each with its value and a
+pass/fail), the tables of ``learning.md`` and the curve plot.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from orthojob.data.prompts import CELLS
+from orthojob.eval.metrics import BANDS, SCALED_REWARD
+from orthojob.rewards.canaries import CANARIES, METRICS, episode_record, episode_values, rollout_record  # noqa: F401 (re-exported)
+from server.cases import TASK_IDS, CaseKey
+
+RUNS: tuple[str, ...] = ("grpo_stage0", "grpo_bc")
+"""The experiment's two GRPO runs: from the format-only stage 0, and from BC."""
+
+
+def cell_name(case: CaseKey) -> str:
+    """``"<task level>/<ideal|force_decay>"``: the cell a case belongs to."""
+    return f"{case.task_id}/{'force_decay' if case.force_decay else 'ideal'}"
+
+
+CELL_NAMES: tuple[str, ...] = tuple(cell_name(CaseKey(t, 0, fd)) for t, fd in CELLS)
+
+DEGENERATE_MAX = 0.1
+"""Largest degenerate-plan share a final planner may have on any cell."""
+
+
+GAP_CLOSED_MIN = 0.5
+"""Share of the pooled gap from uniform SLERP to the oracle the final planner must close."""
+
+
+def planners(report: dict) -> dict[str, dict]:
+    """The evaluated planners by name: ``stage0`` and ``bc`` (their GRPO runs' step 0), each GRPO
+    run's last evaluation, and the references; a planner whose run is missing is left out."""
+    rows: dict[str, dict] = {}
+    for run, start in (("grpo_stage0", "stage0"), ("grpo_bc", "bc")):
+        evals = report.get("runs", {}).get(run, {}).get("evaluations") or []
+        if evals:
+            rows[start] = evals[0]
+            if len(evals) > 1:
+                rows[run] = evals[-1]
+    return {**rows, **report.get("references", {})}
+
+
+def _mean(row: dict, where: str, key: str | None = None, metric: str = SCALED_REWARD) -> dict:
+    part = row[where] if key is None else row[where][key]
+    return part[metric]
+
+
+def targets(report: dict) -> list[dict]:
+    """The experiment's targets, each ``{"name", "claim", "value", "passed"}`` (``passed`` False when
+    a planner it needs is missing). The final planner is GRPO from BC. "CIs apart": the lower 95 %
+    bound of one above the upper bound of the other; "no worse": not CIs apart the other way."""
+    p = planners(report)
+    out: list[dict] = []
+
+    def add(name: str, claim: str, needs: Sequence[str], judge: Callable[[], tuple[object, bool]]) -> None:
+        missing = [n for n in needs if n not in p]
+        if missing:
+            out.append(
+                {"name": name, "claim": claim, "value": f"missing: {', '.join(missing)}", "passed": False}
+            )
+            return
+        value, passed = judge()
+        out.append({"name": name, "claim": claim, "value": value, "passed": bool(passed)})
+
+    def apart(a: dict, b: dict) -> bool:  # a above b, CIs apart
+        return a["lo"] is not None and b["hi"] is not None and a["lo"] > b["hi"]
+
+    def fmt(ci: dict) -> str:
+        return "-" if ci["mean"] is None else f"{ci['mean']:.2f} [{ci['lo']:.2f}, {ci['hi']:.2f}]"
+
+    levels = sorted({c.split("/")[0] for c in p.get("oracle", {}).get("cells", {})}, key=list(TASK_IDS).index)
+
+    add("grpo_bc_beats_bc", "GRPO after BC beats BC on the pooled mean, CIs apart", ("grpo_bc", "bc"),
+        lambda: (f"{fmt(_mean(p['grpo_bc'], 'pooled'))} vs {fmt(_mean(p['bc'], 'pooled'))}",
+                 apart(_mean(p["grpo_bc"], "pooled"), _mean(p["bc"], "pooled"))))  # fmt: skip
+    add("grpo_bc_no_worse_per_level", "GRPO after BC is no worse than BC on any level (CIs not apart below)",
+        ("grpo_bc", "bc"),
+        lambda: ({lv: f"{_mean(p['grpo_bc'], 'levels', lv)['mean']:.2f} vs {_mean(p['bc'], 'levels', lv)['mean']:.2f}"
+                  for lv in levels},
+                 all(not apart(_mean(p["bc"], "levels", lv), _mean(p["grpo_bc"], "levels", lv)) for lv in levels)))  # fmt: skip
+    add("final_beats_slerp_per_level", "the final planner beats uniform SLERP on every level, CIs apart",
+        ("grpo_bc", "uniform_slerp"),
+        lambda: ({lv: f"{fmt(_mean(p['grpo_bc'], 'levels', lv))} vs {fmt(_mean(p['uniform_slerp'], 'levels', lv))}"
+                  for lv in levels},
+                 all(apart(_mean(p["grpo_bc"], "levels", lv), _mean(p["uniform_slerp"], "levels", lv)) for lv in levels)))  # fmt: skip
+
+    def gap() -> tuple[object, bool]:
+        final, slerp, oracle = (_mean(p[n], "pooled")["mean"] for n in ("grpo_bc", "uniform_slerp", "oracle"))
+        closed = (final - slerp) / (oracle - slerp) if oracle != slerp else float("nan")
+        return round(closed, 3), closed >= GAP_CLOSED_MIN
+
+    add("final_closes_half_the_gap", f"the final planner closes >= {GAP_CLOSED_MIN:.0%} of the pooled gap "
+        "from uniform SLERP to the oracle", ("grpo_bc", "uniform_slerp", "oracle"), gap)  # fmt: skip
+    add("grpo_stage0_beats_slerp_easy", "GRPO from stage 0 (no oracle data) beats uniform SLERP on task_easy, "
+        "CIs apart", ("grpo_stage0", "uniform_slerp"),
+        lambda: (f"{fmt(_mean(p['grpo_stage0'], 'levels', 'task_easy'))} vs "
+                 f"{fmt(_mean(p['uniform_slerp'], 'levels', 'task_easy'))}",
+                 apart(_mean(p["grpo_stage0"], "levels", "task_easy"), _mean(p["uniform_slerp"], "levels", "task_easy"))))  # fmt: skip
+    for run in RUNS:
+
+        def canaries(run=run) -> tuple[object, bool]:
+            cells = p[run]["cells"]
+            hard = {c: cells[c]["hard_rule"]["mean"] for c in cells}
+            degenerate = {c: cells[c]["degenerate"]["mean"] for c in cells}
+            ok = all((h or 0.0) == 0.0 for h in hard.values()) and all(
+                (d or 0.0) <= DEGENERATE_MAX for d in degenerate.values()
+            )
+            return {"hard_rule_max": max((h or 0.0) for h in hard.values()),
+                    "degenerate_max": max((d or 0.0) for d in degenerate.values())}, ok  # fmt: skip
+
+        add(f"{run}_canaries", f"{run} at its last step: no hard rule broken and a degenerate share <= "
+            f"{DEGENERATE_MAX} on every cell", (run,), canaries)  # fmt: skip
+
+        def stable(run=run) -> tuple[object, bool]:
+            evals = report["runs"][run]["evaluations"]
+            start, last_step = evals[0], evals[-1]["step"]
+            floor = start["pooled"][SCALED_REWARD]["mean"]
+            late = {
+                e["step"]: round(e["pooled"][SCALED_REWARD]["mean"], 3)
+                for e in evals
+                if e["step"] > last_step / 3
+            }
+            return {"start": round(floor, 3), "after_first_third": late}, bool(late) and min(
+                late.values()
+            ) >= floor
+
+        add(f"{run}_stable", f"{run}: no evaluation after the first third of training falls below its start's "
+            "pooled mean", (run,), stable)  # fmt: skip
+    return out
+
+
+PLANNER_LABELS: dict[str, str] = {
+    "stage0": "stage 0 (format SFT)",
+    "grpo_stage0": "GRPO from stage 0",
+    "bc": "BC (stage 2)",
+    "grpo_bc": "GRPO from BC (final)",
+    "oracle": "oracle",
+    "uniform_slerp": "uniform SLERP",
+    "do_nothing": "do nothing",
+}
+
+
+def _cell(ci: dict, digits: int = 2) -> str:
+    if ci["mean"] is None:
+        return "-"
+    if ci["n"] > 1 and ci["hi"] != ci["lo"]:
+        return f"{ci['mean']:.{digits}f} [{ci['lo']:.{digits}f}, {ci['hi']:.{digits}f}]"
+    return f"{ci['mean']:.{digits}f}"
+
+
+def markdown_tables(report: dict) -> str:
+    """The scaled reward of every planner per cell, per level and pooled; the canaries per cell."""
+    p = planners(report)
+    names = [n for n in PLANNER_LABELS if n in p]
+    cells = list(p["oracle"]["cells"]) if "oracle" in p else []
+    levels = list(p["oracle"]["levels"]) if "oracle" in p else []
+    lines = [f"{SCALED_REWARD} ({BANDS}), mean [95 % CI] over held-out seeds:", "",
+             "| planner | " + " | ".join([*cells, *levels, "pooled"]) + " |", "|---" * (len(cells) + len(levels) + 2) + "|"]  # fmt: skip
+    for n in names:
+        row = [_cell(p[n]["cells"][c][SCALED_REWARD]) for c in cells]
+        row += [_cell(p[n]["levels"][lv][SCALED_REWARD]) for lv in levels]
+        lines.append(
+            f"| {PLANNER_LABELS[n]} | " + " | ".join([*row, _cell(p[n]["pooled"][SCALED_REWARD])]) + " |"
+        )
+    lines += ["", "Canaries per cell (means; none is a reward): " + ", ".join(CANARIES[:-1]) + ", degenerate (by form)", "",
+              "| planner | cell | strategy acc. | parse | " + " | ".join(CANARIES) + " |", "|---" * (len(CANARIES) + 4) + "|"]  # fmt: skip
+    for n in names:
+        for c in cells:
+            s = p[n]["cells"][c]
+            forms = p[n].get("degenerate_forms", {}).get(c, {})
+            vals = [_cell(s[m]) for m in CANARIES[:-1]]
+            degenerate = _cell(s["degenerate"]) + (
+                f" ({', '.join(f'{k} {v}' for k, v in forms.items())})" if forms else ""
+            )
+            lines.append(f"| {PLANNER_LABELS[n]} | {c} | {_cell(s['strategy_accuracy'])} | {_cell(s['parse'])} | "
+                         + " | ".join([*vals, degenerate]) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def curve_table(report: dict) -> str:
+    """Each GRPO run's pooled evaluations by step."""
+    lines = ["| run | step | pooled " + SCALED_REWARD + " | strategy acc. | hard rule | degenerate | tokens |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for run in RUNS:
+        for e in report.get("runs", {}).get(run, {}).get("evaluations", []):
+            q = e["pooled"]
+            lines.append(f"| {run} | {e['step']} | {_cell(q[SCALED_REWARD])} | {_cell(q['strategy_accuracy'])} | "
+                         f"{_cell(q['hard_rule'])} | {_cell(q['degenerate'])} | {e['mean_tokens']:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def targets_table(rows: Sequence[dict]) -> str:
+    lines = ["| target | passed | value |", "|---|---|---|"]
+    lines += [
+        f"| {r['claim']} | {'PASS' if r['passed'] else 'FAIL'} | {json.dumps(r['value'])} |" for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """The pooled scaled reward of both GRPO runs by step, with 95 % CIs, beside the references."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in RUNS:
+        evals = report.get("runs", {}).get(run, {}).get("evaluations", [])
+        if not evals:
+            continue
+        steps = [e["step"] for e in evals]
+        mean, lo, hi = ([e["pooled"][SCALED_REWARD][k] for e in evals] for k in ("mean", "lo", "hi"))
+        ax.plot(steps, mean, "o-", label=PLANNER_LABELS[run])
+        ax.fill_between(steps, lo, hi, alpha=0.2)
+    for name, style in (("oracle", "--"), ("uniform_slerp", ":"), ("do_nothing", "-.")):
+        if name in report.get("references", {}):
+            ax.axhline(
+                report["references"][name]["pooled"][SCALED_REWARD]["mean"], ls=style, color="k", label=name
+            )
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(f"pooled {SCALED_REWARD}")
+    ax.legend(fontsize=7)
+    ax.set_title(f"held-out, {report['config']['eval_seeds']} seeds x {len(CELL_NAMES)} cells, 95 % CI")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,207 @@
+"""Case sets: patients' cases read from JSON Lines or Parquet files (local or ``s3://``), validated,
+and generated cases exported in the same format (docs/cases.md; the record is
+:mod:`server.case_records`').
+
+* :func:`read_records` yields each record of a file with where it came from, or why it could not be
+  read (a line that is not JSON, a line over :data:`MAX_LINE_BYTES`, a truncated last line), without
+  ever holding more than one line: a hostile file cannot exhaust memory.
+* :func:`validate` checks every record (:func:`server.case_records.case_of_record`) and the set
+  (duplicate case ids), and returns a :class:`Validation` that names every problem by case id and FDI
+  tooth; ``orthojob cases validate FILE|s3://…`` prints it and exits 0 when the set is usable, 2 when
+  not (30 when S3 cannot be read).
+* :func:`export` writes generated cases (``orthojob cases export --task … --seeds A:B``): importing
+  them gives back the generated cases bit for bit (their poses, crown sizes, labels and key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orthojob.ops import storage
+from server.case_records import Checked, Problem, case_of_record, record_of_case
+from server.cases import Case, generate_case
+
+MAX_LINE_BYTES = 4 << 20
+"""A JSON Lines record longer than this (4 MiB; a case is about 6 KB) is refused unread."""
+_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A record that could not be read: where (``line N`` or ``row N``) and why."""
+
+    where: str
+    message: str
+
+
+@dataclass
+class Validation:
+    """The outcome of :func:`validate`: the usable cases, every problem, and what was filled in."""
+
+    source: str
+    records: int = 0
+    cases: list[Case] = field(default_factory=list)
+    case_ids: list[str] = field(default_factory=list)
+    patient_ids: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: Counter = field(default_factory=Counter)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and bool(self.cases)
+
+    def summary(self) -> str:
+        head = (
+            f"{self.source}: {self.records} records, {len(self.cases)} usable cases of "
+            f"{len(set(self.patient_ids))} patients, {len(self.problems)} problems"
+        )
+        notes = "".join(f"\n  note: {k.replace('_', ' ')}: {v}" for k, v in sorted(self.notes.items()))
+        shown = self.problems[:200]
+        more = (
+            f"\n  ... and {len(self.problems) - len(shown)} more" if len(self.problems) > len(shown) else ""
+        )
+        return head + notes + "".join(f"\n  {p}" for p in shown) + more
+
+
+def _json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(where, record | Unreadable)`` per non-blank line, each line read in bounded chunks."""
+    with path.open("rb") as f:
+        number, buffer, overlong = 0, bytearray(), False
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            start = 0
+            while True:
+                end = chunk.find(b"\n", start)
+                piece = chunk[start:] if end < 0 else chunk[start:end]
+                if not overlong:
+                    buffer += piece
+                    if len(buffer) > MAX_LINE_BYTES:
+                        overlong, buffer = True, bytearray()
+                if end < 0:
+                    break
+                number += 1
+                yield from _line(number, buffer, overlong, final=False)
+                buffer, overlong, start = bytearray(), False, end + 1
+        if buffer or overlong:
+            yield from _line(number + 1, buffer, overlong, final=True)
+
+
+def _line(number: int, raw: bytearray, overlong: bool, final: bool) -> Iterator[tuple[str, Any]]:
+    where = f"line {number}"
+    if overlong:
+        yield where, Unreadable(where, f"longer than {MAX_LINE_BYTES} bytes: not a case record")
+        return
+    if not raw.strip():
+        return
+    try:
+        yield where, json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        cut = " (the file ends mid-record: truncated?)" if final else ""
+        yield where, Unreadable(where, f"not JSON{cut}: {exc}")
+
+
+def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    from datasets import Dataset
+
+    try:
+        data = Dataset.from_parquet(str(path))
+    except Exception as exc:  # pyarrow's errors for a file that is not Parquet, or a truncated one
+        yield "file", Unreadable("file", f"not a readable Parquet file: {exc}")
+        return
+    for i in range(len(data)):
+        yield f"row {i + 1}", data[i]
+
+
+def read_records(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+    """``(where, record)`` for each record of a local ``.jsonl`` / ``.json`` / ``.parquet`` file; a
+    record that cannot be read comes as an :class:`Unreadable`."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no case file {p}")
+    if p.suffix == ".parquet":
+        yield from _parquet(p)
+    else:
+        yield from _json_lines(p)
+
+
+def _local(source: str, tmp: str) -> Path:
+    """The local path of ``source``; an ``s3://`` object is downloaded into ``tmp`` first."""
+
+    if not storage.is_s3_uri(source):
+        return Path(source)
+    loc = storage.parse_s3_uri(source)
+    target = Path(tmp) / Path(loc.prefix).name
+    client = storage.s3_client()
+    storage.with_retries(
+        f"reading {source}", lambda: client.download_file(loc.bucket, loc.prefix, str(target))
+    )
+    return target
+
+
+def validate(source: str) -> Validation:
+    """Read and check every record of a case file (local path or ``s3://`` URI)."""
+    out = Validation(source)
+    seen: Counter = Counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for where, record in read_records(_local(source, tmp)):
+            out.records += 1
+            if isinstance(record, Unreadable):
+                out.problems.append(f"{where}: {record.message}")
+                continue
+            checked: Checked = case_of_record(record)
+            out.notes.update(checked.notes)
+            out.problems.extend(f"{where}, {p}" for p in checked.problems)
+            if checked.case_id is not None:
+                seen[checked.case_id] += 1
+                if seen[checked.case_id] == 2:
+                    out.problems.append(f"{where}, {Problem(checked.case_id, None, 'case_id used twice')}")
+            if checked.case is not None and seen[checked.case_id] == 1:
+                out.cases.append(checked.case)
+                out.case_ids.append(checked.case_id)
+                out.patient_ids.append(checked.patient_id)
+    if out.records == 0:
+        out.problems.append("no case records in the file")
+    return out
+
+
+def export(task_id: str, seeds: Sequence[int], force_decay: bool, out: str | os.PathLike) -> int:
+    """Write generated cases as records (JSON Lines, or Parquet for a ``.parquet`` path); returns
+    how many were written."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = (record_of_case(generate_case(task_id, int(s), force_decay)) for s in seeds)
+    if path.suffix == ".parquet":
+        from datasets import Dataset
+
+        rows = list(records)
+        Dataset.from_list(rows).to_parquet(str(path))
+        return len(rows)
+    n = 0
+    with path.open("w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+            n += 1
+    return n
+
+
+def seed_range(text: str) -> range:
+    """``"A:B"`` (B excluded) or ``"N"`` (seeds 0..N-1) as a range; ValueError says what to write."""
+    try:
+        if ":" in text:
+            a, b = (int(x) for x in text.split(":", 1))
+        else:
+            a, b = 0, int(text)
+    except ValueError:
+        raise ValueError(f"--seeds takes A:B or N, got {text!r}") from None
+    if not 0 <= a < b:
+        raise ValueError(f"--seeds {text!r} is empty: A:B with 0 <= A < B")
+    return range(a, b)

@@ -1,0 +1,149 @@
+"""Stage-0 (format SFT) demonstrations that carry no clinical choice.
+
+Each demonstration is the policy's own prompt (:func:`orthojob.data.prompts.build_messages`) and, as the
+completion, a *valid, executable* plan whose choices are random:
+
+* ``strategy``: drawn uniformly from :data:`server.clinical_profiles.STRATEGIES`, independently of
+  the case (so a policy cloned from these demos starts at chance strategy accuracy, 1/5);
+* ``tooth_groups``: the case's treated teeth (movement above :data:`server.scoring.MOVEMENT_EPS_MM`)
+  shuffled and cut into 1..:data:`MAX_DEMO_GROUPS` groups; each group gets a random priority among
+  those that still let its slowest tooth reach the target by aligner 24 within the per-stage limits,
+  and a fraction drawn uniformly from the feasible interval
+  ``[1 / (24 - start + 1), 1 / stages_needed]`` of its teeth (so the plan is executable: every
+  treated tooth stays within the per-stage limits and reaches its target).
+
+Nothing here looks at which strategy or sequence suits the case, and nothing is filtered on the
+clinical score: some demos break a hard rule (collisions between teeth moved at different times),
+which is part of what GRPO can learn to avoid. :func:`demo_stats` reports the share.
+
+Example::
+
+    from orthojob.data.format_demos import format_demonstrations
+    rows = format_demonstrations(400, ["task_easy"], seed=0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Sequence
+
+import numpy as np
+
+from orthojob.data.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
+from server.cases import Case, CaseKey, generate_case
+from server.clinical_profiles import STRATEGIES
+from server.dental_constants import (
+    MAX_ROTATION_DEG,
+    MAX_TRANSLATION_MM,
+    MM_PER_DEG,
+    N_STAGES,
+    PRIORITY_START_STAGE,
+    TOOTH_IDS,
+)
+from server.scoring import MOVEMENT_EPS_MM
+from server.treatment import score_plans
+
+MAX_DEMO_GROUPS: int = 3
+"""Most groups in a demo plan (keeps completions short: about 60-110 tokens with the tiny tokenizer)."""
+FRACTION_DIGITS: int = 4
+
+
+def _floor(x: float) -> float:
+    return math.floor(x * 10**FRACTION_DIGITS) / 10**FRACTION_DIGITS
+
+
+def _ceil(x: float) -> float:
+    return math.ceil(x * 10**FRACTION_DIGITS) / 10**FRACTION_DIGITS
+
+
+def treated_teeth(case: Case) -> tuple[list[int], np.ndarray]:
+    """Indices of the teeth the case moves, and the exact stages each needs within the limits."""
+    dist, rot = case.need
+    treated = np.flatnonzero(np.hypot(dist, MM_PER_DEG * rot) > MOVEMENT_EPS_MM)
+    stages = np.maximum(dist / MAX_TRANSLATION_MM, rot / MAX_ROTATION_DEG)
+    return [int(i) for i in treated], stages
+
+
+def random_format_plan(case: Case, rng: random.Random) -> dict:
+    """One random, executable plan for ``case`` (see the module docstring)."""
+    strategy = rng.choice(STRATEGIES)
+    teeth, stages = treated_teeth(case)
+    if not teeth:  # nothing to move: one group at uniform SLERP
+        return {"strategy": strategy, "tooth_groups": [{"teeth": [11], "fraction": _floor(1 / N_STAGES)}]}
+    rng.shuffle(teeth)
+    k = rng.randint(1, min(MAX_DEMO_GROUPS, len(teeth)))
+    cuts = sorted(rng.sample(range(1, len(teeth)), k - 1)) if k > 1 else []
+    bounds = [0, *cuts, len(teeth)]
+    groups = []
+    for lo, hi in itertools.pairwise(bounds):
+        members = teeth[lo:hi]
+        need = max(1.0, float(max(stages[i] for i in members)))
+        f_max = _floor(1.0 / need * (1 - 1e-6))
+        options = [
+            p for p, start in PRIORITY_START_STAGE.items() if _ceil(1.0 / (N_STAGES - start + 1)) <= f_max
+        ]
+        priority = rng.choice(options or ["high"])
+        f_min = _ceil(1.0 / (N_STAGES - PRIORITY_START_STAGE[priority] + 1))
+        fraction = round(rng.uniform(f_min, max(f_min, f_max)), FRACTION_DIGITS)
+        fraction = min(max(fraction, f_min), max(f_min, f_max))
+        groups.append(
+            {"teeth": sorted(TOOTH_IDS[i] for i in members), "fraction": fraction, "priority": priority}
+        )
+    return {"strategy": strategy, "tooth_groups": groups}
+
+
+def format_demonstrations(
+    n: int,
+    task_ids: Sequence[str],
+    force_decay: bool = False,
+    seed: int = 0,
+    seed_start: int = TRAIN_SEED_START,
+    prompt_format: str = "full",
+    strategy_last: bool = False,
+) -> list[dict]:
+    """``n`` SFT rows ``{"prompt", "completion", "seed", "task_id", "force_decay", "plan"}`` on training
+    seeds from ``seed_start`` (tasks take turns), each with a random format plan (``seed`` seeds the
+    random choices, not the cases), prompts in ``prompt_format`` (:data:`orthojob.data.prompts.PROMPT_FORMATS`); ``strategy_last`` writes
+    the strategy after the tooth groups."""
+    rng = random.Random(seed)
+    tasks = list(task_ids)
+    rows = []
+    for k in range(n):
+        task_id = tasks[k % len(tasks)]
+        case_seed = seed_start + k // len(tasks)
+        case = generate_case(task_id, case_seed, bool(force_decay))
+        plan = random_format_plan(case, rng)
+        rows.append(
+            {
+                "prompt": build_messages(reset_observation(case_seed, task_id, force_decay), prompt_format),
+                "completion": [{"role": "assistant", "content": plan_to_completion(plan, strategy_last)}],
+                "seed": case_seed,
+                "task_id": task_id,
+                "force_decay": bool(force_decay),
+                "plan": plan,
+            }
+        )
+    return rows
+
+
+def demo_stats(rows: Sequence[dict]) -> dict:
+    """Scores of the demos' plans: mean scaled reward, hard-rule share, executable share, strategy
+    counts and the share naming the case's optimal strategy."""
+
+    results = score_plans(
+        [r["plan"] for r in rows], [CaseKey(r["task_id"], r["seed"], r["force_decay"]) for r in rows]
+    )
+    optimal = [generate_case(r["task_id"], r["seed"], r["force_decay"]).optimal_strategy for r in rows]
+    return {
+        "n": len(rows),
+        "scaled_reward_mean": float(np.mean([x["scaled_reward"] for x in results])),
+        "hard_rule_share": float(np.mean([bool(x["broken_rules"]) for x in results])),
+        "executable_mean": float(np.mean([x["reward_breakdown"]["executable"] for x in results])),
+        "strategy_counts": {s: sum(r["plan"]["strategy"] == s for r in rows) for s in STRATEGIES},
+        "optimal_share": float(np.mean([r["plan"]["strategy"] == o for r, o in zip(rows, optimal)])),
+    }
+
+
+__all__ = ["MAX_DEMO_GROUPS", "demo_stats", "format_demonstrations", "random_format_plan", "treated_teeth"]

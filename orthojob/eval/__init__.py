@@ -1,0 +1,1 @@
+"""Judging planners: held-out evaluation, the headline metric, analysis, plots and the viewer."""

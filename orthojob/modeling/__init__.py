@@ -1,0 +1,1 @@
+"""Models: loading policies and checkpoints, base weights, the offline tiny model."""

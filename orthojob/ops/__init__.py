@@ -1,0 +1,1 @@
+"""Running as a job: storage, tracking, the registry, identity, preemption, exit codes, Kubernetes."""

@@ -1,0 +1,250 @@
+"""Cached rollouts: one scored episode per (completion, case), shared by the rewards.
+
+TRL calls each reward function with the same batch of completions. The first call parses
+every completion once (:func:`orthojob.rewards.parsing.extract_plan`), normalises the plans
+(:func:`server.plans.normalize_plan`) and scores **all misses of the batch in one call** to
+:func:`server.treatment.score_plan_specs` (vectorised over plans, stages and teeth); the
+other rewards read the cached :class:`Rollout` objects.
+
+A completion with no usable tooth group is not a plan: no JSON object, an object without
+``tooth_groups`` (``{}``, ``{"strategy": "distal_first"}``, prose quoting one), or groups none of
+which sets a tooth (all fractions invalid, no valid tooth id). It is not scored and its rollout
+carries ``error`` = :data:`NO_PLAN`, so every reward gives it its minimum, as garbage. (The
+server reads such a plan as uniform SLERP, the baseline; paying SLERP's score to a completion
+that did not plan was the exploit.) The plan is the first object holding ``tooth_groups``
+(:func:`orthojob.rewards.parsing.find_plan`).
+
+Keys are ``(sha256 of the completion text, task_id, seed, force_decay, non_compliance)`` (the :class:`server.cases.CaseKey` order): a full digest, so
+two different completions never share an episode (the seed used 16 bits of ``hash()``).
+The cache is an LRU bounded by ``max_entries`` and safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from orthojob.rewards.parsing import completion_text, find_plan, format_checks
+from server import treatment
+from server.cases import CaseKey, generate_case
+from server.plans import PlanSpec, normalize_plan
+from server.reward_scaler import REWARD_MIN
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_ENTRIES: int = 4096
+"""64 prompts x 64 generations, or many steps of a smaller batch."""
+NO_PLAN: str = "no usable tooth group in the completion"
+"""The error of a completion that holds no plan: it is not scored (no SLERP fallback credit)."""
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One scored episode. Treat the dicts as read-only: cached rollouts are shared.
+
+    Attributes:
+        terminal_reward: the environment's raw terminal score in [0, 1] (before scaling).
+        scaled_reward: the scale GRPO sees (:mod:`server.reward_scaler`), REWARD_MIN for an error.
+        broken_rules: the hard clinical rules the plan breaks (empty for a safe plan).
+        reward_breakdown: every scoring component by name (``collision_free``, ``movement_prior``, ...).
+        diagnostics: counts and extremes of the episode (limit violations, peak PDL kPa, ...).
+        format: :func:`orthojob.rewards.parsing.format_checks` of the parsed plan.
+        plan: the parsed plan, or None when the completion held no JSON object.
+        strategy: the plan's strategy if it is a known one, else None.
+        error: None, or why the episode was not scored (NO_PLAN, or a failure); the rewards then
+            give their minimum and the breakdown and diagnostics are empty.
+        plan_format: the server's counts of usable and ignored plan parts (PlanFormat).
+    """
+
+    terminal_reward: float
+    scaled_reward: float
+    broken_rules: tuple
+    reward_breakdown: dict
+    diagnostics: dict
+    format: dict
+    plan: dict | None
+    strategy: str | None
+    error: str | None = None
+    plan_format: dict = field(default_factory=dict)
+
+
+def completion_digest(text: str) -> str:
+    """sha256 hex digest of a completion text (surrogates escaped, never raises)."""
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
+def _case_key(seed: object, task_id: object, force_decay: object, non_compliance: object = False) -> CaseKey:
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"column 'seed' must hold integers, got {seed!r:.40}")
+    if not isinstance(task_id, str):
+        raise ValueError(f"column 'task_id' must hold strings, got {task_id!r:.40}")
+    if force_decay is not None and not isinstance(force_decay, (bool, np.bool_)):
+        raise ValueError(f"column 'force_decay' must hold booleans, got {force_decay!r:.40}")
+    if non_compliance is not None and not isinstance(non_compliance, (bool, np.bool_)):
+        raise ValueError(f"column 'non_compliance' must hold booleans, got {non_compliance!r:.40}")
+    return CaseKey(task_id, int(seed), bool(force_decay), bool(non_compliance))
+
+
+def _failed(plan: dict | None, fmt: dict, error: str) -> Rollout:
+    return Rollout(0.0, REWARD_MIN, (), {}, {}, fmt, plan, None, error)
+
+
+def score_texts(texts: Sequence[str], cases: Sequence[CaseKey]) -> list[Rollout]:
+    """Rollouts of completion texts on cases (:class:`server.cases.CaseKey`): one batched server call.
+
+    Raises the environment's InvalidActionError for an unknown task id or a bad seed (a dataset
+    error); never raises because of a completion's content.
+    """
+    resolved = [generate_case(*CaseKey(*case)) for case in cases]
+    found = [find_plan(t) for t in texts]
+    plans = [p for p, _ in found]
+    formats = [format_checks(p, n) for p, n in found]
+    out: list[Rollout | None] = [None] * len(plans)
+    todo: list[int] = []
+    specs: list[PlanSpec] = []
+    for i, plan in enumerate(plans):
+        if plan is None:
+            out[i] = _failed(None, formats[i], NO_PLAN)
+            continue
+        try:
+            spec = normalize_plan(plan)
+        except Exception as exc:  # normalize_plan promises never to raise; stay safe if it does
+            out[i] = _failed(plan, formats[i], f"plan not usable: {type(exc).__name__}: {exc}"[:200])
+            continue
+        if spec.format.usable_groups == 0:
+            out[i] = _failed(plan, formats[i], NO_PLAN)
+            continue
+        specs.append(spec)
+        todo.append(i)
+    cases_todo = [resolved[i] for i in todo]
+    try:
+        results = treatment.score_plan_specs(specs, cases_todo) if todo else []
+    except Exception:
+        logger.exception("batch plan scoring failed; scoring the %d plans one by one", len(specs))
+        results = []
+        for spec, case in zip(specs, cases_todo):
+            try:
+                results.append(treatment.score_plan_specs([spec], [case])[0])
+            except Exception as exc:
+                results.append({"error": f"scoring failed: {type(exc).__name__}: {exc}"[:200]})
+    for i, spec, res in zip(todo, specs, results):
+        if "error" in res:
+            out[i] = _failed(plans[i], formats[i], res["error"])
+            continue
+        out[i] = Rollout(
+            terminal_reward=res["terminal_reward"],
+            scaled_reward=res["scaled_reward"],
+            broken_rules=tuple(res["broken_rules"]),
+            reward_breakdown=res["reward_breakdown"],
+            diagnostics=res["diagnostics"],
+            format=formats[i],
+            plan=plans[i],
+            strategy=res["strategy"],
+            error=None,
+            plan_format=res.get("format") or asdict(spec.format),
+        )
+    return out
+
+
+class RolloutCache:
+    """Thread-safe LRU cache of rollouts keyed by (completion sha256, task_id, seed, force_decay)."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries must be a positive integer, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, Rollout] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> dict[str, int]:
+        """``{"hits", "misses", "entries", "max_entries"}``; a miss is one episode scored."""
+        with self._lock:
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "entries": len(self._entries),
+                "max_entries": self.max_entries,
+            }
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+
+    def get_many(
+        self,
+        completions: Sequence[object],
+        seeds: Sequence[object],
+        task_ids: Sequence[object],
+        force_decays: Sequence[object],
+        non_compliances: Sequence[object] | None = None,
+    ) -> list[Rollout]:
+        """One rollout per completion (str or conversational), scoring every miss in one batched call.
+
+        ``non_compliances``: the optional column (None: every case fully compliant). Duplicate keys
+        within a batch are scored once (the repeats count as hits).
+        """
+        n = len(completions)
+        worn = [False] * n if non_compliances is None else non_compliances
+        columns = (
+            ("seed", seeds),
+            ("task_id", task_ids),
+            ("force_decay", force_decays),
+            ("non_compliance", worn),
+        )
+        for name, column in columns:
+            if len(column) != n:
+                raise ValueError(f"column {name!r} has {len(column)} values for {n} completions")
+        texts = [completion_text(c) for c in completions]
+        cases = [_case_key(s, t, d, w) for s, t, d, w in zip(seeds, task_ids, force_decays, worn)]
+        keys = [(completion_digest(text), *case) for text, case in zip(texts, cases)]
+        found: dict[tuple, Rollout] = {}
+        todo: dict[tuple, int] = {}
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in found or key in todo:
+                    continue
+                hit = self._entries.get(key)
+                if hit is not None:
+                    self._entries.move_to_end(key)
+                    found[key] = hit
+                else:
+                    todo[key] = i
+            self.misses += len(todo)
+            self.hits += n - len(todo)
+        if todo:
+            idx = list(todo.values())
+            fresh = score_texts([texts[i] for i in idx], [cases[i] for i in idx])
+            with self._lock:
+                for key, rollout in zip(todo, fresh):
+                    found[key] = rollout
+                    self._entries[key] = rollout
+                    self._entries.move_to_end(key)
+                while len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
+        return [found[k] for k in keys]
+
+
+DEFAULT_CACHE = RolloutCache()
+"""The cache the reward functions share (one per process)."""
+
+
+__all__ = [
+    "DEFAULT_CACHE",
+    "DEFAULT_MAX_ENTRIES",
+    "Rollout",
+    "RolloutCache",
+    "completion_digest",
+    "score_texts",
+]

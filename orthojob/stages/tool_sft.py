@@ -1,0 +1,333 @@
+"""Stage 1, tool-use SFT (``orthojob tool-sft``): the oracle's plans as tool conversations.
+
+**Demonstrations** (:func:`tool_demonstrations`): for each training case the oracle
+(:func:`server.oracle.oracle_plan`) plays an episode of :class:`orthojob.agentic.tools.DentalToolEnv`
+through the very tools GRPO's agentic mode exposes: it inspects one or two of the teeth with the
+most movement (``inspect_tooth``), checks the arch's contacts (``check_collisions``) and submits its
+plan (``submit_plan``), then says it is done. Each row is the agentic prompt (system + instructions
+with the case appended, :func:`orthojob.agentic.prompts.full_prompt`), the assistant's tool calls in the
+chat template's tool-call format with the tools' real results as ``tool`` messages, and the tools'
+JSON schemas (column ``tools``, which TRL's SFTTrainer renders into the system message as GRPO
+does). Traces whose plan breaks a hard rule are skipped (as stage 2 does; counted). A trace ends
+with the reward the environment gave it, the one-shot reward of the oracle's plan.
+
+**Training** is :func:`orthojob.stages.sft.run_sft` (the tokenizer gets the tool-calling template,
+:func:`orthojob.agentic.chat_template.prepare_tokenizer`) on the conversations as messages
+(:func:`conversation_dataset`). The loss covers the assistant's turns only, each tool call's JSON and
+the closing turn with their end-of-turn tokens: not the prompt, not the tools' results (the
+environment's text). TRL's SFTTrainer (``assistant_only_loss``) renders each conversation with the
+training variant of the template, which marks the assistant's turns with ``{% generation %}`` (for
+TRL's Qwen2.5 template, its ``qwen2_5_training``: the same text), and trains on the marked tokens;
+the checkpoint keeps the inference template, the one GRPO's agentic mode recognises.
+
+**Gate** (stage ``tool_sft``, :func:`tool_gate_metrics`, checked by :func:`orthojob.stages.gate.gate_report`): greedy agentic rollouts on held-out seeds,
+up to ``GateSettings.tool_turns`` assistant turns each, the tools run on :class:`DentalToolEnv`.
+Metrics: ``tool_call_rate`` (share of episodes whose first turn is a parseable call of a known
+tool), ``finished_rate`` (share that submitted a plan or committed 24 stages), ``valid_call_rate``,
+``reward_mean``, ``turns_mean``. Default thresholds: tool_call_rate >= 0.9, finished_rate >= 0.8
+(``--min-tool-call-rate``, ``--min-finished-rate``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from orthojob.agentic.chat_template import prepare_tokenizer
+from orthojob.agentic.prompts import agentic_messages, agentic_rows, full_prompt
+from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv
+from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
+from orthojob.modeling.models import build_tiny, tiny_corpus
+from server.dental_constants import MM_PER_DEG, TOOTH_IDS
+from server.oracle import oracle_plan
+
+log = logging.getLogger(__name__)
+
+TOOL_SFT_STAGE = "tool_sft"
+"""The gate's stage name."""
+DONE_MESSAGE = "The plan is submitted."
+"""The assistant's last turn of a demonstration (after submit_plan's result)."""
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def tool_schemas() -> list[dict]:
+    """The JSON schemas of the tools, as TRL derives them from :class:`DentalToolEnv`'s methods."""
+    from transformers.utils import get_json_schema
+
+    env = DentalToolEnv.__new__(DentalToolEnv)  # the bound methods only: no environment needed
+    return [get_json_schema(getattr(env, name)) for name in TOOL_NAMES]
+
+
+def _call(name: str, arguments: dict) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}  # fmt: skip
+
+
+def oracle_tool_trace(seed: int, task_id: str, force_decay: bool, rng: random.Random) -> dict:
+    """One demonstration (module docstring): the row, plus ``plan``, ``reward`` (the environment's
+    scaled reward of the trace), ``broken_rules`` and ``calls`` (the tool names in order)."""
+    (row,) = agentic_rows(1, seed, task_id, force_decay)  # refuses held-out seeds
+    env = DentalToolEnv()
+    env.reset(**row)
+    obs = reset_observation(seed, task_id, force_decay)
+    plan = oracle_plan(obs)
+    # the teeth with the most movement left (mm-equivalent), one or two of them
+    dist, rot = env._case.need
+    order = np.argsort(-(dist + MM_PER_DEG * rot), kind="stable")
+    teeth = [TOOTH_IDS[int(i)] for i in order[: rng.randint(1, 2)]]
+    calls = [("inspect_tooth", {"tooth_id": t}) for t in teeth]
+    calls += [("check_collisions", {}), ("submit_plan", {"plan": plan_to_completion(plan)})]
+    completion = []
+    for name, arguments in calls:
+        result = getattr(env, name)(**arguments)
+        if result.startswith("error: "):
+            raise RuntimeError(f"the oracle's {name}({arguments}) was refused: {result}")
+        completion += [_call(name, arguments), {"role": "tool", "name": name, "content": result}]
+    completion.append({"role": "assistant", "content": DONE_MESSAGE})
+    return {
+        "prompt": full_prompt(row),
+        "completion": completion,
+        "tools": json.dumps(tool_schemas()),
+        "seed": seed,
+        "task_id": task_id,
+        "force_decay": bool(force_decay),
+        "plan": plan,
+        "reward": env.reward,
+        "broken_rules": list(env.result["broken_rules"]),
+        "calls": [name for name, _ in calls],
+    }
+
+
+def tool_demonstrations(
+    n: int, task_ids: Sequence[str], force_decay: bool = False, seed: int = 0
+) -> tuple[list[dict], dict]:
+    """``n`` tool-trace rows on training seeds (tasks take turns; traces whose plan breaks a hard
+    rule skipped and the next seed taken), and their counts."""
+    rng = random.Random(seed)
+    tasks = list(task_ids)
+    next_seed = dict.fromkeys(tasks, TRAIN_SEED_START)
+    rows: list[dict] = []
+    filtered = 0
+    k = 0
+    while len(rows) < n:
+        task_id = tasks[k % len(tasks)]
+        k += 1
+        row = oracle_tool_trace(next_seed[task_id], task_id, force_decay, rng)
+        next_seed[task_id] += 1
+        if row["broken_rules"]:
+            filtered += 1
+            k -= 1  # the same task again, on its next seed
+            continue
+        rows.append(row)
+    info = {
+        "source": "tool",
+        "examples": len(rows),
+        "filtered_hard_rule": filtered,
+        "reward_mean": float(np.mean([r["reward"] for r in rows])) if rows else 0.0,
+        "calls_mean": float(np.mean([len(r["calls"]) for r in rows])) if rows else 0.0,
+    }
+    log.info("tool demonstrations: %s", info)
+    return rows, info
+
+
+def conversation_dataset(rows: Sequence[dict]):
+    """The rows as a conversational prompt/completion dataset with the tools' schemas (column
+    ``tools``, JSON), what SFTTrainer's ``assistant_only_loss`` trains on. The completions are stored
+    as JSON (``datasets``' ``Json`` type): each tool call keeps its own arguments (Arrow records would
+    unify them into one record type, adding null fields to every call)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {
+            "prompt": [r["prompt"] for r in rows],
+            "completion": [r["completion"] for r in rows],
+            "tools": [r["tools"] if isinstance(r["tools"], str) else json.dumps(r["tools"]) for r in rows],
+        },
+        on_mixed_types="use_json",
+    )
+
+
+def render_rows(rows: Sequence[dict], tokenizer) -> list[dict]:
+    """The rows as text prompt/completion pairs, rendered with ``tokenizer``'s tool-calling template
+    (the tools' schemas in the system message, as GRPO's agentic prompts): the prompt up to the first
+    assistant turn's header, the completion the rest of the conversation (the tiny model's tokenizer
+    corpus, :func:`tiny_tool_corpus`)."""
+    out = []
+    for row in rows:
+        tools = json.loads(row["tools"]) if isinstance(row["tools"], str) else row["tools"]
+        prompt = tokenizer.apply_chat_template(
+            row["prompt"], tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tools=tools, tokenize=False)
+        if not full.startswith(prompt):
+            raise ValueError("the chat template does not render the prompt as a prefix of the conversation")
+        completion = full[len(prompt) :].rstrip("\n")
+        out.append({"prompt": prompt, "completion": completion})
+    return out
+
+
+def tiny_tool_corpus(task_ids: Sequence[str], force_decay: bool = False, n_per_task: int = 4) -> list[str]:
+    """Tokenizer corpus for a tiny model of stage 1: the one-shot corpus
+    (:func:`orthojob.modeling.models.tiny_corpus`) and a few training tool conversations rendered with the
+    tool-calling template, so that the tools' schemas cost few tokens."""
+    from orthojob.modeling.tiny_model import train_tokenizer  # torch at import: orthojob --help stays light
+
+    renderer = prepare_tokenizer(train_tokenizer(["x y"]))
+    rows, _ = tool_demonstrations(n_per_task * len(task_ids), task_ids, force_decay)
+    texts = [r["prompt"] + r["completion"] for r in render_rows(rows, renderer)]
+    return tiny_corpus(task_ids, force_decay) + texts
+
+
+def build_tiny_tool_model(out_dir, task_ids: Sequence[str], force_decay: bool = False, **arch):
+    """The offline tiny model (:func:`orthojob.modeling.tiny_model.build_tiny_model`) with a tokenizer that also
+    knows the tool conversations and room for them (at least 8192 positions). ``arch`` may name a
+    ``prompt_format`` (:func:`orthojob.modeling.models.build_tiny`), recorded in its ``config.json``."""
+    from pathlib import Path
+
+    path = Path(out_dir)
+    if (path / "config.json").is_file():
+        return path
+    arch = {**arch, "max_position_embeddings": max(int(arch.get("max_position_embeddings", 0)), 8192)}
+    return build_tiny(path, task_ids, force_decay, corpus=tiny_tool_corpus(task_ids, force_decay), **arch)
+
+
+# --- the gate: greedy agentic rollouts -----------------------------------------------------------
+
+
+def parse_tool_call(text: str) -> tuple[str, dict] | None:
+    """The first ``<tool_call>{"name", "arguments"}</tool_call>`` of a turn, if it names a tool."""
+    match = TOOL_CALL.search(text)
+    if match is None:
+        return None
+    try:
+        call = json.loads(match.group(1))
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or call.get("name") not in TOOL_NAMES:
+        return None
+    arguments = call.get("arguments", {})
+    return (call["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def agentic_rollouts(
+    model, tokenizer, rows: Sequence[dict], max_turns: int, max_new_tokens: int, batch_size: int
+) -> list[dict]:
+    """Greedy tool-calling episodes, one per row (:func:`orthojob.agentic.prompts.agentic_rows`): each turn
+    is generated, its first tool call run on the row's :class:`DentalToolEnv` and the result
+    appended as a ``tool`` message, until a turn without a tool call, the episode's end, or
+    ``max_turns`` turns. Returns per episode: ``turns``, ``first_call`` (the first turn was a
+    parseable call), ``calls``, ``invalid``, ``finished``, ``reward``, ``messages``."""
+    import torch
+
+    tokenizer = prepare_tokenizer(tokenizer)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    envs = [DentalToolEnv() for _ in rows]
+    tools = [getattr(envs[0], name) for name in TOOL_NAMES]
+    episodes = []
+    for env, row in zip(envs, rows):
+        env.reset(**row)
+        messages = full_prompt(row)
+        episodes.append({"messages": messages, "turns": 0, "first_call": False, "calls": 0, "done": False})
+    device = next(model.parameters()).device
+    for turn in range(max_turns):
+        active = [i for i, e in enumerate(episodes) if not e["done"]]
+        for start in range(0, len(active), batch_size):
+            chunk = active[start : start + batch_size]
+            texts = [
+                tokenizer.apply_chat_template(
+                    episodes[i]["messages"], tools=tools, add_generation_prompt=True, tokenize=False
+                )
+                for i in chunk
+            ]
+            batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            with torch.no_grad():
+                out = model.generate(
+                    **batch,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            new = out[:, batch["input_ids"].shape[1] :]
+            for i, ids in zip(chunk, new):
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                ep, env = episodes[i], envs[i]
+                ep["turns"] += 1
+                call = parse_tool_call(text)
+                if turn == 0:
+                    ep["first_call"] = call is not None
+                if call is None:
+                    ep["messages"].append({"role": "assistant", "content": text})
+                    ep["done"] = True
+                    continue
+                name, arguments = call
+                ep["calls"] += 1
+                result = getattr(env, name)(**arguments)
+                ep["messages"] += [_call(name, arguments), {"role": "tool", "name": name, "content": result}]
+                ep["done"] = env.finished
+    return [
+        {
+            "turns": e["turns"],
+            "first_call": e["first_call"],
+            "calls": e["calls"],
+            "invalid": env.metrics.invalid,
+            "finished": env.finished,
+            "reward": env.reward,
+            "messages": e["messages"],
+        }
+        for e, env in zip(episodes, envs)
+    ]
+
+
+def tool_gate_metrics(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    max_turns: int = 4,
+    max_new_tokens: int = 512,
+    batch_size: int = 16,
+) -> tuple[dict, list[dict]]:
+    """The tool-use gate's metrics (module docstring) over greedy agentic episodes of ``rows``
+    (``seed``, ``task_id``, ``force_decay``), and three sample episodes. :func:`orthojob.stages.gate.gate_report`
+    checks them against the stage's thresholds and writes the report."""
+    rows = [{"prompt": agentic_messages(), **r} for r in rows]
+    t_gen = time.perf_counter()
+    episodes = agentic_rollouts(model, tokenizer, rows, max_turns, max_new_tokens, batch_size)
+    n = len(episodes)
+    calls = sum(e["calls"] for e in episodes)
+    metrics = {
+        "tool_call_rate": sum(e["first_call"] for e in episodes) / n,
+        "finished_rate": sum(e["finished"] for e in episodes) / n,
+        "valid_call_rate": (calls - sum(e["invalid"] for e in episodes)) / calls if calls else 0.0,
+        "reward_mean": float(np.mean([e["reward"] for e in episodes])),
+        "turns_mean": float(np.mean([e["turns"] for e in episodes])),
+        "calls_mean": calls / n,
+        "generate_seconds": time.perf_counter() - t_gen,
+    }
+    samples = [
+        {"task_id": r["task_id"], "seed": r["seed"], "completion": json.dumps(e["messages"][2:])[:2000]}
+        for r, e in zip(rows[:3], episodes[:3])
+    ]
+    return metrics, samples
+
+
+__all__ = [
+    "DONE_MESSAGE",
+    "TOOL_SFT_STAGE",
+    "agentic_rollouts",
+    "build_tiny_tool_model",
+    "conversation_dataset",
+    "oracle_tool_trace",
+    "parse_tool_call",
+    "render_rows",
+    "tiny_tool_corpus",
+    "tool_demonstrations",
+    "tool_gate_metrics",
+    "tool_schemas",
+]
