@@ -15,14 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from server.dental_constants import IS_MOLAR, MM_PER_DEG, TOOTH_CLASS, TOOTH_CLASSES
-from server.movement_priors import (
-    DEFAULT_REFERENCE_PATH,
-    AnchoragePrior,
-    CombinedPrior,
-    RealismPrior,
-    load_reference,
-    tooth_movement_mm,
-)
+from server.movement_priors import AnchoragePrior, CombinedPrior, RealismPrior
+from server.movement_reference import DEFAULT_REFERENCE_PATH, load_reference, tooth_movement_mm
 from server.quaternion_utils import quaternion_from_rotvec, quaternion_multiply, quaternion_normalize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -254,7 +248,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "server.movement_priors", *args],
+        [sys.executable, "-m", "server.movement_reference", *args],
         check=False,
         cwd=REPO_ROOT,
         env=env,
