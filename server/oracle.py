@@ -56,19 +56,16 @@ from functools import lru_cache
 import numpy as np
 
 from server.cases import Case, generate_case
-from server.clinical_profiles import OPTIMAL_STRATEGY, SEQUENCED_TEETH, STRATEGY_LEVELS, optimal_strategy
+from server.clinical_profiles import OPTIMAL_STRATEGY, STRATEGY_LEVELS, optimal_strategy
 from server.collisions import COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
 from server.dental_constants import (
     ADJACENT_PAIRS,
     IS_UPPER,
     LIMIT_TOLERANCE,
-    MAX_ROTATION_DEG,
-    MAX_TRANSLATION_MM,
     MIRROR_INDEX,
     MM_PER_DEG,
     N_STAGES,
     PDL_CRITICAL_KPA,
-    PRIORITY_START_STAGE,
     QUADRANT,
     SECOND_NEIGHBOUR_PAIRS,
     SIDE,
@@ -77,7 +74,6 @@ from server.dental_constants import (
 )
 from server.plans import MAX_OVERCORRECTION, PlanSpec
 from server.quaternion_utils import (
-    quaternion_angle,
     quaternion_inverse,
     quaternion_multiply,
     quaternion_rotate,
@@ -92,6 +88,16 @@ from server.scoring import (
     pdl_stress_kpa,
     stage_measures,
 )
+from server.staging import (
+    BRISK,
+    LEVEL_SPAN,
+    MAX_SPEED,
+    Staging,
+    arrays_to_plan,
+    limit_speeds,
+    quantise_fractions,
+    stage_arrays,
+)
 from server.treatment import rollout_plans, score_plan_specs
 
 FEATURE_SCALE: dict[str, float] = {
@@ -105,8 +111,6 @@ DIAGNOSIS_THRESHOLD: float = 0.12
 """Scaled features below this everywhere mean a mild irregularity."""
 SECONDARY_THRESHOLD: float = 0.2
 """A second scaled feature from this size is read as a second malocclusion."""
-LEVEL_SPAN: int = 12
-"""Aligners over which the strategy's levels' start stages are spread (first at 1)."""
 REPAIR_ROUNDS: int = 10
 """Rounds of setup refinement for a candidate that breaks a hard rule."""
 REPAIR_TEETH: int = 4
@@ -115,12 +119,6 @@ REPAIR_STARTS: int = 3
 """Candidates (those with the best terminal score) refined, in turn, until one comes out safe."""
 REPAIR_SHIFTS: tuple[int, ...] = (-6, -3, -1, 1, 2, 3, 6, 9)
 """Start-stage shifts tried on each tooth involved in a breach."""
-BRISK: float = 0.8
-"""Speed of the first level, as a share of the per-stage limits."""
-MAX_SPEED: float = 0.95
-"""Fastest speed the oracle plans, as a share of the per-stage limits."""
-Staging = tuple[np.ndarray, np.ndarray, np.ndarray]
-"""Per-tooth start stages (28,) int, fractions (28,) and overcorrections (28,): a plan in arrays."""
 SHORT_FACTORS: tuple[float, ...] = (0.9, 0.8, 0.65)
 """Speed factors of a repair that lets a tooth stop short of its target."""
 CHAIN_SHIFTS: tuple[int, ...] = (1, 2, 3, 5, 7, 9)
@@ -137,8 +135,6 @@ RELIEF_TRIMS: tuple[tuple[float, int, bool], ...] = ((0.5, 4, False), (0.75, 8, 
 """Share of the overcorrection kept per round, and the rounds at most, of each collision relief tried."""
 ORACLE_CACHE_SIZE: int = 4096
 """Oracle plans kept per process (LRU) for generated cases, as many as the case cache holds."""
-FRACTION_QUANTUM: float = 1e-4
-"""Fractions are written rounded up to this (what the plan JSON carries)."""
 
 
 def _arch_max(values: np.ndarray, mask: np.ndarray) -> float:
@@ -191,113 +187,6 @@ def infer_profiles(initial: np.ndarray, target: np.ndarray) -> tuple[str, str | 
     return ranked[0], second
 
 
-def _required_speed(initial: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """(28,) fraction per stage that moves each tooth at exactly the per-stage limits."""
-    t = np.linalg.norm(target[:, 4:] - initial[:, 4:], axis=-1)
-    r = np.degrees(quaternion_angle(initial[:, :4], target[:, :4]))
-    stages_at_limit = np.maximum(t / MAX_TRANSLATION_MM, r / MAX_ROTATION_DEG)
-    return np.where(stages_at_limit > 1e-9, 1.0 / np.maximum(stages_at_limit, 1e-9), 1.0)
-
-
-def _quantise(fraction: np.ndarray) -> np.ndarray:
-    return np.minimum(np.ceil(np.asarray(fraction) / FRACTION_QUANTUM - 1e-9) * FRACTION_QUANTUM, 1.0)
-
-
-def level_starts(n_levels: int, span: int = LEVEL_SPAN) -> np.ndarray:
-    """Start aligner of each of ``n_levels`` sequence levels: evenly from 1 to ``1 + span``."""
-    if n_levels <= 1:
-        return np.ones(1, dtype=np.int64)
-    return 1 + np.round(np.arange(n_levels) * span / (n_levels - 1)).astype(np.int64)
-
-
-def _fit_speed(start: np.ndarray, last_stage: int, limit_fraction: np.ndarray, slot: np.ndarray) -> tuple:
-    """Per-tooth (start, fraction): the slowest speed finishing by ``last_stage``; the first slot brisk."""
-    start = start.copy()
-    need_slow = 1.0 / np.maximum(last_stage - start + 1, 1)
-    fraction = np.where(
-        slot == 0,
-        np.maximum(
-            np.minimum(np.maximum(BRISK * limit_fraction, need_slow), MAX_SPEED * limit_fraction), 0.0
-        ),
-        need_slow,
-    )
-    fraction = np.maximum(fraction, 1.0 / (N_STAGES - start + 1))
-    # a tooth that cannot finish from its slot within the limits starts as early as it must
-    cap = MAX_SPEED * limit_fraction
-    late = fraction > cap
-    if late.any():
-        stages_needed = np.ceil(1.0 / cap[late])
-        start[late] = np.maximum(1, np.minimum(start[late], last_stage - stages_needed + 1)).astype(np.int64)
-        fraction[late] = np.maximum(1.0 / (last_stage - start[late] + 1), 1.0 / (N_STAGES - start[late] + 1))
-        # still too fast to finish by last_stage: use the refinement aligners rather than break the limits
-        fraction[late] = np.maximum(np.minimum(fraction[late], cap[late]), 1.0 / (N_STAGES - start[late] + 1))
-    return start, _quantise(fraction)
-
-
-def stage_arrays(
-    initial: np.ndarray,
-    target: np.ndarray,
-    strategy: str,
-    last_stage: int,
-    brisk: bool = True,
-    span: int = LEVEL_SPAN,
-    lead_levels: np.ndarray | None = None,
-    all_brisk: bool = False,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per-tooth start stages (28,) and fractions (28,) staging the teeth in ``strategy``'s order.
-
-    ``lead_levels``: (28,) bool, teeth that also start with the first level (a second profile's
-    first movers); ``brisk=False`` moves the first level at the slowest speed too; ``all_brisk``
-    moves every level briskly (a long correction that leaves little slack to stagger).
-    """
-    limit_fraction = _required_speed(initial, target)
-    levels = STRATEGY_LEVELS[strategy]
-    sequenced = SEQUENCED_TEETH[strategy]
-    ranks = np.searchsorted(np.unique(levels[sequenced]), levels)
-    if lead_levels is not None:
-        ranks = np.where(lead_levels, 0, ranks)
-    starts = level_starts(int(ranks[sequenced].max()) + 1, span)
-    slot = np.zeros_like(ranks) if all_brisk else (ranks if brisk else ranks + 1)
-    start = np.where(sequenced, starts[np.minimum(ranks, len(starts) - 1)], 1)
-    slot = np.where(sequenced, slot, 1)  # the teeth outside the sequence move together, unhurried
-    return _fit_speed(start, last_stage, limit_fraction, slot)
-
-
-def arrays_to_plan(
-    strategy: str | None, start: np.ndarray, fraction: np.ndarray, overcorrection: np.ndarray | None = None
-) -> dict:
-    """The plan JSON of per-tooth start stages, fractions and overcorrections (teeth grouped by all three)."""
-    by_stage = {v: k for k, v in PRIORITY_START_STAGE.items()}
-    oc = np.zeros(len(TOOTH_IDS)) if overcorrection is None else overcorrection
-    groups: dict[tuple[int, float, float], list[int]] = {}
-    for i, fdi in enumerate(TOOTH_IDS):
-        groups.setdefault((int(start[i]), float(fraction[i]), float(oc[i])), []).append(fdi)
-    out = []
-    for (s, f, o), teeth in sorted(groups.items()):
-        group = {"teeth": teeth, "fraction": round(f, 6)}
-        if s in by_stage:
-            group["priority"] = by_stage[s]
-        else:
-            group["start_stage"] = s
-        if o > 0.0:
-            group["overcorrection"] = round(o, 2)
-        out.append(group)
-    plan = {"tooth_groups": out}
-    return {"strategy": strategy, **plan} if strategy else plan
-
-
-def stage_plan(
-    initial: np.ndarray,
-    target: np.ndarray,
-    strategy: str,
-    last_stage: int,
-    brisk: bool = True,
-    span: int = LEVEL_SPAN,
-) -> dict:
-    """A plan staging the teeth in ``strategy``'s order, each tooth done by ``last_stage``."""
-    return arrays_to_plan(strategy, *stage_arrays(initial, target, strategy, last_stage, brisk, span))
-
-
 def _candidates(case: Case, strategy: str, secondary: str | None) -> list[Staging]:
     """Stagings to check: the strategy's sequence (brisk or not, three spans), a second profile's
     first movers leading (when it has another strategy), the sequence packed into the slack of a
@@ -318,7 +207,7 @@ def _candidates(case: Case, strategy: str, secondary: str | None) -> list[Stagin
         out += [stage_arrays(ini, tgt, strategy, last, brisk, LEVEL_SPAN, lead) for brisk in (True, False)]
     # the slack a long correction leaves: stagger the levels within it, every level at brisk speed
     # (under force decay also without keeping the last aligners for refinement)
-    limit_fraction = _required_speed(ini, tgt)
+    limit_fraction = limit_speeds(ini, tgt)
     treated = limit_fraction < 1.0
     for end in sorted({last, N_STAGES}):
         if end != last:
@@ -365,7 +254,7 @@ def _repairs(case: Case, staging: Staging, last: int) -> list[Staging]:
     if need be until it stops short of its target.
     Overcorrections are kept; the limits apply to the overcorrected steps."""
     start, fraction, oc = staging
-    limit_fraction = _required_speed(case.initial, case.target) / (1.0 + oc)
+    limit_fraction = limit_speeds(case.initial, case.target) / (1.0 + oc)
     out: list[Staging] = []
     share = breach_teeth(case, staging)
     involved = [i for i in np.argsort(-share, kind="stable")[:REPAIR_TEETH] if share[i] > 0.0]
@@ -384,7 +273,7 @@ def _repairs(case: Case, staging: Staging, last: int) -> list[Staging]:
                 f = fraction.copy()
                 f[chain] = np.maximum(fraction[chain], 1.0 / np.maximum(end - s[chain] + 1, 1))
                 if np.all(f[chain] <= MAX_SPEED * limit_fraction[chain]):
-                    out.append((s, _quantise(f), oc))
+                    out.append((s, quantise_fractions(f), oc))
     # neighbours that collide whatever their speeds: one finishes (at top speed) before the other starts
     for a, b in ADJACENT_PAIRS:
         if share[a] <= 0.0 or share[b] <= 0.0 or (a not in involved and b not in involved):
@@ -395,13 +284,13 @@ def _repairs(case: Case, staging: Staging, last: int) -> list[Staging]:
             s[then] = min(N_STAGES, s[first] + int(np.ceil(1.0 / f[first] - 1e-9)))
             f[then] = 1.0 / (N_STAGES - s[then] + 1)
             if f[then] <= MAX_SPEED * limit_fraction[then]:
-                out.append((s, _quantise(f), oc))
+                out.append((s, quantise_fractions(f), oc))
             shortest = int(np.ceil(1.0 / min(1.0, MAX_SPEED * limit_fraction[then]) - 1e-9))
             for stages in (shortest, shortest + 2, shortest + 4):  # or the second late, finishing last
                 s, f = start.copy(), fraction.copy()
                 s[then] = max(1, N_STAGES - stages + 1)
                 f[then] = 1.0 / (N_STAGES - s[then] + 1)
-                out.append((s, _quantise(f), oc))
+                out.append((s, quantise_fractions(f), oc))
     for teeth in [np.array([i]) for i in involved] + [np.array([i, MIRROR_INDEX[i]]) for i in involved]:
         for shift in REPAIR_SHIFTS:
             s = start.copy()
@@ -412,14 +301,14 @@ def _repairs(case: Case, staging: Staging, last: int) -> list[Staging]:
                 f = fraction.copy()
                 f[teeth] = 1.0 / np.maximum(end - s[teeth] + 1, 1)
                 if np.all(f[teeth] <= MAX_SPEED * limit_fraction[teeth]):
-                    out.append((s, _quantise(f), oc))
+                    out.append((s, quantise_fractions(f), oc))
         f = fraction.copy()
         f[teeth] = np.maximum(1.0 / (N_STAGES - start[teeth] + 1), 0.7 * fraction[teeth])
-        out.append((start.copy(), _quantise(f), oc))
+        out.append((start.copy(), quantise_fractions(f), oc))
         for k in SHORT_FACTORS:  # or slowed so far that it stops short: less accuracy, no harm
             f = fraction.copy()
             f[teeth] = k * fraction[teeth]
-            out.append((start.copy(), _quantise(f), oc))
+            out.append((start.copy(), quantise_fractions(f), oc))
     return out
 
 
@@ -475,7 +364,7 @@ def compensate(case: Case, stagings: list[Staging], rounds: int = 2) -> list[Sta
     """The stagings with each tooth overcorrected by what the dynamics fail to express: ``(1 + oc) /
     share - 1``, measured on the simulator and refined ``rounds`` times, within MAX_OVERCORRECTION and
     within the per-stage limits (MAX_SPEED of them) on the overcorrected steps."""
-    limit_fraction = _required_speed(case.initial, case.target)
+    limit_fraction = limit_speeds(case.initial, case.target)
     out = list(stagings)
     for _ in range(rounds):
         shares = expressed_shares(case, out)
@@ -531,7 +420,7 @@ def _slowest(staging: Staging) -> Staging:
     """The staging with every tooth at the slowest speed that still finishes by the last aligner
     (more room under the limits for overcorrection)."""
     start, _, oc = staging
-    return start, _quantise(1.0 / (N_STAGES - start + 1)), oc
+    return start, quantise_fractions(1.0 / (N_STAGES - start + 1)), oc
 
 
 def _best_staging(case: Case, strategy: str, secondary: str | None) -> tuple[Staging, dict]:
@@ -585,7 +474,7 @@ def _slower_fallback(
     staging slowed by SLOWER_FACTORS, repaired where needed; the fastest safe one, even if it does
     not finish (a safe plan that leaves movement undone outranks one that harms)."""
     start, fraction, oc = uniform
-    slower = [(start, _quantise(fraction * k), oc) for k in SLOWER_FACTORS]
+    slower = [(start, quantise_fractions(fraction * k), oc) for k in SLOWER_FACTORS]
     results = _score(case, strategy, slower)
     for staging, result in zip(slower, results):
         if not result["broken_rules"]:
