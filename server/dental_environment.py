@@ -1,4 +1,4 @@
-"""The stepwise aligner-staging environment and its session store.
+"""The stepwise aligner-staging environment.
 
 Contract (Gymnasium-like, keyed by episode):
 
@@ -27,28 +27,23 @@ Step reward: the stage's gain in accuracy (share of the required movement
 achieved) minus 0.05 x the share of teeth over the per-stage limits and 0.05 x
 the stage's collision severity. The terminal reward is the episode score.
 
-Sessions live in a thread-safe store bounded by an LRU cap and a TTL; an
+Sessions live in a thread-safe store bounded by an LRU cap and a TTL (:mod:`server.episodes`); an
 unknown, evicted or expired ``episode_id`` raises :class:`UnknownEpisodeError`.
-Bad poses raise :class:`InvalidActionError` naming the tooth and field, and leave
-the session unchanged.
+Bad poses raise :class:`InvalidActionError` naming the tooth and field (:mod:`server.pose_validation`),
+and leave the session unchanged.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from itertools import chain
 
 import numpy as np
 
 from server.cases import TASK_IDS, Case, generate_case
-from server.clinical_profiles import STRATEGIES
 from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, contact_penetration_mm
 from server.dental_constants import (
     ADJACENT_PAIRS,
@@ -58,7 +53,6 @@ from server.dental_constants import (
     N_STAGES,
     N_TEETH,
     PDL_CRITICAL_KPA,
-    POSE_DIM,
     ROOT_AREA_MM2,
     TOOTH_CLASS,
     TOOTH_CLASSES,
@@ -66,104 +60,24 @@ from server.dental_constants import (
     TOOTH_INDEX,
 )
 from server.dynamics import apply_wear, engaged, express_stage
-from server.errors import InvalidActionError, StageConflictError, UnknownEpisodeError
+from server.episodes import (
+    PAIR_INCREMENT,
+    PAIR_MISMATCH,
+    PAIR_REMAINING,
+    Session,
+    SessionStore,
+    lag_pairs,
+    new_session,
+)
+from server.errors import InvalidActionError, StageConflictError
+from server.pose_validation import check_strategy, validate_poses
 from server.quaternion_utils import quaternion_angle, vector_norm
 from server.reward_scaler import broken_rules
-from server.scoring import StageMeasures, limit_ratio, pdl_stress_kpa, score_episodes
+from server.scoring import limit_ratio, pdl_stress_kpa, score_episodes
 from server.treatment import score_plans
 
-MAX_FORGOTTEN_EPISODES: int = 4096
-"""Closed, evicted or expired episode ids remembered (LRU), so a 404 can say which it was."""
-
 MAX_ROLLBACKS: int = 2
-POSE_FIELDS: tuple[str, ...] = ("qw", "qx", "qy", "qz", "tx", "ty", "tz")
 STEP_PENALTY: float = 0.05
-_TOOTH_POSITION = {i: fdi for i, fdi in enumerate(TOOTH_IDS)}
-
-
-def validate_poses(poses: object) -> np.ndarray:
-    """A (28, 7) float array from ``poses``, or InvalidActionError naming what is wrong.
-
-    Accepts a nested list/tuple of numbers or a numeric numpy array. Booleans,
-    strings, None, NaN and infinities are refused. Quaternions are normalised; a
-    zero quaternion is refused.
-    """
-    if isinstance(poses, np.ndarray):
-        if poses.dtype.kind not in "fiu":
-            raise InvalidActionError(f"poses must be numbers, got an array of dtype {poses.dtype}")
-        arr = poses.astype(np.float64)
-        if arr.shape != (N_TEETH, POSE_DIM):
-            raise InvalidActionError(
-                f"poses must have shape (28, 7) [teeth x {list(POSE_FIELDS)}], got {arr.shape}"
-            )
-    elif _all_float_rows(poses):  # the common case (e.g. validated JSON): no per-value checks to name
-        # 28 rows of 7 floats: fromiter builds the same array about twice as fast as np.array
-        arr = np.fromiter(chain.from_iterable(poses), dtype=np.float64, count=N_TEETH * POSE_DIM)
-        arr = arr.reshape(N_TEETH, POSE_DIM)
-    else:
-        if not isinstance(poses, (list, tuple)) or len(poses) != N_TEETH:
-            n = len(poses) if isinstance(poses, (list, tuple)) else type(poses).__name__
-            raise InvalidActionError(f"poses must be a list of 28 rows (one per tooth, FDI order), got {n}")
-        for i, row in enumerate(poses):
-            if not isinstance(row, (list, tuple)) or len(row) != POSE_DIM:
-                got = len(row) if isinstance(row, (list, tuple)) else type(row).__name__
-                raise InvalidActionError(
-                    f"tooth {_TOOTH_POSITION[i]} (row {i}): a pose has 7 numbers {list(POSE_FIELDS)}, got {got}"
-                )
-            for j, v in enumerate(row):
-                if type(v) not in (float, int) and not isinstance(v, (np.floating, np.integer)):
-                    raise InvalidActionError(
-                        f"tooth {_TOOTH_POSITION[i]} field {POSE_FIELDS[j]}: expected a number, "
-                        f"got {type(v).__name__} {v!r:.40}"
-                    )
-        arr = np.array(poses, dtype=np.float64)
-    if not np.maximum.reduce(np.abs(arr), axis=None) <= 1e6:  # also false for NaN
-        _raise_out_of_range(arr)
-    norms = vector_norm(arr[:, :4])
-    if np.minimum.reduce(norms) < 1e-9:
-        i = int(np.argmax(norms < 1e-9))
-        raise InvalidActionError(f"tooth {_TOOTH_POSITION[i]}: quaternion (qw, qx, qy, qz) has zero norm")
-    arr[:, :4] /= norms[:, None]
-    return arr
-
-
-def _all_float_rows(poses: object) -> bool:
-    """``poses`` is 28 lists (or tuples) of 7 Python floats (C-level type and length sets)."""
-    if type(poses) not in (list, tuple) or len(poses) != N_TEETH:
-        return False
-    if not set(map(type, poses)) <= {list, tuple} or set(map(len, poses)) != {POSE_DIM}:
-        return False
-    return set(map(type, chain.from_iterable(poses))) == {float}
-
-
-def _raise_out_of_range(arr: np.ndarray) -> None:
-    """The InvalidActionError for the first non-finite or implausibly large number of ``arr``."""
-    finite = np.isfinite(arr)
-    if not finite.all():
-        i, j = np.argwhere(~finite)[0]
-        raise InvalidActionError(
-            f"tooth {_TOOTH_POSITION[int(i)]} field {POSE_FIELDS[j]}: {arr[i, j]} is not a finite number"
-        )
-    i, j = np.argwhere(np.abs(arr) > 1e6)[0]
-    raise InvalidActionError(
-        f"tooth {_TOOTH_POSITION[int(i)]} field {POSE_FIELDS[j]}: |{arr[i, j]}| > 1e6 mm"
-    )
-
-
-def _check_strategy(strategy: object) -> str | None:
-    if strategy is None:
-        return None
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise InvalidActionError(
-            f"strategy must be one of {', '.join(STRATEGIES)} or null, got {strategy!r:.60}"
-        )
-    return strategy
-
-
-PAIR_INCREMENT, PAIR_REMAINING, PAIR_MISMATCH, PAIR_ACHIEVED = range(4)
-"""Rows of Session.distances: aligner s vs aligner s-1; achieved s vs target; aligner s vs
-achieved s-1 (insertion mismatch); achieved s vs achieved s-1. When the teeth follow the plan
-(ideal dynamics, full wear) only the first two are measured (the others equal the increment)."""
 
 
 def _stack(*arrays: np.ndarray) -> np.ndarray:
@@ -173,160 +87,6 @@ def _stack(*arrays: np.ndarray) -> np.ndarray:
     for i, a in enumerate(arrays):
         out[i] = a
     return out
-
-
-def _lag_pairs(case: Case) -> tuple[int, int]:
-    """The PAIR_* rows holding a stage's (insertion mismatch, achieved increment): their own
-    rows when the teeth may lag the plan, else PAIR_INCREMENT (they equal the increment)."""
-    return _FOLLOWS_PAIRS if case.follows_plan else _LAG_PAIRS
-
-
-_LAG_PAIRS: tuple[int, int] = (PAIR_MISMATCH, PAIR_ACHIEVED)
-_FOLLOWS_PAIRS: tuple[int, int] = (PAIR_INCREMENT, PAIR_INCREMENT)
-
-
-@dataclass
-class Session:
-    """One episode's state; per-stage arrays have 25 rows (stage 0 = initial), rows beyond
-    ``stage`` unused, so a rollback is a step back of ``stage``."""
-
-    episode_id: str
-    case: Case
-    planned: np.ndarray  # (25, 28, 7) aligner shapes
-    achieved: np.ndarray  # (25, 28, 7) achieved poses
-    stage: int = 0
-    strategy: str | None = None
-    rollbacks: int = 0
-    # (25, 2, 4, 28): [translation mm | rotation deg, PAIR_*, tooth]
-    distances: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 2, 4, N_TEETH)))
-    penetration: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, len(ADJACENT_PAIRS))))
-    # (25, 3) running totals of limit violations, colliding contacts and PDL events up to each stage
-    violations: np.ndarray = field(default_factory=lambda: np.zeros((N_STAGES + 1, 3), dtype=np.int64))
-    step_rewards: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
-    accuracy: np.ndarray = field(default_factory=lambda: np.zeros(N_STAGES + 1))
-    terminal: dict | None = None
-    last_used: float = 0.0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def stage_measures(self) -> StageMeasures:
-        """The StageMeasures of stages 1..24 as a batch of one (for server.scoring)."""
-        d = self.distances[None, 1:]
-        mismatch, moved = _lag_pairs(self.case)
-        mis = d[:, :, :, mismatch]
-        ach = d[:, :, :, moved]
-        return StageMeasures(
-            inc_t=d[:, :, 0, PAIR_INCREMENT],
-            inc_r=d[:, :, 1, PAIR_INCREMENT],
-            mis_t=mis[:, :, 0],
-            mis_r=mis[:, :, 1],
-            achieved_mm=np.hypot(ach[:, :, 0], MM_PER_DEG * ach[:, :, 1]),
-            penetration=self.penetration[None, 1:],
-        )
-
-    def scratch(self) -> Session:
-        """A throw-away copy for simulate_step (per-stage arrays copied)."""
-        return replace(
-            self,
-            planned=self.planned.copy(),
-            achieved=self.achieved.copy(),
-            distances=self.distances.copy(),
-            penetration=self.penetration.copy(),
-            violations=self.violations.copy(),
-            step_rewards=self.step_rewards.copy(),
-            accuracy=self.accuracy.copy(),
-            lock=threading.Lock(),
-        )
-
-
-class SessionStore:
-    """Thread-safe episode store bounded by an LRU cap and a time-to-live (seconds).
-
-    It also remembers (LRU, at most :data:`MAX_FORGOTTEN_EPISODES`) why the
-    last ids it dropped are gone -- closed, evicted or expired -- so that a later call names
-    the reason instead of a bare "unknown".
-    """
-
-    def __init__(
-        self,
-        max_sessions: int = 1024,
-        ttl_seconds: float = 3600.0,
-        clock: Callable[[], float] = time.monotonic,
-        max_forgotten: int = MAX_FORGOTTEN_EPISODES,
-    ) -> None:
-        if max_sessions < 1 or not ttl_seconds > 0:
-            raise ValueError("max_sessions must be >= 1 and ttl_seconds > 0")
-        self.max_sessions = max_sessions
-        self.ttl_seconds = ttl_seconds
-        self.max_forgotten = max_forgotten
-        self._clock = clock
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
-        self._forgotten: OrderedDict[str, str] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def put(self, session: Session) -> None:
-        with self._lock:
-            now = self._clock()
-            self._expire(now)
-            session.last_used = now
-            self._sessions[session.episode_id] = session
-            self._sessions.move_to_end(session.episode_id)
-            self._forgotten.pop(session.episode_id, None)
-            while len(self._sessions) > self.max_sessions:
-                self._forget(self._sessions.popitem(last=False)[0], "evicted")
-
-    def get(self, episode_id: object) -> Session:
-        if not isinstance(episode_id, str):
-            raise UnknownEpisodeError(f"episode_id must be a string, got {type(episode_id).__name__}")
-        with self._lock:
-            now = self._clock()
-            self._expire(now)
-            session = self._sessions.get(episode_id)
-            if session is None:
-                raise self._unknown(episode_id)
-            session.last_used = now
-            self._sessions.move_to_end(episode_id)
-            return session
-
-    def remove(self, episode_id: str) -> bool:
-        """Forget an episode now (reason "closed"); True if it was live."""
-        with self._lock:
-            if self._sessions.pop(episode_id, None) is None:
-                return False
-            self._forget(episode_id, "closed")
-            return True
-
-    def _unknown(self, episode_id: str) -> UnknownEpisodeError:
-        reason = self._forgotten.get(episode_id, "unknown")
-        shown = f"{episode_id!r:.80}"
-        what = {
-            "closed": f"episode {shown} was closed (by DELETE, or when its WebSocket session ended)",
-            "evicted": (
-                f"episode {shown} was evicted: the server keeps at most {self.max_sessions} live episodes "
-                "and this one was the least recently used when a new one started"
-            ),
-            "expired": f"episode {shown} expired: it was not used for {self.ttl_seconds:g} s",
-            "unknown": (
-                f"unknown episode_id {shown} (sessions expire after {self.ttl_seconds:g} s idle; "
-                f"at most {self.max_sessions} are kept)"
-            ),
-        }[reason]
-        return UnknownEpisodeError(f"{what}: call reset() to start an episode", reason)
-
-    def _forget(self, episode_id: str, reason: str) -> None:
-        self._forgotten[episode_id] = reason
-        self._forgotten.move_to_end(episode_id)
-        while len(self._forgotten) > self.max_forgotten:
-            self._forgotten.popitem(last=False)
-
-    def _expire(self, now: float) -> None:
-        while self._sessions:
-            oldest = next(iter(self._sessions.values()))
-            if now - oldest.last_used <= self.ttl_seconds:
-                break
-            self._forget(self._sessions.popitem(last=False)[0], "expired")
 
 
 class StepwiseDentalEnvironment:
@@ -368,7 +128,7 @@ class StepwiseDentalEnvironment:
             episode_id = uuid.uuid4().hex
         elif not isinstance(episode_id, str) or not 0 < len(episode_id) <= 128:
             raise InvalidActionError("episode_id must be a non-empty string of at most 128 characters")
-        session = _new_session(
+        session = new_session(
             generate_case(task_id, seed, bool(force_decay), bool(non_compliance)), episode_id
         )
         self.sessions.put(session)
@@ -389,7 +149,7 @@ class StepwiseDentalEnvironment:
         """
         session = self.sessions.get(episode_id)
         arr = validate_poses(poses)
-        strategy = _check_strategy(strategy)
+        strategy = check_strategy(strategy)
         with session.lock:
             _check_stage(session, expected_stage, "step")
             return self._advance(session, arr, strategy, commit=True)
@@ -400,7 +160,7 @@ class StepwiseDentalEnvironment:
         """What ``step`` would return, without changing the episode."""
         session = self.sessions.get(episode_id)
         arr = validate_poses(poses)
-        strategy = _check_strategy(strategy)
+        strategy = check_strategy(strategy)
         with session.lock:
             return self._advance(session, arr, strategy, commit=False)
 
@@ -529,7 +289,7 @@ class StepwiseDentalEnvironment:
             achieved = poses
             pairs_a = _stack(poses, case.target)
             pairs_b = _stack(session.planned[s - 1], achieved)
-        mismatch = _lag_pairs(case)[0]
+        mismatch = lag_pairs(case)[0]
         dist = _stack(
             vector_norm(pairs_a[..., 4:] - pairs_b[..., 4:]),
             np.degrees(quaternion_angle(pairs_a[..., :4], pairs_b[..., :4])),
@@ -599,19 +359,10 @@ class StepwiseDentalEnvironment:
         return observation(session, step_reward, breakdown)
 
 
-def _new_session(case: Case, episode_id: str) -> Session:
-    """A session at stage 0 of ``case`` (nothing planned yet)."""
-    planned = np.empty((N_STAGES + 1, N_TEETH, POSE_DIM))
-    planned[0] = case.initial
-    session = Session(episode_id=episode_id, case=case, planned=planned, achieved=planned.copy())
-    session.distances[0, :, PAIR_REMAINING] = case.need
-    return session
-
-
 def initial_observation(case: Case, episode_id: str = "") -> dict:
     """The stage-0 observation of a case: what :meth:`StepwiseDentalEnvironment.reset` returns,
     computed without an environment or a session store (a pure function of the case)."""
-    return observation(_new_session(case, episode_id), step_reward=0.0, breakdown={})
+    return observation(new_session(case, episode_id), step_reward=0.0, breakdown={})
 
 
 def observation(session: Session, step_reward: float, breakdown: dict) -> dict:
@@ -675,4 +426,4 @@ def _accuracy(remaining: np.ndarray, need_mm: float) -> float:
     return min(max(1.0 - err / max(need_mm, 1e-9), 0.0), 1.0)
 
 
-__all__ = ["MAX_ROLLBACKS", "TASK_IDS", "SessionStore", "StepwiseDentalEnvironment", "validate_poses"]
+__all__ = ["MAX_ROLLBACKS", "TASK_IDS", "StepwiseDentalEnvironment"]

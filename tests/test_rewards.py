@@ -36,9 +36,9 @@ from server.cases import generate_case
 from server.clinical_profiles import NEUTRAL_STRATEGIES, STRATEGIES
 from server.dental_constants import N_STAGES, TOOTH_IDS
 from server.oracle import plan_for_case
-from server.staging import stage_plan
 from server.plans import normalize_plan
 from server.reward_scaler import REWARD_MIN
+from server.staging import stage_plan
 
 RANGES = {
     "reward_terminal": (-2.0, 8.0),

@@ -37,8 +37,8 @@ import numpy as np
 import orjson
 
 from server.dental_constants import N_TEETH, TOOTH_IDS
-from server.dental_environment import POSE_FIELDS
 from server.json_values import json_value
+from server.pose_validation import POSE_FIELDS
 from server.serving.settings import ENV_VARIABLES, MAX_ERROR_CHARS
 
 _MAX_REPORTED_ERRORS = 10
