@@ -20,7 +20,9 @@ import json
 
 import numpy as np
 
-from examples.learning import CELL_NAMES, MAX_SEQ_LENGTH, cell_name, heldout_cases
+from examples.learning import MAX_SEQ_LENGTH
+from examples.learning_eval import heldout_cases
+from examples.learning_report import CELL_NAMES, cell_name
 from orthojob.data.prompts import reset_observation
 from orthojob.eval.evaluation import generate_completions
 from orthojob.modeling import models

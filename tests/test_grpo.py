@@ -361,12 +361,12 @@ def test_mlflow_run_gets_the_completion_table_and_the_grpo_diagnostics(tiny_mode
 def test_learning_grpo_runs_through_the_job_trainer(tiny_model, tmp_path):
     """examples.learning's GRPO stage: the job's trainer, the evaluation callback every step, the reward
     time share, prompts of every cell and a constant learning rate."""
-    from examples import learning
+    from examples import learning, learning_eval
 
     cfg = learning.LearnConfig(out=str(tmp_path), steps=2, num_generations=2, prompts_per_step=1, num_prompts=2,
                                max_completion_length=24, eval_every=1, eval_seeds=1, lr=1e-3)  # fmt: skip
     evals, saves = [], []
-    cases = learning.heldout_cases(1, [("task_easy", False)])
+    cases = learning_eval.heldout_cases(1, [("task_easy", False)])
     report = learning.run_grpo(cfg, tiny_model, cases, evals, lambda: saves.append(1))
     assert report["steps_done"] == 2 and [e["step"] for e in evals] == [1, 2] and len(saves) == 2
     assert 0 < report["reward_share_of_step"] < 1 and report["grpo_seconds"] > 0

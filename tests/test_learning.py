@@ -10,8 +10,10 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from examples.learning import CELL_NAMES, METRICS, _ci, episode_values, heldout_cases, reference_rows
+from examples.learning_eval import heldout_cases, mean_ci, reference_rows
+from examples.learning_report import CELL_NAMES
 from orthojob.data.format_demos import format_demonstrations, random_format_plan
+from orthojob.rewards.canaries import METRICS, episode_values
 from orthojob.rewards.parsing import find_plan
 from orthojob.rewards.reward_functions import reward_format, reward_terminal
 from orthojob.rewards.rollouts import DEFAULT_CACHE
@@ -65,7 +67,7 @@ def test_demos_are_deterministic(demos):
 
 
 def test_ci_and_episode_metrics():
-    ci = _ci([1.0, 2.0, 3.0, float("nan")])
+    ci = mean_ci([1.0, 2.0, 3.0, float("nan")])
     assert ci["n"] == 3 and ci["mean"] == pytest.approx(2.0) and ci["lo"] < 2.0 < ci["hi"]
     case = generate_case("task_easy", HELDOUT_SEED_START, False)
     failed = episode_values(None, case, case.optimal_strategy)
@@ -213,7 +215,7 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
 
 
 def test_strategy_conditioning_tells_a_case_blind_policy_from_one_that_reads_the_case():
-    from examples.learning import strategy_conditioning
+    from examples.learning_eval import strategy_conditioning
 
     optimal = list(STRATEGIES) * 4
     blind = np.tile([0.6, 0.1, 0.1, 0.1, 0.1], (len(optimal), 1))
@@ -238,7 +240,7 @@ def tiny_model(tmp_path_factory):
 def test_strategy_probe_reads_the_policy_where_its_plan_names_the_strategy(tiny_model):
     """On the tiny model: the probe finds the strategy key in either key order, gives a distribution
     over the five per case, and NaN for a text that names no strategy."""
-    from examples.learning import strategy_distribution
+    from examples.learning_eval import strategy_distribution
     from orthojob.data.prompts import plan_to_completion
     from orthojob.modeling import models
 

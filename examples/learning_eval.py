@@ -1,0 +1,172 @@
+"""Held-out evaluation for the learning experiment: the cells' cases, each planner's episodes, their means and 95 % intervals, and the strategy read-out."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from examples.learning_report import (
+    cell_name,
+)
+from orthojob.data.prompts import CELLS, build_messages, prompt_format_of, reset_observation
+from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN, generate_completions
+from orthojob.rewards.canaries import METRICS, episode_record, rollout_record
+from orthojob.rewards.rollouts import score_texts
+from orthojob.rewards.strategy_advantage import STRATEGY_KEY
+from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
+from server.clinical_profiles import STRATEGIES
+from server.oracle import plan_for_case
+from server.treatment import score_plans
+
+
+def mean_ci(values: Sequence[float]) -> dict:
+    """Mean and 95 % t-interval of values (NaN dropped)."""
+    from scipy import stats
+
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if len(x) == 0:
+        return {"mean": None, "lo": None, "hi": None, "n": 0}
+    mean = float(x.mean())
+    if len(x) < 2:
+        return {"mean": mean, "lo": mean, "hi": mean, "n": 1}
+    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(x)}
+
+
+def summarise(episodes: Sequence[dict[str, float]]) -> dict[str, dict]:
+    """Each metric of :data:`METRICS`: mean and 95 % CI over the episodes."""
+    return {m: mean_ci([e[m] for e in episodes]) for m in METRICS}
+
+
+def heldout_cases(n: int, cells: Sequence[tuple[str, bool]] = CELLS) -> list[CaseKey]:
+    """``n`` held-out seeds of each cell, cell by cell."""
+    return [CaseKey(t, HELDOUT_SEED_START + i, fd) for t, fd in cells for i in range(n)]
+
+
+def grouped(cases: Sequence[CaseKey], episodes: Sequence[dict]) -> dict:
+    """Episodes (:func:`orthojob.rewards.canaries.episode_record` dicts, one per case) summarised per cell,
+    per task level (both dynamics) and pooled over every case: ``{"cells": {cell: summary},
+    "levels": {level: summary}, "pooled": summary, "degenerate_forms": {cell: {form: count}}}``."""
+    by_cell: dict[str, list] = {}
+    by_level: dict[str, list] = {}
+    forms: dict[str, Counter] = {}
+    for c, e in zip(cases, episodes):
+        by_cell.setdefault(cell_name(c), []).append(e)
+        by_level.setdefault(c.task_id, []).append(e)
+        if e.get("degenerate_form"):
+            forms.setdefault(cell_name(c), Counter())[e["degenerate_form"]] += 1
+    return {
+        "cells": {k: summarise(v) for k, v in by_cell.items()},
+        "levels": {k: summarise(v) for k, v in by_level.items()},
+        "pooled": summarise(episodes),
+        "degenerate_forms": {k: dict(v) for k, v in forms.items()},
+    }
+
+
+def reference_rows(cases: Sequence[CaseKey]) -> dict[str, dict]:
+    """The oracle, uniform SLERP and doing nothing on the held-out cases (:func:`grouped`)."""
+
+    resolved = [generate_case(*c) for c in cases]
+    planners: dict[str, Callable] = {
+        "oracle": plan_for_case,
+        "uniform_slerp": lambda c: UNIFORM_SLERP_PLAN,
+        "do_nothing": lambda c: DO_NOTHING_PLAN,
+    }
+    rows = {}
+    for name, planner in planners.items():
+        plans = [planner(c) for c in resolved]
+        results = score_plans(plans, list(cases))
+        episodes = [
+            episode_record({**r, "plan": p}, c, c.optimal_strategy)
+            for r, p, c in zip(results, plans, resolved)
+        ]
+        rows[name] = grouped(cases, episodes)
+    return rows
+
+
+def strategy_distribution(model, tokenizer, cases: Sequence[CaseKey], texts: Sequence[str]) -> np.ndarray:
+    """(n_cases, 5) the policy's probabilities of each strategy (:data:`server.clinical_profiles.STRATEGIES`
+    order) where its own greedy plan (``texts``) names one: the next-token probabilities of each
+    strategy's first token after the plan's text up to ``"strategy": "``, renormalised over the five
+    (one forward pass per case; NaN where the plan names none)."""
+    import torch
+
+    head = tokenizer(STRATEGY_KEY, add_special_tokens=False)["input_ids"]
+    first = []
+    for s in STRATEGIES:  # the token after the key as the policy writes it
+        ids = tokenizer(STRATEGY_KEY + s, add_special_tokens=False)["input_ids"]
+        if ids[: len(head)] != head:
+            raise ValueError(f"the tokenizer splits {STRATEGY_KEY!r} differently before {s!r}; cannot probe")
+        first.append(ids[len(head)])
+    if len(set(first)) != len(first):
+        raise ValueError("two strategies share a first token; cannot probe strategies")
+    fmt = prompt_format_of(model)
+    device = next(model.parameters()).device
+    out = np.full((len(cases), len(STRATEGIES)), np.nan)
+    with torch.inference_mode():
+        for i, (c, text) in enumerate(zip(cases, texts)):
+            at = text.find(STRATEGY_KEY)
+            if at < 0:
+                continue
+            messages = build_messages(reset_observation(c.seed, c.task_id, c.force_decay), fmt)
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(
+                prompt + text[: at + len(STRATEGY_KEY)], return_tensors="pt", add_special_tokens=False
+            )
+            p = torch.softmax(model(input_ids=ids["input_ids"].to(device)).logits[0, -1].float(), dim=-1)[
+                first
+            ]
+            out[i] = (p / p.sum()).cpu().numpy()
+    return out
+
+
+def strategy_conditioning(probs: np.ndarray, optimal: Sequence[str]) -> dict:
+    """How much the policy's strategy depends on the case: ``p_optimal`` (mean probability of the
+    case's optimal strategy; a case-blind uniform policy has 0.2), ``case_dependence`` (mean total
+    variation distance between a case's distribution and the mean over cases: 0 = the same
+    distribution for every case), and the mean distribution by the case's optimal strategy, over the
+    cases whose plan names a strategy (rows of ``probs`` without NaN)."""
+
+    named = ~np.isnan(probs).any(axis=1)
+    probs = probs[named]
+    index = [STRATEGIES.index(o) for o, n in zip(optimal, named) if n]
+    if not index:
+        return {"p_optimal": mean_ci([]), "case_dependence": mean_ci([]), "by_optimal": {}}
+    mean = probs.mean(axis=0)
+    return {
+        "p_optimal": mean_ci(probs[np.arange(len(index)), index].tolist()),
+        "case_dependence": mean_ci((0.5 * np.abs(probs - mean).sum(axis=1)).tolist()),
+        "by_optimal": {
+            s: np.round(probs[[k for k, i in enumerate(index) if i == j]].mean(axis=0), 4).tolist()
+            for j, s in enumerate(STRATEGIES)
+            if j in index
+        },
+    }
+
+
+def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> dict:
+    """Greedy plans of ``model`` for the held-out cases, scored as the rewards score them:
+    :func:`grouped` summaries, the strategy probe (pooled), tokens, truncation and timing."""
+
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    obs = [reset_observation(c.seed, c.task_id, c.force_decay) for c in cases]
+    texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size=16)
+    probs = strategy_distribution(model, tokenizer, cases, texts)
+    if was_training:
+        model.train()
+    rolls = score_texts(texts, list(cases))
+    resolved = [generate_case(*c) for c in cases]
+    summary = grouped(cases, [rollout_record(r, c) for r, c in zip(rolls, resolved)])
+    summary["strategies"] = dict(sorted(Counter(str(r.strategy) for r in rolls).items()))
+    summary["strategy_conditioning"] = strategy_conditioning(probs, [c.optimal_strategy for c in resolved])
+    summary["mean_tokens"] = float(np.mean(counts))
+    summary["truncated"] = float(np.mean([not e for e in ended]))
+    summary["eval_seconds"] = time.perf_counter() - t0
+    summary["examples"] = {cell_name(c): t for c, t in reversed(list(zip(cases, texts)))}
+    return summary
