@@ -6,7 +6,7 @@ Writes N generated cases (the three levels in turn, half under force decay) as J
 check of docs/cases.md, each case built), and scores the oracle's plans on 64 imported and the same
 64 generated cases (batch scoring, median of ``--rounds``).
 
-    OMP_NUM_THREADS=1 python bench/case_import.py [--cases 10000] [--rounds 7]
+    OMP_NUM_THREADS=1 python bench/case_import.py [--cases 10000] [--rounds 7] [--unlabelled]
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--unlabelled",
+        action="store_true",
+        help="records without labels: every diagnosis computed from the poses",
+    )
     args = parser.parse_args(argv)
     keys = [(TASK_IDS[i % 3], i, bool(i % 2)) for i in range(args.cases)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -36,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         with path.open("w") as f:
             for k in keys:
-                f.write(json.dumps(record_of_case(generate_case(*k))) + "\n")
+                record = record_of_case(generate_case(*k))
+                if args.unlabelled:
+                    del record["labels"]
+                f.write(json.dumps(record) + "\n")
         written = time.perf_counter() - t0
         size = path.stat().st_size
         t0 = time.perf_counter()
@@ -47,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {args.cases} generated cases ({size / 1e6:.1f} MB) in {written:.1f} s (generation included)"
     )
     print(
-        f"read and validated {len(report.cases)} cases in {seconds:.2f} s: {1e3 * seconds / args.cases:.3f} ms a case"
+        f"read and validated {len(report.cases)} {'unlabelled ' if args.unlabelled else ''}cases in {seconds:.2f} s: {1e3 * seconds / args.cases:.3f} ms a case"
     )
     generated = [generate_case(*k) for k in keys[:64]]
     imported = report.cases[:64]

@@ -39,7 +39,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from orthojob.data import case_sets
+from orthojob.data.case_sets import add_cases_arguments
 from orthojob.eval import viewer, viewer_logging
 from orthojob.eval.evaluation import (
     evaluate_baselines,
@@ -74,27 +74,6 @@ TRACKED_STAGES: dict[str, str] = {
 }
 """Stand-alone stage commands that get an MLflow run of their own (train opens its own; the
 pipeline nests these stages under its parent run)."""
-
-
-def cmd_cases(args: argparse.Namespace) -> int:
-    """``orthojob cases validate SOURCE`` / ``orthojob cases export --task T --seeds A:B --out FILE``."""
-
-    if args.cases_command == "export":
-        try:
-            seeds = case_sets.seed_range(args.seeds)
-        except ValueError as exc:
-            print(f"orthojob cases export: {exc}", file=sys.stderr)
-            return ExitCode.USAGE
-        n = case_sets.export(args.task, seeds, args.force_decay, args.out)
-        print(f"wrote {n} {args.task} cases{' (force decay)' if args.force_decay else ''} to {args.out}")
-        return 0
-    try:
-        report = case_sets.validate(args.source)
-    except FileNotFoundError as exc:
-        print(f"orthojob cases validate: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
-    print(report.summary())
-    return 0 if report.ok else ExitCode.USAGE
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -552,20 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("--link", help="also point this symlink at the folder (e.g. what vllm serve loads)")
     mo.set_defaults(func=cmd_model)
 
-    ca = sub.add_parser(
-        "cases",
-        help="case sets: validate a file of patients' cases, or export generated cases (docs/cases.md)",
-        epilog=epilog(ExitCode.OK, ExitCode.USAGE, ExitCode.STORAGE),
-    )
-    csub = ca.add_subparsers(dest="cases_command", required=True)
-    cv = csub.add_parser("validate", help="check every record; print every problem by case id and FDI tooth")
-    cv.add_argument("source", help="a .jsonl or .parquet file, or an s3:// URI of one")
-    ce = csub.add_parser("export", help="write generated cases in the case-set format")
-    ce.add_argument("--task", required=True, choices=TASK_IDS)
-    ce.add_argument("--seeds", required=True, help="A:B (B excluded) or N (0..N-1)")
-    ce.add_argument("--force-decay", action="store_true")
-    ce.add_argument("--out", required=True, help="a .jsonl or .parquet file")
-    ca.set_defaults(func=cmd_cases)
+    add_cases_arguments(sub)  # cases validate|export (orthojob/data/case_sets.py)
 
     add_k8s_arguments(sub)  # k8s render|submit|logs|status (orthojob/ops/k8s.py)
     return parser

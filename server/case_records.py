@@ -9,7 +9,9 @@ The case-set format (docs/cases.md), version :data:`FORMAT`: one JSON object per
   :data:`server.dental_constants.TOOTH_IDS`;
 * ``initial`` and ``target``: one pose per entry of ``teeth``, ``[qw, qx, qy, qz, tx, ty, tz]``: a
   unit quaternion (w first) and the crown centroid in mm, in the patient frame (x to the patient's
-  left, y anterior, z occlusal-up);
+  left, y anterior, z occlusal-up); or ``initial_transforms`` and ``target_transforms``: one 4 x 4
+  rigid transform per entry (rotation columns the tooth's axes, translation the crown centroid),
+  converted to poses (:func:`pose_transforms` is the inverse);
 * ``crown_width_mm`` and ``crown_depth_mm`` (optional): one per entry of ``teeth``; the norms of
   :data:`server.dental_constants.CROWN_WIDTH_MM` / ``CROWN_DEPTH_MM`` when absent (and counted);
 * ``labels`` (optional): ``profile`` (one of :data:`server.clinical_profiles.PROFILES`),
@@ -18,6 +20,7 @@ The case-set format (docs/cases.md), version :data:`FORMAT`: one JSON object per
   (:func:`server.diagnosis.diagnose`), kept in :attr:`Checked.diagnosis` and counted in the notes
   (``diagnosis_computed``); given labels are checked and used as given;
 * ``force_decay`` (optional, default false): the dynamics the case is simulated under;
+* ``split`` (optional): ``"train"`` or ``"heldout"`` (:data:`SPLITS`);
 * ``task_id`` and ``seed`` (optional): a generated case's key, which an exported record keeps so that
   its observations are the generated case's; an imported case is ``task_id`` ``"imported"``.
 
@@ -29,7 +32,9 @@ reading are :mod:`orthojob.data.case_sets`'.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,12 +55,14 @@ from server.dental_constants import (
     TOOTH_IDS,
     TOOTH_INDEX,
 )
-from server.diagnosis import Diagnosis, diagnose
-from server.quaternion_utils import quaternion_angle
+from server.diagnosis import Diagnosis, diagnose_many
+from server.quaternion_utils import quaternion_angle, quaternion_from_matrix, quaternion_to_matrix
 
 FORMAT = "orthorl-case/1"
 IMPORTED_TASK = "imported"
 """The ``task_id`` of an imported case that names none."""
+TRANSFORM_TOLERANCE = 1e-3
+"""A 4 x 4 transform's rotation part must be orthonormal within this (max |R^T R - I|)."""
 QUATERNION_TOLERANCE = 1e-3
 """A quaternion whose norm is within this of 1 is normalised (and counted); beyond it, refused."""
 MAX_CENTROID_MM = 80.0
@@ -66,8 +73,11 @@ CROWN_SIZE_MM = (1.0, 20.0)
 """Plausible crown widths and depths (mm)."""
 FIELDS = frozenset(
     {"format", "case_id", "patient_id", "teeth", "absent", "initial", "target", "crown_width_mm",
-     "crown_depth_mm", "labels", "force_decay", "task_id", "seed"}
+     "crown_depth_mm", "labels", "force_decay", "task_id", "seed", "split", "initial_transforms",
+     "target_transforms"}
 )  # fmt: skip
+SPLITS = ("train", "heldout")
+"""The values of a record's optional ``split``: training cases, or cases held out for evaluation."""
 PAIRS = np.concatenate((ADJACENT_PAIRS, SECOND_NEIGHBOUR_PAIRS))
 """The 26 contacts then the 24 second neighbours (:func:`server.collisions.all_pairs_penetration_mm`)."""
 
@@ -98,6 +108,19 @@ class Checked:
     problems: list[Problem] = field(default_factory=list)
     notes: dict[str, int] = field(default_factory=dict)
     diagnosis: Diagnosis | None = None
+    split: str | None = None
+
+
+def case_digest(case: Case) -> str:
+    """A case's content digest (sha256 hex): its poses, crown sizes, dynamics and labels, whatever its
+    id or key; two records of the same case share it, so caches and splits can key by it."""
+    h = hashlib.sha256()
+    for arr in (case.initial, case.target, case.crown_width_mm, case.crown_depth_mm):
+        h.update(np.ascontiguousarray(arr, dtype="<f8").tobytes())
+    if case.wear is not None:
+        h.update(np.ascontiguousarray(case.wear, dtype="<f8").tobytes())
+    h.update(repr((bool(case.force_decay), case.profile, case.secondary_profile)).encode())
+    return h.hexdigest()
 
 
 def record_of_case(case: Case, case_id: str | None = None, patient_id: str | None = None) -> dict:
@@ -167,6 +190,65 @@ def _poses(value: Any, name: str, teeth: list[int], report, notes: dict) -> np.n
     return out
 
 
+def _pose_rows(record: dict, name: str, teeth: list[int], report, notes: dict) -> Any:
+    """The record's ``name`` poses, or its ``name_transforms`` (4 x 4 per tooth) converted to poses;
+    None (after a report) when a transform is not a rigid motion, or both or neither are given."""
+    key = f"{name}_transforms"
+    if key not in record:
+        return record.get(name)
+    if name in record:
+        report(None, f"give {name} (poses) or {key} (4 x 4 transforms), not both")
+        return None
+    value = record[key]
+    if not isinstance(value, (list, tuple)) or len(value) != len(teeth):
+        report(None, f"{key} must be a list of {len(teeth)} 4 x 4 matrices, one per entry of teeth")
+        return None
+    shaped = [
+        isinstance(m, (list, tuple)) and len(m) == 4
+        and all(isinstance(r, (list, tuple)) and len(r) == 4 and set(map(type, r)) <= _NUMBER_TYPES for r in m)
+        for m in value
+    ]  # fmt: skip
+    for tooth, m, good in zip(teeth, value, shaped):
+        if not good:
+            report(tooth, f"{key} must hold a 4 x 4 matrix of numbers (row-major), got {m!r}"[:300])
+    t = np.array([m if good else np.eye(4) for m, good in zip(value, shaped)], dtype=float)  # (n, 4, 4)
+    rot = t[:, :3, :3]
+    finite = np.isfinite(t).all(axis=(1, 2))
+    safe = np.where(finite[:, None, None], rot, np.eye(3))
+    off = np.abs(np.einsum("nij,nik->njk", safe, safe) - np.eye(3)).max(axis=(1, 2))
+    det = np.linalg.det(safe)
+    bottom = np.abs(np.where(finite[:, None], t[:, 3], 0.0) - [0.0, 0.0, 0.0, 1.0]).max(axis=1)
+    for k, tooth in enumerate(teeth):
+        if not finite[k]:
+            report(tooth, f"{key} has a non-finite value")
+        elif bottom[k] > 1e-9:
+            report(tooth, f"{key}: the last row must be [0, 0, 0, 1], got {t[k, 3].tolist()}")
+        elif off[k] > TRANSFORM_TOLERANCE:
+            report(tooth, f"{key}: the rotation part is not orthonormal (off by {off[k]:.2g}, tolerance "
+                          f"{TRANSFORM_TOLERANCE}): a scale or shear is not a tooth's motion; are the units mm?")  # fmt: skip
+        elif det[k] < 0.0:
+            report(
+                tooth,
+                f"{key}: the rotation part is a reflection (determinant {det[k]:.3f}): a left-handed frame",
+            )
+    if not (all(shaped) and finite.all() and (bottom <= 1e-9).all() and (off <= TRANSFORM_TOLERANCE).all()
+            and (det > 0).all()):  # fmt: skip
+        return None
+    notes["transforms_converted"] = notes.get("transforms_converted", 0) + 1
+    return np.concatenate((quaternion_from_matrix(rot), t[:, :3, 3]), axis=1).tolist()
+
+
+def pose_transforms(poses: np.ndarray) -> np.ndarray:
+    """(..., 4, 4) rigid transforms of poses (..., 7): rotation from the quaternion, the centroid as
+    translation (the inverse of a record's ``*_transforms``)."""
+    poses = np.asarray(poses, dtype=float)
+    out = np.zeros((*poses.shape[:-1], 4, 4))
+    out[..., :3, :3] = quaternion_to_matrix(poses[..., :4])
+    out[..., :3, 3] = poses[..., 4:]
+    out[..., 3, 3] = 1.0
+    return out
+
+
 def _sizes(
     value: Any, name: str, default: np.ndarray, teeth: list[int], report, notes: dict
 ) -> np.ndarray | None:
@@ -203,6 +285,27 @@ def _collisions(poses: np.ndarray, width: np.ndarray, depth: np.ndarray) -> list
 
 def case_of_record(record: Any) -> Checked:
     """Check a record and build its case (see the module docstring); every problem is reported."""
+    return cases_of_records([record])[0]
+
+
+def cases_of_records(records: Sequence[Any]) -> list[Checked]:
+    """:func:`case_of_record` of each record, the unlabelled ones diagnosed in one batch
+    (:func:`server.diagnosis.diagnose_many`): the same results, a fraction of the time."""
+    checked = [_checked(record) for record in records]
+    pending = [k for k, (_, parts) in enumerate(checked) if parts is not None and parts["profile"] is None]
+    diagnoses: dict[int, Diagnosis] = {}
+    if pending:
+        found = diagnose_many(
+            np.stack([checked[k][1]["initial"] for k in pending]),
+            np.stack([checked[k][1]["target"] for k in pending]),
+            np.stack([checked[k][1]["width"] for k in pending]),
+        )
+        diagnoses = dict(zip(pending, found))
+    return [_finish(c, parts, diagnoses.get(k)) for k, (c, parts) in enumerate(checked)]
+
+
+def _checked(record: Any) -> tuple[Checked, dict | None]:
+    """The record's problems and notes, and (when it has none) the parts its case is made of."""
     problems: list[Problem] = []
     notes: dict[str, int] = {}
     case_id = record.get("case_id") if isinstance(record, dict) else None
@@ -213,7 +316,7 @@ def case_of_record(record: Any) -> Checked:
 
     if not isinstance(record, dict):
         report(None, f"a case record must be a JSON object, got {type(record).__name__}")
-        return Checked(None, None, None, problems, notes)
+        return Checked(None, None, None, problems, notes), None
     if record.get("format") != FORMAT:
         report(None, f"format must be {FORMAT!r}, got {record.get('format')!r}")
     unknown = sorted(set(record) - FIELDS)
@@ -249,10 +352,12 @@ def case_of_record(record: Any) -> Checked:
             if _is_int(t) and int(t) in TOOTH_IDS:
                 report(int(t), "absent teeth are not supported yet: every one of the 28 teeth needs poses")
     if problems:
-        return Checked(None, cid, patient_id, problems, notes)
+        return Checked(None, cid, patient_id, problems, notes), None
 
-    initial = _poses(record.get("initial"), "initial", teeth, report, notes)
-    target = _poses(record.get("target"), "target", teeth, report, notes)
+    initial, target = (
+        None if rows is None and f"{name}_transforms" in record else _poses(rows, name, teeth, report, notes)
+        for name, rows in ((n, _pose_rows(record, n, teeth, report, notes)) for n in ("initial", "target"))
+    )
     width = _sizes(record.get("crown_width_mm"), "crown_width_mm", CROWN_WIDTH_MM, teeth, report, notes)
     depth = _sizes(record.get("crown_depth_mm"), "crown_depth_mm", CROWN_DEPTH_MM, teeth, report, notes)
 
@@ -271,6 +376,10 @@ def case_of_record(record: Any) -> Checked:
         elif secondary is not None and secondary not in SECONDARY_PROFILES.get(profile, ()):
             report(None, f"labels.secondary_profile {secondary!r} does not go with {profile!r}: one of "
                          f"{', '.join(SECONDARY_PROFILES.get(profile, ())) or 'none'}")  # fmt: skip
+    split = record.get("split")
+    if split is not None and split not in SPLITS:
+        report(None, f"split must be one of {', '.join(map(repr, SPLITS))} or left out (then assigned by patient), "
+                     f"got {split!r}")  # fmt: skip
     force_decay = record.get("force_decay", False)
     if not isinstance(force_decay, bool):
         report(None, f"force_decay must be true or false, got {force_decay!r}")
@@ -280,7 +389,7 @@ def case_of_record(record: Any) -> Checked:
     if not _is_int(seed) or not 0 <= int(seed) < 2**63:
         report(None, f"seed must be an integer in [0, 2**63), got {seed!r}")
     if problems:
-        return Checked(None, cid, patient_id, problems, notes)
+        return Checked(None, cid, patient_id, problems, notes), None
 
     for name, poses in (("initial", initial), ("target", target)):
         span = float(np.ptp(poses[:, 4]))
@@ -288,7 +397,7 @@ def case_of_record(record: Any) -> Checked:
             report(None, f"the {name} arch spans {span:.1f} mm across (x), outside {ARCH_SPAN_MM[0]:.0f}-"
                          f"{ARCH_SPAN_MM[1]:.0f} mm: are the units mm?")  # fmt: skip
     if problems:
-        return Checked(None, cid, patient_id, problems, notes)
+        return Checked(None, cid, patient_id, problems, notes), None
     normed = (
         " (the crown widths are the norms: give crown_width_mm)"
         if record.get("crown_width_mm") is None
@@ -308,18 +417,27 @@ def case_of_record(record: Any) -> Checked:
             report(int(t), f"infeasible in {N_STAGES} aligners: {mm:.2f} mm and {deg:.1f} deg need {n} aligners "
                            f"within the per-stage limits ({MAX_TRANSLATION_MM} mm, {MAX_ROTATION_DEG} deg)")  # fmt: skip
     if problems:
-        return Checked(None, cid, patient_id, problems, notes)
-    diagnosis = None
-    if profile is None:
-        diagnosis = diagnose(initial, target, width)
+        return Checked(None, cid, patient_id, problems, notes), None
+    parts = {"initial": initial, "target": target, "width": width, "depth": depth, "profile": profile,
+             "secondary": secondary, "force_decay": force_decay, "task_id": task_id, "seed": int(seed)}  # fmt: skip
+    return Checked(None, cid, patient_id, problems, notes, split=split), parts
+
+
+def _finish(checked: Checked, parts: dict | None, diagnosis: Diagnosis | None) -> Checked:
+    """The checked record with its case built (the computed ``diagnosis`` when its labels had none)."""
+    if parts is None:
+        return checked
+    profile, secondary = parts["profile"], parts["secondary"]
+    if diagnosis is not None:
         profile, secondary = diagnosis.profile, diagnosis.secondary_profile
-        notes["diagnosis_computed"] = notes.get("diagnosis_computed", 0) + 1
+        checked.notes["diagnosis_computed"] = checked.notes.get("diagnosis_computed", 0) + 1
+    initial, target, width, depth = (parts[k] for k in ("initial", "target", "width", "depth"))
     for arr in (initial, target, width, depth):
         arr.setflags(write=False)
-    case = Case(
-        task_id=task_id,
-        seed=int(seed),
-        force_decay=force_decay,
+    checked.case = Case(
+        task_id=parts["task_id"],
+        seed=parts["seed"],
+        force_decay=parts["force_decay"],
         profile=profile,
         secondary_profile=secondary,
         optimal_strategy=optimal_strategy(profile, secondary),
@@ -329,4 +447,5 @@ def case_of_record(record: Any) -> Checked:
         crown_depth_mm=depth,
         summary=case_summary(initial, width),
     )
-    return Checked(case, cid, patient_id, problems, notes, diagnosis)
+    checked.diagnosis = diagnosis
+    return checked

@@ -273,3 +273,40 @@ def _cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def quaternion_about_axis(axis: np.ndarray, angle: np.ndarray) -> np.ndarray:
     """Quaternion(s) for a rotation of ``angle`` (rad) about unit ``axis``."""
     return quaternion_from_rotvec(np.asarray(axis, dtype=np.float64) * np.asarray(angle)[..., None])
+
+
+def quaternion_from_matrix(m: np.ndarray) -> np.ndarray:
+    """Unit quaternion(s) (..., 4), w first and w >= 0, of rotation matrices ``m`` (..., 3, 3).
+
+    The inverse of :func:`quaternion_axis`: column ``k`` of ``m`` is the rotated axis ``k``. Shepperd's
+    method (J. Guidance Control 1:223, 1978): the largest of the four diagonal combinations is taken
+    as the pivot, so no division comes near zero. ``m`` must be a rotation (orthonormal, det +1).
+    """
+    m = np.asarray(m, dtype=np.float64)
+    m00, m01, m02 = m[..., 0, 0], m[..., 0, 1], m[..., 0, 2]
+    m10, m11, m12 = m[..., 1, 0], m[..., 1, 1], m[..., 1, 2]
+    m20, m21, m22 = m[..., 2, 0], m[..., 2, 1], m[..., 2, 2]
+    pivots = np.stack(
+        (1 + m00 + m11 + m22, 1 + m00 - m11 - m22, 1 - m00 + m11 - m22, 1 - m00 - m11 + m22), -1
+    )
+    k = np.argmax(pivots, axis=-1)
+    s = 2.0 * np.sqrt(
+        np.maximum(np.take_along_axis(pivots, k[..., None], -1)[..., 0], _EPS)
+    )  # 4 x pivot comp.
+    a, b, c = m21 - m12, m02 - m20, m10 - m01  # 4 w x, 4 w y, 4 w z
+    d, e, f = m01 + m10, m02 + m20, m12 + m21  # 4 x y, 4 x z, 4 y z
+    q = np.select(
+        [k[..., None] == i for i in range(4)],
+        [
+            np.stack((s / 4, a / s, b / s, c / s), -1),
+            np.stack((a / s, s / 4, d / s, e / s), -1),
+            np.stack((b / s, d / s, s / 4, f / s), -1),
+            np.stack((c / s, e / s, f / s, s / 4), -1),
+        ],
+    )
+    return np.where(q[..., :1] < 0.0, -q, q)
+
+
+def quaternion_to_matrix(q: np.ndarray) -> np.ndarray:
+    """Rotation matrices (..., 3, 3) of unit quaternion(s) ``q`` (..., 4): columns the rotated axes."""
+    return np.stack([quaternion_axis(q, k) for k in range(3)], axis=-1)

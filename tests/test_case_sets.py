@@ -15,7 +15,14 @@ from orthojob.cli import main as cli_main
 from orthojob.data import case_sets
 from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
 from orthojob.ops.exit_codes import ExitCode
-from server.case_records import FORMAT, case_of_record, record_of_case
+from server.case_records import (
+    FORMAT,
+    case_digest,
+    case_of_record,
+    cases_of_records,
+    pose_transforms,
+    record_of_case,
+)
 from server.cases import TASK_IDS, generate_case
 from server.dental_environment import initial_observation
 from server.oracle import plan_for_case
@@ -162,3 +169,107 @@ def test_a_case_set_in_s3_validates_like_a_local_file(s3_env, tmp_path, capsys):
     code = cli_main(["cases", "validate", "s3://orthorl/cases/none.jsonl"])
     assert code in (ExitCode.STORAGE, ExitCode.STORAGE_DENIED)
     assert "s3://orthorl/cases/none.jsonl" in capsys.readouterr().err
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_a_batch_of_unlabelled_records_gives_what_each_record_gives_alone(records):
+    for r in records:
+        del r["labels"]
+    batch = cases_of_records(records)
+    for record, together in zip(records, batch):
+        alone = case_of_record(record)
+        assert together.notes == alone.notes == {"diagnosis_computed": 1}
+        assert together.diagnosis == alone.diagnosis
+        assert (together.case.profile, together.case.secondary_profile, together.case.optimal_strategy) == (
+            alone.case.profile, alone.case.secondary_profile, alone.case.optimal_strategy,
+        )  # fmt: skip
+
+
+def test_the_split_is_by_patient_deterministic_and_respects_given_splits(tmp_path):
+    rows = []
+    for s in range(60):  # 20 patients of 3 cases each
+        for level in TASK_IDS:
+            rows.append(record_of_case(generate_case(level, s, False),
+                                       case_id=f"{level}-{s}", patient_id=f"p{s // 3}"))  # fmt: skip
+    rows = [json.loads(json.dumps(r)) for r in rows]
+    report = case_sets.validate(_write(tmp_path / "a.jsonl", rows))
+    assert report.ok, report.summary()
+    split = case_sets.split_by_patient(report, 0.3)
+    assert sorted(split.train + split.heldout) == list(range(len(rows)))
+    train_patients = {report.patient_ids[k] for k in split.train}
+    heldout_patients = {report.patient_ids[k] for k in split.heldout}
+    assert train_patients and heldout_patients and not train_patients & heldout_patients
+    # the file's order does not matter: the same patients are held out, with the same digest per order
+    again = case_sets.validate(_write(tmp_path / "b.jsonl", rows[::-1]))
+    other = case_sets.split_by_patient(again, 0.3)
+    assert {again.patient_ids[k] for k in other.heldout} == heldout_patients
+    assert case_sets.split_by_patient(report, 0.3).digest == split.digest
+    assert case_sets.split_by_patient(report, 0.5).digest != split.digest
+    # a record's own split wins, for every case of its patient
+    moved = [{**r, "split": "heldout"} if r["patient_id"] == sorted(train_patients)[0] else r for r in rows]
+    given = case_sets.validate(_write(tmp_path / "c.jsonl", moved))
+    assert sorted(train_patients)[0] in {
+        given.patient_ids[k] for k in case_sets.split_by_patient(given, 0.3).heldout
+    }
+    with pytest.raises(ValueError, match="heldout_share"):
+        case_sets.split_by_patient(report, 1.5)
+
+
+def test_a_patient_in_both_splits_and_a_bad_split_are_refused(tmp_path, records, capsys):
+    rows = [
+        {**r, "patient_id": "p1", "split": "train" if k else "heldout"} for k, r in enumerate(records[:3])
+    ]
+    rows.append({**records[3], "split": "test"})
+    report = case_sets.validate(_write(tmp_path / "bad.jsonl", rows))
+    text = "\n".join(report.problems)
+    assert "patient 'p1' has cases in both splits" in text
+    assert "split must be one of 'train', 'heldout'" in text
+    good = _write(tmp_path / "good.jsonl", records)
+    assert cli_main(["cases", "validate", good]) == 0
+    assert "split by patient: train" in capsys.readouterr().out
+
+
+def test_the_content_digest_follows_the_case_not_its_id(records):
+    a = case_of_record(records[0]).case
+    b = case_of_record({**records[0], "case_id": "other", "patient_id": "someone"}).case
+    assert case_digest(a) == case_digest(b) == case_digest(generate_case("task_medium", 0, False))
+    assert case_digest(a) != case_digest(case_of_record(records[1]).case)
+    assert case_digest(a) != case_digest(case_of_record({**records[0], "force_decay": True}).case)
+
+
+def test_transforms_from_planning_software_give_the_same_case(records):
+    record = records[0]
+    as_transforms = {k: v for k, v in record.items() if k not in ("initial", "target")}
+    for name in ("initial", "target"):
+        as_transforms[f"{name}_transforms"] = pose_transforms(np.array(record[name])).tolist()
+    checked = case_of_record(json.loads(json.dumps(as_transforms)))
+    assert checked.problems == [] and checked.notes["transforms_converted"] == 2
+    generated = generate_case("task_medium", 0, False)
+    for got, want in ((checked.case.initial, generated.initial), (checked.case.target, generated.target)):
+        np.testing.assert_allclose(got, want, atol=1e-12)
+    plans = [plan_for_case(generated), UNIFORM_SLERP_PLAN]
+    for a, b in zip(score_plans(plans, [checked.case] * 2), score_plans(plans, [generated] * 2)):
+        assert a["terminal_reward"] == pytest.approx(b["terminal_reward"], abs=1e-9)
+
+
+def test_bad_transforms_are_refused_by_tooth(records):
+    record = {k: v for k, v in records[0].items() if k != "initial"}
+    t = pose_transforms(np.array(records[0]["initial"]))
+    t[0, :3, :3] *= 10.0  # tooth 11 in cm -> mm twice over: not a rotation
+    t[1, :3, 0] *= -1.0  # tooth 12 mirrored
+    t[2, 3] = [0.0, 0.0, 1.0, 1.0]  # tooth 13: not an affine last row
+    bad = t.tolist()
+    bad[3] = [[1, 0, 0], [0, 1, 0]]  # tooth 14: wrong shape
+    checked = case_of_record({**record, "initial_transforms": bad})
+    text = "\n".join(map(str, checked.problems))
+    assert checked.case is None
+    assert "tooth 11: initial_transforms: the rotation part is not orthonormal" in text
+    assert "tooth 12: initial_transforms: the rotation part is a reflection" in text
+    assert "tooth 13: initial_transforms: the last row must be [0, 0, 0, 1]" in text
+    assert "tooth 14: initial_transforms must hold a 4 x 4 matrix" in text
+    both = case_of_record({**records[0], "initial_transforms": t.tolist()})
+    assert "give initial (poses) or initial_transforms" in str(both.problems[0])

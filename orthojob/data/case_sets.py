@@ -9,14 +9,19 @@ and generated cases exported in the same format (docs/cases.md; the record is
   (duplicate case ids), and returns a :class:`Validation` that names every problem by case id and FDI
   tooth; ``orthojob cases validate FILE|s3://…`` prints it and exits 0 when the set is usable, 2 when
   not (30 when S3 cannot be read).
+* :func:`split_by_patient` splits the usable cases into training and held-out ones by patient
+  (a record's own ``split``, else the patient id's hash), with a digest of the assignment.
 * :func:`export` writes generated cases (``orthojob cases export --task … --seeds A:B``): importing
   them gives back the generated cases bit for bit (their poses, crown sizes, labels and key).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -25,12 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from orthojob.ops import storage
-from server.case_records import Checked, Problem, case_of_record, record_of_case
-from server.cases import Case, generate_case
+from orthojob.ops.exit_codes import ExitCode, epilog
+from server.case_records import Problem, case_digest, cases_of_records, record_of_case
+from server.cases import TASK_IDS, Case, generate_case
 
 MAX_LINE_BYTES = 4 << 20
 """A JSON Lines record longer than this (4 MiB; a case is about 6 KB) is refused unread."""
 _CHUNK = 1 << 16
+HELDOUT_SHARE = 0.2
+"""Share of the patients held out for evaluation when the records do not say (``split``)."""
+CHECK_BATCH = 512
+"""Records checked together (their diagnoses computed in one batch); memory stays bounded by it."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,7 @@ class Validation:
     cases: list[Case] = field(default_factory=list)
     case_ids: list[str] = field(default_factory=list)
     patient_ids: list[str] = field(default_factory=list)
+    splits: list[str | None] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: Counter = field(default_factory=Counter)
 
@@ -151,13 +162,10 @@ def validate(source: str) -> Validation:
     """Read and check every record of a case file (local path or ``s3://`` URI)."""
     out = Validation(source)
     seen: Counter = Counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        for where, record in read_records(_local(source, tmp)):
-            out.records += 1
-            if isinstance(record, Unreadable):
-                out.problems.append(f"{where}: {record.message}")
-                continue
-            checked: Checked = case_of_record(record)
+    batch: list[tuple[str, Any]] = []
+
+    def check(batch: list[tuple[str, Any]]) -> None:
+        for (where, _), checked in zip(batch, cases_of_records([r for _, r in batch])):
             out.notes.update(checked.notes)
             out.problems.extend(f"{where}, {p}" for p in checked.problems)
             if checked.case_id is not None:
@@ -168,9 +176,65 @@ def validate(source: str) -> Validation:
                 out.cases.append(checked.case)
                 out.case_ids.append(checked.case_id)
                 out.patient_ids.append(checked.patient_id)
+                out.splits.append(checked.split)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for where, record in read_records(_local(source, tmp)):
+            out.records += 1
+            if isinstance(record, Unreadable):
+                out.problems.append(f"{where}: {record.message}")
+                continue
+            batch.append((where, record))
+            if len(batch) == CHECK_BATCH:
+                check(batch)
+                batch = []
+        check(batch)
     if out.records == 0:
         out.problems.append("no case records in the file")
+    given: dict[str, set[str]] = {}
+    for patient, split in zip(out.patient_ids, out.splits):
+        if split is not None:
+            given.setdefault(patient, set()).add(split)
+    for patient in sorted(p for p, s in given.items() if len(s) > 1):
+        ids = [c for c, p in zip(out.case_ids, out.patient_ids) if p == patient]
+        out.problems.append(
+            f"patient {patient!r} has cases in both splits ({', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}): "
+            "a held-out patient's cases must all be held out, or the evaluation has seen the patient"
+        )
     return out
+
+
+@dataclass(frozen=True)
+class CaseSplit:
+    """A case set split by patient: indices into :attr:`Validation.cases` of the training and the
+    held-out cases, the held-out share asked for, and a digest of the assignment (case content digests
+    with their split, in file order) that a run and its gate file record."""
+
+    train: tuple[int, ...]
+    heldout: tuple[int, ...]
+    heldout_share: float
+    digest: str
+
+
+def split_by_patient(validation: Validation, heldout_share: float = HELDOUT_SHARE) -> CaseSplit:
+    """Training and held-out cases, never a patient in both: a record's own ``split`` when it gives
+    one (for all of a patient's cases, :func:`validate` checks), else by the patient id's hash, so the
+    same patients are held out in every run, on every machine, whatever the file's order."""
+    if not 0.0 <= heldout_share <= 1.0:
+        raise ValueError(f"heldout_share must lie in [0, 1], got {heldout_share}")
+    given = {p: s for p, s in zip(validation.patient_ids, validation.splits) if s is not None}
+    train, heldout = [], []
+    h = hashlib.sha256(f"heldout_share={heldout_share!r}".encode())
+    for k, (case, patient) in enumerate(zip(validation.cases, validation.patient_ids)):
+        split = given.get(patient) or ("heldout" if _patient_draw(patient) < heldout_share else "train")
+        (heldout if split == "heldout" else train).append(k)
+        h.update(f"{split}:{case_digest(case)}\n".encode())
+    return CaseSplit(tuple(train), tuple(heldout), heldout_share, h.hexdigest())
+
+
+def _patient_draw(patient_id: str) -> float:
+    """A number in [0, 1) fixed by the patient id (sha256), the same on every machine."""
+    return int.from_bytes(hashlib.sha256(patient_id.encode()).digest()[:8], "big") / 2.0**64
 
 
 def export(task_id: str, seeds: Sequence[int], force_decay: bool, out: str | os.PathLike) -> int:
@@ -205,3 +269,63 @@ def seed_range(text: str) -> range:
     if not 0 <= a < b:
         raise ValueError(f"--seeds {text!r} is empty: A:B with 0 <= A < B")
     return range(a, b)
+
+
+# --- the `orthojob cases` command ------------------------------------------------------
+
+
+def add_cases_arguments(sub: argparse._SubParsersAction) -> None:
+    """``orthojob cases validate|export`` on the CLI's subparsers."""
+    ca = sub.add_parser(
+        "cases",
+        help="case sets: validate a file of patients' cases, or export generated cases (docs/cases.md)",
+        epilog=epilog(ExitCode.OK, ExitCode.USAGE, ExitCode.STORAGE),
+    )
+    csub = ca.add_subparsers(dest="cases_command", required=True)
+    cv = csub.add_parser("validate", help="check every record; print every problem by case id and FDI tooth")
+    cv.add_argument("source", help="a .jsonl or .parquet file, or an s3:// URI of one")
+    cv.add_argument("--heldout-share", type=float, default=HELDOUT_SHARE,
+                    help="share of the patients held out where the records give no split")  # fmt: skip
+    ce = csub.add_parser("export", help="write generated cases in the case-set format")
+    ce.add_argument("--task", required=True, choices=TASK_IDS)
+    ce.add_argument("--seeds", required=True, help="A:B (B excluded) or N (0..N-1)")
+    ce.add_argument("--force-decay", action="store_true")
+    ce.add_argument("--out", required=True, help="a .jsonl or .parquet file")
+    ca.set_defaults(func=run_cases_cli)
+
+
+def run_cases_cli(args: argparse.Namespace) -> int:
+    """``orthojob cases validate SOURCE`` / ``orthojob cases export --task T --seeds A:B --out FILE``."""
+
+    if args.cases_command == "export":
+        try:
+            seeds = seed_range(args.seeds)
+        except ValueError as exc:
+            print(f"orthojob cases export: {exc}", file=sys.stderr)
+            return ExitCode.USAGE
+        n = export(args.task, seeds, args.force_decay, args.out)
+        print(f"wrote {n} {args.task} cases{' (force decay)' if args.force_decay else ''} to {args.out}")
+        return 0
+    try:
+        report = validate(args.source)
+    except FileNotFoundError as exc:
+        print(f"orthojob cases validate: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    print(report.summary())
+    if report.ok:
+        try:
+            split = split_by_patient(report, args.heldout_share)
+        except ValueError as exc:
+            print(f"orthojob cases validate: {exc}", file=sys.stderr)
+            return ExitCode.USAGE
+        print(format_split(report, split))
+    return 0 if report.ok else ExitCode.USAGE
+
+
+def format_split(validation: Validation, split: CaseSplit) -> str:
+    """One line: how many cases and patients each side of the split holds, and its digest."""
+    sides = []
+    for name, index in (("train", split.train), ("heldout", split.heldout)):
+        patients = {validation.patient_ids[k] for k in index}
+        sides.append(f"{name} {len(index)} cases of {len(patients)} patients")
+    return f"split by patient: {', '.join(sides)} (digest {split.digest[:12]})"

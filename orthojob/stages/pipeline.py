@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from orthojob.eval.evaluation import evaluate_checkpoint, format_table
-from orthojob.eval.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_MEAN
+from orthojob.eval.metrics import HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_MEAN
 from orthojob.modeling.models import TINY_MODEL, build_tiny
 from orthojob.ops import gate_file, run_identity, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode
@@ -79,7 +79,8 @@ from orthojob.stages import gate
 from orthojob.stages.gate import GateSettings
 from orthojob.stages.grpo import run_grpo
 from orthojob.stages.grpo_config import TRAIN_LOG_FILE, ConfigError
-from orthojob.stages.presets import DEFAULT_STAGES, PIPELINE_STAGES, PRESETS, Preset, apply_overrides
+from orthojob.stages.pipeline_summary import format_summary
+from orthojob.stages.presets import PIPELINE_STAGES, PRESETS, Preset, apply_overrides
 from orthojob.stages.rsft import RSFTError, log_rsft, run_rsft
 from orthojob.stages.sft import TRAINING_CASES, log_stage, run_sft
 from orthojob.stages.tool_sft import build_tiny_tool_model
@@ -487,86 +488,6 @@ def _earlier_stages(out_uri: str | None, out: Path) -> dict:
         return dict(json.loads(text).get("stages") or {}) if text else {}
     except (ValueError, AttributeError):
         return {}
-
-
-def _fmt(x: Any, spec: str = ".3f") -> str:
-    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
-
-
-def format_summary(summary: dict) -> str:
-    """The pipeline's table: one row per stage with its wall time and key numbers."""
-    s = summary["stages"]
-    lines = [f"Pipeline {summary['preset']}: {_fmt(summary.get('wall_seconds'), '.0f')} s, exit {summary.get('exit_code')}",
-             f"(scaled_reward: the scaled terminal reward, {BANDS}; hard rules: share of plans breaking one)",
-             f"{'stage':<15}{'seconds':>9}  result", "-" * 100]  # fmt: skip
-    if "tiny-model" in s:
-        lines.append(
-            f"{'tiny-model':<15}{_fmt(s['tiny-model']['seconds'], '9.1f')}  {s['tiny-model']['path']}"
-        )
-    if "base" in s:
-        x = s["base"]
-        lines.append(
-            f"{'base':<15}{_fmt(x['seconds'], '9.1f')}  before training: parse {_fmt(x['parse_rate'])}, format "
-            f"{_fmt(x['format_reward'])}, scaled_reward {_fmt(x.get(SCALED_REWARD_MEAN))}"
-        )
-    for name in summary.get("chain") or [PIPELINE_STAGES[step] for step in DEFAULT_STAGES]:
-        x = s.get(name)
-        if x is None:
-            continue
-        if "skipped" in x:
-            lines.append(f"{name:<15}{'':>9}  skipped: {x['skipped']}")
-            continue
-        if "resumed_from" in x and "steps" not in x:  # an earlier attempt trained it; no record of how
-            lines.append(
-                f"{name:<15}{'':>9}  resumed from {x['resumed_from']} (trained by an earlier attempt)"
-            )
-        elif name == "grpo":
-            lines.append(
-                f"{'grpo':<15}{_fmt(x['seconds'], '9.1f')}  exit {x['exit_code']}, {x.get('steps', 0)} steps, "
-                f"reward mean {_fmt(x.get('reward_mean'))} (first half {_fmt(x.get('reward_first_half_mean'))}, "
-                f"second half {_fmt(x.get('reward_second_half_mean'))}), {_fmt(x.get('step_time_mean'), '.2f')} s/step"
-            )
-        elif "error" in x:
-            lines.append(
-                f"{name:<15}{_fmt(x['seconds'], '9.1f')}  exit {x.get('exit_code')}: {x['error'][:200]}"
-            )
-        else:
-            demos = x.get("demos") or {}
-            what = f"{x['examples']} {demos.get('source', '')} demos"
-            if "filtered_hard_rule" in demos:
-                what += f" ({demos['filtered_hard_rule']} unsafe filtered)"
-            if "rsft" in x:
-                what = f"{x['rsft']['kept']} kept of {x['rsft']['samples']} samples"
-            lines.append(
-                f"{name:<15}{_fmt(x['seconds'], '9.1f')}  {x['steps']} steps, {what}, loss "
-                f"{_fmt(x['first_loss'])} -> {_fmt(x['final_loss'])}, token acc {_fmt(x['final_token_accuracy'])}, "
-                f"{x['parameters']['trainable']:,} trainable params"
-            )
-        key = f"gate_{name}"
-        if key in s:
-            g = s[key]
-            if name == "tool_sft":
-                lines.append(
-                    f"{key:<15}{_fmt(g['seconds'], '9.1f')}  {'PASSED' if g['passed'] else 'FAILED'}: tool calls "
-                    f"{_fmt(g['tool_call_rate'])}, finished {_fmt(g['finished_rate'])}, valid calls "
-                    f"{_fmt(g['valid_call_rate'])}, reward {_fmt(g['reward_mean'])}"
-                )
-            else:
-                lines.append(
-                    f"{key:<15}{_fmt(g['seconds'], '9.1f')}  {'PASSED' if g['passed'] else 'FAILED'}: parse "
-                    f"{_fmt(g['parse_rate'])}, format {_fmt(g['format_reward'])}, scaled_reward "
-                    f"{_fmt(g.get(SCALED_REWARD_MEAN))} (SLERP {_fmt(g.get(f'uniform_slerp_{SCALED_REWARD_MEAN}'))}, "
-                    f"oracle {_fmt(g.get(f'oracle_{SCALED_REWARD_MEAN}'))}), hard rules {_fmt(g.get(HARD_RULE_SHARE))} "
-                    f"(oracle {_fmt(g.get(f'oracle_{HARD_RULE_SHARE}'))}), strategy acc {_fmt(g['strategy_accuracy'])}"
-                )  # fmt: skip
-    if "evaluate" in s:
-        x = s["evaluate"]
-        terms = ", ".join(
-            f"{p} {_fmt(v)} ({_fmt((x.get(HARD_RULE_SHARE) or {}).get(p))})"
-            for p, v in x[SCALED_REWARD_MEAN].items()
-        )
-        lines.append(f"{'evaluate':<15}{_fmt(x['seconds'], '9.1f')}  scaled_reward (hard rules): {terms}")
-    return "\n".join(lines)
 
 
 def _value(text: str) -> Any:
