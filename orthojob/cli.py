@@ -39,6 +39,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from orthojob.data import case_sets
 from orthojob.data.case_sets import add_cases_arguments
 from orthojob.eval import viewer, viewer_logging
 from orthojob.eval.evaluation import (
@@ -89,6 +90,31 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return ExitCode.USAGE
+    keys, cases = None, None
+    if args.cases:
+        if args.non_compliance:
+            print(
+                "orthojob evaluate: --non-compliance is for generated task_hard cases, not --cases",
+                file=sys.stderr,
+            )
+            return ExitCode.USAGE
+        try:
+            validation, split = case_sets.load_split(args.cases, args.heldout_share)
+        except (case_sets.CaseSetError, FileNotFoundError, ValueError) as exc:
+            print(f"orthojob evaluate: --cases {args.cases}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+            return ExitCode.USAGE
+        if not split.heldout:
+            print(f"orthojob evaluate: --cases {args.cases} holds out no patient: raise --heldout-share or give "
+                  "records \"split\": \"heldout\"", file=sys.stderr)  # fmt: skip
+            return ExitCode.USAGE
+        print(case_sets.format_split(validation, split))
+        keys = [
+            k._replace(force_decay=args.force_decay) for k in case_sets.register(validation, split.heldout)
+        ]
+        patients = len({validation.patient_ids[k] for k in split.heldout})
+        tracking.log_case_set(args.cases, split.digest, "heldout", len(keys), patients, "evaluation")
+        cases = {"source": args.cases, "split": "heldout", "split_digest": split.digest, "n_cases": len(keys),
+                 "n_patients": patients}  # fmt: skip
     if args.checkpoint:
         checkpoint = _input_folder(args.checkpoint, "evaluate")
         if checkpoint is None:
@@ -101,15 +127,22 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             baselines=args.baselines,
             max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
+            keys=keys,
         )
     else:
         report = evaluate_baselines(
-            args.task_id, args.seeds, force_decay=args.force_decay, non_compliance=args.non_compliance
+            args.task_id,
+            args.seeds,
+            force_decay=args.force_decay,
+            non_compliance=args.non_compliance,
+            keys=keys,
         )
-        viewer_logging.log_baseline_viewers(
-            args.task_id, HELDOUT_SEED_START, args.force_decay, args.non_compliance
-        )
-    print(format_table(report, args.seeds, args.force_decay, args.non_compliance))
+        if keys is None:
+            viewer_logging.log_baseline_viewers(
+                args.task_id, HELDOUT_SEED_START, args.force_decay, args.non_compliance
+            )
+    n_shown = len(keys) if keys is not None else args.seeds
+    print(format_table(report, n_shown, args.force_decay, args.non_compliance, args.cases))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(
@@ -119,6 +152,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                     "n_seeds": args.seeds,
                     "force_decay": args.force_decay,
                     "non_compliance": args.non_compliance,
+                    "cases": cases,
                     "results": report,
                 },
                 indent=2,
@@ -337,6 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="task_hard's seeded missed/partial wear and lost attachment (baselines only)",
     )
+    ev.add_argument(
+        "--cases",
+        help="a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): judge on its held-out patients "
+        "instead of generated seeds (--task-id and --seeds then do not apply)",
+    )
+    ev.add_argument("--heldout-share", type=float, default=case_sets.HELDOUT_SHARE,
+                    help="with --cases: share of the patients held out where the records give no split")  # fmt: skip
     ev.add_argument("--out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_evaluate)
 

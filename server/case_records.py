@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from server.cases import TASK_IDS, Case, case_summary
+from server.cases import IMPORTED_TASK, TASK_IDS, Case, case_summary
 from server.clinical_profiles import PROFILES, SECONDARY_PROFILES, optimal_strategy
 from server.collisions import COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
 from server.dental_constants import (
@@ -59,8 +59,6 @@ from server.diagnosis import Diagnosis, diagnose_many
 from server.quaternion_utils import quaternion_angle, quaternion_from_matrix, quaternion_to_matrix
 
 FORMAT = "orthorl-case/1"
-IMPORTED_TASK = "imported"
-"""The ``task_id`` of an imported case that names none."""
 TRANSFORM_TOLERANCE = 1e-3
 """A 4 x 4 transform's rotation part must be orthonormal within this (max |R^T R - I|)."""
 QUATERNION_TOLERANCE = 1e-3

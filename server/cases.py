@@ -88,6 +88,14 @@ HELDOUT_SEED_START: int = 1_000_000
 """Evaluation and gates use seeds from here upwards, never seen in training."""
 
 
+IMPORTED_TASK = "imported"
+"""The ``task_id`` of a case from a case set (docs/cases.md); its seed is a digest of its content."""
+MAX_IMPORTED_CASES = 1_000_000
+"""Imported cases one process holds (about 6 KB each)."""
+_IMPORTED: dict[int, Case] = {}
+_IMPORTED_VARIANTS: dict[tuple[int, bool], Case] = {}
+
+
 class CaseKey(NamedTuple):
     """What names a case, in the order of :func:`generate_case`'s arguments. Every module that
     keys, records or scores cases (rollouts, rewards, evaluation, gates, ``treatment.score_plans``,
@@ -357,17 +365,56 @@ def _geometry(task_id: str, seed: int) -> Case:
 def generate_case(task_id: str, seed: int, force_decay: bool = False, non_compliance: bool = False) -> Case:
     """The case of ``(task_id, seed, force_decay, non_compliance)``; cached (LRU, CASE_CACHE_SIZE),
     read-only arrays. ``non_compliance`` (missed and partial wear, a lost attachment) is an option
-    of task_hard only (:mod:`server.compliance`)."""
+    of task_hard only (:mod:`server.compliance`). ``task_id`` :data:`IMPORTED_TASK` names a case of a
+    loaded case set (:func:`register_imported`), under the dynamics ``force_decay`` names."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise InvalidActionError(f"seed must be an integer, got {seed!r}")
     if not 0 <= int(seed) < 2**63:
         raise InvalidActionError(f"seed must be in [0, 2**63), got {seed}")
+    if task_id == IMPORTED_TASK:
+        case = _IMPORTED.get(int(seed))
+        if case is None:
+            raise InvalidActionError(
+                f"no imported case with seed {seed} is loaded: load its case set first (--cases FILE)"
+            )
+        if non_compliance:
+            raise InvalidActionError(
+                "non_compliance is an option of generated task_hard cases, not of imported ones"
+            )
+        if case.force_decay != bool(
+            force_decay
+        ):  # the other dynamics, made once (its cached properties kept)
+            case = _IMPORTED_VARIANTS.get((int(seed), bool(force_decay)))
+            if case is None:
+                case = replace(_IMPORTED[int(seed)], force_decay=bool(force_decay))
+                _IMPORTED_VARIANTS[(int(seed), bool(force_decay))] = case
+        return case
     if non_compliance and task_id not in COMPLIANCE_TASKS:
         raise InvalidActionError(
             f"non_compliance is an option of {', '.join(COMPLIANCE_TASKS)} only, not of {task_id!r}: "
             "drop it or use task_hard"
         )
     return _generate(task_id, int(seed), bool(force_decay), bool(non_compliance))
+
+
+def register_imported(case: Case) -> CaseKey:
+    """Make an imported case reachable by key: ``CaseKey(IMPORTED_TASK, seed)``, ``seed`` the case's
+    own (a content digest, :func:`orthojob.data.case_sets.register`); in this process only, at most
+    :data:`MAX_IMPORTED_CASES`. A seed already loaded with other content is refused."""
+    if case.task_id != IMPORTED_TASK:
+        raise ValueError(f"only imported cases are registered, not {case.task_id!r}")
+    held = _IMPORTED.get(case.seed)
+    if (
+        held is not None
+        and held is not case
+        and not (np.array_equal(held.initial, case.initial) and np.array_equal(held.target, case.target))
+    ):
+        raise ValueError(f"imported seed {case.seed} is already another case's")
+    if held is None and len(_IMPORTED) >= MAX_IMPORTED_CASES:
+        raise ValueError(f"at most {MAX_IMPORTED_CASES} imported cases can be loaded in one process")
+    _IMPORTED[case.seed] = case
+    _IMPORTED_VARIANTS.pop((case.seed, not case.force_decay), None)
+    return CaseKey(IMPORTED_TASK, case.seed, case.force_decay)
 
 
 def clear_case_cache() -> None:

@@ -273,3 +273,45 @@ def test_bad_transforms_are_refused_by_tooth(records):
     assert "tooth 14: initial_transforms must hold a 4 x 4 matrix" in text
     both = case_of_record({**records[0], "initial_transforms": t.tolist()})
     assert "give initial (poses) or initial_transforms" in str(both.problems[0])
+
+
+def test_evaluate_judges_an_imported_case_set_on_its_heldout_patients(tmp_path, capsys):
+    """`orthojob evaluate --cases` scores the baselines on the held-out patients of a case set; a case
+    with no generated key is found by its content (the same scores as its generated twin), and the
+    run records the case set as an MLflow dataset input with its split."""
+    import mlflow
+
+    from orthojob.ops import tracking
+
+    rows = []
+    for s in range(12):
+        record = json.loads(json.dumps(record_of_case(generate_case("task_easy", s), patient_id=f"p{s}")))
+        if s % 2:  # an imported case: no generated key, a label-free diagnosis
+            for k in ("task_id", "seed", "labels"):
+                del record[k]
+        rows.append({**record, "split": "heldout" if s < 4 else "train"})
+    source = _write(tmp_path / "patients.jsonl", rows)
+    out = tmp_path / "eval.json"
+    assert cli_main(["evaluate", "--baselines", "--cases", source, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "split by patient: train 8 cases of 8 patients, heldout 4 cases of 4 patients" in printed
+    assert f"4 held-out cases of {source}" in printed
+    result = json.loads(out.read_text())
+    assert result["cases"]["n_cases"] == 4 and result["cases"]["n_patients"] == 4
+    assert set(result["results"]) == {"task_easy", "imported"}
+    generated = [generate_case("task_easy", s) for s in range(4)]
+    for task, seeds in (("task_easy", [0, 2]), ("imported", [1, 3])):
+        want = score_plans([UNIFORM_SLERP_PLAN] * 2, [generated[s] for s in seeds])
+        got = result["results"][task]["uniform_slerp"]["scaled_reward"]["mean"]
+        assert got == pytest.approx(np.mean([w["scaled_reward"] for w in want]), abs=1e-12)
+    run = mlflow.get_run(tracking.last_stage_run("evaluate"))
+    (dataset,) = run.inputs.dataset_inputs
+    tags = {t.key: t.value for t in dataset.tags}
+    assert tags["split"] == "heldout" and tags["cases"] == "4" and tags["patients"] == "4"
+    assert tags["mlflow.data.context"] == "evaluation"
+    assert dataset.dataset.name == "patients.jsonl:heldout"
+    assert tags["split_digest"] == case_sets.split_by_patient(case_sets.validate(source)).digest
+    # a set that holds out no patient is refused with what to do
+    train_only = _write(tmp_path / "train.jsonl", [{**r, "split": "train"} for r in rows])
+    assert cli_main(["evaluate", "--baselines", "--cases", train_only]) == ExitCode.USAGE
+    assert "holds out no patient" in capsys.readouterr().err

@@ -25,14 +25,14 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from orthojob.ops import storage
 from orthojob.ops.exit_codes import ExitCode, epilog
 from server.case_records import Problem, case_digest, cases_of_records, record_of_case
-from server.cases import TASK_IDS, Case, generate_case
+from server.cases import IMPORTED_TASK, TASK_IDS, Case, CaseKey, generate_case, register_imported
 
 MAX_LINE_BYTES = 4 << 20
 """A JSON Lines record longer than this (4 MiB; a case is about 6 KB) is refused unread."""
@@ -230,6 +230,42 @@ def split_by_patient(validation: Validation, heldout_share: float = HELDOUT_SHAR
         (heldout if split == "heldout" else train).append(k)
         h.update(f"{split}:{case_digest(case)}\n".encode())
     return CaseSplit(tuple(train), tuple(heldout), heldout_share, h.hexdigest())
+
+
+def register(validation: Validation, index: Sequence[int] | None = None) -> list[CaseKey]:
+    """The keys of the validated cases (all, or those at ``index``), each made reachable by key in this
+    process: a record whose poses are its generated case's keeps that case's key (an export read
+    back); any other case is registered as ``CaseKey("imported", seed)``, the seed a digest of its
+    content (:func:`server.cases.register_imported`), so caches keyed by case key by its content."""
+    keys = []
+    for k in range(len(validation.cases)) if index is None else index:
+        case = validation.cases[k]
+        if case.task_id in TASK_IDS:
+            generated = generate_case(case.task_id, case.seed, case.force_decay)
+            if case_digest(generated) == case_digest(case):
+                keys.append(CaseKey(case.task_id, case.seed, case.force_decay))
+                continue
+        seed = int(case_digest(replace(case, force_decay=False))[:15], 16)
+        keys.append(register_imported(replace(case, task_id=IMPORTED_TASK, seed=seed)))
+    return keys
+
+
+def load_split(source: str, heldout_share: float = HELDOUT_SHARE) -> tuple[Validation, CaseSplit]:
+    """Validate a case set and split it by patient; :class:`CaseSetError` (exit 2) says what to fix."""
+    report = validate(source)
+    if not report.ok:
+        raise CaseSetError(report.summary())
+    return report, split_by_patient(report, heldout_share)
+
+
+class CaseSetError(Exception):
+    """A case set that cannot be used: its validation report, every problem named."""
+
+    exit_code = ExitCode.USAGE
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 def _patient_draw(patient_id: str) -> float:

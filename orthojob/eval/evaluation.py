@@ -83,6 +83,27 @@ def observations(
     ]
 
 
+def keys_by_task(
+    task_ids: Sequence[str],
+    n_seeds: int,
+    seed_start: int,
+    force_decay: bool,
+    non_compliance: bool = False,
+    keys: Sequence[CaseKey] | None = None,
+) -> dict[str, list[CaseKey]]:
+    """The held-out cases of each task: ``n_seeds`` consecutive seeds of each of ``task_ids``, or the
+    given ``keys`` (an imported case set's, :func:`orthojob.data.case_sets.register`) grouped by task."""
+    if keys is None:
+        return {
+            t: [CaseKey(t, seed_start + i, bool(force_decay), bool(non_compliance)) for i in range(n_seeds)]
+            for t in task_ids
+        }
+    out: dict[str, list[CaseKey]] = {}
+    for key in keys:
+        out.setdefault(key.task_id, []).append(key)
+    return out
+
+
 def summarize(results: Sequence[dict]) -> dict[str, dict[str, float]]:
     """Mean and SD over episodes (:data:`SUMMARY_KEYS`) of the scaled reward GRPO sees (the headline),
     the share of plans breaking a hard rule, the raw terminal score (``terminal_raw``; the server's
@@ -108,13 +129,16 @@ def evaluate_planners(
     seed_start: int = HELDOUT_SEED_START,
     force_decay: bool = False,
     non_compliance: bool = False,
+    keys: Sequence[CaseKey] | None = None,
 ) -> dict:
     """Score each planner on the same held-out cases: ``{task: {planner: summary}}``.
-    ``non_compliance`` (task_hard only) scores the plans under the cases' compliance schedules."""
+    ``non_compliance`` (task_hard only) scores the plans under the cases' compliance schedules;
+    ``keys``: these cases instead of seeds (:func:`keys_by_task`)."""
     report: dict = {}
-    for task_id in task_ids:
-        obs = observations(task_id, n_seeds, seed_start, force_decay, non_compliance)
-        cases = [CaseKey(task_id, o["seed"], force_decay, non_compliance) for o in obs]
+    for task_id, cases in keys_by_task(
+        task_ids, n_seeds, seed_start, force_decay, non_compliance, keys
+    ).items():
+        obs = [initial_observation(generate_case(*c)) for c in cases]
         report[task_id] = {}
         for name, planner in planners.items():
             results = score_plans([planner(o) for o in obs], cases)
@@ -129,12 +153,19 @@ def evaluate_baselines(
     seed_start: int = HELDOUT_SEED_START,
     force_decay: bool = False,
     non_compliance: bool = False,
+    keys: Sequence[CaseKey] | None = None,
 ) -> dict:
-    """The three baselines on held-out seeds (see module docstring)."""
-    return evaluate_planners(BASELINES, task_ids, n_seeds, seed_start, force_decay, non_compliance)
+    """The three baselines on held-out seeds, or on ``keys`` (see module docstring)."""
+    return evaluate_planners(BASELINES, task_ids, n_seeds, seed_start, force_decay, non_compliance, keys)
 
 
-def format_table(report: dict, n_seeds: int, force_decay: bool = False, non_compliance: bool = False) -> str:
+def format_table(
+    report: dict,
+    n_seeds: int,
+    force_decay: bool = False,
+    non_compliance: bool = False,
+    source: str | None = None,
+) -> str:
     """A plain-text table: one row per task and planner, mean ± sd of each summary key; a checkpoint's
     row is followed by its parse rate, format score, strategy accuracy and its scaled-reward margins
     over the baselines."""
@@ -153,8 +184,13 @@ def format_table(report: dict, n_seeds: int, force_decay: bool = False, non_comp
         "movement_prior": "prior",
     }
     header = f"{'task':<12}{'planner':<15}" + "".join(f"{short[k]:>14}" for k in SUMMARY_KEYS)
+    cases = (
+        f"{n_seeds} held-out cases of {source}"
+        if source
+        else f"{n_seeds} seeds per task from {HELDOUT_SEED_START}"
+    )
     lines = [
-        f"Held-out evaluation: {n_seeds} seeds per task from {HELDOUT_SEED_START}, force_decay={force_decay}"
+        f"Held-out evaluation: {cases}, force_decay={force_decay}"
         + (", non_compliance=True" if non_compliance else "")
         + "; mean ± sd; headline: scaled_reward ("
         + BANDS
@@ -299,11 +335,18 @@ def run_checkpoint(
     max_new_tokens: int = 256,
     batch_size: int = 16,
     policy: Policy | None = None,
+    keys: Sequence[CaseKey] | None = None,
 ) -> CheckpointEpisodes:
-    """Generate and score a model's plans for ``n_seeds`` held-out cases of each task; with
-    ``policy``, its completions instead of the model's (no tokens counted, none truncated)."""
+    """Generate and score a model's plans for ``n_seeds`` held-out cases of each task (or for
+    ``keys``); with ``policy``, its completions instead of the model's (no tokens counted, none
+    truncated)."""
 
-    obs = [o for task_id in task_ids for o in observations(task_id, n_seeds, seed_start, force_decay)]
+    cases = [
+        c
+        for group in keys_by_task(task_ids, n_seeds, seed_start, force_decay, False, keys).values()
+        for c in group
+    ]
+    obs = [initial_observation(generate_case(*c)) for c in cases]
     t0 = time.perf_counter()
     if policy is not None:
         texts = [str(t) for t in policy(obs)]
@@ -313,7 +356,6 @@ def run_checkpoint(
     else:
         texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size)
     seconds = time.perf_counter() - t0
-    cases = [CaseKey(o["task_id"], int(o["seed"]), bool(force_decay)) for o in obs]
     return CheckpointEpisodes(
         task_ids=[c.task_id for c in cases],
         seeds=[c.seed for c in cases],
@@ -379,6 +421,7 @@ def evaluate_checkpoint(
     batch_size: int = 16,
     name: str = "checkpoint",
     policy: Policy | None = None,
+    keys: Sequence[CaseKey] | None = None,
 ) -> dict:
     """A checkpoint (and, with ``baselines``, the three baselines) on the same held-out cases;
     ``policy``: a scripted policy's completions instead of the checkpoint's (``path`` is not loaded).
@@ -391,11 +434,11 @@ def evaluate_checkpoint(
     if policy is None:
         model, tokenizer = load_for_inference(path)
     ep = run_checkpoint(
-        model, tokenizer, task_ids, n_seeds, seed_start, force_decay, max_new_tokens, batch_size, policy
+        model, tokenizer, task_ids, n_seeds, seed_start, force_decay, max_new_tokens, batch_size, policy, keys
     )
     log_checkpoint_viewers(ep, name)  # viewers of a few cases, when an MLflow run is active
-    report = evaluate_baselines(task_ids, n_seeds, seed_start, force_decay) if baselines else {}
-    for task_id in task_ids:
+    report = evaluate_baselines(task_ids, n_seeds, seed_start, force_decay, keys=keys) if baselines else {}
+    for task_id in dict.fromkeys(ep.task_ids):
         index = ep.select(task_id)
         summary = episode_summary(ep, index) | {"model_metrics": episode_metrics(ep, index)}
         report[task_id] = {name: summary, **report.get(task_id, {})}

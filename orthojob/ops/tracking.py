@@ -377,6 +377,25 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None) -> None:
         mlflow.log_metrics(clean, step=step)
 
 
+def log_case_set(source: str, digest: str, split: str, n_cases: int, n_patients: int, context: str) -> bool:
+    """Record a case set a run trained or was judged on as an MLflow dataset input
+    (``mlflow.log_input``): its source (a path or ``s3://`` URI), the digest of its split, which side
+    (``split``: train or heldout) and how many cases and patients, so the Runs table shows which
+    patients a model saw. ``context``: ``training`` or ``evaluation``. False when no run is active."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None or mlflow.active_run() is None:
+        return False
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+
+    uri = source if "://" in source else Path(source).resolve().as_uri()
+    name = f"{Path(source).name}:{split}"
+    dataset = MetaDataset(HTTPDatasetSource(uri), name=name, digest=digest[:36])
+    tags = {"split": split, "cases": str(n_cases), "patients": str(n_patients), "split_digest": digest}
+    mlflow.log_input(dataset, context=context, tags=tags)
+    return True
+
+
 def log_table_rows(rows: list[dict], artifact_file: str) -> bool:
     """Append ``rows`` (dicts with the same keys) to the active run's MLflow table ``artifact_file``
     (``mlflow.log_table``: one JSON artifact per run, which MLflow extends on every call, shown as
