@@ -98,23 +98,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return ExitCode.USAGE
-        try:
-            validation, split = case_sets.load_split(args.cases, args.heldout_share)
-        except (case_sets.CaseSetError, FileNotFoundError, ValueError) as exc:
-            print(f"orthojob evaluate: --cases {args.cases}: {getattr(exc, 'message', exc)}", file=sys.stderr)
-            return ExitCode.USAGE
-        if not split.heldout:
-            print(f"orthojob evaluate: --cases {args.cases} holds out no patient: raise --heldout-share or give "
-                  "records \"split\": \"heldout\"", file=sys.stderr)  # fmt: skip
-            return ExitCode.USAGE
-        print(case_sets.format_split(validation, split))
-        keys = [
-            k._replace(force_decay=args.force_decay) for k in case_sets.register(validation, split.heldout)
-        ]
-        patients = len({validation.patient_ids[k] for k in split.heldout})
-        tracking.log_case_set(args.cases, split.digest, "heldout", len(keys), patients, "evaluation")
-        cases = {"source": args.cases, "split": "heldout", "split_digest": split.digest, "n_cases": len(keys),
-                 "n_patients": patients}  # fmt: skip
+        held = _heldout_case_keys(args, "evaluate")
+        if isinstance(held, int):
+            return held
+        keys, cases = held
     if args.checkpoint:
         checkpoint = _input_folder(args.checkpoint, "evaluate")
         if checkpoint is None:
@@ -202,6 +189,12 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if checkpoint is None:
         return ExitCode.USAGE
     limits = gate_file.thresholds_for(args.stage).replace(**given_values(args, gate_file.GateThresholds))
+    keys, cases = None, None
+    if args.cases:
+        held = _heldout_case_keys(args, "gate")
+        if isinstance(held, int):
+            return held
+        keys, cases = held
     report = gate.gate_report(
         str(checkpoint),
         n_seeds=args.seeds,
@@ -212,6 +205,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
         stage=args.stage,
         thresholds=limits,
         max_tool_turns=args.tool_turns,
+        keys=keys,
+        case_set=cases,
     )
     content = gate_file.write_gate(str(checkpoint), report)
     print(gate_file.format_gate(content))
@@ -220,6 +215,37 @@ def cmd_gate(args: argparse.Namespace) -> int:
         storage.publish(checkpoint, args.checkpoint)
         print(f"published {args.checkpoint} with its gate file")
     return 0 if content["passed"] else ExitCode.GATE_FAILED
+
+
+def _heldout_case_keys(args: argparse.Namespace, command: str) -> tuple[list, dict] | int:
+    """The keys of ``--cases``' held-out patients (registered in this process, under ``--force-decay``'s
+    dynamics) and what the run records of the set; an exit code after saying what to fix."""
+    try:
+        validation, split = case_sets.load_split(args.cases, args.heldout_share)
+    except (case_sets.CaseSetError, FileNotFoundError, ValueError) as exc:
+        print(f"orthojob {command}: --cases {args.cases}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return ExitCode.USAGE
+    if not split.heldout:
+        print(f"orthojob {command}: --cases {args.cases} holds out no patient: raise --heldout-share or give "
+              "records \"split\": \"heldout\"", file=sys.stderr)  # fmt: skip
+        return ExitCode.USAGE
+    print(case_sets.format_split(validation, split))
+    keys = [k._replace(force_decay=args.force_decay) for k in case_sets.register(validation, split.heldout)]
+    patients = len({validation.patient_ids[k] for k in split.heldout})
+    tracking.log_case_set(args.cases, split.digest, "heldout", len(keys), patients, "evaluation")
+    info = {"source": args.cases, "split": "heldout", "split_digest": split.digest, "n_cases": len(keys),
+            "n_patients": patients}  # fmt: skip
+    return keys, info
+
+
+def _add_case_set_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--cases",
+        help=f"a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): {what} on its held-out patients "
+        "instead of generated seeds (--task-id and --seeds then do not apply)",
+    )
+    parser.add_argument("--heldout-share", type=float, default=case_sets.HELDOUT_SHARE,
+                        help="with --cases: share of the patients held out where the records give no split")  # fmt: skip
 
 
 def _input_folder(path_or_uri: str, command: str, must_exist: bool = True) -> Path | None:
@@ -371,13 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="task_hard's seeded missed/partial wear and lost attachment (baselines only)",
     )
-    ev.add_argument(
-        "--cases",
-        help="a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): judge on its held-out patients "
-        "instead of generated seeds (--task-id and --seeds then do not apply)",
-    )
-    ev.add_argument("--heldout-share", type=float, default=case_sets.HELDOUT_SHARE,
-                    help="with --cases: share of the patients held out where the records give no split")  # fmt: skip
+    _add_case_set_arguments(ev, "judge")
     ev.add_argument("--out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_evaluate)
 
@@ -460,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument(
         "--tool-turns", type=positive_int, default=4, help="tool_sft: turns per episode (default 4)"
     )
+    _add_case_set_arguments(ga, "gate")
     add_config_arguments(
         ga.add_argument_group(
             "thresholds (default: the stage's, orthojob/stages/gate.py DEFAULT_THRESHOLDS)"

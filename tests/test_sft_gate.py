@@ -336,3 +336,29 @@ def test_evaluate_checkpoint_cli_table_and_json(tiny_base, tmp_path, capsys):
     assert rows["oracle"]["scaled_reward"]["mean"] > rows["uniform_slerp"]["scaled_reward"]["mean"]
     assert "scaled_reward" in text.splitlines()[1] and "terminal_raw" in text.splitlines()[1]
     assert cli_main(["evaluate"]) == 2
+
+
+def test_gate_cli_judges_a_case_sets_heldout_patients(tiny_base, tmp_path, capsys):
+    """`orthojob gate --cases` judges the held-out patients of an imported set, not generated seeds, and
+    the gate file records which set and split (its digest) the verdict is of."""
+    import shutil
+
+    from orthojob.data import case_sets
+
+    source = tmp_path / "patients.jsonl"
+    case_sets.export("task_medium", range(5), False, source)
+    rows = [json.loads(line) for line in source.read_text().splitlines()]
+    for k, row in enumerate(rows):  # imported: no generated key; two patients held out
+        row.pop("task_id"), row.pop("seed")
+        row["split"] = "heldout" if k < 2 else "train"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ckpt = Path(shutil.copytree(tiny_base, tmp_path / "untrained"))
+    rc = cli_main(["gate", "--checkpoint", str(ckpt), "--cases", str(source), "--max-new-tokens", "8"])
+    assert rc == ExitCode.GATE_FAILED
+    content = json.loads((ckpt / gate_file.GATE_FILE).read_text())
+    assert content["metrics"]["n"] == 2 and content["evaluation"]["task_ids"] == ["imported"]
+    case_set = content["evaluation"]["case_set"]
+    assert case_set["n_cases"] == 2 and case_set["source"] == str(source)
+    split = case_sets.split_by_patient(case_sets.validate(str(source)))
+    assert case_set["split_digest"] == split.digest
+    assert "heldout 2 cases of 2 patients" in capsys.readouterr().out

@@ -263,7 +263,7 @@ def write_gate(
         "digest_files": [p.name for p in checkpoint_files(path)],
         "evaluation": {
             k: report[k]
-            for k in ("task_ids", "n_seeds", "seed_start", "force_decay", "max_new_tokens")
+            for k in ("task_ids", "n_seeds", "seed_start", "force_decay", "max_new_tokens", "case_set")
             if k in report
         },
         "samples": report.get("samples", []),

@@ -183,6 +183,8 @@ def gate_report(
     tokenizer=None,
     max_tool_turns: int = 4,
     policy=None,
+    keys: Sequence[CaseKey] | None = None,
+    case_set: dict | None = None,
 ) -> dict:
     """Held-out gate evaluation of the checkpoint at ``path`` (or of an already loaded model, or of a
     scripted ``policy``: observations -> completion texts, :data:`orthojob.eval.evaluation.Policy`).
@@ -195,7 +197,11 @@ def gate_report(
     oracle_hard_rule_share, hard_rule_share_over_oracle; strategy_accuracy (and the oracle's),
     mean_completion_tokens, truncated_rate, per-task scaled reward means and hard-rule shares,
     timings; terminal_raw_mean (secondary, the unscaled [0, 1] score, compared by nothing).
+    ``keys``: judge these cases (an imported case set's held-out patients) instead of seeds;
+    ``case_set`` (its source, split digest and counts) is then recorded in the report.
     """
+    if stage == TOOL_SFT and keys is not None:
+        raise ValueError("the tool-use gate runs on generated seeds; --cases is for the plan-writing stages")
     if stage == TOOL_SFT:  # stage 1's gate: greedy agentic episodes through the tools
         return _tool_gate_report(path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_tool_turns,
                                  seed_start, stage, thresholds, model, tokenizer)  # fmt: skip
@@ -205,8 +211,10 @@ def gate_report(
     if policy is None and (model is None or tokenizer is None):
         model, tokenizer = load_for_inference(path)
     ep = run_checkpoint(
-        model, tokenizer, tasks, n_seeds, seed_start, force_decay, max_new_tokens, batch_size, policy
+        model, tokenizer, tasks, n_seeds, seed_start, force_decay, max_new_tokens, batch_size, policy, keys
     )
+    if keys is not None:
+        tasks = list(dict.fromkeys(ep.task_ids))
     metrics = episode_metrics(ep)
     metrics["generate_seconds"] = ep.generate_seconds
 
@@ -244,9 +252,10 @@ def gate_report(
         {"task_id": ep.task_ids[i], "seed": ep.seeds[i], "completion": ep.texts[i][:2000]}
         for i in range(min(3, len(ep.texts)))
     ]
-    return _checked_report(
+    report = _checked_report(
         path, stage, tasks, n_seeds, seed_start, force_decay, max_new_tokens, metrics, thresholds, samples
     )
+    return report if case_set is None else {**report, "case_set": case_set}
 
 
 def run_gate(
