@@ -218,24 +218,24 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def _heldout_case_keys(args: argparse.Namespace, command: str) -> tuple[list, dict] | int:
-    """The keys of ``--cases``' held-out patients (registered in this process, under ``--force-decay``'s
-    dynamics) and what the run records of the set; an exit code after saying what to fix."""
+    """The keys of ``--cases``' held-out patients (registered in this process; every case under force
+    decay with ``--force-decay``, else under its record's dynamics) and what the run records of the
+    set; an exit code after saying what to fix."""
     try:
-        validation, split = case_sets.load_split(args.cases, args.heldout_share)
+        loaded = case_sets.load_case_set(args.cases, args.heldout_share, args.force_decay)
     except (case_sets.CaseSetError, FileNotFoundError, ValueError) as exc:
         print(f"orthojob {command}: --cases {args.cases}: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return ExitCode.USAGE
-    if not split.heldout:
+    if not loaded.heldout:
         print(f"orthojob {command}: --cases {args.cases} holds out no patient: raise --heldout-share or give "
               "records \"split\": \"heldout\"", file=sys.stderr)  # fmt: skip
         return ExitCode.USAGE
-    print(case_sets.format_split(validation, split))
-    keys = [k._replace(force_decay=args.force_decay) for k in case_sets.register(validation, split.heldout)]
-    patients = len({validation.patient_ids[k] for k in split.heldout})
-    tracking.log_case_set(args.cases, split.digest, "heldout", len(keys), patients, "evaluation")
-    info = {"source": args.cases, "split": "heldout", "split_digest": split.digest, "n_cases": len(keys),
-            "n_patients": patients}  # fmt: skip
-    return keys, info
+    print(case_sets.format_split(loaded.validation, loaded.split))
+    info = loaded.info("heldout")
+    tracking.log_case_set(
+        args.cases, loaded.split.digest, "heldout", info["n_cases"], info["n_patients"], "evaluation"
+    )
+    return loaded.heldout, info
 
 
 def _add_case_set_arguments(parser: argparse.ArgumentParser, what: str) -> None:

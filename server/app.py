@@ -1,7 +1,7 @@
 """HTTP + WebSocket app of the aligner-staging environment.
 
 Built on openenv-core's server (``create_fastapi_app``), so OpenEnv's own clients
-(``EnvClient``, ``GenericEnvClient``, ``.sync()``) and :mod:`server.env_client` drive it
+(``EnvClient``, ``GenericEnvClient``, ``.sync()``) and :mod:`orthojob.agentic.env_client` drive it
 over the WebSocket ``/ws``: one session per connection, each holding one episode of the
 shared :class:`~server.dental_environment.StepwiseDentalEnvironment` store at a time.
 
@@ -21,7 +21,8 @@ Routes
 The project's own routes, keyed by ``episode_id``:
 
 * ``GET /tasks``; ``GET /status`` (live WebSocket sessions and episodes, caps, counters)
-* ``POST /episodes`` (body ``task_id``, ``seed``, ``force_decay``, ``non_compliance``) -> observation
+* ``POST /episodes`` (body ``task_id``, ``seed``, ``force_decay``, ``non_compliance``; or ``case_id``, a
+  case of the server's case set, or ``case``, a whole case record checked first) -> observation
 * ``GET /episodes/{episode_id}`` -> current observation, no change
 * ``DELETE /episodes/{episode_id}`` -> ``{"episode_id", "closed": true}``: releases the episode
 * ``POST /episodes/{episode_id}/step`` (body ``poses`` 28x7, optional ``strategy`` and
@@ -48,9 +49,13 @@ Configuration: :class:`server.serving.settings.ServerSettings` (the ``ORTHORL_*`
 WebSocket capacity 256, idle timeout 300 s, message limit 1 MB, episode cap 1024 and TTL
 3600 s). The limits are enforced by the app itself, so they hold however it is launched.
 
-Run: ``python -m server.app [--host H] [--port P] [--max-sessions N] ...`` or
+Run: ``python -m server.app [--host H] [--port P] [--max-sessions N] [--cases FILE] ...`` or
 ``uvicorn server.app:app``. One worker process only: the episodes live in its memory, so
-``--workers N`` (or ``WEB_CONCURRENCY``) above 1 is refused at start.
+``--workers N`` (or ``WEB_CONCURRENCY``) above 1 is refused at start. ``--cases FILE`` loads a local
+case file (docs/cases.md) at start, every record checked (a file with a problem stops the server,
+exit 2, every problem named): a reset (OpenEnv's, or ``POST /episodes``) may then name a case by
+``case_id``; any reset may carry a ``case`` record instead, which is checked and never kept beyond its
+episode.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ from fastapi import FastAPI
 from openenv.core.env_server.http_server import create_fastapi_app
 from openenv.core.env_server.types import ConcurrencyConfig
 
+from server.case_files import load_case_set
+from server.cases import CaseKey
 from server.dental_environment import StepwiseDentalEnvironment
 from server.serving.adapter import DentalOpenEnvAdapter
 from server.serving.fast_path import EpisodeFastPath
@@ -105,17 +112,20 @@ first; about 8 kB each)."""
 
 
 def create_app(
-    settings: ServerSettings | None = None, store: StepwiseDentalEnvironment | None = None
+    settings: ServerSettings | None = None,
+    store: StepwiseDentalEnvironment | None = None,
+    case_set: Mapping[str, CaseKey] | None = None,
 ) -> FastAPI:
     """The FastAPI app: openenv-core's server, this project's ``/ws`` and the episode routes.
 
     ``settings`` default to :meth:`ServerSettings.from_env`; ``store`` to a new store with
-    the settings' episode cap and TTL.
+    the settings' episode cap and TTL, and ``case_set`` (case id -> key, :func:`server.case_files.load_case_set`) the
+    cases a reset may name by ``case_id``.
     """
     settings = ServerSettings.from_env() if settings is None else settings
     if store is None:
         store = StepwiseDentalEnvironment(
-            max_sessions=settings.max_episodes, ttl_seconds=settings.episode_ttl_s
+            max_sessions=settings.max_episodes, ttl_seconds=settings.episode_ttl_s, case_set=case_set
         )
     mcp = McpEndpoint(store, max_sessions=settings.max_sessions)
     env_factory = functools.partial(DentalOpenEnvAdapter, store, mcp)
@@ -221,7 +231,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ws-idle-timeout-s", type=float, default=None, help="close silent sessions (300)")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help="a case file (.jsonl or .parquet, docs/cases.md): reset may name its cases by case_id",
+    )
     args = parser.parse_args(argv)
+    case_set = None
+    if args.cases:
+        try:
+            case_set = load_case_set(args.cases)
+        except (FileNotFoundError, ValueError) as exc:
+            parser.exit(2, f"{parser.prog}: --cases {args.cases}: {exc}\n")
     try:
         settings = ServerSettings.from_env(
             host=args.host,
@@ -233,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     except SettingsError as exc:
         parser.error(str(exc))
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, case_set=case_set),
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,

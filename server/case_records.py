@@ -35,12 +35,20 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from server.cases import IMPORTED_TASK, TASK_IDS, Case, case_summary
+from server.cases import (
+    IMPORTED_TASK,
+    TASK_IDS,
+    Case,
+    CaseKey,
+    case_summary,
+    generate_case,
+    register_imported,
+)
 from server.clinical_profiles import PROFILES, SECONDARY_PROFILES, optimal_strategy
 from server.collisions import COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
 from server.dental_constants import (
@@ -119,6 +127,18 @@ def case_digest(case: Case) -> str:
         h.update(np.ascontiguousarray(case.wear, dtype="<f8").tobytes())
     h.update(repr((bool(case.force_decay), case.profile, case.secondary_profile)).encode())
     return h.hexdigest()
+
+
+def register_case(case: Case) -> CaseKey:
+    """The key a validated case is reached by in this process: its generated key when it is its
+    generated case (an export read back), else ``CaseKey("imported", seed)`` with ``seed`` the first 60
+    bits of its content digest (under ideal dynamics: both dynamics share the key's seed), registered
+    with :func:`server.cases.register_imported`."""
+    generated = case.task_id in TASK_IDS and generate_case(case.task_id, case.seed, case.force_decay)
+    if generated and case_digest(generated) == case_digest(case):
+        return CaseKey(case.task_id, case.seed, case.force_decay)
+    seed = int(case_digest(replace(case, force_decay=False))[:15], 16)
+    return register_imported(replace(case, task_id=IMPORTED_TASK, seed=seed))
 
 
 def record_of_case(case: Case, case_id: str | None = None, patient_id: str | None = None) -> dict:

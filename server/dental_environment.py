@@ -39,11 +39,13 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
-from server.cases import TASK_IDS, Case, generate_case
+from server.case_records import case_digest, case_of_record
+from server.cases import IMPORTED_TASK, TASK_IDS, Case, CaseKey, generate_case
 from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, contact_penetration_mm
 from server.dental_constants import (
     ADJACENT_PAIRS,
@@ -77,6 +79,8 @@ from server.scoring import limit_ratio, pdl_stress_kpa, score_episodes
 from server.treatment import score_plans
 
 MAX_ROLLBACKS: int = 2
+MAX_REPORTED_PROBLEMS: int = 20
+"""Problems of a refused inline case named in the error (the rest counted)."""
 STEP_PENALTY: float = 0.05
 
 
@@ -97,8 +101,11 @@ class StepwiseDentalEnvironment:
         max_sessions: int = 1024,
         ttl_seconds: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
+        case_set: Mapping[str, CaseKey] | None = None,
     ) -> None:
         self.sessions = SessionStore(max_sessions, ttl_seconds, clock)
+        self.case_set: Mapping[str, CaseKey] = {} if case_set is None else case_set
+        """Case id -> key of the cases a ``reset(case_id=...)`` may name (a case file loaded at start)."""
 
     # --- episode life cycle ---------------------------------------------------
 
@@ -109,13 +116,20 @@ class StepwiseDentalEnvironment:
         force_decay: bool | None = None,
         episode_id: str | None = None,
         non_compliance: bool | None = None,
+        case_id: str | None = None,
+        case: dict | None = None,
     ) -> dict:
         """Start an episode and return its stage-0 observation.
 
         ``seed=None`` draws one; ``force_decay=None`` and ``non_compliance=None`` mean False
         (non-compliance is a task_hard option, :mod:`server.compliance`); ``episode_id=None``
-        makes a uuid4 (a given id replaces any live episode of that id).
+        makes a uuid4 (a given id replaces any live episode of that id). ``case_id`` names a case of
+        :attr:`case_set` instead of ``task_id`` and ``seed``; ``case`` is a whole case record
+        (:mod:`server.case_records`), checked first, every problem named in the error.
+        ``force_decay=None`` then keeps the case's own dynamics.
         """
+        if case_id is not None or case is not None:
+            return self._reset_case(case_id, case, force_decay, episode_id, non_compliance)
         if seed is None:
             seed = int(np.random.default_rng().integers(2**31))
         if force_decay is not None and not isinstance(force_decay, (bool, np.bool_)):
@@ -124,13 +138,49 @@ class StepwiseDentalEnvironment:
             raise InvalidActionError(
                 f"non_compliance must be true, false or null, got {non_compliance!r:.40}"
             )
-        if episode_id is None:
-            episode_id = uuid.uuid4().hex
-        elif not isinstance(episode_id, str) or not 0 < len(episode_id) <= 128:
-            raise InvalidActionError("episode_id must be a non-empty string of at most 128 characters")
+        episode_id = _episode_id(episode_id)
         session = new_session(
             generate_case(task_id, seed, bool(force_decay), bool(non_compliance)), episode_id
         )
+        self.sessions.put(session)
+        return self._observation(session, step_reward=0.0, breakdown={})
+
+    def _reset_case(self, case_id, record, force_decay, episode_id, non_compliance) -> dict:
+        if case_id is not None and record is not None:
+            raise InvalidActionError(
+                "give case_id (a case of the server's case set) or case (a record), not both"
+            )
+        if non_compliance:
+            raise InvalidActionError(
+                "non_compliance is an option of generated task_hard cases, not of imported ones"
+            )
+        if force_decay is not None and not isinstance(force_decay, (bool, np.bool_)):
+            raise InvalidActionError(f"force_decay must be true, false or null, got {force_decay!r:.40}")
+        if case_id is not None:
+            key = self.case_set.get(case_id) if isinstance(case_id, str) else None
+            if key is None:
+                loaded = (
+                    f"{len(self.case_set)} cases"
+                    if self.case_set
+                    else "no case set (start it with --cases FILE)"
+                )
+                raise InvalidActionError(f"unknown case_id {case_id!r:.80}: the server holds {loaded}")
+            case = generate_case(
+                key.task_id, key.seed, key.force_decay if force_decay is None else bool(force_decay)
+            )
+        else:
+            checked = case_of_record(record)
+            if checked.case is None:
+                shown = "; ".join(str(p) for p in checked.problems[:MAX_REPORTED_PROBLEMS])
+                more = len(checked.problems) - MAX_REPORTED_PROBLEMS
+                raise InvalidActionError(
+                    f"the case record is refused: {shown}{f' (and {more} more)' if more > 0 else ''}"
+                )
+            # not registered: the session holds the case, and a client's cases never accumulate here
+            case = replace(checked.case, task_id=IMPORTED_TASK, seed=int(case_digest(checked.case)[:15], 16))
+            if force_decay is not None:
+                case = replace(case, force_decay=bool(force_decay))
+        session = new_session(case, _episode_id(episode_id))
         self.sessions.put(session)
         return self._observation(session, step_reward=0.0, breakdown={})
 
@@ -405,6 +455,15 @@ def observation(session: Session, step_reward: float, breakdown: dict) -> dict:
             "pdl": pdl,
         },
     }
+
+
+def _episode_id(episode_id: object) -> str:
+    """A client's episode id, checked, or a new uuid4 for None."""
+    if episode_id is None:
+        return uuid.uuid4().hex
+    if not isinstance(episode_id, str) or not 0 < len(episode_id) <= 128:
+        raise InvalidActionError("episode_id must be a non-empty string of at most 128 characters")
+    return episode_id
 
 
 def _check_stage(session: Session, expected_stage: int | None, what: str) -> None:

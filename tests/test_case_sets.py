@@ -15,6 +15,7 @@ from orthojob.cli import main as cli_main
 from orthojob.data import case_sets
 from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
 from orthojob.ops.exit_codes import ExitCode
+from server.case_files import MAX_LINE_BYTES
 from server.case_records import (
     FORMAT,
     case_digest,
@@ -114,9 +115,9 @@ def test_a_huge_line_is_refused_in_bounded_memory(tmp_path, records):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 3 * case_sets.MAX_LINE_BYTES, peak
+    assert peak < 3 * MAX_LINE_BYTES, peak
     assert report.records == 3 and len(report.cases) == 2
-    assert report.problems == [f"line 2: longer than {case_sets.MAX_LINE_BYTES} bytes: not a case record"]
+    assert report.problems == [f"line 2: longer than {MAX_LINE_BYTES} bytes: not a case record"]
 
 
 def test_wrong_types_and_missing_fields_are_reported_not_raised(records):

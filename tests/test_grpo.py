@@ -446,3 +446,50 @@ def test_a_checkpoint_of_another_config_is_refused_before_any_model_load(
     assert "steps" in capsys.readouterr().err
     with pytest.raises(AssertionError, match="a model was loaded"):
         run_train(parse([*argv, "--on-foreign-checkpoint", "fresh"]))
+
+
+def _case_set(path: Path, n: int, heldout: int) -> Path:
+    """``n`` task_easy cases as an imported set (no generated keys), the first ``heldout`` held out."""
+    from orthojob.data import case_sets
+
+    case_sets.export("task_easy", range(n), False, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for k, row in enumerate(rows):
+        row.pop("task_id"), row.pop("seed")
+        row["split"] = "heldout" if k < heldout else "train"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_grpo_trains_on_a_case_sets_training_patients_and_gates_on_its_heldout_ones(tiny_model, tmp_path):
+    from orthojob.data import case_sets
+
+    source = _case_set(tmp_path / "patients.jsonl", 6, 2)
+    config = _tiny_config(tiny_model, tmp_path / "grpo", cases=str(source))
+    validate(config)
+    grpo.train_and_gate(config)
+    loaded = case_sets.load_case_set(str(source))
+    train_seeds = {k.seed for k in loaded.train}
+    records = [
+        json.loads(line) for line in (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()
+    ]
+    assert records and {r["task_id"] for r in records} == {"imported"}
+    assert {r["seed"] for r in records} <= train_seeds  # no held-out patient is trained on
+    assert {k.seed for k in loaded.heldout}.isdisjoint(train_seeds)
+    rows = loaded.rows("train")
+    assert [r["case_id"] for r in rows] == [loaded.validation.case_ids[k] for k in loaded.split.train]
+    from orthojob.ops.gate_file import GATE_FILE
+
+    gate = json.loads((tmp_path / "grpo" / GATE_FILE).read_text())
+    assert gate["evaluation"]["task_ids"] == ["imported"] and gate["metrics"]["n"] == 2
+    assert gate["evaluation"]["case_set"]["split_digest"] == loaded.split.digest
+
+
+def test_a_bad_case_set_is_refused_before_any_model_load(no_model_load, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"format": "orthorl-case/1", "case_id": "a"}\n')
+    assert run_train(parse(["--test", "--skip-sft-gate", "--cases", str(bad)])) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert "--cases" in err and "patient_id must be a non-empty string" in err
+    assert run_train(parse(["--skip-sft-gate", "--cases", str(bad), "--mode", "agentic"])) == ExitCode.USAGE
+    assert "--mode oneshot" in capsys.readouterr().err

@@ -2,13 +2,11 @@
 and generated cases exported in the same format (docs/cases.md; the record is
 :mod:`server.case_records`').
 
-* :func:`read_records` yields each record of a file with where it came from, or why it could not be
-  read (a line that is not JSON, a line over :data:`MAX_LINE_BYTES`, a truncated last line), without
-  ever holding more than one line: a hostile file cannot exhaust memory.
-* :func:`validate` checks every record (:func:`server.case_records.case_of_record`) and the set
-  (duplicate case ids), and returns a :class:`Validation` that names every problem by case id and FDI
-  tooth; ``orthojob cases validate FILE|s3://…`` prints it and exits 0 when the set is usable, 2 when
-  not (30 when S3 cannot be read).
+* :func:`validate` reads a local or ``s3://`` file and checks it (:func:`server.case_files.validate_file`:
+  each record read in bounded memory, each checked, the set's duplicate case ids and patients given
+  both splits) into a :class:`~server.case_files.Validation` that names every problem by case id and
+  FDI tooth; ``orthojob cases validate FILE|s3://…`` prints it and exits 0 when the set is usable, 2
+  when not (30 when S3 cannot be read).
 * :func:`split_by_patient` splits the usable cases into training and held-out ones by patient
   (a record's own ``split``, else the patient id's hash), with a digest of the assignment.
 * :func:`export` writes generated cases (``orthojob cases export --task … --seeds A:B``): importing
@@ -23,125 +21,19 @@ import json
 import os
 import sys
 import tempfile
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from orthojob.data.prompts import key_prompt_rows
 from orthojob.ops import storage
 from orthojob.ops.exit_codes import ExitCode, epilog
-from server.case_records import Problem, case_digest, cases_of_records, record_of_case
-from server.cases import IMPORTED_TASK, TASK_IDS, Case, CaseKey, generate_case, register_imported
+from server.case_files import Validation, validate_file
+from server.case_records import case_digest, record_of_case, register_case
+from server.cases import TASK_IDS, CaseKey, generate_case
 
-MAX_LINE_BYTES = 4 << 20
-"""A JSON Lines record longer than this (4 MiB; a case is about 6 KB) is refused unread."""
-_CHUNK = 1 << 16
 HELDOUT_SHARE = 0.2
 """Share of the patients held out for evaluation when the records do not say (``split``)."""
-CHECK_BATCH = 512
-"""Records checked together (their diagnoses computed in one batch); memory stays bounded by it."""
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """A record that could not be read: where (``line N`` or ``row N``) and why."""
-
-    where: str
-    message: str
-
-
-@dataclass
-class Validation:
-    """The outcome of :func:`validate`: the usable cases, every problem, and what was filled in."""
-
-    source: str
-    records: int = 0
-    cases: list[Case] = field(default_factory=list)
-    case_ids: list[str] = field(default_factory=list)
-    patient_ids: list[str] = field(default_factory=list)
-    splits: list[str | None] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    notes: Counter = field(default_factory=Counter)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems and bool(self.cases)
-
-    def summary(self) -> str:
-        head = (
-            f"{self.source}: {self.records} records, {len(self.cases)} usable cases of "
-            f"{len(set(self.patient_ids))} patients, {len(self.problems)} problems"
-        )
-        notes = "".join(f"\n  note: {k.replace('_', ' ')}: {v}" for k, v in sorted(self.notes.items()))
-        shown = self.problems[:200]
-        more = (
-            f"\n  ... and {len(self.problems) - len(shown)} more" if len(self.problems) > len(shown) else ""
-        )
-        return head + notes + "".join(f"\n  {p}" for p in shown) + more
-
-
-def _json_lines(path: Path) -> Iterator[tuple[str, Any]]:
-    """``(where, record | Unreadable)`` per non-blank line, each line read in bounded chunks."""
-    with path.open("rb") as f:
-        number, buffer, overlong = 0, bytearray(), False
-        while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                break
-            start = 0
-            while True:
-                end = chunk.find(b"\n", start)
-                piece = chunk[start:] if end < 0 else chunk[start:end]
-                if not overlong:
-                    buffer += piece
-                    if len(buffer) > MAX_LINE_BYTES:
-                        overlong, buffer = True, bytearray()
-                if end < 0:
-                    break
-                number += 1
-                yield from _line(number, buffer, overlong, final=False)
-                buffer, overlong, start = bytearray(), False, end + 1
-        if buffer or overlong:
-            yield from _line(number + 1, buffer, overlong, final=True)
-
-
-def _line(number: int, raw: bytearray, overlong: bool, final: bool) -> Iterator[tuple[str, Any]]:
-    where = f"line {number}"
-    if overlong:
-        yield where, Unreadable(where, f"longer than {MAX_LINE_BYTES} bytes: not a case record")
-        return
-    if not raw.strip():
-        return
-    try:
-        yield where, json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        cut = " (the file ends mid-record: truncated?)" if final else ""
-        yield where, Unreadable(where, f"not JSON{cut}: {exc}")
-
-
-def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
-    from datasets import Dataset
-
-    try:
-        data = Dataset.from_parquet(str(path))
-    except Exception as exc:  # pyarrow's errors for a file that is not Parquet, or a truncated one
-        yield "file", Unreadable("file", f"not a readable Parquet file: {exc}")
-        return
-    for i in range(len(data)):
-        yield f"row {i + 1}", data[i]
-
-
-def read_records(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
-    """``(where, record)`` for each record of a local ``.jsonl`` / ``.json`` / ``.parquet`` file; a
-    record that cannot be read comes as an :class:`Unreadable`."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no case file {p}")
-    if p.suffix == ".parquet":
-        yield from _parquet(p)
-    else:
-        yield from _json_lines(p)
 
 
 def _local(source: str, tmp: str) -> Path:
@@ -159,49 +51,10 @@ def _local(source: str, tmp: str) -> Path:
 
 
 def validate(source: str) -> Validation:
-    """Read and check every record of a case file (local path or ``s3://`` URI)."""
-    out = Validation(source)
-    seen: Counter = Counter()
-    batch: list[tuple[str, Any]] = []
-
-    def check(batch: list[tuple[str, Any]]) -> None:
-        for (where, _), checked in zip(batch, cases_of_records([r for _, r in batch])):
-            out.notes.update(checked.notes)
-            out.problems.extend(f"{where}, {p}" for p in checked.problems)
-            if checked.case_id is not None:
-                seen[checked.case_id] += 1
-                if seen[checked.case_id] == 2:
-                    out.problems.append(f"{where}, {Problem(checked.case_id, None, 'case_id used twice')}")
-            if checked.case is not None and seen[checked.case_id] == 1:
-                out.cases.append(checked.case)
-                out.case_ids.append(checked.case_id)
-                out.patient_ids.append(checked.patient_id)
-                out.splits.append(checked.split)
-
+    """Read and check every record of a case file (local path or ``s3://`` URI,
+    :func:`server.case_files.validate_file`)."""
     with tempfile.TemporaryDirectory() as tmp:
-        for where, record in read_records(_local(source, tmp)):
-            out.records += 1
-            if isinstance(record, Unreadable):
-                out.problems.append(f"{where}: {record.message}")
-                continue
-            batch.append((where, record))
-            if len(batch) == CHECK_BATCH:
-                check(batch)
-                batch = []
-        check(batch)
-    if out.records == 0:
-        out.problems.append("no case records in the file")
-    given: dict[str, set[str]] = {}
-    for patient, split in zip(out.patient_ids, out.splits):
-        if split is not None:
-            given.setdefault(patient, set()).add(split)
-    for patient in sorted(p for p, s in given.items() if len(s) > 1):
-        ids = [c for c, p in zip(out.case_ids, out.patient_ids) if p == patient]
-        out.problems.append(
-            f"patient {patient!r} has cases in both splits ({', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}): "
-            "a held-out patient's cases must all be held out, or the evaluation has seen the patient"
-        )
-    return out
+        return validate_file(_local(source, tmp), source)
 
 
 @dataclass(frozen=True)
@@ -234,20 +87,12 @@ def split_by_patient(validation: Validation, heldout_share: float = HELDOUT_SHAR
 
 def register(validation: Validation, index: Sequence[int] | None = None) -> list[CaseKey]:
     """The keys of the validated cases (all, or those at ``index``), each made reachable by key in this
-    process: a record whose poses are its generated case's keeps that case's key (an export read
-    back); any other case is registered as ``CaseKey("imported", seed)``, the seed a digest of its
-    content (:func:`server.cases.register_imported`), so caches keyed by case key by its content."""
-    keys = []
-    for k in range(len(validation.cases)) if index is None else index:
-        case = validation.cases[k]
-        if case.task_id in TASK_IDS:
-            generated = generate_case(case.task_id, case.seed, case.force_decay)
-            if case_digest(generated) == case_digest(case):
-                keys.append(CaseKey(case.task_id, case.seed, case.force_decay))
-                continue
-        seed = int(case_digest(replace(case, force_decay=False))[:15], 16)
-        keys.append(register_imported(replace(case, task_id=IMPORTED_TASK, seed=seed)))
-    return keys
+    process (:func:`server.case_records.register_case`: an export read back keeps its generated key;
+    any other case is ``CaseKey("imported", seed)``, the seed a digest of its content, so caches keyed
+    by case key by its content)."""
+    return [
+        register_case(validation.cases[k]) for k in (range(len(validation.cases)) if index is None else index)
+    ]
 
 
 def load_split(source: str, heldout_share: float = HELDOUT_SHARE) -> tuple[Validation, CaseSplit]:
@@ -256,6 +101,45 @@ def load_split(source: str, heldout_share: float = HELDOUT_SHARE) -> tuple[Valid
     if not report.ok:
         raise CaseSetError(report.summary())
     return report, split_by_patient(report, heldout_share)
+
+
+@dataclass(frozen=True)
+class LoadedCaseSet:
+    """A case set validated, split by patient and registered (:func:`load_case_set`): the keys of each
+    side, and what a run records of it (:meth:`info`)."""
+
+    source: str
+    validation: Validation
+    split: CaseSplit
+    train: list[CaseKey]
+    heldout: list[CaseKey]
+
+    def info(self, side: str) -> dict:
+        """Source, side, split digest and counts: the gate file's and the run's record of the set."""
+        index = self.split.train if side == "train" else self.split.heldout
+        return {"source": self.source, "split": side, "split_digest": self.split.digest, "n_cases": len(index),
+                "n_patients": len({self.validation.patient_ids[k] for k in index})}  # fmt: skip
+
+    def rows(self, side: str, prompt_format: str = "full") -> list[dict]:
+        """Dataset rows of one side's cases (:func:`orthojob.data.prompts.key_prompt_rows`), each with
+        its ``case_id``, which TRL passes to the rewards with the key's columns."""
+        index = self.split.train if side == "train" else self.split.heldout
+        keys = self.train if side == "train" else self.heldout
+        return key_prompt_rows(keys, [self.validation.case_ids[k] for k in index], prompt_format)
+
+
+def load_case_set(
+    source: str, heldout_share: float = HELDOUT_SHARE, force_decay: bool = False
+) -> LoadedCaseSet:
+    """Validate, split by patient and register a case set (:func:`load_split`, :func:`register`); with
+    ``force_decay`` every case is simulated under force decay, else under its record's dynamics."""
+    validation, split = load_split(source, heldout_share)
+
+    def keys(index):
+        found = register(validation, index)
+        return [k._replace(force_decay=True) for k in found] if force_decay else found
+
+    return LoadedCaseSet(source, validation, split, keys(split.train), keys(split.heldout))
 
 
 class CaseSetError(Exception):

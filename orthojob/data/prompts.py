@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START, generate_case
+from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES, STRATEGY_LEVELS
 from server.dental_constants import (
     DEFAULT_PRIORITY,
@@ -270,6 +270,20 @@ def prompt_rows(
     return [row for row, _obs in prompt_cases(n, seed_start, task_id, force_decay, prompt_format)]
 
 
+def key_prompt_rows(
+    keys: Sequence[CaseKey], case_ids: Sequence[str], prompt_format: str = "full"
+) -> list[dict]:
+    """:func:`prompt_rows` rows of the cases ``keys`` (an imported case set's,
+    :func:`orthojob.data.case_sets.register`), each with its ``case_id`` as a column too."""
+    check_prompt_format(prompt_format)
+    rows = []
+    for key, case_id in zip(keys, case_ids, strict=True):
+        obs = initial_observation(generate_case(*key))
+        rows.append({"prompt": build_messages(obs, prompt_format), "seed": key.seed, "task_id": key.task_id,
+                     "force_decay": bool(key.force_decay), "case_id": case_id})  # fmt: skip
+    return rows
+
+
 CELLS: tuple[tuple[str, bool], ...] = tuple((t, fd) for t in TASK_IDS for fd in (False, True))
 """Every (task level, force decay) cell, in the order mixed prompts take turns."""
 
@@ -309,6 +323,7 @@ __all__ = [
     "build_messages",
     "build_prompt",
     "case_description",
+    "key_prompt_rows",
     "plan_to_completion",
     "prompt_cases",
     "prompt_rows",

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from orthojob.data import case_sets
 from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, prompt_cases
 from orthojob.eval.analysis import analyze
 from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
@@ -149,6 +150,16 @@ def run_grpo_gate(
     stage ``grpo``: by default format thresholds, a hard-rule share no higher than the oracle's and a
     mean scaled reward no lower than uniform SLERP's),
     then write the gate file, once, with ``thresholds``; ``passed`` follows from the metrics."""
+    keys = case_set = None
+    if config.cases is not None:  # the set's held-out patients (registered again: the gate may run alone)
+        loaded = case_sets.load_case_set(config.cases, config.heldout_share, config.force_decay)
+        keys, case_set = loaded.heldout, loaded.info("heldout")
+        if not keys:
+            raise ConfigError(
+                f"--cases {config.cases} holds out no patient to gate on: raise --heldout-share"
+            )
+        tracking.log_case_set(config.cases, loaded.split.digest, "heldout", len(keys), case_set["n_patients"],
+                              "evaluation")  # fmt: skip
     report = gate_report(
         str(checkpoint),
         n_seeds=config.gate_seeds,
@@ -157,6 +168,8 @@ def run_grpo_gate(
         max_new_tokens=config.max_completion_length,
         stage="grpo",
         thresholds=thresholds,
+        keys=keys,
+        case_set=case_set,
     )
     content = write_gate(str(checkpoint), report)
     print(format_gate(content))
@@ -228,6 +241,12 @@ def run_grpo(
     except ConfigError as exc:
         print(f"orthojob train: {exc}", file=sys.stderr)
         return ExitCode.USAGE
+    if config.cases is not None:  # before any model loads: a bad case set fails at once, every problem named
+        try:
+            case_sets.load_case_set(config.cases, config.heldout_share, config.force_decay)
+        except (case_sets.CaseSetError, FileNotFoundError, ValueError) as exc:
+            print(f"orthojob train: --cases {config.cases}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+            return ExitCode.USAGE
 
     main_rank = int(os.environ.get("RANK", "0")) == 0
     say = print if main_rank else (lambda *a, **k: None)

@@ -28,7 +28,14 @@ from orthojob.ops import progress
 from orthojob.ops.run_identity import POLICIES
 from orthojob.rewards.reward_functions import RewardFunc, active_reward_funcs, reward_weights
 from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
-from orthojob.stages.flags import CollectPairs, name_list, name_weight, non_negative_int, positive_int
+from orthojob.stages.flags import (
+    CollectPairs,
+    finite_float,
+    name_list,
+    name_weight,
+    non_negative_int,
+    positive_int,
+)
 from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START
 
 VLLM_MODES: tuple[str, ...] = ("colocate", "server")
@@ -99,6 +106,20 @@ class GRPOJobConfig:
         metadata={
             "help": "train on every task level under both dynamics, the prompts taking turns "
             "(task_id and force_decay then unused)"
+        },
+    )
+    cases: str | None = field(
+        default=None,
+        metadata={
+            "help": "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): train on its training patients "
+            "and gate on its held-out ones (task_id, mixed_cells and prompt_seed_start then unused)"
+        },
+    )
+    heldout_share: float = field(
+        default=0.2,
+        metadata={
+            "help": "with --cases: share of the patients held out where the records give no split",
+            "type": finite_float,
         },
     )
     use_vllm: bool = field(default=False, metadata={"help": "generate with vLLM (GPU only)"})
@@ -326,6 +347,12 @@ class GRPOJobConfig:
                 "--mode agentic is scored by the environment's reward alone (orthojob.agentic.reward.reward_agentic): "
                 "drop --rewards and --reward-weight"
             )
+        if self.cases is not None and (self.mode == "agentic" or self.mixed_cells):
+            raise ConfigError(
+                "--cases trains --mode oneshot on the set's own cases: drop --mode agentic / --mixed-cells"
+            )
+        if not 0.0 <= self.heldout_share <= 1.0:
+            raise ConfigError(f"--heldout-share must lie in [0, 1], got {self.heldout_share}")
         if self.mixed_cells and self.mode == "agentic":
             raise ConfigError("--mixed-cells is for --mode oneshot; agentic prompts take one --task-id")
         if self.task_id not in TASK_IDS:

@@ -53,6 +53,7 @@ from orthojob.agentic.chat_template import prepare_tokenizer
 from orthojob.agentic.prompts import agentic_rows, full_prompt
 from orthojob.agentic.remote import check_server_capacity
 from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv, RemoteToolEnvFactory
+from orthojob.data import case_sets
 from orthojob.data.prompts import mixed_prompt_rows, prompt_format_of, prompt_rows
 from orthojob.eval.viewer_logging import grpo_viewer_callback
 from orthojob.modeling import models
@@ -555,6 +556,16 @@ def train(
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             extra["environment_factory"] = RemoteToolEnvFactory(config.env_url)
+    elif config.cases is not None:  # the set's training patients, each case once an epoch
+        loaded = case_sets.load_case_set(config.cases, config.heldout_share, config.force_decay)
+        if not loaded.train:
+            raise ConfigError(f"--cases {config.cases} leaves no training patient: lower --heldout-share")
+        rows = loaded.rows("train", prompt_format_of(model))[: config.num_prompts or None]
+        if is_main:
+            info = loaded.info("train")
+            tracking.log_case_set(
+                config.cases, loaded.split.digest, "train", len(rows), info["n_patients"], "training"
+            )
     elif config.mixed_cells:
         rows = mixed_prompt_rows(n_prompts, config.prompt_seed_start, prompt_format_of(model))
     else:

@@ -83,17 +83,11 @@ class DentalOpenEnvAdapter(Environment[DentalAction, DentalObservation, DentalSt
             raise RequestRejectedError(
                 "invalid reset parameters: "
                 + describe_validation_errors(exc.errors())
-                + " (accepted: task_id, seed, force_decay, non_compliance, episode_id)"
+                + " (accepted: task_id, seed, force_decay, non_compliance, episode_id, case_id, case)"
             ) from None
         if params.episode_id is not None and params.episode_id != self._episode_id:
             self._refuse_live_episode_id(params.episode_id)
-        obs = self._store.reset(
-            task_id=params.task_id,
-            seed=params.seed,
-            force_decay=params.force_decay,
-            episode_id=params.episode_id,
-            non_compliance=params.non_compliance,
-        )
+        obs = self._store.reset(**params.reset_kwargs(), episode_id=params.episode_id)
         self._release()
         self._episode_id = obs["episode_id"]
         self._tools = None

@@ -185,12 +185,7 @@ class EpisodeFastPath:
             return None
         try:
             if what == "reset":
-                obs = self.store.reset(
-                    task_id=params.task_id,
-                    seed=params.seed,
-                    force_decay=params.force_decay,
-                    non_compliance=params.non_compliance,
-                )
+                obs = self.store.reset(**params.reset_kwargs())
             else:
                 obs = self.store.step(
                     episode_id,

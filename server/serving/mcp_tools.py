@@ -43,7 +43,6 @@ import orjson
 from pydantic import ValidationError
 
 from server.agent_tools import GROUP_KEYS, TOOL_NAMES, StagingTools
-from server.cases import generate_case
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
@@ -170,7 +169,7 @@ class ServerToolEpisode(StagingTools):
                 INVALID_PARAMS,
                 "invalid episode parameters: " + describe_validation_errors(exc.errors()),
             ) from None
-        obs = self._env.reset(**request.model_dump())
+        obs = self._env.reset(**request.reset_kwargs())
         self.attach(obs)
         return {
             "episode_id": obs["episode_id"],
@@ -178,14 +177,9 @@ class ServerToolEpisode(StagingTools):
         }
 
     def attach(self, observation: dict[str, Any]) -> None:
-        """Take over the episode of a stage-0 observation (its case from its key)."""
-        case = generate_case(
-            observation["task_id"],
-            int(observation["seed"]),
-            bool(observation["force_decay"]),
-            bool(observation["non_compliance"]),
-        )
-        self._begin(observation, case)
+        """Take over the episode of a stage-0 observation (its case the episode's own: an inline imported
+        case has no key to generate it from)."""
+        self._begin(observation, self._env.sessions.get(observation["episode_id"]).case)
 
     def release(self) -> None:
         if self._episode_id is not None:

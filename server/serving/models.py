@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from openenv.core.env_server.types import Action, Observation, State
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.cases import TASK_IDS
 from server.clinical_profiles import STRATEGIES
@@ -34,6 +34,7 @@ from server.dental_constants import N_STAGES, N_TEETH, POSE_DIM
 TaskId = Literal[TASK_IDS]  # type: ignore[valid-type]
 """A task level (:data:`server.cases.TASK_IDS`)."""
 
+MAX_CASE_ID_CHARS: int = 256
 MAX_SEED: int = 2**63 - 1
 MAX_EPISODE_ID_CHARS: int = 128
 MAX_PLAN_TEXT_CHARS: int = 100_000
@@ -66,6 +67,7 @@ Strategy = Literal[STRATEGIES]  # type: ignore[valid-type]
 """A declared staging strategy (:data:`server.clinical_profiles.STRATEGIES`)."""
 Seed = Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)]
 EpisodeId = Annotated[str, Field(min_length=1, max_length=MAX_EPISODE_ID_CHARS)]
+CaseId = Annotated[str, Field(min_length=1, max_length=MAX_CASE_ID_CHARS)]
 NonCompliance = Annotated[
     bool,
     Field(
@@ -125,7 +127,8 @@ class CollisionsRequest(BaseModel):
 
 
 class EpisodeResetRequest(BaseModel):
-    """Body of ``POST /episodes``: the case ``(task_id, seed, force_decay, non_compliance)``."""
+    """Body of ``POST /episodes``: the case ``(task_id, seed, force_decay, non_compliance)``, or a
+    case of the server's case set (``case_id``), or a whole case record (``case``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -133,6 +136,33 @@ class EpisodeResetRequest(BaseModel):
     seed: Seed | None = Field(default=None, description="case seed; omitted or null: the server draws one")
     force_decay: ForceDecay = False
     non_compliance: NonCompliance = False
+    case_id: CaseId | None = Field(
+        default=None,
+        description="a case of the case set the server was started with (--cases FILE), instead of task_id and seed",
+    )
+    case: dict[str, Any] | None = Field(
+        default=None,
+        description="a whole case record (docs/cases.md, checked, every problem named), instead of task_id and seed",
+    )
+
+    @model_validator(mode="after")
+    def _one_case(self) -> EpisodeResetRequest:
+        if (self.case_id is not None or self.case is not None) and {
+            "task_id",
+            "seed",
+        } & self.model_fields_set:
+            raise ValueError("give task_id and seed (a generated case) or case_id / case, not both")
+        return self
+
+    def reset_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :meth:`StepwiseDentalEnvironment.reset` (an imported case keeps its
+        own dynamics unless ``force_decay`` is given)."""
+        if self.case_id is None and self.case is None:
+            return {"task_id": self.task_id, "seed": self.seed, "force_decay": self.force_decay,
+                    "non_compliance": self.non_compliance}  # fmt: skip
+        force_decay = self.force_decay if "force_decay" in self.model_fields_set else None
+        return {"case_id": self.case_id, "case": self.case, "force_decay": force_decay,
+                "non_compliance": self.non_compliance}  # fmt: skip
 
 
 class ResetParams(EpisodeResetRequest):

@@ -152,14 +152,7 @@ def add_episode_routes(
     async def create_episode(
         request: Annotated[EpisodeResetRequest, Body(default_factory=EpisodeResetRequest)],
     ) -> Response:
-        return observe(
-            store.reset(
-                task_id=request.task_id,
-                seed=request.seed,
-                force_decay=request.force_decay,
-                non_compliance=request.non_compliance,
-            )
-        )
+        return observe(store.reset(**request.reset_kwargs()))
 
     @app.get(
         "/episodes/{episode_id}",

@@ -1,6 +1,6 @@
 """OpenEnv's WebSocket ``/ws`` for the environment: one session (one environment adapter, one
 episode at a time) per connection, speaking OpenEnv's protocol, so its clients
-(``EnvClient``, ``GenericEnvClient``, ``.sync()``) and :mod:`server.env_client` drive it.
+(``EnvClient``, ``GenericEnvClient``, ``.sync()``) and :mod:`orthojob.agentic.env_client` drive it.
 
 Protocol (JSON text frames): the client sends ``{"type": "reset" | "step" | "state" |
 "close", "data": {...}}``; the server answers each with ``{"type": "observation", "data":
