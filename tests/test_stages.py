@@ -484,3 +484,32 @@ def stage_runs_under(parent: str) -> list:
         filter_string=f"tags.mlflow.parentRunId = '{parent}'",
         output_format="list",
     )
+
+
+def test_bc_sft_on_a_case_set_trains_on_its_training_patients_and_gates_on_the_heldout(
+    tiny_base, tmp_path, monkeypatch
+):
+    from orthojob.data import case_sets
+
+    monkeypatch.chdir(tmp_path)
+    source = tmp_path / "patients.jsonl"
+    case_sets.export("task_easy", range(6), False, source)
+    rows = [json.loads(line) for line in source.read_text().splitlines()]
+    for k, row in enumerate(rows):
+        row.pop("task_id"), row.pop("seed")
+        row["split"] = "heldout" if k < 2 else "train"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bc = tmp_path / "bc"
+    rc = cli_main(["bc-sft", "--model", str(tiny_base), "--out", str(bc), *TRAIN_FLAGS, "--cases", str(source),
+                   "--gate-max-new-tokens", "8"])  # fmt: skip
+    assert rc == ExitCode.GATE_FAILED  # two steps teach no format
+    demos = json.loads((bc / "sft_log.json").read_text())["summary"]["demos"]
+    loaded = case_sets.load_case_set(str(source))
+    assert demos["source"] == f"oracle on {source}" and demos["split_digest"] == loaded.split.digest
+    assert demos["examples"] + demos["filtered_hard_rule"] == 4  # the four training patients, each once
+    content = gate_file.read_gate(bc)
+    assert content["evaluation"]["task_ids"] == ["imported"] and content["metrics"]["n"] == 2
+    assert content["evaluation"]["case_set"]["n_patients"] == 2
+    with pytest.raises(SystemExit) as refused:  # the format stage has no --cases flag
+        cli_main(["format-sft", "--model", "tiny", "--cases", str(source)])
+    assert refused.value.code == 2

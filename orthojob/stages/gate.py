@@ -32,10 +32,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from orthojob.data import case_sets
 from orthojob.eval.evaluation import BASELINES, episode_metrics, run_checkpoint
 from orthojob.eval.metrics import HARD_RULE_SHARE, SCALED_REWARD_MEAN, TERMINAL_RAW, mean_of
 from orthojob.modeling.models import load_for_inference
+from orthojob.ops import tracking
 from orthojob.ops.gate_file import (
     BC_SFT,
     DEFAULT_THRESHOLDS,
@@ -264,9 +267,19 @@ def run_gate(
     settings: GateSettings,
     task_id: str | Sequence[str],
     force_decay: bool = False,
+    config: Any = None,
 ) -> dict:
     """Evaluate the checkpoint at ``path`` with ``settings`` (:func:`gate_report`) and write its gate
-    file (:func:`write_gate`); returns the file's content."""
+    file (:func:`write_gate`); returns the file's content. A stage ``config`` with a case set
+    (``cases``) is gated on the set's held-out patients."""
+    keys = case_set = None
+    if getattr(config, "cases", None) is not None:
+        loaded = case_sets.load_case_set(config.cases, config.heldout_share, force_decay)
+        keys, case_set = loaded.heldout, loaded.info("heldout")
+        if not keys:
+            raise ValueError(f"--cases {config.cases} holds out no patient to gate on: raise --heldout-share")
+        tracking.log_case_set(config.cases, loaded.split.digest, "heldout", len(keys), case_set["n_patients"],
+                              "evaluation")  # fmt: skip
     report = gate_report(
         str(path),
         n_seeds=settings.n_seeds,
@@ -277,6 +290,8 @@ def run_gate(
         stage=stage,
         thresholds=settings.thresholds,
         max_tool_turns=settings.tool_turns,
+        keys=keys,
+        case_set=case_set,
     )
     return write_gate(path, report)
 

@@ -31,6 +31,8 @@ class RSFTConfig(SFTJobConfig):
         },
     )
     demos: str = field(default="rsft", metadata={"help": "demonstration source", "cli": False})
+    cases: str | None = field(default=None, metadata={"help": "BC only (not this stage)", "cli": False})
+    heldout_share: float = field(default=0.2, metadata={"help": "BC only (not this stage)", "cli": False})
     examples: int = field(
         default=1, metadata={"help": "unused: the kept samples are the examples", "cli": False}
     )

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from orthojob.agentic.chat_template import prepare_tokenizer
+from orthojob.data import case_sets
 from orthojob.data.format_demos import demo_stats, format_demonstrations
 from orthojob.data.prompts import (
     TRAIN_SEED_START,
@@ -71,7 +72,8 @@ from orthojob.stages.sft_config import (
     ToolSFTConfig,
 )
 from orthojob.stages.tool_sft import build_tiny_tool_model, conversation_dataset, tool_demonstrations
-from server.cases import CaseKey
+from server.cases import CaseKey, generate_case
+from server.dental_environment import initial_observation
 from server.oracle import oracle_plan
 from server.treatment import score_plans
 
@@ -145,9 +147,38 @@ def oracle_demonstrations(
     return out, {"source": "oracle", "examples": len(out), "filtered_hard_rule": filtered}
 
 
+def case_set_demonstrations(
+    loaded: case_sets.LoadedCaseSet, n: int, prompt_format: str = "full"
+) -> tuple[list[dict], dict]:
+    """BC examples of a case set's training patients: the oracle's plan for each case (at most ``n``,
+    in file order), only those the environment judges safe, each row with its ``case_id``."""
+    rows, filtered = [], 0
+    for key, index in zip(loaded.train, loaded.split.train):
+        if len(rows) == n:
+            break
+        obs = initial_observation(generate_case(*key))
+        plan = oracle_plan(obs)
+        if score_plans([plan], [key])[0]["broken_rules"]:
+            filtered += 1
+            continue
+        rows.append({"prompt": build_messages(obs, prompt_format),
+                     "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
+                     "seed": key.seed, "task_id": key.task_id, "case_id": loaded.validation.case_ids[index]})  # fmt: skip
+    info = loaded.info("train")
+    tracking.log_case_set(
+        loaded.source, loaded.split.digest, "train", info["n_cases"], info["n_patients"], "training"
+    )
+    log.info("BC demonstrations of %s: %d safe oracle plans, %d filtered", loaded.source, len(rows), filtered)
+    return rows, {"source": f"oracle on {loaded.source}", "examples": len(rows), "filtered_hard_rule": filtered,
+                  "split_digest": loaded.split.digest}  # fmt: skip
+
+
 def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tuple[list[dict], dict]:
     """The demonstrations of ``config.demos`` (``oracle`` or ``format``) and their counts, prompts in
     the policy's ``prompt_format``; RSFT's rows come from :func:`orthojob.stages.rsft.sample_and_keep` instead."""
+    if config.demos == "oracle" and config.cases is not None:
+        loaded = case_sets.load_case_set(config.cases, config.heldout_share, config.force_decay)
+        return case_set_demonstrations(loaded, config.examples, prompt_format)
     if config.demos == "oracle":
         return oracle_demonstrations(config.examples, config.task_ids, config.force_decay, prompt_format)
     if config.demos == "format":
@@ -447,7 +478,7 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
     summary = run_sft(config)
     content = None
     if gated:
-        content = gate.run_gate(config.out, stage, settings, config.task_ids, config.force_decay)
+        content = gate.run_gate(config.out, stage, settings, config.task_ids, config.force_decay, config)
         print(gate_file.format_gate(content))
     log_stage(summary, content, config.out)
     if destination != config.out:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orthojob.modeling.models import TINY_MODEL
-from orthojob.stages.flags import non_negative_int, positive_int, task_list
+from orthojob.stages.flags import finite_float, non_negative_int, positive_int, task_list
 from orthojob.stages.grpo_config import ConfigError
 from server.cases import TASK_IDS
 
@@ -71,6 +71,20 @@ class SFTJobConfig:
         },
     )
     force_decay: bool = field(default=False, metadata={"help": "demonstrations for force-decay cases"})
+    cases: str | None = field(
+        default=None,
+        metadata={
+            "help": "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): BC on the oracle's plans for its "
+            "training patients, the gate on its held-out ones (task_id then unused)"
+        },
+    )
+    heldout_share: float = field(
+        default=0.2,
+        metadata={
+            "help": "with --cases: share of the patients held out where the records give no split",
+            "type": finite_float,
+        },
+    )
     examples: int = field(default=2000, metadata={"help": "oracle demonstrations", "type": positive_int})
     steps: int = field(default=500, metadata={"help": "optimizer steps", "type": positive_int})
     batch_size: int = field(
@@ -116,6 +130,12 @@ class SFTJobConfig:
             raise ConfigError(f"--task-id must be 'all' or a comma list of {TASK_IDS}, got {self.task_ids!r}")
         if self.demos not in DEMO_SOURCES:
             raise ConfigError(f"demos must be one of {sorted(DEMO_SOURCES)}, got {self.demos!r}")
+        if self.cases is not None and self.demos != "oracle":
+            raise ConfigError(
+                "--cases is for BC (orthojob bc-sft / sft): the format and tool-use stages use generated cases"
+            )
+        if not 0.0 <= self.heldout_share <= 1.0:
+            raise ConfigError(f"--heldout-share must lie in [0, 1], got {self.heldout_share}")
         if self.model == TINY_MODEL and self.lora_r > 0 and not self.from_checkpoint:
             raise ConfigError(
                 "--model tiny needs --lora-r 0 (full fine-tuning): LoRA on a randomly initialised "
@@ -134,6 +154,8 @@ class FormatSFTConfig(SFTJobConfig):
 
     out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="format", metadata={"help": "demonstration source", "cli": False})
+    cases: str | None = field(default=None, metadata={"help": "BC only (not this stage)", "cli": False})
+    heldout_share: float = field(default=0.2, metadata={"help": "BC only (not this stage)", "cli": False})
     examples: int = field(default=2000, metadata={"help": "format demonstrations", "type": positive_int})
     demo_seed: int = field(
         default=0,
@@ -165,6 +187,8 @@ class ToolSFTConfig(SFTJobConfig):
 
     out: str = field(default="./checkpoints/sft1", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})
+    cases: str | None = field(default=None, metadata={"help": "BC only (not this stage)", "cli": False})
+    heldout_share: float = field(default=0.2, metadata={"help": "BC only (not this stage)", "cli": False})
     examples: int = field(default=1000, metadata={"help": "tool-call demonstrations", "type": positive_int})
     max_length: int = field(
         default=8192,
