@@ -32,7 +32,7 @@ import json, os, random, sys, time
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 import numpy as np
 import reward_throughput as R
-from orthojob.rewards import reward_functions as rewards, rollouts
+from orthojob.rewards import reward_functions, rollouts
 from server.cases import clear_case_cache, generate_case
 from server.dental_environment import StepwiseDentalEnvironment
 from server.plans import interpolate_poses, planned_progress
@@ -53,7 +53,7 @@ def trajectory(task, seed, decay):
         )
     return trajectories[key]
 
-funcs = rewards.active_reward_funcs()
+funcs = reward_functions.active_reward_funcs()
 rng = random.Random(0)
 batches = [R.make_batch(list(range(60000 + 16 * b, 60016 + 16 * b)), 4, "task_medium", rng) for b in range(3)]
 cases64 = [generate_case("task_medium", s, s % 2 == 1) for s in range(64)]

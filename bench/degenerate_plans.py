@@ -10,7 +10,7 @@ import json
 import numpy as np
 
 from orthojob.data.prompts import plan_to_completion
-from orthojob.rewards import reward_functions as rewards
+from orthojob.rewards import reward_functions
 from server.cases import generate_case
 from server.dental_constants import TOOTH_IDS
 from server.oracle import plan_for_case
@@ -44,7 +44,7 @@ for task in ("task_easy", "task_medium", "task_hard"):
             c if c is not None else plan_to_completion(plan_for_case(generate_case(task, s, False, False)))
             for s in seeds
         ]
-        r = rewards.reward_terminal(comps, seed=seeds, task_id=[task] * 10, force_decay=[False] * 10)
+        r = reward_functions.reward_terminal(comps, seed=seeds, task_id=[task] * 10, force_decay=[False] * 10)
         rows.setdefault(name, []).append(f"{np.mean(r):+.2f} [{min(r):+.2f}, {max(r):+.2f}]")
 for n, v in rows.items():
     print(f"| {n} | " + " | ".join(v) + " |")

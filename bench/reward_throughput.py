@@ -32,8 +32,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orthojob.data.prompts import plan_to_completion, reset_observation
-from orthojob.rewards import reward_functions as rewards
-from orthojob.rewards import rollouts
+from orthojob.rewards import reward_functions, rollouts
 from orthojob.rewards.parsing import extract_plan
 from server import treatment
 from server.cases import generate_case
@@ -89,7 +88,7 @@ def _all_rewards(funcs: list, completions: list, columns: dict) -> None:
 
 def run(n_prompts: int, generations: int, reps: int, task_id: str) -> dict[str, list[float]]:
     rng = random.Random(0)
-    funcs = rewards.active_reward_funcs()
+    funcs = reward_functions.active_reward_funcs()
     timings: dict[str, list[float]] = {k: [] for k in ("warm", "cold", "cached", "parse", "server")}
     seed_base = 50_000
     for rep in range(reps + 1):  # rep 0 warms imports and numpy paths, not reported

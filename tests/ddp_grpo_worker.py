@@ -25,14 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import orthojob.rewards.reward_functions as rewards  # noqa: E402
 from orthojob.ops.process_group import process_group_threads  # noqa: E402
+from orthojob.rewards import reward_functions  # noqa: E402
 from orthojob.rewards.parsing import completion_text  # noqa: E402
 from orthojob.stages.grpo import config_from_args, train_and_gate  # noqa: E402
 from orthojob.stages.grpo_config import validate  # noqa: E402
 from orthojob.stages.grpo_trainer import trainable_digest  # noqa: E402
 
-_five = rewards.active_reward_funcs
+_five = reward_functions.active_reward_funcs
 
 
 def reward_digest_spread(completions, **kwargs) -> list[float]:

@@ -20,12 +20,13 @@ from transformers.utils import get_json_schema
 
 from orthojob.agentic.prompts import agentic_rows, full_prompt
 from orthojob.agentic.reward import reward_agentic
-from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv, plan_stages
+from orthojob.agentic.tools import DentalToolEnv, plan_stages
 from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from orthojob.ops.run_identity import config_digest
 from orthojob.rewards.reward_functions import reward_terminal
 from orthojob.rewards.rollouts import DEFAULT_CACHE
 from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig
+from server.agent_tools import TOOL_NAMES
 from server.cases import TASK_IDS
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import MAX_ROLLBACKS

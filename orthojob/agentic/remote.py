@@ -25,22 +25,21 @@ class RemoteStepwise:
     def __init__(self, url: str, message_timeout_s: float = 60.0) -> None:
         # OpenEnv's client takes seconds to import and sets the hub's progress-bar state: only --env-url
         # loads it (tests/test_module_map.py: the CLI imports no openenv)
-        from orthojob.agentic.env_client import EnvSession
+        from orthojob.agentic.env_client import EnvServerError, EnvSession, EpisodeLostError
 
+        self._server_error, self._lost_error = EnvServerError, EpisodeLostError
         self.url = url
         self.session = EnvSession(url, message_timeout_s=message_timeout_s)
 
     def _guard(self, call: Callable) -> dict:
-        from orthojob.agentic.env_client import EnvServerError, EpisodeLostError  # loaded by __init__ already
-
         try:
             return call()
-        except EnvServerError as exc:
+        except self._server_error as exc:
             message = str(exc.data.get("message") or exc)
             if exc.code == "STAGE_CONFLICT":
                 raise StageConflictError(message, exc.data.get("current_stage")) from None
             raise InvalidActionError(message) from None
-        except EpisodeLostError as exc:
+        except self._lost_error as exc:
             raise ToolError(f"the environment server lost this episode: {exc}") from None
 
     def reset(self, task_id: str, seed: int, force_decay: bool) -> dict:

@@ -52,7 +52,7 @@ from trl import GRPOTrainer
 from orthojob.agentic.chat_template import prepare_tokenizer
 from orthojob.agentic.prompts import agentic_rows, full_prompt
 from orthojob.agentic.remote import check_server_capacity
-from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv, RemoteToolEnvFactory
+from orthojob.agentic.tools import DentalToolEnv, RemoteToolEnvFactory
 from orthojob.data import case_sets
 from orthojob.data.prompts import mixed_prompt_rows, prompt_format_of, prompt_rows
 from orthojob.eval.viewer_logging import grpo_viewer_callback
@@ -77,6 +77,7 @@ from orthojob.stages.grpo_config import (
     generation_batch,
     world_size,
 )
+from server.agent_tools import TOOL_NAMES
 from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 
 log = logging.getLogger(__name__)

@@ -41,9 +41,10 @@ import numpy as np
 
 from orthojob.agentic.chat_template import prepare_tokenizer
 from orthojob.agentic.prompts import agentic_messages, agentic_rows, full_prompt
-from orthojob.agentic.tools import TOOL_NAMES, DentalToolEnv
+from orthojob.agentic.tools import DentalToolEnv
 from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from orthojob.modeling.models import build_tiny, tiny_corpus
+from server.agent_tools import TOOL_NAMES
 from server.dental_constants import MM_PER_DEG, TOOTH_IDS
 from server.oracle import oracle_plan
 
