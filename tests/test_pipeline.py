@@ -152,3 +152,13 @@ def test_pipeline_cli_show_and_bad_override(capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["model"] == shown["sft"]["model"] == shown["grpo"]["model"] == "s3://b/models/tiny"
     assert cli_main(["pipeline", "--show", "--model", "a/b", "--set", "model=c/d"]) == 2
+
+
+def test_pipeline_cases_sets_bc_and_grpo_on_the_case_set(capsys):
+    """`--cases` is BC's and GRPO's case set (each stage's own flag; their tests train on one)."""
+    assert cli_main(["pipeline", "--show", "--cases", "s3://b/patients.jsonl"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["sft"]["cases"] == shown["grpo"]["cases"] == "s3://b/patients.jsonl"
+    assert shown["format_sft"].get("cases") is None
+    assert cli_main(["pipeline", "--show", "--cases", "a.jsonl", "--set", "grpo.heldout_share=0.3"]) == 0
+    assert json.loads(capsys.readouterr().out)["grpo"]["heldout_share"] == 0.3

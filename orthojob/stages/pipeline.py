@@ -69,6 +69,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orthojob.data import case_sets
 from orthojob.eval.evaluation import evaluate_checkpoint, format_table
 from orthojob.eval.metrics import HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_MEAN
 from orthojob.modeling.models import TINY_MODEL, build_tiny
@@ -273,12 +274,15 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         save()
         return content
 
-    def gate_stage(name: str, folder: Path, settings: GateSettings, params_key: str, result: dict) -> bool:
+    def gate_stage(
+        name: str, folder: Path, settings: GateSettings, params_key: str, result: dict, config: Any
+    ) -> bool:
         """Evaluate a SFT stage's checkpoint and write its gate file, in the stage's run (active), where
-        the checkpoint becomes a gated LoggedModel (:func:`orthojob.stages.sft.log_stage`); publish both."""
+        the checkpoint becomes a gated LoggedModel (:func:`orthojob.stages.sft.log_stage`); publish both.
+        A stage ``config`` with a case set is gated on its held-out patients."""
         t = time.perf_counter()
         tracking.log_params({params_key: dataclasses.asdict(settings)})
-        content = gate.run_gate(folder, name, settings, cfg.task_id, cfg.force_decay)
+        content = gate.run_gate(folder, name, settings, cfg.task_id, cfg.force_decay, config)
         stages[f"gate_{name}"] = {"seconds": time.perf_counter() - t, **_gate_view(content)}
         log_stage(result, content, folder)
         print(gate_file.format_gate(content))
@@ -310,7 +314,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
             run_identity.write_identity(folder, identity)  # published with the checkpoint and its gate
             stages[name] = {"seconds": time.perf_counter() - t, **_entry(result)}
             save()
-            return gate_stage(name, folder, settings, gate_key, result)
+            return gate_stage(name, folder, settings, gate_key, result, config)
 
     def stage_identity(config: Any, settings: GateSettings, previous: Path | None) -> dict:
         """What makes a stage's checkpoint this run's: its config with the preset's model reference
@@ -394,7 +398,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
             run_identity.write_identity(folder, identity)
             stages["rsft"] = {"seconds": time.perf_counter() - t, **_entry(result)}
             save()
-            return gate_stage("rsft", folder, cfg.rsft_gate, "rsft_gate", result), 0
+            return gate_stage("rsft", folder, cfg.rsft_gate, "rsft_gate", result, config), 0
 
     # 2. the training stages, each from the previous gated checkpoint
     trained: list[tuple[str, Path, bool]] = []  # (name, folder, gate passed)
@@ -436,6 +440,14 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         kw = {"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "max_new_tokens": e.max_new_tokens,
               "batch_size": e.batch_size}  # fmt: skip
         newest_first = [(name, folder) for name, folder, _ in reversed(trained)]
+        cases = cfg.grpo.cases or cfg.sft.cases
+        if cases:  # the set's held-out patients, as the gates judged them
+            loaded = case_sets.load_case_set(cases, cfg.grpo.heldout_share, cfg.force_decay)
+            kw["keys"] = loaded.heldout
+            tasks = list(dict.fromkeys(k.task_id for k in loaded.heldout))
+            info = loaded.info("heldout")
+            tracking.log_case_set(cases, loaded.split.digest, "heldout", info["n_cases"], info["n_patients"],
+                                  "evaluation")  # fmt: skip
         first_name, first_folder = newest_first[0]
         report = evaluate_checkpoint(str(first_folder), tasks, baselines=e.baselines, name=first_name, **kw)
         rows = {task: {first_name: report[task].pop(first_name)} for task in tasks}
@@ -449,7 +461,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         (out / EVALUATION_FILE).write_text(
             json.dumps({"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "results": report}, indent=2)
         )
-        table = format_table(report, e.n_seeds, cfg.force_decay)
+        table = format_table(report, len(kw["keys"]) if cases else e.n_seeds, cfg.force_decay, source=cases)
         print(table)
         stages["evaluate"] = {
             "seconds": time.perf_counter() - t,
@@ -530,6 +542,12 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         metavar="K=V[,K=V...]",
         help="the same as --set, comma-separated in one value (for MLproject -P overrides=...); '' = none",
     )
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help="a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): BC and GRPO train on its training patients, "
+        "their gates and the evaluation judge its held-out ones (= --set sft.cases=... --set grpo.cases=...)",
+    )
     parser.add_argument("--show", action="store_true", help="print the preset (after --set) as JSON and exit")
     return parser
 
@@ -549,6 +567,9 @@ def run_pipeline_cli(args: argparse.Namespace) -> int:
             )
             return ExitCode.USAGE
         overrides["model"] = args.model
+    if args.cases:
+        overrides.setdefault("sft.cases", args.cases)
+        overrides.setdefault("grpo.cases", args.cases)
     try:
         cfg = apply_overrides(PRESETS[args.preset], overrides)
     except KeyError as exc:
