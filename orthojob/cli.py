@@ -98,7 +98,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return ExitCode.USAGE
-        held = _heldout_case_keys(args, "evaluate")
+        held = case_sets.heldout_case_keys(args, "evaluate")
         if isinstance(held, int):
             return held
         keys, cases = held
@@ -191,7 +191,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     limits = gate_file.thresholds_for(args.stage).replace(**given_values(args, gate_file.GateThresholds))
     keys, cases = None, None
     if args.cases:
-        held = _heldout_case_keys(args, "gate")
+        held = case_sets.heldout_case_keys(args, "gate")
         if isinstance(held, int):
             return held
         keys, cases = held
@@ -215,37 +215,6 @@ def cmd_gate(args: argparse.Namespace) -> int:
         storage.publish(checkpoint, args.checkpoint)
         print(f"published {args.checkpoint} with its gate file")
     return 0 if content["passed"] else ExitCode.GATE_FAILED
-
-
-def _heldout_case_keys(args: argparse.Namespace, command: str) -> tuple[list, dict] | int:
-    """The keys of ``--cases``' held-out patients (registered in this process; every case under force
-    decay with ``--force-decay``, else under its record's dynamics) and what the run records of the
-    set; an exit code after saying what to fix."""
-    try:
-        loaded = case_sets.load_case_set(args.cases, args.heldout_share, args.force_decay)
-    except (case_sets.CaseSetError, FileNotFoundError, ValueError) as exc:
-        print(f"orthojob {command}: --cases {args.cases}: {getattr(exc, 'message', exc)}", file=sys.stderr)
-        return ExitCode.USAGE
-    if not loaded.heldout:
-        print(f"orthojob {command}: --cases {args.cases} holds out no patient: raise --heldout-share or give "
-              "records \"split\": \"heldout\"", file=sys.stderr)  # fmt: skip
-        return ExitCode.USAGE
-    print(case_sets.format_split(loaded.validation, loaded.split))
-    info = loaded.info("heldout")
-    tracking.log_case_set(
-        args.cases, loaded.split.digest, "heldout", info["n_cases"], info["n_patients"], "evaluation"
-    )
-    return loaded.heldout, info
-
-
-def _add_case_set_arguments(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(
-        "--cases",
-        help=f"a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): {what} on its held-out patients "
-        "instead of generated seeds (--task-id and --seeds then do not apply)",
-    )
-    parser.add_argument("--heldout-share", type=float, default=case_sets.HELDOUT_SHARE,
-                        help="with --cases: share of the patients held out where the records give no split")  # fmt: skip
 
 
 def _input_folder(path_or_uri: str, command: str, must_exist: bool = True) -> Path | None:
@@ -397,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="task_hard's seeded missed/partial wear and lost attachment (baselines only)",
     )
-    _add_case_set_arguments(ev, "judge")
+    case_sets.add_case_set_arguments(ev, "judge")
     ev.add_argument("--out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_evaluate)
 
@@ -480,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument(
         "--tool-turns", type=positive_int, default=4, help="tool_sft: turns per episode (default 4)"
     )
-    _add_case_set_arguments(ga, "gate")
+    case_sets.add_case_set_arguments(ga, "gate")
     add_config_arguments(
         ga.add_argument_group(
             "thresholds (default: the stage's, orthojob/stages/gate.py DEFAULT_THRESHOLDS)"

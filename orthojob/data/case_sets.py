@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orthojob.data.prompts import key_prompt_rows
-from orthojob.ops import storage
+from orthojob.ops import storage, tracking
 from orthojob.ops.exit_codes import ExitCode, epilog
 from server.case_files import Validation, validate_file
 from server.case_records import case_digest, record_of_case, register_case
@@ -189,6 +189,38 @@ def seed_range(text: str) -> range:
     if not 0 <= a < b:
         raise ValueError(f"--seeds {text!r} is empty: A:B with 0 <= A < B")
     return range(a, b)
+
+
+def heldout_case_keys(args: argparse.Namespace, command: str) -> tuple[list, dict] | int:
+    """The keys of ``--cases``' held-out patients (registered in this process; every case under force
+    decay with ``--force-decay``, else under its record's dynamics) and what the run records of the
+    set; an exit code after saying what to fix."""
+    try:
+        loaded = load_case_set(args.cases, args.heldout_share, args.force_decay)
+    except (CaseSetError, FileNotFoundError, ValueError) as exc:
+        print(f"orthojob {command}: --cases {args.cases}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return ExitCode.USAGE
+    if not loaded.heldout:
+        print(f"orthojob {command}: --cases {args.cases} holds out no patient: raise --heldout-share or give "
+              "records \"split\": \"heldout\"", file=sys.stderr)  # fmt: skip
+        return ExitCode.USAGE
+    print(format_split(loaded.validation, loaded.split))
+    info = loaded.info("heldout")
+    tracking.log_case_set(
+        args.cases, loaded.split.digest, "heldout", info["n_cases"], info["n_patients"], "evaluation"
+    )
+    return loaded.heldout, info
+
+
+def add_case_set_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--cases`` and ``--heldout-share`` of a command that judges on a case set's held-out patients."""
+    parser.add_argument(
+        "--cases",
+        help=f"a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): {what} on its held-out patients "
+        "instead of generated seeds (--task-id and --seeds then do not apply)",
+    )
+    parser.add_argument("--heldout-share", type=float, default=HELDOUT_SHARE,
+                        help="with --cases: share of the patients held out where the records give no split")  # fmt: skip
 
 
 # --- the `orthojob cases` command ------------------------------------------------------
