@@ -128,16 +128,16 @@ class StepwiseDentalEnvironment:
         (:mod:`server.case_records`), checked first, every problem named in the error.
         ``force_decay=None`` then keeps the case's own dynamics.
         """
-        if case_id is not None or case is not None:
-            return self._reset_case(case_id, case, force_decay, episode_id, non_compliance)
-        if seed is None:
-            seed = int(np.random.default_rng().integers(2**31))
         if force_decay is not None and not isinstance(force_decay, (bool, np.bool_)):
             raise InvalidActionError(f"force_decay must be true, false or null, got {force_decay!r:.40}")
         if non_compliance is not None and not isinstance(non_compliance, (bool, np.bool_)):
             raise InvalidActionError(
                 f"non_compliance must be true, false or null, got {non_compliance!r:.40}"
             )
+        if case_id is not None or case is not None:
+            return self._reset_case(case_id, case, force_decay, episode_id, non_compliance)
+        if seed is None:
+            seed = int(np.random.default_rng().integers(2**31))
         episode_id = _episode_id(episode_id)
         session = new_session(
             generate_case(task_id, seed, bool(force_decay), bool(non_compliance)), episode_id
@@ -154,8 +154,6 @@ class StepwiseDentalEnvironment:
             raise InvalidActionError(
                 "non_compliance is an option of generated task_hard cases, not of imported ones"
             )
-        if force_decay is not None and not isinstance(force_decay, (bool, np.bool_)):
-            raise InvalidActionError(f"force_decay must be true, false or null, got {force_decay!r:.40}")
         if case_id is not None:
             key = self.case_set.get(case_id) if isinstance(case_id, str) else None
             if key is None:

@@ -16,6 +16,7 @@ and generated cases exported in the same format (docs/cases.md; the record is
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -120,6 +121,16 @@ class LoadedCaseSet:
         return {"source": self.source, "split": side, "split_digest": self.split.digest, "n_cases": len(index),
                 "n_patients": len({self.validation.patient_ids[k] for k in index})}  # fmt: skip
 
+    def log_input(self, side: str) -> dict:
+        """Record one side as the active MLflow run's dataset input (:func:`orthojob.ops.tracking.log_case_set`:
+        ``train`` as training, ``heldout`` as evaluation); returns :meth:`info`."""
+        info = self.info(side)
+        context = "training" if side == "train" else "evaluation"
+        tracking.log_case_set(
+            self.source, self.split.digest, side, info["n_cases"], info["n_patients"], context
+        )
+        return info
+
     def rows(self, side: str, prompt_format: str = "full") -> list[dict]:
         """Dataset rows of one side's cases (:func:`orthojob.data.prompts.key_prompt_rows`), each with
         its ``case_id``, which TRL passes to the rewards with the key's columns."""
@@ -128,11 +139,16 @@ class LoadedCaseSet:
         return key_prompt_rows(keys, [self.validation.case_ids[k] for k in index], prompt_format)
 
 
+@functools.lru_cache(maxsize=4)
 def load_case_set(
     source: str, heldout_share: float = HELDOUT_SHARE, force_decay: bool = False
 ) -> LoadedCaseSet:
     """Validate, split by patient and register a case set (:func:`load_split`, :func:`register`); with
-    ``force_decay`` every case is simulated under force decay, else under its record's dynamics."""
+    ``force_decay`` every case is simulated under force decay, else under its record's dynamics.
+
+    Cached per process (a stage checks the set before loading a model, trains on it and gates on it:
+    one read and validation for all three); a set that fails is not cached. Treat the result as
+    read-only."""
     validation, split = load_split(source, heldout_share)
 
     def keys(index):
@@ -191,25 +207,30 @@ def seed_range(text: str) -> range:
     return range(a, b)
 
 
+def heldout_cases(
+    source: str, heldout_share: float = HELDOUT_SHARE, force_decay: bool = False
+) -> tuple[list, dict]:
+    """The keys of a case set's held-out patients (:func:`load_case_set`) and what a gate or an evaluation
+    records of the set, logged as the run's evaluation input; :class:`CaseSetError` when none is held out."""
+    loaded = load_case_set(source, heldout_share, force_decay)
+    if not loaded.heldout:
+        raise CaseSetError(
+            f'{source} holds out no patient: raise --heldout-share or give records "split": "heldout"'
+        )
+    return loaded.heldout, loaded.log_input("heldout")
+
+
 def heldout_case_keys(args: argparse.Namespace, command: str) -> tuple[list, dict] | int:
-    """The keys of ``--cases``' held-out patients (registered in this process; every case under force
-    decay with ``--force-decay``, else under its record's dynamics) and what the run records of the
-    set; an exit code after saying what to fix."""
+    """:func:`heldout_cases` of ``--cases`` (every case under force decay with ``--force-decay``, else
+    under its record's dynamics), the split printed; an exit code after saying what to fix."""
     try:
-        loaded = load_case_set(args.cases, args.heldout_share, args.force_decay)
+        keys, info = heldout_cases(args.cases, args.heldout_share, args.force_decay)
     except (CaseSetError, FileNotFoundError, ValueError) as exc:
         print(f"orthojob {command}: --cases {args.cases}: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return ExitCode.USAGE
-    if not loaded.heldout:
-        print(f"orthojob {command}: --cases {args.cases} holds out no patient: raise --heldout-share or give "
-              "records \"split\": \"heldout\"", file=sys.stderr)  # fmt: skip
-        return ExitCode.USAGE
+    loaded = load_case_set(args.cases, args.heldout_share, args.force_decay)
     print(format_split(loaded.validation, loaded.split))
-    info = loaded.info("heldout")
-    tracking.log_case_set(
-        args.cases, loaded.split.digest, "heldout", info["n_cases"], info["n_patients"], "evaluation"
-    )
-    return loaded.heldout, info
+    return keys, info
 
 
 def add_case_set_arguments(parser: argparse.ArgumentParser, what: str) -> None:

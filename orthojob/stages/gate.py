@@ -38,7 +38,6 @@ from orthojob.data import case_sets
 from orthojob.eval.evaluation import BASELINES, episode_metrics, run_checkpoint
 from orthojob.eval.metrics import HARD_RULE_SHARE, SCALED_REWARD_MEAN, TERMINAL_RAW, mean_of
 from orthojob.modeling.models import load_for_inference
-from orthojob.ops import tracking
 from orthojob.ops.gate_file import (
     BC_SFT,
     DEFAULT_THRESHOLDS,
@@ -274,12 +273,7 @@ def run_gate(
     (``cases``) is gated on the set's held-out patients."""
     keys = case_set = None
     if getattr(config, "cases", None) is not None:
-        loaded = case_sets.load_case_set(config.cases, config.heldout_share, force_decay)
-        keys, case_set = loaded.heldout, loaded.info("heldout")
-        if not keys:
-            raise ValueError(f"--cases {config.cases} holds out no patient to gate on: raise --heldout-share")
-        tracking.log_case_set(config.cases, loaded.split.digest, "heldout", len(keys), case_set["n_patients"],
-                              "evaluation")  # fmt: skip
+        keys, case_set = case_sets.heldout_cases(config.cases, config.heldout_share, force_decay)
     report = gate_report(
         str(path),
         n_seeds=settings.n_seeds,

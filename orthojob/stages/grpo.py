@@ -151,15 +151,8 @@ def run_grpo_gate(
     mean scaled reward no lower than uniform SLERP's),
     then write the gate file, once, with ``thresholds``; ``passed`` follows from the metrics."""
     keys = case_set = None
-    if config.cases is not None:  # the set's held-out patients (registered again: the gate may run alone)
-        loaded = case_sets.load_case_set(config.cases, config.heldout_share, config.force_decay)
-        keys, case_set = loaded.heldout, loaded.info("heldout")
-        if not keys:
-            raise ConfigError(
-                f"--cases {config.cases} holds out no patient to gate on: raise --heldout-share"
-            )
-        tracking.log_case_set(config.cases, loaded.split.digest, "heldout", len(keys), case_set["n_patients"],
-                              "evaluation")  # fmt: skip
+    if config.cases is not None:  # the set's held-out patients (the gate may run alone)
+        keys, case_set = case_sets.heldout_cases(config.cases, config.heldout_share, config.force_decay)
     report = gate_report(
         str(checkpoint),
         n_seeds=config.gate_seeds,

@@ -563,10 +563,7 @@ def train(
             raise ConfigError(f"--cases {config.cases} leaves no training patient: lower --heldout-share")
         rows = loaded.rows("train", prompt_format_of(model))[: config.num_prompts or None]
         if is_main:
-            info = loaded.info("train")
-            tracking.log_case_set(
-                config.cases, loaded.split.digest, "train", len(rows), info["n_patients"], "training"
-            )
+            loaded.log_input("train")
     elif config.mixed_cells:
         rows = mixed_prompt_rows(n_prompts, config.prompt_seed_start, prompt_format_of(model))
     else:

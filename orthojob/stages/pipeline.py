@@ -442,12 +442,8 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         newest_first = [(name, folder) for name, folder, _ in reversed(trained)]
         cases = cfg.grpo.cases or cfg.sft.cases
         if cases:  # the set's held-out patients, as the gates judged them
-            loaded = case_sets.load_case_set(cases, cfg.grpo.heldout_share, cfg.force_decay)
-            kw["keys"] = loaded.heldout
-            tasks = list(dict.fromkeys(k.task_id for k in loaded.heldout))
-            info = loaded.info("heldout")
-            tracking.log_case_set(cases, loaded.split.digest, "heldout", info["n_cases"], info["n_patients"],
-                                  "evaluation")  # fmt: skip
+            kw["keys"], _ = case_sets.heldout_cases(cases, cfg.grpo.heldout_share, cfg.force_decay)
+            tasks = list(dict.fromkeys(k.task_id for k in kw["keys"]))
         first_name, first_folder = newest_first[0]
         report = evaluate_checkpoint(str(first_folder), tasks, baselines=e.baselines, name=first_name, **kw)
         rows = {task: {first_name: report[task].pop(first_name)} for task in tasks}

@@ -164,10 +164,7 @@ def case_set_demonstrations(
         rows.append({"prompt": build_messages(obs, prompt_format),
                      "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
                      "seed": key.seed, "task_id": key.task_id, "case_id": loaded.validation.case_ids[index]})  # fmt: skip
-    info = loaded.info("train")
-    tracking.log_case_set(
-        loaded.source, loaded.split.digest, "train", info["n_cases"], info["n_patients"], "training"
-    )
+    loaded.log_input("train")
     log.info("BC demonstrations of %s: %d safe oracle plans, %d filtered", loaded.source, len(rows), filtered)
     return rows, {"source": f"oracle on {loaded.source}", "examples": len(rows), "filtered_hard_rule": filtered,
                   "split_digest": loaded.split.digest}  # fmt: skip
