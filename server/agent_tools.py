@@ -364,7 +364,7 @@ class StagingTools:
 
     def _stage_poses(self, groups: object) -> tuple[np.ndarray, np.ndarray]:
         """The next aligner's poses (28, 7) and planned progress (28,) of a stage's groups."""
-        increment = _stage_increment(groups)
+        increment = _stage_increment(groups, self._case.absent if self._case is not None else None)
         progress = np.minimum(self._progress[-1] + increment, 1.0)
         return self._stage_poses_of(progress), progress
 
@@ -420,8 +420,9 @@ def _strategy(strategy: object) -> str | None:
     return strategy
 
 
-def _stage_increment(groups: object) -> np.ndarray:
-    """(28,) share of each tooth's total movement a stage adds (ToolError naming what is wrong)."""
+def _stage_increment(groups: object, absent: np.ndarray | None = None) -> np.ndarray:
+    """(28,) share of each tooth's total movement a stage adds (ToolError naming what is wrong; a
+    tooth of the ``absent`` (28,) bool mask is one)."""
     if not isinstance(groups, (list, tuple)):
         raise ToolError(
             f'groups must be a list of {{"teeth": [FDI ids], "fraction": f}} objects, got {type(groups).__name__}'
@@ -454,6 +455,8 @@ def _stage_increment(groups: object) -> np.ndarray:
                 raise ToolError(f"group {k}: unknown tooth {tooth!r:.20}: use FDI ids of {list(TOOTH_IDS)}")
             if int(tooth) in seen:
                 raise ToolError(f"group {k}: tooth {int(tooth)} is already in group {seen[int(tooth)]}")
+            if absent is not None and absent[TOOTH_INDEX[int(tooth)]]:
+                raise ToolError(f"group {k}: tooth {int(tooth)} is absent in this patient: leave it out")
             seen[int(tooth)] = k
             increment[TOOTH_INDEX[int(tooth)]] = float(f)
     return increment

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from server.absent_teeth import ARCH_ROWS, absent_ids, absent_mask, mask_pairs, placeholder_poses
 from server.cases import (
     IMPORTED_TASK,
     TASK_IDS,
@@ -50,7 +51,7 @@ from server.cases import (
     register_imported,
 )
 from server.clinical_profiles import PROFILES, SECONDARY_PROFILES, optimal_strategy
-from server.collisions import COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
+from server.collisions import ALL_PAIR_CROWNS, COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
 from server.dental_constants import (
     ADJACENT_PAIRS,
     CROWN_DEPTH_MM,
@@ -126,6 +127,8 @@ def case_digest(case: Case) -> str:
     if case.wear is not None:
         h.update(np.ascontiguousarray(case.wear, dtype="<f8").tobytes())
     h.update(repr((bool(case.force_decay), case.profile, case.secondary_profile)).encode())
+    if case.absent is not None:
+        h.update(b"absent:" + np.packbits(case.absent).tobytes())
     return h.hexdigest()
 
 
@@ -142,23 +145,27 @@ def register_case(case: Case) -> CaseKey:
 
 
 def record_of_case(case: Case, case_id: str | None = None, patient_id: str | None = None) -> dict:
-    """A case as a :data:`FORMAT` record: every tooth present, the case's own crown sizes, its
-    generator's labels, and its key (``task_id``, ``seed``) so an import gives back the same case."""
+    """A case as a :data:`FORMAT` record: its present teeth and its absent ones, its own crown sizes,
+    its labels, and its key (``task_id``, ``seed``) so an import gives back the same case."""
     cid = case_id or f"{case.task_id}-{case.seed}{'-fd' if case.force_decay else ''}"
-    return {
+    here = slice(None) if case.absent is None else ~case.absent
+    record = {
         "format": FORMAT,
         "case_id": cid,
         "patient_id": patient_id or f"{case.task_id}-{case.seed}",
-        "teeth": [int(t) for t in TOOTH_IDS],
-        "initial": case.initial.tolist(),
-        "target": case.target.tolist(),
-        "crown_width_mm": case.crown_width_mm.tolist(),
-        "crown_depth_mm": case.crown_depth_mm.tolist(),
+        "teeth": case.present_ids,
+        "initial": case.initial[here].tolist(),
+        "target": case.target[here].tolist(),
+        "crown_width_mm": case.crown_width_mm[here].tolist(),
+        "crown_depth_mm": case.crown_depth_mm[here].tolist(),
         "labels": {"profile": case.profile, "secondary_profile": case.secondary_profile},
         "force_decay": bool(case.force_decay),
         "task_id": case.task_id,
         "seed": int(case.seed),
     }
+    if case.absent is not None:
+        record["absent"] = absent_ids(case.absent)
+    return record
 
 
 _NUMBER_TYPES = {float, int}
@@ -292,9 +299,13 @@ def _sizes(
     return out if ok else None
 
 
-def _collisions(poses: np.ndarray, width: np.ndarray, depth: np.ndarray) -> list[tuple[int, int, float]]:
-    """Pairs of crowns (neighbours and second neighbours) interpenetrating beyond the tolerance."""
+def _collisions(
+    poses: np.ndarray, width: np.ndarray, depth: np.ndarray, absent: np.ndarray | None
+) -> list[tuple[int, int, float]]:
+    """Pairs of present crowns (neighbours and second neighbours) interpenetrating beyond the tolerance."""
     pen = all_pairs_penetration_mm(poses, width, depth)
+    if absent is not None:
+        pen = mask_pairs(pen[None], absent[None], ALL_PAIR_CROWNS)[0]
     return [
         (int(TOOTH_IDS[PAIRS[k, 0]]), int(TOOTH_IDS[PAIRS[k, 1]]), float(pen[k]))
         for k in np.flatnonzero(pen > COLLISION_TOLERANCE_MM)
@@ -366,11 +377,13 @@ def _checked(record: Any) -> tuple[Checked, dict | None]:
         missing = [int(t) for t in TOOTH_IDS if int(t) not in seen]
         for t in missing:
             report(t, "neither in teeth nor in absent: list its poses, or mark it absent")
-        for t in absent_raw:
-            if _is_int(t) and int(t) in TOOTH_IDS:
-                report(int(t), "absent teeth are not supported yet: every one of the 28 teeth needs poses")
+        absent = absent_mask(int(t) for t in absent_raw if _is_int(t) and int(t) in TOOTH_IDS)
+        for arch, row in zip(("upper", "lower"), ARCH_ROWS):
+            if absent is not None and absent[row].all():
+                report(None, f"every {arch} tooth is absent: a case needs at least one tooth in each arch")
     if problems:
         return Checked(None, cid, patient_id, problems, notes), None
+    absent = absent_mask(int(t) for t in absent_raw)
 
     initial, target = (
         None if rows is None and f"{name}_transforms" in record else _poses(rows, name, teeth, report, notes)
@@ -409,6 +422,9 @@ def _checked(record: Any) -> tuple[Checked, dict | None]:
     if problems:
         return Checked(None, cid, patient_id, problems, notes), None
 
+    if absent is not None:  # each absent tooth's placeholder: in its target space, never moved
+        target = placeholder_poses(target, absent)
+        initial = np.where(absent[:, None], target, initial)
     for name, poses in (("initial", initial), ("target", target)):
         span = float(np.ptp(poses[:, 4]))
         if not ARCH_SPAN_MM[0] <= span <= ARCH_SPAN_MM[1]:
@@ -421,10 +437,10 @@ def _checked(record: Any) -> tuple[Checked, dict | None]:
         if record.get("crown_width_mm") is None
         else ""
     )
-    for a, b, p in _collisions(initial, width, depth):
+    for a, b, p in _collisions(initial, width, depth, absent):
         report(a, f"the initial crowns of {a} and {b} interpenetrate by {p:.2f} mm (tolerance "
                   f"{COLLISION_TOLERANCE_MM} mm): check the segmentation or the crown sizes{normed}")  # fmt: skip
-    for a, b, p in _collisions(target, width, depth):
+    for a, b, p in _collisions(target, width, depth, absent):
         report(a, f"the target crowns of {a} and {b} interpenetrate by {p:.2f} mm at rest (tolerance "
                   f"{COLLISION_TOLERANCE_MM} mm): the setup breaks the collision rule{normed}")  # fmt: skip
     trans = np.linalg.norm(target[:, 4:] - initial[:, 4:], axis=-1)
@@ -437,7 +453,8 @@ def _checked(record: Any) -> tuple[Checked, dict | None]:
     if problems:
         return Checked(None, cid, patient_id, problems, notes), None
     parts = {"initial": initial, "target": target, "width": width, "depth": depth, "profile": profile,
-             "secondary": secondary, "force_decay": force_decay, "task_id": task_id, "seed": int(seed)}  # fmt: skip
+             "secondary": secondary, "force_decay": force_decay, "task_id": task_id, "seed": int(seed),
+             "absent": absent}  # fmt: skip
     return Checked(None, cid, patient_id, problems, notes, split=split), parts
 
 
@@ -463,7 +480,8 @@ def _finish(checked: Checked, parts: dict | None, diagnosis: Diagnosis | None) -
         target=target,
         crown_width_mm=width,
         crown_depth_mm=depth,
-        summary=case_summary(initial, width),
+        summary=case_summary(initial, width, parts["absent"]),
+        absent=parts["absent"],
     )
     checked.diagnosis = diagnosis
     return checked

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from server.absent_teeth import SUMMARY_KEY as ABSENT_SUMMARY_KEY
+from server.absent_teeth import absent_ids
 from server.arch import ArchParameters, build_ideal_arch, occlusal_points
 from server.clinical_profiles import (
     PROFILE_GENERATORS,
@@ -42,6 +44,7 @@ from server.dental_constants import (
     FEASIBLE_TRANSLATION_MM,
     MM_PER_DEG,
     N_STAGES,
+    TOOTH_IDS,
     TOOTH_NUMBER,
 )
 from server.errors import InvalidActionError
@@ -134,6 +137,9 @@ class Case:
     summary: dict = field(repr=False)
     wear: np.ndarray | None = field(default=None, repr=False)
     """(24, 28) compliance schedule (:mod:`server.compliance`) when non-compliance is on."""
+    absent: np.ndarray | None = field(default=None, repr=False)
+    """(28,) bool, the teeth the patient does not have (:mod:`server.absent_teeth`: their rows hold a
+    placeholder, the same in ``initial`` and ``target``); None when every tooth is present."""
 
     @property
     def non_compliance(self) -> bool:
@@ -182,6 +188,11 @@ class Case:
     def target_list(self) -> list:
         """``target.tolist()``, shared: copy it before handing it out."""
         return self.target.tolist()
+
+    @property
+    def present_ids(self) -> list[int]:
+        """The FDI ids of the teeth the patient has, in TOOTH_IDS order."""
+        return [int(t) for k, t in enumerate(TOOTH_IDS) if self.absent is None or not self.absent[k]]
 
     @property
     def follows_plan(self) -> bool:
@@ -285,8 +296,10 @@ def _within_caps(initial: np.ndarray, target: np.ndarray) -> bool:
     return bool(np.all(trans <= FEASIBLE_TRANSLATION_MM) and np.all(rot <= FEASIBLE_ROTATION_DEG))
 
 
-def case_summary(initial: np.ndarray, width: np.ndarray) -> dict:
-    """What a clinician measures on the initial casts (mm). No strategy, no diagnosis."""
+def case_summary(initial: np.ndarray, width: np.ndarray, absent: np.ndarray | None = None) -> dict:
+    """What a clinician measures on the initial casts (mm). No strategy, no diagnosis. With
+    ``absent`` (28,) bool, ``absent_teeth`` lists their FDI ids last (the measures read an absent
+    tooth's placeholder, :mod:`server.absent_teeth`, as a crown at rest in its space)."""
     irr_u, irr_l, sp_u, sp_l = arch_contacts(initial, width)
     molar = molar_relation_mm(initial)
     widths = arch_widths_mm(initial)
@@ -305,6 +318,7 @@ def case_summary(initial: np.ndarray, width: np.ndarray) -> dict:
         "midline_mm": round(float(midline_mm(initial)), 2),
         "curve_of_spee_mm": round(float(curve_of_spee_mm(initial, edge)), 2),
         **{f"{k}_width_mm": round(float(v), 2) for k, v in widths.items()},
+        **({ABSENT_SUMMARY_KEY: absent_ids(absent)} if absent is not None else {}),
     }
 
 

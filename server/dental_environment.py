@@ -44,6 +44,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from server.absent_teeth import mask_contacts
 from server.case_records import case_digest, case_of_record
 from server.cases import IMPORTED_TASK, TASK_IDS, Case, CaseKey, generate_case
 from server.collisions import COLLISION_TOLERANCE_MM, collision_severity, contact_penetration_mm
@@ -250,6 +251,10 @@ class StepwiseDentalEnvironment:
             raise InvalidActionError(f"unknown tooth_id {tooth_id!r:.20}: use an FDI id of {TOOTH_IDS}")
         session = self.sessions.get(episode_id)
         i = TOOTH_INDEX[tooth_id]
+        if session.case.absent is not None and session.case.absent[i]:
+            raise InvalidActionError(
+                f"tooth {tooth_id} is absent in this patient: it has no movement to inspect"
+            )
         with session.lock:
             current = session.achieved[session.stage, i]
         target = session.case.target[i]
@@ -275,7 +280,7 @@ class StepwiseDentalEnvironment:
                 arr = session.achieved[session.stage].copy()
         else:
             arr = validate_poses(poses)
-        pen = contact_penetration_mm(arr, session.case.contacts)
+        pen = mask_contacts(contact_penetration_mm(arr, session.case.contacts), session.case.absent)
         hits = np.flatnonzero(pen > COLLISION_TOLERANCE_MM)
         return {
             "collision_free": bool(hits.size == 0),
@@ -349,7 +354,7 @@ class StepwiseDentalEnvironment:
         pdl_events = int(
             np.count_nonzero(pdl_stress_kpa(dist[0, mismatch], dist[1, mismatch]) > PDL_CRITICAL_KPA)
         )
-        pen = contact_penetration_mm(achieved, case.contacts)
+        pen = mask_contacts(contact_penetration_mm(achieved, case.contacts), case.absent)
         colliding = int(np.count_nonzero(pen > COLLISION_TOLERANCE_MM))
         acc_after = _accuracy(dist[:, PAIR_REMAINING], case.need_mm)
         penalty = STEP_PENALTY * (over_limit / N_TEETH + float(collision_severity(pen)))
@@ -394,6 +399,7 @@ class StepwiseDentalEnvironment:
             secondary_profiles=[case.secondary_profile],
             strategies=[session.strategy],
             measures=session.stage_measures(),
+            absent=None if case.absent is None else case.absent[None],
         )
         diagnostics = {k: float(v[0]) for k, v in scores.diagnostics.items()}
         return {

@@ -150,11 +150,14 @@ class AnchoragePrior:
         """
         return self.load_scores_from_movement(_stage_movement(trajectory))
 
-    def load_scores_from_movement(self, stage_mm: np.ndarray) -> np.ndarray:
-        """:meth:`load_scores` from the ``(..., S, 28)`` achieved movement of each tooth in each stage (mm)."""
+    def load_scores_from_movement(self, stage_mm: np.ndarray, absent: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`load_scores` from the ``(..., S, 28)`` achieved movement of each tooth in each stage (mm);
+        ``absent`` (..., 28) bool: teeth the patient lacks, whose roots anchor nothing."""
         moving = stage_mm > MOVING_EPS_MM
         demand_area = np.where(moving, ROOT_AREA_MM2 * stage_mm / MAX_TRANSLATION_MM, 0.0)
         rest_area = np.where(moving, 0.0, ROOT_AREA_MM2)
+        if absent is not None:
+            rest_area = np.where(absent[..., None, :], 0.0, rest_area)
         per_arch = []
         for arch in (IS_UPPER, ~IS_UPPER):
             rest = np.sum(rest_area[..., arch], axis=-1)
@@ -175,13 +178,22 @@ class AnchoragePrior:
         stage_mm = None if trajectory is None else _stage_movement(trajectory)
         return _as_output(self._score_from_movement(tooth_movement_mm(initial, final), stage_mm))
 
-    def _score_from_movement(self, m: np.ndarray, stage_mm: np.ndarray | None) -> np.ndarray:
+    def _score_from_movement(
+        self, m: np.ndarray, stage_mm: np.ndarray | None, absent: np.ndarray | None = None
+    ) -> np.ndarray:
         """:meth:`score` from movements ``m`` (..., 28) and, when scored, the per-stage movement
-        ``stage_mm`` (..., S, 28) of :meth:`load_scores_from_movement`."""
-        molar = np.mean(self.molar_scores_from_movement(m), axis=-1)
+        ``stage_mm`` (..., S, 28) of :meth:`load_scores_from_movement`; ``absent`` (..., 28) bool
+        leaves the absent molars out of the mean (1 when every molar is absent)."""
+        scores = self.molar_scores_from_movement(m)
+        if absent is None:
+            molar = np.mean(scores, axis=-1)
+        else:
+            here = ~absent[..., IS_MOLAR]
+            n = here.sum(axis=-1)
+            molar = np.where(n > 0, np.sum(np.where(here, scores, 0.0), axis=-1) / np.maximum(n, 1), 1.0)
         if stage_mm is None:
             return molar
-        return (1.0 - LOAD_WEIGHT) * molar + LOAD_WEIGHT * self.load_scores_from_movement(stage_mm)
+        return (1.0 - LOAD_WEIGHT) * molar + LOAD_WEIGHT * self.load_scores_from_movement(stage_mm, absent)
 
 
 def _stage_movement(trajectory: np.ndarray) -> np.ndarray:
@@ -225,14 +237,19 @@ class CombinedPrior:
         return self.parts_from_movement(tooth_movement_mm(initial, final), stage_mm=stage_mm)
 
     def parts_from_movement(
-        self, m: np.ndarray, *, stage_mm: np.ndarray | None = None
+        self, m: np.ndarray, *, stage_mm: np.ndarray | None = None, absent: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`parts` from per-tooth movements ``m`` (..., 28) mm-equivalent, for callers
         that have them from finite, unit-quaternion poses (see tooth_movement_mm), and the
         movement ``stage_mm`` (..., S, 28) of each tooth in each stage (None: no anchorage load;
-        see :meth:`AnchoragePrior.load_scores_from_movement`)."""
-        r = np.mean(self.realism.tooth_scores_from_movement(m), axis=-1)
-        a = self.anchorage._score_from_movement(m, stage_mm)
+        see :meth:`AnchoragePrior.load_scores_from_movement`); ``absent`` (..., 28) bool: teeth the
+        patient lacks, left out of the realism mean, the molars and the anchorage."""
+        tooth = self.realism.tooth_scores_from_movement(m)
+        if absent is None:
+            r = np.mean(tooth, axis=-1)
+        else:
+            r = np.sum(np.where(absent, 0.0, tooth), axis=-1) / np.maximum(np.sum(~absent, axis=-1), 1)
+        a = self.anchorage._score_from_movement(m, stage_mm, absent)
         s = self.weight_realism * r + (1.0 - self.weight_realism) * a
         return r, a, np.clip(np.where(np.isfinite(s), s, 0.0), 0.0, 1.0)
 

@@ -155,7 +155,7 @@ def arch_contacts(
 _UPPER_CONTACTS = IS_UPPER[ADJACENT_PAIRS[:, 0]]
 
 
-_ANTERIOR_ANTAGONISTS = ANTAGONIST_PAIRS[:3].reshape(6, 2)  # (6, (upper, lower)): teeth 1-3
+ANTERIOR_ANTAGONISTS = ANTAGONIST_PAIRS[:3].reshape(6, 2)  # (6, (upper, lower)): teeth 1-3
 _FIRST_MOLARS = UPPER_PAIRS[5]
 
 
@@ -176,8 +176,8 @@ def occlusal_clearance_mm(poses: np.ndarray, reference: np.ndarray) -> np.ndarra
         reference: (28, 7) or (..., 28, 7) poses that set each upper crown's labial direction (the
             case's target: fixed through a treatment).
     """
-    up = _ANTERIOR_ANTAGONISTS[:, 0]
-    edge = occlusal_points_of(poses, _ANTERIOR_ANTAGONISTS.T.ravel())  # (..., 12, 3): uppers, lowers
+    up = ANTERIOR_ANTAGONISTS[:, 0]
+    edge = occlusal_points_of(poses, ANTERIOR_ANTAGONISTS.T.ravel())  # (..., 12, 3): uppers, lowers
     centre = reference[..., _FIRST_MOLARS, 4:6].mean(axis=-2)  # (..., 2)
     labial = reference[..., up, 4:6] - centre[..., None, :]
     labial = labial / np.maximum(vector_norm(labial), 1e-9)[..., None]
@@ -275,10 +275,102 @@ _ROTATION_BANDS: tuple[np.ndarray, np.ndarray, np.ndarray] = (
 )
 
 
-def occlusion_composite(poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray) -> np.ndarray:
-    """Weighted six-keys composite in [0, 1], shape (...,)."""
-    keys = six_keys(poses, target, width_mm)
-    return np.stack([keys[k] for k in OCCLUSION_WEIGHTS], axis=-1) @ _WEIGHT_VECTOR
+def occlusion_composite(
+    poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray, absent: np.ndarray | None = None
+) -> np.ndarray:
+    """Weighted six-keys composite in [0, 1], shape (...,). With ``absent`` (..., 28) bool (broadcast
+    against the poses' leading axes), the keys of :func:`present_keys`, weights renormalised over
+    the keys that can be measured."""
+    if absent is None or not np.any(absent):
+        keys = six_keys(poses, target, width_mm)
+        return np.stack([keys[k] for k in OCCLUSION_WEIGHTS], axis=-1) @ _WEIGHT_VECTOR
+    keys, measured = present_keys(poses, target, width_mm, absent)
+    value = np.stack([keys[k] for k in OCCLUSION_WEIGHTS], axis=-1)
+    weight = np.stack([measured[k] for k in OCCLUSION_WEIGHTS], axis=-1) * _WEIGHT_VECTOR
+    return np.sum(value * weight, axis=-1) / np.maximum(np.sum(weight, axis=-1), 1e-12)
+
+
+def _masked_mean(values: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean over the last axis of ``values`` where ``ok``, and whether any was (0 where none)."""
+    ok = np.broadcast_to(ok, values.shape)
+    n = ok.sum(axis=-1)
+    return np.where(ok, values, 0.0).sum(axis=-1) / np.maximum(n, 1), n > 0
+
+
+def present_keys(
+    poses: np.ndarray, target: np.ndarray, width_mm: np.ndarray, absent: np.ndarray
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """:func:`six_keys` of arches with absent teeth (``absent`` (..., 28) bool), and whether each key
+    could be measured (..., bool); a key that cannot is left out of the composite. How each degrades:
+
+    * molar relation: over the sides whose upper and lower first molars are both present;
+    * overjet, overbite: over the sides whose upper and lower central incisors are both present;
+    * curve of Spee: over the lower sides with the central incisor and the second molar present,
+      the deepest of the present canine, premolars and first molar;
+    * symmetry: the asymmetry over the teeth whose contralateral twin is present too; the midline
+      only with all four central incisors (one absent central moves the dental midline by half a
+      crown, not by the treatment);
+    * angulation, inclination, rotations: over the present teeth;
+    * contacts: over the contacts of two present crowns (the space of an absent tooth is not a
+      contact: whether it closes is the target's business, judged by accuracy).
+    """
+    absent = np.asarray(absent, dtype=bool)
+    present = ~absent
+    edge = occlusal_points(poses)
+    both = present[..., _U6] & present[..., _L6]
+    molar = band_score(np.abs(molar_relation_mm(poses)), *(b[:2] for b in _ARCH_BANDS))
+    molar, molar_ok = _masked_mean(molar, both)
+    incisors = present[..., _U1] & present[..., _L1]
+    overjet, overjet_ok = _masked_mean(edge[..., _U1, 1] - edge[..., _L1, 1], incisors)
+    overbite, _ = _masked_mean(edge[..., _L1, 2] - edge[..., _U1, 2], incisors)
+    y0, z0 = edge[..., _L1, 1], edge[..., _L1, 2]  # (..., 2)
+    y1, z1 = edge[..., _L7, 1], edge[..., _L7, 2]
+    ys, zs = edge[..., _L_SPEE, 1], edge[..., _L_SPEE, 2]  # (..., 2, 4)
+    dy = np.where(np.abs(y1 - y0) < 1e-6, 1e-6, y1 - y0)
+    line = z0[..., None] + (ys - y0[..., None]) / dy[..., None] * (z1 - z0)[..., None]
+    cusp = np.broadcast_to(present[..., _L_SPEE], line.shape)
+    deepest = np.max(np.where(cusp, line - zs, -np.inf), axis=-1)
+    spee_side = present[..., _L1] & present[..., _L7] & cusp.any(axis=-1)
+    spee, spee_ok = _masked_mean(np.where(np.isfinite(deepest), deepest, 0.0), spee_side)
+    mirror = poses[..., MIRROR_INDEX, 4:6] * np.array([-1.0, 1.0])
+    twins = present & present[..., MIRROR_INDEX]
+    asym, asym_ok = _masked_mean(vector_norm(poses[..., 4:6] - mirror), twins)
+    centrals = np.all(present[..., np.concatenate((_U1, _L1))], axis=-1)
+    scores = band_score(
+        np.stack(np.broadcast_arrays(overjet, overbite, spee, asym, np.abs(midline_mm(poses))), axis=-1),
+        *(b[2:] for b in _ARCH_BANDS),
+    )
+    teeth = band_score(rotation_errors_deg(poses, target), *_ROTATION_BANDS)  # (..., 28, 3)
+    rotation, rotation_ok = _masked_mean(np.moveaxis(teeth, -1, -2), present[..., None, :])
+    contact = band_score(contact_distance_mm(poses, width_mm), 0.0, 0.5, 1.0)
+    pair_ok = present[..., ADJACENT_PAIRS[:, 0]] & present[..., ADJACENT_PAIRS[:, 1]]
+    contacts, contacts_ok = _masked_mean(contact, pair_ok)
+    symmetry_ok = np.broadcast_to(asym_ok, scores.shape[:-1])
+    symmetry = np.where(centrals, 0.5 * scores[..., 3] + 0.5 * scores[..., 4], scores[..., 3])
+    keys = {
+        "molar_relation": molar,
+        "overjet": scores[..., 0],
+        "overbite": scores[..., 1],
+        "angulation": rotation[..., 1],
+        "inclination": rotation[..., 0],
+        "rotations": rotation[..., 2],
+        "contacts": contacts,
+        "curve_of_spee": scores[..., 2],
+        "symmetry": symmetry,
+    }
+    shape = scores.shape[:-1]
+    measured = {
+        "molar_relation": molar_ok,
+        "overjet": overjet_ok,
+        "overbite": overjet_ok,
+        "angulation": rotation_ok[..., 1],
+        "inclination": rotation_ok[..., 0],
+        "rotations": rotation_ok[..., 2],
+        "contacts": contacts_ok,
+        "curve_of_spee": spee_ok,
+        "symmetry": symmetry_ok,
+    }
+    return keys, {k: np.broadcast_to(v, shape) for k, v in measured.items()}
 
 
 _WEIGHT_VECTOR = np.array(list(OCCLUSION_WEIGHTS.values()))

@@ -236,7 +236,8 @@ def breach_teeth(case: Case, staging: Staging) -> np.ndarray:
     half of each colliding contact's excess penetration, its stress over critical, its excess over
     the limits, in the units of :func:`server.scoring.hard_rule_breaches`."""
     planned, achieved = rollout_plans([_spec(staging, None)], [case])
-    m = stage_measures(planned, achieved, case.crown_width_mm[None], case.crown_depth_mm[None])
+    absent = None if case.absent is None else case.absent[None]
+    m = stage_measures(planned, achieved, case.crown_width_mm[None], case.crown_depth_mm[None], absent=absent)
     out = np.zeros(len(TOOTH_IDS))
     excess = np.maximum(m.penetration[0] - COLLISION_TOLERANCE_MM, 0.0).sum(axis=0) / COLLISION_TOLERANCE_MM
     np.add.at(out, ADJACENT_PAIRS[:, 0], 0.5 * excess)
@@ -324,6 +325,7 @@ def _breach(case: Case, stagings: list[Staging]) -> np.ndarray:
         np.broadcast_to(case.crown_depth_mm, (n, 28)),
         planned,
         achieved,
+        absent=None if case.absent is None else np.broadcast_to(case.absent, (n, 28)),
     )
     return sum(breaches.values())
 
@@ -506,7 +508,7 @@ def plan_for_case(case: Case) -> dict:
             alt, alt_result = _best_staging(case, other, secondary)
             if alt_result["scaled_reward"] > result["scaled_reward"]:
                 strategy, staging, result = other, alt, alt_result
-    return arrays_to_plan(strategy, *staging)
+    return arrays_to_plan(strategy, *staging, absent=case.absent)
 
 
 def oracle_plan(observation: dict) -> dict:

@@ -26,6 +26,9 @@ Plan semantics (the one statement of them; the prompt and README quote it):
   0, 1)``; the per-stage limits apply to the overcorrected steps. Under force decay the
   expressed movement then lands nearer the target; under ideal dynamics, or overdone, the
   overshoot is expressed and costs accuracy. An invalid value is ignored (0) and counted.
+* A group that names a tooth the case lacks (:mod:`server.absent_teeth`) is not usable on that case:
+  :func:`validity_on` counts it out (the plan itself does not know the case; :attr:`PlanSpec.group`
+  keeps which group set each tooth).
 * ``strategy`` is one of :data:`server.clinical_profiles.STRATEGIES`; it is
   judged against the case and against the plan's own staging order.
 """
@@ -82,6 +85,9 @@ class PlanSpec:
     strategy: str | None
     format: PlanFormat = field(default_factory=PlanFormat)
     overcorrection: np.ndarray | None = None
+    group: np.ndarray | None = None
+    """(28,) int: the index of the group that set each tooth, -1 for a tooth in no group (None: no
+    group set any)."""
 
     def overcorrections(self) -> np.ndarray:
         """(28,) overcorrection of each tooth (zeros when none was planned)."""
@@ -112,7 +118,7 @@ def normalize_plan(plan: object) -> PlanSpec:
     start = [1] * N_TEETH
     fraction = [UNIFORM_FRACTION] * N_TEETH
     over = [0.0] * N_TEETH
-    assigned = [False] * N_TEETH
+    group_of = [-1] * N_TEETH
     for k, group in enumerate(groups):
         if k >= MAX_GROUPS:
             fmt.ignored_groups = len(groups) - MAX_GROUPS
@@ -152,16 +158,37 @@ def normalize_plan(plan: object) -> PlanSpec:
             index = TOOTH_INDEX.get(tooth) if type(tooth) is int or _is_tooth_id(tooth) else None
             if index is None:
                 fmt.invalid_teeth += 1
-            elif assigned[index]:
+            elif group_of[index] >= 0:
                 fmt.duplicate_teeth += 1
             else:
-                assigned[index] = True
+                group_of[index] = k
                 set_any = True
                 start[index] = first
                 fraction[index] = f
                 over[index] = oc
         fmt.usable_groups += set_any
-    return _plan_spec(start, fraction, over, strategy, fmt)
+    spec = _plan_spec(start, fraction, over, strategy, fmt)
+    if fmt.usable_groups:
+        spec.group = np.array(group_of, dtype=np.int64)
+    return spec
+
+
+def groups_naming(spec: PlanSpec, teeth: np.ndarray | None) -> int:
+    """How many of the plan's groups set a tooth of the mask ``teeth`` (28,) bool (0 for None):
+    the groups that move a tooth the patient does not have."""
+    if teeth is None or spec.group is None:
+        return 0
+    named = spec.group[teeth]
+    return len(set(named[named >= 0].tolist()))
+
+
+def validity_on(spec: PlanSpec, absent: np.ndarray | None) -> float:
+    """:attr:`PlanFormat.validity` on a case whose absent teeth are ``absent`` (28,) bool: a group that
+    sets an absent tooth is not usable (a format error: the prompt lists the teeth there are)."""
+    bad = groups_naming(spec, absent)
+    if not bad:
+        return spec.format.validity
+    return max(spec.format.valid_groups - bad, 0) / spec.format.groups
 
 
 def _is_tooth_id(x: object) -> bool:

@@ -26,7 +26,7 @@ Components (ENVIRONMENT.md §5):
   tooth moving in k stages, lower for uneven speed).
 * ``staging`` - ``(rho + 1) / 2`` with ``rho`` the *sequence concordance* in [-1, 1]
   between the declared strategy's staging order and the order in which the treated teeth
-  actually move (:func:`sequence_concordance`: by each tooth's movement centroid, the mean
+  actually move (:func:`server.movement_order.sequence_concordance`: by each tooth's movement centroid, the mean
   aligner of its planned movement, not by its start stage alone; 0.5 when no strategy is
   declared).
 * ``strategy_multiplier`` - 1.2 optimal, 1.0 neutral, 0.6 wrong; a declared strategy
@@ -65,9 +65,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from server.absent_teeth import antagonists_present, mask_pairs
 from server.clinical_profiles import SEQUENCED_TEETH, STRATEGY_LEVELS, strategy_multiplier_class
 from server.collisions import (
+    ALL_PAIR_CROWNS,
     COLLISION_TOLERANCE_MM,
+    SECOND_CROWNS,
     all_pairs_penetration_mm,
     collision_severity,
     contact_major,
@@ -88,8 +91,9 @@ from server.dental_constants import (
     ROOT_AREA_MM2,
 )
 from server.dynamics import designed_steps, engaged
+from server.movement_order import movement_centroid, sequence_concordance
 from server.movement_priors import CombinedPrior
-from server.occlusion import occlusal_clearance_mm, occlusion_composite
+from server.occlusion import ANTERIOR_ANTAGONISTS, occlusal_clearance_mm, occlusion_composite
 from server.quaternion_utils import components, pose_distances, quaternion_angle, vector_norm
 from server.reward_scaler import scale_rewards
 
@@ -116,9 +120,6 @@ STAGING_FOLLOWS_RHO: float = 0.45
 RHO_ROUNDING: float = 1e-9
 """A concordance this close below a threshold is on it: leads in whole aligners over LEAD_STAGES give
 concordances such as 0.45 exactly, which the floating-point mean can put at 0.44999999999999996."""
-LEAD_STAGES: float = 2.5
-"""Aligners by which a level's movement centroid must precede the next level's for a full
-lead (+1) in :func:`sequence_concordance`; smaller leads count in proportion."""
 OCCLUSION_CHECKPOINTS: tuple[int, ...] = (4, 8, 12, 16, 20, 24)
 """Aligners at which ``occlusion_course`` judges the achieved bite (24 = the final one)."""
 OCCLUSION_GAIN_FLOOR: float = 0.02
@@ -184,52 +185,6 @@ def _masked_mean(x: np.ndarray, mask: np.ndarray, empty: float) -> np.ndarray:
     return np.where(n > 0, np.sum(np.where(mask, x, 0.0), axis=-1) / np.maximum(n, 1), empty)
 
 
-def movement_centroid(inc_mm: np.ndarray) -> np.ndarray:
-    """(B, 28) mean aligner (1..24) of each tooth's planned movement, weighted by its increments
-    ``inc_mm`` (B, 24, 28); ``S + 1`` (25 for 24 aligners) for a tooth that never moves.
-
-    A tooth the plan leaves where it is has not moved first: for the order of movement it comes
-    after every aligner, as if its treatment were left to a later course. (Counting it at 0 read
-    leaving a strategy's first level untreated as following the sequence.)"""
-    total = inc_mm.sum(axis=-2)
-    stages = np.arange(1, inc_mm.shape[-2] + 1, dtype=float)[:, None]
-    never = inc_mm.shape[-2] + 1.0
-    return np.where(total > 0.0, np.sum(inc_mm * stages, axis=-2) / np.maximum(total, 1e-30), never)
-
-
-def sequence_concordance(levels: np.ndarray, centroid: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Agreement in [-1, 1] between a staging order and the order in which teeth move.
-
-    For each pair of consecutive levels ``a < b`` present among the masked teeth (B, 28), the
-    lead of every ``(i in a, j in b)`` pair is ``clip((centroid_j - centroid_i) / LEAD_STAGES,
-    -1, 1)``: +1 when j's movement is centred at least LEAD_STAGES aligners after i's, -1 when
-    as far before, 0 when they move together. The pairs' mean is taken per level pair, then
-    over level pairs, so every step of the sequence counts alike (a plan that moves the first
-    four levels together and only delays the last earns a quarter of a five-level sequence).
-    1 when fewer than two levels are present: there is nothing to sequence, any order follows
-    the strategy, and only the diagnosis (which strategy) is judged.
-    """
-    b = levels.shape[0]
-    lv = np.where(mask, levels, -1).astype(np.int64)
-    n_levels = int(levels.max(initial=0)) + 1
-    present = np.stack([(lv == k).any(axis=-1) for k in range(n_levels)], axis=-1)  # (B, L)
-    lead = np.clip((centroid[:, None, :] - centroid[:, :, None]) / LEAD_STAGES, -1.0, 1.0)  # [i, j]
-    total = np.zeros(b)
-    pairs = np.zeros(b)
-    for k in range(n_levels - 1):
-        later = present[:, k + 1 :]
-        has_next = present[:, k] & later.any(axis=-1)
-        nxt = k + 1 + np.argmax(later, axis=-1)
-        in_a = lv == k
-        in_b = lv == nxt[:, None]
-        pair = in_a[:, :, None] & in_b[:, None, :]
-        count = pair.sum(axis=(1, 2))
-        mean = np.sum(np.where(pair, lead, 0.0), axis=(1, 2)) / np.maximum(count, 1)
-        total += np.where(has_next, mean, 0.0)
-        pairs += has_next
-    return np.where(pairs > 0, total / np.maximum(pairs, 1), 1.0)
-
-
 @dataclass(frozen=True)
 class StageMeasures:
     """Per-stage quantities of B trajectories; axis -2 is stage 1..24.
@@ -258,6 +213,7 @@ def stage_measures(
     depth_mm: np.ndarray,
     lagging: np.ndarray | None = None,
     steps: tuple[np.ndarray, np.ndarray] | None = None,
+    absent: np.ndarray | None = None,
 ) -> StageMeasures:
     """StageMeasures of (B, 25, 28, 7) planned and achieved trajectories.
 
@@ -265,7 +221,8 @@ def stage_measures(
     the rows whose teeth may lag the plan (the others' achieved trajectory is their planned one, so
     their mismatches and achieved increments are the planned increments: only the lagging rows
     are measured twice); None: every row. ``steps``: the planned trajectories' designed steps (mm,
-    rad), (B, 24, 28) each, when at hand (:func:`server.dynamics.designed_steps`).
+    rad), (B, 24, 28) each, when at hand (:func:`server.dynamics.designed_steps`). ``absent``
+    (B, 28) bool: the cases' absent teeth, whose pairs read no contact (:mod:`server.absent_teeth`).
     """
     inc_t, inc_r = designed_steps(planned) if steps is None else steps
     inc_r = np.degrees(inc_r)
@@ -282,6 +239,7 @@ def stage_measures(
             planned[lagging], achieved[lagging], inc_t[lagging], inc_r[lagging]
         )
     both = all_pairs_penetration_mm(achieved[:, 1:], width_mm[:, None], depth_mm[:, None])
+    both = mask_pairs(both, absent, ALL_PAIR_CROWNS)
     pen = contact_major(both[..., : len(ADJACENT_PAIRS)])
     return StageMeasures(inc_t, inc_r, mis_t, mis_r, achieved_mm, pen, both[..., len(ADJACENT_PAIRS) :])
 
@@ -327,6 +285,7 @@ def arch_breaches(
     planned: np.ndarray,
     achieved: np.ndarray,
     second_penetration: np.ndarray | None = None,
+    absent: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The contact rules beyond neighbouring teeth, (B,) each (0 for a plan that breaks none).
 
@@ -345,18 +304,23 @@ def arch_breaches(
       their plastic, so an overcorrected shape may pass the target bite.
 
     Args: (B, 28, 7) initial and target, (B, 28) crown sizes, (B, 25, 28, 7) trajectories;
-    ``second_penetration`` (B, 24, 24) the achieved arch's, when at hand (:class:`StageMeasures`).
+    ``second_penetration`` (B, 24, 24) the achieved arch's, when at hand (:class:`StageMeasures`);
+    ``absent`` (B, 28) bool the absent teeth: their pairs and antagonists are not judged.
     """
     tol = COLLISION_TOLERANCE_MM
     w, d = width_mm[:, None], depth_mm[:, None]
     if second_penetration is None:
-        second_penetration = second_neighbour_penetration_mm(achieved[:, 1:], w, d)
+        second_penetration = mask_pairs(
+            second_neighbour_penetration_mm(achieved[:, 1:], w, d), absent, SECOND_CROWNS
+        )
     second = np.sum(np.maximum(second_penetration - tol, 0.0), axis=(-2, -1))
     aligner = np.zeros(initial.shape[0])
     clear_ref = np.minimum(occlusal_clearance_mm(initial, target), occlusal_clearance_mm(target, target))
     excess = (
         clear_ref[:, None] - OCCLUSAL_TOLERANCE_MM - occlusal_clearance_mm(achieved[:, 1:], target[:, None])
     )
+    if absent is not None:
+        excess = np.where(antagonists_present(absent, ANTERIOR_ANTAGONISTS)[:, None], excess, 0.0)
     occlusal = np.sum(np.maximum(excess, 0.0), axis=(-2, -1))
     if planned is not achieved:
         differs = np.flatnonzero(np.any(planned[:, 1:] != achieved[:, 1:], axis=(1, 2, 3)))
@@ -364,6 +328,8 @@ def arch_breaches(
             p = planned[differs, 1:]
             pw, pd = w[differs], d[differs]
             pen = all_pairs_penetration_mm(p, pw, pd)
+            if absent is not None:
+                pen = mask_pairs(pen, absent[differs], ALL_PAIR_CROWNS)
             aligner[differs] = np.sum(np.maximum(pen - tol, 0.0), axis=(-2, -1))
     return {
         "second_collision_breach": second / tol,
@@ -380,12 +346,15 @@ def all_breaches(
     planned: np.ndarray,
     achieved: np.ndarray,
     measures: StageMeasures | None = None,
+    absent: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Every hard rule's breach (B,) of trajectories (what :func:`score_episodes` reports, without the
     quality terms): :func:`hard_rule_breaches`, :func:`arch_breaches` and ``overshoot_breach``."""
-    m = stage_measures(planned, achieved, width_mm, depth_mm) if measures is None else measures
+    m = stage_measures(planned, achieved, width_mm, depth_mm, absent=absent) if measures is None else measures
     out = hard_rule_breaches(m)
-    out.update(arch_breaches(initial, target, width_mm, depth_mm, planned, achieved, m.second_penetration))
+    out.update(
+        arch_breaches(initial, target, width_mm, depth_mm, planned, achieved, m.second_penetration, absent)
+    )
     need, error, delivered = movement_mm(
         np.array((initial, achieved[:, -1], initial)), np.array((target, target, achieved[:, -1]))
     )
@@ -468,6 +437,7 @@ def score_episodes(
     validity: np.ndarray | None = None,
     measures: StageMeasures | None = None,
     secondary_profiles: list[str | None] | None = None,
+    absent: np.ndarray | None = None,
 ) -> EpisodeScores:
     """Score B episodes.
 
@@ -482,6 +452,9 @@ def score_episodes(
             environment collects them step by step); computed here otherwise.
         secondary_profiles: B secondary profiles (task_hard; None otherwise), which can change
             the optimal strategy (:func:`server.clinical_profiles.optimal_strategy`).
+        absent: (B, 28) bool, the cases' absent teeth (None: every tooth present). Their rows are
+            placeholders no plan moves (:mod:`server.absent_teeth`); ``measures`` given with it were
+            measured with it.
     """
     b = initial.shape[0]
     final = achieved[:, -1]
@@ -494,7 +467,7 @@ def score_episodes(
     treated = need > MOVEMENT_EPS_MM
     over = overshoot(need, delivered, final_error)
 
-    m = stage_measures(planned, achieved, width_mm, depth_mm) if measures is None else measures
+    m = stage_measures(planned, achieved, width_mm, depth_mm, absent=absent) if measures is None else measures
     inc_t, inc_r = m.inc_t, m.inc_r  # (B, 24, 28)
     inc_mm = np.hypot(inc_t, MM_PER_DEG * inc_r)
     moved = (inc_mm > INCREMENT_EPS_MM).any(axis=-2)
@@ -514,7 +487,7 @@ def score_episodes(
     stress = pdl_stress_kpa(m.mis_t, m.mis_r)  # (B, 24, 28)
     breaches = hard_rule_breaches(m, ratio, stress)
     breaches.update(
-        arch_breaches(initial, target, width_mm, depth_mm, planned, achieved, m.second_penetration)
+        arch_breaches(initial, target, width_mm, depth_mm, planned, achieved, m.second_penetration, absent)
     )
     breaches["overshoot_breach"] = overshoot_breach(need, over)
     peak = stress.max(axis=-2)
@@ -531,6 +504,7 @@ def score_episodes(
         np.concatenate((at_checkpoints, initial[:, None], target[:, None]), axis=1),
         target[:, None],
         width_mm[:, None],
+        None if absent is None else absent[:, None],
     )  # (B, C + 2)
     occlusion = occ[:, len(checkpoints) - 1]
     left = movement_mm(at_checkpoints, target[:, None])  # (B, C, 28)
@@ -564,7 +538,7 @@ def score_episodes(
 
     realism, anchorage, prior = (
         np.asarray(x, dtype=float).reshape(b)
-        for x in _PRIOR.parts_from_movement(delivered, stage_mm=m.achieved_mm)
+        for x in _PRIOR.parts_from_movement(delivered, stage_mm=m.achieved_mm, absent=absent)
     )
 
     components = {

@@ -113,13 +113,20 @@ def stage_arrays(
 
 
 def arrays_to_plan(
-    strategy: str | None, start: np.ndarray, fraction: np.ndarray, overcorrection: np.ndarray | None = None
+    strategy: str | None,
+    start: np.ndarray,
+    fraction: np.ndarray,
+    overcorrection: np.ndarray | None = None,
+    absent: np.ndarray | None = None,
 ) -> dict:
-    """The plan JSON of per-tooth start stages, fractions and overcorrections (teeth grouped by all three)."""
+    """The plan JSON of per-tooth start stages, fractions and overcorrections (teeth grouped by all
+    three), leaving out the ``absent`` (28,) bool teeth."""
     by_stage = {v: k for k, v in PRIORITY_START_STAGE.items()}
     oc = np.zeros(len(TOOTH_IDS)) if overcorrection is None else overcorrection
     groups: dict[tuple[int, float, float], list[int]] = {}
     for i, fdi in enumerate(TOOTH_IDS):
+        if absent is not None and absent[i]:
+            continue
         groups.setdefault((int(start[i]), float(fraction[i]), float(oc[i])), []).append(fdi)
     out = []
     for (s, f, o), teeth in sorted(groups.items()):

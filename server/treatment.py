@@ -6,9 +6,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from server.absent_teeth import batch_absent
 from server.cases import Case, CaseKey, generate_case
 from server.dynamics import designed_steps, simulate
-from server.plans import PlanSpec, interpolate_poses, normalize_plan, planned_progress
+from server.plans import (
+    PlanSpec,
+    groups_naming,
+    interpolate_poses,
+    normalize_plan,
+    planned_progress,
+    validity_on,
+)
 from server.reward_scaler import broken_rules
 from server.scoring import score_episodes, stage_measures
 
@@ -16,8 +24,9 @@ BATCH_CHUNK: int = 128
 """Plans scored per vectorised chunk: bounds memory (~25 MB a chunk) at full speed."""
 
 
-def plan_result(spec: PlanSpec, scores, i: int) -> dict:
-    """JSON-safe result of one scored plan."""
+def plan_result(spec: PlanSpec, scores, i: int, absent: np.ndarray | None = None) -> dict:
+    """JSON-safe result of one scored plan; ``absent`` (28,) bool the case's absent teeth (the
+    format then counts the groups that set one, ``absent_teeth_groups``, as not usable)."""
     diagnostics = {k: float(v[i]) for k, v in scores.diagnostics.items()}
     return {
         "terminal_reward": float(scores.terminal[i]),
@@ -26,9 +35,17 @@ def plan_result(spec: PlanSpec, scores, i: int) -> dict:
         "reward_breakdown": scores.breakdown(i),
         "diagnostics": diagnostics,
         "strategy": spec.strategy,
-        "format": {**vars(spec.format), "validity": spec.format.validity},
+        "format": _format(spec, absent),
         "start_stage": scores.start_stage[i].tolist(),
     }
+
+
+def _format(spec: PlanSpec, absent: np.ndarray | None) -> dict:
+    """The plan's PlanFormat counts and validity on its case."""
+    if absent is None:
+        return {**vars(spec.format), "validity": spec.format.validity}
+    return {**vars(spec.format), "validity": validity_on(spec, absent),
+            "absent_teeth_groups": groups_naming(spec, absent)}  # fmt: skip
 
 
 def rollout_plans(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> tuple[np.ndarray, np.ndarray]:
@@ -78,6 +95,11 @@ def score_plan_specs(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> list[d
         planned, achieved, lagging, steps = _rollout(s_chunk, c_chunk)
         width_mm = np.stack([c.crown_width_mm for c in c_chunk])
         depth_mm = np.stack([c.crown_depth_mm for c in c_chunk])
+        absent = batch_absent(c_chunk)
+        validity = [
+            s.format.validity if c.absent is None else validity_on(s, c.absent)
+            for s, c in zip(s_chunk, c_chunk)
+        ]
         scores = score_episodes(
             initial=planned[:, 0],
             target=np.stack([c.target for c in c_chunk]),
@@ -88,10 +110,11 @@ def score_plan_specs(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> list[d
             profiles=[c.profile for c in c_chunk],
             secondary_profiles=[c.secondary_profile for c in c_chunk],
             strategies=[s.strategy for s in s_chunk],
-            validity=np.array([s.format.validity for s in s_chunk]),
-            measures=stage_measures(planned, achieved, width_mm, depth_mm, lagging, steps),
+            validity=np.array(validity),
+            measures=stage_measures(planned, achieved, width_mm, depth_mm, lagging, steps, absent),
+            absent=absent,
         )
-        out.extend(plan_result(s, scores, i) for i, s in enumerate(s_chunk))
+        out.extend(plan_result(s, scores, i, c.absent) for i, (s, c) in enumerate(zip(s_chunk, c_chunk)))
     return out
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from server.absent_teeth import SUMMARY_KEY as ABSENT_KEY
 from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES, STRATEGY_LEVELS
 from server.dental_constants import (
@@ -123,7 +124,9 @@ def _tooth_rows(observation: dict) -> list[str]:
     rot = np.degrees(quaternion_angle(initial[:, :4], target[:, :4]))
     need = np.hypot(dist, MM_PER_DEG * rot)
     stages = np.maximum(dist / MAX_TRANSLATION_MM, rot / MAX_ROTATION_DEG)
-    order = sorted(range(N_TEETH), key=lambda i: (-need[i], i))[:TOP_TEETH]
+    absent = set((observation.get("case_summary") or {}).get(ABSENT_KEY) or ())
+    here = [i for i in range(N_TEETH) if TOOTH_IDS[i] not in absent]
+    order = sorted(here, key=lambda i: (-need[i], i))[:TOP_TEETH]
     rows = []
     for i in order:
         dx, dy, dz = delta[i] + 0.0  # + 0.0 turns -0.0 into 0.0
@@ -138,7 +141,11 @@ def _tooth_rows(observation: dict) -> list[str]:
 def _summary_rows(summary: dict) -> list[str]:
     rows = []
     for key, value in summary.items():
-        if isinstance(value, float):
+        if key == ABSENT_KEY:
+            value = (
+                f"{', '.join(map(str, value))} (the patient has no such tooth: leave them out of every group)"
+            )
+        elif isinstance(value, float):
             value = f"{value + 0.0:.2f}"
         rows.append(f"  {key}: {value}")
     return rows
@@ -210,7 +217,7 @@ def case_description(observation: dict) -> str:
         "Case summary (initial casts, mm):",
         *_summary_rows(observation.get("case_summary") or {}),
         "",
-        f"Teeth furthest from target (top {TOP_TEETH} of {N_TEETH}; dist = translation mm, d = target - "
+        f"Teeth furthest from target (top {TOP_TEETH} of {_present(observation)}; dist = translation mm, d = target - "
         "current in mm (x patient's left, y anterior, z occlusal-up), rot = rotation deg, min_stages = "
         "fewest stages within the per-stage limits):",
         *_tooth_rows(observation),
@@ -219,6 +226,11 @@ def case_description(observation: dict) -> str:
         "rotation per tooth per stage.",
     ]
     return "\n".join(lines)
+
+
+def _present(observation: dict) -> int:
+    """How many teeth the observation's patient has (28 less the summary's absent teeth)."""
+    return N_TEETH - len((observation.get("case_summary") or {}).get(ABSENT_KEY) or ())
 
 
 def build_messages(observation: dict, prompt_format: str = "full") -> list[dict]:

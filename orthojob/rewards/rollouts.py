@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from orthojob.rewards.parsing import completion_text, find_plan, format_checks
+from orthojob.rewards.parsing import FORMAT_CHECKS, completion_text, find_plan, format_checks
 from server import treatment
 from server.cases import CaseKey, generate_case
 from server.plans import PlanSpec, normalize_plan
@@ -137,6 +137,9 @@ def score_texts(texts: Sequence[str], cases: Sequence[CaseKey]) -> list[Rollout]
         if "error" in res:
             out[i] = _failed(plans[i], formats[i], res["error"])
             continue
+        if res["format"].get("absent_teeth_groups"):  # a tooth the patient lacks is not one of its ids
+            formats[i] = {**formats[i], "teeth_ints": 0.0}
+            formats[i]["total"] = sum(formats[i][k] for k in FORMAT_CHECKS) / len(FORMAT_CHECKS)
         out[i] = Rollout(
             terminal_reward=res["terminal_reward"],
             scaled_reward=res["scaled_reward"],
