@@ -41,7 +41,7 @@ from server.agent_tools import (
     StagingTools,
     ToolError,
 )
-from server.cases import TASK_IDS, generate_case
+from server.cases import IMPORTED_TASK, TASK_IDS, generate_case
 from server.dental_constants import (
     N_STAGES,
     TOOTH_IDS,
@@ -78,12 +78,16 @@ class DentalToolEnv(StagingTools):
     ) -> str:
         """Start the episode of a dataset row (``seed``, ``task_id``, ``force_decay``; other
         columns ignored) and return the case as text (:func:`orthojob.data.prompts.case_description`).
+        ``task_id`` ``"imported"`` names a case of a case set loaded in this process
+        (:func:`orthojob.data.case_sets.load_case_set`).
 
         A bad row raises ValueError (a dataset error, not the model's)."""
         if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"column 'seed' must hold integers, got {seed!r:.40}")
-        if task_id not in TASK_IDS:
-            raise ValueError(f"column 'task_id' must be one of {TASK_IDS}, got {task_id!r:.40}")
+        if task_id not in (*TASK_IDS, IMPORTED_TASK):
+            raise ValueError(
+                f"column 'task_id' must be one of {TASK_IDS} or {IMPORTED_TASK!r}, got {task_id!r:.40}"
+            )
         t0 = time.perf_counter()
         if self._episode_id is not None:
             self._env.close_episode(self._episode_id)

@@ -131,12 +131,16 @@ class LoadedCaseSet:
         )
         return info
 
+    def case_ids(self, side: str) -> list[str]:
+        """The case ids of one side's cases, in file order (those of :attr:`train` or :attr:`heldout`)."""
+        index = self.split.train if side == "train" else self.split.heldout
+        return [self.validation.case_ids[k] for k in index]
+
     def rows(self, side: str, prompt_format: str = "full") -> list[dict]:
         """Dataset rows of one side's cases (:func:`orthojob.data.prompts.key_prompt_rows`), each with
         its ``case_id``, which TRL passes to the rewards with the key's columns."""
-        index = self.split.train if side == "train" else self.split.heldout
         keys = self.train if side == "train" else self.heldout
-        return key_prompt_rows(keys, [self.validation.case_ids[k] for k in index], prompt_format)
+        return key_prompt_rows(keys, self.case_ids(side), prompt_format)
 
 
 @functools.lru_cache(maxsize=4)
@@ -231,6 +235,29 @@ def heldout_case_keys(args: argparse.Namespace, command: str) -> tuple[list, dic
     loaded = load_case_set(args.cases, args.heldout_share, args.force_decay)
     print(format_split(loaded.validation, loaded.split))
     return keys, info
+
+
+def check_case_set(
+    source: str, heldout_share: float, force_decay: bool, command: str, heldout: bool = True
+) -> int | None:
+    """Before any model loads: validate, split and register the training stage's case set
+    (:func:`load_case_set`), its split printed. None when it is usable: training patients and, with
+    ``heldout`` (a stage that gates), held-out ones; else the exit code (2) after saying what to fix."""
+    try:
+        loaded = load_case_set(source, heldout_share, force_decay)
+        if not loaded.train:
+            raise CaseSetError(
+                'it leaves no training patient: lower --heldout-share or give records "split": "train"'
+            )
+        if heldout and not loaded.heldout:
+            raise CaseSetError(
+                'it holds out no patient for the gate: raise --heldout-share or give records "split": "heldout"'
+            )
+    except (CaseSetError, FileNotFoundError, ValueError) as exc:
+        print(f"orthojob {command}: --cases {source}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return ExitCode.USAGE
+    print(format_split(loaded.validation, loaded.split))
+    return None
 
 
 def add_case_set_arguments(parser: argparse.ArgumentParser, what: str) -> None:

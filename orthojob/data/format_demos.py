@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from orthojob.data.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
+from orthojob.data.prompts import TRAIN_SEED_START, build_messages, plan_to_completion
 from server.cases import Case, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import (
@@ -42,6 +42,7 @@ from server.dental_constants import (
     PRIORITY_START_STAGE,
     TOOTH_IDS,
 )
+from server.dental_environment import initial_observation
 from server.scoring import MOVEMENT_EPS_MM
 from server.treatment import score_plans
 
@@ -109,23 +110,49 @@ def format_demonstrations(
     the strategy after the tooth groups."""
     rng = random.Random(seed)
     tasks = list(task_ids)
-    rows = []
-    for k in range(n):
-        task_id = tasks[k % len(tasks)]
-        case_seed = seed_start + k // len(tasks)
-        case = generate_case(task_id, case_seed, bool(force_decay))
-        plan = random_format_plan(case, rng)
-        rows.append(
-            {
-                "prompt": build_messages(reset_observation(case_seed, task_id, force_decay), prompt_format),
-                "completion": [{"role": "assistant", "content": plan_to_completion(plan, strategy_last)}],
-                "seed": case_seed,
-                "task_id": task_id,
-                "force_decay": bool(force_decay),
-                "plan": plan,
-            }
-        )
-    return rows
+    keys = (CaseKey(tasks[k % len(tasks)], seed_start + k // len(tasks), bool(force_decay)) for k in range(n))
+    return [format_row(key, rng, prompt_format, strategy_last) for key in keys]
+
+
+def case_set_format_demonstrations(
+    keys: Sequence[CaseKey],
+    case_ids: Sequence[str],
+    n: int,
+    seed: int = 0,
+    prompt_format: str = "full",
+    strategy_last: bool = False,
+) -> list[dict]:
+    """``n`` format rows on the cases ``keys`` (a case set's training patients,
+    :meth:`orthojob.data.case_sets.LoadedCaseSet.case_ids` naming them), the cases taking turns in
+    order (a case repeats, with other random choices, when ``n`` exceeds them); each row as
+    :func:`format_demonstrations`' with its ``case_id``."""
+    if not keys:
+        raise ValueError("no cases to write format demonstrations on")
+    rng = random.Random(seed)
+    return [
+        {
+            **format_row(keys[k % len(keys)], rng, prompt_format, strategy_last),
+            "case_id": case_ids[k % len(keys)],
+        }
+        for k in range(n)
+    ]
+
+
+def format_row(
+    key: CaseKey, rng: random.Random, prompt_format: str = "full", strategy_last: bool = False
+) -> dict:
+    """One format demonstration on the case ``key``: its prompt and a random format plan
+    (:func:`random_format_plan`, drawn from ``rng``) as the completion."""
+    case = generate_case(*key)
+    plan = random_format_plan(case, rng)
+    return {
+        "prompt": build_messages(initial_observation(case), prompt_format),
+        "completion": [{"role": "assistant", "content": plan_to_completion(plan, strategy_last)}],
+        "seed": key.seed,
+        "task_id": key.task_id,
+        "force_decay": bool(key.force_decay),
+        "plan": plan,
+    }
 
 
 def demo_stats(rows: Sequence[dict]) -> dict:
@@ -146,4 +173,12 @@ def demo_stats(rows: Sequence[dict]) -> dict:
     }
 
 
-__all__ = ["MAX_DEMO_GROUPS", "demo_stats", "format_demonstrations", "random_format_plan", "treated_teeth"]
+__all__ = [
+    "MAX_DEMO_GROUPS",
+    "case_set_format_demonstrations",
+    "demo_stats",
+    "format_demonstrations",
+    "format_row",
+    "random_format_plan",
+    "treated_teeth",
+]

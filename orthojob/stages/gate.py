@@ -147,24 +147,29 @@ def _checked_report(
 
 def _tool_gate_report(
     path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_turns, seed_start, stage, thresholds,
-    model, tokenizer,
+    model, tokenizer, keys=None,
 ) -> dict:  # fmt: skip
     """:func:`gate_report` of stage 1 (tool-use SFT): :func:`orthojob.stages.tool_sft.tool_gate_metrics` on the
-    held-out seeds, checked against the stage's thresholds."""
+    held-out seeds (or on the cases ``keys``), checked against the stage's thresholds."""
 
     t0 = time.perf_counter()
     tasks = _task_list(task_id)
     unknown = [t for t in tasks if t not in TASK_IDS]
-    if unknown:
+    if unknown and keys is None:
         raise ValueError(f"unknown task ids {unknown}: use {TASK_IDS}")
     if model is None or tokenizer is None:
         model, tokenizer = load_for_inference(path)
-    rows = [
-        {"seed": s, "task_id": t, "force_decay": bool(force_decay)}
-        for t in tasks
-        for s in range(seed_start, seed_start + n_seeds)
-    ]
+    if keys is not None:
+        rows = [{"seed": int(k.seed), "task_id": k.task_id, "force_decay": bool(k.force_decay)} for k in keys]
+        tasks = list(dict.fromkeys(k.task_id for k in keys))
+    else:
+        rows = [
+            {"seed": s, "task_id": t, "force_decay": bool(force_decay)}
+            for t in tasks
+            for s in range(seed_start, seed_start + n_seeds)
+        ]
     metrics, samples = tool_gate_metrics(model, tokenizer, rows, max_turns, max_new_tokens, batch_size)
+    metrics["n"] = len(rows)
     metrics["eval_seconds"] = time.perf_counter() - t0
     return _checked_report(
         path, stage, tasks, n_seeds, seed_start, force_decay, max_new_tokens, metrics, thresholds, samples
@@ -202,11 +207,10 @@ def gate_report(
     ``keys``: judge these cases (an imported case set's held-out patients) instead of seeds;
     ``case_set`` (its source, split digest and counts) is then recorded in the report.
     """
-    if stage == TOOL_SFT and keys is not None:
-        raise ValueError("the tool-use gate runs on generated seeds; --cases is for the plan-writing stages")
     if stage == TOOL_SFT:  # stage 1's gate: greedy agentic episodes through the tools
-        return _tool_gate_report(path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_tool_turns,
-                                 seed_start, stage, thresholds, model, tokenizer)  # fmt: skip
+        report = _tool_gate_report(path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_tool_turns,
+                                   seed_start, stage, thresholds, model, tokenizer, keys)  # fmt: skip
+        return report if case_set is None else {**report, "case_set": case_set}
 
     t0 = time.perf_counter()
     tasks = _task_list(task_id)

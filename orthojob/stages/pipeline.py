@@ -89,6 +89,8 @@ from orthojob.stages.tool_sft import build_tiny_tool_model
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "pipeline_summary.json"
+CASE_SECTIONS: tuple[str, ...] = ("sft", "format_sft", "tool_sft", "grpo", "rsft")
+"""The preset sections whose ``cases`` ``--cases`` sets: every training stage's."""
 EVALUATION_FILE = "evaluation.json"
 
 
@@ -440,9 +442,10 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         kw = {"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "max_new_tokens": e.max_new_tokens,
               "batch_size": e.batch_size}  # fmt: skip
         newest_first = [(name, folder) for name, folder, _ in reversed(trained)]
-        cases = cfg.grpo.cases or cfg.sft.cases
+        on_set = [c for c in (cfg.grpo, cfg.sft, cfg.rsft, cfg.format_sft, cfg.tool_sft) if c.cases]
+        cases = on_set[0].cases if on_set else None
         if cases:  # the set's held-out patients, as the gates judged them
-            kw["keys"], _ = case_sets.heldout_cases(cases, cfg.grpo.heldout_share, cfg.force_decay)
+            kw["keys"], _ = case_sets.heldout_cases(cases, on_set[0].heldout_share, cfg.force_decay)
             tasks = list(dict.fromkeys(k.task_id for k in kw["keys"]))
         first_name, first_folder = newest_first[0]
         report = evaluate_checkpoint(str(first_folder), tasks, baselines=e.baselines, name=first_name, **kw)
@@ -541,8 +544,9 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument(
         "--cases",
         default=None,
-        help="a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): BC and GRPO train on its training patients, "
-        "their gates and the evaluation judge its held-out ones (= --set sft.cases=... --set grpo.cases=...)",
+        help="a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): every training stage (format, tool, bc, "
+        "grpo, rsft) trains on its training patients, their gates and the evaluation judge its held-out ones "
+        "(= --set SECTION.cases=... for sft, format_sft, tool_sft, grpo and rsft)",
     )
     parser.add_argument("--show", action="store_true", help="print the preset (after --set) as JSON and exit")
     return parser
@@ -563,9 +567,8 @@ def run_pipeline_cli(args: argparse.Namespace) -> int:
             )
             return ExitCode.USAGE
         overrides["model"] = args.model
-    if args.cases:
-        overrides.setdefault("sft.cases", args.cases)
-        overrides.setdefault("grpo.cases", args.cases)
+    for section in CASE_SECTIONS if args.cases else ():
+        overrides.setdefault(f"{section}.cases", args.cases)
     try:
         cfg = apply_overrides(PRESETS[args.preset], overrides)
     except KeyError as exc:
@@ -577,6 +580,10 @@ def run_pipeline_cli(args: argparse.Namespace) -> int:
     if args.show:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    sets = {(c.cases, c.heldout_share) for c in (getattr(cfg, name) for name in CASE_SECTIONS) if c.cases}
+    for source, share in sorted(sets):  # before any model is built: a bad set fails at once, exit 2
+        if case_sets.check_case_set(source, share, cfg.force_decay, "pipeline"):
+            return ExitCode.USAGE
     summary = run_pipeline(args.preset, args.out, overrides)
     local = work_dirs.local_work_dir(args.out) if storage.is_s3_uri(args.out) else Path(args.out)
     print(f"wrote {local / SUMMARY_FILE} (and the pipeline run's artifact {SUMMARY_FILE})")

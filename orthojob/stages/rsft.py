@@ -3,7 +3,8 @@
 1. **Pre-flight**: ``--from-checkpoint`` must carry a passed gate of any earlier stage (format SFT,
    BC, GRPO or RSFT; :func:`orthojob.ops.gate_file.check_gate`), whose digest still matches.
 2. **Sample**: for each of ``prompts`` training prompts (seeds from ``prompt_seed_start``, tasks
-   taking turns, never held-out seeds) the checkpoint samples ``samples_per_prompt`` (k) completions
+   taking turns, never held-out seeds; with ``cases``, a case set's training patients' cases, each
+   once, :func:`prompt_keys`) the checkpoint samples ``samples_per_prompt`` (k) completions
    at ``temperature`` (:func:`orthojob.eval.evaluation.generate_completions`).
 3. **Score** every completion with the environment exactly as the GRPO rewards do
    (:func:`orthojob.rewards.rollouts.score_texts`): the scaled terminal reward of :mod:`server.reward_scaler`
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from orthojob.data import case_sets
 from orthojob.data.prompts import build_messages, prompt_format_of, reset_observation
 from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN, generate_completions
 from orthojob.modeling import models
@@ -154,11 +156,23 @@ def counts(samples: Sequence[dict]) -> dict:
 
 
 def prompt_cases(config: RSFTConfig) -> list[tuple[str, int]]:
-    """``(task_id, seed)`` of the training prompts: tasks take turns, seeds from ``prompt_seed_start``."""
+    """``(task_id, seed)`` of the generated training prompts: tasks take turns, seeds from
+    ``prompt_seed_start``."""
     tasks = list(config.task_ids)
     return [
         (tasks[k % len(tasks)], config.prompt_seed_start + k // len(tasks)) for k in range(config.prompts)
     ]
+
+
+def prompt_keys(config: RSFTConfig) -> tuple[list[CaseKey], list[str | None]]:
+    """The training prompts' cases and their case ids: with ``config.cases`` the case set's training
+    patients' cases (each once, in file order, at most ``prompts``), else :func:`prompt_cases`' generated
+    seeds (no case ids)."""
+    if config.cases is None:
+        keys = [CaseKey(task_id, seed, config.force_decay) for task_id, seed in prompt_cases(config)]
+        return keys, [None] * len(keys)
+    loaded = case_sets.load_case_set(config.cases, config.heldout_share, config.force_decay)
+    return loaded.train[: config.prompts], loaded.case_ids("train")[: config.prompts]
 
 
 def sample_completions(config: RSFTConfig, checkpoint: str | Path, observations: Sequence[dict]) -> list[str]:
@@ -181,17 +195,16 @@ def sample_completions(config: RSFTConfig, checkpoint: str | Path, observations:
 
 def sample_and_keep(config: RSFTConfig, checkpoint: str | Path) -> list[dict]:
     """Sample, score and select (module docstring, steps 2-4): every sample as a dict with its prompt
-    (``prompt_index``, ``task_id``, ``seed``), ``sample`` index, ``completion``, ``scaled_reward``,
-    ``terminal_reward``, ``broken_rules``, ``error``, ``strategy``, ``slerp_scaled_reward``, ``kept``
-    and ``dropped``."""
+    (``prompt_index``, ``task_id``, ``seed``, ``force_decay`` and, on a case set, ``case_id``),
+    ``sample`` index, ``completion``, ``scaled_reward``, ``terminal_reward``, ``broken_rules``,
+    ``error``, ``strategy``, ``slerp_scaled_reward``, ``kept`` and ``dropped``."""
 
-    prompts = prompt_cases(config)
-    keys = [CaseKey(task_id, seed, config.force_decay) for task_id, seed in prompts]
-    observations = [reset_observation(seed, task_id, config.force_decay) for task_id, seed in prompts]
+    keys, case_ids = prompt_keys(config)
+    observations = [reset_observation(key.seed, key.task_id, key.force_decay) for key in keys]
     texts = sample_completions(config, checkpoint, observations)
     k = config.samples_per_prompt
-    if len(texts) != k * len(prompts):
-        raise RuntimeError(f"expected {k * len(prompts)} samples, got {len(texts)}")
+    if len(texts) != k * len(keys):
+        raise RuntimeError(f"expected {k * len(keys)} samples, got {len(texts)}")
     rollouts = score_texts(texts, [key for key in keys for _ in range(k)])
     slerp = [r["scaled_reward"] for r in score_plans([UNIFORM_SLERP_PLAN] * len(keys), keys)]
     samples = [
@@ -199,6 +212,8 @@ def sample_and_keep(config: RSFTConfig, checkpoint: str | Path) -> list[dict]:
             "prompt_index": i // k,
             "task_id": keys[i // k].task_id,
             "seed": keys[i // k].seed,
+            "force_decay": bool(keys[i // k].force_decay),
+            **({} if case_ids[i // k] is None else {"case_id": case_ids[i // k]}),
             "sample": i % k,
             "completion": text,
             "scaled_reward": float(r.scaled_reward),
@@ -215,18 +230,18 @@ def sample_and_keep(config: RSFTConfig, checkpoint: str | Path) -> list[dict]:
 
 def training_rows(samples: Sequence[dict], force_decay: bool, prompt_format: str = "full") -> list[dict]:
     """The kept samples as SFT rows (the policy's prompt in its ``prompt_format``, the sampled
-    completion as it was written)."""
-
-    return [
-        {
-            "prompt": build_messages(reset_observation(s["seed"], s["task_id"], force_decay), prompt_format),
-            "completion": [{"role": "assistant", "content": s["completion"]}],
-            "seed": s["seed"],
-            "task_id": s["task_id"],
-        }
-        for s in samples
-        if s["kept"]
-    ]
+    completion as it was written), each on its sample's case (its ``force_decay`` where it records
+    one, else ``force_decay``) and with its ``case_id`` where it has one."""
+    rows = []
+    for s in samples:
+        if not s["kept"]:
+            continue
+        obs = reset_observation(s["seed"], s["task_id"], s.get("force_decay", force_decay))
+        rows.append({"prompt": build_messages(obs, prompt_format),
+                     "completion": [{"role": "assistant", "content": s["completion"]}],
+                     "seed": s["seed"], "task_id": s["task_id"],
+                     **({"case_id": s["case_id"]} if "case_id" in s else {})})  # fmt: skip
+    return rows
 
 
 def run_rsft(config: RSFTConfig) -> dict:
@@ -259,7 +274,12 @@ def run_rsft(config: RSFTConfig) -> dict:
             "+ --keep-min-margin-over-slerp). Lower the threshold, raise --samples-per-prompt or --temperature, "
             "or start from a better checkpoint.",
         )
-    summary = run_sft(config, rows, {"source": "rsft", **tally})
+    info = {"source": "rsft", **tally}
+    if config.cases is not None:  # the set's training side, as the prompts took it
+        loaded = case_sets.load_case_set(config.cases, config.heldout_share, config.force_decay)
+        loaded.log_input("train")
+        info |= {"cases": loaded.source, "split_digest": loaded.split.digest}
+    summary = run_sft(config, rows, info)
     summary["rsft"] = tally
     summary["sample_seconds"] = sample_seconds
     return summary
@@ -297,6 +317,10 @@ def run_rsft_cli(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         print(f"orthojob rsft: {exc}", file=sys.stderr)
         return ExitCode.USAGE
+    if config.cases is not None:  # before any model loads: a bad case set fails at once, every problem named
+        refused = case_sets.check_case_set(config.cases, config.heldout_share, config.force_decay, "rsft")
+        if refused is not None:
+            return refused
     destination = config.out
     config = localize(config, lambda m: print(f"[rsft] {m}"))
     try:
@@ -309,7 +333,7 @@ def run_rsft_cli(args: argparse.Namespace) -> int:
         print(f"orthojob rsft: {exc.message}", file=sys.stderr)
         _tag("orthorl.refused", "nothing kept")
         return exc.exit_code
-    content = gate.run_gate(config.out, stage, settings, config.task_ids, config.force_decay)
+    content = gate.run_gate(config.out, stage, settings, config.task_ids, config.force_decay, config)
     print(gate_file.format_gate(content))
     log_stage(summary, content, config.out)
     log_rsft(summary, config.out)
@@ -358,6 +382,7 @@ __all__ = [
     "counts",
     "format_counts",
     "prompt_cases",
+    "prompt_keys",
     "run_rsft",
     "run_rsft_cli",
     "sample_and_keep",

@@ -31,8 +31,14 @@ class RSFTConfig(SFTJobConfig):
         },
     )
     demos: str = field(default="rsft", metadata={"help": "demonstration source", "cli": False})
-    cases: str | None = field(default=None, metadata={"help": "BC only (not this stage)", "cli": False})
-    heldout_share: float = field(default=0.2, metadata={"help": "BC only (not this stage)", "cli": False})
+    cases: str | None = field(
+        default=None,
+        metadata={
+            "help": "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): the prompts are its training "
+            "patients' cases (each once, at most --prompts), the gate runs on its held-out ones "
+            "(task_id and prompt_seed_start then unused)"
+        },
+    )
     examples: int = field(
         default=1, metadata={"help": "unused: the kept samples are the examples", "cli": False}
     )

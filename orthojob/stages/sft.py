@@ -16,6 +16,11 @@ The seed's stages that TRL's SFTTrainer trains, each its own command, MLflow sta
   environment scored best; :mod:`orthojob.stages.rsft` samples and keeps them, then calls :func:`run_sft`
   with the kept rows.
 
+With ``cases`` (a case set, :mod:`orthojob.data.case_sets`) every stage takes its cases from the set's
+training patients instead of generated seeds (:func:`demonstration_rows`; RSFT's prompts,
+:func:`orthojob.stages.rsft.prompt_keys`) and its gate judges the held-out ones; the stage command
+checks the set before any model loads (a bad set: exit 2, every problem named).
+
 Each example is the policy's own prompt (:func:`orthojob.data.prompts.build_messages`, conversational)
 and, as the completion, a plan as canonical JSON (:func:`orthojob.data.prompts.plan_to_completion`), on
 *training* seeds (from :data:`orthojob.data.prompts.TRAIN_SEED_START`). TRL's SFTTrainer trains on the
@@ -45,7 +50,7 @@ from typing import Any
 
 from orthojob.agentic.chat_template import prepare_tokenizer
 from orthojob.data import case_sets
-from orthojob.data.format_demos import demo_stats, format_demonstrations
+from orthojob.data.format_demos import case_set_format_demonstrations, demo_stats, format_demonstrations
 from orthojob.data.prompts import (
     TRAIN_SEED_START,
     build_messages,
@@ -71,7 +76,12 @@ from orthojob.stages.sft_config import (
     SFTJobConfig,
     ToolSFTConfig,
 )
-from orthojob.stages.tool_sft import build_tiny_tool_model, conversation_dataset, tool_demonstrations
+from orthojob.stages.tool_sft import (
+    build_tiny_tool_model,
+    case_set_tool_demonstrations,
+    conversation_dataset,
+    tool_demonstrations,
+)
 from server.cases import CaseKey, generate_case
 from server.dental_environment import initial_observation
 from server.oracle import oracle_plan
@@ -171,30 +181,46 @@ def case_set_demonstrations(
 
 
 def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tuple[list[dict], dict]:
-    """The demonstrations of ``config.demos`` (``oracle`` or ``format``) and their counts, prompts in
-    the policy's ``prompt_format``; RSFT's rows come from :func:`orthojob.stages.rsft.sample_and_keep` instead."""
-    if config.demos == "oracle" and config.cases is not None:
+    """The demonstrations of ``config.demos`` (``oracle``, ``format`` or ``tool``) and their counts,
+    prompts in the policy's ``prompt_format``; with ``config.cases``, on the case set's training
+    patients (each row with its ``case_id``, the counts with the split's digest, the set logged as the
+    run's training input). RSFT's rows come from :func:`orthojob.stages.rsft.sample_and_keep` instead."""
+    loaded = None
+    if config.cases is not None:
         loaded = case_sets.load_case_set(config.cases, config.heldout_share, config.force_decay)
+    if config.demos == "oracle" and loaded is not None:
         return case_set_demonstrations(loaded, config.examples, prompt_format)
     if config.demos == "oracle":
         return oracle_demonstrations(config.examples, config.task_ids, config.force_decay, prompt_format)
+    demo_seed = getattr(config, "demo_seed", 0)
     if config.demos == "format":
-        rows = format_demonstrations(
-            config.examples,
-            config.task_ids,
-            config.force_decay,
-            seed=getattr(config, "demo_seed", 0),
-            prompt_format=prompt_format,
-            strategy_last=getattr(config, "strategy_last", False),
-        )
+        strategy_last = getattr(config, "strategy_last", False)
+        if loaded is None:
+            rows = format_demonstrations(config.examples, config.task_ids, config.force_decay, seed=demo_seed,
+                                         prompt_format=prompt_format, strategy_last=strategy_last)  # fmt: skip
+        else:
+            rows = case_set_format_demonstrations(loaded.train, loaded.case_ids("train"), config.examples,
+                                                  demo_seed, prompt_format, strategy_last)  # fmt: skip
         stats = demo_stats(rows)
         log.info("format demonstrations: %s", stats)
-        return rows, {"source": "format", "examples": len(rows), **stats}
+        return rows, {"source": "format", "examples": len(rows), **stats, **_case_set_info(loaded)}
     if config.demos == "tool":
-        return tool_demonstrations(
-            config.examples, config.task_ids, config.force_decay, seed=getattr(config, "demo_seed", 0)
+        if loaded is None:
+            return tool_demonstrations(config.examples, config.task_ids, config.force_decay, seed=demo_seed)
+        rows, info = case_set_tool_demonstrations(
+            loaded.train, loaded.case_ids("train"), config.examples, demo_seed
         )
+        return rows, {**info, **_case_set_info(loaded)}
     raise ConfigError(f"demos={config.demos!r} has no built-in source: pass the rows to run_sft")
+
+
+def _case_set_info(loaded: case_sets.LoadedCaseSet | None) -> dict:
+    """What a stage's demonstration counts record of the case set it trained on (its source and split
+    digest), the set's training side logged as the run's dataset input; nothing without a set."""
+    if loaded is None:
+        return {}
+    loaded.log_input("train")
+    return {"cases": loaded.source, "split_digest": loaded.split.digest}
 
 
 def resolve_model(config: SFTJobConfig) -> str:
@@ -461,6 +487,12 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
     except (TypeError, ValueError) as exc:
         print(f"orthojob {command}: {exc}", file=sys.stderr)
         return ExitCode.USAGE
+    if config.cases is not None:  # before any model loads: a bad case set fails at once, every problem named
+        refused = case_sets.check_case_set(
+            config.cases, config.heldout_share, config.force_decay, command, gated
+        )
+        if refused is not None:
+            return refused
     other = _other_stage_at_default_out(args, section, config)
     if other:
         print(

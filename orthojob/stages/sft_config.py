@@ -45,6 +45,9 @@ class SFTJobConfig:
     with ``tiny_arch``); ``from_checkpoint``: an earlier stage's output to continue instead (its full
     model, or its LoRA adapter). ``examples`` demonstrations are spread evenly over ``task_ids``;
     ``steps`` optimizer steps of ``batch_size x grad_accum`` examples each (epochs repeat as needed).
+    ``cases``: a case set (:mod:`orthojob.data.case_sets`) split by patient: every SFT stage (BC, format,
+    tool-use, RSFT) then trains on its training patients' cases and gates on its held-out ones, and
+    records the split's digest (``demos.split_digest`` of the summary, the gate file's ``case_set``).
     """
 
     model: str = field(
@@ -130,10 +133,6 @@ class SFTJobConfig:
             raise ConfigError(f"--task-id must be 'all' or a comma list of {TASK_IDS}, got {self.task_ids!r}")
         if self.demos not in DEMO_SOURCES:
             raise ConfigError(f"demos must be one of {sorted(DEMO_SOURCES)}, got {self.demos!r}")
-        if self.cases is not None and self.demos != "oracle":
-            raise ConfigError(
-                "--cases is for BC (orthojob bc-sft / sft): the format and tool-use stages use generated cases"
-            )
         if not 0.0 <= self.heldout_share <= 1.0:
             raise ConfigError(f"--heldout-share must lie in [0, 1], got {self.heldout_share}")
         if self.model == TINY_MODEL and self.lora_r > 0 and not self.from_checkpoint:
@@ -154,8 +153,14 @@ class FormatSFTConfig(SFTJobConfig):
 
     out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="format", metadata={"help": "demonstration source", "cli": False})
-    cases: str | None = field(default=None, metadata={"help": "BC only (not this stage)", "cli": False})
-    heldout_share: float = field(default=0.2, metadata={"help": "BC only (not this stage)", "cli": False})
+    cases: str | None = field(
+        default=None,
+        metadata={
+            "help": "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): format demonstrations on its "
+            "training patients' cases (taking turns up to --examples), the gate on its held-out ones "
+            "(task_id then unused)"
+        },
+    )
     examples: int = field(default=2000, metadata={"help": "format demonstrations", "type": positive_int})
     demo_seed: int = field(
         default=0,
@@ -187,8 +192,14 @@ class ToolSFTConfig(SFTJobConfig):
 
     out: str = field(default="./checkpoints/sft1", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})
-    cases: str | None = field(default=None, metadata={"help": "BC only (not this stage)", "cli": False})
-    heldout_share: float = field(default=0.2, metadata={"help": "BC only (not this stage)", "cli": False})
+    cases: str | None = field(
+        default=None,
+        metadata={
+            "help": "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): the oracle's tool conversations "
+            "on its training patients' cases (each once, at most --examples), the tool-use gate's episodes on "
+            "its held-out ones (task_id then unused)"
+        },
+    )
     examples: int = field(default=1000, metadata={"help": "tool-call demonstrations", "type": positive_int})
     max_length: int = field(
         default=8192,

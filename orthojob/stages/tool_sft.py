@@ -1,6 +1,7 @@
 """Stage 1, tool-use SFT (``orthojob tool-sft``): the oracle's plans as tool conversations.
 
-**Demonstrations** (:func:`tool_demonstrations`): for each training case the oracle
+**Demonstrations** (:func:`tool_demonstrations` on generated training seeds,
+:func:`case_set_tool_demonstrations` on a case set's training patients): for each training case the oracle
 (:func:`server.oracle.oracle_plan`) plays an episode of :class:`orthojob.agentic.tools.DentalToolEnv`
 through the very tools GRPO's agentic mode exposes: it inspects one or two of the teeth with the
 most movement (``inspect_tooth``), checks the arch's contacts (``check_collisions``) and submits its
@@ -20,7 +21,8 @@ training variant of the template, which marks the assistant's turns with ``{% ge
 TRL's Qwen2.5 template, its ``qwen2_5_training``: the same text), and trains on the marked tokens;
 the checkpoint keeps the inference template, the one GRPO's agentic mode recognises.
 
-**Gate** (stage ``tool_sft``, :func:`tool_gate_metrics`, checked by :func:`orthojob.stages.gate.gate_report`): greedy agentic rollouts on held-out seeds,
+**Gate** (stage ``tool_sft``, :func:`tool_gate_metrics`, checked by :func:`orthojob.stages.gate.gate_report`): greedy agentic rollouts on held-out seeds
+(or a case set's held-out patients),
 up to ``GateSettings.tool_turns`` assistant turns each, the tools run on :class:`DentalToolEnv`.
 Metrics: ``tool_call_rate`` (share of episodes whose first turn is a parseable call of a known
 tool), ``finished_rate`` (share that submitted a plan or committed 24 stages), ``valid_call_rate``,
@@ -45,6 +47,7 @@ from orthojob.agentic.tools import DentalToolEnv
 from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from orthojob.modeling.models import build_tiny, tiny_corpus
 from server.agent_tools import TOOL_NAMES
+from server.cases import CaseKey
 from server.dental_constants import MM_PER_DEG, TOOTH_IDS
 from server.oracle import oracle_plan
 
@@ -70,9 +73,24 @@ def _call(name: str, arguments: dict) -> dict:
 
 
 def oracle_tool_trace(seed: int, task_id: str, force_decay: bool, rng: random.Random) -> dict:
-    """One demonstration (module docstring): the row, plus ``plan``, ``reward`` (the environment's
-    scaled reward of the trace), ``broken_rules`` and ``calls`` (the tool names in order)."""
+    """One demonstration (module docstring) on a generated training seed: the row, plus ``plan``,
+    ``reward`` (the environment's scaled reward of the trace), ``broken_rules`` and ``calls`` (the tool
+    names in order)."""
     (row,) = agentic_rows(1, seed, task_id, force_decay)  # refuses held-out seeds
+    return _trace(row, rng)
+
+
+def key_tool_trace(key: CaseKey, rng: random.Random) -> dict:
+    """:func:`oracle_tool_trace` on any case by its key (a case set's training patient's: held out by
+    patient, not by seed)."""
+    row = {"prompt": agentic_messages(), "seed": int(key.seed), "task_id": key.task_id,
+           "force_decay": bool(key.force_decay)}  # fmt: skip
+    return _trace(row, rng)
+
+
+def _trace(row: dict, rng: random.Random) -> dict:
+    """The oracle's tool episode on the case of an agentic dataset ``row``."""
+    seed, task_id, force_decay = row["seed"], row["task_id"], row["force_decay"]
     env = DentalToolEnv()
     env.reset(**row)
     obs = reset_observation(seed, task_id, force_decay)
@@ -125,6 +143,32 @@ def tool_demonstrations(
             k -= 1  # the same task again, on its next seed
             continue
         rows.append(row)
+    return rows, _tool_info(rows, filtered)
+
+
+def case_set_tool_demonstrations(
+    keys: Sequence[CaseKey], case_ids: Sequence[str], n: int, seed: int = 0
+) -> tuple[list[dict], dict]:
+    """Tool-trace rows on the cases ``keys`` (a case set's training patients, ``case_ids`` naming
+    them): each case once, in order, at most ``n`` rows; a trace whose plan breaks a hard rule is
+    skipped (counted). Each row carries its ``case_id``; returns the rows and their counts."""
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    filtered = 0
+    for key, case_id in zip(keys, case_ids, strict=True):
+        if len(rows) == n:
+            break
+        row = key_tool_trace(key, rng)
+        if row["broken_rules"]:
+            filtered += 1
+            continue
+        rows.append({**row, "case_id": case_id})
+    return rows, _tool_info(rows, filtered)
+
+
+def _tool_info(rows: Sequence[dict], filtered: int) -> dict:
+    """The counts of tool demonstrations: examples, traces filtered for a hard rule, mean reward and
+    mean tool calls per trace."""
     info = {
         "source": "tool",
         "examples": len(rows),
@@ -133,7 +177,7 @@ def tool_demonstrations(
         "calls_mean": float(np.mean([len(r["calls"]) for r in rows])) if rows else 0.0,
     }
     log.info("tool demonstrations: %s", info)
-    return rows, info
+    return info
 
 
 def conversation_dataset(rows: Sequence[dict]):
@@ -323,7 +367,9 @@ __all__ = [
     "TOOL_SFT_STAGE",
     "agentic_rollouts",
     "build_tiny_tool_model",
+    "case_set_tool_demonstrations",
     "conversation_dataset",
+    "key_tool_trace",
     "oracle_tool_trace",
     "parse_tool_call",
     "render_rows",
