@@ -105,6 +105,14 @@ class LearnConfig:
     fresh_stage0: bool = field(default=False, metadata=_SWITCH)
     bc_examples: int = field(default=1800, metadata={"help": "BC's oracle demonstrations, over every cell"})
     bc_steps: int = field(default=1000, metadata={"help": "BC's steps"})
+    bc_demos: str = field(
+        default="robust",
+        metadata={
+            "help": "BC's plans: the oracle's (oracle), or per case the candidate that stays safe when written "
+            "imprecisely (robust: orthojob/data/robust_plans.py)",
+            "choices": ("oracle", "robust"),
+        },
+    )
     # GRPO (both runs)
     steps: int = 90
     num_generations: int = 8
@@ -226,21 +234,26 @@ def _sft_meta(summary: dict) -> dict:
 
 
 def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict], dict]:
-    """``bc_examples`` of the oracle's safe plans (:func:`orthojob.stages.sft.oracle_demonstrations`),
-    half under ideal dynamics and half under force decay, every task level, taking turns."""
+    """``bc_examples`` of the oracle's safe plans (:func:`orthojob.stages.sft.oracle_demonstrations`;
+    ``bc_demos="robust"``: their robust choices), half under ideal dynamics and half under force decay,
+    every task level, taking turns."""
 
-    halves, filtered = [], 0
+    halves, filtered, choices = [], 0, {}
     for k, force_decay in enumerate((False, True)):
         rows, info = oracle_demonstrations(
             cfg.bc_examples // 2 + (cfg.bc_examples % 2 if k == 0 else 0),
             list(TASK_IDS),
             force_decay,
             prompt_format,
+            robust=cfg.bc_demos == "robust",
         )
         halves.append(rows)
         filtered += info["filtered_hard_rule"]
+        for name, count in info.get("robust_choices", {}).items():
+            choices[name] = choices.get(name, 0) + count
     demos = [r for pair in zip(*halves) for r in pair] + halves[0][len(halves[1]) :]
-    return demos, {"source": "oracle", "examples": len(demos), "filtered_hard_rule": filtered}
+    info = {"source": cfg.bc_demos, "examples": len(demos), "filtered_hard_rule": filtered}
+    return demos, ({**info, "robust_choices": choices} if choices else info)
 
 
 def bc(cfg: LearnConfig) -> tuple[Path, dict]:

@@ -58,6 +58,7 @@ from orthojob.data.prompts import (
     prompt_format_of,
     reset_observation,
 )
+from orthojob.data.robust_plans import robust_plan
 from orthojob.modeling import models
 from orthojob.modeling.models import TINY_MODEL, ensure_tiny
 from orthojob.ops import gate_file, model_logging, progress, storage, tracking, work_dirs
@@ -116,16 +117,22 @@ def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -
 
 
 def oracle_demonstrations(
-    n: int, task_ids: Sequence[str], force_decay: bool = False, prompt_format: str = "full"
+    n: int,
+    task_ids: Sequence[str],
+    force_decay: bool = False,
+    prompt_format: str = "full",
+    robust: bool = False,
 ) -> tuple[list[dict], dict]:
     """``n`` BC examples, and their counts ``{"source", "examples", "filtered_hard_rule"}``.
 
     Seeds run from TRAIN_SEED_START within each task; tasks take turns (``n`` split evenly). Only
     plans the environment judges safe are kept (no hard rule broken, :mod:`server.reward_scaler`):
     a case whose oracle plan breaks one is skipped and the next seed taken; the number skipped is
-    logged and returned.
+    logged and returned. ``robust``: each plan is :func:`orthojob.data.robust_plans.robust_plan`'s
+    choice (the counts then say how often each candidate was chosen, ``robust_choices``).
     """
     tasks = list(task_ids)
+    choices: dict[str, int] = {}
     per_task = [n // len(tasks) + (1 if k < n % len(tasks) else 0) for k in range(len(tasks))]
     by_task = []
     filtered = 0
@@ -135,9 +142,13 @@ def oracle_demonstrations(
         while len(rows) < count:
             obs = reset_observation(seed, task_id, force_decay)
             plan = oracle_plan(obs)
-            if score_plans([plan], [CaseKey(task_id, seed, force_decay)])[0]["broken_rules"]:
+            key = CaseKey(task_id, seed, force_decay)
+            if score_plans([plan], [key])[0]["broken_rules"]:
                 filtered += 1
             else:
+                if robust:
+                    plan, chosen = robust_plan(plan, key, generate_case(*key).present_ids)
+                    choices[chosen] = choices.get(chosen, 0) + 1
                 rows.append(
                     {
                         "prompt": build_messages(obs, prompt_format),
@@ -154,7 +165,8 @@ def oracle_demonstrations(
     out = []
     for k in range(max(per_task, default=0)):
         out.extend(rows[k] for rows in by_task if k < len(rows))
-    return out, {"source": "oracle", "examples": len(out), "filtered_hard_rule": filtered}
+    info = {"source": "oracle", "examples": len(out), "filtered_hard_rule": filtered}
+    return out, ({**info, "robust_choices": choices} if robust else info)
 
 
 def case_set_demonstrations(
