@@ -75,7 +75,7 @@ def test_a_case_with_absent_teeth_validates_and_its_placeholders_sit_in_their_sp
     assert np.allclose(case.target[k, 4:], mid)
     # the drifted 14 overlaps the placeholder: only the mask keeps the case valid
     raw = all_pairs_penetration_mm(case.initial, case.crown_width_mm, case.crown_depth_mm)
-    pair = [n for n, (a, b) in enumerate(PAIRS) if {a, b} == {TOOTH_INDEX[14], k}][0]
+    pair = next(n for n, (a, b) in enumerate(PAIRS) if {a, b} == {TOOTH_INDEX[14], k})
     assert raw[pair] > 1.0
     assert checked.diagnosis is not None and checked.diagnosis.treatment_needed
 
@@ -101,9 +101,7 @@ def test_a_target_whose_crowns_across_the_gap_collide_is_refused():
     record["target"] = target.tolist()
     record["initial"][a] = target[a].tolist()
     problems = case_of_record(without(record, [15])).problems
-    assert any(
-        "target crowns of 16 and 14 interpenetrate" in p.message for p in problems
-    ), problems
+    assert any("target crowns of 16 and 14 interpenetrate" in p.message for p in problems), problems
 
 
 @pytest.mark.parametrize("task_id", TASK_IDS)
@@ -196,7 +194,7 @@ def test_occlusion_keys_degrade_where_their_teeth_are_absent():
     keys, measured = present_keys(poses, case.target, case.crown_width_mm, centrals)
     assert measured["symmetry"].all() and measured["overjet"].all()  # the left side measures them
     composite = occlusion_composite(poses, case.target, case.crown_width_mm, molars)
-    assert np.all((0.0 <= composite) & (composite <= 1.0))
+    assert np.all((composite >= 0.0) & (composite <= 1.0))
     assert composite[1] == pytest.approx(1.0)  # the target is ideal whatever is measured
 
 

@@ -154,11 +154,12 @@ def test_pipeline_cli_show_and_bad_override(capsys):
     assert cli_main(["pipeline", "--show", "--model", "a/b", "--set", "model=c/d"]) == 2
 
 
-def test_pipeline_cases_sets_bc_and_grpo_on_the_case_set(capsys):
-    """`--cases` is BC's and GRPO's case set (each stage's own flag; their tests train on one)."""
+def test_pipeline_cases_sets_every_training_stage_on_the_case_set(capsys):
+    """`--cases` is every training stage's case set (each stage's own flag; their tests train on one:
+    tests/test_stages.py, tests/test_case_set_stages.py)."""
     assert cli_main(["pipeline", "--show", "--cases", "s3://b/patients.jsonl"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["sft"]["cases"] == shown["grpo"]["cases"] == "s3://b/patients.jsonl"
-    assert shown["format_sft"].get("cases") is None
+    for section in ("format_sft", "tool_sft", "sft", "grpo", "rsft"):
+        assert shown[section]["cases"] == "s3://b/patients.jsonl", section
     assert cli_main(["pipeline", "--show", "--cases", "a.jsonl", "--set", "grpo.heldout_share=0.3"]) == 0
     assert json.loads(capsys.readouterr().out)["grpo"]["heldout_share"] == 0.3

@@ -71,8 +71,9 @@ def random_format_plan(case: Case, rng: random.Random) -> dict:
     """One random, executable plan for ``case`` (see the module docstring)."""
     strategy = rng.choice(STRATEGIES)
     teeth, stages = treated_teeth(case)
-    if not teeth:  # nothing to move: one group at uniform SLERP
-        return {"strategy": strategy, "tooth_groups": [{"teeth": [11], "fraction": _floor(1 / N_STAGES)}]}
+    if not teeth:  # nothing to move: one group (of the first tooth the patient has) at uniform SLERP
+        first = case.present_ids[0]
+        return {"strategy": strategy, "tooth_groups": [{"teeth": [first], "fraction": _floor(1 / N_STAGES)}]}
     rng.shuffle(teeth)
     k = rng.randint(1, min(MAX_DEMO_GROUPS, len(teeth)))
     cuts = sorted(rng.sample(range(1, len(teeth)), k - 1)) if k > 1 else []

@@ -95,10 +95,11 @@ def _trace(row: dict, rng: random.Random) -> dict:
     env.reset(**row)
     obs = reset_observation(seed, task_id, force_decay)
     plan = oracle_plan(obs)
-    # the teeth with the most movement left (mm-equivalent), one or two of them
+    # the teeth the patient has with the most movement left (mm-equivalent), one or two of them
     dist, rot = env._case.need
-    order = np.argsort(-(dist + MM_PER_DEG * rot), kind="stable")
-    teeth = [TOOTH_IDS[int(i)] for i in order[: rng.randint(1, 2)]]
+    present = set(env._case.present_ids)
+    order = [TOOTH_IDS[int(i)] for i in np.argsort(-(dist + MM_PER_DEG * rot), kind="stable")]
+    teeth = [t for t in order if t in present][: rng.randint(1, 2)]
     calls = [("inspect_tooth", {"tooth_id": t}) for t in teeth]
     calls += [("check_collisions", {}), ("submit_plan", {"plan": plan_to_completion(plan)})]
     completion = []
