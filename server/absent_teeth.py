@@ -8,7 +8,7 @@ PDL and smoothness), and every measure that pairs it with another crown masks it
 
 * contacts and collisions: a pair with an absent crown is never in contact
   (:func:`mask_pairs`); across a single gap the two crowns are a second-neighbour pair, held to
-  the same collision rule;
+  the same collision rule, and across a wider one they are measured too (:func:`gap_pairs`);
 * the bite: an antagonist pair with an absent crown is not judged (:func:`antagonists_present`),
   and the occlusion keys degrade as :func:`server.occlusion.six_keys` says;
 * anchorage: an absent tooth's root does not anchor (:mod:`server.movement_priors`).
@@ -18,6 +18,8 @@ present, and then no code path changes (a generated case has no absent tooth).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -81,6 +83,17 @@ def placeholder_poses(poses: np.ndarray, absent: np.ndarray) -> np.ndarray:
             out[k, 4:] = 0.5 * (poses[row[a], 4:] + poses[row[b], 4:])
             out[k, :4] = poses[row[a] if i - a <= b - i else row[b], :4]
     return out
+
+
+def gap_pairs(absent: np.ndarray) -> np.ndarray:
+    """(2, P) the pairs of present crowns with two or more absent teeth between them along the arch
+    (one absent tooth between makes a second-neighbour pair, which every case measures): once the
+    teeth between are gone they face each other across the space. Empty (2, 0) for none."""
+    pairs = []
+    for row in ARCH_ROWS:
+        present = [i for i, k in enumerate(row) if not absent[k]]
+        pairs += [(row[i], row[j]) for i, j in itertools.pairwise(present) if j - i >= 3]
+    return np.array(pairs, dtype=np.int64).reshape(-1, 2).T
 
 
 def mask_pairs(penetration: np.ndarray, absent: np.ndarray | None, pairs: np.ndarray) -> np.ndarray:

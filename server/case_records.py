@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from server.absent_teeth import ARCH_ROWS, absent_ids, absent_mask, mask_pairs, placeholder_poses
+from server.absent_teeth import ARCH_ROWS, absent_ids, absent_mask, gap_pairs, mask_pairs, placeholder_poses
 from server.cases import (
     IMPORTED_TASK,
     TASK_IDS,
@@ -51,7 +51,12 @@ from server.cases import (
     register_imported,
 )
 from server.clinical_profiles import PROFILES, SECONDARY_PROFILES, optimal_strategy
-from server.collisions import ALL_PAIR_CROWNS, COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
+from server.collisions import (
+    ALL_PAIR_CROWNS,
+    COLLISION_TOLERANCE_MM,
+    all_pairs_penetration_mm,
+    pair_penetration_mm,
+)
 from server.dental_constants import (
     ADJACENT_PAIRS,
     CROWN_DEPTH_MM,
@@ -302,12 +307,17 @@ def _sizes(
 def _collisions(
     poses: np.ndarray, width: np.ndarray, depth: np.ndarray, absent: np.ndarray | None
 ) -> list[tuple[int, int, float]]:
-    """Pairs of present crowns (neighbours and second neighbours) interpenetrating beyond the tolerance."""
+    """Pairs of present crowns (neighbours, second neighbours, crowns facing each other across absent
+    teeth) interpenetrating beyond the tolerance."""
     pen = all_pairs_penetration_mm(poses, width, depth)
+    pairs = PAIRS
     if absent is not None:
         pen = mask_pairs(pen[None], absent[None], ALL_PAIR_CROWNS)[0]
+        gaps = gap_pairs(absent)
+        pen = np.concatenate((pen, pair_penetration_mm(poses, width, depth, gaps)))
+        pairs = np.concatenate((PAIRS, gaps.T))
     return [
-        (int(TOOTH_IDS[PAIRS[k, 0]]), int(TOOTH_IDS[PAIRS[k, 1]]), float(pen[k]))
+        (int(TOOTH_IDS[pairs[k, 0]]), int(TOOTH_IDS[pairs[k, 1]]), float(pen[k]))
         for k in np.flatnonzero(pen > COLLISION_TOLERANCE_MM)
     ]
 

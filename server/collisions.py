@@ -207,6 +207,15 @@ def all_pairs_penetration_mm(poses: np.ndarray, width_mm: np.ndarray, depth_mm: 
     return _gathered_penetration(poses, _crowns(width, depth, ALL_PAIR_CROWNS), ALL_PAIR_CROWNS)
 
 
+def pair_penetration_mm(
+    poses: np.ndarray, width_mm: np.ndarray, depth_mm: np.ndarray, pairs: np.ndarray
+) -> np.ndarray:
+    """Penetration depth (mm, negative = clearance) of any crown pairs ``pairs`` (2, P) of poses
+    (..., 28, 7), the ellipse model of :func:`penetration_mm`, crown sizes (28,) or (..., 28) -> (..., P)."""
+    width, depth = np.asarray(width_mm), np.asarray(depth_mm)
+    return _gathered_penetration(poses, _crowns(width, depth, pairs), pairs)
+
+
 def _crowns(width: np.ndarray, depth: np.ndarray, pairs: np.ndarray) -> CrownContacts:
     inv_d2 = 4.0 / np.square(depth)
     return CrownContacts(inv_d2[..., pairs], (4.0 / np.square(width) - inv_d2)[..., pairs])

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.absent_teeth import antagonists_present, mask_pairs
+from server.absent_teeth import antagonists_present, gap_pairs, mask_pairs
 from server.clinical_profiles import SEQUENCED_TEETH, STRATEGY_LEVELS, strategy_multiplier_class
 from server.collisions import (
     ALL_PAIR_CROWNS,
@@ -74,6 +74,7 @@ from server.collisions import (
     all_pairs_penetration_mm,
     collision_severity,
     contact_major,
+    pair_penetration_mm,
     second_neighbour_penetration_mm,
 )
 from server.dental_constants import (
@@ -289,7 +290,8 @@ def arch_breaches(
 ) -> dict[str, np.ndarray]:
     """The contact rules beyond neighbouring teeth, (B,) each (0 for a plan that breaks none).
 
-    * ``second_collision_breach``: crowns one apart (:data:`server.dental_constants.SECOND_NEIGHBOUR_PAIRS`)
+    * ``second_collision_breach``: crowns one apart (:data:`server.dental_constants.SECOND_NEIGHBOUR_PAIRS`),
+      and crowns facing each other across two or more absent teeth (:func:`server.absent_teeth.gap_pairs`),
       of the achieved arch penetrating beyond COLLISION_TOLERANCE_MM, ``sum (pen - tol)+ / tol``.
     * ``aligner_collision_breach``: the same for the aligner shapes (the planned poses), neighbours and
       crowns one apart, on the rows whose aligners differ from the achieved teeth (force decay,
@@ -314,6 +316,12 @@ def arch_breaches(
             second_neighbour_penetration_mm(achieved[:, 1:], w, d), absent, SECOND_CROWNS
         )
     second = np.sum(np.maximum(second_penetration - tol, 0.0), axis=(-2, -1))
+    if absent is not None:  # crowns facing each other across two or more absent teeth
+        for b in np.flatnonzero(absent.any(axis=-1)):
+            gaps = gap_pairs(absent[b])
+            if gaps.shape[1]:
+                pen = pair_penetration_mm(achieved[b, 1:], width_mm[b], depth_mm[b], gaps)
+                second[b] += np.sum(np.maximum(pen - tol, 0.0))
     aligner = np.zeros(initial.shape[0])
     clear_ref = np.minimum(occlusal_clearance_mm(initial, target), occlusal_clearance_mm(target, target))
     excess = (

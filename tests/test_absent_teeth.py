@@ -226,3 +226,29 @@ def test_placeholder_at_the_end_of_an_arch_takes_the_last_neighbours_pose():
     assert np.array_equal(out[TOOTH_INDEX[17]], case.target[TOOTH_INDEX[15]])
     assert np.array_equal(out[TOOTH_INDEX[16]], case.target[TOOTH_INDEX[15]])
     assert NO_CONTACT_MM < 0
+
+
+def test_crowns_facing_each_other_across_two_absent_teeth_are_held_to_the_collision_rule():
+    """With 14 and 15 absent, 13 and 16 face each other: a target that closes the space through
+    them is refused, and a plan whose achieved arch does so breaks the collision rule."""
+    record = json.loads(json.dumps(record_of_case(generate_case("task_easy", 3))))
+    a, b = TOOTH_INDEX[13], TOOTH_INDEX[16]
+    target = np.array(record["target"])
+    target[b, 4:6] = target[a, 4:6] + 0.5 * (target[b, 4:6] - target[a, 4:6]) / np.linalg.norm(
+        target[b, 4:6] - target[a, 4:6]
+    )  # 16's centroid half a millimetre from 13's
+    closed = {**record, "target": target.tolist()}
+    problems = case_of_record(without(closed, [14, 15])).problems
+    assert any("target crowns of 16 and 13 interpenetrate" in p.message for p in problems), problems
+    assert case_of_record(without(record, [14, 15])).case is not None  # the space itself is fine
+    case = case_of_record(without(record, [14, 15])).case
+    moved = np.array(case.initial)
+    moved[b] = target[b]  # score an arch where 16 sits on 13 as the achieved trajectory
+    from server.scoring import arch_breaches
+
+    traj = np.broadcast_to(moved, (1, 25, 28, 7))
+    w, d = case.crown_width_mm[None], case.crown_depth_mm[None]
+    with_gap = arch_breaches(
+        case.initial[None], case.target[None], w, d, traj, traj, absent=case.absent[None]
+    )
+    assert with_gap["second_collision_breach"][0] > 0.0
