@@ -6,7 +6,11 @@ Writes N generated cases (the three levels in turn, half under force decay) as J
 check of docs/cases.md, each case built), and scores the oracle's plans on 64 imported and the same
 64 generated cases (batch scoring, median of ``--rounds``).
 
-    OMP_NUM_THREADS=1 python bench/case_import.py [--cases 10000] [--rounds 7] [--unlabelled]
+    OMP_NUM_THREADS=1 python bench/case_import.py [--cases 10000] [--rounds 7] [--unlabelled] [--absent 15,25]
+
+``--absent``: every record lacks these teeth (taken out of its lists and marked absent; the space
+kept), so the import builds their placeholders and masks, and the scoring comparison is an imported
+case with absent teeth against the generated case it came from.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="records without labels: every diagnosis computed from the poses",
     )
+    parser.add_argument("--absent", default="", help="FDI ids every record lacks, comma-separated")
     args = parser.parse_args(argv)
+    absent = [int(t) for t in args.absent.split(",") if t]
     keys = [(TASK_IDS[i % 3], i, bool(i % 2)) for i in range(args.cases)]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "cases.jsonl"
@@ -44,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
                 record = record_of_case(generate_case(*k))
                 if args.unlabelled:
                     del record["labels"]
+                if absent:
+                    keep = [i for i, t in enumerate(record["teeth"]) if t not in absent]
+                    for name in ("teeth", "initial", "target", "crown_width_mm", "crown_depth_mm"):
+                        record[name] = [record[name][i] for i in keep]
+                    record["absent"] = absent
                 f.write(json.dumps(record) + "\n")
         written = time.perf_counter() - t0
         size = path.stat().st_size
@@ -55,11 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {args.cases} generated cases ({size / 1e6:.1f} MB) in {written:.1f} s (generation included)"
     )
     print(
-        f"read and validated {len(report.cases)} {'unlabelled ' if args.unlabelled else ''}cases in {seconds:.2f} s: {1e3 * seconds / args.cases:.3f} ms a case"
+        f"read and validated {len(report.cases)} {'unlabelled ' if args.unlabelled else ''}cases"
+        f"{f' lacking {args.absent}' if absent else ''} in {seconds:.2f} s: {1e3 * seconds / args.cases:.3f} ms a case"
     )
     generated = [generate_case(*k) for k in keys[:64]]
     imported = report.cases[:64]
-    plans = [plan_for_case(c) for c in generated]
+    plans = [plan_for_case(c) for c in imported]
     times = {"generated": [], "imported": []}
     for _ in range(args.rounds):
         for name, cases in (("generated", generated), ("imported", imported)):
