@@ -31,6 +31,7 @@ class RSFTConfig(SFTJobConfig):
         },
     )
     demos: str = field(default="rsft", metadata={"help": "demonstration source", "cli": False})
+    robust_demos: bool = field(default=False, metadata={"help": "BC only (not this stage)", "cli": False})
     cases: str | None = field(
         default=None,
         metadata={

@@ -170,11 +170,12 @@ def oracle_demonstrations(
 
 
 def case_set_demonstrations(
-    loaded: case_sets.LoadedCaseSet, n: int, prompt_format: str = "full"
+    loaded: case_sets.LoadedCaseSet, n: int, prompt_format: str = "full", robust: bool = False
 ) -> tuple[list[dict], dict]:
     """BC examples of a case set's training patients: the oracle's plan for each case (at most ``n``,
-    in file order), only those the environment judges safe, each row with its ``case_id``."""
-    rows, filtered = [], 0
+    in file order; ``robust``: its robust choice, :func:`orthojob.data.robust_plans.robust_plan`), only
+    those the environment judges safe, each row with its ``case_id``."""
+    rows, filtered, choices = [], 0, {}
     for key, index in zip(loaded.train, loaded.split.train):
         if len(rows) == n:
             break
@@ -183,13 +184,16 @@ def case_set_demonstrations(
         if score_plans([plan], [key])[0]["broken_rules"]:
             filtered += 1
             continue
+        if robust:
+            plan, chosen = robust_plan(plan, key, generate_case(*key).present_ids)
+            choices[chosen] = choices.get(chosen, 0) + 1
         rows.append({"prompt": build_messages(obs, prompt_format),
                      "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
                      "seed": key.seed, "task_id": key.task_id, "case_id": loaded.validation.case_ids[index]})  # fmt: skip
     loaded.log_input("train")
     log.info("BC demonstrations of %s: %d safe oracle plans, %d filtered", loaded.source, len(rows), filtered)
     return rows, {"source": f"oracle on {loaded.source}", "examples": len(rows), "filtered_hard_rule": filtered,
-                  "split_digest": loaded.split.digest}  # fmt: skip
+                  "split_digest": loaded.split.digest, **({"robust_choices": choices} if robust else {})}  # fmt: skip
 
 
 def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tuple[list[dict], dict]:
@@ -201,9 +205,11 @@ def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tup
     if config.cases is not None:
         loaded = case_sets.load_case_set(config.cases, config.heldout_share, config.force_decay)
     if config.demos == "oracle" and loaded is not None:
-        return case_set_demonstrations(loaded, config.examples, prompt_format)
+        return case_set_demonstrations(loaded, config.examples, prompt_format, config.robust_demos)
     if config.demos == "oracle":
-        return oracle_demonstrations(config.examples, config.task_ids, config.force_decay, prompt_format)
+        return oracle_demonstrations(
+            config.examples, config.task_ids, config.force_decay, prompt_format, robust=config.robust_demos
+        )
     demo_seed = getattr(config, "demo_seed", 0)
     if config.demos == "format":
         strategy_last = getattr(config, "strategy_last", False)

@@ -89,6 +89,14 @@ class SFTJobConfig:
         },
     )
     examples: int = field(default=2000, metadata={"help": "oracle demonstrations", "type": positive_int})
+    robust_demos: bool = field(
+        default=False,
+        metadata={
+            "help": "BC on robust demonstrations: per case the safe candidate (the oracle's plan, its two-decimal "
+            "rounding, uniform staging) whose imprecise copies score best (orthojob/data/robust_plans.py; "
+            "for small models, which write the oracle's numbers a little off)"
+        },
+    )
     steps: int = field(default=500, metadata={"help": "optimizer steps", "type": positive_int})
     batch_size: int = field(
         default=4, metadata={"help": "examples per device per step", "type": positive_int}
@@ -153,6 +161,7 @@ class FormatSFTConfig(SFTJobConfig):
 
     out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="format", metadata={"help": "demonstration source", "cli": False})
+    robust_demos: bool = field(default=False, metadata={"help": "BC only (not this stage)", "cli": False})
     cases: str | None = field(
         default=None,
         metadata={
@@ -192,6 +201,7 @@ class ToolSFTConfig(SFTJobConfig):
 
     out: str = field(default="./checkpoints/sft1", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})
+    robust_demos: bool = field(default=False, metadata={"help": "BC only (not this stage)", "cli": False})
     cases: str | None = field(
         default=None,
         metadata={
