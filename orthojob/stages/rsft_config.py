@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from orthojob.data.prompts import TRAIN_SEED_START
 from orthojob.stages.flags import positive_int
 from orthojob.stages.grpo_config import ConfigError
-from orthojob.stages.sft_config import SFTJobConfig
+from orthojob.stages.sft_config import SFTJobConfig, bc_only_field, cases_field
 
 RSFT_SAMPLES_FILE = "rsft_samples.jsonl"
 """Every sampled completion with its prompt, scores and whether it was kept (in ``--out``)."""
@@ -31,14 +31,11 @@ class RSFTConfig(SFTJobConfig):
         },
     )
     demos: str = field(default="rsft", metadata={"help": "demonstration source", "cli": False})
-    robust_demos: bool = field(default=False, metadata={"help": "BC only (not this stage)", "cli": False})
-    cases: str | None = field(
-        default=None,
-        metadata={
-            "help": "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): the prompts are its training "
-            "patients' cases (each once, at most --prompts), the gate runs on its held-out ones "
-            "(task_id and prompt_seed_start then unused)"
-        },
+    robust_demos: bool = bc_only_field(False)
+    cases: str | None = cases_field(
+        "the prompts are its training "
+        "patients' cases (each once, at most --prompts), the gate runs on its held-out ones "
+        "(task_id and prompt_seed_start then unused)"
     )
     examples: int = field(
         default=1, metadata={"help": "unused: the kept samples are the examples", "cli": False}

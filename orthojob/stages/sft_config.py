@@ -37,6 +37,20 @@ DEMO_SOURCES: dict[str, str] = {
 """Where an SFT stage's demonstrations come from (``demos``)."""
 
 
+CASE_SET_HELP = "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): "
+"""How every stage's ``--cases`` help begins; each stage adds what it does with the set."""
+
+
+def cases_field(uses: str):
+    """A stage's ``cases`` field (None: generated cases), its help CASE_SET_HELP then ``uses``."""
+    return field(default=None, metadata={"help": CASE_SET_HELP + uses})
+
+
+def bc_only_field(default):
+    """A BC setting that a stage inheriting SFTJobConfig keeps at ``default`` and hides from its CLI."""
+    return field(default=default, metadata={"help": "BC only (not this stage)", "cli": False})
+
+
 @dataclass(frozen=True)
 class SFTJobConfig:
     """Every ``orthojob bc-sft`` / ``orthojob sft`` flag (field ``x_y`` is flag ``--x-y``): stage 2, BC.
@@ -74,12 +88,9 @@ class SFTJobConfig:
         },
     )
     force_decay: bool = field(default=False, metadata={"help": "demonstrations for force-decay cases"})
-    cases: str | None = field(
-        default=None,
-        metadata={
-            "help": "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): BC on the oracle's plans for its "
-            "training patients, the gate on its held-out ones (task_id then unused)"
-        },
+    cases: str | None = cases_field(
+        "BC on the oracle's plans for its "
+        "training patients, the gate on its held-out ones (task_id then unused)"
     )
     heldout_share: float = field(
         default=0.2,
@@ -161,14 +172,11 @@ class FormatSFTConfig(SFTJobConfig):
 
     out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="format", metadata={"help": "demonstration source", "cli": False})
-    robust_demos: bool = field(default=False, metadata={"help": "BC only (not this stage)", "cli": False})
-    cases: str | None = field(
-        default=None,
-        metadata={
-            "help": "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): format demonstrations on its "
-            "training patients' cases (taking turns up to --examples), the gate on its held-out ones "
-            "(task_id then unused)"
-        },
+    robust_demos: bool = bc_only_field(False)
+    cases: str | None = cases_field(
+        "format demonstrations on its "
+        "training patients' cases (taking turns up to --examples), the gate on its held-out ones "
+        "(task_id then unused)"
     )
     examples: int = field(default=2000, metadata={"help": "format demonstrations", "type": positive_int})
     demo_seed: int = field(
@@ -201,14 +209,11 @@ class ToolSFTConfig(SFTJobConfig):
 
     out: str = field(default="./checkpoints/sft1", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})
-    robust_demos: bool = field(default=False, metadata={"help": "BC only (not this stage)", "cli": False})
-    cases: str | None = field(
-        default=None,
-        metadata={
-            "help": "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): the oracle's tool conversations "
-            "on its training patients' cases (each once, at most --examples), the tool-use gate's episodes on "
-            "its held-out ones (task_id then unused)"
-        },
+    robust_demos: bool = bc_only_field(False)
+    cases: str | None = cases_field(
+        "the oracle's tool conversations "
+        "on its training patients' cases (each once, at most --examples), the tool-use gate's episodes on "
+        "its held-out ones (task_id then unused)"
     )
     examples: int = field(default=1000, metadata={"help": "tool-call demonstrations", "type": positive_int})
     max_length: int = field(
