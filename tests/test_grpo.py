@@ -412,19 +412,6 @@ def test_ddp_two_processes(tiny_model, tmp_path):
     assert not (tmp_path / "out" / "completions.jsonl.1").exists()
 
 
-@pytest.mark.skipif(
-    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (bf16 and Unsloth/QLoRA paths)"
-)
-def test_gpu_training_uses_bf16_where_supported(tiny_model, tmp_path):
-    config = _tiny_config(tiny_model, tmp_path / "gpu")
-    args, _ = grpo_config.build_grpo_args(config, device_info(), 1)
-    import torch
-
-    assert args.bf16 == torch.cuda.is_bf16_supported() and not args.use_cpu
-    result = grpo.train_and_gate(config)
-    assert result.trainer.state.global_step == 2
-
-
 def test_a_checkpoint_of_another_config_is_refused_before_any_model_load(
     no_model_load, tmp_path, monkeypatch, capsys
 ):

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU checks in one go, for a machine with a CUDA GPU: the GPU tests, then the GRPO step
+# benchmark at the default completion length and at the qwen2.5-3b preset's (512 tokens).
+# Logs go to $LOGS (default: ./gpu-checks); each part has its own time limit.
+#
+#     bash bench/gpu_checks.sh
+set -u
+LOGS=${LOGS:-gpu-checks}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" - <<'PY'
+import importlib.metadata as md
+print({d: md.version(d) for d in ("torch", "transformers", "trl", "datasets", "peft", "accelerate", "pyarrow")})
+PY
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$LOGS/test_gpu.log"
+echo "tests/test_gpu.py exit ${PIPESTATUS[0]}"
+timeout 200 "$PY" bench/grpo_gpu.py --steps 4 --max-completion-length 256 --timeout 190 2>&1 | tee "$LOGS/grpo_gpu_256.log"
+echo "bench 256 exit ${PIPESTATUS[0]}"
+timeout 240 "$PY" bench/grpo_gpu.py --steps 4 --max-completion-length 512 --timeout 230 2>&1 | tee "$LOGS/grpo_gpu_512.log"
+echo "bench 512 exit ${PIPESTATUS[0]}"
