@@ -114,7 +114,11 @@ class LearnConfig:
         },
     )
     # GRPO (both runs)
-    steps: int = 90
+    steps: int = field(default=120, metadata={"help": "GRPO's steps from BC"})
+    stage0_steps: int = field(
+        default=180,
+        metadata={"help": "GRPO's steps from stage 0 (its process has no BC to train: more steps fit)"},
+    )
     num_generations: int = 8
     prompts_per_step: int = 4
     num_prompts: int = 1200
@@ -144,7 +148,7 @@ class LearnConfig:
     eval_seeds: int = field(default=32, metadata={"help": "held-out seeds per (level x dynamics) cell"})
     eval_max_new_tokens: int = 384
     time_limit_min: float = field(
-        default=52.0, metadata={"help": "each process stops GRPO at this wall time (minutes)"}
+        default=55.0, metadata={"help": "each process stops GRPO at this wall time (minutes)"}
     )
 
 
@@ -283,7 +287,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
     completion = cfg.max_completion_length if run == "grpo_bc" else cfg.stage0_completion_length
     return GRPOJobConfig(
         model=str(checkpoint),
-        steps=cfg.steps,
+        steps=cfg.steps if run == "grpo_bc" else cfg.stage0_steps,
         num_generations=cfg.num_generations,
         batch_size=cfg.num_generations * cfg.prompts_per_step,
         grad_accum=1,
@@ -349,7 +353,7 @@ def run_grpo(
             step_seconds.append(time.perf_counter() - self.t0)
             step = state.global_step
             late = deadline is not None and time.monotonic() > deadline
-            if step % cfg.eval_every == 0 or step == cfg.steps or late:
+            if step % cfg.eval_every == 0 or step == job.steps or late:
                 row = {
                     "step": step,
                     **evaluate_model(kw["model"], kw["processing_class"], cases, cfg.eval_max_new_tokens),

@@ -192,7 +192,7 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
     assert (
         args.max_completion_length == cfg.stage0_completion_length == 128
         and job.mixed_cells
-        and args.max_steps == cfg.steps
+        and args.max_steps == cfg.stage0_steps
         and args.seed == cfg.seed
     )
     names = [f.__name__ for f in funcs]
@@ -203,11 +203,13 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
     assert (job.strategy_advantage, job.strategy_lr_scale) == ("counterfactual", 10.0)
     # from BC: its own completion budget (the oracle's plans are longer) and learning rate
     from_bc = grpo_job_config(cfg, tmp_path / "bc", "grpo_bc")
-    assert (from_bc.max_completion_length, from_bc.lr, from_bc.out) == (
+    assert (from_bc.max_completion_length, from_bc.lr, from_bc.out, from_bc.steps) == (
         384,
         cfg.bc_lr,
         str(tmp_path / "grpo_bc"),
+        cfg.steps,
     )
+    assert cfg.steps != cfg.stage0_steps  # each start has its own step budget
     assert (
         job.num_prompts == 1200
         and job.prompt_seed_start == GRPO_PROMPT_SEED_START == TRAIN_SEED_START + 50_000
@@ -271,7 +273,7 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     argv = ["--out", str(tmp_path / "learn"), "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
             "--intermediate", "32", "--sft-examples", "8", "--sft-steps", "2", "--bc-examples", "12", "--bc-steps", "2",
-            "--steps", "2", "--eval-every", "1", "--num-generations", "2", "--prompts-per-step", "1", "--num-prompts",
+            "--steps", "2", "--stage0-steps", "2", "--eval-every", "1", "--num-generations", "2", "--prompts-per-step", "1", "--num-prompts",
             "4", "--max-completion-length", "16", "--stage0-completion-length", "16", "--eval-max-new-tokens", "16", "--eval-seeds", "1",
             "--no-parallel"]  # fmt: skip
     assert learning.main(argv) == 1
