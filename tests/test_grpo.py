@@ -363,7 +363,7 @@ def test_learning_grpo_runs_through_the_job_trainer(tiny_model, tmp_path):
     time share, prompts of every cell and a constant learning rate."""
     from examples import learning, learning_eval
 
-    cfg = learning.LearnConfig(out=str(tmp_path), steps=2, num_generations=2, prompts_per_step=1, num_prompts=2,
+    cfg = learning.LearnConfig(out=str(tmp_path), steps=2, stage0_steps=2, num_generations=2, prompts_per_step=1, num_prompts=2,
                                max_completion_length=24, eval_every=1, eval_seeds=1, lr=1e-3)  # fmt: skip
     evals, saves = [], []
     cases = learning_eval.heldout_cases(1, [("task_easy", False)])
