@@ -1,5 +1,6 @@
-"""Test-wide settings: offline hub, and MLflow's embedded default store in a temporary folder
-(so that a stage run by a test never writes mlflow.db / mlartifacts into the checkout)."""
+"""Test-wide settings: offline hub, MLflow's embedded default store in a temporary folder
+(so that a stage run by a test never writes mlflow.db / mlartifacts into the checkout), and the tiny
+model that the GRPO tests train (a module can define its own `tiny_model` instead)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,15 @@ start first and the short files fill the other core around them."""
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The tiny Qwen2 model, its tokenizer also trained on real prompts (shorter prompts)."""
+    from orthojob.data.prompts import TRAIN_SEED_START, prompt_rows
+    from orthojob.modeling.tiny_model import build_tiny_model
+
+    rows = prompt_rows(4, TRAIN_SEED_START, "task_easy", False) + prompt_rows(2, 0, "task_hard", True)
+    corpus = [m["content"] for r in rows for m in r["prompt"]]
+    path = tmp_path_factory.mktemp("tiny") / "tiny"
+    return build_tiny_model(path, vocab_size=1024, max_position_embeddings=4096, corpus=corpus)

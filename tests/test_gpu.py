@@ -11,23 +11,11 @@ test services), so that it runs on a GPU machine that has nothing else installed
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from orthojob.data.prompts import TRAIN_SEED_START, prompt_rows
-    from orthojob.modeling.tiny_model import build_tiny_model
-
-    rows = prompt_rows(4, TRAIN_SEED_START, "task_easy", False) + prompt_rows(2, 0, "task_hard", True)
-    corpus = [m["content"] for r in rows for m in r["prompt"]]
-    path = tmp_path_factory.mktemp("tiny") / "tiny"
-    return build_tiny_model(path, vocab_size=1024, max_position_embeddings=4096, corpus=corpus)
 
 
 def test_gpu_training_uses_bf16_where_supported(tiny_model, tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, prompt_rows, reset_observation
+from orthojob.data.prompts import plan_to_completion, reset_observation
 from orthojob.eval.analysis import analyze, plan_metrics
 from orthojob.modeling.models import device_info
 from orthojob.ops.exit_codes import ExitCode
@@ -32,17 +32,6 @@ FIVE = tuple(REWARD_FUNCS)
 
 def parse(argv: list[str]) -> argparse.Namespace:
     return add_train_arguments(argparse.ArgumentParser()).parse_args(argv)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """The tiny Qwen2 model, its tokenizer also trained on real prompts (shorter prompts)."""
-    from orthojob.modeling.tiny_model import build_tiny_model
-
-    rows = prompt_rows(4, TRAIN_SEED_START, "task_easy", False) + prompt_rows(2, 0, "task_hard", True)
-    corpus = [m["content"] for r in rows for m in r["prompt"]]
-    path = tmp_path_factory.mktemp("tiny") / "tiny"
-    return build_tiny_model(path, vocab_size=1024, max_position_embeddings=4096, corpus=corpus)
 
 
 @pytest.fixture
