@@ -63,7 +63,7 @@ from orthojob.rewards.canaries import METRICS
 from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
 from orthojob.stages import grpo_trainer
 from orthojob.stages.flags import add_config_arguments
-from orthojob.stages.grpo_config import GRPOJobConfig, validate
+from orthojob.stages.grpo_config import LR_SCHEDULERS, GRPOJobConfig, validate
 from orthojob.stages.sft import oracle_demonstrations, run_sft
 from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig
 from server.cases import TASK_IDS, TRAIN_SEED_START, CaseKey
@@ -124,6 +124,10 @@ class LearnConfig:
     num_prompts: int = 1200
     lr: float = 3e-4
     bc_lr: float = field(default=3e-4, metadata={"help": "GRPO's learning rate from BC"})
+    lr_scheduler: str = field(
+        default="constant",
+        metadata={"help": "GRPO's learning-rate schedule over each run's steps", "choices": LR_SCHEDULERS},
+    )
     temperature: float = 0.8
     beta: float = 0.1
     loss_type: str = "dapo"
@@ -280,7 +284,7 @@ def bc(cfg: LearnConfig) -> tuple[Path, dict]:
 def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"):
     """The :class:`orthojob.stages.grpo_config.GRPOJobConfig` of one of the experiment's GRPO runs
     (:data:`RUNS`): full fine-tuning of ``checkpoint`` on prompts of every cell, ``prompts_per_step``
-    prompt groups of ``num_generations`` per step, a constant learning rate and a completion budget
+    prompt groups of ``num_generations`` per step, the ``lr_scheduler`` schedule and a completion budget
     of their own for each start (``bc_lr`` and ``max_completion_length`` from BC, ``lr`` and
     ``stage0_completion_length`` from stage 0), no checkpoints until the end."""
 
@@ -292,7 +296,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
         batch_size=cfg.num_generations * cfg.prompts_per_step,
         grad_accum=1,
         lr=cfg.bc_lr if run == "grpo_bc" else cfg.lr,
-        lr_scheduler_type="constant",
+        lr_scheduler_type=cfg.lr_scheduler,
         lora_r=0,
         max_prompt_length=MAX_SEQ_LENGTH - completion,
         max_completion_length=completion,
