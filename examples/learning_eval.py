@@ -20,6 +20,8 @@ from orthojob.rewards.strategy_advantage import STRATEGY_KEY
 from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES
 from server.oracle import plan_for_case
+from server.reward_scaler import REWARD_MIN
+from server.scoring import STRATEGY_MULTIPLIERS
 from server.treatment import score_plans
 
 
@@ -35,6 +37,38 @@ def mean_ci(values: Sequence[float]) -> dict:
         return {"mean": mean, "lo": mean, "hi": mean, "n": 1}
     half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
     return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(x)}
+
+
+WAYS: tuple[str, ...] = ("as_written", "no_strategy", "optimal_named")
+"""The three ways :func:`strategy_counterfactuals` scores a plan."""
+CLASS_OF_MULTIPLIER: dict[float, str] = {v: k for k, v in STRATEGY_MULTIPLIERS.items()}
+
+
+def strategy_counterfactuals(plans: Sequence[dict | None], keys: Sequence[CaseKey]) -> list[dict]:
+    """Per case, the plan's scaled reward as written, without its strategy and with the case's
+    optimal strategy named (1.2 only where its movement follows that strategy's sequence), and the
+    multiplier class (optimal / neutral / wrong) it earned as written. A completion that is not a plan
+    (None) scores ``REWARD_MIN`` every way, class None."""
+
+    cases = [generate_case(*k) for k in keys]
+    parsed = [p if isinstance(p, dict) else {} for p in plans]
+    scored = {
+        "as_written": score_plans(parsed, keys),
+        "no_strategy": score_plans([{k: v for k, v in p.items() if k != "strategy"} for p in parsed], keys),
+        "optimal_named": score_plans(
+            [{**p, "strategy": c.optimal_strategy} for p, c in zip(parsed, cases)], keys
+        ),
+    }
+    out = []
+    for i, plan in enumerate(plans):
+        if plan is None:
+            out.append({**dict.fromkeys(WAYS, REWARD_MIN), "class": None})
+            continue
+        mult = float(scored["as_written"][i]["reward_breakdown"]["strategy_multiplier"])
+        out.append(
+            {**{w: float(scored[w][i]["scaled_reward"]) for w in WAYS}, "class": CLASS_OF_MULTIPLIER[mult]}
+        )
+    return out
 
 
 def summarise(episodes: Sequence[dict[str, float]]) -> dict[str, dict]:

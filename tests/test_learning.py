@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from examples.learning_eval import heldout_cases, mean_ci, reference_rows
+from examples.learning_eval import heldout_cases, mean_ci, reference_rows, strategy_counterfactuals
 from examples.learning_report import CELL_NAMES
 from orthojob.data.format_demos import format_demonstrations, random_format_plan
 from orthojob.rewards.canaries import METRICS, episode_values
@@ -92,6 +93,32 @@ def test_reference_rows_per_cell_level_and_pooled():
     assert pooled["do_nothing"]["scaled_reward"]["mean"] == pytest.approx(0.0, abs=1e-9)
     # doing nothing is a degenerate plan on every treated case, counted by form
     assert refs["do_nothing"]["degenerate_forms"] == {c: {"nothing": 3} for c in CELL_NAMES}
+
+
+def test_strategy_counterfactuals_tell_the_strategy_from_the_staging():
+    """The same staging scored as written, without a strategy and with the optimal one named: a wrong
+    strategy costs its multiplier (0.6 of neutral's), naming none is uniform SLERP's neutral 1.0, and a
+    completion that is not a plan scores the minimum every way."""
+    from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
+    from server.clinical_profiles import strategy_multiplier_class
+
+    keys = heldout_cases(2)
+    cases = [generate_case(*k) for k in keys]
+    wrong = [
+        next(s for s in STRATEGIES if strategy_multiplier_class(c.profile, s, c.secondary_profile) == "wrong")
+        for c in cases
+    ]
+    rows = strategy_counterfactuals([{**UNIFORM_SLERP_PLAN, "strategy": s} for s in wrong], keys)
+    slerp = strategy_counterfactuals([UNIFORM_SLERP_PLAN] * len(keys), keys)
+    for r, s in zip(rows, slerp):
+        assert r["class"] == "wrong" and s["class"] == "neutral"
+        assert r["no_strategy"] == pytest.approx(s["as_written"]) == pytest.approx(s["no_strategy"])
+        # the multiplier's 0.6, give or take the staging component the declared order earns
+        assert 0.55 * r["no_strategy"] < r["as_written"] < 0.7 * r["no_strategy"]
+        assert r["optimal_named"] >= r["no_strategy"]
+    assert strategy_counterfactuals([None], keys[:1]) == [
+        {"as_written": -2.0, "no_strategy": -2.0, "optimal_named": -2.0, "class": None}
+    ]
 
 
 def _row(scaled: float, hard: float = 0.0, degenerate: float = 0.0, half: float = 0.1) -> dict:
@@ -214,6 +241,9 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
         job.num_prompts == 1200
         and job.prompt_seed_start == GRPO_PROMPT_SEED_START == TRAIN_SEED_START + 50_000
     )
+    # the schedule flag reaches TRL
+    decaying = grpo_job_config(replace(cfg, lr_scheduler="linear"), tmp_path / "stage0")
+    assert build_grpo_args(decaying, {"cuda": False, "bf16": False}, 1)[0].lr_scheduler_type == "linear"
 
 
 def test_strategy_conditioning_tells_a_case_blind_policy_from_one_that_reads_the_case():
