@@ -51,6 +51,8 @@ from examples.learning_report import (
     RUNS,
     curve_table,
     markdown_tables,
+    paired_differences,
+    paired_table,
     plot,
     targets,
     targets_table,
@@ -498,12 +500,15 @@ def _run(cfg: LearnConfig) -> dict:
         report["runs"]["grpo_bc"] = record["grpo_bc"]
     report["targets"] = targets(report)
     report["passed"] = all(t["passed"] for t in report["targets"])
+    report["paired"] = paired_differences(report)
     report["wall_seconds"] = time.perf_counter() - t0
     save()
     text = (
         markdown_tables(report)
         + "\n\n"
         + curve_table(report)
+        + "\n\n"
+        + paired_table(report["paired"])
         + "\n\n"
         + targets_table(report["targets"])
         + "\n"
@@ -533,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_chain(cfg, heldout_cases(cfg.eval_seeds), time.monotonic() + cfg.time_limit_min * 60)
         return 0
     report = run(cfg)
-    print(markdown_tables(report) + "\n\n" + curve_table(report))
+    print(markdown_tables(report) + "\n\n" + curve_table(report) + "\n\n" + paired_table(report["paired"]))
     print(f"\nwall time {report['wall_seconds']:.0f} s; targets ({Path(cfg.out) / 'learning.json'}):")
     print(targets_table(report["targets"]))
     print("ALL TARGETS PASSED" if report["passed"] else "SOME TARGETS FAILED")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -11,9 +10,11 @@ import numpy as np
 
 from examples.learning_report import (
     cell_name,
+    mean_ci,
 )
 from orthojob.data.prompts import CELLS, build_messages, prompt_format_of, reset_observation
 from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN, generate_completions
+from orthojob.eval.metrics import SCALED_REWARD
 from orthojob.rewards.canaries import METRICS, episode_record, rollout_record
 from orthojob.rewards.rollouts import score_texts
 from orthojob.rewards.strategy_advantage import STRATEGY_KEY
@@ -23,21 +24,6 @@ from server.oracle import plan_for_case
 from server.reward_scaler import REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
 from server.treatment import score_plans
-
-
-def mean_ci(values: Sequence[float]) -> dict:
-    """Mean and 95 % t-interval of values (NaN dropped)."""
-    from scipy import stats
-
-    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
-    if len(x) == 0:
-        return {"mean": None, "lo": None, "hi": None, "n": 0}
-    mean = float(x.mean())
-    if len(x) < 2:
-        return {"mean": mean, "lo": mean, "hi": mean, "n": 1}
-    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(x)}
-
 
 WAYS: tuple[str, ...] = ("as_written", "no_strategy", "optimal_named")
 """The three ways :func:`strategy_counterfactuals` scores a plan."""
@@ -84,7 +70,9 @@ def heldout_cases(n: int, cells: Sequence[tuple[str, bool]] = CELLS) -> list[Cas
 def grouped(cases: Sequence[CaseKey], episodes: Sequence[dict]) -> dict:
     """Episodes (:func:`orthojob.rewards.canaries.episode_record` dicts, one per case) summarised per cell,
     per task level (both dynamics) and pooled over every case: ``{"cells": {cell: summary},
-    "levels": {level: summary}, "pooled": summary, "degenerate_forms": {cell: {form: count}}}``."""
+    "levels": {level: summary}, "pooled": summary, "degenerate_forms": {cell: {form: count}},
+    "per_case": {cell: [scaled reward of each case, in the cases' order]}}`` (the per-case scores let two
+    planners be compared on the same cases: :func:`examples.learning_report.paired_differences`)."""
     by_cell: dict[str, list] = {}
     by_level: dict[str, list] = {}
     forms: dict[str, Counter] = {}
@@ -98,6 +86,7 @@ def grouped(cases: Sequence[CaseKey], episodes: Sequence[dict]) -> dict:
         "levels": {k: summarise(v) for k, v in by_level.items()},
         "pooled": summarise(episodes),
         "degenerate_forms": {k: dict(v) for k, v in forms.items()},
+        "per_case": {k: [round(float(e[SCALED_REWARD]), 4) for e in v] for k, v in by_cell.items()},
     }
 
 

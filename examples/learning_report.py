@@ -5,8 +5,11 @@ pass/fail), the tables of ``learning.md`` and the curve plot.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from orthojob.data.prompts import CELLS
 from orthojob.eval.metrics import BANDS, SCALED_REWARD
@@ -30,6 +33,20 @@ DEGENERATE_MAX = 0.1
 
 GAP_CLOSED_MIN = 0.5
 """Share of the pooled gap from uniform SLERP to the oracle the final planner must close."""
+
+
+def mean_ci(values: Sequence[float]) -> dict:
+    """Mean and 95 % t-interval of values (NaN dropped)."""
+    from scipy import stats
+
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if len(x) == 0:
+        return {"mean": None, "lo": None, "hi": None, "n": 0}
+    mean = float(x.mean())
+    if len(x) < 2:
+        return {"mean": mean, "lo": mean, "hi": mean, "n": 1}
+    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(x)}
 
 
 def planners(report: dict) -> dict[str, dict]:
@@ -132,6 +149,57 @@ def targets(report: dict) -> list[dict]:
         add(f"{run}_stable", f"{run}: no evaluation after the first third of training falls below its start's "
             "pooled mean", (run,), stable)  # fmt: skip
     return out
+
+
+PAIRED_COMPARISONS: tuple[tuple[str, str], ...] = (
+    ("grpo_bc", "bc"),
+    ("grpo_bc", "uniform_slerp"),
+    ("grpo_stage0", "stage0"),
+    ("grpo_stage0", "uniform_slerp"),
+    ("bc", "uniform_slerp"),
+)
+"""The (planner, against) pairs :func:`paired_differences` compares case by case."""
+
+
+def paired_differences(report: dict) -> list[dict]:
+    """Each :data:`PAIRED_COMPARISONS` pair on the same held-out cases: the mean and 95 % t-interval of
+    the per-case difference in scaled reward (planner minus the other), per level and pooled, as
+    ``{"planner", "against", "levels": {level: ci}, "pooled": ci}``. Pairing removes what the cases
+    share (a force-decay case scores lower for every planner), so these intervals are narrower than
+    the targets' unpaired "CIs apart"; they are reported beside the targets, which judge as the
+    claims are written. Pairs without per-case scores (older reports) are left out."""
+
+    p = planners(report)
+    out = []
+    for a, b in PAIRED_COMPARISONS:
+        if not ({"per_case"} <= p.get(a, {}).keys() and {"per_case"} <= p.get(b, {}).keys()):
+            continue
+        diffs: dict[str, list[float]] = {}
+        for cell, xs in p[a]["per_case"].items():
+            ys = p[b]["per_case"].get(cell, [])
+            if len(ys) != len(xs):
+                raise ValueError(
+                    f"{a} and {b} were evaluated on different cases in {cell}: {len(xs)} vs {len(ys)}"
+                )
+            diffs.setdefault(cell.split("/")[0], []).extend(x - y for x, y in zip(xs, ys))
+        out.append({"planner": a, "against": b, "levels": {lv: mean_ci(d) for lv, d in diffs.items()},
+                    "pooled": mean_ci([x for d in diffs.values() for x in d])})  # fmt: skip
+    return out
+
+
+def paired_table(rows: Sequence[dict]) -> str:
+    """:func:`paired_differences` as a markdown table (mean difference [95 % CI] per level and pooled)."""
+    if not rows:
+        return ""
+    levels = list(rows[0]["levels"])
+    lines = [f"Paired differences in {SCALED_REWARD} on the same held-out cases, mean [95 % CI]:", "",
+             "| planner | against | " + " | ".join([*levels, "pooled"]) + " |", "|---" * (len(levels) + 3) + "|"]  # fmt: skip
+    for r in rows:
+        cells = [_cell(r["levels"][lv]) for lv in levels] + [_cell(r["pooled"])]
+        lines.append(
+            f"| {PLANNER_LABELS[r['planner']]} | {PLANNER_LABELS[r['against']]} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
 
 
 PLANNER_LABELS: dict[str, str] = {

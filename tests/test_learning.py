@@ -199,6 +199,46 @@ def test_targets_pass_only_when_every_claim_holds():
     assert "GRPO from BC (final)" in markdown_tables(_report())
 
 
+def test_paired_differences_compare_the_same_cases():
+    """Per-case scores from :func:`grouped` make a paired comparison: a planner 0.3 above another on
+    every case differs by 0.3 with a narrow interval even where the cases themselves spread widely
+    (force decay scores lower for everybody); different case counts are refused; a report without
+    per-case scores leaves the pair out."""
+    from examples.learning_eval import grouped
+    from examples.learning_report import paired_differences, paired_table
+
+    cases = heldout_cases(8)
+    rng = np.random.default_rng(0)
+    base = [(6.4 if not c.force_decay else 2.7) + rng.normal(0, 1.0) for c in cases]
+    noise = rng.normal(0, 0.05, len(cases))
+
+    def evaluation(scores):
+        return grouped(
+            cases,
+            [{**{m: 0.0 for m in METRICS}, "scaled_reward": s, "degenerate_form": None} for s in scores],
+        )
+
+    bc, final = evaluation(base), evaluation([b + 0.3 + e for b, e in zip(base, noise)])
+    assert final["per_case"]["task_easy/force_decay"] == [round(v, 4) for v, c in zip(
+        [b + 0.3 + e for b, e in zip(base, noise)], cases) if c.task_id == "task_easy" and c.force_decay]  # fmt: skip
+    report = _report()
+    report["runs"]["grpo_bc"]["evaluations"][0].update(bc)
+    report["runs"]["grpo_bc"]["evaluations"][-1].update(final)
+    rows = paired_differences(report)
+    assert [(r["planner"], r["against"]) for r in rows] == [
+        ("grpo_bc", "bc")
+    ]  # the others have no per-case scores
+    pooled = rows[0]["pooled"]
+    assert pooled["n"] == len(cases) and pooled["lo"] > 0.25 and pooled["hi"] < 0.35
+    unpaired = final["pooled"]["scaled_reward"]
+    assert unpaired["lo"] < bc["pooled"]["scaled_reward"]["hi"]  # the unpaired intervals overlap
+    assert set(rows[0]["levels"]) == {"task_easy", "task_medium", "task_hard"}
+    assert "GRPO from BC (final) | BC (stage 2) | 0.3" in paired_table(rows)
+    report["runs"]["grpo_bc"]["evaluations"][0]["per_case"]["task_hard/ideal"].pop()
+    with pytest.raises(ValueError, match="different cases in task_hard/ideal"):
+        paired_differences(report)
+
+
 def test_learning_grpo_settings_reach_trls_config(tmp_path):
     """run_grpo trains through the job's trainer: its GRPOJobConfig gives TRL the experiment's settings."""
     from examples.learning import GRPO_PROMPT_SEED_START, LearnConfig, grpo_job_config
@@ -323,4 +363,8 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
     assert [t["name"] for t in report["targets"]] == [t["name"] for t in learning_report.targets(report)]
     assert not all(t["passed"] for t in report["targets"])
     assert "| GRPO from BC (final) |" in (tmp_path / "learn" / "comparison.md").read_text()
+    # every planner was scored on the same cases: each comparison is paired, case by case
+    assert [(r["planner"], r["against"]) for r in report["paired"]] == list(learning_report.PAIRED_COMPARISONS)
+    assert all(r["pooled"]["n"] == len(CELL_NAMES) for r in report["paired"])
+    assert "Paired differences" in (tmp_path / "learn" / "comparison.md").read_text()
     assert (tmp_path / "learn" / "learning.png").is_file()
