@@ -21,6 +21,7 @@ from orthojob.rewards.strategy_advantage import STRATEGY_KEY
 from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES
 from server.oracle import plan_for_case
+from server.plans import normalize_plan
 from server.reward_scaler import REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
 from server.treatment import score_plans
@@ -34,8 +35,11 @@ def strategy_counterfactuals(plans: Sequence[dict | None], keys: Sequence[CaseKe
     """Per case, the plan's scaled reward as written, without its strategy and with the case's
     optimal strategy named (1.2 only where its movement follows that strategy's sequence), and the
     multiplier class (optimal / neutral / wrong) it earned as written. A completion that is not a plan
-    (None) scores ``REWARD_MIN`` every way, class None."""
+    (None, or no usable group) scores ``REWARD_MIN`` every way, class None, as the rewards score it."""
 
+    # as the rewards judge: a plan with no usable group is not a plan (score_plans would read it as
+    # uniform SLERP, the baseline API's reading)
+    plans = [p if isinstance(p, dict) and normalize_plan(p).format.usable_groups else None for p in plans]
     cases = [generate_case(*k) for k in keys]
     parsed = [p if isinstance(p, dict) else {} for p in plans]
     scored = {

@@ -116,9 +116,15 @@ def test_strategy_counterfactuals_tell_the_strategy_from_the_staging():
         # the multiplier's 0.6, give or take the staging component the declared order earns
         assert 0.55 * r["no_strategy"] < r["as_written"] < 0.7 * r["no_strategy"]
         assert r["optimal_named"] >= r["no_strategy"]
-    assert strategy_counterfactuals([None], keys[:1]) == [
-        {"as_written": -2.0, "no_strategy": -2.0, "optimal_named": -2.0, "class": None}
+    not_plans = [
+        None,
+        {"strategy": wrong[0], "tooth_groups": []},
+        {"tooth_groups": [{"teeth": [11], "fraction": 2}]},
     ]
+    assert (
+        strategy_counterfactuals(not_plans, keys[:3])
+        == [{"as_written": -2.0, "no_strategy": -2.0, "optimal_named": -2.0, "class": None}] * 3
+    )
 
 
 def _row(scaled: float, hard: float = 0.0, degenerate: float = 0.0, half: float = 0.1) -> dict:
@@ -364,7 +370,9 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
     assert not all(t["passed"] for t in report["targets"])
     assert "| GRPO from BC (final) |" in (tmp_path / "learn" / "comparison.md").read_text()
     # every planner was scored on the same cases: each comparison is paired, case by case
-    assert [(r["planner"], r["against"]) for r in report["paired"]] == list(learning_report.PAIRED_COMPARISONS)
+    assert [(r["planner"], r["against"]) for r in report["paired"]] == list(
+        learning_report.PAIRED_COMPARISONS
+    )
     assert all(r["pooled"]["n"] == len(CELL_NAMES) for r in report["paired"])
     assert "Paired differences" in (tmp_path / "learn" / "comparison.md").read_text()
     assert (tmp_path / "learn" / "learning.png").is_file()
