@@ -81,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     cases = [generate_case(*k) for k in keys]
     obs = [reset_observation(k.seed, k.task_id, k.force_decay) for k in keys]
     texts, _counts, _ended = generate_completions(model, tokenizer, obs, args.max_new_tokens, batch_size=16)
-    plans = [find_plan(t)[0] for t in texts]
+    # as the rewards judge: a plan with no usable group is not a plan (score_plans reads it as uniform SLERP)
+    plans = [
+        p if p is not None and normalize_plan(p).format.usable_groups else None
+        for p in (find_plan(t)[0] for t in texts)
+    ]
     oracle = [plan_for_case(c) for c in cases]
     mine = score_plans([p if p is not None else {} for p in plans], keys)
     theirs = score_plans(oracle, keys)
