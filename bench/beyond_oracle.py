@@ -26,13 +26,10 @@ if __package__ in (None, ""):
 import numpy as np
 
 from examples.learning import MAX_SEQ_LENGTH
-from examples.learning_eval import heldout_cases
+from examples.learning_eval import greedy_plans, heldout_cases
 from examples.learning_report import CELL_NAMES, cell_name
-from orthojob.data.prompts import reset_observation
-from orthojob.eval.evaluation import generate_completions
 from orthojob.modeling import models
 from orthojob.rewards.canaries import episode_record
-from orthojob.rewards.parsing import find_plan
 from server.cases import generate_case
 from server.dental_constants import TOOTH_IDS
 from server.oracle import plan_for_case
@@ -79,13 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     keys = heldout_cases(args.seeds)
     cases = [generate_case(*k) for k in keys]
-    obs = [reset_observation(k.seed, k.task_id, k.force_decay) for k in keys]
-    texts, _counts, _ended = generate_completions(model, tokenizer, obs, args.max_new_tokens, batch_size=16)
-    # as the rewards judge: a plan with no usable group is not a plan (score_plans reads it as uniform SLERP)
-    plans = [
-        p if p is not None and normalize_plan(p).format.usable_groups else None
-        for p in (find_plan(t)[0] for t in texts)
-    ]
+    plans = greedy_plans(model, tokenizer, keys, args.max_new_tokens)
     oracle = [plan_for_case(c) for c in cases]
     mine = score_plans([p if p is not None else {} for p in plans], keys)
     theirs = score_plans(oracle, keys)

@@ -30,12 +30,10 @@ if __package__ in (None, ""):
 import numpy as np
 
 from examples.learning import MAX_SEQ_LENGTH
-from examples.learning_eval import WAYS, heldout_cases, mean_ci, strategy_counterfactuals
+from examples.learning_eval import WAYS, greedy_plans, heldout_cases, mean_ci, strategy_counterfactuals
 from examples.learning_report import CELL_NAMES, cell_name
-from orthojob.data.prompts import reset_observation
-from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN, generate_completions
+from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
 from orthojob.modeling import models
-from orthojob.rewards.parsing import find_plan
 from server.cases import CaseKey, generate_case
 from server.oracle import plan_for_case
 from server.treatment import score_plans
@@ -78,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = models.load_policy(args.checkpoint, lora_r=0, max_seq_length=MAX_SEQ_LENGTH)
     model.eval()
     keys = heldout_cases(args.seeds)
-    obs = [reset_observation(k.seed, k.task_id, k.force_decay) for k in keys]
-    texts, _counts, _ended = generate_completions(model, tokenizer, obs, args.max_new_tokens, batch_size=16)
-    rows = strategy_counterfactuals([find_plan(t)[0] for t in texts], keys)
+    rows = strategy_counterfactuals(greedy_plans(model, tokenizer, keys, args.max_new_tokens), keys)
     slerp = [r["scaled_reward"] for r in score_plans([UNIFORM_SLERP_PLAN] * len(keys), keys)]
     oracle = [r["scaled_reward"] for r in score_plans([plan_for_case(generate_case(*k)) for k in keys], keys)]
     print(

@@ -16,12 +16,12 @@ from orthojob.data.prompts import CELLS, build_messages, prompt_format_of, reset
 from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN, generate_completions
 from orthojob.eval.metrics import SCALED_REWARD
 from orthojob.rewards.canaries import METRICS, episode_record, rollout_record
-from orthojob.rewards.rollouts import score_texts
+from orthojob.rewards.parsing import find_plan
+from orthojob.rewards.rollouts import is_plan, score_texts
 from orthojob.rewards.strategy_advantage import STRATEGY_KEY
 from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES
 from server.oracle import plan_for_case
-from server.plans import normalize_plan
 from server.reward_scaler import REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
 from server.treatment import score_plans
@@ -37,9 +37,7 @@ def strategy_counterfactuals(plans: Sequence[dict | None], keys: Sequence[CaseKe
     multiplier class (optimal / neutral / wrong) it earned as written. A completion that is not a plan
     (None, or no usable group) scores ``REWARD_MIN`` every way, class None, as the rewards score it."""
 
-    # as the rewards judge: a plan with no usable group is not a plan (score_plans would read it as
-    # uniform SLERP, the baseline API's reading)
-    plans = [p if isinstance(p, dict) and normalize_plan(p).format.usable_groups else None for p in plans]
+    plans = [p if is_plan(p) else None for p in plans]
     cases = [generate_case(*k) for k in keys]
     parsed = [p if isinstance(p, dict) else {} for p in plans]
     scored = {
@@ -175,6 +173,19 @@ def strategy_conditioning(probs: np.ndarray, optimal: Sequence[str]) -> dict:
     }
 
 
+def greedy_texts(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> tuple:
+    """``model``'s greedy completions for the cases' prompts: (texts, token counts, ended with EOS)."""
+    obs = [reset_observation(c.seed, c.task_id, c.force_decay) for c in cases]
+    return generate_completions(model, tokenizer, obs, max_new_tokens, batch_size=16)
+
+
+def greedy_plans(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> list[dict | None]:
+    """The plan in each greedy completion, None where there is none the rewards would count
+    (:func:`orthojob.rewards.rollouts.is_plan`)."""
+    texts = greedy_texts(model, tokenizer, cases, max_new_tokens)[0]
+    return [p if is_plan(p) else None for p in (find_plan(t)[0] for t in texts)]
+
+
 def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> dict:
     """Greedy plans of ``model`` for the held-out cases, scored as the rewards score them:
     :func:`grouped` summaries, the strategy probe (pooled), tokens, truncation and timing."""
@@ -182,8 +193,7 @@ def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: i
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    obs = [reset_observation(c.seed, c.task_id, c.force_decay) for c in cases]
-    texts, counts, ended = generate_completions(model, tokenizer, obs, max_new_tokens, batch_size=16)
+    texts, counts, ended = greedy_texts(model, tokenizer, cases, max_new_tokens)
     probs = strategy_distribution(model, tokenizer, cases, texts)
     if was_training:
         model.train()

@@ -172,7 +172,7 @@ def paired_differences(report: dict) -> list[dict]:
     p = planners(report)
     out = []
     for a, b in PAIRED_COMPARISONS:
-        if not ({"per_case"} <= p.get(a, {}).keys() and {"per_case"} <= p.get(b, {}).keys()):
+        if not ("per_case" in p.get(a, {}) and "per_case" in p.get(b, {})):
             continue
         diffs: dict[str, list[float]] = {}
         for cell, xs in p[a]["per_case"].items():

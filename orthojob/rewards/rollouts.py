@@ -95,6 +95,13 @@ def _failed(plan: dict | None, fmt: dict, error: str) -> Rollout:
     return Rollout(0.0, REWARD_MIN, (), {}, {}, fmt, plan, None, error)
 
 
+def is_plan(plan: object) -> bool:
+    """What the rewards count as a plan: an object with at least one usable tooth group
+    (:func:`score_texts` gives anything else :data:`NO_PLAN`). :func:`server.treatment.score_plans`
+    alone reads a plan without one as uniform SLERP, the baseline API's reading."""
+    return isinstance(plan, dict) and normalize_plan(plan).format.usable_groups > 0
+
+
 def score_texts(texts: Sequence[str], cases: Sequence[CaseKey]) -> list[Rollout]:
     """Rollouts of completion texts on cases (:class:`server.cases.CaseKey`): one batched server call.
 
