@@ -5,7 +5,8 @@ of each GRPO run), evaluates each greedily on ``--seeds`` held-out seeds of ever
 experiment's own evaluation (:func:`examples.learning_eval.evaluate_model`, deterministic, so the
 scores are the run's own), and prints the paired differences of
 :func:`examples.learning_report.paired_differences`: the mean per-case difference in scaled reward
-and its 95 % t-interval, per level and pooled. ``make learn`` prints the same table for runs made
+and its 95 % interval (stratified by cell), per level and pooled; then each planner's table per cell,
+per level and pooled, with the intervals as ``make learn`` now computes them. ``make learn`` prints the same table for runs made
 since it records per-case scores; this rebuilds it for a run made before.
 
     OMP_NUM_THREADS=1 python bench/paired_heldout.py --out runs/learn [--seeds 32]
@@ -23,7 +24,7 @@ if __package__ in (None, ""):
 
 from examples.learning import MAX_SEQ_LENGTH
 from examples.learning_eval import evaluate_model, heldout_cases, reference_rows
-from examples.learning_report import paired_differences, paired_table
+from examples.learning_report import markdown_tables, paired_differences, paired_table
 from orthojob.modeling import models
 
 CHECKPOINTS: dict[str, tuple[str, int]] = {
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = paired_differences(report)
     print(f"\n{out}: {args.seeds} held-out seeds per cell\n")
     print(paired_table(rows))
+    print()
+    print(markdown_tables(report))
     (out / "paired.json").write_text(json.dumps(rows, indent=1))
     return 0
 

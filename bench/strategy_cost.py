@@ -14,6 +14,12 @@ Beside them, the share of plans whose strategy, as written, earned the optimal (
 or wrong (0.6) multiplier. A planner whose "no strategy" score is uniform SLERP's loses to SLERP by
 its strategy alone; the gap from "optimal named" up to the oracle is what its staging leaves.
 
+A second table shows what naming each strategy earns on uniform staging (the staging GRPO from the
+format stage converges to), per cell: the share of cases where it earns the optimal, neutral or wrong
+multiplier, its mean, and each case's best of the five (a perfect read-out of the strategy). Where no
+strategy ever earns the optimal multiplier, the only signal the strategy's name carries on that staging
+is to avoid the wrong one, and naming none scores as well as the best read-out.
+
     OMP_NUM_THREADS=1 python bench/strategy_cost.py --checkpoint runs/learn/grpo_stage0 [--seeds 32]
 """
 
@@ -30,11 +36,19 @@ if __package__ in (None, ""):
 import numpy as np
 
 from examples.learning import MAX_SEQ_LENGTH
-from examples.learning_eval import WAYS, greedy_plans, heldout_cases, mean_ci, strategy_counterfactuals
+from examples.learning_eval import (
+    WAYS,
+    greedy_plans,
+    heldout_cases,
+    mean_ci,
+    strategy_counterfactuals,
+    uniform_strategy_signal,
+)
 from examples.learning_report import CELL_NAMES, cell_name
 from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
 from orthojob.modeling import models
 from server.cases import CaseKey, generate_case
+from server.clinical_profiles import STRATEGIES
 from server.oracle import plan_for_case
 from server.treatment import score_plans
 
@@ -56,13 +70,36 @@ def table(
         sel = [r for r, keep in zip(rows, m) if keep]
         ways = []
         for w in WAYS:
-            ci = mean_ci([r[w] for r in sel])
+            ci = mean_ci([r[w] for r in sel], cells[m])  # stratified by cell when pooled
             ways.append(f"{ci['mean']:.2f} [{ci['lo']:.2f}, {ci['hi']:.2f}]")
         shares = " / ".join(
             f"{np.mean([r['class'] == c for r in sel]):.2f}" for c in ("optimal", "neutral", "wrong")
         )
         ref = f"{np.mean(np.asarray(slerp)[m]):.2f} | {np.mean(np.asarray(oracle)[m]):.2f}"
         lines.append(f"| {name} | {' | '.join(ways)} | {shares} | {ref} |")
+    return "\n".join(lines)
+
+
+def uniform_table(keys: Sequence[CaseKey], slerp: Sequence[float]) -> str:
+    """A markdown table per cell: for each strategy named on uniform staging, the shares of cases
+    earning the optimal / neutral / wrong multiplier and the mean; then each case's best of the five."""
+    signal = uniform_strategy_signal(keys)
+    lines = [
+        "| cell | " + " | ".join(STRATEGIES) + " | case-aware best | uniform SLERP (none named) |",
+        "|---" * (len(STRATEGIES) + 3) + "|",
+    ]
+    cells = np.array([cell_name(k) for k in keys])
+    for name in CELL_NAMES:
+        m = cells == name
+        if not m.any():
+            continue
+        row = []
+        for s in STRATEGIES:
+            cls = np.asarray(signal[s]["class"])[m]
+            shares = "/".join(f"{np.mean(cls == c):.2f}" for c in ("optimal", "neutral", "wrong"))
+            row.append(f"{np.mean(np.asarray(signal[s]['scaled'])[m]):.2f} ({shares})")
+        best = np.mean(np.asarray(signal["case_aware_best"]["scaled"])[m])
+        lines.append(f"| {name} | {' | '.join(row)} | {best:.2f} | {np.mean(np.asarray(slerp)[m]):.2f} |")
     return "\n".join(lines)
 
 
@@ -83,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.checkpoint}: greedy plans on {args.seeds} held-out seeds per cell, scaled reward mean [95 % CI]"
     )
     print(table(rows, keys, slerp, oracle))
+    print()
+    print("Each strategy named on uniform staging: mean (optimal/neutral/wrong multiplier shares)")
+    print(uniform_table(keys, slerp))
     return 0
 
 

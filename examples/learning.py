@@ -18,8 +18,9 @@ is evaluated greedily on ``eval_seeds`` held-out seeds (:data:`server.cases.HELD
 every cell, beside the oracle, uniform SLERP and doing nothing on the same cases: the headline
 metric, the scaled terminal reward (``scaled_reward``, :mod:`orthojob.eval.metrics`), strategy accuracy,
 parse rate and the clinical canaries that are NOT rewards (:data:`orthojob.rewards.canaries.CANARIES`; the
-degenerate plans also counted by form), each as mean and 95 % t-interval per cell, per level (both
-dynamics) and pooled over the six cells.
+degenerate plans also counted by form), each as mean and 95 % interval per cell (a t-interval), per
+level (both dynamics) and pooled over the six cells (stratified by cell:
+:func:`examples.learning_report.mean_ci`).
 
 :func:`targets` judges the run against the claims it is meant to support (GRPO after BC beats BC;
 the final planner beats uniform SLERP on every level and closes half the gap to the oracle; GRPO

@@ -59,9 +59,99 @@ def strategy_counterfactuals(plans: Sequence[dict | None], keys: Sequence[CaseKe
     return out
 
 
-def summarise(episodes: Sequence[dict[str, float]]) -> dict[str, dict]:
-    """Each metric of :data:`METRICS`: mean and 95 % CI over the episodes."""
-    return {m: mean_ci([e[m] for e in episodes]) for m in METRICS}
+def summarise(episodes: Sequence[dict[str, float]], strata: Sequence[str] | None = None) -> dict[str, dict]:
+    """Each metric of :data:`METRICS`: mean and 95 % CI over the episodes (stratified by ``strata``, one
+    label per episode, where given: :func:`examples.learning_report.mean_ci`)."""
+    return {m: mean_ci([e[m] for e in episodes], strata) for m in METRICS}
+
+
+CHECKS: tuple[str, ...] = ("as_written", "checked", "no_overcorrection", "first_safe_sample")
+"""The ways :func:`safety_counterfactuals` scores a planner's plan for a case."""
+
+
+def _without_overcorrection(plan: dict) -> dict:
+    groups = [
+        {k: v for k, v in g.items() if k != "overcorrection"} if isinstance(g, dict) else g
+        for g in plan.get("tooth_groups") or []
+    ]
+    return {**plan, "tooth_groups": groups}
+
+
+def safety_counterfactuals(
+    plans: Sequence[dict | None],
+    keys: Sequence[CaseKey],
+    samples: Sequence[Sequence[dict | None]] | None = None,
+) -> list[dict]:
+    """How much of a planner's score its hard-rule breaks cost, per case (scaled reward each way):
+
+    * ``as_written``: the plan;
+    * ``checked``: the plan checked once on the simulator and replaced by uniform SLERP where it breaks
+      a hard rule (what one call of the environment's check and a fixed fallback would give);
+    * ``no_overcorrection``: the plan with every group's overcorrection removed;
+    * ``first_safe_sample``: the first of the case's ``samples`` (the policy's sampled plans) that breaks
+      no rule, else uniform SLERP (None when no samples are given).
+
+    Each row also has ``broken`` (the rules the plan as written breaks: ``server.treatment``'s
+    ``broken_rules``). A completion that is not a plan scores ``REWARD_MIN`` as written and with its
+    overcorrection removed, as the rewards score it, and counts as broken (``["not_a_plan"]``)."""
+    plans = [p if is_plan(p) else None for p in plans]
+    parsed = [p if p is not None else {} for p in plans]
+    written = score_plans(parsed, keys)
+    bare = score_plans([_without_overcorrection(p) for p in parsed], keys)
+    slerp = score_plans([UNIFORM_SLERP_PLAN] * len(keys), keys)
+    first_safe: list[float | None] = [None] * len(keys)
+    if samples is not None:
+        flat = [(i, p) for i, ps in enumerate(samples) for p in ps if is_plan(p)]
+        scored = score_plans([p for _, p in flat], [keys[i] for i, _ in flat])
+        for (i, _), r in zip(flat, scored):
+            if first_safe[i] is None and not r["broken_rules"]:
+                first_safe[i] = float(r["scaled_reward"])
+        first_safe = [
+            v if v is not None else float(slerp[i]["scaled_reward"]) for i, v in enumerate(first_safe)
+        ]
+    out = []
+    for i, plan in enumerate(plans):
+        broken = list(written[i]["broken_rules"]) if plan is not None else ["not_a_plan"]
+        as_written = float(written[i]["scaled_reward"]) if plan is not None else REWARD_MIN
+        out.append(
+            {
+                "as_written": as_written,
+                "checked": float(slerp[i]["scaled_reward"]) if broken else as_written,
+                "no_overcorrection": float(bare[i]["scaled_reward"]) if plan is not None else REWARD_MIN,
+                "first_safe_sample": first_safe[i],
+                "broken": broken,
+            }
+        )
+    return out
+
+
+def sampled_plans(
+    model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int, k: int, temperature: float
+) -> list[list[dict | None]]:
+    """``k`` sampled plans per case at ``temperature`` (None where a completion has no plan the rewards
+    would count); seed torch beforehand for reproducible samples."""
+    obs = [reset_observation(c.seed, c.task_id, c.force_decay) for c in cases]
+    texts = generate_completions(
+        model, tokenizer, obs, max_new_tokens, batch_size=16, samples=k, temperature=temperature
+    )[0]
+    plans = [p if is_plan(p) else None for p in (find_plan(t)[0] for t in texts)]
+    return [plans[i * k : (i + 1) * k] for i in range(len(cases))]
+
+
+def uniform_strategy_signal(keys: Sequence[CaseKey]) -> dict[str, dict]:
+    """What naming each strategy earns on uniform staging (the staging GRPO from the format stage
+    converges to): per strategy, each case's multiplier class (optimal / neutral / wrong) and scaled
+    reward; and ``"case_aware_best"``, each case's best over the five (a perfect read-out of the case's
+    strategy on uniform staging). Uniform SLERP itself names none (the neutral multiplier)."""
+    out: dict[str, dict] = {}
+    for s in STRATEGIES:
+        r = score_plans([{**UNIFORM_SLERP_PLAN, "strategy": s}] * len(keys), keys)
+        out[s] = {
+            "class": [CLASS_OF_MULTIPLIER[float(x["reward_breakdown"]["strategy_multiplier"])] for x in r],
+            "scaled": [float(x["scaled_reward"]) for x in r],
+        }
+    out["case_aware_best"] = {"scaled": np.max([out[s]["scaled"] for s in STRATEGIES], axis=0).tolist()}
+    return out
 
 
 def heldout_cases(n: int, cells: Sequence[tuple[str, bool]] = CELLS) -> list[CaseKey]:
@@ -71,22 +161,25 @@ def heldout_cases(n: int, cells: Sequence[tuple[str, bool]] = CELLS) -> list[Cas
 
 def grouped(cases: Sequence[CaseKey], episodes: Sequence[dict]) -> dict:
     """Episodes (:func:`orthojob.rewards.canaries.episode_record` dicts, one per case) summarised per cell,
-    per task level (both dynamics) and pooled over every case: ``{"cells": {cell: summary},
+    per task level (both dynamics) and pooled over every case, the level and pooled intervals stratified
+    by cell (:func:`examples.learning_report.mean_ci`): ``{"cells": {cell: summary},
     "levels": {level: summary}, "pooled": summary, "degenerate_forms": {cell: {form: count}},
     "per_case": {cell: [scaled reward of each case, in the cases' order]}}`` (the per-case scores let two
     planners be compared on the same cases: :func:`examples.learning_report.paired_differences`)."""
     by_cell: dict[str, list] = {}
     by_level: dict[str, list] = {}
+    level_cells: dict[str, list] = {}
     forms: dict[str, Counter] = {}
     for c, e in zip(cases, episodes):
         by_cell.setdefault(cell_name(c), []).append(e)
         by_level.setdefault(c.task_id, []).append(e)
+        level_cells.setdefault(c.task_id, []).append(cell_name(c))
         if e.get("degenerate_form"):
             forms.setdefault(cell_name(c), Counter())[e["degenerate_form"]] += 1
     return {
         "cells": {k: summarise(v) for k, v in by_cell.items()},
-        "levels": {k: summarise(v) for k, v in by_level.items()},
-        "pooled": summarise(episodes),
+        "levels": {k: summarise(v, level_cells[k]) for k, v in by_level.items()},
+        "pooled": summarise(episodes, [cell_name(c) for c in cases]),
         "degenerate_forms": {k: dict(v) for k, v in forms.items()},
         "per_case": {k: [round(float(e[SCALED_REWARD]), 4) for e in v] for k, v in by_cell.items()},
     }

@@ -35,18 +35,36 @@ GAP_CLOSED_MIN = 0.5
 """Share of the pooled gap from uniform SLERP to the oracle the final planner must close."""
 
 
-def mean_ci(values: Sequence[float]) -> dict:
-    """Mean and 95 % t-interval of values (NaN dropped)."""
+def mean_ci(values: Sequence[float], strata: Sequence[str] | None = None) -> dict:
+    """Mean and 95 % t-interval of values (NaN and None dropped).
+
+    With ``strata`` (one label per value: the held-out cell of each case), the interval is the
+    stratified one (Cochran, *Sampling Techniques*, ch. 5): the evaluation draws a fixed number of cases
+    from each cell, so the difference between the cells' means (a force-decay case scores lower for
+    every planner) is part of the design, not sampling noise. The mean is the same; the variance is
+    ``sum_h w_h^2 s_h^2 / n_h`` with ``w_h = n_h / n``, on ``n - H`` degrees of freedom (a stratum with one
+    value adds no variance). Without strata, the plain interval counts the spread between the cells as
+    noise and is wider."""
     from scipy import stats
 
-    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    labels = list(strata) if strata is not None else [None] * len(values)
+    if len(labels) != len(values):
+        raise ValueError(f"{len(values)} values but {len(labels)} strata labels")
+    kept = [(v, s) for v, s in zip(values, labels) if v is not None and math.isfinite(v)]
+    x = np.asarray([v for v, _ in kept], dtype=float)
     if len(x) == 0:
         return {"mean": None, "lo": None, "hi": None, "n": 0}
     mean = float(x.mean())
     if len(x) < 2:
         return {"mean": mean, "lo": mean, "hi": mean, "n": 1}
-    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(x)}
+    groups: dict = {}
+    for v, s in kept:
+        groups.setdefault(s, []).append(v)
+    n = len(x)
+    var = sum((len(g) / n) ** 2 * np.var(g, ddof=1) / len(g) for g in groups.values() if len(g) > 1)
+    df = max(n - len(groups), 1)
+    half = float(stats.t.ppf(0.975, df) * math.sqrt(var))
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
 
 
 def planners(report: dict) -> dict[str, dict]:
@@ -161,9 +179,15 @@ PAIRED_COMPARISONS: tuple[tuple[str, str], ...] = (
 """The (planner, against) pairs :func:`paired_differences` compares case by case."""
 
 
+def _stratified(pairs: Sequence[tuple[float, str]]) -> dict:
+    """:func:`mean_ci` of ``(value, stratum)`` pairs."""
+    return mean_ci([v for v, _ in pairs], [s for _, s in pairs])
+
+
 def paired_differences(report: dict) -> list[dict]:
-    """Each :data:`PAIRED_COMPARISONS` pair on the same held-out cases: the mean and 95 % t-interval of
-    the per-case difference in scaled reward (planner minus the other), per level and pooled, as
+    """Each :data:`PAIRED_COMPARISONS` pair on the same held-out cases: the mean and 95 % interval of
+    the per-case difference in scaled reward (planner minus the other), per level and pooled
+    (stratified by cell, :func:`mean_ci`), as
     ``{"planner", "against", "levels": {level: ci}, "pooled": ci}``. Pairing removes what the cases
     share (a force-decay case scores lower for every planner), so these intervals are narrower than
     the targets' unpaired "CIs apart"; they are reported beside the targets, which judge as the
@@ -181,9 +205,10 @@ def paired_differences(report: dict) -> list[dict]:
                 raise ValueError(
                     f"{a} and {b} were evaluated on different cases in {cell}: {len(xs)} vs {len(ys)}"
                 )
-            diffs.setdefault(cell.split("/")[0], []).extend(x - y for x, y in zip(xs, ys))
-        out.append({"planner": a, "against": b, "levels": {lv: mean_ci(d) for lv, d in diffs.items()},
-                    "pooled": mean_ci([x for d in diffs.values() for x in d])})  # fmt: skip
+            diffs.setdefault(cell.split("/")[0], []).extend((x - y, cell) for x, y in zip(xs, ys))
+        pooled = [d for ds in diffs.values() for d in ds]
+        out.append({"planner": a, "against": b, "levels": {lv: _stratified(ds) for lv, ds in diffs.items()},
+                    "pooled": _stratified(pooled)})  # fmt: skip
     return out
 
 

@@ -76,6 +76,61 @@ def test_ci_and_episode_metrics():
     assert set(failed) == set(METRICS)
 
 
+def test_stratified_interval_leaves_out_the_spread_between_cells():
+    """A level's cases come from fixed cells: two cells scoring 6.4 and 2.7 on every case have a
+    stratified interval of zero width around 4.55, where the plain interval counts the cells' difference
+    as noise; one stratum gives the plain interval; labels must match the values."""
+    values = [6.4] * 32 + [2.7] * 32
+    cells = ["task_easy/ideal"] * 32 + ["task_easy/force_decay"] * 32
+    plain, strat = mean_ci(values), mean_ci(values, cells)
+    assert strat["mean"] == pytest.approx(plain["mean"]) == pytest.approx(4.55)
+    assert strat["hi"] - strat["lo"] == pytest.approx(0.0) and plain["hi"] - plain["lo"] > 0.9
+    rng = np.random.default_rng(1)
+    noisy = [v + rng.normal(0, 0.5) for v in values]
+    half = mean_ci(noisy, cells)["hi"] - mean_ci(noisy, cells)["mean"]
+    assert 0.08 < half < 0.2  # about 1.98 * 0.5 / sqrt(64) = 0.12
+    one = mean_ci(noisy[:32], ["a"] * 32)
+    assert one == pytest.approx(mean_ci(noisy[:32]))
+    with pytest.raises(ValueError, match="strata labels"):
+        mean_ci(values, cells[:3])
+
+
+def test_safety_counterfactuals_say_what_the_rule_breaks_cost():
+    """A plan that breaks a hard rule (every tooth overcorrected 40 % under ideal dynamics: the aligner
+    shapes collide) is scored as written, checked (uniform SLERP in its place), without its
+    overcorrection (uniform SLERP's staging here) and by the first safe sampled plan; a safe plan is
+    the same every way; a completion that is not a plan is the minimum and counts as broken."""
+    from examples.learning_eval import safety_counterfactuals, uniform_strategy_signal
+    from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
+    from server.treatment import score_plans
+
+    keys = [k for k in heldout_cases(2) if not k.force_decay][:2]
+    over = {"tooth_groups": [{**UNIFORM_SLERP_PLAN["tooth_groups"][0], "overcorrection": 0.4}]}
+    slerp = [r["scaled_reward"] for r in score_plans([UNIFORM_SLERP_PLAN] * 2, keys)]
+    rows = safety_counterfactuals(
+        [over, UNIFORM_SLERP_PLAN], keys, samples=[[None, over, UNIFORM_SLERP_PLAN], []]
+    )
+    broken, safe = rows
+    assert broken["broken"] and broken["as_written"] < 0
+    assert broken["checked"] == pytest.approx(slerp[0]) == pytest.approx(broken["no_overcorrection"])
+    assert broken["first_safe_sample"] == pytest.approx(slerp[0])
+    assert safe["broken"] == [] and safe["as_written"] == safe["checked"] == pytest.approx(slerp[1])
+    assert safe["first_safe_sample"] == pytest.approx(slerp[1])  # no samples: the fallback
+    assert safety_counterfactuals([over], keys[:1])[0]["first_safe_sample"] is None
+    (none,) = safety_counterfactuals([None], keys[:1])
+    assert (
+        none["broken"] == ["not_a_plan"]
+        and none["as_written"] == -2.0
+        and none["checked"] == pytest.approx(slerp[0])
+    )
+
+    signal = uniform_strategy_signal(keys)
+    assert set(signal) == {*STRATEGIES, "case_aware_best"}
+    best = np.asarray(signal["case_aware_best"]["scaled"])
+    assert all((best >= np.asarray(signal[s]["scaled"]) - 1e-12).all() for s in STRATEGIES)
+    assert all(c in ("optimal", "neutral", "wrong") for s in STRATEGIES for c in signal[s]["class"])
+
+
 def test_reference_rows_per_cell_level_and_pooled():
     cases = heldout_cases(3)
     assert len(cases) == 3 * len(CELL_NAMES) and all(c.seed >= HELDOUT_SEED_START for c in cases)
