@@ -241,7 +241,7 @@ PLANNER_LABELS: dict[str, str] = {
 def _cell(ci: dict, digits: int = 2) -> str:
     if ci["mean"] is None:
         return "-"
-    if ci["n"] > 1 and ci["hi"] != ci["lo"]:
+    if ci["n"] > 1 and round(ci["hi"] - ci["lo"], digits) > 0:
         return f"{ci['mean']:.{digits}f} [{ci['lo']:.{digits}f}, {ci['hi']:.{digits}f}]"
     return f"{ci['mean']:.{digits}f}"
 
