@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -41,15 +42,22 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from examples.learning_config import (
+    CHAIN_FILE,
+    GRPO_PROMPT_SEED_START,
+    MAX_SEQ_LENGTH,
+    RSFT_PROMPT_SEED_START,
+    LearnConfig,
+)
 from examples.learning_eval import evaluate_model, heldout_cases, reference_rows
 from examples.learning_report import (
     CELL_NAMES,
     RUNS,
+    cell_name,
     curve_table,
     markdown_tables,
     paired_differences,
@@ -58,113 +66,21 @@ from examples.learning_report import (
     targets,
     targets_table,
 )
-from orthojob.data.prompts import prompt_format_of
+from orthojob.data.prompts import CELLS, prompt_format_of
 from orthojob.eval.metrics import SCALED_REWARD
 from orthojob.modeling import models
 from orthojob.ops import tracking
 from orthojob.rewards.canaries import METRICS
-from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
 from orthojob.stages import grpo_trainer
+from orthojob.stages import rsft as rsft_stage
 from orthojob.stages.flags import add_config_arguments
-from orthojob.stages.grpo_config import LR_SCHEDULERS, GRPOJobConfig, validate
+from orthojob.stages.grpo_config import GRPOJobConfig, validate
+from orthojob.stages.rsft_config import RSFTConfig
 from orthojob.stages.sft import oracle_demonstrations, run_sft
 from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig
-from server.cases import TASK_IDS, TRAIN_SEED_START, CaseKey
+from server.cases import TASK_IDS, CaseKey
 
 log = logging.getLogger("examples.learning")
-
-
-GRPO_PROMPT_SEED_START = TRAIN_SEED_START + 50_000
-"""The GRPO training prompts' first seed (away from the SFT demonstrations' seeds)."""
-MAX_SEQ_LENGTH = 2048
-CHAIN_FILE = "chain.json"
-"""What the chain's process (BC, GRPO from BC) hands the main process."""
-
-_SWITCH = {"negatable": True}
-"""A switch's flag pair --x / --no-x (:func:`orthojob.stages.flags.add_config_arguments`)."""
-
-
-@dataclass(frozen=True)
-class LearnConfig:
-    """Every setting of one learning run (the CLI flags are generated from these fields)."""
-
-    out: str = field(default="runs/learn", metadata={"help": "output folder"})
-    seed: int = field(
-        default=0, metadata={"help": "the whole run's seed: model init, SFT order, GRPO sampling"}
-    )
-    # model
-    hidden_size: int = 96
-    layers: int = 3
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 256
-    prompt_format: str = "compact"
-    # SFT (stage 0 and BC share the optimiser settings)
-    sft_batch_size: int = 4
-    sft_lr: float = 3e-3
-    sft_examples: int = field(default=1600, metadata={"help": "stage 0's format demonstrations"})
-    sft_steps: int = field(default=500, metadata={"help": "stage 0's steps"})
-    strategy_last: bool = field(default=True, metadata=_SWITCH)
-    fresh_stage0: bool = field(default=False, metadata=_SWITCH)
-    bc_examples: int = field(default=1800, metadata={"help": "BC's oracle demonstrations, over every cell"})
-    bc_steps: int = field(default=1000, metadata={"help": "BC's steps"})
-    bc_demos: str = field(
-        default="robust",
-        metadata={
-            "help": "BC's plans: the oracle's (oracle), or per case the candidate that stays safe when written "
-            "imprecisely (robust: orthojob/data/robust_plans.py)",
-            "choices": ("oracle", "robust"),
-        },
-    )
-    # GRPO (both runs)
-    steps: int = field(default=120, metadata={"help": "GRPO's steps from BC"})
-    stage0_steps: int = field(
-        default=180,
-        metadata={"help": "GRPO's steps from stage 0 (its process has no BC to train: more steps fit)"},
-    )
-    num_generations: int = 8
-    prompts_per_step: int = 4
-    num_prompts: int = 1200
-    lr: float = 3e-4
-    bc_lr: float = field(default=3e-4, metadata={"help": "GRPO's learning rate from BC"})
-    lr_scheduler: str = field(
-        default="constant",
-        metadata={"help": "GRPO's learning-rate schedule over each run's steps", "choices": LR_SCHEDULERS},
-    )
-    temperature: float = 0.8
-    beta: float = 0.1
-    loss_type: str = "dapo"
-    scale_rewards: str = "group"
-    strategy_weight: float = 3.0
-    strategy_advantage: str = field(default="counterfactual", metadata={"choices": STRATEGY_ADVANTAGES})
-    strategy_advantage_scale: float = 1.0
-    strategy_lr_scale: float = 10.0
-    max_completion_length: int = field(
-        default=384, metadata={"help": "GRPO's completion budget from BC (tokens)"}
-    )
-    stage0_completion_length: int = field(
-        default=128, metadata={"help": "GRPO's completion budget from stage 0 (tokens; its plans are short)"}
-    )
-    # the two processes
-    parallel: bool = field(default=True, metadata={"help": "the chain in a second process", **_SWITCH})
-    chain_only: bool = field(
-        default=False, metadata={"help": "run only the chain (the second process)", **_SWITCH}
-    )
-    # evaluation
-    eval_every: int = 30
-    eval_seeds: int = field(default=32, metadata={"help": "held-out seeds per (level x dynamics) cell"})
-    eval_max_new_tokens: int = 384
-    time_limit_min: float = field(
-        default=55.0, metadata={"help": "each process stops GRPO at this wall time (minutes)"}
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Statistics over the cells
-# ---------------------------------------------------------------------------------------------
-
-
-"""Where a plan names its strategy: the probe reads the next token's distribution there."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,6 +193,50 @@ def bc(cfg: LearnConfig) -> tuple[Path, dict]:
     config = _sft_stage_config(cfg, model=str(base), out=str(out), examples=len(demos), steps=cfg.bc_steps)
     summary = run_sft(config, demos, info)
     return out, {**_sft_meta(summary), "wall_seconds": time.perf_counter() - t0}
+
+
+def rsft_keys(cfg: LearnConfig) -> list[CaseKey]:
+    """RSFT's ``rsft_prompts`` training cases, the cells taking turns."""
+    return [CaseKey(task_id, RSFT_PROMPT_SEED_START + k // len(CELLS), force_decay)
+            for k, (task_id, force_decay) in zip(range(cfg.rsft_prompts), itertools.cycle(CELLS))]  # fmt: skip
+
+
+def rsft(cfg: LearnConfig, checkpoint: Path) -> tuple[Path, dict]:
+    """Stage 4 on ``checkpoint`` (BC): ``rsft_samples`` completions per :func:`rsft_keys` case at GRPO's
+    temperature, each scored by the environment; per case the best one that breaks no hard rule and
+    scores at least uniform SLERP's + ``rsft_margin`` is kept (:mod:`orthojob.stages.rsft`), and the
+    checkpoint fine-tuned on the kept ones (``rsft_steps``, ``rsft_lr``). Returns the checkpoint and
+    the counts: why samples were dropped, how many were kept per cell, timings. When none is kept the
+    checkpoint is returned as it is (``skipped`` says so)."""
+
+    t0 = time.perf_counter()
+    out = Path(cfg.out) / "rsft"
+    config = _sft_stage_config(cfg, RSFTConfig, model=str(checkpoint), from_checkpoint=str(checkpoint), out=str(out),
+                               prompts=cfg.rsft_prompts, samples_per_prompt=cfg.rsft_samples,
+                               temperature=cfg.temperature, max_new_tokens=cfg.max_completion_length,
+                               sample_batch_size=16, keep_min_margin_over_slerp=cfg.rsft_margin,
+                               skip_gate_check=True, steps=cfg.rsft_steps, lr=cfg.rsft_lr)  # fmt: skip
+    samples = rsft_stage.sample_and_keep(config, checkpoint, rsft_keys(cfg))
+    sample_seconds = time.perf_counter() - t0
+    tally = rsft_stage.counts(samples)
+    kept_by_cell: dict[str, int] = dict.fromkeys(CELL_NAMES, 0)
+    for s in samples:
+        if s["kept"]:
+            kept_by_cell[cell_name(CaseKey(s["task_id"], s["seed"], s["force_decay"]))] += 1
+    log.info("RSFT samples: %s; kept per cell %s", tally, kept_by_cell)
+    rows = rsft_stage.training_rows(samples, False, prompt_format_of(checkpoint))
+    if not rows:  # nothing to imitate: GRPO starts from the checkpoint as it is
+        log.warning("RSFT kept no sample (%s): GRPO starts from %s", tally, checkpoint)
+        return checkpoint, {"counts": tally, "kept_by_cell": kept_by_cell, "sample_seconds": sample_seconds,
+                            "skipped": "no sample kept", "wall_seconds": time.perf_counter() - t0}  # fmt: skip
+    summary = run_sft(config, rows, {"source": "rsft", **tally})
+    meta = {
+        **_sft_meta(summary),
+        "counts": tally,
+        "kept_by_cell": kept_by_cell,
+        "sample_seconds": sample_seconds,
+    }
+    return out, {**meta, "wall_seconds": time.perf_counter() - t0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,8 +362,9 @@ def _grpo_from(cfg, name, checkpoint, cases, record: dict, save, deadline) -> No
 
 
 def run_chain(cfg: LearnConfig, cases: Sequence[CaseKey], deadline: float | None = None) -> dict:
-    """The seed's chain: BC from the base model, its evaluation, then GRPO from BC; written to
-    ``<out>/chain.json`` as it goes (the main process reads it)."""
+    """The seed's chain: BC from the base model, its evaluation, then GRPO from BC (with
+    ``rsft_prompts``, RSFT between them: BC evaluated on its own, GRPO from RSFT's checkpoint);
+    written to ``<out>/chain.json`` as it goes (the main process reads it)."""
     out = Path(cfg.out)
     record: dict = {}
 
@@ -412,13 +373,13 @@ def run_chain(cfg: LearnConfig, cases: Sequence[CaseKey], deadline: float | None
 
     checkpoint, record["bc"] = bc(cfg)
     save()
+    if cfg.rsft_prompts:
+        record["bc"]["evaluation"] = _evaluate_checkpoint(checkpoint, cases, cfg)
+        save()
+        checkpoint, record["rsft"] = rsft(cfg, checkpoint)
+        save()
     _grpo_from(cfg, "grpo_bc", checkpoint, cases, record, save, deadline)
     return record
-
-
-# ---------------------------------------------------------------------------------------------
-# Targets
-# ---------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,6 +458,8 @@ def _run(cfg: LearnConfig) -> dict:
             log.warning("the chain's process exited %s: see %s", code, out / "chain.log")
             report["chain_error"] = f"exit {code}, see chain.log"
     report["bc"] = record.get("bc")
+    if "rsft" in record:
+        report["rsft"] = record["rsft"]
     if "grpo_bc" in record:
         report["runs"]["grpo_bc"] = record["grpo_bc"]
     report["targets"] = targets(report)

@@ -69,7 +69,8 @@ def mean_ci(values: Sequence[float], strata: Sequence[str] | None = None) -> dic
 
 def planners(report: dict) -> dict[str, dict]:
     """The evaluated planners by name: ``stage0`` and ``bc`` (their GRPO runs' step 0), each GRPO
-    run's last evaluation, and the references; a planner whose run is missing is left out."""
+    run's last evaluation, and the references; with RSFT between BC and GRPO, ``bc`` is BC's own
+    evaluation and ``rsft`` GRPO's start. A planner whose run is missing is left out."""
     rows: dict[str, dict] = {}
     for run, start in (("grpo_stage0", "stage0"), ("grpo_bc", "bc")):
         evals = report.get("runs", {}).get(run, {}).get("evaluations") or []
@@ -77,6 +78,11 @@ def planners(report: dict) -> dict[str, dict]:
             rows[start] = evals[0]
             if len(evals) > 1:
                 rows[run] = evals[-1]
+    bc_alone = (report.get("bc") or {}).get("evaluation")
+    if bc_alone is not None:  # RSFT between BC and GRPO: GRPO's start is RSFT's checkpoint
+        if "bc" in rows:
+            rows["rsft"] = rows["bc"]
+        rows["bc"] = bc_alone
     return {**rows, **report.get("references", {})}
 
 
@@ -175,6 +181,8 @@ PAIRED_COMPARISONS: tuple[tuple[str, str], ...] = (
     ("grpo_stage0", "stage0"),
     ("grpo_stage0", "uniform_slerp"),
     ("bc", "uniform_slerp"),
+    ("rsft", "bc"),
+    ("grpo_bc", "rsft"),
 )
 """The (planner, against) pairs :func:`paired_differences` compares case by case."""
 
@@ -231,6 +239,7 @@ PLANNER_LABELS: dict[str, str] = {
     "stage0": "stage 0 (format SFT)",
     "grpo_stage0": "GRPO from stage 0",
     "bc": "BC (stage 2)",
+    "rsft": "RSFT from BC (stage 4)",
     "grpo_bc": "GRPO from BC (final)",
     "oracle": "oracle",
     "uniform_slerp": "uniform SLERP",

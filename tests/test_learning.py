@@ -406,7 +406,7 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
             "--intermediate", "32", "--sft-examples", "8", "--sft-steps", "2", "--bc-examples", "12", "--bc-steps", "2",
             "--steps", "2", "--stage0-steps", "2", "--eval-every", "1", "--num-generations", "2", "--prompts-per-step", "1", "--num-prompts",
             "4", "--max-completion-length", "16", "--stage0-completion-length", "16", "--eval-max-new-tokens", "16", "--eval-seeds", "1",
-            "--no-parallel"]  # fmt: skip
+            "--rsft-prompts", "6", "--rsft-samples", "2", "--rsft-steps", "1", "--no-parallel"]  # fmt: skip
     assert learning.main(argv) == 1
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith("SOME TARGETS FAILED") and "| target | passed | value |" in printed
@@ -421,6 +421,19 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
             )
         assert run["training"]["steps_done"] == 2 and run["training"]["grpo_config"]["mixed_cells"] is True
     assert report["bc"]["examples"] == 12 and report["stage0"]["key"]["layers"] == 1
+    # RSFT between BC and GRPO: BC evaluated on its own; an untrained model writes no plan to keep, so
+    # GRPO starts from BC, and RSFT's row (GRPO's start) is BC's
+    rsft = report["rsft"]
+    assert rsft["counts"]["samples"] == 12 and rsft["counts"]["kept"] == 0 and rsft["skipped"]
+    assert sum(rsft["kept_by_cell"].values()) == 0 and list(rsft["kept_by_cell"]) == list(CELL_NAMES)
+    rows = learning_report.planners(report)
+    assert (
+        rows["bc"] is report["bc"]["evaluation"]
+        and rows["rsft"] is report["runs"]["grpo_bc"]["evaluations"][0]
+    )
+    assert rows["rsft"]["pooled"]["scaled_reward"]["mean"] == pytest.approx(
+        rows["bc"]["pooled"]["scaled_reward"]["mean"]
+    )
     assert [t["name"] for t in report["targets"]] == [t["name"] for t in learning_report.targets(report)]
     assert not all(t["passed"] for t in report["targets"])
     assert "| GRPO from BC (final) |" in (tmp_path / "learn" / "comparison.md").read_text()

@@ -193,13 +193,18 @@ def sample_completions(config: RSFTConfig, checkpoint: str | Path, observations:
     return texts
 
 
-def sample_and_keep(config: RSFTConfig, checkpoint: str | Path) -> list[dict]:
+def sample_and_keep(
+    config: RSFTConfig, checkpoint: str | Path, keys: Sequence[CaseKey] | None = None
+) -> list[dict]:
     """Sample, score and select (module docstring, steps 2-4): every sample as a dict with its prompt
     (``prompt_index``, ``task_id``, ``seed``, ``force_decay`` and, on a case set, ``case_id``),
     ``sample`` index, ``completion``, ``scaled_reward``, ``terminal_reward``, ``broken_rules``,
-    ``error``, ``strategy``, ``slerp_scaled_reward``, ``kept`` and ``dropped``."""
+    ``error``, ``strategy``, ``slerp_scaled_reward``, ``kept`` and ``dropped``.
 
-    keys, case_ids = prompt_keys(config)
+    ``keys``: the prompts' cases, for a caller that mixes dynamics (the learning experiment's cells);
+    by default :func:`prompt_keys`."""
+
+    keys, case_ids = prompt_keys(config) if keys is None else (list(keys), [None] * len(keys))
     observations = [reset_observation(key.seed, key.task_id, key.force_decay) for key in keys]
     texts = sample_completions(config, checkpoint, observations)
     k = config.samples_per_prompt

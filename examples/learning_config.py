@@ -1,0 +1,108 @@
+"""The learning experiment's settings: :class:`LearnConfig` (every ``python -m examples.learning`` flag)
+and the seed ranges and lengths the experiment fixes (docs/learning_experiment.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
+from orthojob.stages.grpo_config import LR_SCHEDULERS
+from server.cases import TRAIN_SEED_START
+
+GRPO_PROMPT_SEED_START = TRAIN_SEED_START + 50_000
+"""The GRPO training prompts' first seed (away from the SFT demonstrations' seeds)."""
+RSFT_PROMPT_SEED_START = TRAIN_SEED_START + 60_000
+"""RSFT's training prompts' first seed (away from BC's demonstrations and GRPO's prompts)."""
+MAX_SEQ_LENGTH = 2048
+CHAIN_FILE = "chain.json"
+"""What the chain's process (BC, GRPO from BC) hands the main process."""
+
+_SWITCH = {"negatable": True}
+"""A switch's flag pair --x / --no-x (:func:`orthojob.stages.flags.add_config_arguments`)."""
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    """Every setting of one learning run (the CLI flags are generated from these fields)."""
+
+    out: str = field(default="runs/learn", metadata={"help": "output folder"})
+    seed: int = field(
+        default=0, metadata={"help": "the whole run's seed: model init, SFT order, GRPO sampling"}
+    )
+    # model
+    hidden_size: int = 96
+    layers: int = 3
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 256
+    prompt_format: str = "compact"
+    # SFT (stage 0 and BC share the optimiser settings)
+    sft_batch_size: int = 4
+    sft_lr: float = 3e-3
+    sft_examples: int = field(default=1600, metadata={"help": "stage 0's format demonstrations"})
+    sft_steps: int = field(default=500, metadata={"help": "stage 0's steps"})
+    strategy_last: bool = field(default=True, metadata=_SWITCH)
+    fresh_stage0: bool = field(default=False, metadata=_SWITCH)
+    bc_examples: int = field(default=1800, metadata={"help": "BC's oracle demonstrations, over every cell"})
+    bc_steps: int = field(default=1000, metadata={"help": "BC's steps"})
+    bc_demos: str = field(
+        default="robust",
+        metadata={
+            "help": "BC's plans: the oracle's (oracle), or per case the candidate that stays safe when written "
+            "imprecisely (robust: orthojob/data/robust_plans.py)",
+            "choices": ("oracle", "robust"),
+        },
+    )
+    # RSFT between BC and GRPO (stage 4 on BC's own samples)
+    rsft_prompts: int = field(
+        default=0,
+        metadata={"help": "RSFT after BC on this many training prompts over every cell (0: no RSFT)"},
+    )
+    rsft_samples: int = field(default=8, metadata={"help": "RSFT: completions sampled per prompt"})
+    rsft_margin: float = field(
+        default=0.0,
+        metadata={"help": "RSFT keeps a prompt's best safe sample only if it scores >= uniform SLERP + this"},
+    )
+    rsft_steps: int = field(default=150, metadata={"help": "RSFT's fine-tuning steps"})
+    rsft_lr: float = field(default=1e-3, metadata={"help": "RSFT's learning rate (cosine, as BC's)"})
+    # GRPO (both runs)
+    steps: int = field(default=120, metadata={"help": "GRPO's steps from BC"})
+    stage0_steps: int = field(
+        default=180,
+        metadata={"help": "GRPO's steps from stage 0 (its process has no BC to train: more steps fit)"},
+    )
+    num_generations: int = 8
+    prompts_per_step: int = 4
+    num_prompts: int = 1200
+    lr: float = 3e-4
+    bc_lr: float = field(default=3e-4, metadata={"help": "GRPO's learning rate from BC"})
+    lr_scheduler: str = field(
+        default="constant",
+        metadata={"help": "GRPO's learning-rate schedule over each run's steps", "choices": LR_SCHEDULERS},
+    )
+    temperature: float = 0.8
+    beta: float = 0.1
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    strategy_weight: float = 3.0
+    strategy_advantage: str = field(default="counterfactual", metadata={"choices": STRATEGY_ADVANTAGES})
+    strategy_advantage_scale: float = 1.0
+    strategy_lr_scale: float = 10.0
+    max_completion_length: int = field(
+        default=384, metadata={"help": "GRPO's completion budget from BC (tokens)"}
+    )
+    stage0_completion_length: int = field(
+        default=128, metadata={"help": "GRPO's completion budget from stage 0 (tokens; its plans are short)"}
+    )
+    # the two processes
+    parallel: bool = field(default=True, metadata={"help": "the chain in a second process", **_SWITCH})
+    chain_only: bool = field(
+        default=False, metadata={"help": "run only the chain (the second process)", **_SWITCH}
+    )
+    # evaluation
+    eval_every: int = 30
+    eval_seeds: int = field(default=32, metadata={"help": "held-out seeds per (level x dynamics) cell"})
+    eval_max_new_tokens: int = 384
+    time_limit_min: float = field(
+        default=55.0, metadata={"help": "each process stops GRPO at this wall time (minutes)"}
+    )
