@@ -75,7 +75,7 @@ from orthojob.stages import grpo_trainer
 from orthojob.stages import rsft as rsft_stage
 from orthojob.stages.flags import add_config_arguments
 from orthojob.stages.grpo_config import GRPOJobConfig, validate
-from orthojob.stages.rsft_config import RSFTConfig
+from orthojob.stages.rsft_config import RSFT_SAMPLES_FILE, RSFTConfig
 from orthojob.stages.sft import oracle_demonstrations, run_sft
 from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig
 from server.cases import TASK_IDS, CaseKey
@@ -205,7 +205,8 @@ def rsft(cfg: LearnConfig, checkpoint: Path) -> tuple[Path, dict]:
     """Stage 4 on ``checkpoint`` (BC): ``rsft_samples`` completions per :func:`rsft_keys` case at GRPO's
     temperature, each scored by the environment; per case the best one that breaks no hard rule and
     scores at least uniform SLERP's + ``rsft_margin`` is kept (:mod:`orthojob.stages.rsft`), and the
-    checkpoint fine-tuned on the kept ones (``rsft_steps``, ``rsft_lr``). Returns the checkpoint and
+    checkpoint fine-tuned on the kept ones (``rsft_steps``, ``rsft_lr``); every sample, kept or why
+    dropped, in ``<out>/rsft/rsft_samples.jsonl``. Returns the checkpoint and
     the counts: why samples were dropped, how many were kept per cell, timings. When none is kept the
     checkpoint is returned as it is (``skipped`` says so)."""
 
@@ -218,6 +219,9 @@ def rsft(cfg: LearnConfig, checkpoint: Path) -> tuple[Path, dict]:
                                skip_gate_check=True, steps=cfg.rsft_steps, lr=cfg.rsft_lr)  # fmt: skip
     samples = rsft_stage.sample_and_keep(config, checkpoint, rsft_keys(cfg))
     sample_seconds = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / RSFT_SAMPLES_FILE).open("w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in samples)
     tally = rsft_stage.counts(samples)
     kept_by_cell: dict[str, int] = dict.fromkeys(CELL_NAMES, 0)
     for s in samples:

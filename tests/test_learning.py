@@ -426,6 +426,8 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
     rsft = report["rsft"]
     assert rsft["counts"]["samples"] == 12 and rsft["counts"]["kept"] == 0 and rsft["skipped"]
     assert sum(rsft["kept_by_cell"].values()) == 0 and list(rsft["kept_by_cell"]) == list(CELL_NAMES)
+    sampled = (tmp_path / "learn" / "rsft" / "rsft_samples.jsonl").read_text().splitlines()
+    assert len(sampled) == 12 and all(json.loads(line)["dropped"] == "not_a_plan" for line in sampled)
     rows = learning_report.planners(report)
     assert (
         rows["bc"] is report["bc"]["evaluation"]
