@@ -75,7 +75,7 @@ from orthojob.stages import grpo_trainer
 from orthojob.stages import rsft as rsft_stage
 from orthojob.stages.flags import add_config_arguments
 from orthojob.stages.grpo_config import GRPOJobConfig, validate
-from orthojob.stages.rsft_config import RSFT_SAMPLES_FILE, RSFTConfig
+from orthojob.stages.rsft_config import RSFTConfig
 from orthojob.stages.sft import oracle_demonstrations, run_sft
 from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig
 from server.cases import TASK_IDS, CaseKey
@@ -220,26 +220,19 @@ def rsft(cfg: LearnConfig, checkpoint: Path) -> tuple[Path, dict]:
     samples = rsft_stage.sample_and_keep(config, checkpoint, rsft_keys(cfg))
     sample_seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
-    with (out / RSFT_SAMPLES_FILE).open("w") as f:
-        f.writelines(json.dumps(s) + "\n" for s in samples)
+    rsft_stage.write_samples(samples, out)
     tally = rsft_stage.counts(samples)
     kept_by_cell: dict[str, int] = dict.fromkeys(CELL_NAMES, 0)
     for s in samples:
         if s["kept"]:
             kept_by_cell[cell_name(CaseKey(s["task_id"], s["seed"], s["force_decay"]))] += 1
     log.info("RSFT samples: %s; kept per cell %s", tally, kept_by_cell)
+    meta = {"counts": tally, "kept_by_cell": kept_by_cell, "sample_seconds": sample_seconds}
     rows = rsft_stage.training_rows(samples, False, prompt_format_of(checkpoint))
     if not rows:  # nothing to imitate: GRPO starts from the checkpoint as it is
         log.warning("RSFT kept no sample (%s): GRPO starts from %s", tally, checkpoint)
-        return checkpoint, {"counts": tally, "kept_by_cell": kept_by_cell, "sample_seconds": sample_seconds,
-                            "skipped": "no sample kept", "wall_seconds": time.perf_counter() - t0}  # fmt: skip
-    summary = run_sft(config, rows, {"source": "rsft", **tally})
-    meta = {
-        **_sft_meta(summary),
-        "counts": tally,
-        "kept_by_cell": kept_by_cell,
-        "sample_seconds": sample_seconds,
-    }
+        return checkpoint, {**meta, "skipped": "no sample kept", "wall_seconds": time.perf_counter() - t0}
+    meta |= _sft_meta(run_sft(config, rows, {"source": "rsft", **tally}))
     return out, {**meta, "wall_seconds": time.perf_counter() - t0}
 
 

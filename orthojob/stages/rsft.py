@@ -233,6 +233,12 @@ def sample_and_keep(
     return select(samples, KeepRule.of(config))
 
 
+def write_samples(samples: Sequence[dict], out: Path) -> None:
+    """Every sample, kept or why dropped, one JSON line each, in ``out/rsft_samples.jsonl``."""
+    with (out / RSFT_SAMPLES_FILE).open("w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in samples)
+
+
 def training_rows(samples: Sequence[dict], force_decay: bool, prompt_format: str = "full") -> list[dict]:
     """The kept samples as SFT rows (the policy's prompt in its ``prompt_format``, the sampled
     completion as it was written), each on its sample's case (its ``force_decay`` where it records
@@ -263,9 +269,7 @@ def run_rsft(config: RSFTConfig) -> dict:
     t0 = time.perf_counter()
     samples = sample_and_keep(config, config.from_checkpoint)
     sample_seconds = time.perf_counter() - t0
-    with (out / RSFT_SAMPLES_FILE).open("w") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
+    write_samples(samples, out)
     tally = counts(samples)
     log.info("RSFT samples: %s", tally)
 
@@ -393,4 +397,5 @@ __all__ = [
     "sample_and_keep",
     "select",
     "training_rows",
+    "write_samples",
 ]
