@@ -4,7 +4,8 @@ For held-out cases over the three levels and both dynamics, scores the oracle's 
 with every fraction rounded to two decimals, with relative noise on every fraction (what a small
 model's imprecise numbers do), and with each group's duration (1 / fraction, in aligners) off by
 one either way; then the same noise on :func:`orthojob.data.robust_plans.robust_plan`'s choice.
-Prints the mean scaled reward and the share that breaks a hard rule, and which rules.
+Prints the mean scaled reward and the share that breaks a hard rule, and which rules; then, per
+cell, the oracle's and the robust choice's mean as written and how often each candidate was chosen.
 
     OMP_NUM_THREADS=1 python bench/plan_sensitivity.py [--seeds 12] [--noise 0.05] [--draws 6]
 """
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     rows: dict[str, list[tuple[float, tuple]]] = {}
     chosen: Counter = Counter()
+    by_cell: dict[str, dict[str, list]] = {}
     start = time.perf_counter()
     for force_decay in (False, True):
         for task_id in TASK_IDS:
@@ -54,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
                 oracle = plan_for_case(case)
                 robust, name = robust_plan(oracle, key, case.present_ids)
                 chosen[name] += 1
+                cell = by_cell.setdefault(
+                    f"{task_id}/{'force_decay' if force_decay else 'ideal'}",
+                    {"oracle as written": [], "robust choice as written": [], "choices": Counter()},
+                )
+                cell["choices"][name] += 1
 
                 def noisy(plan: dict) -> list[dict]:
                     return [
@@ -80,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in group:
                         r = next(results)
                         rows.setdefault(label, []).append((r["scaled_reward"], tuple(r["broken_rules"])))
+                        if label in cell:
+                            cell[label].append(r["scaled_reward"])
     cases = 2 * len(TASK_IDS) * args.seeds
     print(
         f"{cases} held-out cases (3 levels x 2 dynamics x {args.seeds} seeds), {time.perf_counter() - start:.1f} s"
@@ -91,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         rules = Counter(rule for _, b in values for rule in b)
         print(f"{label:36s} {scaled:7.3f} {broken:14.3f}  {dict(rules.most_common())}")
     print(f"robust choices: {dict(chosen)}")
+    print("per cell, mean scaled reward as written: oracle, robust choice; the robust choices")
+    for name, cell in by_cell.items():
+        oracle_mean, robust_mean = (
+            np.mean(cell["oracle as written"]),
+            np.mean(cell["robust choice as written"]),
+        )
+        print(f"{name:24s} {oracle_mean:7.3f} {robust_mean:7.3f}  {dict(cell['choices'])}")
     return 0
 
 
