@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples.learning_report import cell_name
 from orthojob.data.robust_plans import robust_plan
 from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 from server.oracle import plan_for_case
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 robust, name = robust_plan(oracle, key, case.present_ids)
                 chosen[name] += 1
                 cell = by_cell.setdefault(
-                    f"{task_id}/{'force_decay' if force_decay else 'ideal'}",
+                    cell_name(key),
                     {"oracle as written": [], "robust choice as written": [], "choices": Counter()},
                 )
                 cell["choices"][name] += 1

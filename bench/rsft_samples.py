@@ -23,7 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from server.cases import TASK_IDS
+from examples.learning_report import CELL_NAMES, cell_name
+from server.cases import CaseKey
 
 UNSAFE = ("not_a_plan", "hard_rule")
 """The ``dropped`` reasons of a sample that is not a safe plan."""
@@ -31,16 +32,17 @@ UNSAFE = ("not_a_plan", "hard_rule")
 
 def per_cell(rows: list[dict]) -> dict[str, dict]:
     """Per cell (``"task_easy/ideal"``, ...), the figures the module docstring lists, from the
-    samples file's rows (each with ``task_id``, ``force_decay``, ``prompt_index``,
+    samples file's rows (each with ``task_id``, ``seed``, ``force_decay``, ``prompt_index``,
     ``scaled_reward``, ``slerp_scaled_reward``, ``dropped`` and ``broken_rules``)."""
     prompts: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for r in rows:
-        cell = f"{r['task_id']}/{'force_decay' if r['force_decay'] else 'ideal'}"
+        cell = cell_name(CaseKey(r["task_id"], r["seed"], r["force_decay"]))
         prompts[(cell, r["prompt_index"])].append(r)
     out: dict[str, dict] = {}
-    order = [f"{t}/{d}" for t in TASK_IDS for d in ("ideal", "force_decay")]
-    for (cell, _), samples in sorted(prompts.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
-        c = out.setdefault(cell, {"slerp": [], "safe": [], "best": [], "any_safe": [], "at_slerp": []})
+    for (cell, _), samples in sorted(prompts.items(), key=lambda kv: (CELL_NAMES.index(kv[0][0]), kv[0][1])):
+        c = out.setdefault(
+            cell, {"slerp": [], "safe": [], "best": [], "any_safe": [], "at_slerp": [], "rules": Counter()}
+        )
         slerp = samples[0]["slerp_scaled_reward"]
         safe = [s["scaled_reward"] for s in samples if s["dropped"] not in UNSAFE]
         c["slerp"].append(slerp)
@@ -48,7 +50,7 @@ def per_cell(rows: list[dict]) -> dict[str, dict]:
         c["best"].append(max(safe) if safe else slerp)
         c["any_safe"].append(bool(safe))
         c["at_slerp"].append(any(v >= slerp for v in safe))
-        c.setdefault("rules", Counter()).update(rule for s in samples for rule in s["broken_rules"] or ())
+        c["rules"].update(rule for s in samples for rule in s["broken_rules"] or ())
     return {
         cell: {
             "prompts": len(c["slerp"]),
@@ -57,7 +59,7 @@ def per_cell(rows: list[dict]) -> dict[str, dict]:
             "slerp": float(np.mean(c["slerp"])),
             "safe_mean": float(np.mean(c["safe"])) if c["safe"] else float("nan"),
             "best_safe": float(np.mean(c["best"])),
-            "rules": dict(c.get("rules", Counter()).most_common()),
+            "rules": dict(c["rules"].most_common()),
         }
         for cell, c in out.items()
     }

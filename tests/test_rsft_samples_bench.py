@@ -19,7 +19,7 @@ def _bench():
 
 
 def _row(prompt, sample, scaled, dropped, rules=(), task="task_hard", force_decay=False, slerp=6.0):
-    return {"prompt_index": prompt, "sample": sample, "task_id": task, "force_decay": force_decay,
+    return {"prompt_index": prompt, "sample": sample, "seed": 60000 + prompt, "task_id": task, "force_decay": force_decay,
             "scaled_reward": scaled, "slerp_scaled_reward": slerp, "dropped": dropped, "broken_rules": list(rules)}  # fmt: skip
 
 
