@@ -173,6 +173,7 @@ def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict],
             force_decay,
             prompt_format,
             robust=cfg.bc_demos == "robust",
+            max_groups=cfg.bc_max_groups or None,
         )
         halves.append(rows)
         filtered += info["filtered_hard_rule"]
@@ -180,6 +181,8 @@ def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict],
             choices[name] = choices.get(name, 0) + count
     demos = [r for pair in zip(*halves) for r in pair] + halves[0][len(halves[1]) :]
     info = {"source": cfg.bc_demos, "examples": len(demos), "filtered_hard_rule": filtered}
+    if cfg.bc_max_groups:
+        info["max_groups"] = cfg.bc_max_groups
     return demos, ({**info, "robust_choices": choices} if choices else info)
 
 

@@ -53,6 +53,13 @@ class LearnConfig:
             "choices": ("oracle", "robust"),
         },
     )
+    bc_max_groups: int = field(
+        default=0,
+        metadata={
+            "help": "robust demonstrations of at most this many groups: the oracle's staging merged by start and "
+            "fraction where it is longer (orthojob/data/robust_plans.py; 0: no limit)"
+        },
+    )
     # RSFT between BC and GRPO (stage 4 on BC's own samples)
     rsft_prompts: int = field(
         default=0,

@@ -12,6 +12,14 @@ whose :data:`DRAWS` copies with :data:`NOISE` relative noise on every fraction s
 (the scaled reward, which puts every plan that breaks a hard rule below every safe one; a candidate
 that breaks a rule as written is never picked).
 Behaviour cloning on these plans imitates a planner whose neighbourhood is safe.
+
+Noise on the fractions is not the only way a small model writes a plan wrong: under force decay the
+oracle overcorrects each tooth by what the simulator shows it fails to express, which splits its
+staging into up to a dozen groups of one or two teeth, and the per-tooth amounts depend on teeth the
+compact prompt does not list. With ``max_groups`` :func:`robust_plan` also offers the oracle's
+staging with the groups that share a start and a fraction merged (:func:`merged`: the smallest
+overcorrection of their teeth, or none) and picks among the candidates of at most ``max_groups``
+groups (uniform staging always qualifies): a plan short enough to imitate.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import copy
 import numpy as np
 
 from server.cases import CaseKey
+from server.dental_constants import DEFAULT_PRIORITY, PRIORITY_START_STAGE
+from server.oracle import OC_QUANTUM
 from server.plans import UNIFORM_FRACTION
 from server.treatment import score_plans
 
@@ -31,6 +41,9 @@ DRAWS: int = 6
 ROUNDED_DECIMALS: int = 2
 """Decimals of the rounded candidate's fractions."""
 CANDIDATES: tuple[str, ...] = ("oracle", "rounded", "uniform")
+MERGED_CANDIDATES: tuple[str, ...] = ("merged", "staged")
+"""The candidates offered with ``max_groups``: the oracle's groups merged by start and fraction, with
+the smallest overcorrection of their teeth (``merged``) or none (``staged``)."""
 
 
 def _noisy(plan: dict, rng: np.random.Generator) -> dict:
@@ -40,29 +53,60 @@ def _noisy(plan: dict, rng: np.random.Generator) -> dict:
     return out
 
 
-def candidates(plan: dict, teeth: list[int]) -> dict[str, dict]:
-    """The candidates of an oracle ``plan`` for a case whose present teeth are ``teeth`` (FDI ids)."""
+def merged(plan: dict, overcorrect: bool = True) -> dict:
+    """``plan`` with the groups that share a start stage and a fraction merged into one (in the order
+    of their first group, teeth in FDI order), overcorrected by the smallest overcorrection of their
+    teeth rounded down to the oracle's quantum (``overcorrect``) or not at all."""
+    merged_groups: dict[tuple, dict] = {}
+    for g in plan["tooth_groups"]:
+        start = g.get("start_stage") or PRIORITY_START_STAGE[g.get("priority", DEFAULT_PRIORITY)]
+        entry = merged_groups.setdefault((start, g["fraction"]), {"form": g, "teeth": [], "oc": []})
+        entry["teeth"] += g["teeth"]
+        entry["oc"].append(float(g.get("overcorrection", 0.0)))
+    groups = []
+    for entry in merged_groups.values():
+        group = {"teeth": sorted(entry["teeth"])}
+        group.update((k, v) for k, v in entry["form"].items() if k not in ("teeth", "overcorrection"))
+        oc = round(int(min(entry["oc"]) / OC_QUANTUM + 1e-9) * OC_QUANTUM, 2) if overcorrect else 0.0
+        if oc > 0:
+            group["overcorrection"] = oc
+        groups.append(group)
+    return {**({"strategy": plan["strategy"]} if plan.get("strategy") else {}), "tooth_groups": groups}
+
+
+def candidates(plan: dict, teeth: list[int], with_merged: bool = False) -> dict[str, dict]:
+    """The candidates of an oracle ``plan`` for a case whose present teeth are ``teeth`` (FDI ids);
+    ``with_merged``: also :data:`MERGED_CANDIDATES`."""
     rounded = copy.deepcopy(plan)
     for g in rounded["tooth_groups"]:
         g["fraction"] = round(g["fraction"], ROUNDED_DECIMALS)
     uniform = {"tooth_groups": [{"teeth": list(teeth), "fraction": round(UNIFORM_FRACTION, 4)}]}
     if plan.get("strategy"):
         uniform = {"strategy": plan["strategy"], **uniform}
-    return {"oracle": plan, "rounded": rounded, "uniform": uniform}
+    found = {"oracle": plan, "rounded": rounded, "uniform": uniform}
+    if with_merged:
+        found |= {"merged": merged(plan), "staged": merged(plan, overcorrect=False)}
+    return found
 
 
-def robust_plan(plan: dict, key: CaseKey, teeth: list[int]) -> tuple[dict, str]:
+def robust_plan(
+    plan: dict, key: CaseKey, teeth: list[int], max_groups: int | None = None
+) -> tuple[dict, str]:
     """The most robust safe candidate of the oracle's ``plan`` for the case ``key`` (present teeth
-    ``teeth``) and its name (one of :data:`CANDIDATES`); deterministic per case (the noise is seeded
-    by the case's seed). Every candidate and noisy copy is scored in one batched call."""
-    found = candidates(plan, teeth)
+    ``teeth``) and its name (one of :data:`CANDIDATES`, and of :data:`MERGED_CANDIDATES` with
+    ``max_groups``, which then leaves out every candidate of more groups than that); deterministic per
+    case (the noise is seeded by the case's seed). Every candidate and noisy copy is scored in one
+    batched call."""
+    found = candidates(plan, teeth) if max_groups is None else candidates(plan, teeth, with_merged=True)
+    if max_groups is not None:
+        found = {k: p for k, p in found.items() if k == "uniform" or len(p["tooth_groups"]) <= max_groups}
     rng = np.random.default_rng([abs(int(key.seed)) % 2**63, len(key.task_id)])
     plans: list[dict] = []
     for p in found.values():
         plans.append(p)
         plans.extend(_noisy(p, rng) for _ in range(DRAWS))
     results = score_plans(plans, [key] * len(plans))
-    best, best_value = "oracle", None
+    best, best_value = next(iter(found)), None
     for k, name in enumerate(found):
         clean, *noisy = results[k * (DRAWS + 1) : (k + 1) * (DRAWS + 1)]
         if clean["broken_rules"]:

@@ -122,6 +122,7 @@ def oracle_demonstrations(
     force_decay: bool = False,
     prompt_format: str = "full",
     robust: bool = False,
+    max_groups: int | None = None,
 ) -> tuple[list[dict], dict]:
     """``n`` BC examples, and their counts ``{"source", "examples", "filtered_hard_rule"}``.
 
@@ -129,7 +130,8 @@ def oracle_demonstrations(
     plans the environment judges safe are kept (no hard rule broken, :mod:`server.reward_scaler`):
     a case whose oracle plan breaks one is skipped and the next seed taken; the number skipped is
     logged and returned. ``robust``: each plan is :func:`orthojob.data.robust_plans.robust_plan`'s
-    choice (the counts then say how often each candidate was chosen, ``robust_choices``).
+    choice (the counts then say how often each candidate was chosen, ``robust_choices``), of at most
+    ``max_groups`` groups where that is given.
     """
     tasks = list(task_ids)
     choices: dict[str, int] = {}
@@ -147,7 +149,7 @@ def oracle_demonstrations(
                 filtered += 1
             else:
                 if robust:
-                    plan, chosen = robust_plan(plan, key, generate_case(*key).present_ids)
+                    plan, chosen = robust_plan(plan, key, generate_case(*key).present_ids, max_groups)
                     choices[chosen] = choices.get(chosen, 0) + 1
                 rows.append(
                     {
