@@ -41,3 +41,60 @@ def test_bc_demonstrations_can_be_the_robust_choices():
         plan = json.loads(row["completion"][0]["content"])
         key = CaseKey(row["task_id"], row["seed"], True)
         assert not score_plans([plan], [key])[0]["broken_rules"]
+
+
+def test_merged_joins_groups_of_one_start_and_fraction_at_their_smallest_overcorrection():
+    plan = {
+        "strategy": "anterior_first",
+        "tooth_groups": [
+            {"teeth": [22], "fraction": 0.04, "priority": "high", "overcorrection": 0.3},
+            {"teeth": [11, 21], "fraction": 0.04, "overcorrection": 0.12},
+            {"teeth": [13], "fraction": 0.05, "start_stage": 5, "overcorrection": 0.95},
+            {"teeth": [23], "fraction": 0.05, "start_stage": 5},
+            {"teeth": [33], "fraction": 0.05, "start_stage": 7},
+        ],
+    }
+    out = robust_plans.merged(plan)
+    assert out == {
+        "strategy": "anterior_first",
+        "tooth_groups": [
+            {"teeth": [11, 21, 22], "fraction": 0.04, "priority": "high", "overcorrection": 0.1},
+            {"teeth": [13, 23], "fraction": 0.05, "start_stage": 5},
+            {"teeth": [33], "fraction": 0.05, "start_stage": 7},
+        ],
+    }
+    staged = robust_plans.merged(plan, overcorrect=False)
+    assert all("overcorrection" not in g for g in staged["tooth_groups"])
+    assert [g["teeth"] for g in staged["tooth_groups"]] == [g["teeth"] for g in out["tooth_groups"]]
+
+
+def test_max_groups_leaves_out_longer_candidates_and_stays_safe():
+    lengths, names = [], set()
+    for seed in range(HELDOUT_SEED_START, HELDOUT_SEED_START + 6):
+        key = CaseKey("task_hard", seed, True)
+        case = generate_case(*key)
+        oracle = plan_for_case(case)
+        unlimited, _ = robust_plan(oracle, key, case.present_ids)
+        plan, name = robust_plan(oracle, key, case.present_ids, max_groups=4)
+        assert name in CANDIDATES + robust_plans.MERGED_CANDIDATES
+        assert name == "uniform" or len(plan["tooth_groups"]) <= 4
+        assert not score_plans([plan], [key])[0]["broken_rules"]
+        lengths.append((len(unlimited["tooth_groups"]), len(plan["tooth_groups"])))
+        names.add(name)
+    assert any(a > 4 for a, _ in lengths), (
+        "some oracle plan on task_hard under force decay is longer than 4 groups"
+    )
+    assert names & set(robust_plans.MERGED_CANDIDATES), (
+        "a merged candidate is chosen where the oracle's is too long"
+    )
+
+
+def test_learning_bc_demonstrations_carry_the_group_limit():
+    from examples.learning import bc_demonstrations
+    from examples.learning_config import LearnConfig
+
+    rows, info = bc_demonstrations(LearnConfig(bc_examples=6, bc_max_groups=3), "compact")
+    assert info["max_groups"] == 3 and sum(info["robust_choices"].values()) == 6
+    for row in rows:
+        plan = json.loads(row["completion"][0]["content"])
+        assert len(plan["tooth_groups"]) <= 3
