@@ -103,11 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"robust choices: {dict(chosen)}")
     print("per cell, mean scaled reward as written: oracle, robust choice; the robust choices")
     for name, cell in by_cell.items():
-        oracle_mean, robust_mean = (
-            np.mean(cell["oracle as written"]),
-            np.mean(cell["robust choice as written"]),
-        )
-        print(f"{name:24s} {oracle_mean:7.3f} {robust_mean:7.3f}  {dict(cell['choices'])}")
+        means = [np.mean(cell[label]) for label in ("oracle as written", "robust choice as written")]
+        print(f"{name:24s} {means[0]:7.3f} {means[1]:7.3f}  {dict(cell['choices'])}")
     return 0
 
 

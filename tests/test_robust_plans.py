@@ -30,7 +30,9 @@ def test_the_choice_is_a_safe_candidate_and_the_best_of_their_noisy_copies(monke
     case = generate_case(*key)
     oracle = plan_for_case(case)
     broken = {"tooth_groups": [{"teeth": case.present_ids, "fraction": 1.0}]}
-    monkeypatch.setattr(robust_plans, "candidates", lambda plan, teeth: {"uniform": broken, "oracle": plan})
+    monkeypatch.setattr(
+        robust_plans, "candidates", lambda plan, teeth, **_: {"uniform": broken, "oracle": plan}
+    )
     assert robust_plan(oracle, key, case.present_ids)[1] == "oracle"
 
 
@@ -51,7 +53,7 @@ def test_merged_joins_groups_of_one_start_and_fraction_at_their_smallest_overcor
             {"teeth": [11, 21], "fraction": 0.04, "overcorrection": 0.12},
             {"teeth": [13], "fraction": 0.05, "start_stage": 5, "overcorrection": 0.95},
             {"teeth": [23], "fraction": 0.05, "start_stage": 5},
-            {"teeth": [33], "fraction": 0.05, "start_stage": 7},
+            {"teeth": [33], "fraction": 0.05, "start_stage": 8},
         ],
     }
     out = robust_plans.merged(plan)
@@ -60,7 +62,7 @@ def test_merged_joins_groups_of_one_start_and_fraction_at_their_smallest_overcor
         "tooth_groups": [
             {"teeth": [11, 21, 22], "fraction": 0.04, "priority": "high", "overcorrection": 0.1},
             {"teeth": [13, 23], "fraction": 0.05, "start_stage": 5},
-            {"teeth": [33], "fraction": 0.05, "start_stage": 7},
+            {"teeth": [33], "fraction": 0.05, "start_stage": 8},
         ],
     }
     staged = robust_plans.merged(plan, overcorrect=False)

@@ -29,9 +29,9 @@ import copy
 import numpy as np
 
 from server.cases import CaseKey
-from server.dental_constants import DEFAULT_PRIORITY, PRIORITY_START_STAGE
 from server.oracle import OC_QUANTUM
-from server.plans import UNIFORM_FRACTION
+from server.plans import UNIFORM_FRACTION, normalize_plan
+from server.staging import arrays_to_plan
 from server.treatment import score_plans
 
 NOISE: float = 0.05
@@ -54,24 +54,17 @@ def _noisy(plan: dict, rng: np.random.Generator) -> dict:
 
 
 def merged(plan: dict, overcorrect: bool = True) -> dict:
-    """``plan`` with the groups that share a start stage and a fraction merged into one (in the order
-    of their first group, teeth in FDI order), overcorrected by the smallest overcorrection of their
-    teeth rounded down to the oracle's quantum (``overcorrect``) or not at all."""
-    merged_groups: dict[tuple, dict] = {}
-    for g in plan["tooth_groups"]:
-        start = g.get("start_stage") or PRIORITY_START_STAGE[g.get("priority", DEFAULT_PRIORITY)]
-        entry = merged_groups.setdefault((start, g["fraction"]), {"form": g, "teeth": [], "oc": []})
-        entry["teeth"] += g["teeth"]
-        entry["oc"].append(float(g.get("overcorrection", 0.0)))
-    groups = []
-    for entry in merged_groups.values():
-        group = {"teeth": sorted(entry["teeth"])}
-        group.update((k, v) for k, v in entry["form"].items() if k not in ("teeth", "overcorrection"))
-        oc = round(int(min(entry["oc"]) / OC_QUANTUM + 1e-9) * OC_QUANTUM, 2) if overcorrect else 0.0
-        if oc > 0:
-            group["overcorrection"] = oc
-        groups.append(group)
-    return {**({"strategy": plan["strategy"]} if plan.get("strategy") else {}), "tooth_groups": groups}
+    """``plan`` with its teeth that share a start stage and a fraction in one group, overcorrected by
+    the smallest overcorrection among them rounded down to the oracle's quantum (``overcorrect``) or
+    not at all; written as the oracle writes its plans (:func:`server.staging.arrays_to_plan`)."""
+    spec = normalize_plan(plan)
+    listed = spec.group >= 0
+    oc = np.zeros(len(spec.start))
+    if overcorrect:
+        for start, fraction in {(s, f) for s, f in zip(spec.start[listed], spec.fraction[listed])}:
+            same = listed & (spec.start == start) & (spec.fraction == fraction)
+            oc[same] = np.floor(spec.overcorrections()[same].min() / OC_QUANTUM + 1e-9) * OC_QUANTUM
+    return arrays_to_plan(spec.strategy, spec.start, spec.fraction, oc, absent=~listed)
 
 
 def candidates(plan: dict, teeth: list[int], with_merged: bool = False) -> dict[str, dict]:
@@ -97,7 +90,7 @@ def robust_plan(
     ``max_groups``, which then leaves out every candidate of more groups than that); deterministic per
     case (the noise is seeded by the case's seed). Every candidate and noisy copy is scored in one
     batched call."""
-    found = candidates(plan, teeth) if max_groups is None else candidates(plan, teeth, with_merged=True)
+    found = candidates(plan, teeth, with_merged=max_groups is not None)
     if max_groups is not None:
         found = {k: p for k, p in found.items() if k == "uniform" or len(p["tooth_groups"]) <= max_groups}
     rng = np.random.default_rng([abs(int(key.seed)) % 2**63, len(key.task_id)])
