@@ -174,6 +174,7 @@ def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict],
             prompt_format,
             robust=cfg.bc_demos == "robust",
             max_groups=cfg.bc_max_groups or None,
+            unnamed_uniform=cfg.bc_unnamed_uniform,
         )
         halves.append(rows)
         filtered += info["filtered_hard_rule"]
@@ -183,6 +184,8 @@ def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict],
     info = {"source": cfg.bc_demos, "examples": len(demos), "filtered_hard_rule": filtered}
     if cfg.bc_max_groups:
         info["max_groups"] = cfg.bc_max_groups
+    if cfg.bc_unnamed_uniform:
+        info["unnamed_uniform"] = True
     return demos, ({**info, "robust_choices": choices} if choices else info)
 
 

@@ -60,6 +60,14 @@ class LearnConfig:
             "fraction where it is longer (orthojob/data/robust_plans.py; 0: no limit)"
         },
     )
+    bc_unnamed_uniform: bool = field(
+        default=False,
+        metadata={
+            "help": "robust demonstrations that stage uniformly name no strategy where naming the right one "
+            "earns nothing (orthojob/data/robust_plans.py)",
+            **_SWITCH,
+        },
+    )
     # RSFT between BC and GRPO (stage 4 on BC's own samples)
     rsft_prompts: int = field(
         default=0,

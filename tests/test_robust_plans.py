@@ -91,12 +91,43 @@ def test_max_groups_leaves_out_longer_candidates_and_stays_safe():
     )
 
 
-def test_learning_bc_demonstrations_carry_the_group_limit():
+def test_learning_bc_demonstrations_carry_the_group_limit_and_unnamed_uniform():
     from examples.learning import bc_demonstrations
     from examples.learning_config import LearnConfig
 
-    rows, info = bc_demonstrations(LearnConfig(bc_examples=6, bc_max_groups=3), "compact")
-    assert info["max_groups"] == 3 and sum(info["robust_choices"].values()) == 6
+    cfg = LearnConfig(bc_examples=6, bc_max_groups=3, bc_unnamed_uniform=True)
+    rows, info = bc_demonstrations(cfg, "compact")
+    assert info["max_groups"] == 3 and info["unnamed_uniform"] is True
+    assert sum(info["robust_choices"].values()) == 6
     for row in rows:
         plan = json.loads(row["completion"][0]["content"])
         assert len(plan["tooth_groups"]) <= 3
+        # only a uniform plan goes without its strategy
+        assert "strategy" in plan or len(plan["tooth_groups"]) == 1
+
+
+def test_unnamed_uniform_takes_the_name_off_uniform_plans_only_where_it_earns_nothing(monkeypatch):
+    names = []
+    for seed in range(HELDOUT_SEED_START, HELDOUT_SEED_START + 6):
+        key = CaseKey("task_hard", seed, False)
+        case = generate_case(*key)
+        oracle = plan_for_case(case)
+        named, name = robust_plan(oracle, key, case.present_ids, max_groups=6)
+        plan, choice = robust_plan(oracle, key, case.present_ids, max_groups=6, unnamed_uniform=True)
+        names.append(choice)
+        if name != "uniform":
+            assert (plan, choice) == (named, name)
+            continue
+        assert choice == robust_plans.UNNAMED and "strategy" not in plan and "strategy" in named
+        assert plan["tooth_groups"] == named["tooth_groups"]
+        as_named, as_unnamed = score_plans([named, plan], [key, key])
+        assert not as_unnamed["broken_rules"]
+        assert as_unnamed["scaled_reward"] >= as_named["scaled_reward"]
+    assert robust_plans.UNNAMED in names, "some task_hard case's robust choice is uniform staging"
+    # on task_easy uniform staging can follow the strategy's sequence: there the name earns the 1.2
+    # (this case: 7.91 named, 6.43 without) and stays
+    key = CaseKey("task_easy", HELDOUT_SEED_START, False)
+    case = generate_case(*key)
+    uniform = candidates(plan_for_case(case), case.present_ids)["uniform"]
+    monkeypatch.setattr(robust_plans, "candidates", lambda plan, teeth, **_: {"uniform": uniform})
+    assert robust_plan(uniform, key, case.present_ids, unnamed_uniform=True) == (uniform, "uniform")

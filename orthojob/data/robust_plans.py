@@ -20,6 +20,13 @@ compact prompt does not list. With ``max_groups`` :func:`robust_plan` also offer
 staging with the groups that share a start and a fraction merged (:func:`merged`: the smallest
 overcorrection of their teeth, or none) and picks among the candidates of at most ``max_groups``
 groups (uniform staging always qualifies): a plan short enough to imitate.
+
+Uniform staging moves every tooth at once, so it follows a strategy's sequence only where that
+sequence has a single level of movement (:mod:`server.scoring`): elsewhere naming the right strategy
+on it earns the neutral multiplier that naming none earns, and naming a wrong one 0.6. With
+``unnamed_uniform`` a chosen uniform plan names its strategy only where that scores above naming
+none (:data:`UNNAMED`), as uniform SLERP does, so a model that imitates them writes its uniform plans
+without a name that could be scored as misreading the case.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ CANDIDATES: tuple[str, ...] = ("oracle", "rounded", "uniform")
 MERGED_CANDIDATES: tuple[str, ...] = ("merged", "staged")
 """The candidates offered with ``max_groups``: the oracle's groups merged by start and fraction, with
 the smallest overcorrection of their teeth (``merged``) or none (``staged``)."""
+UNNAMED: str = "uniform_unnamed"
+"""The choice's name where ``unnamed_uniform`` took the strategy off a chosen uniform plan."""
 
 
 def _noisy(plan: dict, rng: np.random.Generator) -> dict:
@@ -83,13 +92,18 @@ def candidates(plan: dict, teeth: list[int], with_merged: bool = False) -> dict[
 
 
 def robust_plan(
-    plan: dict, key: CaseKey, teeth: list[int], max_groups: int | None = None
+    plan: dict,
+    key: CaseKey,
+    teeth: list[int],
+    max_groups: int | None = None,
+    unnamed_uniform: bool = False,
 ) -> tuple[dict, str]:
     """The most robust safe candidate of the oracle's ``plan`` for the case ``key`` (present teeth
     ``teeth``) and its name (one of :data:`CANDIDATES`, and of :data:`MERGED_CANDIDATES` with
     ``max_groups``, which then leaves out every candidate of more groups than that); deterministic per
     case (the noise is seeded by the case's seed). Every candidate and noisy copy is scored in one
-    batched call."""
+    batched call. ``unnamed_uniform``: a chosen uniform plan without its strategy where naming it
+    scores no more than naming none (:data:`UNNAMED`)."""
     found = candidates(plan, teeth, with_merged=max_groups is not None)
     if max_groups is not None:
         found = {k: p for k, p in found.items() if k == "uniform" or len(p["tooth_groups"]) <= max_groups}
@@ -107,4 +121,9 @@ def robust_plan(
         value = float(np.mean([r["scaled_reward"] for r in noisy]))
         if best_value is None or value > best_value:
             best, best_value = name, value
+    if unnamed_uniform and best == "uniform" and "strategy" in found[best]:
+        unnamed = {k: v for k, v in found[best].items() if k != "strategy"}
+        named_result, unnamed_result = score_plans([found[best], unnamed], [key, key])
+        if unnamed_result["scaled_reward"] >= named_result["scaled_reward"]:
+            return unnamed, UNNAMED
     return found[best], best

@@ -123,6 +123,7 @@ def oracle_demonstrations(
     prompt_format: str = "full",
     robust: bool = False,
     max_groups: int | None = None,
+    unnamed_uniform: bool = False,
 ) -> tuple[list[dict], dict]:
     """``n`` BC examples, and their counts ``{"source", "examples", "filtered_hard_rule"}``.
 
@@ -131,7 +132,8 @@ def oracle_demonstrations(
     a case whose oracle plan breaks one is skipped and the next seed taken; the number skipped is
     logged and returned. ``robust``: each plan is :func:`orthojob.data.robust_plans.robust_plan`'s
     choice (the counts then say how often each candidate was chosen, ``robust_choices``), of at most
-    ``max_groups`` groups where that is given.
+    ``max_groups`` groups where that is given, its uniform plans without a strategy where naming one
+    earns nothing with ``unnamed_uniform``.
     """
     tasks = list(task_ids)
     choices: dict[str, int] = {}
@@ -149,7 +151,9 @@ def oracle_demonstrations(
                 filtered += 1
             else:
                 if robust:
-                    plan, chosen = robust_plan(plan, key, generate_case(*key).present_ids, max_groups)
+                    plan, chosen = robust_plan(
+                        plan, key, generate_case(*key).present_ids, max_groups, unnamed_uniform
+                    )
                     choices[chosen] = choices.get(chosen, 0) + 1
                 rows.append(
                     {
