@@ -54,7 +54,7 @@ class LearnConfig:
         },
     )
     bc_max_groups: int = field(
-        default=0,
+        default=6,
         metadata={
             "help": "robust demonstrations of at most this many groups: the oracle's staging merged by start and "
             "fraction where it is longer (orthojob/data/robust_plans.py; 0: no limit)"
