@@ -113,17 +113,16 @@ def robust_plan(
         plans.append(p)
         plans.extend(_noisy(p, rng) for _ in range(DRAWS))
     results = score_plans(plans, [key] * len(plans))
-    best, best_value = next(iter(found)), None
+    best, best_value, best_clean = next(iter(found)), None, None
     for k, name in enumerate(found):
         clean, *noisy = results[k * (DRAWS + 1) : (k + 1) * (DRAWS + 1)]
         if clean["broken_rules"]:
             continue
         value = float(np.mean([r["scaled_reward"] for r in noisy]))
         if best_value is None or value > best_value:
-            best, best_value = name, value
+            best, best_value, best_clean = name, value, clean
     if unnamed_uniform and best == "uniform" and "strategy" in found[best]:
         unnamed = {k: v for k, v in found[best].items() if k != "strategy"}
-        named_result, unnamed_result = score_plans([found[best], unnamed], [key, key])
-        if unnamed_result["scaled_reward"] >= named_result["scaled_reward"]:
+        if score_plans([unnamed], [key])[0]["scaled_reward"] >= best_clean["scaled_reward"]:
             return unnamed, UNNAMED
     return found[best], best
