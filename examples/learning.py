@@ -432,6 +432,13 @@ def _run(cfg: LearnConfig) -> dict:
     t0 = time.perf_counter()
     deadline = time.monotonic() + cfg.time_limit_min * 60
     cases = heldout_cases(cfg.eval_seeds)
+    base_model(cfg)  # once, before the chain's process reads it
+    (out / CHAIN_FILE).unlink(missing_ok=True)
+    chain = None
+    if cfg.parallel:  # started before the references are scored, so that its time limit is not spent waiting
+        with (out / "chain.log").open("w") as log_file:
+            chain = subprocess.Popen([sys.executable, "-m", "examples.learning", *_argv(cfg, chain_only=True)],
+                                     stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
     report: dict = {
         "config": dataclasses.asdict(cfg),
         "threads": os.environ.get("OMP_NUM_THREADS"),
@@ -443,13 +450,6 @@ def _run(cfg: LearnConfig) -> dict:
     def save() -> None:
         (out / "learning.json").write_text(json.dumps(report, indent=1, default=float))
 
-    base_model(cfg)  # once, before the chain's process reads it
-    (out / CHAIN_FILE).unlink(missing_ok=True)
-    chain = None
-    if cfg.parallel:
-        with (out / "chain.log").open("w") as log_file:
-            chain = subprocess.Popen([sys.executable, "-m", "examples.learning", *_argv(cfg, chain_only=True)],
-                                     stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
     checkpoint, report["stage0"] = stage0(cfg)
     _grpo_from(cfg, "grpo_stage0", checkpoint, cases, report["runs"], save, deadline)
     if chain is None:

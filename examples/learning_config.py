@@ -116,7 +116,9 @@ class LearnConfig:
     )
     # evaluation
     eval_every: int = 30
-    eval_seeds: int = field(default=32, metadata={"help": "held-out seeds per (level x dynamics) cell"})
+    eval_seeds: int = field(
+        default=64, metadata={"help": "held-out seeds per (level x dynamics) cell (at least 32)"}
+    )
     eval_max_new_tokens: int = 384
     time_limit_min: float = field(
         default=55.0, metadata={"help": "each process stops GRPO at this wall time (minutes)"}
