@@ -208,7 +208,7 @@ def rsft_keys(cfg: LearnConfig) -> list[CaseKey]:
 
 
 def rsft(cfg: LearnConfig, checkpoint: Path) -> tuple[Path, dict]:
-    """Stage 4 on ``checkpoint`` (BC): ``rsft_samples`` completions per :func:`rsft_keys` case at GRPO's
+    """Stage 4 on ``checkpoint`` (BC): ``rsft_samples`` completions per :func:`rsft_keys` case at GRPO-from-BC's
     temperature, each scored by the environment; per case the best one that breaks no hard rule and
     scores at least uniform SLERP's + ``rsft_margin`` is kept (:mod:`orthojob.stages.rsft`), and the
     checkpoint fine-tuned on the kept ones (``rsft_steps``, ``rsft_lr``); every sample, kept or why
@@ -220,7 +220,7 @@ def rsft(cfg: LearnConfig, checkpoint: Path) -> tuple[Path, dict]:
     out = Path(cfg.out) / "rsft"
     config = _sft_stage_config(cfg, RSFTConfig, model=str(checkpoint), from_checkpoint=str(checkpoint), out=str(out),
                                prompts=cfg.rsft_prompts, samples_per_prompt=cfg.rsft_samples,
-                               temperature=cfg.temperature, max_new_tokens=cfg.max_completion_length,
+                               temperature=cfg.bc_temperature, max_new_tokens=cfg.max_completion_length,
                                sample_batch_size=16, keep_min_margin_over_slerp=cfg.rsft_margin,
                                skip_gate_check=True, steps=cfg.rsft_steps, lr=cfg.rsft_lr)  # fmt: skip
     samples = rsft_stage.sample_and_keep(config, checkpoint, rsft_keys(cfg))
@@ -251,8 +251,8 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
     """The :class:`orthojob.stages.grpo_config.GRPOJobConfig` of one of the experiment's GRPO runs
     (:data:`RUNS`): full fine-tuning of ``checkpoint`` on prompts of every cell, ``prompts_per_step``
     prompt groups of ``num_generations`` per step, the ``lr_scheduler`` schedule and a completion budget
-    of their own for each start (``bc_lr`` and ``max_completion_length`` from BC, ``lr`` and
-    ``stage0_completion_length`` from stage 0), no checkpoints until the end."""
+    of their own for each start (``bc_lr``, ``bc_temperature`` and ``max_completion_length`` from BC,
+    ``lr``, ``temperature`` and ``stage0_completion_length`` from stage 0), no checkpoints until the end."""
 
     completion = cfg.max_completion_length if run == "grpo_bc" else cfg.stage0_completion_length
     return GRPOJobConfig(
@@ -273,7 +273,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
         num_prompts=cfg.num_prompts,
         prompt_seed_start=GRPO_PROMPT_SEED_START,
         beta=cfg.beta,
-        temperature=cfg.temperature,
+        temperature=cfg.bc_temperature if run == "grpo_bc" else cfg.temperature,
         loss_type=cfg.loss_type,
         scale_rewards=cfg.scale_rewards,
         reward_weights={"reward_strategy": cfg.strategy_weight} if cfg.strategy_weight != 1.0 else {},

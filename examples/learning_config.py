@@ -95,7 +95,8 @@ class LearnConfig:
         default="constant",
         metadata={"help": "GRPO's learning-rate schedule over each run's steps", "choices": LR_SCHEDULERS},
     )
-    temperature: float = 0.8
+    temperature: float = field(default=0.8, metadata={"help": "GRPO's sampling temperature from stage 0"})
+    bc_temperature: float = field(default=0.8, metadata={"help": "GRPO's sampling temperature from BC"})
     beta: float = 0.1
     loss_type: str = "dapo"
     scale_rewards: str = "group"
