@@ -1,0 +1,102 @@
+"""How much learning signal GRPO's groups carry, per phase of a run and per task level.
+
+GRPO's advantage is a completion's reward against its group's (``num_generations`` completions of
+one prompt). A group whose completions all get the same advantage, zero, teaches nothing: that
+happens when the policy samples the same plan, or plans that score alike, for every completion. This
+reads a GRPO run's ``completions.jsonl`` (``<out>/grpo_bc`` or ``<out>/grpo_stage0`` of
+``python -m examples.learning``; each row has ``step``, ``seed``, ``task_id``, ``force_decay``,
+``completion``, ``rewards`` and ``advantage``) and prints, per third of the run's steps and per level:
+
+- the groups (prompts);
+- the share of groups with no signal (every advantage within 1e-6 of zero);
+- the share of samples scoring below 0 on ``reward_terminal`` (a broken plan or not a plan);
+- the mean number of distinct completions per group.
+
+A policy converging on one plan per case shows as a rising no-signal share and falling distinct
+completions; the sampling temperature trades these against broken samples.
+
+    python bench/group_signal.py runs/learn/grpo_bc [runs/learn/grpo_stage0 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orthojob.stages.grpo_config import COMPLETIONS_FILE
+from server.cases import TASK_IDS
+
+PHASES = 3
+"""The run's steps are split into this many equal phases."""
+ZERO = 1e-6
+"""An advantage within this of zero is no signal."""
+
+
+def group_signal(rows: list[dict], phases: int = PHASES) -> list[dict]:
+    """One dict per (phase, level) present in ``rows`` (rows of ``completions.jsonl``), in phase then
+    level order: ``phase`` (0-based), ``steps`` (first, last), ``level``, ``groups``, ``no_signal``,
+    ``broken`` and ``distinct`` as the module docstring lists them."""
+    if not rows:
+        raise ValueError("no completions: is this a GRPO run's completions.jsonl?")
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["step"], r["seed"], r["task_id"], bool(r["force_decay"]))].append(r)
+    last = max(r["step"] for r in rows)
+    width = -(-last // phases)
+    cells: dict[tuple[int, str], list[list[dict]]] = defaultdict(list)
+    for (step, _seed, task_id, _fd), group in groups.items():
+        cells[((step - 1) // width, task_id)].append(group)
+    level_order = {t: i for i, t in enumerate(TASK_IDS)}
+    out = []
+    for (phase, level), gs in sorted(cells.items(), key=lambda kv: (kv[0][0], level_order.get(kv[0][1], 99))):
+        terminal = [r["rewards"]["reward_terminal"] for g in gs for r in g]
+        out.append({
+            "phase": phase,
+            "steps": (phase * width + 1, min(last, (phase + 1) * width)),
+            "level": level,
+            "groups": len(gs),
+            "no_signal": float(np.mean([all(abs(r["advantage"]) <= ZERO for r in g) for g in gs])),
+            "broken": float(np.mean(np.asarray(terminal) < 0.0)),
+            "distinct": float(np.mean([len({r["completion"] for r in g}) for g in gs])),
+        })  # fmt: skip
+    return out
+
+
+def read_rows(run: Path) -> list[dict]:
+    """The rows of ``run/completions.jsonl`` (``run`` may also name the file itself)."""
+    path = run / COMPLETIONS_FILE if run.is_dir() else run
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: give a GRPO run's output folder or its {COMPLETIONS_FILE}"
+        )
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="GRPO output folders (or completions.jsonl files)")
+    parser.add_argument(
+        "--phases", type=int, default=PHASES, help="split each run's steps into this many phases"
+    )
+    args = parser.parse_args(argv)
+    for run in args.runs:
+        print(f"\n{run}")
+        print("| steps | level | groups | no signal | broken samples | distinct per group |")
+        print("|---|---|---|---|---|---|")
+        for r in group_signal(read_rows(run), args.phases):
+            first, last = r["steps"]
+            print(f"| {first}-{last} | {r['level']} | {r['groups']} | {r['no_signal']:.2f} | {r['broken']:.2f} "
+                  f"| {r['distinct']:.1f} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

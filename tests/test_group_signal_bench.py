@@ -1,0 +1,57 @@
+"""bench/group_signal.py: how much learning signal GRPO's groups carry, read from completions.jsonl."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("group_signal", ROOT / "bench" / "group_signal.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _group(step, seed, task, completions, terminals, advantages):
+    return [{"step": step, "seed": seed, "task_id": task, "force_decay": False, "completion": c,
+             "rewards": {"reward_terminal": t}, "advantage": a}
+            for c, t, a in zip(completions, terminals, advantages, strict=True)]  # fmt: skip
+
+
+def test_group_signal_counts_silent_groups_broken_samples_and_distinct_plans(tmp_path):
+    bench = _bench()
+    rows = [
+        # step 1, task_hard: four identical plans, no signal
+        *_group(1, 7, "task_hard", ["a"] * 4, [6.0] * 4, [0.0] * 4),
+        # step 1, task_easy: three distinct plans, one broken
+        *_group(1, 8, "task_easy", ["a", "b", "b", "c"], [6.0, -1.0, -1.0, 7.0], [0.3, -0.5, -0.5, 0.7]),
+        # step 4, task_hard: a spread, one not a plan
+        *_group(4, 9, "task_hard", ["a", "b", "c", "d"], [6.0, 5.0, 7.0, -2.0], [0.2, 0.0, 0.5, -0.7]),
+    ]
+    out = bench.group_signal(rows, phases=2)
+    assert [(r["phase"], r["level"]) for r in out] == [(0, "task_easy"), (0, "task_hard"), (1, "task_hard")]
+    assert [r["steps"] for r in out] == [(1, 2), (1, 2), (3, 4)]
+    easy, hard_early, hard_late = out
+    assert (easy["no_signal"], easy["broken"], easy["distinct"]) == (0.0, 0.5, 3.0)
+    assert (hard_early["no_signal"], hard_early["broken"], hard_early["distinct"]) == (1.0, 0.0, 1.0)
+    assert (hard_late["no_signal"], hard_late["broken"], hard_late["distinct"]) == (0.0, 0.25, 4.0)
+
+    run = tmp_path / "grpo_bc"
+    run.mkdir()
+    (run / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.group_signal(bench.read_rows(run)) == bench.group_signal(rows)
+    assert bench.main([str(run)]) == 0
+
+
+def test_group_signal_says_what_is_missing(tmp_path):
+    bench = _bench()
+    with pytest.raises(ValueError, match="no completions"):
+        bench.group_signal([])
+    with pytest.raises(FileNotFoundError, match=r"completions\.jsonl"):
+        bench.read_rows(tmp_path)
