@@ -329,12 +329,12 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
     }  # fmt: skip
     assert not args.gradient_checkpointing
     # each start samples at its own temperature
-    cfg = LearnConfig(out=str(tmp_path), bc_temperature=1.0)
+    hot = LearnConfig(out=str(tmp_path), bc_temperature=1.0)
     bc_args, _ = build_grpo_args(
-        grpo_job_config(cfg, tmp_path / "bc", "grpo_bc"), {"cuda": False, "bf16": False}, 1
+        grpo_job_config(hot, tmp_path / "bc", "grpo_bc"), {"cuda": False, "bf16": False}, 1
     )
     stage0_args, _ = build_grpo_args(
-        grpo_job_config(cfg, tmp_path / "stage0"), {"cuda": False, "bf16": False}, 1
+        grpo_job_config(hot, tmp_path / "stage0"), {"cuda": False, "bf16": False}, 1
     )
     assert (bc_args.temperature, stage0_args.temperature) == (1.0, 0.8)
     assert (job.strategy_advantage, job.strategy_lr_scale) == ("counterfactual", 10.0)
