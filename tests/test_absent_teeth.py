@@ -112,6 +112,9 @@ def test_the_prompt_and_the_oracle_leave_absent_teeth_out_and_the_oracle_stays_s
     prompt = build_prompt(observation)
     assert "absent_teeth: 15, 25 (the patient has no such tooth" in prompt
     assert "FDI 15:" not in prompt and "FDI 25:" not in prompt and "top 12 of 26" in prompt
+    terse = build_prompt(observation, "terse")
+    assert "absent_teeth: 15, 25 (the patient has no such tooth" in terse
+    assert " of 26; the other " in terse and "\n  15 " not in terse and "\n  25 " not in terse
     plan = oracle_plan(observation)
     named = {t for g in plan["tooth_groups"] for t in g["teeth"]}
     assert named == set(case.present_ids)

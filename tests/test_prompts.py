@@ -22,6 +22,7 @@ from orthojob.data.prompts import (
     reset_observation,
 )
 from orthojob.rewards.parsing import extract_plan, format_checks
+from server.cases import TASK_IDS
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import (
     DEFAULT_PRIORITY,
@@ -40,6 +41,9 @@ _LINE = re.compile(
     r"^  FDI (\d\d): dist=(\d+\.\d\d)mm  d=\(([+-]\d+\.\d\d),([+-]\d+\.\d\d),([+-]\d+\.\d\d)\)  "
     r"rot=(\d+\.\d)deg  min_stages=(\d+)$"
 )
+
+
+_TERSE_ROW = re.compile(r"^  (\d\d) (-?\d+) (-?\d+) (-?\d+) (\d+) (\d+)$")
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +89,46 @@ def test_prompt_lists_the_top_teeth_of_the_observation(obs: dict) -> None:
         min_stages = int(m.group(7))
         assert min_stages >= max(t[i] / MAX_TRANSLATION_MM, r[i] / MAX_ROTATION_DEG) - 1e-6
         assert min_stages - 1 < max(1.0, t[i] / MAX_TRANSLATION_MM, r[i] / MAX_ROTATION_DEG)
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_terse_prompt_lists_every_moving_tooth_as_integers(task_id: str) -> None:
+    """The terse format: the compact prompt with every tooth that moves (not the top 12), most
+    displaced first, in whole hundredths of a mm and tenths of a degree; a tooth whose numbers all
+    round to 0 is counted as at its target and left out."""
+    o = reset_observation(11, task_id, True)
+    text, compact = build_prompt(o, "terse"), build_prompt(o, "compact")
+    initial, target = np.asarray(o["initial_config"]), np.asarray(o["target_config"])
+    d = target[:, 4:] - initial[:, 4:]
+    t = np.linalg.norm(d, axis=-1)
+    r = np.degrees(quaternion_angle(initial[:, :4], target[:, :4]))
+    need = np.hypot(t, MM_PER_DEG * r)
+    moving = [i for i in np.argsort(-need, kind="stable") if np.rint(d[i] * 100).any() or np.rint(r[i] * 10)]
+    rows = [m for m in map(_TERSE_ROW.match, text.splitlines()) if m]
+    assert [int(m.group(1)) for m in rows] == [TOOTH_IDS[i] for i in moving]
+    assert f"({len(rows)} of 28; the other {28 - len(rows)} are at their target; " in text
+    min_stages = {int(m.group(1)): int(m.group(7)) for m in map(_LINE.match, compact.splitlines()) if m}
+    for m in rows:
+        i = TOOTH_IDS.index(int(m.group(1)))
+        assert [int(m.group(k)) / 100 for k in (2, 3, 4)] == pytest.approx(d[i], abs=0.0051)
+        assert int(m.group(5)) / 10 == pytest.approx(r[i], abs=0.051)
+        assert int(m.group(6)) == min_stages.get(TOOTH_IDS[i], int(m.group(6)))
+    assert set(min_stages) & {int(m.group(1)) for m in rows}  # the compact rows' teeth move here too
+    assert "FDI 1" not in text and "dist=" not in text and "-0 " not in text
+    # the rest of the prompt is the compact one's
+    assert text.split("Teeth")[0] == compact.split("Teeth")[0]
+    assert text.splitlines()[-1] == compact.splitlines()[-1]
+    assert len(text) < len(compact) or len(rows) > TOP_TEETH
+
+
+def test_terse_prompt_of_a_case_that_moves_few_teeth_is_short() -> None:
+    """A task_easy case moves a few teeth: the terse prompt lists those only, and is shorter."""
+    o = reset_observation(1001, "task_easy", False)
+    text = build_prompt(o, "terse")
+    rows = [m for m in map(_TERSE_ROW.match, text.splitlines()) if m]
+    assert 0 < len(rows) < TOP_TEETH
+    assert f"({len(rows)} of 28; the other {28 - len(rows)} are at their target" in text
+    assert len(text) < 0.8 * len(build_prompt(o, "compact"))
 
 
 def test_prompt_carries_the_case_summary_constraints_and_semantics(obs: dict) -> None:

@@ -5,11 +5,13 @@ most displaced teeth (as the seed's prompt), its clinical summary, the per-stage
 the plan format with its semantics (:data:`PLAN_SEMANTICS`, the statement of
 :mod:`server.plans`, built from the server's constants so no number is restated by hand).
 
-Two prompt formats (:data:`PROMPT_FORMATS`), a property of the policy model
+Three prompt formats (:data:`PROMPT_FORMATS`), a property of the policy model
 (:func:`prompt_format_of`, recorded in the model's ``config.json`` as :data:`PROMPT_FORMAT_KEY`):
 ``full`` (default) is the above; ``compact`` is the case part alone (:func:`case_description`),
 for small models whose format stage teaches the plan format: half the tokens, so a CPU learning run
-(``make learn``) trains about three times faster per completion.
+trains about three times faster per completion. ``terse`` is ``compact`` with the teeth as bare
+integers (:data:`TERSE_COLUMNS`), every tooth that moves listed, not the top 12: a tiny model's
+tokenizer spells each digit, so the labels cost as much as the numbers.
 
 Seeds: training prompts use seeds from :data:`TRAIN_SEED_START`, held-out evaluation seeds
 from :data:`HELDOUT_SEED_START`; the two ranges never meet for any realistic dataset size.
@@ -18,7 +20,6 @@ from :data:`HELDOUT_SEED_START`; the two ranges never meet for any realistic dat
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -115,8 +116,11 @@ PLAN_SEMANTICS: str = _plan_semantics()
 """The plan format and semantics of :mod:`server.plans`, as the prompt states them."""
 
 
-def _tooth_rows(observation: dict) -> list[str]:
-    """The TOP_TEETH most displaced teeth (mm-equivalent distance, as the server scores it)."""
+def _tooth_needs(observation: dict) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(order, delta, dist, rot, min_stages)`` of the patient's present teeth: their row indices, most
+    displaced first (mm-equivalent distance, as the server scores it; ties by index), and per row the
+    translation to target (mm, (28, 3)), its length (mm), the rotation to target (deg) and the fewest
+    stages within the per-stage limits."""
     initial = np.asarray(observation.get("current_config") or observation["initial_config"], dtype=np.float64)
     target = np.asarray(observation["target_config"], dtype=np.float64)
     delta = target[:, 4:] - initial[:, 4:]
@@ -124,18 +128,49 @@ def _tooth_rows(observation: dict) -> list[str]:
     rot = np.degrees(quaternion_angle(initial[:, :4], target[:, :4]))
     need = np.hypot(dist, MM_PER_DEG * rot)
     stages = np.maximum(dist / MAX_TRANSLATION_MM, rot / MAX_ROTATION_DEG)
+    min_stages = np.maximum(1, np.ceil(stages - 1e-9)).astype(int)
     absent = set((observation.get("case_summary") or {}).get(ABSENT_KEY) or ())
     here = [i for i in range(N_TEETH) if TOOTH_IDS[i] not in absent]
-    order = sorted(here, key=lambda i: (-need[i], i))[:TOP_TEETH]
+    return sorted(here, key=lambda i: (-need[i], i)), delta, dist, rot, min_stages
+
+
+def _tooth_rows(observation: dict) -> list[str]:
+    """The TOP_TEETH most displaced teeth, one labelled row each."""
+    order, delta, dist, rot, min_stages = _tooth_needs(observation)
     rows = []
-    for i in order:
+    for i in order[:TOP_TEETH]:
         dx, dy, dz = delta[i] + 0.0  # + 0.0 turns -0.0 into 0.0
-        min_stages = max(1, math.ceil(stages[i] - 1e-9))
         rows.append(
             f"  FDI {TOOTH_IDS[i]}: dist={dist[i]:.2f}mm  d=({dx:+.2f},{dy:+.2f},{dz:+.2f})  "
-            f"rot={rot[i]:.1f}deg  min_stages={min_stages}"
+            f"rot={rot[i]:.1f}deg  min_stages={min_stages[i]}"
         )
     return rows
+
+
+TERSE_COLUMNS: str = (
+    "FDI, target - current in 0.01 mm (x patient's left, y anterior, z occlusal-up), rotation in 0.1 deg, "
+    "fewest stages within the per-stage limits"
+)
+"""The columns of a terse prompt's tooth rows (:func:`_tooth_table`)."""
+
+
+def _tooth_table(observation: dict) -> tuple[list[str], int]:
+    """Every present tooth that moves, most displaced first, as bare integers in :data:`TERSE_COLUMNS`'
+    order, and how many present teeth are left out because all their numbers round to 0 (at target).
+
+    A small model's tokenizer writes each digit as a token, so whole hundredths of a mm cost about half
+    the tokens of a labelled row (:func:`_tooth_rows`): every moving tooth for the price of the top 12.
+    A ``task_hard`` case often moves all 28 teeth and a ``task_easy`` case four.
+    """
+    order, delta, _dist, rot, min_stages = _tooth_needs(observation)
+    hundredths = np.rint(delta * 100.0).astype(int) + 0  # + 0 turns -0 into 0
+    tenths = np.rint(rot * 10.0).astype(int)
+    moving = [i for i in order if hundredths[i].any() or tenths[i]]
+    rows = [
+        f"  {TOOTH_IDS[i]} {hundredths[i, 0]} {hundredths[i, 1]} {hundredths[i, 2]} {tenths[i]} {min_stages[i]}"
+        for i in moving
+    ]
+    return rows, len(order) - len(moving)
 
 
 def _summary_rows(summary: dict) -> list[str]:
@@ -151,8 +186,9 @@ def _summary_rows(summary: dict) -> list[str]:
     return rows
 
 
-PROMPT_FORMATS: tuple[str, ...] = ("full", "compact")
-"""``full``: case and plan format; ``compact``: the case only (module docstring)."""
+PROMPT_FORMATS: tuple[str, ...] = ("full", "compact", "terse")
+"""``full``: case and plan format; ``compact``: the case only; ``terse``: the case only, every moving tooth
+as bare numbers (module docstring)."""
 PROMPT_FORMAT_KEY: str = "orthorl_prompt_format"
 """The model config attribute (saved in ``config.json``) naming the policy's prompt format."""
 
@@ -194,16 +230,33 @@ def set_prompt_format(model_dir, prompt_format: str) -> None:
 def build_prompt(observation: dict, prompt_format: str = "full") -> str:
     """The user message for a reset observation of the environment: :func:`case_description` and
     (``full`` format) the plan format (:data:`PLAN_SEMANTICS`)."""
-    if check_prompt_format(prompt_format) == "compact":
-        return case_description(observation)
+    prompt_format = check_prompt_format(prompt_format)
+    if prompt_format != "full":
+        return case_description(observation, terse=prompt_format == "terse")
     return "\n".join([case_description(observation), "", PLAN_SEMANTICS])
 
 
-def case_description(observation: dict) -> str:
+def case_description(observation: dict, terse: bool = False) -> str:
     """The case part of :func:`build_prompt`: the task, the clinical summary, the teeth furthest
     from target and the per-stage limits (the agentic mode's first observation,
-    :mod:`orthojob.agentic.tools`)."""
+    :mod:`orthojob.agentic.tools`). ``terse``: every tooth that moves in :func:`_tooth_table`'s rows
+    instead of the top :data:`TOP_TEETH` in labelled ones."""
     decay = bool(observation.get("force_decay"))
+    present = _present(observation)
+    if terse:
+        rows, still = _tooth_table(observation)
+        teeth = [
+            f"Teeth that move, furthest from target first ({len(rows)} of {present}; the other {still} are at "
+            f"their target; {TERSE_COLUMNS}):",
+            *rows,
+        ]
+    else:
+        teeth = [
+            f"Teeth furthest from target (top {TOP_TEETH} of {present}; dist = translation mm, d = target - "
+            "current in mm (x patient's left, y anterior, z occlusal-up), rot = rotation deg, min_stages = "
+            "fewest stages within the per-stage limits):",
+            *_tooth_rows(observation),
+        ]
     lines = [
         f"Plan a clear-aligner treatment of {N_STAGES} aligners (stages 1-{N_STAGES}; stage 0 is the "
         "initial state).",
@@ -217,10 +270,7 @@ def case_description(observation: dict) -> str:
         "Case summary (initial casts, mm):",
         *_summary_rows(observation.get("case_summary") or {}),
         "",
-        f"Teeth furthest from target (top {TOP_TEETH} of {_present(observation)}; dist = translation mm, d = target - "
-        "current in mm (x patient's left, y anterior, z occlusal-up), rot = rotation deg, min_stages = "
-        "fewest stages within the per-stage limits):",
-        *_tooth_rows(observation),
+        *teeth,
         "",
         f"Constraints: at most {_fmt(MAX_TRANSLATION_MM)} mm translation and {_fmt(MAX_ROTATION_DEG)} deg "
         "rotation per tooth per stage.",
