@@ -10,10 +10,13 @@ reads a GRPO run's ``completions.jsonl`` (``<out>/grpo_bc`` or ``<out>/grpo_stag
 - the groups (prompts);
 - the share of groups with no signal (every advantage within 1e-6 of zero);
 - the share of samples scoring below 0 on ``reward_terminal`` (a broken plan or not a plan);
-- the mean number of distinct completions per group.
+- the mean number of distinct completions per group;
+- the share of samples whose plan is a single tooth group (how uniform staging, one group of every
+  tooth at one fraction, shows; a completion that is not a plan counts as not one group).
 
 A policy converging on one plan per case shows as a rising no-signal share and falling distinct
-completions; the sampling temperature trades these against broken samples.
+completions; the sampling temperature trades these against broken samples. A policy giving up staged
+plans shows as a rising one-group share.
 
     python bench/group_signal.py runs/learn/grpo_bc [runs/learn/grpo_stage0 ...]
 """
@@ -30,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orthojob.rewards.parsing import extract_plan
 from orthojob.stages.grpo_config import COMPLETIONS_FILE
 from server.cases import TASK_IDS
 
@@ -42,7 +46,7 @@ ZERO = 1e-6
 def group_signal(rows: list[dict], phases: int = PHASES) -> list[dict]:
     """One dict per (phase, level) present in ``rows`` (rows of ``completions.jsonl``), in phase then
     level order: ``phase`` (0-based), ``steps`` (first, last), ``level``, ``groups``, ``no_signal``,
-    ``broken`` and ``distinct`` as the module docstring lists them."""
+    ``broken``, ``distinct`` and ``one_group`` as the module docstring lists them."""
     if not rows:
         raise ValueError("no completions: is this a GRPO run's completions.jsonl?")
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -65,8 +69,16 @@ def group_signal(rows: list[dict], phases: int = PHASES) -> list[dict]:
             "no_signal": float(np.mean([all(abs(r["advantage"]) <= ZERO for r in g) for g in gs])),
             "broken": float(np.mean(np.asarray(terminal) < 0.0)),
             "distinct": float(np.mean([len({r["completion"] for r in g}) for g in gs])),
+            "one_group": float(np.mean([_groups(r["completion"]) == 1 for g in gs for r in g])),
         })  # fmt: skip
     return out
+
+
+def _groups(completion: str) -> int | None:
+    """How many tooth groups the completion's plan lists, None when it is not a plan."""
+    plan = extract_plan(completion)
+    groups = plan.get("tooth_groups") if isinstance(plan, dict) else None
+    return len(groups) if isinstance(groups, list) else None
 
 
 def read_rows(run: Path) -> list[dict]:
@@ -89,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for run in args.runs:
         print(f"\n{run}")
-        print("| steps | level | groups | no signal | broken samples | distinct per group |")
-        print("|---|---|---|---|---|---|")
+        print("| steps | level | groups | no signal | broken samples | distinct per group | one group |")
+        print("|---|---|---|---|---|---|---|")
         for r in group_signal(read_rows(run), args.phases):
             first, last = r["steps"]
             print(f"| {first}-{last} | {r['level']} | {r['groups']} | {r['no_signal']:.2f} | {r['broken']:.2f} "
-                  f"| {r['distinct']:.1f} |")  # fmt: skip
+                  f"| {r['distinct']:.1f} | {r['one_group']:.2f} |")  # fmt: skip
     return 0
 
 

@@ -41,12 +41,25 @@ def test_group_signal_counts_silent_groups_broken_samples_and_distinct_plans(tmp
     assert (easy["no_signal"], easy["broken"], easy["distinct"]) == (0.0, 0.5, 3.0)
     assert (hard_early["no_signal"], hard_early["broken"], hard_early["distinct"]) == (1.0, 0.0, 1.0)
     assert (hard_late["no_signal"], hard_late["broken"], hard_late["distinct"]) == (0.0, 0.25, 4.0)
+    assert easy["one_group"] == hard_late["one_group"] == 0.0  # "a", "b", ... are not plans
 
     run = tmp_path / "grpo_bc"
     run.mkdir()
     (run / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert bench.group_signal(bench.read_rows(run)) == bench.group_signal(rows)
     assert bench.main([str(run)]) == 0
+
+
+def test_group_signal_counts_one_group_plans():
+    bench = _bench()
+    one = '{"strategy": "anterior_first", "tooth_groups": [{"teeth": [11, 21], "fraction": 0.0417}]}'
+    two = ('{"strategy": "anterior_first", "tooth_groups": [{"teeth": [11], "fraction": 0.05}, '
+           '{"teeth": [21], "fraction": 0.05, "priority": "low"}]}')  # fmt: skip
+    rows = _group(
+        1, 7, "task_hard", [one, one, two, "not a plan"], [6.0, 6.0, 7.0, -2.0], [0.1, 0.1, 0.5, -0.7]
+    )
+    (out,) = bench.group_signal(rows)
+    assert out["one_group"] == 0.5
 
 
 def test_group_signal_says_what_is_missing(tmp_path):
