@@ -8,8 +8,8 @@ and, beside it, RL without any oracle data, on CPU and offline, in two processes
 * **from scratch** (this process): **stage 0** (format SFT on plans that carry no clinical choice,
   :mod:`orthojob.data.format_demos`), then **GRPO from stage 0**.
 
-The base model is the offline tiny Qwen2 (:func:`orthojob.modeling.models.build_tiny`) in the ``compact``
-prompt format. Both GRPO runs go through the job's trainer (:func:`orthojob.stages.grpo_trainer.train`,
+The base model is the offline tiny Qwen2 (:func:`orthojob.modeling.models.build_tiny`) in the ``terse``
+prompt format (every tooth that moves, :data:`orthojob.data.prompts.PROMPT_FORMATS`). Both GRPO runs go through the job's trainer (:func:`orthojob.stages.grpo_trainer.train`,
 TRL's GRPOTrainer, the project's five reward functions) on prompts of every cell
 (:data:`orthojob.data.prompts.CELLS`: three task levels x ideal and force-decay dynamics, taking turns).
 

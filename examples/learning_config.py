@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orthojob.data.prompts import PROMPT_FORMATS
 from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
 from orthojob.stages.grpo_config import LR_SCHEDULERS
 from server.cases import TRAIN_SEED_START
@@ -35,7 +36,14 @@ class LearnConfig:
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 256
-    prompt_format: str = "compact"
+    prompt_format: str = field(
+        default="terse",
+        metadata={
+            "help": "the prompt the base model is trained and evaluated with: terse lists every tooth that "
+            "moves, compact the 12 furthest from target (orthojob.data.prompts)",
+            "choices": PROMPT_FORMATS,
+        },
+    )
     # SFT (stage 0 and BC share the optimiser settings)
     sft_batch_size: int = 4
     sft_lr: float = 3e-3
@@ -81,7 +89,10 @@ class LearnConfig:
     rsft_steps: int = field(default=150, metadata={"help": "RSFT's fine-tuning steps"})
     rsft_lr: float = field(default=1e-3, metadata={"help": "RSFT's learning rate (cosine, as BC's)"})
     # GRPO (both runs)
-    steps: int = field(default=120, metadata={"help": "GRPO's steps from BC"})
+    steps: int = field(
+        default=200,
+        metadata={"help": "GRPO's steps from BC (on two cores the time limit ends it first, at about 140)"},
+    )
     stage0_steps: int = field(
         default=180,
         metadata={"help": "GRPO's steps from stage 0 (its process has no BC to train: more steps fit)"},
