@@ -91,7 +91,7 @@ class LearnConfig:
     # GRPO (both runs)
     steps: int = field(
         default=200,
-        metadata={"help": "GRPO's steps from BC (on two cores the time limit ends it first, at about 140)"},
+        metadata={"help": "GRPO's steps from BC (on two cores the time limit ends it first, at 130-140)"},
     )
     stage0_steps: int = field(
         default=180,

@@ -163,7 +163,7 @@ def _tooth_table(observation: dict) -> tuple[list[str], int]:
     A ``task_hard`` case often moves all 28 teeth and a ``task_easy`` case four.
     """
     order, delta, _dist, rot, min_stages = _tooth_needs(observation)
-    hundredths = np.rint(delta * 100.0).astype(int) + 0  # + 0 turns -0 into 0
+    hundredths = np.rint(delta * 100.0).astype(int)
     tenths = np.rint(rot * 10.0).astype(int)
     moving = [i for i in order if hundredths[i].any() or tenths[i]]
     rows = [
