@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 
 from orthojob.data.prompts import reset_observation
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import load_bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("prompt_tokens", ROOT / "bench" / "prompt_tokens.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("prompt_tokens")
 
 
 def test_moving_teeth_are_the_teeth_off_target_and_present() -> None:
