@@ -120,7 +120,7 @@ def _sft_stage_config(cfg: LearnConfig, kind: type | None = None, **changes):
 
 
 def _stage0_key(cfg: LearnConfig) -> dict:
-    keys = ("sft_examples", "sft_steps", "sft_batch_size", "sft_lr", "strategy_last")
+    keys = ("sft_examples", "sft_steps", "sft_batch_size", "sft_lr", "strategy_last", "safe_format_demos")
     return {**_arch(cfg), **{k: getattr(cfg, k) for k in keys}}
 
 
@@ -141,7 +141,7 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
     t0 = time.perf_counter()
     config = _sft_stage_config(cfg, FormatSFTConfig, model=str(base_model(cfg)), out=str(out),
                                examples=cfg.sft_examples, demo_seed=cfg.seed, strategy_last=cfg.strategy_last,
-                               steps=cfg.sft_steps)  # fmt: skip
+                               safe_demos=cfg.safe_format_demos, steps=cfg.sft_steps)  # fmt: skip
     summary = run_sft(config)
     meta = {"key": _stage0_key(cfg), **_sft_meta(summary), "wall_seconds": time.perf_counter() - t0}
     meta_file.write_text(json.dumps(meta, indent=1))

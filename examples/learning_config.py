@@ -50,6 +50,14 @@ class LearnConfig:
     sft_examples: int = field(default=1600, metadata={"help": "stage 0's format demonstrations"})
     sft_steps: int = field(default=500, metadata={"help": "stage 0's steps"})
     strategy_last: bool = field(default=True, metadata=_SWITCH)
+    safe_format_demos: bool = field(
+        default=True,
+        metadata={
+            **_SWITCH,
+            "help": "stage 0's random demonstrations redrawn where they break a hard rule (the simulator's rule "
+            "check; strategy and groups stay random: orthojob/data/format_demos.py)",
+        },
+    )
     fresh_stage0: bool = field(default=False, metadata=_SWITCH)
     bc_examples: int = field(default=1800, metadata={"help": "BC's oracle demonstrations, over every cell"})
     bc_steps: int = field(default=1000, metadata={"help": "BC's steps"})

@@ -193,6 +193,13 @@ class FormatSFTConfig(SFTJobConfig):
             "and written its plan (any key order parses)"
         },
     )
+    safe_demos: bool = field(
+        default=False,
+        metadata={
+            "help": "redraw a demonstration whose random plan breaks a hard rule (the simulator's rule check "
+            "decides; the strategy and groups stay random), so the policy does not copy collisions"
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
