@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,10 @@ def test_format_demonstrations_are_the_training_patients_cases_in_turn(source):
     assert info["split_digest"] == loaded.split.digest and info["cases"] == str(source)
     again, _ = demonstration_rows(config)
     assert again == rows  # deterministic: the split by patient and the demo seed
+    safe, safe_info = demonstration_rows(replace(config, safe_demos=True))
+    assert [r["case_id"] for r in safe] == [r["case_id"] for r in rows] and safe_info[
+        "hard_rule_share"
+    ] == 0.0
 
 
 def test_tool_demonstrations_are_the_oracles_episodes_on_the_training_patients(source):

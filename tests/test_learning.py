@@ -13,13 +13,18 @@ import pytest
 
 from examples.learning_eval import heldout_cases, mean_ci, reference_rows, strategy_counterfactuals
 from examples.learning_report import CELL_NAMES
-from orthojob.data.format_demos import format_demonstrations, random_format_plan
+from orthojob.data.format_demos import demo_stats, format_demonstrations, random_format_plan, redraw_unsafe
 from orthojob.rewards.canaries import METRICS, episode_values
 from orthojob.rewards.parsing import find_plan
 from orthojob.rewards.reward_functions import reward_format, reward_terminal
 from orthojob.rewards.rollouts import DEFAULT_CACHE
 from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, generate_case
 from server.clinical_profiles import STRATEGIES
+from server.treatment import score_plans
+
+
+def _key(row: dict) -> tuple:
+    return row["task_id"], row["seed"], row["force_decay"]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +70,40 @@ def test_demo_strategy_is_uniform_and_ignores_the_case():
 def test_demos_are_deterministic(demos):
     again = format_demonstrations(60, ["task_easy", "task_medium"], seed=3)
     assert [d["completion"] for d in again] == [d["completion"] for d in demos]
+
+
+def test_safe_demos_redraw_only_the_plans_that_break_a_hard_rule():
+    """``safe`` keeps every prompt and every safe plan, and replaces each unsafe plan by a safe random one;
+    the strategies stay spread over all five (the redraw checks safety, nothing clinical)."""
+    args = (40, ["task_hard"], False)
+    raw = format_demonstrations(*args, seed=5, prompt_format="terse")
+    safe = format_demonstrations(*args, seed=5, prompt_format="terse", safe=True)
+    raw_stats, safe_stats = demo_stats(raw), demo_stats(safe)
+    assert raw_stats["hard_rule_share"] > 0.2  # task_hard's random staging collides often
+    assert safe_stats["hard_rule_share"] == 0.0
+    assert [r["prompt"] for r in safe] == [r["prompt"] for r in raw]
+    unsafe = {
+        i
+        for i, res in enumerate(score_plans([r["plan"] for r in raw], [_key(r) for r in raw]))
+        if res["broken_rules"]
+    }
+    for i, (a, b) in enumerate(zip(raw, safe)):
+        assert (a["plan"] == b["plan"]) == (i not in unsafe)
+        assert find_plan(b["completion"][0]["content"])[0] == b["plan"]
+    assert sum(count > 0 for count in safe_stats["strategy_counts"].values()) >= 4
+
+
+def test_redraw_unsafe_gives_up_after_its_draws_and_leaves_its_input():
+    import random
+
+    rows = format_demonstrations(12, ["task_hard"], seed=5)
+    before = [dict(r) for r in rows]
+    once = redraw_unsafe(rows, random.Random(0), draws=1)  # one draw: scored, never redrawn
+    assert rows == before and [r["plan"] for r in once] == [r["plan"] for r in rows]
+    assert (
+        demo_stats(redraw_unsafe(rows, random.Random(0)))["hard_rule_share"]
+        < demo_stats(rows)["hard_rule_share"]
+    )
 
 
 def test_ci_and_episode_metrics():
