@@ -4,7 +4,7 @@ Both runs evaluate the same held-out cases (the seeds from ``HELDOUT_SEED_START`
 cell), and ``learning.json`` keeps every planner's per-case scaled reward. For each planner both runs
 have (stage 0, GRPO from stage 0 at its last step, BC, GRPO from BC at its last step), this prints
 the mean per-case difference A - B and its 95 % interval (stratified by cell,
-:func:`examples.learning_report.mean_ci`), per level and pooled. Two runs that differ in one setting
+:func:`examples.learning_report.paired_per_case`), per level and pooled. Two runs that differ in one setting
 are compared on the same cases, so what the cases share drops out: a trial's effect with a narrower
 interval than the difference of two unpaired means.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.learning_report import PLANNER_LABELS, mean_ci, planners
+from examples.learning_report import PLANNER_LABELS, paired_per_case, planners
 
 PLANNERS: tuple[str, ...] = ("stage0", "grpo_stage0", "bc", "grpo_bc")
 
@@ -30,28 +30,17 @@ def paired_runs(report_a: dict, report_b: dict) -> list[dict]:
     """Per planner both reports evaluated case by case: ``{"planner", "levels": {level: ci}, "pooled": ci}``
     of the per-case differences A - B. A ValueError when the runs evaluated different numbers of cases."""
     a, b = planners(report_a), planners(report_b)
-    rows = []
-    for name in PLANNERS:
-        if "per_case" not in a.get(name, {}) or "per_case" not in b.get(name, {}):
-            continue
-        by_level: dict[str, tuple[list[float], list[str]]] = {}
-        for cell, xs in a[name]["per_case"].items():
-            ys = b[name]["per_case"].get(cell)
-            if ys is None or len(ys) != len(xs):
-                raise ValueError(
-                    f"{name}: the runs evaluated different cases in {cell} ({len(xs)} vs {len(ys or [])}): "
-                    "compare runs made with the same --eval-seeds"
-                )
-            values, strata = by_level.setdefault(cell.split("/")[0], ([], []))
-            values.extend(x - y for x, y in zip(xs, ys))
-            strata.extend([cell] * len(xs))
-        pooled = (
-            [v for vs, _ in by_level.values() for v in vs],
-            [s for _, ss in by_level.values() for s in ss],
-        )
-        rows.append({"planner": name, "levels": {lv: mean_ci(*vs) for lv, vs in by_level.items()},
-                     "pooled": mean_ci(*pooled)})  # fmt: skip
-    return rows
+    try:
+        return [
+            {
+                "planner": name,
+                **paired_per_case(a[name]["per_case"], b[name]["per_case"], f"the runs' {name}"),
+            }
+            for name in PLANNERS
+            if "per_case" in a.get(name, {}) and "per_case" in b.get(name, {})
+        ]
+    except ValueError as err:
+        raise ValueError(f"{err}: compare runs made with the same --eval-seeds") from None
 
 
 def _ci(ci: dict) -> str:

@@ -192,32 +192,36 @@ def _stratified(pairs: Sequence[tuple[float, str]]) -> dict:
     return mean_ci([v for v, _ in pairs], [s for _, s in pairs])
 
 
+def paired_per_case(xs: dict[str, Sequence[float]], ys: dict[str, Sequence[float]], what: str) -> dict:
+    """The per-case differences ``xs - ys`` of two per-cell score lists (``{"level/dynamics": [scaled
+    reward per case]}``, the same cases in the same order) as ``{"levels": {level: ci}, "pooled": ci}``,
+    each :func:`mean_ci` stratified by cell. A ValueError naming ``what`` and the cell when a cell's
+    case counts differ (the two were not evaluated on the same cases)."""
+    diffs: dict[str, list[tuple[float, str]]] = {}
+    for cell, x in xs.items():
+        y = ys.get(cell, [])
+        if len(y) != len(x):
+            raise ValueError(f"{what} were evaluated on different cases in {cell}: {len(x)} vs {len(y)}")
+        diffs.setdefault(cell.split("/")[0], []).extend((a - b, cell) for a, b in zip(x, y))
+    pooled = [d for ds in diffs.values() for d in ds]
+    return {"levels": {lv: _stratified(ds) for lv, ds in diffs.items()}, "pooled": _stratified(pooled)}
+
+
 def paired_differences(report: dict) -> list[dict]:
     """Each :data:`PAIRED_COMPARISONS` pair on the same held-out cases: the mean and 95 % interval of
     the per-case difference in scaled reward (planner minus the other), per level and pooled
-    (stratified by cell, :func:`mean_ci`), as
-    ``{"planner", "against", "levels": {level: ci}, "pooled": ci}``. Pairing removes what the cases
-    share (a force-decay case scores lower for every planner), so these intervals are narrower than
-    the targets' unpaired "CIs apart"; they are reported beside the targets, which judge as the
-    claims are written. Pairs without per-case scores (older reports) are left out."""
+    (:func:`paired_per_case`), as ``{"planner", "against", "levels": {level: ci}, "pooled": ci}``.
+    Pairing removes what the cases share (a force-decay case scores lower for every planner), so these
+    intervals are narrower than the targets' unpaired "CIs apart"; they are reported beside the
+    targets, which judge as the claims are written. Pairs without per-case scores (older reports) are
+    left out."""
 
     p = planners(report)
-    out = []
-    for a, b in PAIRED_COMPARISONS:
-        if not ("per_case" in p.get(a, {}) and "per_case" in p.get(b, {})):
-            continue
-        diffs: dict[str, list[float]] = {}
-        for cell, xs in p[a]["per_case"].items():
-            ys = p[b]["per_case"].get(cell, [])
-            if len(ys) != len(xs):
-                raise ValueError(
-                    f"{a} and {b} were evaluated on different cases in {cell}: {len(xs)} vs {len(ys)}"
-                )
-            diffs.setdefault(cell.split("/")[0], []).extend((x - y, cell) for x, y in zip(xs, ys))
-        pooled = [d for ds in diffs.values() for d in ds]
-        out.append({"planner": a, "against": b, "levels": {lv: _stratified(ds) for lv, ds in diffs.items()},
-                    "pooled": _stratified(pooled)})  # fmt: skip
-    return out
+    return [
+        {"planner": a, "against": b, **paired_per_case(p[a]["per_case"], p[b]["per_case"], f"{a} and {b}")}
+        for a, b in PAIRED_COMPARISONS
+        if "per_case" in p.get(a, {}) and "per_case" in p.get(b, {})
+    ]
 
 
 def paired_table(rows: Sequence[dict]) -> str:
