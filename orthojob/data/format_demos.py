@@ -51,10 +51,10 @@ from server.scoring import MOVEMENT_EPS_MM
 from server.treatment import score_plans
 
 MAX_DEMO_GROUPS: int = 3
+"""Most groups in a demo plan (keeps completions short: about 60-110 tokens with the tiny tokenizer)."""
 SAFE_DRAWS: int = 24
 """Most draws of a ``safe`` demo's plan; a row with no safe draw keeps its last one (reported by
 :func:`demo_stats`)."""
-"""Most groups in a demo plan (keeps completions short: about 60-110 tokens with the tiny tokenizer)."""
 FRACTION_DIGITS: int = 4
 
 
