@@ -160,12 +160,16 @@ def format_row(
     plan = random_format_plan(case, rng)
     return {
         "prompt": build_messages(initial_observation(case), prompt_format),
-        "completion": [{"role": "assistant", "content": plan_to_completion(plan, strategy_last)}],
+        "completion": _completion(plan, strategy_last),
         "seed": key.seed,
         "task_id": key.task_id,
         "force_decay": bool(key.force_decay),
         "plan": plan,
     }
+
+
+def _completion(plan: dict, strategy_last: bool) -> list[dict]:
+    return [{"role": "assistant", "content": plan_to_completion(plan, strategy_last)}]
 
 
 def _key(row: dict) -> CaseKey:
@@ -187,8 +191,7 @@ def redraw_unsafe(
             break
         for i in pending:
             plan = random_format_plan(generate_case(*_key(rows[i])), rng)
-            completion = [{"role": "assistant", "content": plan_to_completion(plan, strategy_last)}]
-            rows[i] = {**rows[i], "plan": plan, "completion": completion}
+            rows[i] = {**rows[i], "plan": plan, "completion": _completion(plan, strategy_last)}
     return rows
 
 
