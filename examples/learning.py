@@ -120,7 +120,15 @@ def _sft_stage_config(cfg: LearnConfig, kind: type | None = None, **changes):
 
 
 def _stage0_key(cfg: LearnConfig) -> dict:
-    keys = ("sft_examples", "sft_steps", "sft_batch_size", "sft_lr", "strategy_last", "safe_format_demos")
+    keys = (
+        "sft_examples",
+        "sft_steps",
+        "sft_batch_size",
+        "sft_lr",
+        "strategy_last",
+        "safe_format_demos",
+        "format_demo_staging",
+    )
     return {**_arch(cfg), **{k: getattr(cfg, k) for k in keys}}
 
 
@@ -141,7 +149,8 @@ def stage0(cfg: LearnConfig) -> tuple[Path, dict]:
     t0 = time.perf_counter()
     config = _sft_stage_config(cfg, FormatSFTConfig, model=str(base_model(cfg)), out=str(out),
                                examples=cfg.sft_examples, demo_seed=cfg.seed, strategy_last=cfg.strategy_last,
-                               safe_demos=cfg.safe_format_demos, steps=cfg.sft_steps)  # fmt: skip
+                               safe_demos=cfg.safe_format_demos, demo_staging=cfg.format_demo_staging,
+                               steps=cfg.sft_steps)  # fmt: skip
     summary = run_sft(config)
     meta = {"key": _stage0_key(cfg), **_sft_meta(summary), "wall_seconds": time.perf_counter() - t0}
     meta_file.write_text(json.dumps(meta, indent=1))
@@ -435,7 +444,9 @@ def _run(cfg: LearnConfig) -> dict:
     base_model(cfg)  # once, before the chain's process reads it
     (out / CHAIN_FILE).unlink(missing_ok=True)
     chain = None
-    if cfg.parallel:  # started before the references are scored, so that its time limit is not spent waiting
+    if (
+        cfg.parallel and not cfg.stage0_only
+    ):  # started before the references are scored, so that its time limit is not spent waiting
         with (out / "chain.log").open("w") as log_file:
             chain = subprocess.Popen([sys.executable, "-m", "examples.learning", *_argv(cfg, chain_only=True)],
                                      stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
@@ -452,7 +463,9 @@ def _run(cfg: LearnConfig) -> dict:
 
     checkpoint, report["stage0"] = stage0(cfg)
     _grpo_from(cfg, "grpo_stage0", checkpoint, cases, report["runs"], save, deadline)
-    if chain is None:
+    if cfg.stage0_only:
+        record = {}
+    elif chain is None:
         record = run_chain(cfg, cases, deadline + cfg.time_limit_min * 60)  # one after the other
     else:
         code = chain.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orthojob.data.format_demos import STAGINGS
 from orthojob.data.prompts import PROMPT_FORMATS
 from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
 from orthojob.stages.grpo_config import LR_SCHEDULERS
@@ -56,6 +57,22 @@ class LearnConfig:
             **_SWITCH,
             "help": "stage 0's random demonstrations redrawn where they break a hard rule (the simulator's rule "
             "check; strategy and groups stay random: orthojob/data/format_demos.py)",
+        },
+    )
+    format_demo_staging: str = field(
+        default="random",
+        metadata={
+            "help": "stage 0's demonstrations: random groups, or a group per level of the strategy each names, "
+            "in that strategy's order (strategy, starts and speeds random: orthojob/data/format_demos.py)",
+            "choices": STAGINGS,
+        },
+    )
+    stage0_only: bool = field(
+        default=False,
+        metadata={
+            **_SWITCH,
+            "help": "run stage 0 and GRPO from it only, without the chain (BC, GRPO from BC): its targets "
+            "then read missing",
         },
     )
     fresh_stage0: bool = field(default=False, metadata=_SWITCH)

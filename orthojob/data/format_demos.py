@@ -12,6 +12,16 @@ completion, a *valid, executable* plan whose choices are random:
   ``[1 / (24 - start + 1), 1 / stages_needed]`` of its teeth (so the plan is executable: every
   treated tooth stays within the per-stage limits and reaches its target).
 
+With ``staging="sequenced"`` the groups are instead the named strategy's levels
+(:data:`server.clinical_profiles.STRATEGY_LEVELS`, among the treated teeth; the teeth its sequence
+does not judge, :data:`server.clinical_profiles.SEQUENCED_TEETH`, join the first group), in the
+strategy's order: each later group starts 2-6 aligners after the one before (an explicit
+``start_stage``) and finishes no earlier, at a random aligner that the per-stage limits allow
+(:func:`sequenced_format_plan`). The plan then moves the teeth in the order the strategy it names
+prescribes, which is what the plan semantics state a strategy means; the strategy itself, the
+starts and the speeds stay random. A random staging rarely follows any strategy's sequence, so a
+policy cloned from random staging rarely sees the plans that earn the optimal multiplier.
+
 Nothing here looks at which strategy or sequence suits the case, and nothing is filtered on the
 clinical score. By default some demos break a hard rule (collisions between teeth moved at different
 times: about a quarter on ``task_easy``, 44 % on ``task_hard``), which GRPO then has to unlearn; with
@@ -37,7 +47,7 @@ import numpy as np
 
 from orthojob.data.prompts import TRAIN_SEED_START, build_messages, plan_to_completion
 from server.cases import Case, CaseKey, generate_case
-from server.clinical_profiles import STRATEGIES
+from server.clinical_profiles import SEQUENCED_TEETH, STRATEGIES, STRATEGY_LEVELS
 from server.dental_constants import (
     MAX_ROTATION_DEG,
     MAX_TRANSLATION_MM,
@@ -56,6 +66,10 @@ SAFE_DRAWS: int = 24
 """Most draws of a ``safe`` demo's plan; a row with no safe draw keeps its last one (reported by
 :func:`demo_stats`)."""
 FRACTION_DIGITS: int = 4
+STAGINGS: tuple[str, ...] = ("random", "sequenced")
+"""How a demo plan groups and times the teeth: :func:`random_format_plan` or :func:`sequenced_format_plan`."""
+SEQUENCE_GAP_STAGES: tuple[int, int] = (2, 6)
+"""Aligners between the starts of consecutive groups of a sequenced demo (inclusive range)."""
 
 
 def _floor(x: float) -> float:
@@ -103,6 +117,36 @@ def random_format_plan(case: Case, rng: random.Random) -> dict:
     return {"strategy": strategy, "tooth_groups": groups}
 
 
+def sequenced_format_plan(case: Case, rng: random.Random) -> dict:
+    """One random, executable plan for ``case`` that moves its teeth in the order of the strategy it
+    names (see the module docstring): a group per level of the strategy's sequence present among the
+    treated teeth, later levels starting later and finishing no earlier."""
+    strategy = rng.choice(STRATEGIES)
+    teeth, stages = treated_teeth(case)
+    if not teeth:
+        return {**random_format_plan(case, rng), "strategy": strategy}
+    levels, judged = STRATEGY_LEVELS[strategy], SEQUENCED_TEETH[strategy]
+    order = sorted({int(levels[i]) for i in teeth if judged[i]})
+    members = [[i for i in teeth if judged[i] and levels[i] == lv] for lv in order] or [[]]
+    members[0] += [i for i in teeth if not judged[i]]
+    groups: list[dict] = []
+    start = end = 0
+    for group in members:
+        need = max(1.0, float(max(stages[i] for i in group)))
+        latest = N_STAGES - math.ceil(need - 1e-9) + 1
+        start = 1 if not groups else max(1, min(latest, start + rng.randint(*SEQUENCE_GAP_STAGES)))
+        end = rng.randint(min(max(start + math.ceil(need - 1e-9) - 1, end), N_STAGES), N_STAGES)
+        fraction = min(_ceil(1.0 / (end - start + 1)), _floor(1.0 / need * (1 - 1e-6)))
+        groups.append(
+            {"teeth": sorted(TOOTH_IDS[i] for i in group), "fraction": fraction, "start_stage": start}
+        )
+    return {"strategy": strategy, "tooth_groups": groups}
+
+
+PLAN_SOURCES = {"random": random_format_plan, "sequenced": sequenced_format_plan}
+"""The demo plan of each :data:`STAGINGS` entry."""
+
+
 def format_demonstrations(
     n: int,
     task_ids: Sequence[str],
@@ -112,17 +156,18 @@ def format_demonstrations(
     prompt_format: str = "full",
     strategy_last: bool = False,
     safe: bool = False,
+    staging: str = "random",
 ) -> list[dict]:
     """``n`` SFT rows ``{"prompt", "completion", "seed", "task_id", "force_decay", "plan"}`` on training
     seeds from ``seed_start`` (tasks take turns), each with a random format plan (``seed`` seeds the
     random choices, not the cases), prompts in ``prompt_format`` (:data:`orthojob.data.prompts.PROMPT_FORMATS`); ``strategy_last`` writes
     the strategy after the tooth groups; ``safe`` redraws plans that break a hard rule
-    (:func:`redraw_unsafe`)."""
+    (:func:`redraw_unsafe`); ``staging`` is one of :data:`STAGINGS`."""
     rng = random.Random(seed)
     tasks = list(task_ids)
     keys = (CaseKey(tasks[k % len(tasks)], seed_start + k // len(tasks), bool(force_decay)) for k in range(n))
-    rows = [format_row(key, rng, prompt_format, strategy_last) for key in keys]
-    return redraw_unsafe(rows, rng, strategy_last) if safe else rows
+    rows = [format_row(key, rng, prompt_format, strategy_last, staging) for key in keys]
+    return redraw_unsafe(rows, rng, strategy_last, staging=staging) if safe else rows
 
 
 def case_set_format_demonstrations(
@@ -133,6 +178,7 @@ def case_set_format_demonstrations(
     prompt_format: str = "full",
     strategy_last: bool = False,
     safe: bool = False,
+    staging: str = "random",
 ) -> list[dict]:
     """``n`` format rows on the cases ``keys`` (a case set's training patients,
     :meth:`orthojob.data.case_sets.LoadedCaseSet.case_ids` naming them), the cases taking turns in
@@ -143,21 +189,25 @@ def case_set_format_demonstrations(
     rng = random.Random(seed)
     rows = [
         {
-            **format_row(keys[k % len(keys)], rng, prompt_format, strategy_last),
+            **format_row(keys[k % len(keys)], rng, prompt_format, strategy_last, staging),
             "case_id": case_ids[k % len(keys)],
         }
         for k in range(n)
     ]
-    return redraw_unsafe(rows, rng, strategy_last) if safe else rows
+    return redraw_unsafe(rows, rng, strategy_last, staging=staging) if safe else rows
 
 
 def format_row(
-    key: CaseKey, rng: random.Random, prompt_format: str = "full", strategy_last: bool = False
+    key: CaseKey,
+    rng: random.Random,
+    prompt_format: str = "full",
+    strategy_last: bool = False,
+    staging: str = "random",
 ) -> dict:
     """One format demonstration on the case ``key``: its prompt and a random format plan
-    (:func:`random_format_plan`, drawn from ``rng``) as the completion."""
+    (:data:`PLAN_SOURCES` ``[staging]``, drawn from ``rng``) as the completion."""
     case = generate_case(*key)
-    plan = random_format_plan(case, rng)
+    plan = _plan_source(staging)(case, rng)
     return {
         "prompt": build_messages(initial_observation(case), prompt_format),
         "completion": _completion(plan, strategy_last),
@@ -166,6 +216,12 @@ def format_row(
         "force_decay": bool(key.force_decay),
         "plan": plan,
     }
+
+
+def _plan_source(staging: str):
+    if staging not in PLAN_SOURCES:
+        raise ValueError(f"unknown demo staging {staging!r}: use one of {', '.join(STAGINGS)}")
+    return PLAN_SOURCES[staging]
 
 
 def _completion(plan: dict, strategy_last: bool) -> list[dict]:
@@ -177,11 +233,17 @@ def _key(row: dict) -> CaseKey:
 
 
 def redraw_unsafe(
-    rows: list[dict], rng: random.Random, strategy_last: bool = False, draws: int = SAFE_DRAWS
+    rows: list[dict],
+    rng: random.Random,
+    strategy_last: bool = False,
+    draws: int = SAFE_DRAWS,
+    staging: str = "random",
 ) -> list[dict]:
-    """``rows`` with each plan that breaks a hard rule redrawn from ``rng`` (:func:`random_format_plan`),
+    """``rows`` with each plan that breaks a hard rule redrawn from ``rng`` (:data:`PLAN_SOURCES`
+    ``[staging]``),
     in rounds over the rows still unsafe, until it is safe or has had ``draws`` draws; the prompts stay.
     Returns new rows (the input is not changed); a row never made safe keeps its last draw."""
+    source = _plan_source(staging)
     rows = [dict(r) for r in rows]
     pending = list(range(len(rows)))
     for round_ in range(draws):
@@ -190,7 +252,7 @@ def redraw_unsafe(
         if not pending or round_ == draws - 1:
             break
         for i in pending:
-            plan = random_format_plan(generate_case(*_key(rows[i])), rng)
+            plan = source(generate_case(*_key(rows[i])), rng)
             rows[i] = {**rows[i], "plan": plan, "completion": _completion(plan, strategy_last)}
     return rows
 
@@ -213,12 +275,16 @@ def demo_stats(rows: Sequence[dict]) -> dict:
 
 __all__ = [
     "MAX_DEMO_GROUPS",
+    "PLAN_SOURCES",
     "SAFE_DRAWS",
+    "SEQUENCE_GAP_STAGES",
+    "STAGINGS",
     "case_set_format_demonstrations",
     "demo_stats",
     "format_demonstrations",
     "format_row",
     "random_format_plan",
     "redraw_unsafe",
+    "sequenced_format_plan",
     "treated_teeth",
 ]

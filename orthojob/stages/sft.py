@@ -220,12 +220,14 @@ def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tup
     if config.demos == "format":
         strategy_last = getattr(config, "strategy_last", False)
         safe = getattr(config, "safe_demos", False)
+        staging = getattr(config, "demo_staging", "random")
         if loaded is None:
             rows = format_demonstrations(config.examples, config.task_ids, config.force_decay, seed=demo_seed,
-                                         prompt_format=prompt_format, strategy_last=strategy_last, safe=safe)  # fmt: skip
+                                         prompt_format=prompt_format, strategy_last=strategy_last, safe=safe,
+                                         staging=staging)  # fmt: skip
         else:
             rows = case_set_format_demonstrations(loaded.train, loaded.case_ids("train"), config.examples,
-                                                  demo_seed, prompt_format, strategy_last, safe)  # fmt: skip
+                                                  demo_seed, prompt_format, strategy_last, safe, staging)  # fmt: skip
         stats = demo_stats(rows)
         log.info("format demonstrations: %s", stats)
         return rows, {"source": "format", "examples": len(rows), **stats, **_case_set_info(loaded)}

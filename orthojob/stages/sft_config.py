@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from orthojob.data.format_demos import STAGINGS
 from orthojob.modeling.models import TINY_MODEL
 from orthojob.stages.flags import finite_float, non_negative_int, positive_int, task_list
 from orthojob.stages.grpo_config import ConfigError
@@ -198,6 +199,15 @@ class FormatSFTConfig(SFTJobConfig):
         metadata={
             "help": "redraw a demonstration whose random plan breaks a hard rule (the simulator's rule check "
             "decides; the strategy and groups stay random), so the policy does not copy collisions"
+        },
+    )
+    demo_staging: str = field(
+        default="random",
+        metadata={
+            "help": "how a demonstration groups and times the teeth: random groups, or a group per level of "
+            "the strategy it names, started in that strategy's order (the strategy, starts and speeds stay "
+            "random; orthojob/data/format_demos.py)",
+            "choices": STAGINGS,
         },
     )
 
