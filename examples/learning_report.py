@@ -161,12 +161,9 @@ def targets(report: dict) -> list[dict]:
             evals = report["runs"][run]["evaluations"]
             start, last_step = evals[0], evals[-1]["step"]
             floor = start["pooled"][SCALED_REWARD]["mean"]
-            late = {
-                e["step"]: round(e["pooled"][SCALED_REWARD]["mean"], 3)
-                for e in evals
-                if e["step"] > last_step / 3
-            }
-            return {"start": round(floor, 3), "after_first_third": late}, bool(late) and min(
+            late = {e["step"]: e["pooled"][SCALED_REWARD]["mean"] for e in evals if e["step"] > last_step / 3}
+            shown = {step: round(mean, 3) for step, mean in late.items()}  # judged unrounded
+            return {"start": round(floor, 3), "after_first_third": shown}, bool(late) and min(
                 late.values()
             ) >= floor
 

@@ -13,7 +13,13 @@ import pytest
 
 from examples.learning_eval import heldout_cases, mean_ci, reference_rows, strategy_counterfactuals
 from examples.learning_report import CELL_NAMES
-from orthojob.data.format_demos import demo_stats, format_demonstrations, random_format_plan, redraw_unsafe
+from orthojob.data.format_demos import (
+    demo_stats,
+    format_demonstrations,
+    random_format_plan,
+    redraw_unsafe,
+    sequenced_format_plan,
+)
 from orthojob.rewards.canaries import METRICS, episode_values
 from orthojob.rewards.parsing import find_plan
 from orthojob.rewards.reward_functions import reward_format, reward_terminal
@@ -104,6 +110,58 @@ def test_redraw_unsafe_gives_up_after_its_draws_and_leaves_its_input():
         demo_stats(redraw_unsafe(rows, random.Random(0)))["hard_rule_share"]
         < demo_stats(rows)["hard_rule_share"]
     )
+
+
+def _multipliers_and_order(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's earned strategy multiplier, sequence concordance, executable score, and whether it
+    names its case's optimal strategy."""
+    results = score_plans([r["plan"] for r in rows], [_key(r) for r in rows])
+    optimal = [generate_case(*_key(r)).optimal_strategy == r["plan"]["strategy"] for r in rows]
+    return (
+        np.array([x["reward_breakdown"]["strategy_multiplier"] for x in results]),
+        np.array([x["diagnostics"]["sequence_concordance"] for x in results]),
+        np.array([x["reward_breakdown"]["executable"] for x in results]),
+        np.array(optimal),
+    )
+
+
+def test_sequenced_demos_move_the_teeth_in_the_order_of_the_strategy_they_name():
+    """A sequenced demo's staging follows its own strategy's sequence, so where it names the case's
+    optimal strategy it earns the optimal multiplier (1.2); a random staging with the same strategy
+    almost never does on task_medium and task_hard, whose sequences take several levels."""
+    args = (80, ["task_medium", "task_hard"])
+    seq = format_demonstrations(*args, seed=2, staging="sequenced")
+    rnd = format_demonstrations(*args, seed=2)
+    s_mult, s_rho, s_exec, s_opt = _multipliers_and_order(seq)
+    r_mult, r_rho, _, r_opt = _multipliers_and_order(rnd)
+    assert s_exec.min() == 1.0  # every treated tooth within the limits and at its target
+    assert s_rho.min() > 0.3 and np.median(s_rho) > 0.7 and np.median(r_rho) < 0.3
+    assert s_opt.sum() >= 8 and r_opt.sum() >= 8
+    assert (s_mult[s_opt] == 1.2).mean() >= 0.8 and (r_mult[r_opt] == 1.2).mean() <= 0.2
+    for row in seq:  # the groups start in order, each at an explicit aligner
+        starts = [g["start_stage"] for g in row["plan"]["tooth_groups"]]
+        assert starts == sorted(starts) and starts[0] == 1
+        assert find_plan(row["completion"][0]["content"])[0] == row["plan"]
+
+
+def test_sequenced_demo_strategy_is_uniform_and_ignores_the_case():
+    import random
+
+    rng = random.Random(1)
+    case = generate_case("task_hard", 0, False)
+    counts = Counter(sequenced_format_plan(case, rng)["strategy"] for _ in range(2500))
+    expected = 2500 / len(STRATEGIES)
+    assert set(counts) == set(STRATEGIES)
+    assert sum((c - expected) ** 2 / expected for c in counts.values()) < 18.5
+
+
+def test_safe_sequenced_demos_and_an_unknown_staging():
+    raw = format_demonstrations(30, ["task_hard"], seed=4, staging="sequenced")
+    safe = format_demonstrations(30, ["task_hard"], seed=4, staging="sequenced", safe=True)
+    assert demo_stats(safe)["hard_rule_share"] < demo_stats(raw)["hard_rule_share"]
+    assert all(len({g["start_stage"] for g in r["plan"]["tooth_groups"]}) >= 1 for r in safe)
+    with pytest.raises(ValueError, match="random, sequenced"):
+        format_demonstrations(2, ["task_easy"], staging="ordered")
 
 
 def test_ci_and_episode_metrics():
@@ -494,3 +552,37 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
     assert all(r["pooled"]["n"] == len(CELL_NAMES) for r in report["paired"])
     assert "Paired differences" in (tmp_path / "learn" / "comparison.md").read_text()
     assert (tmp_path / "learn" / "learning.png").is_file()
+
+
+def test_stage0_only_runs_no_chain_and_its_targets_read_missing(tmp_path, monkeypatch):
+    """``--stage0-only``: stage 0 and GRPO from it, no chain process and no chain; the chain's targets
+    fail as missing, GRPO from stage 0's are judged (a curve level with its start is stable: the check
+    compares the means unrounded)."""
+    from examples import learning
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    def no_chain(*args, **kwargs):
+        raise AssertionError("the chain ran")
+
+    def fake_grpo(cfg, name, checkpoint, cases, record, save, deadline):
+        slerp = learning.reference_rows(cases)["uniform_slerp"]  # the start and one step score as SLERP
+        evals = [{"step": step, **slerp, "mean_tokens": 60.0} for step in (0, 3)]
+        record[name] = {"evaluations": evals, "training": {"steps_done": 3}}
+
+    monkeypatch.setattr(learning, "run_chain", no_chain)
+    monkeypatch.setattr(learning, "base_model", lambda cfg: tmp_path)
+    monkeypatch.setattr(learning, "stage0", lambda cfg: (tmp_path, {"key": {}}))
+    monkeypatch.setattr(learning, "_grpo_from", fake_grpo)
+    monkeypatch.setattr(learning, "plot", lambda report, path: None)
+    report = learning.run(learning.LearnConfig(out=str(tmp_path / "learn"), eval_seeds=1, stage0_only=True))
+    targets = {t["name"]: t for t in report["targets"]}
+    assert (
+        targets["grpo_bc_beats_bc"]["value"].startswith("missing")
+        and not targets["grpo_bc_beats_bc"]["passed"]
+    )
+    assert targets["grpo_stage0_stable"]["passed"] and "missing" not in str(
+        targets["grpo_stage0_canaries"]["value"]
+    )
+    assert set(report["runs"]) == {"grpo_stage0"} and report["bc"] is None
+    assert not (tmp_path / "learn" / "chain.log").exists()  # no chain process was started

@@ -16,7 +16,7 @@ With ``staging="sequenced"`` the groups are instead the named strategy's levels
 (:data:`server.clinical_profiles.STRATEGY_LEVELS`, among the treated teeth; the teeth its sequence
 does not judge, :data:`server.clinical_profiles.SEQUENCED_TEETH`, join the first group), in the
 strategy's order: each later group starts 2-6 aligners after the one before (an explicit
-``start_stage``) and finishes no earlier, at a random aligner that the per-stage limits allow
+``start_stage``; fewer where a later group needs the time to finish) and finishes no earlier, at a random aligner that the per-stage limits allow
 (:func:`sequenced_format_plan`). The plan then moves the teeth in the order the strategy it names
 prescribes, which is what the plan semantics state a strategy means; the strategy itself, the
 starts and the speeds stay random. A random staging rarely follows any strategy's sequence, so a
@@ -129,12 +129,16 @@ def sequenced_format_plan(case: Case, rng: random.Random) -> dict:
     order = sorted({int(levels[i]) for i in teeth if judged[i]})
     members = [[i for i in teeth if judged[i] and levels[i] == lv] for lv in order] or [[]]
     members[0] += [i for i in teeth if not judged[i]]
+    needs = [max(1.0, float(max(stages[i] for i in group))) for group in members]
+    # the latest start from which a group and every later one can still finish: starts that never
+    # decrease along the sequence then stay feasible
+    latest = [N_STAGES - math.ceil(need - 1e-9) + 1 for need in needs]
+    for j in range(len(latest) - 2, -1, -1):
+        latest[j] = min(latest[j], latest[j + 1])
     groups: list[dict] = []
     start = end = 0
-    for group in members:
-        need = max(1.0, float(max(stages[i] for i in group)))
-        latest = N_STAGES - math.ceil(need - 1e-9) + 1
-        start = 1 if not groups else max(1, min(latest, start + rng.randint(*SEQUENCE_GAP_STAGES)))
+    for group, need, last_start in zip(members, needs, latest):
+        start = 1 if not groups else min(last_start, start + rng.randint(*SEQUENCE_GAP_STAGES))
         end = rng.randint(min(max(start + math.ceil(need - 1e-9) - 1, end), N_STAGES), N_STAGES)
         fraction = min(_ceil(1.0 / (end - start + 1)), _floor(1.0 / need * (1 - 1e-6)))
         groups.append(
