@@ -444,9 +444,8 @@ def _run(cfg: LearnConfig) -> dict:
     base_model(cfg)  # once, before the chain's process reads it
     (out / CHAIN_FILE).unlink(missing_ok=True)
     chain = None
-    if (
-        cfg.parallel and not cfg.stage0_only
-    ):  # started before the references are scored, so that its time limit is not spent waiting
+    # the chain's process starts before the references are scored, so that its time limit is not spent waiting
+    if cfg.parallel and not cfg.stage0_only:
         with (out / "chain.log").open("w") as log_file:
             chain = subprocess.Popen([sys.executable, "-m", "examples.learning", *_argv(cfg, chain_only=True)],
                                      stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip

@@ -16,19 +16,23 @@ With ``staging="sequenced"`` the groups are instead the named strategy's levels
 (:data:`server.clinical_profiles.STRATEGY_LEVELS`, among the treated teeth; the teeth its sequence
 does not judge, :data:`server.clinical_profiles.SEQUENCED_TEETH`, join the first group), in the
 strategy's order: each later group starts 2-6 aligners after the one before (an explicit
-``start_stage``; fewer where a later group needs the time to finish) and finishes no earlier, at a random aligner that the per-stage limits allow
-(:func:`sequenced_format_plan`). The plan then moves the teeth in the order the strategy it names
-prescribes, which is what the plan semantics state a strategy means; the strategy itself, the
-starts and the speeds stay random. A random staging rarely follows any strategy's sequence, so a
-policy cloned from random staging rarely sees the plans that earn the optimal multiplier.
+``start_stage``; fewer where a later group needs the time to finish) and finishes no earlier, at a
+random aligner that the per-stage limits allow (:func:`sequenced_format_plan`). The plan then moves
+the teeth in the order the strategy it names prescribes, which is what the plan semantics state a
+strategy means; the strategy itself, the starts and the speeds stay random. A random staging rarely
+follows any strategy's sequence, so a policy cloned from random staging rarely sees the plans that
+earn the optimal multiplier.
 
 Nothing here looks at which strategy or sequence suits the case, and nothing is filtered on the
 clinical score. By default some demos break a hard rule (collisions between teeth moved at different
 times: about a quarter on ``task_easy``, 44 % on ``task_hard``), which GRPO then has to unlearn; with
 ``safe=True`` a demo whose plan breaks a hard rule is redrawn (up to :data:`SAFE_DRAWS` draws, the
 simulator's own rule check, :func:`server.reward_scaler.broken_rules`, deciding), so the policy copies
-random choices that are safe. Safety is the only thing the redraw looks at: the strategy and the
-groups stay as random as before. :func:`demo_stats` reports the hard-rule share either way.
+random choices that are safe. Safety is the only thing the redraw looks at: with random staging the
+strategy and the groups stay as random as before. With sequenced staging the strategy does not: the
+redraw keeps plans naming the case's optimal strategy more often (0.43 of 1,600 safe demonstrations
+over every level, against 0.21 with random staging), as the optimal strategy's sequence breaks fewer
+rules on its case. :func:`demo_stats` reports the hard-rule share and the optimal share either way.
 
 Example::
 
@@ -244,9 +248,9 @@ def redraw_unsafe(
     staging: str = "random",
 ) -> list[dict]:
     """``rows`` with each plan that breaks a hard rule redrawn from ``rng`` (:data:`PLAN_SOURCES`
-    ``[staging]``),
-    in rounds over the rows still unsafe, until it is safe or has had ``draws`` draws; the prompts stay.
-    Returns new rows (the input is not changed); a row never made safe keeps its last draw."""
+    ``[staging]``), in rounds over the rows still unsafe, until it is safe or has had ``draws`` draws;
+    the prompts stay. Returns new rows (the input is not changed); a row never made safe keeps its
+    last draw."""
     source = _plan_source(staging)
     rows = [dict(r) for r in rows]
     pending = list(range(len(rows)))
