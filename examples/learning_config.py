@@ -144,7 +144,11 @@ class LearnConfig:
         default=384, metadata={"help": "GRPO's completion budget from BC (tokens)"}
     )
     stage0_completion_length: int = field(
-        default=128, metadata={"help": "GRPO's completion budget from stage 0 (tokens; its plans are short)"}
+        default=128,
+        metadata={
+            "help": "GRPO's completion budget from stage 0 (tokens; a third of its demonstrations are longer, "
+            "but 256 did no better: docs/learning_experiment.md)"
+        },
     )
     # the two processes
     parallel: bool = field(default=True, metadata={"help": "the chain in a second process", **_SWITCH})
