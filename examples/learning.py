@@ -376,9 +376,10 @@ def _grpo_from(cfg, name, checkpoint, cases, record: dict, save, deadline) -> No
 def run_chain(cfg: LearnConfig, cases: Sequence[CaseKey], deadline: float | None = None) -> dict:
     """The seed's chain: BC from the base model, its evaluation, then GRPO from BC (with
     ``rsft_prompts``, RSFT between them: BC evaluated on its own, GRPO from RSFT's checkpoint);
-    written to ``<out>/chain.json`` as it goes (the main process reads it)."""
+    written to ``<out>/chain.json`` as it goes, with its settings and wall time (the main process reads it)."""
+    t0 = time.perf_counter()
     out = Path(cfg.out)
-    record: dict = {}
+    record: dict = {"config": dataclasses.asdict(cfg)}
 
     def save() -> None:
         (out / CHAIN_FILE).write_text(json.dumps(record, indent=1, default=float))
@@ -391,6 +392,8 @@ def run_chain(cfg: LearnConfig, cases: Sequence[CaseKey], deadline: float | None
         checkpoint, record["rsft"] = rsft(cfg, checkpoint)
         save()
     _grpo_from(cfg, "grpo_bc", checkpoint, cases, record, save, deadline)
+    record["wall_seconds"] = time.perf_counter() - t0
+    save()
     return record
 
 
@@ -472,6 +475,14 @@ def _run(cfg: LearnConfig) -> dict:
         if code != 0:
             log.warning("the chain's process exited %s: see %s", code, out / "chain.log")
             report["chain_error"] = f"exit {code}, see chain.log"
+    finish_report(report, record, out, time.perf_counter() - t0)
+    return report
+
+
+def finish_report(report: dict, record: dict, out: Path, wall_seconds: float) -> None:
+    """``report`` (stage 0's process: settings, references, stage 0, GRPO from stage 0) completed with
+    the chain's ``record`` (:func:`run_chain`: BC, RSFT, GRPO from BC), judged (:func:`targets`, the
+    paired differences) and written to ``out``: ``learning.json``, ``comparison.md``, ``learning.png``."""
     report["bc"] = record.get("bc")
     if "rsft" in record:
         report["rsft"] = record["rsft"]
@@ -480,8 +491,8 @@ def _run(cfg: LearnConfig) -> dict:
     report["targets"] = targets(report)
     report["passed"] = all(t["passed"] for t in report["targets"])
     report["paired"] = paired_differences(report)
-    report["wall_seconds"] = time.perf_counter() - t0
-    save()
+    report["wall_seconds"] = wall_seconds
+    (out / "learning.json").write_text(json.dumps(report, indent=1, default=float))
     text = (
         markdown_tables(report)
         + "\n\n"
@@ -497,7 +508,6 @@ def _run(cfg: LearnConfig) -> dict:
         plot(report, out / "learning.png")
     except Exception as exc:  # the plot never fails the run
         log.warning("no plot: %s", exc)
-    return report
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -586,3 +586,63 @@ def test_stage0_only_runs_no_chain_and_its_targets_read_missing(tmp_path, monkey
     )
     assert set(report["runs"]) == {"grpo_stage0"} and report["bc"] is None
     assert not (tmp_path / "learn" / "chain.log").exists()  # no chain process was started
+
+
+def test_the_two_halves_run_apart_combine_into_the_report_make_learn_writes(tmp_path, monkeypatch, capsys):
+    """bench/combine_halves.py: a ``--stage0-only`` run and a ``--chain-only`` run joined give the targets
+    ``make learn`` gives with the same halves in one run; halves of different seeds or cases, or an
+    output folder that is one of them, are refused (exit 2) with what differs."""
+    from examples import learning
+    from tests.bench_scripts import load_bench
+
+    combine_halves = load_bench("combine_halves")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    def fake_grpo(cfg, name, checkpoint, cases, record, save, deadline):
+        rows = learning.reference_rows(cases)  # from stage 0: SLERP throughout; from BC: SLERP -> the oracle
+        final = rows["oracle"] if name == "grpo_bc" else rows["uniform_slerp"]
+        evals = [
+            {"step": 0, **rows["uniform_slerp"], "mean_tokens": 60.0},
+            {"step": 3, **final, "mean_tokens": 90.0},
+        ]
+        record[name] = {
+            "evaluations": evals,
+            "training": {"steps_done": 3, "grpo_config": {"seed": cfg.seed}},
+        }
+        save()
+
+    monkeypatch.setattr(learning, "base_model", lambda cfg: tmp_path)
+    monkeypatch.setattr(learning, "stage0", lambda cfg: (tmp_path, {"key": {}}))
+    monkeypatch.setattr(learning, "bc", lambda cfg: (tmp_path, {"key": {}, "wall_seconds": 1.0}))
+    monkeypatch.setattr(learning, "_grpo_from", fake_grpo)
+    monkeypatch.setattr(learning, "plot", lambda report, path: None)
+    config = learning.LearnConfig(eval_seeds=1)
+
+    learning.run(replace(config, out=str(tmp_path / "whole"), parallel=False))
+    whole = json.loads((tmp_path / "whole" / "learning.json").read_text())
+    learning.run(replace(config, out=str(tmp_path / "s0"), stage0_only=True))
+    (tmp_path / "chain").mkdir()
+    learning.run_chain(replace(config, out=str(tmp_path / "chain"), chain_only=True), heldout_cases(1))
+    assert json.loads((tmp_path / "chain" / "chain.json").read_text())["config"]["seed"] == 0
+
+    args = [str(tmp_path / "s0"), str(tmp_path / "chain"), "--out", str(tmp_path / "joined")]
+    code = combine_halves.main(args)
+    joined = json.loads((tmp_path / "joined" / "learning.json").read_text())
+    assert code == (0 if joined["passed"] else 1) and capsys.readouterr().out.rstrip().endswith("FAILED")
+    assert set(joined["runs"]) == {"grpo_stage0", "grpo_bc"}
+    assert [(t["name"], t["passed"], t["value"]) for t in joined["targets"]] == [
+        (t["name"], t["passed"], t["value"]) for t in whole["targets"]
+    ]
+    by_name = {t["name"]: t for t in joined["targets"]}
+    assert by_name["grpo_bc_beats_bc"]["passed"] and not by_name["grpo_stage0_beats_slerp_easy"]["passed"]
+    assert (tmp_path / "joined" / "comparison.md").is_file()
+
+    chain_file = tmp_path / "chain" / "chain.json"
+    record = json.loads(chain_file.read_text())
+    assert combine_halves.main([*args[:2], "--out", str(tmp_path / "s0")]) == 2
+    assert "new folder" in capsys.readouterr().err
+    chain_file.write_text(json.dumps({**record, "config": {**record["config"], "seed": 1}}))
+    assert combine_halves.main(args) == 2 and "different seeds" in capsys.readouterr().err
+    record["grpo_bc"]["evaluations"][0]["per_case"]["task_hard/ideal"].append(0.0)
+    chain_file.write_text(json.dumps(record))
+    assert combine_halves.main(args) == 2 and "different cases" in capsys.readouterr().err
