@@ -260,8 +260,9 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
     """The :class:`orthojob.stages.grpo_config.GRPOJobConfig` of one of the experiment's GRPO runs
     (:data:`RUNS`): full fine-tuning of ``checkpoint`` on prompts of every cell, ``prompts_per_step``
     prompt groups of ``num_generations`` per step, the ``lr_scheduler`` schedule and a completion budget
-    of their own for each start (``bc_lr``, ``bc_temperature`` and ``max_completion_length`` from BC,
-    ``lr``, ``temperature`` and ``stage0_completion_length`` from stage 0), no checkpoints until the end."""
+    of their own for each start (``bc_lr``, ``bc_beta``, ``bc_temperature`` and ``max_completion_length``
+    from BC, ``lr``, ``beta``, ``temperature`` and ``stage0_completion_length`` from stage 0), no
+    checkpoints until the end."""
 
     completion = cfg.max_completion_length if run == "grpo_bc" else cfg.stage0_completion_length
     return GRPOJobConfig(
@@ -281,7 +282,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
         seed=cfg.seed,
         num_prompts=cfg.num_prompts,
         prompt_seed_start=GRPO_PROMPT_SEED_START,
-        beta=cfg.beta,
+        beta=cfg.bc_beta if run == "grpo_bc" else cfg.beta,
         temperature=cfg.bc_temperature if run == "grpo_bc" else cfg.temperature,
         loss_type=cfg.loss_type,
         scale_rewards=cfg.scale_rewards,

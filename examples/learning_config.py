@@ -133,7 +133,8 @@ class LearnConfig:
     )
     temperature: float = field(default=0.8, metadata={"help": "GRPO's sampling temperature from stage 0"})
     bc_temperature: float = field(default=0.8, metadata={"help": "GRPO's sampling temperature from BC"})
-    beta: float = 0.1
+    beta: float = field(default=0.1, metadata={"help": "GRPO's KL coefficient to its start, from stage 0"})
+    bc_beta: float = field(default=0.1, metadata={"help": "GRPO's KL coefficient to its start (BC), from BC"})
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     strategy_weight: float = 3.0

@@ -425,8 +425,8 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
         "reward_terminal": 1.0, "reward_occlusion": 1.0, "reward_strategy": 3.0, "reward_format": 1.0, "reward_anchorage": 1.0
     }  # fmt: skip
     assert not args.gradient_checkpointing
-    # each start samples at its own temperature
-    hot = LearnConfig(out=str(tmp_path), bc_temperature=1.0)
+    # each start samples at its own temperature, with its own KL coefficient
+    hot = LearnConfig(out=str(tmp_path), bc_temperature=1.0, bc_beta=0.3)
     bc_args, _ = build_grpo_args(
         grpo_job_config(hot, tmp_path / "bc", "grpo_bc"), {"cuda": False, "bf16": False}, 1
     )
@@ -434,6 +434,7 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
         grpo_job_config(hot, tmp_path / "stage0"), {"cuda": False, "bf16": False}, 1
     )
     assert (bc_args.temperature, stage0_args.temperature) == (1.0, 0.8)
+    assert (bc_args.beta, stage0_args.beta) == (0.3, 0.1)
     assert (job.strategy_advantage, job.strategy_lr_scale) == ("counterfactual", 10.0)
     # from BC: its own completion budget (the oracle's plans are longer) and learning rate
     from_bc = grpo_job_config(cfg, tmp_path / "bc", "grpo_bc")
