@@ -35,13 +35,13 @@ def _chain_seed(record: dict) -> int | None:
 
 
 def _chain_wall_seconds(record: dict) -> float:
-    """The chain's wall time: as recorded, or, in a record written before it was kept, BC's wall time plus
-    GRPO's training and evaluation time."""
+    """The chain's wall time: as recorded, or, in a record written before it was kept, BC's wall time, the
+    evaluation of GRPO's start and GRPO's training time (which holds the later evaluations)."""
     if "wall_seconds" in record:
         return float(record["wall_seconds"])
     grpo = record["grpo_bc"]
-    evals = sum(e.get("eval_seconds") or 0.0 for e in grpo["evaluations"])
-    return float(record["bc"]["wall_seconds"]) + float(grpo["training"]["grpo_seconds"]) + evals
+    start_eval = grpo["evaluations"][0].get("eval_seconds") or 0.0
+    return float(record["bc"]["wall_seconds"]) + start_eval + float(grpo["training"]["grpo_seconds"])
 
 
 def _case_counts(evaluation: dict) -> dict[str, int]:
