@@ -67,6 +67,7 @@ def combine(stage0_report: dict, chain_record: dict) -> dict:
     report = json.loads(json.dumps(stage0_report))
     report["runs"] = {"grpo_stage0": report["runs"]["grpo_stage0"]}
     report["halves"] = "stage 0's process and the chain's process run apart (bench/combine_halves.py)"
+    report["chain_config"] = chain_record.get("config")  # "config" is the stage-0 run's
     return report
 
 

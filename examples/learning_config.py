@@ -154,7 +154,12 @@ class LearnConfig:
     # the two processes
     parallel: bool = field(default=True, metadata={"help": "the chain in a second process", **_SWITCH})
     chain_only: bool = field(
-        default=False, metadata={"help": "run only the chain (the second process)", **_SWITCH}
+        default=False,
+        metadata={
+            **_SWITCH,
+            "help": "run only the chain (BC, GRPO from BC: make learn's second process), written to "
+            "<out>/chain.json; bench/combine_halves.py joins it with a --stage0-only run",
+        },
     )
     # evaluation
     eval_every: int = 30

@@ -630,7 +630,7 @@ def test_the_two_halves_run_apart_combine_into_the_report_make_learn_writes(tmp_
     code = combine_halves.main(args)
     joined = json.loads((tmp_path / "joined" / "learning.json").read_text())
     assert code == (0 if joined["passed"] else 1) and capsys.readouterr().out.rstrip().endswith("FAILED")
-    assert set(joined["runs"]) == {"grpo_stage0", "grpo_bc"}
+    assert set(joined["runs"]) == {"grpo_stage0", "grpo_bc"} and joined["chain_config"]["chain_only"]
     assert [(t["name"], t["passed"], t["value"]) for t in joined["targets"]] == [
         (t["name"], t["passed"], t["value"]) for t in whole["targets"]
     ]
