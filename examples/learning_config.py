@@ -77,7 +77,13 @@ class LearnConfig:
     )
     fresh_stage0: bool = field(default=False, metadata=_SWITCH)
     bc_examples: int = field(default=1800, metadata={"help": "BC's oracle demonstrations, over every cell"})
-    bc_steps: int = field(default=1000, metadata={"help": "BC's steps"})
+    bc_steps: int = field(
+        default=1600,
+        metadata={
+            "help": "BC's steps (1,000 reached the same BC pooled but a weaker start for GRPO: "
+            "docs/learning_experiment.md)"
+        },
+    )
     bc_demos: str = field(
         default="robust",
         metadata={
@@ -116,7 +122,7 @@ class LearnConfig:
     # GRPO (both runs)
     steps: int = field(
         default=200,
-        metadata={"help": "GRPO's steps from BC (on two cores the time limit ends it first, at 130-140)"},
+        metadata={"help": "GRPO's steps from BC (on two cores the time limit ends it first, at 120-140)"},
     )
     stage0_steps: int = field(
         default=180,
