@@ -76,12 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("stage0_run", help="a `python -m examples.learning --stage0-only` output folder")
     parser.add_argument("chain_run", help="a `python -m examples.learning --chain-only` output folder")
     parser.add_argument(
-        "--out", required=True, help="the joined report's folder (created; not one of the two)"
+        "--out",
+        required=True,
+        help="the joined report's folder: new, or without a learning.json (not one of the two)",
     )
     args = parser.parse_args(argv)
     out = Path(args.out)
     if out.resolve() in {Path(args.stage0_run).resolve(), Path(args.chain_run).resolve()}:
         print("--out must be a new folder, not one of the halves", file=sys.stderr)
+        return 2
+    if (out / "learning.json").exists():
+        print(f"{out} already holds a report: give a new folder (or remove it)", file=sys.stderr)
         return 2
     try:
         stage0_report = json.loads((Path(args.stage0_run) / "learning.json").read_text())

@@ -591,8 +591,8 @@ def test_stage0_only_runs_no_chain_and_its_targets_read_missing(tmp_path, monkey
 
 def test_the_two_halves_run_apart_combine_into_the_report_make_learn_writes(tmp_path, monkeypatch, capsys):
     """bench/combine_halves.py: a ``--stage0-only`` run and a ``--chain-only`` run joined give the targets
-    ``make learn`` gives with the same halves in one run; halves of different seeds or cases, or an
-    output folder that is one of them, are refused (exit 2) with what differs."""
+    ``make learn`` gives with the same halves in one run; halves of different seeds or cases, and an
+    output folder that is one of them or already holds a report, are refused (exit 2) saying why."""
     from examples import learning
     from tests.bench_scripts import load_bench
 
@@ -642,6 +642,8 @@ def test_the_two_halves_run_apart_combine_into_the_report_make_learn_writes(tmp_
     record = json.loads(chain_file.read_text())
     assert combine_halves.main([*args[:2], "--out", str(tmp_path / "s0")]) == 2
     assert "new folder" in capsys.readouterr().err
+    assert combine_halves.main(args) == 2 and "already holds a report" in capsys.readouterr().err
+    args[-1] = str(tmp_path / "joined-again")
     chain_file.write_text(json.dumps({**record, "config": {**record["config"], "seed": 1}}))
     assert combine_halves.main(args) == 2 and "different seeds" in capsys.readouterr().err
     record["grpo_bc"]["evaluations"][0]["per_case"]["task_hard/ideal"].append(0.0)
