@@ -54,9 +54,16 @@ def running_uvicorn(app: Any, ws_max_size: int = 1_000_000) -> Iterator[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 now (all held open while chosen, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float, what: str, log: Path) -> None:
@@ -166,29 +173,49 @@ def weed_binary() -> str:
     return exe
 
 
+WEED_PORTS = (
+    "s3.port",
+    "s3.port.grpc",
+    "s3.port.iceberg",
+    "s3.port.lance",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+    "webdav.port",
+    "debug.port",
+)
+
+
 @contextlib.contextmanager
 def seaweedfs(workdir: Path, buckets: str = "orthorl") -> Iterator[S3Service]:
-    """``weed mini`` serving S3 on 127.0.0.1 with enforced access keys."""
+    """``weed mini`` serving S3 on 127.0.0.1 with enforced access keys. A port chosen free can be taken
+    before ``weed`` binds it (another test's server starting beside this one): up to 3 starts on fresh
+    ports, only when the log says a bind failed."""
     workdir.mkdir(parents=True, exist_ok=True)
-    ports = {
-        name: free_port()
-        for name in (
-            "s3.port",
-            "s3.port.grpc",
-            "s3.port.iceberg",
-            "s3.port.lance",
-            "master.port",
-            "master.port.grpc",
-            "volume.port",
-            "volume.port.grpc",
-            "filer.port",
-            "filer.port.grpc",
-            "admin.port",
-            "admin.port.grpc",
-            "webdav.port",
-            "debug.port",
-        )
-    }
+    for attempt in range(3):
+        service, log = _start_weed(workdir, buckets)
+        try:
+            _wait_for_port(int(service.endpoint.rsplit(":", 1)[1]), service.proc, 60, "SeaweedFS", log)
+            _wait_for_bucket(service, buckets.split(",")[0], service.proc, log)
+        except RuntimeError:
+            service.stop()
+            if attempt < 2 and "address already in use" in log.read_text(errors="replace"):
+                continue
+            raise
+        break
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def _start_weed(workdir: Path, buckets: str) -> tuple[S3Service, Path]:
+    ports = dict(zip(WEED_PORTS, free_ports(len(WEED_PORTS))))
     cmd = [
         weed_binary(),
         "mini",
@@ -203,13 +230,7 @@ def seaweedfs(workdir: Path, buckets: str = "orthorl") -> Iterator[S3Service]:
     log = workdir / "weed.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    service = S3Service(f"http://127.0.0.1:{ports['s3.port']}", S3_ACCESS_KEY, S3_SECRET_KEY, proc)
-    try:
-        _wait_for_port(ports["s3.port"], proc, 60, "SeaweedFS", log)
-        _wait_for_bucket(service, buckets.split(",")[0], proc, log)
-        yield service
-    finally:
-        service.stop()
+    return S3Service(f"http://127.0.0.1:{ports['s3.port']}", S3_ACCESS_KEY, S3_SECRET_KEY, proc), log
 
 
 def _wait_for_bucket(service: S3Service, bucket: str, proc: subprocess.Popen, log: Path) -> None:

@@ -2,7 +2,7 @@
 
 The first attempt is a real `orthojob pipeline` process writing to a real S3 (SeaweedFS); it is
 SIGKILLed (what an OOM kill or a lost node does) as soon as BC SFT's checkpoint and gate are
-published. The second attempt is a fresh pod: an empty work folder, the same output prefix (the
+published, while its GRPO waits. The second attempt is a fresh pod: an empty work folder, the same output prefix (the
 same run name). BC is not trained again (its trainer is replaced by a failure), GRPO runs from the
 published BC checkpoint. A third attempt trains nothing. Another config under the same run name is
 refused with exit 14. The tiny model and small settings keep it to a few tens of seconds.
@@ -50,10 +50,28 @@ def set_args(overrides: dict) -> list[str]:
     return [a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]
 
 
+# The first pod's GRPO waits instead of training, so that the kill always lands before GRPO publishes:
+# with one step GRPO can finish within the poll below. Only that pod loads this (its own PYTHONPATH).
+HOLD_GRPO = """import time
+import orthojob.stages.grpo as grpo
+
+def _held(*args, **kwargs):
+    time.sleep(600)
+    raise SystemExit(1)
+
+grpo.run_grpo = _held
+"""
+
+
 def first_attempt_killed_after_bc_gate(s3, tmp_path: Path) -> float:
-    """Run the pipeline in its own process; SIGKILL it once bc_sft (checkpoint + gate) is in S3."""
+    """Run the pipeline in its own process (its GRPO held); SIGKILL it once bc_sft (checkpoint + gate)
+    is in S3."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_RUN_ID", "AWS_"))}
-    env.update(s3.env(), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", ORTHORL_WORK_DIR=str(tmp_path / "pod1"))
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD_GRPO)
+    env.update(s3.env(), PYTHONPATH=f"{hold}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1",
+               ORTHORL_WORK_DIR=str(tmp_path / "pod1"))  # fmt: skip
     cmd = [sys.executable, "-m", "orthojob.cli", "pipeline", "--preset", "tiny-cpu", "--out", RUN]
     log = tmp_path / "pod1.log"
     with log.open("wb") as fh:
