@@ -64,11 +64,12 @@ def combine(stage0_report: dict, chain_record: dict) -> dict:
     theirs = _case_counts(chain_record["grpo_bc"]["evaluations"][0])
     if ours != theirs:
         raise ValueError(f"the halves evaluated different cases per cell: {ours} against {theirs}")
-    report = json.loads(json.dumps(stage0_report))
-    report["runs"] = {"grpo_stage0": report["runs"]["grpo_stage0"]}
-    report["halves"] = "stage 0's process and the chain's process run apart (bench/combine_halves.py)"
-    report["chain_config"] = chain_record.get("config")  # "config" is the stage-0 run's
-    return report
+    return {
+        **stage0_report,
+        "runs": {"grpo_stage0": stage0_report["runs"]["grpo_stage0"]},
+        "halves": "stage 0's process and the chain's process run apart (bench/combine_halves.py)",
+        "chain_config": chain_record.get("config"),  # "config" is the stage-0 run's
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
