@@ -74,7 +74,7 @@ from orthojob.rewards.canaries import METRICS
 from orthojob.stages import grpo_trainer
 from orthojob.stages import rsft as rsft_stage
 from orthojob.stages.flags import add_config_arguments
-from orthojob.stages.grpo_config import GRPOJobConfig, validate
+from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig, validate
 from orthojob.stages.rsft_config import RSFTConfig
 from orthojob.stages.sft import oracle_demonstrations, run_sft
 from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig
@@ -279,6 +279,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
         max_seq_length=MAX_SEQ_LENGTH,
         out=str(Path(cfg.out) / run),
         mixed_cells=True,
+        level_weights=dict(cfg.bc_level_weights) if run == "grpo_bc" else {},
         seed=cfg.seed,
         num_prompts=cfg.num_prompts,
         prompt_seed_start=GRPO_PROMPT_SEED_START,
@@ -523,6 +524,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """0 when every target passed, 1 when one failed (the run itself finished), 2 on bad flags."""
     parser = build_parser()
     cfg = LearnConfig(**vars(parser.parse_args(argv)))
+    for run_name in RUNS:  # a GRPO setting that cannot work fails here, not after an SFT stage
+        try:
+            validate(grpo_job_config(cfg, Path(cfg.out), run_name))
+        except ConfigError as exc:
+            parser.error(f"{run_name}: {exc}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
     if cfg.chain_only:
         run_chain(cfg, heldout_cases(cfg.eval_seeds), time.monotonic() + cfg.time_limit_min * 60)

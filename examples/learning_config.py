@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from orthojob.data.format_demos import STAGINGS
 from orthojob.data.prompts import PROMPT_FORMATS
 from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
+from orthojob.stages.flags import CollectPairs, name_weight
 from orthojob.stages.grpo_config import LR_SCHEDULERS
 from server.cases import TRAIN_SEED_START
 
@@ -141,6 +142,17 @@ class LearnConfig:
     bc_temperature: float = field(default=0.8, metadata={"help": "GRPO's sampling temperature from BC"})
     beta: float = field(default=0.1, metadata={"help": "GRPO's KL coefficient to its start, from stage 0"})
     bc_beta: float = field(default=0.1, metadata={"help": "GRPO's KL coefficient to its start (BC), from BC"})
+    bc_level_weights: dict[str, float] = field(
+        default_factory=dict,
+        metadata={
+            "help": "GRPO from BC: a task level's turns per round of the prompt mix (repeatable; default 1 each: "
+            "task_hard=2 gives task_hard half the prompts)",
+            "flag": "--bc-level-weight",
+            "type": name_weight,
+            "action": CollectPairs,
+            "metavar": "LEVEL=W",
+        },
+    )
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     strategy_weight: float = 3.0

@@ -20,7 +20,7 @@ from :data:`HELDOUT_SEED_START`; the two ranges never meet for any realistic dat
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -350,13 +350,38 @@ CELLS: tuple[tuple[str, bool], ...] = tuple((t, fd) for t in TASK_IDS for fd in 
 """Every (task level, force decay) cell, in the order mixed prompts take turns."""
 
 
-def mixed_prompt_rows(n: int, seed_start: int, prompt_format: str = "full") -> list[dict]:
-    """``n`` :func:`prompt_rows` rows over every cell of :data:`CELLS`, taking turns: row ``i`` is
-    seed ``seed_start + i`` of cell ``i % len(CELLS)``."""
+def mixed_prompt_rows(
+    n: int, seed_start: int, prompt_format: str = "full", level_weights: Mapping[str, int] | None = None
+) -> list[dict]:
+    """``n`` :func:`prompt_rows` rows over every cell of :data:`CELLS`, taking turns: row ``i`` is seed
+    ``seed_start + i`` of turn ``i`` of :func:`cell_turns` (``level_weights``: a task level's turns per
+    round, default 1 each, so without it row ``i`` is cell ``i % len(CELLS)``)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
     check_prompt_format(prompt_format)
-    return [_case_row(seed_start + i, *CELLS[i % len(CELLS)], prompt_format)[0] for i in range(n)]
+    turns = cell_turns(level_weights)
+    return [_case_row(seed_start + i, *turns[i % len(turns)], prompt_format)[0] for i in range(n)]
+
+
+def cell_turns(level_weights: Mapping[str, int] | None = None) -> list[tuple[str, bool]]:
+    """One round of the cells' turns in a mixed prompt set: each cell of level ``t`` appears
+    ``level_weights[t]`` times (default 1), the cells interleaved in :data:`CELLS` order
+    (``{"task_hard": 2}``: easy, easy-decay, medium, medium-decay, hard, hard-decay, hard, hard-decay).
+    Raises ValueError naming the fix for an unknown level, a weight that is not a whole number >= 0,
+    or weights that leave no turn."""
+    weights = dict.fromkeys(TASK_IDS, 1)
+    for name, w in (level_weights or {}).items():
+        if name not in weights:
+            raise ValueError(
+                f"level weight for unknown task level {name!r}: use one of {', '.join(TASK_IDS)}"
+            )
+        if isinstance(w, bool) or not float(w).is_integer() or w < 0:
+            raise ValueError(f"level weight of {name} must be a whole number of turns >= 0, got {w!r}")
+        weights[name] = int(w)
+    turns = [cell for r in range(max(weights.values())) for cell in CELLS if weights[cell[0]] > r]
+    if not turns:
+        raise ValueError("level weights leave no task level to train on: give one a weight >= 1")
+    return turns
 
 
 def plan_to_completion(plan: dict, strategy_last: bool = False) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orthojob.agentic.reward import reward_agentic
+from orthojob.data.prompts import cell_turns
 from orthojob.modeling.models import TINY_MODEL
 from orthojob.ops import progress
 from orthojob.ops.run_identity import POLICIES
@@ -106,6 +107,17 @@ class GRPOJobConfig:
         metadata={
             "help": "train on every task level under both dynamics, the prompts taking turns "
             "(task_id and force_decay then unused)"
+        },
+    )
+    level_weights: dict[str, float] = field(
+        default_factory=dict,
+        metadata={
+            "help": "with --mixed-cells: a task level's turns per round of the prompt mix (repeatable; default 1 "
+            "each, e.g. task_hard=2 gives task_hard half the prompts)",
+            "flag": "--level-weight",
+            "type": name_weight,
+            "action": CollectPairs,
+            "metavar": "LEVEL=W",
         },
     )
     cases: str | None = field(
@@ -353,6 +365,15 @@ class GRPOJobConfig:
             )
         if not 0.0 <= self.heldout_share <= 1.0:
             raise ConfigError(f"--heldout-share must lie in [0, 1], got {self.heldout_share}")
+        if self.level_weights:
+            if not self.mixed_cells:
+                raise ConfigError(
+                    "--level-weight weighs the cells of --mixed-cells: add --mixed-cells or drop it"
+                )
+            try:
+                cell_turns(self.level_weights)
+            except ValueError as exc:
+                raise ConfigError(f"--level-weight: {exc}") from None
         if self.mixed_cells and self.mode == "agentic":
             raise ConfigError("--mixed-cells is for --mode oneshot; agentic prompts take one --task-id")
         if self.task_id not in TASK_IDS:

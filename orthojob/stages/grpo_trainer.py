@@ -565,7 +565,9 @@ def train(
         if is_main:
             loaded.log_input("train")
     elif config.mixed_cells:
-        rows = mixed_prompt_rows(n_prompts, config.prompt_seed_start, prompt_format_of(model))
+        rows = mixed_prompt_rows(
+            n_prompts, config.prompt_seed_start, prompt_format_of(model), config.level_weights
+        )
     else:
         rows = prompt_rows(
             n_prompts, config.prompt_seed_start, config.task_id, config.force_decay, prompt_format_of(model)
