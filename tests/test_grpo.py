@@ -48,6 +48,17 @@ def no_model_load(monkeypatch):
 # --- flags, presets, validation -------------------------------------------------------------
 
 
+def test_level_weights_flag_reaches_the_config_and_is_checked():
+    config = config_from_args(
+        parse(["--mixed-cells", "--level-weight", "task_hard=2", "--level-weight", "task_easy=0"])
+    )
+    assert config.level_weights == {"task_hard": 2.0, "task_easy": 0.0}
+    with pytest.raises(ConfigError, match="add --mixed-cells"):
+        config_from_args(parse(["--level-weight", "task_hard=2"]))
+    with pytest.raises(ConfigError, match="unknown task level 'hard'"):
+        config_from_args(parse(["--mixed-cells", "--level-weight", "hard=2"]))
+
+
 def test_seed_flags_and_preset_overrides():
     args = parse(["--preset", "tiny-cpu", "--steps", "3", "--force-decay", "--reward-weight", "format=2"])
     config = config_from_args(args)

@@ -435,6 +435,10 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
     )
     assert (bc_args.temperature, stage0_args.temperature) == (1.0, 0.8)
     assert (bc_args.beta, stage0_args.beta) == (0.3, 0.1)
+    # a level weight reaches GRPO from BC only
+    weighted = LearnConfig(out=str(tmp_path), bc_level_weights={"task_hard": 2})
+    assert grpo_job_config(weighted, tmp_path / "bc", "grpo_bc").level_weights == {"task_hard": 2}
+    assert grpo_job_config(weighted, tmp_path / "stage0").level_weights == {}
     assert (job.strategy_advantage, job.strategy_lr_scale) == ("counterfactual", 10.0)
     # from BC: its own completion budget (the oracle's plans are longer) and learning rate
     from_bc = grpo_job_config(cfg, tmp_path / "bc", "grpo_bc")
@@ -649,3 +653,15 @@ def test_the_two_halves_run_apart_combine_into_the_report_make_learn_writes(tmp_
     record["grpo_bc"]["evaluations"][0]["per_case"]["task_hard/ideal"].append(0.0)
     chain_file.write_text(json.dumps(record))
     assert combine_halves.main(args) == 2 and "different cases" in capsys.readouterr().err
+
+
+def test_learning_refuses_a_grpo_setting_before_any_stage(tmp_path, capsys):
+    """A GRPO setting that cannot train ends the run with exit 2 before stage 0 or BC spends a minute."""
+    from examples.learning import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(out), "--bc-level-weight", "task_hardest=2"])
+    assert exc.value.code == 2
+    assert "grpo_bc" in (err := capsys.readouterr().err) and "unknown task level 'task_hardest'" in err
+    assert not out.exists()

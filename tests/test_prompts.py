@@ -176,6 +176,36 @@ def test_prompt_rows_refuse_bad_input() -> None:
         prompt_rows(-1, 0, "task_easy", False)
 
 
+def test_mixed_prompt_rows_weigh_the_task_levels() -> None:
+    """Level weights set how many prompts each level gets; without them the cells simply take turns."""
+    plain = prompts.mixed_prompt_rows(12, 100, "terse")
+    assert [(r["task_id"], r["force_decay"]) for r in plain] == [prompts.CELLS[i % 6] for i in range(12)]
+    assert prompts.mixed_prompt_rows(12, 100, "terse", {"task_easy": 1}) == plain
+    hard = prompts.mixed_prompt_rows(16, 100, "terse", {"task_hard": 2})
+    levels = [r["task_id"] for r in hard]
+    assert levels.count("task_hard") == 8 and levels.count("task_easy") == levels.count("task_medium") == 4
+    assert [r["seed"] for r in hard] == list(range(100, 116))  # every prompt a case of its own
+    assert sum(r["force_decay"] for r in hard if r["task_id"] == "task_hard") == 4  # both dynamics alike
+    assert {
+        r["task_id"] for r in prompts.mixed_prompt_rows(6, 0, "terse", {"task_easy": 0, "task_medium": 0})
+    } == {"task_hard"}
+
+
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [
+        ({"task_hardest": 2}, "unknown task level 'task_hardest'"),
+        ({"task_hard": 1.5}, "whole number of turns"),
+        ({"task_hard": -1}, "whole number of turns"),
+        ({"task_hard": True}, "whole number of turns"),
+        ({t: 0 for t in TASK_IDS}, "no task level to train on"),
+    ],
+)
+def test_level_weights_refuse_bad_input(weights: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        prompts.cell_turns(weights)
+
+
 def test_the_observation_of_a_case_is_pure_and_matches_reset() -> None:
     """One public, pure way from a case to its observation: no module-global environment."""
     from server.dental_environment import StepwiseDentalEnvironment
