@@ -18,7 +18,13 @@ A policy converging on one plan per case shows as a rising no-signal share and f
 completions; the sampling temperature trades these against broken samples. A policy giving up staged
 plans shows as a rising one-group share.
 
-    python bench/group_signal.py runs/learn/grpo_bc [runs/learn/grpo_stage0 ...]
+``--overcorrection`` prints, instead, per cell (level x dynamics) the samples that plan an
+overcorrection (any group's ``overcorrection`` above 0) beside those that do not: their share, the
+share of each that scores below 0, and the mean ``reward_terminal`` of each one's samples scoring
+0 or more. Under force decay an overcorrection can pay (teeth express only part of each aligner)
+or break a rule (the overshoot collides); this shows which the policy's own samples do.
+
+    python bench/group_signal.py runs/learn/grpo_bc [runs/learn/grpo_stage0 ...] [--overcorrection]
 """
 
 from __future__ import annotations
@@ -74,6 +80,48 @@ def group_signal(rows: list[dict], phases: int = PHASES) -> list[dict]:
     return out
 
 
+def overcorrection_signal(rows: list[dict]) -> list[dict]:
+    """One dict per cell present in ``rows`` (rows of ``completions.jsonl``), in level then dynamics
+    order: ``level``, ``force_decay``, ``samples``, ``overcorrected`` (share of samples whose plan
+    overcorrects a group) and, for ``"with"`` and ``"without"`` an overcorrection, ``broken`` (share
+    scoring below 0; None when there is no such sample) and ``safe_mean`` (mean ``reward_terminal`` of
+    those scoring 0 or more; None when there is none). A completion that is not a plan counts as
+    without."""
+    if not rows:
+        raise ValueError("no completions: is this a GRPO run's completions.jsonl?")
+    cells: dict[tuple[str, bool], list[tuple[bool, float]]] = defaultdict(list)
+    for r in rows:
+        cells[(r["task_id"], bool(r["force_decay"]))].append(
+            (_overcorrects(r["completion"]), float(r["rewards"]["reward_terminal"]))
+        )
+    level_order = {t: i for i, t in enumerate(TASK_IDS)}
+    out = []
+    for (level, fd), samples in sorted(
+        cells.items(), key=lambda kv: (level_order.get(kv[0][0], 99), kv[0][1])
+    ):
+        row = {"level": level, "force_decay": fd, "samples": len(samples),
+               "overcorrected": float(np.mean([o for o, _ in samples]))}  # fmt: skip
+        for name, flag in (("with", True), ("without", False)):
+            terminal = np.asarray([t for o, t in samples if o == flag])
+            safe = terminal[terminal >= 0.0]
+            row[name] = {
+                "broken": float(np.mean(terminal < 0.0)) if terminal.size else None,
+                "safe_mean": float(safe.mean()) if safe.size else None,
+            }
+        out.append(row)
+    return out
+
+
+def _overcorrects(completion: str) -> bool:
+    """Whether the completion's plan gives any group an overcorrection above 0 (False when not a plan)."""
+    plan = extract_plan(completion)
+    groups = plan.get("tooth_groups") if isinstance(plan, dict) else None
+    if not isinstance(groups, list):
+        return False
+    values = (g.get("overcorrection") for g in groups if isinstance(g, dict))
+    return any(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in values)
+
+
 def _groups(completion: str) -> int | None:
     """How many tooth groups the completion's plan lists, None when it is not a plan."""
     plan = extract_plan(completion)
@@ -98,9 +146,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--phases", type=int, default=PHASES, help="split each run's steps into this many phases"
     )
+    parser.add_argument(
+        "--overcorrection",
+        action="store_true",
+        help="per cell, the samples that plan an overcorrection against those that do not",
+    )
     args = parser.parse_args(argv)
     for run in args.runs:
         print(f"\n{run}")
+        if args.overcorrection:
+            print(
+                "| level | dynamics | samples | overcorrected | broken with / without | safe mean with / without |"
+            )
+            print("|---|---|---|---|---|---|")
+            for r in overcorrection_signal(read_rows(run)):
+                w, wo = r["with"], r["without"]
+                print(f"| {r['level']} | {'force decay' if r['force_decay'] else 'ideal'} | {r['samples']} "
+                      f"| {r['overcorrected']:.2f} | {_fmt(w['broken'])} / {_fmt(wo['broken'])} "
+                      f"| {_fmt(w['safe_mean'])} / {_fmt(wo['safe_mean'])} |")  # fmt: skip
+            continue
         print("| steps | level | groups | no signal | broken samples | distinct per group | one group |")
         print("|---|---|---|---|---|---|---|")
         for r in group_signal(read_rows(run), args.phases):
@@ -108,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {first}-{last} | {r['level']} | {r['groups']} | {r['no_signal']:.2f} | {r['broken']:.2f} "
                   f"| {r['distinct']:.1f} | {r['one_group']:.2f} |")  # fmt: skip
     return 0
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

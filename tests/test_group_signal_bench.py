@@ -63,3 +63,38 @@ def test_group_signal_says_what_is_missing(tmp_path):
         bench.group_signal([])
     with pytest.raises(FileNotFoundError, match=r"completions\.jsonl"):
         bench.read_rows(tmp_path)
+
+
+def test_overcorrection_signal_splits_each_cell_by_whether_the_plan_overcorrects(tmp_path, capsys):
+    bench = _bench()
+    plain = '{"strategy": "anterior_first", "tooth_groups": [{"teeth": [11, 21], "fraction": 0.05}]}'
+    zero = '{"strategy": "anterior_first", "tooth_groups": [{"teeth": [11], "fraction": 0.05, "overcorrection": 0}]}'
+    over = ('{"strategy": "anterior_first", "tooth_groups": [{"teeth": [11], "fraction": 0.05}, '
+            '{"teeth": [21], "fraction": 0.05, "overcorrection": 0.3}]}')  # fmt: skip
+    decay = _group(1, 7, "task_hard", [over, over, over, plain], [5.0, 3.0, -2.0, 2.0], [0.0] * 4)
+    for r in decay:
+        r["force_decay"] = True
+    ideal = _group(1, 8, "task_hard", [plain, zero, "not a plan"], [7.0, 6.0, -2.0], [0.0] * 3)
+    easy = _group(2, 9, "task_easy", [plain, plain], [6.0, 8.0], [0.0] * 2)
+    out = bench.overcorrection_signal(decay + ideal + easy)
+    assert [(r["level"], r["force_decay"], r["samples"]) for r in out] == [
+        ("task_easy", False, 2), ("task_hard", False, 3), ("task_hard", True, 4)
+    ]  # fmt: skip
+    easy_row, ideal_row, decay_row = out
+    assert decay_row["overcorrected"] == 0.75
+    assert decay_row["with"] == {"broken": 1 / 3, "safe_mean": 4.0}
+    assert decay_row["without"] == {"broken": 0.0, "safe_mean": 2.0}
+    # an overcorrection of 0 and a completion that is not a plan count as without
+    assert ideal_row["overcorrected"] == 0.0 and ideal_row["with"] == {"broken": None, "safe_mean": None}
+    assert ideal_row["without"] == {"broken": 1 / 3, "safe_mean": 6.5}
+    assert easy_row["without"]["safe_mean"] == 7.0
+
+    run = tmp_path / "grpo_bc"
+    run.mkdir()
+    (run / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in decay + ideal))
+    assert bench.main([str(run), "--overcorrection"]) == 0
+    printed = capsys.readouterr().out
+    assert "| task_hard | force decay | 4 | 0.75 | 0.33 / 0.00 | 4.00 / 2.00 |" in printed
+    assert "| task_hard | ideal | 3 | 0.00 | - / 0.33 | - / 6.50 |" in printed
+    with pytest.raises(ValueError, match="no completions"):
+        bench.overcorrection_signal([])
