@@ -142,6 +142,13 @@ class LearnConfig:
     bc_temperature: float = field(default=0.8, metadata={"help": "GRPO's sampling temperature from BC"})
     beta: float = field(default=0.1, metadata={"help": "GRPO's KL coefficient to its start, from stage 0"})
     bc_beta: float = field(default=0.1, metadata={"help": "GRPO's KL coefficient to its start (BC), from BC"})
+    bc_ema: float = field(
+        default=0.0,
+        metadata={
+            "help": "GRPO from BC: evaluate and save an exponential moving average of its weights with this "
+            "decay per step (0: the weights as trained; 0.9 averages about the last 10 steps)"
+        },
+    )
     bc_level_weights: dict[str, float] = field(
         default_factory=dict,
         metadata={

@@ -517,7 +517,7 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
             "--intermediate", "32", "--sft-examples", "8", "--sft-steps", "2", "--bc-examples", "12", "--bc-steps", "2",
             "--steps", "2", "--stage0-steps", "2", "--eval-every", "1", "--num-generations", "2", "--prompts-per-step", "1", "--num-prompts",
             "4", "--max-completion-length", "16", "--stage0-completion-length", "16", "--eval-max-new-tokens", "16", "--eval-seeds", "1",
-            "--rsft-prompts", "6", "--rsft-samples", "2", "--rsft-steps", "1", "--no-parallel"]  # fmt: skip
+            "--rsft-prompts", "6", "--rsft-samples", "2", "--rsft-steps", "1", "--bc-ema", "0.5", "--no-parallel"]  # fmt: skip
     assert learning.main(argv) == 1
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith("SOME TARGETS FAILED") and "| target | passed | value |" in printed
@@ -665,3 +665,45 @@ def test_learning_refuses_a_grpo_setting_before_any_stage(tmp_path, capsys):
     assert exc.value.code == 2
     assert "grpo_bc" in (err := capsys.readouterr().err) and "unknown task level 'task_hardest'" in err
     assert not out.exists()
+
+
+def test_weight_average_is_an_exponential_moving_average_swapped_in_for_evaluation():
+    """GRPO from BC's weight average: avg = d * avg + (1 - d) * w after each step, from the first
+    weights; evaluation sees the average and training gets its own weights back; decay 0 does nothing."""
+    import torch
+
+    from examples.learning import WeightAverage
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    frozen = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    average = WeightAverage(0.5)
+    average.start(model)
+    for value in (4.0, 8.0):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        average.update(model)
+    # 0 -> 0.5 * 0 + 0.5 * 4 = 2 -> 0.5 * 2 + 0.5 * 8 = 5
+    with average.swapped_in(model):
+        assert torch.allclose(model.weight, torch.full((1, 2), 5.0))
+    assert torch.allclose(model.weight, torch.full((1, 2), 8.0))
+    with pytest.raises(RuntimeError), average.swapped_in(model):  # weights restored on error too
+        raise RuntimeError("evaluation failed")
+    assert torch.allclose(model.weight, torch.full((1, 2), 8.0))
+    average.copy_into(model)
+    assert torch.allclose(model.weight, torch.full((1, 2), 5.0))
+
+    off = WeightAverage(0.0)
+    off.start(frozen)
+    before = frozen.weight.detach().clone()
+    with torch.no_grad():
+        frozen.weight.add_(1.0)
+    off.update(frozen)
+    with off.swapped_in(frozen):
+        assert torch.equal(frozen.weight, before + 1.0)
+    off.copy_into(frozen)
+    assert torch.equal(frozen.weight, before + 1.0)
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="decay must lie in"):
+            WeightAverage(bad)
