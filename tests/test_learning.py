@@ -672,7 +672,7 @@ def test_weight_average_is_an_exponential_moving_average_swapped_in_for_evaluati
     weights; evaluation sees the average and training gets its own weights back; decay 0 does nothing."""
     import torch
 
-    from examples.learning import WeightAverage
+    from examples.weight_average import WeightAverage
 
     model = torch.nn.Linear(2, 1, bias=False)
     frozen = torch.nn.Linear(2, 1, bias=False)
