@@ -77,7 +77,13 @@ class LearnConfig:
         },
     )
     fresh_stage0: bool = field(default=False, metadata=_SWITCH)
-    bc_examples: int = field(default=1800, metadata={"help": "BC's oracle demonstrations, over every cell"})
+    bc_examples: int = field(
+        default=3600,
+        metadata={
+            "help": "BC's oracle demonstrations, over every cell (1,800 gave a higher BC but a lower GRPO from "
+            "BC on both seeds: docs/learning_experiment.md)"
+        },
+    )
     bc_steps: int = field(
         default=1600,
         metadata={
