@@ -198,6 +198,9 @@ def test_mixed_prompt_rows_weigh_the_task_levels() -> None:
         ({"task_hard": 1.5}, "whole number of turns"),
         ({"task_hard": -1}, "whole number of turns"),
         ({"task_hard": True}, "whole number of turns"),
+        ({"task_hard": "2"}, "whole number of turns"),
+        ({"task_hard": float("nan")}, "whole number of turns"),
+        ({"task_hard": 1000}, "whole number of turns"),
         ({t: 0 for t in TASK_IDS}, "no task level to train on"),
     ],
 )

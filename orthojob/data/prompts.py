@@ -367,7 +367,7 @@ def cell_turns(level_weights: Mapping[str, int] | None = None) -> list[tuple[str
     """One round of the cells' turns in a mixed prompt set: each cell of level ``t`` appears
     ``level_weights[t]`` times (default 1), the cells interleaved in :data:`CELLS` order
     (``{"task_hard": 2}``: easy, easy-decay, medium, medium-decay, hard, hard-decay, hard, hard-decay).
-    Raises ValueError naming the fix for an unknown level, a weight that is not a whole number >= 0,
+    Raises ValueError naming the fix for an unknown level, a weight that is not a whole number in [0, 100],
     or weights that leave no turn."""
     weights = dict.fromkeys(TASK_IDS, 1)
     for name, w in (level_weights or {}).items():
@@ -375,8 +375,13 @@ def cell_turns(level_weights: Mapping[str, int] | None = None) -> list[tuple[str
             raise ValueError(
                 f"level weight for unknown task level {name!r}: use one of {', '.join(TASK_IDS)}"
             )
-        if isinstance(w, bool) or not float(w).is_integer() or w < 0:
-            raise ValueError(f"level weight of {name} must be a whole number of turns >= 0, got {w!r}")
+        if (
+            isinstance(w, bool)
+            or not isinstance(w, int | float)
+            or not float(w).is_integer()
+            or not 0 <= w <= 100
+        ):
+            raise ValueError(f"level weight of {name} must be a whole number of turns in [0, 100], got {w!r}")
         weights[name] = int(w)
     turns = [cell for r in range(max(weights.values())) for cell in CELLS if weights[cell[0]] > r]
     if not turns:
