@@ -42,11 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orthojob.rewards.parsing import extract_plan
 from orthojob.stages.grpo_config import COMPLETIONS_FILE
 from server.cases import TASK_IDS
+from server.plans import normalize_plan
 
 PHASES = 3
 """The run's steps are split into this many equal phases."""
 ZERO = 1e-6
 """An advantage within this of zero is no signal."""
+LEVEL_ORDER = {t: i for i, t in enumerate(TASK_IDS)}
+"""Rows are printed in this order of the task levels (an unknown level last)."""
 
 
 def group_signal(rows: list[dict], phases: int = PHASES) -> list[dict]:
@@ -63,9 +66,8 @@ def group_signal(rows: list[dict], phases: int = PHASES) -> list[dict]:
     cells: dict[tuple[int, str], list[list[dict]]] = defaultdict(list)
     for (step, _seed, task_id, _fd), group in groups.items():
         cells[((step - 1) // width, task_id)].append(group)
-    level_order = {t: i for i, t in enumerate(TASK_IDS)}
     out = []
-    for (phase, level), gs in sorted(cells.items(), key=lambda kv: (kv[0][0], level_order.get(kv[0][1], 99))):
+    for (phase, level), gs in sorted(cells.items(), key=lambda kv: (kv[0][0], LEVEL_ORDER.get(kv[0][1], 99))):
         terminal = [r["rewards"]["reward_terminal"] for g in gs for r in g]
         out.append({
             "phase": phase,
@@ -94,10 +96,9 @@ def overcorrection_signal(rows: list[dict]) -> list[dict]:
         cells[(r["task_id"], bool(r["force_decay"]))].append(
             (_overcorrects(r["completion"]), float(r["rewards"]["reward_terminal"]))
         )
-    level_order = {t: i for i, t in enumerate(TASK_IDS)}
     out = []
     for (level, fd), samples in sorted(
-        cells.items(), key=lambda kv: (level_order.get(kv[0][0], 99), kv[0][1])
+        cells.items(), key=lambda kv: (LEVEL_ORDER.get(kv[0][0], 99), kv[0][1])
     ):
         row = {"level": level, "force_decay": fd, "samples": len(samples),
                "overcorrected": float(np.mean([o for o, _ in samples]))}  # fmt: skip
@@ -113,13 +114,9 @@ def overcorrection_signal(rows: list[dict]) -> list[dict]:
 
 
 def _overcorrects(completion: str) -> bool:
-    """Whether the completion's plan gives any group an overcorrection above 0 (False when not a plan)."""
-    plan = extract_plan(completion)
-    groups = plan.get("tooth_groups") if isinstance(plan, dict) else None
-    if not isinstance(groups, list):
-        return False
-    values = (g.get("overcorrection") for g in groups if isinstance(g, dict))
-    return any(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in values)
+    """Whether the completion's plan overcorrects any tooth as the simulator reads it
+    (:func:`server.plans.normalize_plan`: False when not a plan, an out-of-range value ignored)."""
+    return bool(normalize_plan(extract_plan(completion)).overcorrections().any())
 
 
 def _groups(completion: str) -> int | None:

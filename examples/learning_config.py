@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from orthojob.data.format_demos import STAGINGS
 from orthojob.data.prompts import PROMPT_FORMATS
 from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
-from orthojob.stages.flags import CollectPairs, name_weight
-from orthojob.stages.grpo_config import LR_SCHEDULERS
+from orthojob.stages.grpo_config import LEVEL_WEIGHT_FLAG, LR_SCHEDULERS
 from server.cases import TRAIN_SEED_START
 
 GRPO_PROMPT_SEED_START = TRAIN_SEED_START + 50_000
@@ -158,12 +157,10 @@ class LearnConfig:
     bc_level_weights: dict[str, float] = field(
         default_factory=dict,
         metadata={
+            **LEVEL_WEIGHT_FLAG,
             "help": "GRPO from BC: a task level's turns per round of the prompt mix (repeatable; default 1 each: "
             "task_hard=2 gives task_hard half the prompts)",
             "flag": "--bc-level-weight",
-            "type": name_weight,
-            "action": CollectPairs,
-            "metavar": "LEVEL=W",
         },
     )
     loss_type: str = "dapo"

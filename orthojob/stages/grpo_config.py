@@ -62,6 +62,12 @@ class ConfigError(ValueError):
     """A configuration that cannot train; the message names the flags to change."""
 
 
+LEVEL_WEIGHT_FLAG: dict[str, Any] = {"type": name_weight, "action": CollectPairs, "metavar": "LEVEL=W"}
+"""A repeatable ``LEVEL=W`` flag collected into a dict of task level -> turns per round of a mixed prompt
+set (:func:`orthojob.data.prompts.cell_turns`): this config's ``level_weights`` and the learning
+experiment's."""
+
+
 @dataclass(frozen=True)
 class GRPOJobConfig:
     """Every ``orthojob train`` flag (field ``x_y`` is flag ``--x-y``); defaults are the seed's.
@@ -112,12 +118,10 @@ class GRPOJobConfig:
     level_weights: dict[str, float] = field(
         default_factory=dict,
         metadata={
+            **LEVEL_WEIGHT_FLAG,
             "help": "with --mixed-cells: a task level's turns per round of the prompt mix (repeatable; default 1 "
             "each, e.g. task_hard=2 gives task_hard half the prompts)",
             "flag": "--level-weight",
-            "type": name_weight,
-            "action": CollectPairs,
-            "metavar": "LEVEL=W",
         },
     )
     cases: str | None = field(
