@@ -24,7 +24,12 @@ share of each that scores below 0, and the mean ``reward_terminal`` of each one'
 0 or more. Under force decay an overcorrection can pay (teeth express only part of each aligner)
 or break a rule (the overshoot collides); this shows which the policy's own samples do.
 
-    python bench/group_signal.py runs/learn/grpo_bc [runs/learn/grpo_stage0 ...] [--overcorrection]
+``--room`` splits, per force-decay cell, the overcorrecting samples by whether every tooth's
+overcorrection is within its room (:func:`server.staging.overcorrection_room`, what the ``room``
+prompt shows): their share and the share of each scoring below 0. Where the room tells the broken
+samples from the safe ones, a policy that reads it can stop overcorrecting into a collision.
+
+    python bench/group_signal.py runs/learn/grpo_bc [runs/learn/grpo_stage0 ...] [--overcorrection | --room]
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orthojob.rewards.parsing import extract_plan
 from orthojob.stages.grpo_config import COMPLETIONS_FILE
-from server.cases import TASK_IDS
+from server.cases import TASK_IDS, generate_case
 from server.plans import normalize_plan
+from server.staging import overcorrection_room
 
 PHASES = 3
 """The run's steps are split into this many equal phases."""
@@ -113,6 +119,42 @@ def overcorrection_signal(rows: list[dict]) -> list[dict]:
     return out
 
 
+def room_signal(rows: list[dict]) -> list[dict]:
+    """One dict per force-decay cell present in ``rows``, in level order: ``level``, ``overcorrecting``
+    (samples whose plan overcorrects a tooth) and, for ``"within"`` and ``"beyond"`` (every
+    overcorrected tooth within its room, or some tooth beyond it), ``share`` of the overcorrecting
+    samples and ``broken`` (share of them scoring below 0; None when there is none)."""
+    if not rows:
+        raise ValueError("no completions: is this a GRPO run's completions.jsonl?")
+    rooms: dict[tuple[str, int], np.ndarray] = {}
+    cells: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
+    for r in rows:
+        if not r["force_decay"]:
+            continue
+        oc = normalize_plan(extract_plan(r["completion"])).overcorrections()
+        if not oc.any():
+            continue
+        key = (r["task_id"], int(r["seed"]))
+        if key not in rooms:
+            case = generate_case(key[0], key[1], True)
+            rooms[key] = overcorrection_room(
+                case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
+            )
+        within = bool(np.all(oc <= rooms[key] + 1e-9))
+        cells[r["task_id"]].append((within, float(r["rewards"]["reward_terminal"]) < 0.0))
+    out = []
+    for level, samples in sorted(cells.items(), key=lambda kv: LEVEL_ORDER.get(kv[0], 99)):
+        row: dict = {"level": level, "overcorrecting": len(samples)}
+        for name, flag in (("within", True), ("beyond", False)):
+            broken = [b for w, b in samples if w == flag]
+            row[name] = {
+                "share": len(broken) / len(samples),
+                "broken": float(np.mean(broken)) if broken else None,
+            }
+        out.append(row)
+    return out
+
+
 def _overcorrects(completion: str) -> bool:
     """Whether the completion's plan overcorrects any tooth as the simulator reads it
     (:func:`server.plans.normalize_plan`: False when not a plan, an out-of-range value ignored)."""
@@ -148,9 +190,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="per cell, the samples that plan an overcorrection against those that do not",
     )
+    parser.add_argument(
+        "--room",
+        action="store_true",
+        help="per force-decay cell, the overcorrecting samples within every tooth's room against those beyond",
+    )
     args = parser.parse_args(argv)
     for run in args.runs:
         print(f"\n{run}")
+        if args.room:
+            print("| level | overcorrecting samples | within room | broken within / beyond |")
+            print("|---|---|---|---|")
+            for r in room_signal(read_rows(run)):
+                print(f"| {r['level']} | {r['overcorrecting']} | {r['within']['share']:.2f} "
+                      f"| {_fmt(r['within']['broken'])} / {_fmt(r['beyond']['broken'])} |")  # fmt: skip
+            continue
         if args.overcorrection:
             print(
                 "| level | dynamics | samples | overcorrected | broken with / without | safe mean with / without |"

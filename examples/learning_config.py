@@ -41,7 +41,8 @@ class LearnConfig:
         default="terse",
         metadata={
             "help": "the prompt the base model is trained and evaluated with: terse lists every tooth that "
-            "moves, compact the 12 furthest from target (orthojob.data.prompts)",
+            "moves, compact the 12 furthest from target, room is terse with each tooth's overcorrection room "
+            "under force decay (orthojob.data.prompts)",
             "choices": PROMPT_FORMATS,
         },
     )

@@ -23,6 +23,9 @@ from server.quaternion_utils import (
     quaternion_angle,
 )
 
+OC_ROOM_STEP: float = 0.05
+"""Overcorrection steps at which :func:`overcorrection_room` checks the aligner shapes."""
+
 LEVEL_SPAN: int = 12
 """Aligners over which the strategy's levels' start stages are spread (first at 1)."""
 
@@ -45,6 +48,41 @@ def limit_speeds(initial: np.ndarray, target: np.ndarray) -> np.ndarray:
     r = np.degrees(quaternion_angle(initial[:, :4], target[:, :4]))
     stages_at_limit = np.maximum(t / MAX_TRANSLATION_MM, r / MAX_ROTATION_DEG)
     return np.where(stages_at_limit > 1e-9, 1.0 / np.maximum(stages_at_limit, 1e-9), 1.0)
+
+
+def overcorrection_room(
+    initial: np.ndarray,
+    target: np.ndarray,
+    width_mm: np.ndarray,
+    depth_mm: np.ndarray,
+    absent: np.ndarray | None = None,
+) -> np.ndarray:
+    """(28,) the largest overcorrection, in steps of OC_ROOM_STEP up to MAX_OVERCORRECTION, at which
+    each tooth's aligner shape clears its neighbours and the crowns one apart (penetration within
+    COLLISION_TOLERANCE_MM) when every tooth is overcorrected alike: the final aligner's shape, each
+    tooth at ``1 + oc`` of its movement (:func:`server.plans.interpolate_poses`). A technician sees
+    this on the overcorrected setup; it is what the oracle's collision relief trims to
+    (:func:`server.oracle.relieve_aligner_collisions`), found without a plan.
+
+    initial, target: (28, 7) poses; width_mm, depth_mm: (28,) crown sizes; ``absent`` (28,) bool:
+    an absent crown's pairs are not judged. A tooth already colliding at its target gets 0.
+    """
+    from server.absent_teeth import mask_pairs
+    from server.collisions import ALL_PAIR_CROWNS, COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
+    from server.plans import MAX_OVERCORRECTION, interpolate_poses
+
+    levels = np.arange(round(MAX_OVERCORRECTION / OC_ROOM_STEP) + 1) * OC_ROOM_STEP  # (L,)
+    progress = np.broadcast_to(1.0 + levels[:, None], (levels.size, len(TOOTH_IDS)))
+    poses = interpolate_poses(initial, target, progress)  # (L, 28, 7)
+    pen = all_pairs_penetration_mm(poses, width_mm, depth_mm)  # (L, 50)
+    if absent is not None:
+        pen = mask_pairs(pen[None], np.asarray(absent, dtype=bool)[None], ALL_PAIR_CROWNS)[0]
+    hit = pen > COLLISION_TOLERANCE_MM  # (L, 50)
+    tooth_hit = np.zeros((levels.size, len(TOOTH_IDS)), dtype=bool)
+    for side in ALL_PAIR_CROWNS:  # each pair's collision counts against both its crowns
+        np.logical_or.at(tooth_hit, (slice(None), side), hit)
+    first = np.where(tooth_hit.any(axis=0), tooth_hit.argmax(axis=0), levels.size)  # first colliding level
+    return levels[np.maximum(first - 1, 0)] * (first > 0)
 
 
 def quantise_fractions(fraction: np.ndarray) -> np.ndarray:

@@ -98,3 +98,40 @@ def test_overcorrection_signal_splits_each_cell_by_whether_the_plan_overcorrects
     assert "| task_hard | ideal | 3 | 0.00 | - / 0.33 | - / 6.50 |" in printed
     with pytest.raises(ValueError, match="no completions"):
         bench.overcorrection_signal([])
+
+
+def test_room_signal_splits_overcorrecting_samples_by_every_tooths_room(tmp_path, capsys):
+    from server.cases import generate_case
+    from server.dental_constants import TOOTH_IDS
+    from server.staging import overcorrection_room
+
+    bench = _bench()
+    case = generate_case("task_hard", 7, True)
+    room = overcorrection_room(
+        case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
+    )
+    i = next(k for k in range(28) if 0.1 <= room[k] <= 0.9)  # a tooth whose room is limited
+
+    def plan(oc: float) -> str:
+        return json.dumps({"strategy": "anterior_first", "tooth_groups": [
+            {"teeth": [int(TOOTH_IDS[i])], "fraction": 0.05, "overcorrection": round(oc, 2)}]})  # fmt: skip
+
+    at, above = plan(room[i]), plan(room[i] + 0.05)
+    plain = '{"strategy": "anterior_first", "tooth_groups": [{"teeth": [11], "fraction": 0.05}]}'
+    decay = _group(
+        1, 7, "task_hard", [at, at, above, above, above, plain], [5.0, -2.0, -2.0, -2.0, 1.0, 3.0], [0.0] * 6
+    )
+    for r in decay:
+        r["force_decay"] = True
+    ideal = _group(1, 7, "task_hard", [above], [-2.0], [0.0])  # ideal dynamics: not counted
+    (out,) = bench.room_signal(decay + ideal)
+    assert out["level"] == "task_hard" and out["overcorrecting"] == 5
+    assert out["within"] == {"share": 0.4, "broken": 0.5}
+    assert out["beyond"] == {"share": 0.6, "broken": pytest.approx(2 / 3)}
+    run = tmp_path / "grpo_bc"
+    run.mkdir()
+    (run / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in decay))
+    assert bench.main([str(run), "--room"]) == 0
+    assert "| task_hard | 5 | 0.40 | 0.50 / 0.67 |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no completions"):
+        bench.room_signal([])

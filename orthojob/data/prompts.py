@@ -5,13 +5,16 @@ most displaced teeth (as the seed's prompt), its clinical summary, the per-stage
 the plan format with its semantics (:data:`PLAN_SEMANTICS`, the statement of
 :mod:`server.plans`, built from the server's constants so no number is restated by hand).
 
-Three prompt formats (:data:`PROMPT_FORMATS`), a property of the policy model
+Four prompt formats (:data:`PROMPT_FORMATS`), a property of the policy model
 (:func:`prompt_format_of`, recorded in the model's ``config.json`` as :data:`PROMPT_FORMAT_KEY`):
 ``full`` (default) is the above; ``compact`` is the case part alone (:func:`case_description`),
 for small models whose format stage teaches the plan format: half the tokens, so a CPU learning run
 trains about three times faster per completion. ``terse`` is ``compact`` with the teeth as bare
 integers (:data:`TERSE_COLUMNS`), every tooth that moves listed, not the top 12: a tiny model's
-tokenizer spells each digit, so the labels cost as much as the numbers.
+tokenizer spells each digit, so the labels cost as much as the numbers. ``room`` is ``terse`` with,
+under force decay, a last column: each tooth's overcorrection room
+(:func:`server.staging.overcorrection_room`), the overcorrection at which its aligner shape would
+collide, which the case's poses alone do not show.
 
 Seeds: training prompts use seeds from :data:`TRAIN_SEED_START`, held-out evaluation seeds
 from :data:`HELDOUT_SEED_START`; the two ranges never meet for any realistic dataset size.
@@ -28,6 +31,8 @@ from server.absent_teeth import SUMMARY_KEY as ABSENT_KEY
 from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES, STRATEGY_LEVELS
 from server.dental_constants import (
+    CROWN_DEPTH_MM,
+    CROWN_WIDTH_MM,
     DEFAULT_PRIORITY,
     MAX_ROTATION_DEG,
     MAX_TRANSLATION_MM,
@@ -39,8 +44,10 @@ from server.dental_constants import (
     TOOTH_NUMBER,
 )
 from server.dental_environment import initial_observation
+from server.errors import InvalidActionError
 from server.plans import MAX_OVERCORRECTION
 from server.quaternion_utils import quaternion_angle
+from server.staging import overcorrection_room
 
 TOP_TEETH: int = 12
 """Teeth listed in a prompt, most displaced first (the seed's top-12)."""
@@ -152,15 +159,44 @@ TERSE_COLUMNS: str = (
     "fewest stages within the per-stage limits"
 )
 """The columns of a terse prompt's tooth rows (:func:`_tooth_table`)."""
+ROOM_COLUMN: str = (
+    "overcorrection in 0.01 at which this tooth's aligner shape would collide with every tooth overcorrected "
+    "alike (100: none up to 1)"
+)
+"""The last column of a ``room`` prompt's tooth rows under force decay."""
 
 
-def _tooth_table(observation: dict) -> tuple[list[str], int]:
+def _overcorrection_room(observation: dict) -> np.ndarray:
+    """(28,) :func:`server.staging.overcorrection_room` of the observation's case, with its crown sizes
+    where the observation is its case's (generated or imported), else the crown norms."""
+    initial = np.asarray(observation["initial_config"], dtype=np.float64)
+    target = np.asarray(observation["target_config"], dtype=np.float64)
+    width, depth, absent = CROWN_WIDTH_MM, CROWN_DEPTH_MM, None
+    try:
+        case = generate_case(
+            observation["task_id"],
+            int(observation["seed"]),
+            bool(observation.get("force_decay")),
+            bool(observation.get("non_compliance")),
+        )
+    except (InvalidActionError, KeyError, TypeError, ValueError):
+        case = None
+    if case is not None and np.array_equal(case.initial, initial) and np.array_equal(case.target, target):
+        width, depth, absent = case.crown_width_mm, case.crown_depth_mm, case.absent
+    else:
+        gone = set((observation.get("case_summary") or {}).get(ABSENT_KEY) or ())
+        absent = np.array([t in gone for t in TOOTH_IDS]) if gone else None
+    return overcorrection_room(initial, target, width, depth, absent)
+
+
+def _tooth_table(observation: dict, room: bool = False) -> tuple[list[str], int]:
     """Every present tooth that moves, most displaced first, as bare integers in :data:`TERSE_COLUMNS`'
     order, and how many present teeth are left out because all their numbers round to 0 (at target).
 
     A small model's tokenizer writes each digit as a token, so whole hundredths of a mm cost about half
     the tokens of a labelled row (:func:`_tooth_rows`): every moving tooth for the price of the top 12.
-    A ``task_hard`` case often moves all 28 teeth and a ``task_easy`` case four.
+    A ``task_hard`` case often moves all 28 teeth and a ``task_easy`` case four. ``room``: each row ends
+    with the tooth's overcorrection room in hundredths (:data:`ROOM_COLUMN`).
     """
     order, delta, _dist, rot, min_stages = _tooth_needs(observation)
     hundredths = np.rint(delta * 100.0).astype(int)
@@ -170,6 +206,9 @@ def _tooth_table(observation: dict) -> tuple[list[str], int]:
         f"  {TOOTH_IDS[i]} {hundredths[i, 0]} {hundredths[i, 1]} {hundredths[i, 2]} {tenths[i]} {min_stages[i]}"
         for i in moving
     ]
+    if room:
+        oc_room = np.rint(_overcorrection_room(observation) * 100.0).astype(int)
+        rows = [f"{row} {oc_room[i]}" for row, i in zip(rows, moving, strict=True)]
     return rows, len(order) - len(moving)
 
 
@@ -186,9 +225,10 @@ def _summary_rows(summary: dict) -> list[str]:
     return rows
 
 
-PROMPT_FORMATS: tuple[str, ...] = ("full", "compact", "terse")
+PROMPT_FORMATS: tuple[str, ...] = ("full", "compact", "terse", "room")
 """``full``: case and plan format; ``compact``: the case only; ``terse``: the case only, every moving tooth
-as bare numbers (module docstring)."""
+as bare numbers; ``room``: ``terse`` with each tooth's overcorrection room under force decay (module
+docstring)."""
 PROMPT_FORMAT_KEY: str = "orthorl_prompt_format"
 """The model config attribute (saved in ``config.json``) naming the policy's prompt format."""
 
@@ -232,22 +272,27 @@ def build_prompt(observation: dict, prompt_format: str = "full") -> str:
     (``full`` format) the plan format (:data:`PLAN_SEMANTICS`)."""
     prompt_format = check_prompt_format(prompt_format)
     if prompt_format != "full":
-        return case_description(observation, terse=prompt_format == "terse")
+        return case_description(
+            observation, terse=prompt_format in ("terse", "room"), room=prompt_format == "room"
+        )
     return "\n".join([case_description(observation), "", PLAN_SEMANTICS])
 
 
-def case_description(observation: dict, terse: bool = False) -> str:
+def case_description(observation: dict, terse: bool = False, room: bool = False) -> str:
     """The case part of :func:`build_prompt`: the task, the clinical summary, the teeth furthest
     from target and the per-stage limits (the agentic mode's first observation,
     :mod:`orthojob.agentic.tools`). ``terse``: every tooth that moves in :func:`_tooth_table`'s rows
-    instead of the top :data:`TOP_TEETH` in labelled ones."""
+    instead of the top :data:`TOP_TEETH` in labelled ones; ``room`` (terse only): under force decay each
+    row's overcorrection room too (:data:`ROOM_COLUMN`)."""
     decay = bool(observation.get("force_decay"))
     present = _present(observation)
     if terse:
-        rows, still = _tooth_table(observation)
+        with_room = room and decay
+        rows, still = _tooth_table(observation, room=with_room)
+        columns = f"{TERSE_COLUMNS}, {ROOM_COLUMN}" if with_room else TERSE_COLUMNS
         teeth = [
             f"Teeth that move, furthest from target first ({len(rows)} of {present}; the other {still} are at "
-            f"their target; {TERSE_COLUMNS}):",
+            f"their target; {columns}):",
             *rows,
         ]
     else:
