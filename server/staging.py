@@ -61,8 +61,9 @@ def overcorrection_room(
     each tooth's aligner shape clears its neighbours and the crowns one apart (penetration within
     COLLISION_TOLERANCE_MM) when every tooth is overcorrected alike: the final aligner's shape, each
     tooth at ``1 + oc`` of its movement (:func:`server.plans.interpolate_poses`). A technician sees
-    this on the overcorrected setup; it is what the oracle's collision relief trims to
-    (:func:`server.oracle.relieve_aligner_collisions`), found without a plan.
+    this on the overcorrected setup. It needs no plan; the oracle's collision relief
+    (:func:`server.oracle.relieve_aligner_collisions`) instead trims a given plan's overcorrection on
+    the simulator, and mostly ends within it (its neighbours are not always overcorrected alike).
 
     initial, target: (28, 7) poses; width_mm, depth_mm: (28,) crown sizes; ``absent`` (28,) bool:
     an absent crown's pairs are not judged. A tooth already colliding at its target gets 0.
