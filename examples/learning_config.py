@@ -133,7 +133,10 @@ class LearnConfig:
     )
     stage0_steps: int = field(
         default=180,
-        metadata={"help": "GRPO's steps from stage 0 (its process has no BC to train: more steps fit)"},
+        metadata={
+            "help": "GRPO's steps from stage 0 (its process has no BC to train: 300 fit in the time limit, but "
+            "did no better than 180 on either seed: docs/learning_experiment.md)"
+        },
     )
     num_generations: int = 8
     prompts_per_step: int = 4
