@@ -92,6 +92,7 @@ from server.staging import (
     BRISK,
     LEVEL_SPAN,
     MAX_SPEED,
+    OC_QUANTUM,
     Staging,
     arrays_to_plan,
     limit_speeds,
@@ -127,8 +128,6 @@ SLOWER_FACTORS: tuple[float, ...] = (0.9, 0.75, 0.6, 0.45)
 """Speeds (shares of uniform staging's) tried when no candidate or repair is safe."""
 COMPENSATED: int = 1
 """Staged candidates (the best by terminal score) also tried overcorrected under force decay."""
-OC_QUANTUM: float = 0.05
-"""Overcorrections are written rounded down to this."""
 MIN_EXPRESSED_SHARE: float = 0.25
 """A tooth is assumed to express at least this share when its overcorrection is computed."""
 RELIEF_TRIMS: tuple[tuple[float, int, bool], ...] = ((0.5, 4, False), (0.75, 8, False), (0.75, 12, True))

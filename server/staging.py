@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from server.absent_teeth import mask_pairs
 from server.clinical_profiles import SEQUENCED_TEETH, STRATEGY_LEVELS
+from server.collisions import ALL_PAIR_CROWNS, COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
 from server.dental_constants import (
     MAX_ROTATION_DEG,
     MAX_TRANSLATION_MM,
@@ -19,12 +21,10 @@ from server.dental_constants import (
     PRIORITY_START_STAGE,
     TOOTH_IDS,
 )
+from server.plans import MAX_OVERCORRECTION, interpolate_poses
 from server.quaternion_utils import (
     quaternion_angle,
 )
-
-OC_ROOM_STEP: float = 0.05
-"""Overcorrection steps at which :func:`overcorrection_room` checks the aligner shapes."""
 
 LEVEL_SPAN: int = 12
 """Aligners over which the strategy's levels' start stages are spread (first at 1)."""
@@ -40,6 +40,10 @@ Staging = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 FRACTION_QUANTUM: float = 1e-4
 """Fractions are written rounded up to this (what the plan JSON carries)."""
+
+OC_QUANTUM: float = 0.05
+"""Overcorrections are written rounded down to this (the oracle's); :func:`overcorrection_room` checks
+the aligner shapes at its multiples."""
 
 
 def limit_speeds(initial: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -57,7 +61,7 @@ def overcorrection_room(
     depth_mm: np.ndarray,
     absent: np.ndarray | None = None,
 ) -> np.ndarray:
-    """(28,) the largest overcorrection, in steps of OC_ROOM_STEP up to MAX_OVERCORRECTION, at which
+    """(28,) the largest overcorrection, in steps of OC_QUANTUM up to MAX_OVERCORRECTION, at which
     each tooth's aligner shape clears its neighbours and the crowns one apart (penetration within
     COLLISION_TOLERANCE_MM) when every tooth is overcorrected alike: the final aligner's shape, each
     tooth at ``1 + oc`` of its movement (:func:`server.plans.interpolate_poses`). A technician sees
@@ -68,11 +72,7 @@ def overcorrection_room(
     initial, target: (28, 7) poses; width_mm, depth_mm: (28,) crown sizes; ``absent`` (28,) bool:
     an absent crown's pairs are not judged. A tooth already colliding at its target gets 0.
     """
-    from server.absent_teeth import mask_pairs
-    from server.collisions import ALL_PAIR_CROWNS, COLLISION_TOLERANCE_MM, all_pairs_penetration_mm
-    from server.plans import MAX_OVERCORRECTION, interpolate_poses
-
-    levels = np.arange(round(MAX_OVERCORRECTION / OC_ROOM_STEP) + 1) * OC_ROOM_STEP  # (L,)
+    levels = np.arange(round(MAX_OVERCORRECTION / OC_QUANTUM) + 1) * OC_QUANTUM  # (L,)
     progress = np.broadcast_to(1.0 + levels[:, None], (levels.size, len(TOOTH_IDS)))
     poses = interpolate_poses(initial, target, progress)  # (L, 28, 7)
     pen = all_pairs_penetration_mm(poses, width_mm, depth_mm)  # (L, 50)

@@ -23,7 +23,7 @@ from server.dental_constants import (
 from server.dental_environment import initial_observation
 from server.oracle import oracle_plan
 from server.plans import MAX_OVERCORRECTION, interpolate_poses, normalize_plan
-from server.staging import OC_ROOM_STEP, overcorrection_room
+from server.staging import OC_QUANTUM, overcorrection_room
 
 PAIRS = np.concatenate((ADJACENT_PAIRS, SECOND_NEIGHBOUR_PAIRS))
 _ROOM_ROW = re.compile(r"^  (\d\d) (-?\d+) (-?\d+) (-?\d+) (\d+) (\d+) (\d+)$")
@@ -46,13 +46,13 @@ def test_the_room_is_the_last_overcorrection_before_the_tooths_aligner_shape_col
         case = generate_case(task_id, seed, True)
         room = overcorrection_room(case.initial, case.target, case.crown_width_mm, case.crown_depth_mm)
         assert room.shape == (28,) and (room >= 0).all() and (room <= MAX_OVERCORRECTION + 1e-12).all()
-        assert np.allclose(room / OC_ROOM_STEP, np.rint(room / OC_ROOM_STEP))
+        assert np.allclose(room / OC_QUANTUM, np.rint(room / OC_QUANTUM))
         for i in range(28):
             if room[i] > 0 or not _tooth_collides(case, 0.0, i):
                 assert not _tooth_collides(case, room[i], i), (seed, TOOTH_IDS[i], room[i])
             if room[i] < MAX_OVERCORRECTION:
                 limited += 1
-                assert _tooth_collides(case, room[i] + OC_ROOM_STEP, i), (seed, TOOTH_IDS[i], room[i])
+                assert _tooth_collides(case, room[i] + OC_QUANTUM, i), (seed, TOOTH_IDS[i], room[i])
     assert limited > 0  # some tooth of these cases is limited: the check above ran
 
 

@@ -36,9 +36,8 @@ import copy
 import numpy as np
 
 from server.cases import CaseKey
-from server.oracle import OC_QUANTUM
 from server.plans import UNIFORM_FRACTION, normalize_plan
-from server.staging import arrays_to_plan
+from server.staging import OC_QUANTUM, arrays_to_plan
 from server.treatment import score_plans
 
 NOISE: float = 0.05
