@@ -114,6 +114,21 @@ class LearnConfig:
             **_SWITCH,
         },
     )
+    bc_room_cap: bool = field(
+        default=False,
+        metadata={
+            "help": "robust demonstrations' merged groups overcorrect no more than the smallest overcorrection "
+            "room of their teeth (orthojob/data/robust_plans.py)",
+            **_SWITCH,
+        },
+    )
+    bc_oc_noise: float = field(
+        default=0.0,
+        metadata={
+            "help": "robust demonstrations judged with each group's overcorrection also off by this standard "
+            "deviation (absolute; orthojob/data/robust_plans.py; 0: fractions only)"
+        },
+    )
     # RSFT between BC and GRPO (stage 4 on BC's own samples)
     rsft_prompts: int = field(
         default=0,

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from orthojob.data import robust_plans
 from orthojob.data.robust_plans import CANDIDATES, candidates, robust_plan
 from orthojob.stages.sft import oracle_demonstrations
 from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
+from server.dental_constants import TOOTH_IDS
 from server.oracle import plan_for_case
+from server.staging import OC_QUANTUM, overcorrection_room
 from server.treatment import score_plans
 
 
@@ -131,3 +135,83 @@ def test_unnamed_uniform_takes_the_name_off_uniform_plans_only_where_it_earns_no
     uniform = candidates(plan_for_case(case), case.present_ids)["uniform"]
     monkeypatch.setattr(robust_plans, "candidates", lambda plan, teeth, **_: {"uniform": uniform})
     assert robust_plan(uniform, key, case.present_ids, unnamed_uniform=True) == (uniform, "uniform")
+
+
+def test_merged_within_the_room_caps_each_group_at_its_teeths_smallest_room():
+    plan = {
+        "tooth_groups": [
+            {"teeth": [11, 21], "fraction": 0.04, "overcorrection": 0.5},
+            {"teeth": [13], "fraction": 0.05, "start_stage": 5, "overcorrection": 0.2},
+        ],
+    }
+    room = np.ones(len(TOOTH_IDS))
+    assert robust_plans.merged(plan, room=room) == robust_plans.merged(plan)
+    room[TOOTH_IDS.index(21)] = 0.33
+    groups = robust_plans.merged(plan, room=room)["tooth_groups"]
+    assert [(g["teeth"], g.get("overcorrection")) for g in groups] == [([11, 21], 0.3), ([13], 0.2)]
+    room[TOOTH_IDS.index(13)] = 0.0
+    assert "overcorrection" not in robust_plans.merged(plan, room=room)["tooth_groups"][1]
+
+
+def test_room_cap_keeps_the_merged_candidate_within_the_case_room():
+    capped_somewhere = False
+    for seed in range(HELDOUT_SEED_START, HELDOUT_SEED_START + 6):
+        key = CaseKey("task_hard", seed, True)
+        case = generate_case(*key)
+        room = overcorrection_room(
+            case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
+        )
+        oracle = plan_for_case(case)
+        plain = candidates(oracle, case.present_ids, with_merged=True)["merged"]
+        capped = candidates(oracle, case.present_ids, with_merged=True, room=room)["merged"]
+        for group in capped["tooth_groups"]:
+            rooms = [room[TOOTH_IDS.index(t)] for t in group["teeth"]]
+            assert group.get("overcorrection", 0.0) <= min(rooms) + 1e-9
+        capped_somewhere |= capped != plain
+        plan, name = robust_plan(oracle, key, case.present_ids, max_groups=6, room_cap=True)
+        assert not score_plans([plan], [key])[0]["broken_rules"]
+        if name == "merged":
+            assert plan == capped
+    assert capped_somewhere, "some task_hard merged plan overcorrects a group past one of its teeth's room"
+
+
+def test_oc_noise_moves_the_copies_overcorrections_on_the_quantum_and_only_when_asked():
+    key = CaseKey("task_hard", HELDOUT_SEED_START, True)
+    oracle = plan_for_case(generate_case(*key))
+    ocs = [g["overcorrection"] for g in oracle["tooth_groups"] if g.get("overcorrection")]
+    assert ocs, "the oracle overcorrects under force decay"
+    quiet = robust_plans._noisy(oracle, np.random.default_rng(0))
+    assert [g.get("overcorrection") for g in quiet["tooth_groups"]] == [
+        g.get("overcorrection") for g in oracle["tooth_groups"]
+    ]
+    moved = [robust_plans._noisy(oracle, np.random.default_rng(k), oc_noise=0.2) for k in range(4)]
+    new = [g["overcorrection"] for p in moved for g in p["tooth_groups"] if "overcorrection" in g]
+    assert any(a != b for p in moved for a, b in zip(
+        [g.get("overcorrection") for g in p["tooth_groups"]], [g.get("overcorrection") for g in oracle["tooth_groups"]]
+    ))  # fmt: skip
+    assert all(0.0 <= v <= 1.0 and abs(v / OC_QUANTUM - round(v / OC_QUANTUM)) < 1e-9 for v in new)
+
+
+def test_oc_noise_prefers_candidates_that_overcorrect_less():
+    def total_oc(plan):
+        return sum(g.get("overcorrection", 0.0) * len(g["teeth"]) for g in plan["tooth_groups"])
+
+    plain, noisy = 0.0, 0.0
+    for seed in range(HELDOUT_SEED_START, HELDOUT_SEED_START + 8):
+        key = CaseKey("task_hard", seed, True)
+        case = generate_case(*key)
+        oracle = plan_for_case(case)
+        plain += total_oc(robust_plan(oracle, key, case.present_ids, max_groups=6)[0])
+        plan, _ = robust_plan(oracle, key, case.present_ids, max_groups=6, oc_noise=0.2)
+        assert not score_plans([plan], [key])[0]["broken_rules"]
+        noisy += total_oc(plan)
+    assert noisy < plain, "judged on imprecise overcorrections, the choices overcorrect less"
+
+
+def test_learning_bc_demonstrations_carry_the_room_cap_and_oc_noise():
+    from examples.learning import bc_demonstrations
+    from examples.learning_config import LearnConfig
+
+    cfg = LearnConfig(bc_examples=4, bc_room_cap=True, bc_oc_noise=0.1)
+    rows, info = bc_demonstrations(cfg, "terse")
+    assert info["room_cap"] is True and info["oc_noise"] == 0.1 and len(rows) == 4

@@ -19,7 +19,10 @@ staging into up to a dozen groups of one or two teeth, and the per-tooth amounts
 compact prompt does not list. With ``max_groups`` :func:`robust_plan` also offers the oracle's
 staging with the groups that share a start and a fraction merged (:func:`merged`: the smallest
 overcorrection of their teeth, or none) and picks among the candidates of at most ``max_groups``
-groups (uniform staging always qualifies): a plan short enough to imitate.
+groups (uniform staging always qualifies): a plan short enough to imitate. With ``room_cap`` the
+merged groups' overcorrection is also at most the smallest overcorrection room of their teeth
+(:func:`server.staging.overcorrection_room`): the oracle mostly keeps each tooth within its room,
+but the smallest overcorrection of a merged group is not always within the room of all its teeth.
 
 Uniform staging moves every tooth at once, so it follows a strategy's sequence only where that
 sequence has a single level of movement (:mod:`server.scoring`): elsewhere naming the right strategy
@@ -35,9 +38,9 @@ import copy
 
 import numpy as np
 
-from server.cases import CaseKey
-from server.plans import UNIFORM_FRACTION, normalize_plan
-from server.staging import OC_QUANTUM, arrays_to_plan
+from server.cases import CaseKey, generate_case
+from server.plans import MAX_OVERCORRECTION, UNIFORM_FRACTION, normalize_plan
+from server.staging import OC_QUANTUM, arrays_to_plan, overcorrection_room
 from server.treatment import score_plans
 
 NOISE: float = 0.05
@@ -54,30 +57,38 @@ UNNAMED: str = "uniform_unnamed"
 """The choice's name where ``unnamed_uniform`` took the strategy off a chosen uniform plan."""
 
 
-def _noisy(plan: dict, rng: np.random.Generator) -> dict:
+def _noisy(plan: dict, rng: np.random.Generator, oc_noise: float = 0.0) -> dict:
     out = copy.deepcopy(plan)
     for g in out["tooth_groups"]:
         g["fraction"] = float(np.clip(round(g["fraction"] * (1.0 + rng.normal(0.0, NOISE)), 4), 0.0, 1.0))
+        if oc_noise > 0.0 and g.get("overcorrection"):
+            oc = g["overcorrection"] + rng.normal(0.0, oc_noise)
+            g["overcorrection"] = float(np.clip(round(oc / OC_QUANTUM) * OC_QUANTUM, 0.0, MAX_OVERCORRECTION))
     return out
 
 
-def merged(plan: dict, overcorrect: bool = True) -> dict:
+def merged(plan: dict, overcorrect: bool = True, room: np.ndarray | None = None) -> dict:
     """``plan`` with its teeth that share a start stage and a fraction in one group, overcorrected by
     the smallest overcorrection among them rounded down to the oracle's quantum (``overcorrect``) or
-    not at all; written as the oracle writes its plans (:func:`server.staging.arrays_to_plan`)."""
+    not at all; written as the oracle writes its plans (:func:`server.staging.arrays_to_plan`).
+    ``room`` (28,): no group overcorrects by more than the smallest room of its teeth."""
     spec = normalize_plan(plan)
     listed = spec.group >= 0
     oc = np.zeros(len(spec.start))
+    limit = np.full(len(spec.start), np.inf) if room is None else np.asarray(room, dtype=np.float64)
     if overcorrect:
         for start, fraction in {(s, f) for s, f in zip(spec.start[listed], spec.fraction[listed])}:
             same = listed & (spec.start == start) & (spec.fraction == fraction)
-            oc[same] = np.floor(spec.overcorrections()[same].min() / OC_QUANTUM + 1e-9) * OC_QUANTUM
+            smallest = min(spec.overcorrections()[same].min(), limit[same].min())
+            oc[same] = np.floor(smallest / OC_QUANTUM + 1e-9) * OC_QUANTUM
     return arrays_to_plan(spec.strategy, spec.start, spec.fraction, oc, absent=~listed)
 
 
-def candidates(plan: dict, teeth: list[int], with_merged: bool = False) -> dict[str, dict]:
+def candidates(
+    plan: dict, teeth: list[int], with_merged: bool = False, room: np.ndarray | None = None
+) -> dict[str, dict]:
     """The candidates of an oracle ``plan`` for a case whose present teeth are ``teeth`` (FDI ids);
-    ``with_merged``: also :data:`MERGED_CANDIDATES`."""
+    ``with_merged``: also :data:`MERGED_CANDIDATES`, the merged one within ``room`` where given."""
     rounded = copy.deepcopy(plan)
     for g in rounded["tooth_groups"]:
         g["fraction"] = round(g["fraction"], ROUNDED_DECIMALS)
@@ -86,7 +97,7 @@ def candidates(plan: dict, teeth: list[int], with_merged: bool = False) -> dict[
         uniform = {"strategy": plan["strategy"], **uniform}
     found = {"oracle": plan, "rounded": rounded, "uniform": uniform}
     if with_merged:
-        found |= {"merged": merged(plan), "staged": merged(plan, overcorrect=False)}
+        found |= {"merged": merged(plan, room=room), "staged": merged(plan, overcorrect=False)}
     return found
 
 
@@ -96,21 +107,31 @@ def robust_plan(
     teeth: list[int],
     max_groups: int | None = None,
     unnamed_uniform: bool = False,
+    room_cap: bool = False,
+    oc_noise: float = 0.0,
 ) -> tuple[dict, str]:
     """The most robust safe candidate of the oracle's ``plan`` for the case ``key`` (present teeth
     ``teeth``) and its name (one of :data:`CANDIDATES`, and of :data:`MERGED_CANDIDATES` with
     ``max_groups``, which then leaves out every candidate of more groups than that); deterministic per
     case (the noise is seeded by the case's seed). Every candidate and noisy copy is scored in one
     batched call. ``unnamed_uniform``: a chosen uniform plan without its strategy where naming it
-    scores no more than naming none (:data:`UNNAMED`)."""
-    found = candidates(plan, teeth, with_merged=max_groups is not None)
+    scores no more than naming none (:data:`UNNAMED`). ``room_cap``: the merged candidate within the
+    case's overcorrection room (:func:`merged`). ``oc_noise``: the noisy copies' overcorrections also
+    off by this standard deviation (absolute, rounded to the oracle's quantum, within [0, 1])."""
+    room = None
+    if room_cap:
+        case = generate_case(*key)
+        room = overcorrection_room(
+            case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
+        )
+    found = candidates(plan, teeth, with_merged=max_groups is not None, room=room)
     if max_groups is not None:
         found = {k: p for k, p in found.items() if k == "uniform" or len(p["tooth_groups"]) <= max_groups}
     rng = np.random.default_rng([abs(int(key.seed)) % 2**63, len(key.task_id)])
     plans: list[dict] = []
     for p in found.values():
         plans.append(p)
-        plans.extend(_noisy(p, rng) for _ in range(DRAWS))
+        plans.extend(_noisy(p, rng, oc_noise) for _ in range(DRAWS))
     results = score_plans(plans, [key] * len(plans))
     best, best_value, best_clean = next(iter(found)), None, None
     for k, name in enumerate(found):

@@ -124,6 +124,8 @@ def oracle_demonstrations(
     robust: bool = False,
     max_groups: int | None = None,
     unnamed_uniform: bool = False,
+    room_cap: bool = False,
+    oc_noise: float = 0.0,
 ) -> tuple[list[dict], dict]:
     """``n`` BC examples, and their counts ``{"source", "examples", "filtered_hard_rule"}``.
 
@@ -133,7 +135,8 @@ def oracle_demonstrations(
     logged and returned. ``robust``: each plan is :func:`orthojob.data.robust_plans.robust_plan`'s
     choice (the counts then say how often each candidate was chosen, ``robust_choices``), of at most
     ``max_groups`` groups where that is given, its uniform plans without a strategy where naming one
-    earns nothing with ``unnamed_uniform``.
+    earns nothing with ``unnamed_uniform``, its merged groups within the case's overcorrection room
+    with ``room_cap``, judged with the overcorrections also off by ``oc_noise`` (absolute) where given.
     """
     tasks = list(task_ids)
     choices: dict[str, int] = {}
@@ -152,7 +155,13 @@ def oracle_demonstrations(
             else:
                 if robust:
                     plan, chosen = robust_plan(
-                        plan, key, generate_case(*key).present_ids, max_groups, unnamed_uniform
+                        plan,
+                        key,
+                        generate_case(*key).present_ids,
+                        max_groups,
+                        unnamed_uniform,
+                        room_cap,
+                        oc_noise,
                     )
                     choices[chosen] = choices.get(chosen, 0) + 1
                 rows.append(
