@@ -129,6 +129,14 @@ class LearnConfig:
             "deviation (absolute; orthojob/data/robust_plans.py; 0: fractions only)"
         },
     )
+    bc_uniform_room: bool = field(
+        default=False,
+        metadata={
+            "help": "robust demonstrations may also be, under force decay, uniform staging overcorrected by the "
+            "smallest overcorrection room of the case's teeth (orthojob/data/robust_plans.py)",
+            **_SWITCH,
+        },
+    )
     # RSFT between BC and GRPO (stage 4 on BC's own samples)
     rsft_prompts: int = field(
         default=0,

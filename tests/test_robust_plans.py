@@ -212,6 +212,34 @@ def test_learning_bc_demonstrations_carry_the_room_cap_and_oc_noise():
     from examples.learning import bc_demonstrations
     from examples.learning_config import LearnConfig
 
-    cfg = LearnConfig(bc_examples=4, bc_room_cap=True, bc_oc_noise=0.1)
+    cfg = LearnConfig(bc_examples=4, bc_room_cap=True, bc_oc_noise=0.1, bc_uniform_room=True)
     rows, info = bc_demonstrations(cfg, "terse")
-    assert info["room_cap"] is True and info["oc_noise"] == 0.1 and len(rows) == 4
+    assert info["room_cap"] is True and info["oc_noise"] == 0.1 and info["uniform_room"] is True
+    assert len(rows) == 4
+
+
+def test_uniform_room_is_one_group_within_every_tooths_room_and_only_under_force_decay():
+    chosen = 0
+    for seed in range(HELDOUT_SEED_START, HELDOUT_SEED_START + 8):
+        key = CaseKey("task_easy", seed, True)
+        case = generate_case(*key)
+        room = overcorrection_room(
+            case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
+        )
+        oracle = plan_for_case(case)
+        plan, name = robust_plan(oracle, key, case.present_ids, max_groups=6, uniform_room=True)
+        assert not score_plans([plan], [key])[0]["broken_rules"]
+        if name == robust_plans.UNIFORM_ROOM:
+            chosen += 1
+            (group,) = plan["tooth_groups"]
+            assert sorted(group["teeth"]) == sorted(case.present_ids)
+            assert (
+                0.0 < group["overcorrection"] <= min(room[TOOTH_IDS.index(t)] for t in group["teeth"]) + 1e-9
+            )
+    assert chosen, "on some task_easy force-decay case uniform staging within the room is the most robust"
+    key = CaseKey("task_easy", HELDOUT_SEED_START, False)
+    case = generate_case(*key)
+    oracle = plan_for_case(case)
+    assert robust_plan(oracle, key, case.present_ids, 6, uniform_room=True) == robust_plan(
+        oracle, key, case.present_ids, 6
+    )

@@ -39,6 +39,7 @@ import copy
 import numpy as np
 
 from server.cases import CaseKey, generate_case
+from server.dental_constants import TOOTH_IDS
 from server.plans import MAX_OVERCORRECTION, UNIFORM_FRACTION, normalize_plan
 from server.staging import OC_QUANTUM, arrays_to_plan, overcorrection_room
 from server.treatment import score_plans
@@ -53,6 +54,9 @@ CANDIDATES: tuple[str, ...] = ("oracle", "rounded", "uniform")
 MERGED_CANDIDATES: tuple[str, ...] = ("merged", "staged")
 """The candidates offered with ``max_groups``: the oracle's groups merged by start and fraction, with
 the smallest overcorrection of their teeth (``merged``) or none (``staged``)."""
+UNIFORM_ROOM: str = "uniform_room"
+"""The candidate offered with ``uniform_room`` under force decay: uniform staging overcorrected by the
+smallest overcorrection room of the present teeth (one group, one number)."""
 UNNAMED: str = "uniform_unnamed"
 """The choice's name where ``unnamed_uniform`` took the strategy off a chosen uniform plan."""
 
@@ -109,6 +113,7 @@ def robust_plan(
     unnamed_uniform: bool = False,
     room_cap: bool = False,
     oc_noise: float = 0.0,
+    uniform_room: bool = False,
 ) -> tuple[dict, str]:
     """The most robust safe candidate of the oracle's ``plan`` for the case ``key`` (present teeth
     ``teeth``) and its name (one of :data:`CANDIDATES`, and of :data:`MERGED_CANDIDATES` with
@@ -117,14 +122,21 @@ def robust_plan(
     batched call. ``unnamed_uniform``: a chosen uniform plan without its strategy where naming it
     scores no more than naming none (:data:`UNNAMED`). ``room_cap``: the merged candidate within the
     case's overcorrection room (:func:`merged`). ``oc_noise``: the noisy copies' overcorrections also
-    off by this standard deviation (absolute, rounded to the oracle's quantum, within [0, 1])."""
+    off by this standard deviation (absolute, rounded to the oracle's quantum, within [0, 1]).
+    ``uniform_room``: under force decay also :data:`UNIFORM_ROOM`, where that room is above 0."""
     room = None
-    if room_cap:
+    if room_cap or (uniform_room and key.force_decay):
         case = generate_case(*key)
         room = overcorrection_room(
             case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
         )
-    found = candidates(plan, teeth, with_merged=max_groups is not None, room=room)
+    found = candidates(plan, teeth, with_merged=max_groups is not None, room=room if room_cap else None)
+    if uniform_room and key.force_decay:
+        smallest = room[[TOOTH_IDS.index(t) for t in teeth]].min()
+        oc = float(np.floor(smallest / OC_QUANTUM + 1e-9) * OC_QUANTUM)
+        if oc > 0.0:
+            group = {**found["uniform"]["tooth_groups"][0], "overcorrection": round(oc, 2)}
+            found[UNIFORM_ROOM] = {**found["uniform"], "tooth_groups": [group]}
     if max_groups is not None:
         found = {k: p for k, p in found.items() if k == "uniform" or len(p["tooth_groups"]) <= max_groups}
     rng = np.random.default_rng([abs(int(key.seed)) % 2**63, len(key.task_id)])

@@ -126,6 +126,7 @@ def oracle_demonstrations(
     unnamed_uniform: bool = False,
     room_cap: bool = False,
     oc_noise: float = 0.0,
+    uniform_room: bool = False,
 ) -> tuple[list[dict], dict]:
     """``n`` BC examples, and their counts ``{"source", "examples", "filtered_hard_rule"}``.
 
@@ -136,7 +137,8 @@ def oracle_demonstrations(
     choice (the counts then say how often each candidate was chosen, ``robust_choices``), of at most
     ``max_groups`` groups where that is given, its uniform plans without a strategy where naming one
     earns nothing with ``unnamed_uniform``, its merged groups within the case's overcorrection room
-    with ``room_cap``, judged with the overcorrections also off by ``oc_noise`` (absolute) where given.
+    with ``room_cap``, judged with the overcorrections also off by ``oc_noise`` (absolute) where given,
+    with uniform staging overcorrected within the room among the candidates with ``uniform_room``.
     """
     tasks = list(task_ids)
     choices: dict[str, int] = {}
@@ -162,6 +164,7 @@ def oracle_demonstrations(
                         unnamed_uniform,
                         room_cap,
                         oc_noise,
+                        uniform_room,
                     )
                     choices[chosen] = choices.get(chosen, 0) + 1
                 rows.append(
