@@ -185,7 +185,6 @@ def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict],
             robust=cfg.bc_demos == "robust",
             max_groups=cfg.bc_max_groups or None,
             unnamed_uniform=cfg.bc_unnamed_uniform,
-            room_cap=cfg.bc_room_cap,
             oc_noise=cfg.bc_oc_noise,
             uniform_room=cfg.bc_uniform_room,
         )
@@ -199,8 +198,6 @@ def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict],
         info["max_groups"] = cfg.bc_max_groups
     if cfg.bc_unnamed_uniform:
         info["unnamed_uniform"] = True
-    if cfg.bc_room_cap:
-        info["room_cap"] = True
     if cfg.bc_oc_noise:
         info["oc_noise"] = cfg.bc_oc_noise
     if cfg.bc_uniform_room:

@@ -114,14 +114,6 @@ class LearnConfig:
             **_SWITCH,
         },
     )
-    bc_room_cap: bool = field(
-        default=False,
-        metadata={
-            "help": "robust demonstrations' merged groups overcorrect no more than the smallest overcorrection "
-            "room of their teeth (orthojob/data/robust_plans.py)",
-            **_SWITCH,
-        },
-    )
     bc_oc_noise: float = field(
         default=0.0,
         metadata={

@@ -137,44 +137,6 @@ def test_unnamed_uniform_takes_the_name_off_uniform_plans_only_where_it_earns_no
     assert robust_plan(uniform, key, case.present_ids, unnamed_uniform=True) == (uniform, "uniform")
 
 
-def test_merged_within_the_room_caps_each_group_at_its_teeths_smallest_room():
-    plan = {
-        "tooth_groups": [
-            {"teeth": [11, 21], "fraction": 0.04, "overcorrection": 0.5},
-            {"teeth": [13], "fraction": 0.05, "start_stage": 5, "overcorrection": 0.2},
-        ],
-    }
-    room = np.ones(len(TOOTH_IDS))
-    assert robust_plans.merged(plan, room=room) == robust_plans.merged(plan)
-    room[TOOTH_IDS.index(21)] = 0.33
-    groups = robust_plans.merged(plan, room=room)["tooth_groups"]
-    assert [(g["teeth"], g.get("overcorrection")) for g in groups] == [([11, 21], 0.3), ([13], 0.2)]
-    room[TOOTH_IDS.index(13)] = 0.0
-    assert "overcorrection" not in robust_plans.merged(plan, room=room)["tooth_groups"][1]
-
-
-def test_room_cap_keeps_the_merged_candidate_within_the_case_room():
-    capped_somewhere = False
-    for seed in range(HELDOUT_SEED_START, HELDOUT_SEED_START + 6):
-        key = CaseKey("task_hard", seed, True)
-        case = generate_case(*key)
-        room = overcorrection_room(
-            case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
-        )
-        oracle = plan_for_case(case)
-        plain = candidates(oracle, case.present_ids, with_merged=True)["merged"]
-        capped = candidates(oracle, case.present_ids, with_merged=True, room=room)["merged"]
-        for group in capped["tooth_groups"]:
-            rooms = [room[TOOTH_IDS.index(t)] for t in group["teeth"]]
-            assert group.get("overcorrection", 0.0) <= min(rooms) + 1e-9
-        capped_somewhere |= capped != plain
-        plan, name = robust_plan(oracle, key, case.present_ids, max_groups=6, room_cap=True)
-        assert not score_plans([plan], [key])[0]["broken_rules"]
-        if name == "merged":
-            assert plan == capped
-    assert capped_somewhere, "some task_hard merged plan overcorrects a group past one of its teeth's room"
-
-
 def test_oc_noise_moves_the_copies_overcorrections_on_the_quantum_and_only_when_asked():
     key = CaseKey("task_hard", HELDOUT_SEED_START, True)
     oracle = plan_for_case(generate_case(*key))
@@ -208,13 +170,13 @@ def test_oc_noise_prefers_candidates_that_overcorrect_less():
     assert noisy < plain, "judged on imprecise overcorrections, the choices overcorrect less"
 
 
-def test_learning_bc_demonstrations_carry_the_room_cap_and_oc_noise():
+def test_learning_bc_demonstrations_carry_the_oc_noise_and_uniform_room():
     from examples.learning import bc_demonstrations
     from examples.learning_config import LearnConfig
 
-    cfg = LearnConfig(bc_examples=4, bc_room_cap=True, bc_oc_noise=0.1, bc_uniform_room=True)
+    cfg = LearnConfig(bc_examples=4, bc_oc_noise=0.1, bc_uniform_room=True)
     rows, info = bc_demonstrations(cfg, "terse")
-    assert info["room_cap"] is True and info["oc_noise"] == 0.1 and info["uniform_room"] is True
+    assert info["oc_noise"] == 0.1 and info["uniform_room"] is True
     assert len(rows) == 4
 
 

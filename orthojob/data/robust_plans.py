@@ -19,10 +19,7 @@ staging into up to a dozen groups of one or two teeth, and the per-tooth amounts
 compact prompt does not list. With ``max_groups`` :func:`robust_plan` also offers the oracle's
 staging with the groups that share a start and a fraction merged (:func:`merged`: the smallest
 overcorrection of their teeth, or none) and picks among the candidates of at most ``max_groups``
-groups (uniform staging always qualifies): a plan short enough to imitate. With ``room_cap`` the
-merged groups' overcorrection is also at most the smallest overcorrection room of their teeth
-(:func:`server.staging.overcorrection_room`): the oracle mostly keeps each tooth within its room,
-but the smallest overcorrection of a merged group is not always within the room of all its teeth.
+groups (uniform staging always qualifies): a plan short enough to imitate.
 
 Uniform staging moves every tooth at once, so it follows a strategy's sequence only where that
 sequence has a single level of movement (:mod:`server.scoring`): elsewhere naming the right strategy
@@ -30,6 +27,13 @@ on it earns the neutral multiplier that naming none earns, and naming a wrong on
 ``unnamed_uniform`` a chosen uniform plan names its strategy only where that scores above naming
 none (:data:`UNNAMED`), as uniform SLERP does, so a model that imitates them writes its uniform plans
 without a name that could be scored as misreading the case.
+
+A small model writes its overcorrections imprecisely too. With ``oc_noise`` the noisy copies
+also have each group's overcorrection off by a normal error of that standard deviation, so a
+candidate whose overcorrection is safe only when exact loses to one that overcorrects less or not at
+all. With ``uniform_room`` force-decay cases are also offered uniform staging overcorrected by the
+smallest overcorrection room of their teeth (:func:`server.staging.overcorrection_room`): one group
+and one number, where uniform staging alone expresses too little.
 """
 
 from __future__ import annotations
@@ -71,28 +75,23 @@ def _noisy(plan: dict, rng: np.random.Generator, oc_noise: float = 0.0) -> dict:
     return out
 
 
-def merged(plan: dict, overcorrect: bool = True, room: np.ndarray | None = None) -> dict:
+def merged(plan: dict, overcorrect: bool = True) -> dict:
     """``plan`` with its teeth that share a start stage and a fraction in one group, overcorrected by
     the smallest overcorrection among them rounded down to the oracle's quantum (``overcorrect``) or
-    not at all; written as the oracle writes its plans (:func:`server.staging.arrays_to_plan`).
-    ``room`` (28,): no group overcorrects by more than the smallest room of its teeth."""
+    not at all; written as the oracle writes its plans (:func:`server.staging.arrays_to_plan`)."""
     spec = normalize_plan(plan)
     listed = spec.group >= 0
     oc = np.zeros(len(spec.start))
-    limit = np.full(len(spec.start), np.inf) if room is None else np.asarray(room, dtype=np.float64)
     if overcorrect:
         for start, fraction in {(s, f) for s, f in zip(spec.start[listed], spec.fraction[listed])}:
             same = listed & (spec.start == start) & (spec.fraction == fraction)
-            smallest = min(spec.overcorrections()[same].min(), limit[same].min())
-            oc[same] = np.floor(smallest / OC_QUANTUM + 1e-9) * OC_QUANTUM
+            oc[same] = np.floor(spec.overcorrections()[same].min() / OC_QUANTUM + 1e-9) * OC_QUANTUM
     return arrays_to_plan(spec.strategy, spec.start, spec.fraction, oc, absent=~listed)
 
 
-def candidates(
-    plan: dict, teeth: list[int], with_merged: bool = False, room: np.ndarray | None = None
-) -> dict[str, dict]:
+def candidates(plan: dict, teeth: list[int], with_merged: bool = False) -> dict[str, dict]:
     """The candidates of an oracle ``plan`` for a case whose present teeth are ``teeth`` (FDI ids);
-    ``with_merged``: also :data:`MERGED_CANDIDATES`, the merged one within ``room`` where given."""
+    ``with_merged``: also :data:`MERGED_CANDIDATES`."""
     rounded = copy.deepcopy(plan)
     for g in rounded["tooth_groups"]:
         g["fraction"] = round(g["fraction"], ROUNDED_DECIMALS)
@@ -101,7 +100,7 @@ def candidates(
         uniform = {"strategy": plan["strategy"], **uniform}
     found = {"oracle": plan, "rounded": rounded, "uniform": uniform}
     if with_merged:
-        found |= {"merged": merged(plan, room=room), "staged": merged(plan, overcorrect=False)}
+        found |= {"merged": merged(plan), "staged": merged(plan, overcorrect=False)}
     return found
 
 
@@ -111,7 +110,6 @@ def robust_plan(
     teeth: list[int],
     max_groups: int | None = None,
     unnamed_uniform: bool = False,
-    room_cap: bool = False,
     oc_noise: float = 0.0,
     uniform_room: bool = False,
 ) -> tuple[dict, str]:
@@ -120,18 +118,15 @@ def robust_plan(
     ``max_groups``, which then leaves out every candidate of more groups than that); deterministic per
     case (the noise is seeded by the case's seed). Every candidate and noisy copy is scored in one
     batched call. ``unnamed_uniform``: a chosen uniform plan without its strategy where naming it
-    scores no more than naming none (:data:`UNNAMED`). ``room_cap``: the merged candidate within the
-    case's overcorrection room (:func:`merged`). ``oc_noise``: the noisy copies' overcorrections also
-    off by this standard deviation (absolute, rounded to the oracle's quantum, within [0, 1]).
+    scores no more than naming none (:data:`UNNAMED`). ``oc_noise``: the noisy copies' overcorrections
+    also off by this standard deviation (absolute, rounded to the oracle's quantum, within [0, 1]).
     ``uniform_room``: under force decay also :data:`UNIFORM_ROOM`, where that room is above 0."""
-    room = None
-    if room_cap or (uniform_room and key.force_decay):
+    found = candidates(plan, teeth, with_merged=max_groups is not None)
+    if uniform_room and key.force_decay:
         case = generate_case(*key)
         room = overcorrection_room(
             case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
         )
-    found = candidates(plan, teeth, with_merged=max_groups is not None, room=room if room_cap else None)
-    if uniform_room and key.force_decay:
         smallest = room[[TOOTH_IDS.index(t) for t in teeth]].min()
         oc = float(np.floor(smallest / OC_QUANTUM + 1e-9) * OC_QUANTUM)
         if oc > 0.0:

@@ -124,7 +124,6 @@ def oracle_demonstrations(
     robust: bool = False,
     max_groups: int | None = None,
     unnamed_uniform: bool = False,
-    room_cap: bool = False,
     oc_noise: float = 0.0,
     uniform_room: bool = False,
 ) -> tuple[list[dict], dict]:
@@ -136,9 +135,9 @@ def oracle_demonstrations(
     logged and returned. ``robust``: each plan is :func:`orthojob.data.robust_plans.robust_plan`'s
     choice (the counts then say how often each candidate was chosen, ``robust_choices``), of at most
     ``max_groups`` groups where that is given, its uniform plans without a strategy where naming one
-    earns nothing with ``unnamed_uniform``, its merged groups within the case's overcorrection room
-    with ``room_cap``, judged with the overcorrections also off by ``oc_noise`` (absolute) where given,
-    with uniform staging overcorrected within the room among the candidates with ``uniform_room``.
+    earns nothing with ``unnamed_uniform``, judged with the overcorrections also written off by
+    ``oc_noise`` (absolute) where given, and with uniform staging overcorrected within the room among
+    the candidates with ``uniform_room``.
     """
     tasks = list(task_ids)
     choices: dict[str, int] = {}
@@ -162,7 +161,6 @@ def oracle_demonstrations(
                         generate_case(*key).present_ids,
                         max_groups,
                         unnamed_uniform,
-                        room_cap,
                         oc_noise,
                         uniform_room,
                     )
