@@ -127,8 +127,7 @@ def robust_plan(
         room = overcorrection_room(
             case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
         )
-        smallest = room[[TOOTH_IDS.index(t) for t in teeth]].min()
-        oc = float(np.floor(smallest / OC_QUANTUM + 1e-9) * OC_QUANTUM)
+        oc = float(room[[TOOTH_IDS.index(t) for t in teeth]].min())  # already on the OC_QUANTUM grid
         if oc > 0.0:
             group = {**found["uniform"]["tooth_groups"][0], "overcorrection": round(oc, 2)}
             found[UNIFORM_ROOM] = {**found["uniform"], "tooth_groups": [group]}

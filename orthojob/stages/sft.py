@@ -156,14 +156,9 @@ def oracle_demonstrations(
             else:
                 if robust:
                     plan, chosen = robust_plan(
-                        plan,
-                        key,
-                        generate_case(*key).present_ids,
-                        max_groups,
-                        unnamed_uniform,
-                        oc_noise,
-                        uniform_room,
-                    )
+                        plan, key, generate_case(*key).present_ids, max_groups, unnamed_uniform,
+                        oc_noise=oc_noise, uniform_room=uniform_room,
+                    )  # fmt: skip
                     choices[chosen] = choices.get(chosen, 0) + 1
                 rows.append(
                     {
