@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,16 +78,44 @@ def test_the_job_command_exits_31_on_a_dead_mlflow(tmp_path):
 
 def test_a_silent_server_is_cut_at_the_configured_deadline(tmp_path):
     """A server that accepts connections and never answers (a hung proxy): the watchdog ends the
-    probe at ORTHORL_TRACKING_DEADLINE_S, whatever the per-request timeouts add up to."""
+    probe at ORTHORL_TRACKING_DEADLINE_S, whatever the per-request timeouts add up to. The probe is
+    timed from the server's first accepted connection, so a slow interpreter start on a loaded machine
+    does not count against the deadline."""
+    accepted: list[float] = []
+    held: list[socket.socket] = []
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
-        listener.listen(64)  # accepted by the kernel, never read
+        listener.listen(64)
+        listener.settimeout(0.2)
         port = listener.getsockname()[1]
+        done = threading.Event()
+
+        def accept() -> None:  # accepted and held open, never read
+            while not done.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    continue
+                accepted.append(time.monotonic())
+                held.append(conn)
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
         env = job_env(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{port}", ORTHORL_TRACKING_DEADLINE_S="6")
+        start = time.monotonic()
         code, seconds, out = run_cli(["orthojob.cli", "promote", "--run-id", "0" * 32], env, tmp_path)
-    print(f"silent MLflow server, deadline 6 s: exit {code} after {seconds:.1f} s")
+        done.set()
+        thread.join()
+    for conn in held:
+        conn.close()
+    assert accepted, "the CLI never connected to the server: " + out[-3000:]
+    probe = start + seconds - accepted[0]
+    print(
+        f"silent MLflow server, deadline 6 s: exit {code} after {seconds:.1f} s, {probe:.1f} s after it connected"
+    )
     assert code == ExitCode.TRACKING, out[-3000:]
-    assert 5.5 < seconds < 20, f"{seconds:.1f} s"
+    assert seconds > 5.5, f"{seconds:.1f} s"
+    assert probe < 12, f"{probe:.1f} s from the first connection to the exit"
     assert "did not answer within 6 s" in out
 
 
