@@ -11,7 +11,9 @@ held-out seeds of every (task level x dynamics) cell, and ``--samples`` sampled 
 * **first safe sample**: the first of the policy's own sampled plans that breaks no rule, else SLERP.
 
 Beside them: the share of plans breaking a hard rule, the rules they break, the mean of the safe plans
-alone, and uniform SLERP's and the oracle's means on the same cases. Where "checked" beats SLERP, the
+alone, the share of plans that overcorrect a tooth (as the simulator reads them; under force decay
+overcorrection is what the oracle's lead rests on), and uniform SLERP's and the oracle's means on the
+same cases. Where "checked" beats SLERP, the
 planner's safe plans are better than SLERP and its breaks are what keeps it below; where "safe plans"
 are at SLERP's level, its staging has nothing to add.
 
@@ -45,21 +47,33 @@ from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
 from orthojob.modeling import models
 from server.cases import CaseKey, generate_case
 from server.oracle import plan_for_case
+from server.plans import normalize_plan
 from server.treatment import score_plans
 
 
+def overcorrects(plan: dict | None) -> bool:
+    """Whether ``plan`` overcorrects any tooth as the simulator reads it (:func:`server.plans.normalize_plan`;
+    False for no plan)."""
+    return plan is not None and bool(normalize_plan(plan).overcorrections().any())
+
+
 def table(
-    rows: Sequence[dict], keys: Sequence[CaseKey], slerp: Sequence[float], oracle: Sequence[float]
+    rows: Sequence[dict],
+    keys: Sequence[CaseKey],
+    slerp: Sequence[float],
+    oracle: Sequence[float],
+    overcorrecting: Sequence[bool] | None = None,
 ) -> str:
     """A markdown table per cell, per level and pooled: each way's mean [95 % CI] (stratified by cell), the hard-rule share,
-    the rules broken (counts), the safe plans' mean, uniform SLERP's and the oracle's means."""
+    the rules broken (counts), the safe plans' mean, the share of plans that overcorrect (``overcorrecting``,
+    one flag per case; "-" without), uniform SLERP's and the oracle's means."""
     ways = [w for w in CHECKS if rows and rows[0][w] is not None]
     lines = [
         "| cases | "
         + " | ".join(w.replace("_", " ") for w in ways)
-        + " | hard rule | rules broken | safe plans "
+        + " | hard rule | rules broken | safe plans | overcorrecting "
         "| uniform SLERP | oracle |",
-        "|---" * (len(ways) + 6) + "|",
+        "|---" * (len(ways) + 7) + "|",
     ]
     cells = np.array([cell_name(k) for k in keys])
     levels = np.array([k.task_id for k in keys])
@@ -80,8 +94,9 @@ def table(
             else float("nan")
         )
         kinds = ", ".join(f"{k} {v}" for k, v in rules.most_common()) or "-"
+        oc = f"{np.mean(np.asarray(overcorrecting)[m]):.2f}" if overcorrecting is not None else "-"
         lines.append(
-            f"| {name} | {' | '.join(means)} | {broken.mean():.2f} | {kinds} | {safe:.2f} "
+            f"| {name} | {' | '.join(means)} | {broken.mean():.2f} | {kinds} | {safe:.2f} | {oc} "
             f"| {np.mean(np.asarray(slerp)[m]):.2f} | {np.mean(np.asarray(oracle)[m]):.2f} |"
         )
     return "\n".join(lines)
@@ -116,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f", {args.samples} samples per case at temperature {args.temperature}" if args.samples else "")
         + "; scaled reward mean [95 % CI]"
     )
-    print(table(rows, keys, slerp, oracle))
+    print(table(rows, keys, slerp, oracle, [overcorrects(p) for p in plans]))
     return 0
 
 

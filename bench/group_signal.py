@@ -20,8 +20,9 @@ plans shows as a rising one-group share.
 
 ``--overcorrection`` prints, instead, per cell (level x dynamics) the samples that plan an
 overcorrection (any group's ``overcorrection`` above 0) beside those that do not: their share, the
-share of each that scores below 0, and the mean ``reward_terminal`` of each one's samples scoring
-0 or more. Under force decay an overcorrection can pay (teeth express only part of each aligner)
+share of each that scores below 0, the mean ``reward_terminal`` of each one's samples scoring
+0 or more, the share of groups holding both kinds ("mixed": only there can GRPO's advantage compare
+them), and the mean advantage of each kind within those groups. Under force decay an overcorrection can pay (teeth express only part of each aligner)
 or break a rule (the overshoot collides); this shows which the policy's own samples do.
 
 ``--room`` splits, per force-decay cell, the overcorrecting samples by whether every tooth's
@@ -91,29 +92,37 @@ def group_signal(rows: list[dict], phases: int = PHASES) -> list[dict]:
 def overcorrection_signal(rows: list[dict]) -> list[dict]:
     """One dict per cell present in ``rows`` (rows of ``completions.jsonl``), in level then dynamics
     order: ``level``, ``force_decay``, ``samples``, ``overcorrected`` (share of samples whose plan
-    overcorrects a group) and, for ``"with"`` and ``"without"`` an overcorrection, ``broken`` (share
-    scoring below 0; None when there is no such sample) and ``safe_mean`` (mean ``reward_terminal`` of
-    those scoring 0 or more; None when there is none). A completion that is not a plan counts as
-    without."""
+    overcorrects a group), ``mixed`` (share of the cell's groups, one prompt at one step, holding both
+    a sample that overcorrects and one that does not) and, for ``"with"`` and ``"without"`` an
+    overcorrection, ``broken`` (share scoring below 0; None when there is no such sample),
+    ``safe_mean`` (mean ``reward_terminal`` of those scoring 0 or more; None when there is none) and
+    ``mixed_advantage`` (their mean advantage within the mixed groups; None when there is none). A
+    completion that is not a plan counts as without."""
     if not rows:
         raise ValueError("no completions: is this a GRPO run's completions.jsonl?")
-    cells: dict[tuple[str, bool], list[tuple[bool, float]]] = defaultdict(list)
+    groups: dict[tuple, list[tuple[bool, float, float]]] = defaultdict(list)
     for r in rows:
-        cells[(r["task_id"], bool(r["force_decay"]))].append(
-            (_overcorrects(r["completion"]), float(r["rewards"]["reward_terminal"]))
+        groups[(r["task_id"], bool(r["force_decay"]), r["step"], r["seed"])].append(
+            (_overcorrects(r["completion"]), float(r["rewards"]["reward_terminal"]), float(r["advantage"]))
         )
+    cells: dict[tuple[str, bool], list[list[tuple[bool, float, float]]]] = defaultdict(list)
+    for (level, fd, _step, _seed), group in groups.items():
+        cells[(level, fd)].append(group)
     out = []
-    for (level, fd), samples in sorted(
-        cells.items(), key=lambda kv: (LEVEL_ORDER.get(kv[0][0], 99), kv[0][1])
-    ):
+    for (level, fd), gs in sorted(cells.items(), key=lambda kv: (LEVEL_ORDER.get(kv[0][0], 99), kv[0][1])):
+        samples = [s for g in gs for s in g]
+        mixed = [g for g in gs if len({o for o, _, _ in g}) == 2]
         row = {"level": level, "force_decay": fd, "samples": len(samples),
-               "overcorrected": float(np.mean([o for o, _ in samples]))}  # fmt: skip
+               "overcorrected": float(np.mean([o for o, _, _ in samples])),
+               "mixed": len(mixed) / len(gs)}  # fmt: skip
         for name, flag in (("with", True), ("without", False)):
-            terminal = np.asarray([t for o, t in samples if o == flag])
+            terminal = np.asarray([t for o, t, _ in samples if o == flag])
             safe = terminal[terminal >= 0.0]
+            advantage = [a for g in mixed for o, _, a in g if o == flag]
             row[name] = {
                 "broken": float(np.mean(terminal < 0.0)) if terminal.size else None,
                 "safe_mean": float(safe.mean()) if safe.size else None,
+                "mixed_advantage": float(np.mean(advantage)) if advantage else None,
             }
         out.append(row)
     return out
@@ -207,14 +216,16 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if args.overcorrection:
             print(
-                "| level | dynamics | samples | overcorrected | broken with / without | safe mean with / without |"
+                "| level | dynamics | samples | overcorrected | broken with / without | safe mean with / without "
+                "| mixed groups | advantage in them, with / without |"
             )
-            print("|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|")
             for r in overcorrection_signal(read_rows(run)):
                 w, wo = r["with"], r["without"]
                 print(f"| {r['level']} | {'force decay' if r['force_decay'] else 'ideal'} | {r['samples']} "
                       f"| {r['overcorrected']:.2f} | {_fmt(w['broken'])} / {_fmt(wo['broken'])} "
-                      f"| {_fmt(w['safe_mean'])} / {_fmt(wo['safe_mean'])} |")  # fmt: skip
+                      f"| {_fmt(w['safe_mean'])} / {_fmt(wo['safe_mean'])} | {r['mixed']:.2f} "
+                      f"| {_fmt(w['mixed_advantage'])} / {_fmt(wo['mixed_advantage'])} |")  # fmt: skip
             continue
         print("| steps | level | groups | no signal | broken samples | distinct per group | one group |")
         print("|---|---|---|---|---|---|---|")

@@ -71,7 +71,7 @@ def test_overcorrection_signal_splits_each_cell_by_whether_the_plan_overcorrects
     zero = '{"strategy": "anterior_first", "tooth_groups": [{"teeth": [11], "fraction": 0.05, "overcorrection": 0}]}'
     over = ('{"strategy": "anterior_first", "tooth_groups": [{"teeth": [11], "fraction": 0.05}, '
             '{"teeth": [21], "fraction": 0.05, "overcorrection": 0.3}]}')  # fmt: skip
-    decay = _group(1, 7, "task_hard", [over, over, over, plain], [5.0, 3.0, -2.0, 2.0], [0.0] * 4)
+    decay = _group(1, 7, "task_hard", [over, over, over, plain], [5.0, 3.0, -2.0, 2.0], [0.8, 0.2, -1.2, 0.2])
     for r in decay:
         r["force_decay"] = True
     ideal = _group(1, 8, "task_hard", [plain, zero, "not a plan"], [7.0, 6.0, -2.0], [0.0] * 3)
@@ -81,12 +81,17 @@ def test_overcorrection_signal_splits_each_cell_by_whether_the_plan_overcorrects
         ("task_easy", False, 2), ("task_hard", False, 3), ("task_hard", True, 4)
     ]  # fmt: skip
     easy_row, ideal_row, decay_row = out
-    assert decay_row["overcorrected"] == 0.75
-    assert decay_row["with"] == {"broken": 1 / 3, "safe_mean": 4.0}
-    assert decay_row["without"] == {"broken": 0.0, "safe_mean": 2.0}
-    # an overcorrection of 0 and a completion that is not a plan count as without
-    assert ideal_row["overcorrected"] == 0.0 and ideal_row["with"] == {"broken": None, "safe_mean": None}
-    assert ideal_row["without"] == {"broken": 1 / 3, "safe_mean": 6.5}
+    assert decay_row["overcorrected"] == 0.75 and decay_row["mixed"] == 1.0
+    assert decay_row["with"] == {
+        "broken": 1 / 3,
+        "safe_mean": 4.0,
+        "mixed_advantage": pytest.approx(-0.2 / 3),
+    }
+    assert decay_row["without"] == {"broken": 0.0, "safe_mean": 2.0, "mixed_advantage": 0.2}
+    # an overcorrection of 0 and a completion that is not a plan count as without; no mixed group
+    assert ideal_row["overcorrected"] == 0.0 and ideal_row["mixed"] == 0.0
+    assert ideal_row["with"] == {"broken": None, "safe_mean": None, "mixed_advantage": None}
+    assert ideal_row["without"] == {"broken": 1 / 3, "safe_mean": 6.5, "mixed_advantage": None}
     assert easy_row["without"]["safe_mean"] == 7.0
 
     run = tmp_path / "grpo_bc"
@@ -94,8 +99,10 @@ def test_overcorrection_signal_splits_each_cell_by_whether_the_plan_overcorrects
     (run / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in decay + ideal))
     assert bench.main([str(run), "--overcorrection"]) == 0
     printed = capsys.readouterr().out
-    assert "| task_hard | force decay | 4 | 0.75 | 0.33 / 0.00 | 4.00 / 2.00 |" in printed
-    assert "| task_hard | ideal | 3 | 0.00 | - / 0.33 | - / 6.50 |" in printed
+    assert (
+        "| task_hard | force decay | 4 | 0.75 | 0.33 / 0.00 | 4.00 / 2.00 | 1.00 | -0.07 / 0.20 |" in printed
+    )
+    assert "| task_hard | ideal | 3 | 0.00 | - / 0.33 | - / 6.50 | 0.00 | - / - |" in printed
     with pytest.raises(ValueError, match="no completions"):
         bench.overcorrection_signal([])
 
