@@ -187,6 +187,7 @@ def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict],
             unnamed_uniform=cfg.bc_unnamed_uniform,
             oc_noise=cfg.bc_oc_noise,
             uniform_room=cfg.bc_uniform_room,
+            room_oc=cfg.bc_room_oc,
         )
         halves.append(rows)
         filtered += info["filtered_hard_rule"]
@@ -202,6 +203,8 @@ def bc_demonstrations(cfg: LearnConfig, prompt_format: str) -> tuple[list[dict],
         info["oc_noise"] = cfg.bc_oc_noise
     if cfg.bc_uniform_room:
         info["uniform_room"] = True
+    if cfg.bc_room_oc:
+        info["room_oc"] = True
     return demos, ({**info, "robust_choices": choices} if choices else info)
 
 

@@ -129,6 +129,15 @@ class LearnConfig:
             **_SWITCH,
         },
     )
+    bc_room_oc: bool = field(
+        default=False,
+        metadata={
+            "help": "robust demonstrations may also be, under force decay, the plans that do not overcorrect "
+            "with each group overcorrected by half its teeth's smallest room (for --prompt-format room; "
+            "orthojob/data/robust_plans.py)",
+            **_SWITCH,
+        },
+    )
     # RSFT between BC and GRPO (stage 4 on BC's own samples)
     rsft_prompts: int = field(
         default=0,

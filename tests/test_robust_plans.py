@@ -174,9 +174,9 @@ def test_learning_bc_demonstrations_carry_the_oc_noise_and_uniform_room():
     from examples.learning import bc_demonstrations
     from examples.learning_config import LearnConfig
 
-    cfg = LearnConfig(bc_examples=4, bc_oc_noise=0.1, bc_uniform_room=True)
+    cfg = LearnConfig(bc_examples=4, bc_oc_noise=0.1, bc_uniform_room=True, bc_room_oc=True)
     rows, info = bc_demonstrations(cfg, "terse")
-    assert info["oc_noise"] == 0.1 and info["uniform_room"] is True
+    assert info["oc_noise"] == 0.1 and info["uniform_room"] is True and info["room_oc"] is True
     assert len(rows) == 4
 
 
@@ -205,3 +205,54 @@ def test_uniform_room_is_one_group_within_every_tooths_room_and_only_under_force
     assert robust_plan(oracle, key, case.present_ids, 6, uniform_room=True) == robust_plan(
         oracle, key, case.present_ids, 6
     )
+
+
+def test_room_oc_overcorrects_each_group_within_half_its_teeths_room_and_only_under_force_decay():
+    chosen = 0
+    names = []
+    for task_id in ("task_easy", "task_medium"):
+        for seed in range(HELDOUT_SEED_START, HELDOUT_SEED_START + 6):
+            key = CaseKey(task_id, seed, True)
+            case = generate_case(*key)
+            room = overcorrection_room(
+                case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
+            )
+            oracle = plan_for_case(case)
+            plan, name = robust_plan(oracle, key, case.present_ids, max_groups=6, oc_noise=0.1, room_oc=True)
+            names.append(name)
+            assert not score_plans([plan], [key])[0]["broken_rules"]
+            if name.endswith(robust_plans.ROOM_SUFFIX):
+                chosen += 1
+                plain = candidates(oracle, case.present_ids, with_merged=True)[
+                    name[: -len(robust_plans.ROOM_SUFFIX)]
+                ]
+                assert [g["teeth"] for g in plan["tooth_groups"]] == [
+                    g["teeth"] for g in plain["tooth_groups"]
+                ]
+                for g in plan["tooth_groups"]:
+                    oc = g.get("overcorrection", 0.0)
+                    smallest = min(room[TOOTH_IDS.index(t)] for t in g["teeth"])
+                    assert 0.0 <= oc <= robust_plans.ROOM_SHARE * smallest + 1e-9
+                    assert abs(oc / OC_QUANTUM - round(oc / OC_QUANTUM)) < 1e-6
+                assert any(g.get("overcorrection", 0.0) > 0.0 for g in plan["tooth_groups"])
+    assert chosen, (
+        f"on some force-decay case a plan overcorrected within the room is the most robust: {names}"
+    )
+    key = CaseKey("task_easy", HELDOUT_SEED_START, False)
+    case = generate_case(*key)
+    oracle = plan_for_case(case)
+    assert robust_plan(oracle, key, case.present_ids, 6, room_oc=True) == robust_plan(
+        oracle, key, case.present_ids, 6
+    )
+
+
+def test_within_room_leaves_a_group_without_room_unovercorrected():
+    room = np.zeros(len(TOOTH_IDS))
+    room[TOOTH_IDS.index(11)] = 0.5
+    room[TOOTH_IDS.index(21)] = 0.3
+    plan = {"tooth_groups": [{"teeth": [11, 21], "fraction": 0.05, "overcorrection": 0.9},
+                             {"teeth": [11, 12], "fraction": 0.05}]}  # fmt: skip
+    out = robust_plans.within_room(plan, room)
+    assert out["tooth_groups"][0]["overcorrection"] == 0.15  # half of 0.3, on the 0.05 quantum
+    assert "overcorrection" not in out["tooth_groups"][1]  # tooth 12 has no room
+    assert plan["tooth_groups"][0]["overcorrection"] == 0.9  # the input is not changed

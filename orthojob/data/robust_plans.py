@@ -33,7 +33,10 @@ also have each group's overcorrection off by a normal error of that standard dev
 candidate whose overcorrection is safe only when exact loses to one that overcorrects less or not at
 all. With ``uniform_room`` force-decay cases are also offered uniform staging overcorrected by the
 smallest overcorrection room of their teeth (:func:`server.staging.overcorrection_room`): one group
-and one number, where uniform staging alone expresses too little.
+and one number, where uniform staging alone expresses too little. With ``room_oc`` force-decay cases
+are also offered the candidates that do not overcorrect (``staged``, ``uniform``) with each group
+overcorrected by :data:`ROOM_SHARE` of the smallest room of its teeth (``<name>+room``): an
+overcorrection a planner that is shown the room (the ``room`` prompt) can read off it.
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ the smallest overcorrection of their teeth (``merged``) or none (``staged``)."""
 UNIFORM_ROOM: str = "uniform_room"
 """The candidate offered with ``uniform_room`` under force decay: uniform staging overcorrected by the
 smallest overcorrection room of the present teeth (one group, one number)."""
+ROOM_SHARE: float = 0.5
+"""With ``room_oc``, the share of its teeth's smallest overcorrection room a group is overcorrected by
+(rounded down to the quantum). Half: on GRPO's greedy force-decay plans that do not overcorrect, the
+whole room broke a hard rule on 2-25 % of them per level and half of it on 0-17 %."""
+ROOM_SUFFIX: str = "+room"
+"""The name of a ``room_oc`` candidate: the candidate's name and this."""
 UNNAMED: str = "uniform_unnamed"
 """The choice's name where ``unnamed_uniform`` took the strategy off a chosen uniform plan."""
 
@@ -89,6 +98,20 @@ def merged(plan: dict, overcorrect: bool = True) -> dict:
     return arrays_to_plan(spec.strategy, spec.start, spec.fraction, oc, absent=~listed)
 
 
+def within_room(plan: dict, room: np.ndarray, share: float = ROOM_SHARE) -> dict:
+    """``plan`` with each group overcorrected by ``share`` of the smallest ``room`` ((28,), per tooth in
+    :data:`server.dental_constants.TOOTH_IDS` order) of its teeth, rounded down to the oracle's quantum
+    (no overcorrection where that is 0)."""
+    out = copy.deepcopy(plan)
+    for g in out["tooth_groups"]:
+        g.pop("overcorrection", None)
+        smallest = min((float(room[TOOTH_IDS.index(t)]) for t in g["teeth"]), default=0.0)
+        oc = np.floor(share * smallest / OC_QUANTUM + 1e-9) * OC_QUANTUM
+        if oc > 0.0:
+            g["overcorrection"] = round(float(oc), 2)
+    return out
+
+
 def candidates(plan: dict, teeth: list[int], with_merged: bool = False) -> dict[str, dict]:
     """The candidates of an oracle ``plan`` for a case whose present teeth are ``teeth`` (FDI ids);
     ``with_merged``: also :data:`MERGED_CANDIDATES`."""
@@ -112,6 +135,7 @@ def robust_plan(
     unnamed_uniform: bool = False,
     oc_noise: float = 0.0,
     uniform_room: bool = False,
+    room_oc: bool = False,
 ) -> tuple[dict, str]:
     """The most robust safe candidate of the oracle's ``plan`` for the case ``key`` (present teeth
     ``teeth``) and its name (one of :data:`CANDIDATES`, and of :data:`MERGED_CANDIDATES` with
@@ -120,17 +144,23 @@ def robust_plan(
     batched call. ``unnamed_uniform``: a chosen uniform plan without its strategy where naming it
     scores no more than naming none (:data:`UNNAMED`). ``oc_noise``: the noisy copies' overcorrections
     also off by this standard deviation (absolute, rounded to the oracle's quantum, within [0, 1]).
-    ``uniform_room``: under force decay also :data:`UNIFORM_ROOM`, where that room is above 0."""
+    ``uniform_room``: under force decay also :data:`UNIFORM_ROOM`, where that room is above 0.
+    ``room_oc``: under force decay also ``staged`` and ``uniform`` :func:`within_room`, named with
+    :data:`ROOM_SUFFIX`, where that overcorrects a tooth."""
     found = candidates(plan, teeth, with_merged=max_groups is not None)
-    if uniform_room and key.force_decay:
+    if (uniform_room or room_oc) and key.force_decay:
         case = generate_case(*key)
         room = overcorrection_room(
             case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
         )
         oc = float(room[[TOOTH_IDS.index(t) for t in teeth]].min())  # already on the OC_QUANTUM grid
-        if oc > 0.0:
+        if uniform_room and oc > 0.0:
             group = {**found["uniform"]["tooth_groups"][0], "overcorrection": round(oc, 2)}
             found[UNIFORM_ROOM] = {**found["uniform"], "tooth_groups": [group]}
+        for name in ("staged", "uniform") if room_oc else ():
+            roomy = within_room(found[name], room) if name in found else None
+            if roomy is not None and any("overcorrection" in g for g in roomy["tooth_groups"]):
+                found[name + ROOM_SUFFIX] = roomy
     if max_groups is not None:
         found = {k: p for k, p in found.items() if k == "uniform" or len(p["tooth_groups"]) <= max_groups}
     rng = np.random.default_rng([abs(int(key.seed)) % 2**63, len(key.task_id)])

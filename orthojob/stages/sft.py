@@ -126,6 +126,7 @@ def oracle_demonstrations(
     unnamed_uniform: bool = False,
     oc_noise: float = 0.0,
     uniform_room: bool = False,
+    room_oc: bool = False,
 ) -> tuple[list[dict], dict]:
     """``n`` BC examples, and their counts ``{"source", "examples", "filtered_hard_rule"}``.
 
@@ -137,7 +138,8 @@ def oracle_demonstrations(
     ``max_groups`` groups where that is given, its uniform plans without a strategy where naming one
     earns nothing with ``unnamed_uniform``, judged with the overcorrections also written off by
     ``oc_noise`` (absolute) where given, and with uniform staging overcorrected within the room among
-    the candidates with ``uniform_room``.
+    the candidates with ``uniform_room``, and the plain candidates overcorrected within half the room with
+    ``room_oc``.
     """
     tasks = list(task_ids)
     choices: dict[str, int] = {}
@@ -157,7 +159,7 @@ def oracle_demonstrations(
                 if robust:
                     plan, chosen = robust_plan(
                         plan, key, generate_case(*key).present_ids, max_groups, unnamed_uniform,
-                        oc_noise=oc_noise, uniform_room=uniform_room,
+                        oc_noise=oc_noise, uniform_room=uniform_room, room_oc=room_oc,
                     )  # fmt: skip
                     choices[chosen] = choices.get(chosen, 0) + 1
                 rows.append(
