@@ -10,6 +10,12 @@ held-out seeds of every (task level x dynamics) cell, and ``--samples`` sampled 
 * **no overcorrection**: every group's overcorrection removed;
 * **first safe sample**: the first of the policy's own sampled plans that breaks no rule, else SLERP.
 
+``--room-share X`` adds, per force-decay cell, the greedy plans that do not overcorrect as written and
+with each group overcorrected by ``X`` of its teeth's smallest overcorrection room
+(:func:`orthojob.data.robust_plans.within_room`; 1.0: the whole room), and a uniform overcorrection of
+0.1 on every group: whether the cases where the planner holds back could take an overcorrection, and
+whether the room tells how much.
+
 Beside them: the share of plans breaking a hard rule, the rules they break, the mean of the safe plans
 alone, the share of plans that overcorrect a tooth (as the simulator reads them; under force decay
 overcorrection is what the oracle's lead rests on), and uniform SLERP's and the oracle's means on the
@@ -17,7 +23,8 @@ same cases. Where "checked" beats SLERP, the
 planner's safe plans are better than SLERP and its breaks are what keeps it below; where "safe plans"
 are at SLERP's level, its staging has nothing to add.
 
-    OMP_NUM_THREADS=1 python bench/gap_decomposition.py --checkpoint runs/learn/grpo_bc [--seeds 32] [--samples 4]
+    OMP_NUM_THREADS=1 python bench/gap_decomposition.py --checkpoint runs/learn/grpo_bc [--seeds 32] [--samples 4] \
+        [--room-share 0.5]
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from orthojob.modeling import models
 from server.cases import CaseKey, generate_case
 from server.oracle import plan_for_case
 from server.plans import normalize_plan
+from server.staging import overcorrection_room
 from server.treatment import score_plans
 
 
@@ -55,6 +63,51 @@ def overcorrects(plan: dict | None) -> bool:
     """Whether ``plan`` overcorrects any tooth as the simulator reads it (:func:`server.plans.normalize_plan`;
     False for no plan)."""
     return plan is not None and bool(normalize_plan(plan).overcorrections().any())
+
+
+def room_counterfactual(
+    plans: Sequence[dict | None], keys: Sequence[CaseKey], share: float, uniform: float = 0.1
+) -> list[dict]:
+    """Per force-decay cell present in ``keys`` (in :data:`CELL_NAMES` order), over its plans that are a
+    plan and do not overcorrect: ``cell``, ``plans``, and for ``as_written``, ``within_room`` (each group
+    overcorrected by ``share`` of its teeth's smallest room) and ``uniform`` (every group by
+    ``uniform``) the ``mean`` scaled reward and the ``broken`` share (None for both where there is no
+    such plan)."""
+    from orthojob.data.robust_plans import within_room
+
+    rows = []
+    for cell in CELL_NAMES:
+        idx = [i for i, k in enumerate(keys) if k.force_decay and cell_name(k) == cell]
+        if not idx:
+            continue
+        idx = [i for i in idx if plans[i] is not None and not overcorrects(plans[i])]
+        ks = [keys[i] for i in idx]
+        ways: dict[str, list[dict]] = {
+            "as_written": [plans[i] for i in idx],
+            "within_room": [],
+            "uniform": [],
+        }
+        for i, k in zip(idx, ks):
+            case = generate_case(*k)
+            room = overcorrection_room(
+                case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
+            )
+            ways["within_room"].append(within_room(plans[i], room, share))
+            ways["uniform"].append(
+                {
+                    **plans[i],
+                    "tooth_groups": [{**g, "overcorrection": uniform} for g in plans[i]["tooth_groups"]],
+                }
+            )
+        row: dict = {"cell": cell, "plans": len(idx)}
+        for name, ps in ways.items():
+            scored = score_plans(ps, ks) if ps else []
+            row[name] = {
+                "mean": float(np.mean([r["scaled_reward"] for r in scored])) if scored else None,
+                "broken": float(np.mean([bool(r["broken_rules"]) for r in scored])) if scored else None,
+            }
+        rows.append(row)
+    return rows
 
 
 def table(
@@ -109,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4, help="sampled plans per case (0: none)")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (GRPO's)")
     parser.add_argument("--max-new-tokens", type=int, default=384)
+    parser.add_argument(
+        "--room-share",
+        type=float,
+        default=None,
+        help="also score the force-decay plans that do not overcorrect with each group overcorrected by "
+        "this share of its teeth's smallest room (and by 0.1 alike)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -132,6 +192,17 @@ def main(argv: list[str] | None = None) -> int:
         + "; scaled reward mean [95 % CI]"
     )
     print(table(rows, keys, slerp, oracle, [overcorrects(p) for p in plans]))
+    if args.room_share is not None:
+        print(
+            f"\nforce-decay plans that do not overcorrect: as written, within {args.room_share} of the room, 0.1 alike"
+        )
+        print("| cell | plans | as written | within the room | 0.1 alike |\n|---|---|---|---|---|")
+        for r in room_counterfactual(plans, keys, args.room_share):
+            ways = [r[w] for w in ("as_written", "within_room", "uniform")]
+            cells = " | ".join(
+                "-" if w["mean"] is None else f"{w['mean']:.2f} ({w['broken']:.2f} broken)" for w in ways
+            )
+            print(f"| {r['cell']} | {r['plans']} | {cells} |")
     return 0
 
 

@@ -101,11 +101,13 @@ def merged(plan: dict, overcorrect: bool = True) -> dict:
 def within_room(plan: dict, room: np.ndarray, share: float = ROOM_SHARE) -> dict:
     """``plan`` with each group overcorrected by ``share`` of the smallest ``room`` ((28,), per tooth in
     :data:`server.dental_constants.TOOTH_IDS` order) of its teeth, rounded down to the oracle's quantum
-    (no overcorrection where that is 0)."""
+    (no overcorrection where that is 0; an id that is not a tooth is passed over)."""
     out = copy.deepcopy(plan)
     for g in out["tooth_groups"]:
         g.pop("overcorrection", None)
-        smallest = min((float(room[TOOTH_IDS.index(t)]) for t in g["teeth"]), default=0.0)
+        smallest = min(
+            (float(room[TOOTH_IDS.index(t)]) for t in g.get("teeth", []) if t in TOOTH_IDS), default=0.0
+        )
         oc = np.floor(share * smallest / OC_QUANTUM + 1e-9) * OC_QUANTUM
         if oc > 0.0:
             g["overcorrection"] = round(float(oc), 2)
