@@ -22,8 +22,9 @@ plans shows as a rising one-group share.
 overcorrection (any group's ``overcorrection`` above 0) beside those that do not: their share, the
 share of each that scores below 0, the mean ``reward_terminal`` of each one's samples scoring
 0 or more, the share of groups holding both kinds ("mixed": only there can GRPO's advantage compare
-them), and the mean advantage of each kind within those groups. Under force decay an overcorrection can pay (teeth express only part of each aligner)
-or break a rule (the overshoot collides); this shows which the policy's own samples do.
+them), and the mean advantage of each kind within those groups. Under force decay an overcorrection
+can pay (teeth express only part of each aligner) or break a rule (the overshoot collides); this
+shows which the policy's own samples do.
 
 ``--room`` splits, per force-decay cell, the overcorrecting samples by whether every tooth's
 overcorrection is within its room (:func:`server.staging.overcorrection_room`, what the ``room``

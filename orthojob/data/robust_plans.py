@@ -66,8 +66,9 @@ UNIFORM_ROOM: str = "uniform_room"
 smallest overcorrection room of the present teeth (one group, one number)."""
 ROOM_SHARE: float = 0.5
 """With ``room_oc``, the share of its teeth's smallest overcorrection room a group is overcorrected by
-(rounded down to the quantum). Half: on GRPO's greedy force-decay plans that do not overcorrect, the
-whole room broke a hard rule on 2-25 % of them per level and half of it on 0-17 %."""
+(rounded down to the quantum). Half: on the greedy force-decay plans that do not overcorrect of GRPO
+from the overcorrection-noise BC (seed 0), the whole room broke a hard rule on 2-25 % of them per level
+and half of it on 0-17 % (``bench/gap_decomposition.py --room-share``)."""
 ROOM_SUFFIX: str = "+room"
 """The name of a ``room_oc`` candidate: the candidate's name and this."""
 UNNAMED: str = "uniform_unnamed"
