@@ -54,15 +54,8 @@ from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
 from orthojob.modeling import models
 from server.cases import CaseKey, generate_case
 from server.oracle import plan_for_case
-from server.plans import normalize_plan
-from server.staging import overcorrection_room
+from server.plans import overcorrects
 from server.treatment import score_plans
-
-
-def overcorrects(plan: dict | None) -> bool:
-    """Whether ``plan`` overcorrects any tooth as the simulator reads it (:func:`server.plans.normalize_plan`;
-    False for no plan)."""
-    return plan is not None and bool(normalize_plan(plan).overcorrections().any())
 
 
 def room_counterfactual(
@@ -88,11 +81,7 @@ def room_counterfactual(
             "uniform": [],
         }
         for i, k in zip(idx, ks):
-            case = generate_case(*k)
-            room = overcorrection_room(
-                case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
-            )
-            ways["within_room"].append(within_room(plans[i], room, share))
+            ways["within_room"].append(within_room(plans[i], generate_case(*k).overcorrection_room, share))
             ways["uniform"].append(
                 {
                     **plans[i],

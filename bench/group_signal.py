@@ -49,8 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orthojob.rewards.parsing import extract_plan
 from orthojob.stages.grpo_config import COMPLETIONS_FILE
 from server.cases import TASK_IDS, generate_case
-from server.plans import normalize_plan
-from server.staging import overcorrection_room
+from server.plans import normalize_plan, overcorrects
 
 PHASES = 3
 """The run's steps are split into this many equal phases."""
@@ -146,10 +145,7 @@ def room_signal(rows: list[dict]) -> list[dict]:
             continue
         key = (r["task_id"], int(r["seed"]))
         if key not in rooms:
-            case = generate_case(key[0], key[1], True)
-            rooms[key] = overcorrection_room(
-                case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
-            )
+            rooms[key] = generate_case(key[0], key[1], True).overcorrection_room
         within = bool(np.all(oc <= rooms[key] + 1e-9))
         cells[r["task_id"]].append((within, float(r["rewards"]["reward_terminal"]) < 0.0))
     out = []
@@ -168,7 +164,7 @@ def room_signal(rows: list[dict]) -> list[dict]:
 def _overcorrects(completion: str) -> bool:
     """Whether the completion's plan overcorrects any tooth as the simulator reads it
     (:func:`server.plans.normalize_plan`: False when not a plan, an out-of-range value ignored)."""
-    return bool(normalize_plan(extract_plan(completion)).overcorrections().any())
+    return overcorrects(extract_plan(completion))
 
 
 def _groups(completion: str) -> int | None:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from server import staging
 from server.absent_teeth import SUMMARY_KEY as ABSENT_SUMMARY_KEY
 from server.absent_teeth import absent_ids
 from server.arch import ArchParameters, build_ideal_arch, occlusal_points
@@ -178,6 +179,16 @@ class Case:
         inv = np.where(self.need > 1e-9, 1.0 / np.maximum(self.need, 1e-9), 0.0)
         inv.setflags(write=False)
         return inv
+
+    @cached_property
+    def overcorrection_room(self) -> np.ndarray:
+        """(28,) each tooth's overcorrection room for this case's crowns and absent teeth
+        (:func:`server.staging.overcorrection_room`); read-only."""
+        room = staging.overcorrection_room(
+            self.initial, self.target, self.crown_width_mm, self.crown_depth_mm, self.absent
+        )
+        room.setflags(write=False)
+        return room
 
     @cached_property
     def initial_list(self) -> list:

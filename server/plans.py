@@ -173,6 +173,12 @@ def normalize_plan(plan: object) -> PlanSpec:
     return spec
 
 
+def overcorrects(plan: object) -> bool:
+    """Whether ``plan`` overcorrects any tooth as the simulator reads it (:func:`normalize_plan`: False
+    for something that is not a plan, an out-of-range value ignored)."""
+    return bool(normalize_plan(plan).overcorrections().any())
+
+
 def groups_naming(spec: PlanSpec, teeth: np.ndarray | None) -> int:
     """How many of the plan's groups set a tooth of the mask ``teeth`` (28,) bool (0 for None):
     the groups that move a tooth the patient does not have."""

@@ -180,6 +180,15 @@ def test_learning_bc_demonstrations_carry_the_oc_noise_and_uniform_room():
     assert len(rows) == 4
 
 
+def _changes_nothing_under_ideal_dynamics(**option: bool) -> None:
+    key = CaseKey("task_easy", HELDOUT_SEED_START, False)
+    case = generate_case(*key)
+    oracle = plan_for_case(case)
+    assert robust_plan(oracle, key, case.present_ids, 6, **option) == robust_plan(
+        oracle, key, case.present_ids, 6
+    )
+
+
 def test_uniform_room_is_one_group_within_every_tooths_room_and_only_under_force_decay():
     chosen = 0
     for seed in range(HELDOUT_SEED_START, HELDOUT_SEED_START + 8):
@@ -199,12 +208,7 @@ def test_uniform_room_is_one_group_within_every_tooths_room_and_only_under_force
                 0.0 < group["overcorrection"] <= min(room[TOOTH_IDS.index(t)] for t in group["teeth"]) + 1e-9
             )
     assert chosen, "on some task_easy force-decay case uniform staging within the room is the most robust"
-    key = CaseKey("task_easy", HELDOUT_SEED_START, False)
-    case = generate_case(*key)
-    oracle = plan_for_case(case)
-    assert robust_plan(oracle, key, case.present_ids, 6, uniform_room=True) == robust_plan(
-        oracle, key, case.present_ids, 6
-    )
+    _changes_nothing_under_ideal_dynamics(uniform_room=True)
 
 
 def test_room_oc_overcorrects_each_group_within_half_its_teeths_room_and_only_under_force_decay():
@@ -238,12 +242,7 @@ def test_room_oc_overcorrects_each_group_within_half_its_teeths_room_and_only_un
     assert chosen, (
         f"on some force-decay case a plan overcorrected within the room is the most robust: {names}"
     )
-    key = CaseKey("task_easy", HELDOUT_SEED_START, False)
-    case = generate_case(*key)
-    oracle = plan_for_case(case)
-    assert robust_plan(oracle, key, case.present_ids, 6, room_oc=True) == robust_plan(
-        oracle, key, case.present_ids, 6
-    )
+    _changes_nothing_under_ideal_dynamics(room_oc=True)
 
 
 def test_within_room_leaves_a_group_without_room_unovercorrected():

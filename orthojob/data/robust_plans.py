@@ -48,7 +48,7 @@ import numpy as np
 from server.cases import CaseKey, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.plans import MAX_OVERCORRECTION, UNIFORM_FRACTION, normalize_plan
-from server.staging import OC_QUANTUM, arrays_to_plan, overcorrection_room
+from server.staging import OC_QUANTUM, arrays_to_plan
 from server.treatment import score_plans
 
 NOISE: float = 0.05
@@ -151,16 +151,14 @@ def robust_plan(
     ``room_oc``: under force decay also ``staged`` and ``uniform`` :func:`within_room`, named with
     :data:`ROOM_SUFFIX`, where that overcorrects a tooth."""
     found = candidates(plan, teeth, with_merged=max_groups is not None)
-    if (uniform_room or room_oc) and key.force_decay:
-        case = generate_case(*key)
-        room = overcorrection_room(
-            case.initial, case.target, case.crown_width_mm, case.crown_depth_mm, case.absent
-        )
+    room = generate_case(*key).overcorrection_room if key.force_decay else None
+    if uniform_room and room is not None:
         oc = float(room[[TOOTH_IDS.index(t) for t in teeth]].min())  # already on the OC_QUANTUM grid
-        if uniform_room and oc > 0.0:
+        if oc > 0.0:
             group = {**found["uniform"]["tooth_groups"][0], "overcorrection": round(oc, 2)}
             found[UNIFORM_ROOM] = {**found["uniform"], "tooth_groups": [group]}
-        for name in ("staged", "uniform") if room_oc else ():
+    if room_oc and room is not None:
+        for name in ("staged", "uniform"):
             roomy = within_room(found[name], room) if name in found else None
             if roomy is not None and any("overcorrection" in g for g in roomy["tooth_groups"]):
                 found[name + ROOM_SUFFIX] = roomy
