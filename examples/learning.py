@@ -289,7 +289,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
         max_seq_length=MAX_SEQ_LENGTH,
         out=str(Path(cfg.out) / run),
         mixed_cells=True,
-        level_weights=dict(cfg.bc_level_weights) if run == "grpo_bc" else {},
+        level_weights=dict(cfg.bc_level_weights if run == "grpo_bc" else cfg.stage0_level_weights),
         seed=cfg.seed,
         num_prompts=cfg.num_prompts,
         prompt_seed_start=GRPO_PROMPT_SEED_START,

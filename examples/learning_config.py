@@ -191,6 +191,15 @@ class LearnConfig:
             "flag": "--bc-level-weight",
         },
     )
+    stage0_level_weights: dict[str, float] = field(
+        default_factory=dict,
+        metadata={
+            **LEVEL_WEIGHT_FLAG,
+            "help": "GRPO from stage 0: a task level's turns per round of the prompt mix (repeatable; default 1 "
+            "each: task_easy=2 gives task_easy half the prompts)",
+            "flag": "--stage0-level-weight",
+        },
+    )
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     strategy_weight: float = 3.0

@@ -435,10 +435,13 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
     )
     assert (bc_args.temperature, stage0_args.temperature) == (1.0, 0.8)
     assert (bc_args.beta, stage0_args.beta) == (0.3, 0.1)
-    # a level weight reaches GRPO from BC only
+    # each start's level weights reach its own GRPO run only
     weighted = LearnConfig(out=str(tmp_path), bc_level_weights={"task_hard": 2})
     assert grpo_job_config(weighted, tmp_path / "bc", "grpo_bc").level_weights == {"task_hard": 2}
     assert grpo_job_config(weighted, tmp_path / "stage0").level_weights == {}
+    easy = LearnConfig(out=str(tmp_path), stage0_level_weights={"task_easy": 2})
+    assert grpo_job_config(easy, tmp_path / "stage0").level_weights == {"task_easy": 2}
+    assert grpo_job_config(easy, tmp_path / "bc", "grpo_bc").level_weights == {}
     assert (job.strategy_advantage, job.strategy_lr_scale) == ("counterfactual", 10.0)
     # from BC: its own completion budget (the oracle's plans are longer) and learning rate
     from_bc = grpo_job_config(cfg, tmp_path / "bc", "grpo_bc")
@@ -664,6 +667,11 @@ def test_learning_refuses_a_grpo_setting_before_any_stage(tmp_path, capsys):
         main(["--out", str(out), "--bc-level-weight", "task_hardest=2"])
     assert exc.value.code == 2
     assert "grpo_bc" in (err := capsys.readouterr().err) and "unknown task level 'task_hardest'" in err
+    assert not out.exists()
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(out), "--stage0-level-weight", "task_easy=1.5"])
+    assert exc.value.code == 2
+    assert "grpo_stage0" in (err := capsys.readouterr().err) and "level weight of task_easy" in err
     assert not out.exists()
 
 
