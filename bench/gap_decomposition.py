@@ -75,19 +75,17 @@ def room_counterfactual(
             continue
         idx = [i for i in idx if plans[i] is not None and not overcorrects(plans[i])]
         ks = [keys[i] for i in idx]
-        ways: dict[str, list[dict]] = {
-            "as_written": [plans[i] for i in idx],
-            "within_room": [],
-            "uniform": [],
+        held = [plans[i] for i in idx]
+        ways = {
+            "as_written": held,
+            "within_room": [
+                within_room(p, generate_case(*k).overcorrection_room, share) for p, k in zip(held, ks)
+            ],
+            "uniform": [
+                {**p, "tooth_groups": [{**g, "overcorrection": uniform} for g in p["tooth_groups"]]}
+                for p in held
+            ],
         }
-        for i, k in zip(idx, ks):
-            ways["within_room"].append(within_room(plans[i], generate_case(*k).overcorrection_room, share))
-            ways["uniform"].append(
-                {
-                    **plans[i],
-                    "tooth_groups": [{**g, "overcorrection": uniform} for g in plans[i]["tooth_groups"]],
-                }
-            )
         row: dict = {"cell": cell, "plans": len(idx)}
         for name, ps in ways.items():
             scored = score_plans(ps, ks) if ps else []

@@ -23,6 +23,16 @@ _SWITCH = {"negatable": True}
 """A switch's flag pair --x / --no-x (:func:`orthojob.stages.flags.add_config_arguments`)."""
 
 
+def _level_weights(run: str, flag: str, example: str) -> dict:
+    """The metadata of a repeatable ``LEVEL=W`` field (:data:`LEVEL_WEIGHT_FLAG`): one GRPO start's prompt mix."""
+    return {
+        **LEVEL_WEIGHT_FLAG,
+        "help": f"{run}: a task level's turns per round of the prompt mix (repeatable; default 1 each: "
+        f"{example}=2 gives {example} half the prompts)",
+        "flag": flag,
+    }
+
+
 @dataclass(frozen=True)
 class LearnConfig:
     """Every setting of one learning run (the CLI flags are generated from these fields)."""
@@ -183,22 +193,11 @@ class LearnConfig:
         },
     )
     bc_level_weights: dict[str, float] = field(
-        default_factory=dict,
-        metadata={
-            **LEVEL_WEIGHT_FLAG,
-            "help": "GRPO from BC: a task level's turns per round of the prompt mix (repeatable; default 1 each: "
-            "task_hard=2 gives task_hard half the prompts)",
-            "flag": "--bc-level-weight",
-        },
+        default_factory=dict, metadata=_level_weights("GRPO from BC", "--bc-level-weight", "task_hard")
     )
     stage0_level_weights: dict[str, float] = field(
         default_factory=dict,
-        metadata={
-            **LEVEL_WEIGHT_FLAG,
-            "help": "GRPO from stage 0: a task level's turns per round of the prompt mix (repeatable; default 1 "
-            "each: task_easy=2 gives task_easy half the prompts)",
-            "flag": "--stage0-level-weight",
-        },
+        metadata=_level_weights("GRPO from stage 0", "--stage0-level-weight", "task_easy"),
     )
     loss_type: str = "dapo"
     scale_rewards: str = "group"

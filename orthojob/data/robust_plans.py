@@ -151,7 +151,7 @@ def robust_plan(
     ``room_oc``: under force decay also ``staged`` and ``uniform`` :func:`within_room`, named with
     :data:`ROOM_SUFFIX`, where that overcorrects a tooth."""
     found = candidates(plan, teeth, with_merged=max_groups is not None)
-    room = generate_case(*key).overcorrection_room if key.force_decay else None
+    room = generate_case(*key).overcorrection_room if key.force_decay and (uniform_room or room_oc) else None
     if uniform_room and room is not None:
         oc = float(room[[TOOTH_IDS.index(t) for t in teeth]].min())  # already on the OC_QUANTUM grid
         if oc > 0.0:
