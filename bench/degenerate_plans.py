@@ -11,7 +11,7 @@ import numpy as np
 
 from orthojob.data.prompts import plan_to_completion
 from orthojob.rewards import reward_functions
-from server.cases import generate_case
+from server.cases import HELDOUT_SEED_START, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.oracle import plan_for_case
 
@@ -38,7 +38,7 @@ plans = {
 print("| plan | task_easy | task_medium | task_hard |\n|---|---|---|---|")
 rows = {}
 for task in ("task_easy", "task_medium", "task_hard"):
-    seeds = list(range(1_000_000, 1_000_010))
+    seeds = list(range(HELDOUT_SEED_START, HELDOUT_SEED_START + 10))
     for name, c in [*plans.items(), ("oracle", None)]:
         comps = [
             c if c is not None else plan_to_completion(plan_for_case(generate_case(task, s, False, False)))

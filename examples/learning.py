@@ -74,7 +74,7 @@ from orthojob.ops import tracking
 from orthojob.rewards.canaries import METRICS
 from orthojob.stages import grpo_trainer
 from orthojob.stages import rsft as rsft_stage
-from orthojob.stages.flags import add_config_arguments
+from orthojob.stages.flags import add_config_arguments, config_argv
 from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig, validate
 from orthojob.stages.rsft_config import RSFTConfig
 from orthojob.stages.sft import oracle_demonstrations, run_sft
@@ -421,16 +421,12 @@ def run_chain(cfg: LearnConfig, cases: Sequence[CaseKey], deadline: float | None
 # ---------------------------------------------------------------------------------------------
 
 
-def _argv(cfg: LearnConfig, **changes) -> list[str]:
-    """The command-line flags that rebuild ``cfg`` with ``changes`` (for the chain's process)."""
-    argv = []
-    for name, value in {**dataclasses.asdict(cfg), **changes}.items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        else:
-            argv += [flag, str(value)]
-    return argv
+def chain_command(cfg: LearnConfig) -> list[str]:
+    """The chain's process: ``python -m examples.learning`` with the flags that rebuild ``cfg`` with
+    ``chain_only`` set (:func:`orthojob.stages.flags.config_argv`, from the metadata :func:`build_parser`
+    reads)."""
+    flags = config_argv(dataclasses.replace(cfg, chain_only=True))
+    return [sys.executable, "-m", "examples.learning", *flags]
 
 
 def run(cfg: LearnConfig) -> dict:
@@ -469,8 +465,7 @@ def _run(cfg: LearnConfig) -> dict:
     # the chain's process starts before the references are scored, so that its time limit is not spent waiting
     if cfg.parallel and not cfg.stage0_only:
         with (out / "chain.log").open("w") as log_file:
-            chain = subprocess.Popen([sys.executable, "-m", "examples.learning", *_argv(cfg, chain_only=True)],
-                                     stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
+            chain = subprocess.Popen(chain_command(cfg), stdout=log_file, stderr=subprocess.STDOUT)
     report: dict = {
         "config": dataclasses.asdict(cfg),
         "threads": os.environ.get("OMP_NUM_THREADS"),

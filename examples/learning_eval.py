@@ -16,14 +16,15 @@ from orthojob.data.prompts import CELLS, build_messages, prompt_format_of, reset
 from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN, generate_completions
 from orthojob.eval.metrics import SCALED_REWARD
 from orthojob.rewards.canaries import METRICS, episode_record, rollout_record
-from orthojob.rewards.parsing import find_plan
+from orthojob.rewards.parsing import read_plan_text
 from orthojob.rewards.rollouts import is_plan, score_texts
 from orthojob.rewards.strategy_advantage import STRATEGY_KEY
-from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
+from server.cases import CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES
 from server.oracle import plan_for_case
 from server.reward_scaler import REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
+from server.seed_ranges import FINAL, TUNING
 from server.treatment import score_plans
 
 WAYS: tuple[str, ...] = ("as_written", "no_strategy", "optimal_named")
@@ -134,7 +135,7 @@ def sampled_plans(
     texts = generate_completions(
         model, tokenizer, obs, max_new_tokens, batch_size=16, samples=k, temperature=temperature
     )[0]
-    plans = [p if is_plan(p) else None for p in (find_plan(t)[0] for t in texts)]
+    plans = [read_plan_text(t).plan for t in texts]
     return [plans[i * k : (i + 1) * k] for i in range(len(cases))]
 
 
@@ -155,8 +156,17 @@ def uniform_strategy_signal(keys: Sequence[CaseKey]) -> dict[str, dict]:
 
 
 def heldout_cases(n: int, cells: Sequence[tuple[str, bool]] = CELLS) -> list[CaseKey]:
-    """``n`` held-out seeds of each cell, cell by cell."""
-    return [CaseKey(t, HELDOUT_SEED_START + i, fd) for t, fd in cells for i in range(n)]
+    """``n`` held-out seeds of each cell, cell by cell, from the tuning range
+    (:data:`server.seed_ranges.TUNING`: the experiment's curves, on which its defaults were chosen)."""
+    return [CaseKey(t, TUNING.start + i, fd) for t, fd in cells for i in range(n)]
+
+
+def final_cases(n: int, cells: Sequence[tuple[str, bool]] = CELLS) -> list[CaseKey]:
+    """``n`` seeds of each cell, cell by cell, from the final range (:data:`server.seed_ranges.FINAL`):
+    the cases of the experiment's final table, on which no default was chosen."""
+    if not FINAL.holds(FINAL.start, n):
+        raise ValueError(f"the final range holds {FINAL.size} seeds a cell, asked for {n}")
+    return [CaseKey(t, FINAL.start + i, fd) for t, fd in cells for i in range(n)]
 
 
 def grouped(cases: Sequence[CaseKey], episodes: Sequence[dict]) -> dict:
@@ -274,9 +284,9 @@ def greedy_texts(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int
 
 def greedy_plans(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> list[dict | None]:
     """The plan in each greedy completion, None where there is none the rewards would count
-    (:func:`orthojob.rewards.rollouts.is_plan`)."""
+    (:func:`orthojob.rewards.parsing.read_plan_text`)."""
     texts = greedy_texts(model, tokenizer, cases, max_new_tokens)[0]
-    return [p if is_plan(p) else None for p in (find_plan(t)[0] for t in texts)]
+    return [read_plan_text(t).plan for t in texts]
 
 
 def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> dict:

@@ -441,8 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"and the hard-rule bound), {gate_file.TOOL_SFT} (tool-call gate), or {gate_file.GRPO} (quality gate, also the mean "
         f"scaled reward against uniform SLERP's)",
     )
-    ga.add_argument("--task-id", default="task_easy", help="task, comma list or 'all' (default task_easy)")
-    ga.add_argument("--seeds", type=positive_int, default=50, help="held-out seeds per task (default 50)")
+    ga.add_argument("--task-id", default="task_easy", help="format/tool gates: task, comma list or 'all'")
+    ga.add_argument(
+        "--seeds", type=positive_int, default=50,
+        help="seeds per cell of the run's window (a quality gate's cells: every level under both dynamics; default 50)",
+    )  # fmt: skip
     ga.add_argument("--force-decay", action="store_true")
     ga.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default 512)")
     ga.add_argument("--batch-size", type=positive_int, default=16, help="(default 16)")

@@ -57,18 +57,72 @@ def mode_weights(tools: bool) -> dict[str, float]:
     return {**weights, "reward_agentic": 1.0 if tools else 0.0}
 
 
+def check_task_weights(weights: dict[str, float], tools: bool) -> None:
+    """Raise ValueError unless the task's reward weights (every reward of :func:`mode_weights`) keep
+    the ordering principle for the sum a trace's ``reward`` is: one-shot, the five rewards' weights
+    pass :func:`orthojob.rewards.reward_functions.reward_weights` (its ordering check) and
+    ``reward_agentic`` (no tools: -2 for every trace) weighs 0; with the tools, ``reward_agentic`` (the
+    environment's scaled reward, which keeps the ordering itself) weighs > 0 and the five weigh 0."""
+    agentic = weights["reward_agentic"]
+    one_shot = {name: weights[name] for name in REWARD_FUNCS}
+    if tools:
+        weighing = [name for name, w in one_shot.items() if w != 0.0]
+        if weighing or not agentic > 0.0:
+            raise ValueError(
+                "with tools=true the task is scored by reward_agentic alone (the episode the tools played): "
+                f"give it a weight > 0 (got {agentic}) and the one-shot rewards 0"
+                + (f" (got {', '.join(f'{n}={one_shot[n]}' for n in weighing)})" if weighing else "")
+            )
+        return
+    if agentic != 0.0:
+        raise ValueError(
+            f"reward_agentic weighs {agentic} without the tools (tools=false), where it is -2 for every "
+            "trace: give it weight 0, or set tools=true"
+        )
+    reward_weights(list(REWARD_FUNCS.values()), one_shot)
+
+
 class AlignerTaskConfig(vf.TaskConfig):
     """``tools``: the multi-turn task with the agentic tools (their MCP server's config ``toolset``).
-    Rewards without a weight in ``rewards`` weigh :func:`mode_weights`."""
+    Rewards without a weight in ``rewards`` weigh :func:`mode_weights`.
+
+    Every weight the config is given, however (``rewards.<name>.weight`` from a config file or
+    ``--env.taskset.task.rewards...``, or :func:`env_config`'s ``reward_weight_overrides``), passes
+    :func:`check_task_weights`, the ordering principle; and the trace's ``reward`` is the job's rewards
+    alone, so a reward of another name, a plugged function (``rewards.<name>.fn``) and a judge with a
+    weight other than 0 are refused: none of them sees the hard rules."""
 
     tools: bool = False
     toolset: vf.ToolsetConfig = vf.ToolsetConfig()
 
     @model_validator(mode="after")
     def _mode_weights(self) -> AlignerTaskConfig:
-        for name, weight in mode_weights(self.tools).items():
-            if name not in self.rewards:
+        defaults = mode_weights(self.tools)
+        unknown = sorted(set(self.rewards) - set(defaults))
+        if unknown:
+            raise ValueError(
+                f"rewards {', '.join(unknown)} are not this task's: its rewards are {', '.join(defaults)}"
+            )
+        plugged = sorted(name for name, config in self.rewards.items() if config.fn is not None)
+        if plugged:
+            raise ValueError(
+                f"rewards.{plugged[0]}.fn replaces the job's reward function: this task's rewards are "
+                "the job's, which keep the ordering principle; set a weight only"
+            )
+        weighted_judges = [getattr(judge, "name", "") or type(judge).__name__ for judge in self.judges
+                           if judge.weight != 0.0]  # fmt: skip
+        if weighted_judges:
+            raise ValueError(
+                f"judges {', '.join(weighted_judges)} would add to the reward: a judge does not see the hard "
+                "rules, so a plan breaking one could outscore a safe plan; give a judge weight 0 (a metric)"
+            )
+        for name, weight in defaults.items():
+            config = self.rewards.get(name)
+            if config is None:
                 self.rewards[name] = RewardFunctionConfig(weight=weight)
+            elif config.weight is None:
+                self.rewards[name] = config.model_copy(update={"weight": weight})
+        check_task_weights({name: float(self.rewards[name].weight) for name in defaults}, self.tools)
         return self
 
 
@@ -151,10 +205,19 @@ def env_config(
 ) -> vf.EnvConfig:
     """The ``verifiers.v1`` env config of this taskset: ``taskset`` fields
     (:class:`AlignerTasksetConfig`), ``mode`` (``oneshot`` or ``tools``) and, one-shot, the rewards'
-    weights (by any name :func:`reward_weights` accepts; the rest weigh as in GRPO)."""
+    weights (by any name :func:`reward_weights` accepts; the rest weigh as in GRPO). A ``task`` dict
+    (:class:`AlignerTaskConfig` fields) is kept; its weights are checked like any
+    (:meth:`AlignerTaskConfig._mode_weights`)."""
     if mode not in ("oneshot", "tools"):
         raise ValueError(f"mode must be 'oneshot' or 'tools', got {mode!r}")
-    task: dict[str, Any] = {"tools": mode == "tools"}
+    given = taskset.pop("task", None) or {}
+    if not isinstance(given, dict):
+        raise ValueError(f"task must be a dict of AlignerTaskConfig fields, got {type(given).__name__}")
+    if "tools" in given and bool(given["tools"]) != (mode == "tools"):
+        raise ValueError(f"task.tools={given['tools']!r} contradicts mode={mode!r}: set mode only")
+    if reward_weight_overrides and given.get("rewards"):
+        raise ValueError("give reward_weights or task.rewards, not both")
+    task: dict[str, Any] = {**given, "tools": mode == "tools"}
     if mode == "tools" and reward_weight_overrides:
         raise ValueError(
             "reward_weights weigh the one-shot rewards; mode='tools' is scored by reward_agentic alone"

@@ -13,6 +13,7 @@ commit_stage          wear the next aligner (:meth:`StepwiseDentalEnvironment.co
 rollback_stage        undo the last aligner (at most 2 per episode)
 submit_plan           score a whole plan in the plan format (:mod:`server.plans`) with the
                       plan scoring of :func:`server.treatment.score_plan_specs`; finishes the episode
+                      (a text that is not a plan, :mod:`server.plan_text`, is refused with the reason)
 ====================  ==========================================================================
 
 **A stage** (the ``groups`` argument) is a list of tooth groups ``{"teeth": [FDI ids],
@@ -53,7 +54,8 @@ from server.dental_constants import (
 )
 from server.dental_environment import MAX_ROLLBACKS, StepwiseDentalEnvironment
 from server.errors import InvalidActionError, StageConflictError, UnknownEpisodeError
-from server.plans import StagePoses, normalize_plan
+from server.plan_text import read_plan
+from server.plans import StagePoses
 from server.reward_scaler import REWARD_MAX, REWARD_MIN
 from server.treatment import score_plan_specs
 
@@ -70,13 +72,6 @@ TOOL_NAMES: tuple[str, ...] = (
 """The tools of :class:`StagingTools`, in the order the instructions list them."""
 GROUP_KEYS: frozenset[str] = frozenset({"teeth", "fraction"})
 """The keys of one tooth group of a stage."""
-MAX_TEXT_CHARS: int = 20_000
-"""A submitted plan longer than this is refused (a plan is a few hundred characters)."""
-NO_USABLE_PLAN: str = (
-    'no usable tooth group in the plan: send {"strategy": ..., "tooth_groups": [{"teeth": [FDI ids], '
-    '"fraction": f, "priority": ...}]} with at least one known tooth and a fraction in [0, 1]'
-)
-"""submit_plan's refusal of a plan without a usable tooth group."""
 
 
 class ToolError(ValueError):
@@ -333,31 +328,23 @@ class StagingTools:
         Returns:
             JSON: the plan's score (scaled reward, terminal score, broken hard rules).
         """
-        if isinstance(plan, dict):
-            plan = json.dumps(plan)
-        if not isinstance(plan, str):
+        if not isinstance(plan, (str, dict)):
             raise ToolError(f"plan must be JSON text (a string), got {type(plan).__name__}")
-        if len(plan) > MAX_TEXT_CHARS:
-            raise ToolError(f"plan is {len(plan)} characters; a plan is at most {MAX_TEXT_CHARS}")
         self._finish("submit_plan", self._score_plan_text(plan))
         return _compact(self._score_report())
 
     # --- internals -------------------------------------------------------------------------
 
-    def _score_plan_text(self, plan: str) -> dict:
-        """The score of a submitted plan (JSON text of the plan format) on this episode's case:
-        ``terminal_reward``, ``scaled_reward``, ``reward_breakdown``, ``broken_rules``; ToolError
-        when it is not JSON or has no usable tooth group. (The job's TRL tools also find a plan
-        inside surrounding text, as its one-shot rewards do; both score with
-        :func:`server.treatment.score_plan_specs`.)"""
-        try:
-            value = json.loads(plan)
-        except ValueError as exc:
-            raise ToolError(f"plan is not JSON text ({exc}): send the plan as one JSON object") from None
-        spec = normalize_plan(value)
-        if spec.format.usable_groups == 0:
-            raise ToolError(NO_USABLE_PLAN)
-        (res,) = score_plan_specs([spec], [self._case])
+    def _score_plan_text(self, plan: str | dict) -> dict:
+        """The score of a submitted plan text on this episode's case: ``terminal_reward``,
+        ``scaled_reward``, ``reward_breakdown``, ``broken_rules``. The text is read as every face
+        reads a plan (:func:`server.plan_text.read_plan_text`, as the one-shot rewards read a
+        completion; a plan sent as an object, as MCP and the WebSocket decode it, by
+        :func:`server.plan_text.read_plan`); one that is not a plan is a ToolError with the reader's reason."""
+        reading = read_plan(plan)
+        if not reading.is_plan:
+            raise ToolError(reading.reason)
+        (res,) = score_plan_specs([reading.spec], [self._case])
         if "error" in res:
             raise ToolError(f"the plan could not be scored: {res['error']}")
         return {k: res[k] for k in ("terminal_reward", "scaled_reward", "reward_breakdown", "broken_rules")}

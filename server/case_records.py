@@ -24,9 +24,14 @@ The case-set format (docs/cases.md), version :data:`FORMAT`: one JSON object per
 * ``task_id`` and ``seed`` (optional): a generated case's key, which an exported record keeps so that
   its observations are the generated case's; an imported case is ``task_id`` ``"imported"``.
 
-:func:`case_of_record` checks a record and reports every problem by case id and FDI tooth
-(:class:`Problem`); nothing is silently fixed except quaternions within :data:`QUATERNION_TOLERANCE`
-of unit length, which are normalised and counted. Pure numpy and the standard library: file and S3
+:func:`case_of_record` checks a record, its schema and its geometry (crowns of anatomical size, each
+quadrant on its own side of the midline, no crown far from its neighbours, no crown upside down, no
+crowns interpenetrating, neighbours or antagonists, the upper arch above the lower one and in occlusion
+in the target: docs/cases.md; the anatomical checks are :mod:`server.case_anatomy`'s, the record's
+format, units and feasibility in :data:`server.dental_constants.N_STAGES` aligners this module's),
+and reports every problem by case id and FDI tooth (:class:`Problem`); nothing is silently fixed
+except quaternions within :data:`QUATERNION_TOLERANCE` of unit length, which are normalised and
+counted. Pure numpy and the standard library: file and S3
 reading are :mod:`orthojob.data.case_sets`'.
 """
 
@@ -40,7 +45,15 @@ from typing import Any
 
 import numpy as np
 
-from server.absent_teeth import ARCH_ROWS, absent_ids, absent_mask, gap_pairs, mask_pairs, placeholder_poses
+from server.absent_teeth import ARCH_ROWS, absent_ids, absent_mask, placeholder_poses
+from server.case_anatomy import (
+    MIN_CROWN_DEPTH_MM,
+    MIN_CROWN_WIDTH_MM,
+    bite_problems,
+    crown_collisions,
+    gap_problems,
+    layout_problems,
+)
 from server.cases import (
     IMPORTED_TASK,
     TASK_IDS,
@@ -51,21 +64,16 @@ from server.cases import (
     register_imported,
 )
 from server.clinical_profiles import PROFILES, SECONDARY_PROFILES, optimal_strategy
-from server.collisions import (
-    ALL_PAIR_CROWNS,
-    COLLISION_TOLERANCE_MM,
-    all_pairs_penetration_mm,
-    pair_penetration_mm,
-)
+from server.collisions import COLLISION_TOLERANCE_MM
 from server.dental_constants import (
-    ADJACENT_PAIRS,
     CROWN_DEPTH_MM,
     CROWN_WIDTH_MM,
     MAX_ROTATION_DEG,
     MAX_TRANSLATION_MM,
     N_STAGES,
     N_TEETH,
-    SECOND_NEIGHBOUR_PAIRS,
+    TOOTH_CLASS,
+    TOOTH_CLASSES,
     TOOTH_IDS,
     TOOTH_INDEX,
 )
@@ -82,7 +90,7 @@ MAX_CENTROID_MM = 80.0
 ARCH_SPAN_MM = (20.0, 120.0)
 """Plausible span of the crown centroids along x (mm); outside it the units are likely wrong."""
 CROWN_SIZE_MM = (1.0, 20.0)
-"""Plausible crown widths and depths (mm)."""
+"""Plausible crown widths and depths (mm): outside it the units are likely wrong."""
 FIELDS = frozenset(
     {"format", "case_id", "patient_id", "teeth", "absent", "initial", "target", "crown_width_mm",
      "crown_depth_mm", "labels", "force_decay", "task_id", "seed", "split", "initial_transforms",
@@ -90,8 +98,6 @@ FIELDS = frozenset(
 )  # fmt: skip
 SPLITS = ("train", "heldout")
 """The values of a record's optional ``split``: training cases, or cases held out for evaluation."""
-PAIRS = np.concatenate((ADJACENT_PAIRS, SECOND_NEIGHBOUR_PAIRS))
-"""The 26 contacts then the 24 second neighbours (:func:`server.collisions.all_pairs_penetration_mm`)."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +288,14 @@ def pose_transforms(poses: np.ndarray) -> np.ndarray:
 def _sizes(
     value: Any, name: str, default: np.ndarray, teeth: list[int], report, notes: dict
 ) -> np.ndarray | None:
+    """(28,) crown sizes (mm) from a list aligned with ``teeth`` (the norms ``default`` where none is
+    given); None after a problem: not a finite number, implausible units, or below the anatomical
+    minimum (:data:`server.case_anatomy.MIN_CROWN_WIDTH_MM`, ``MIN_CROWN_DEPTH_MM``)."""
+    floor, what = (
+        (MIN_CROWN_WIDTH_MM, "mesiodistal width between its contact points")
+        if name == "crown_width_mm"
+        else (MIN_CROWN_DEPTH_MM, "buccolingual depth at its contacts")
+    )
     if value is None:
         notes[f"{name}_from_norms"] = notes.get(f"{name}_from_norms", 0) + 1
         return default.copy()
@@ -299,27 +313,15 @@ def _sizes(
                 tooth, f"{name} {v} mm is outside {CROWN_SIZE_MM[0]}-{CROWN_SIZE_MM[1]} mm: are the units mm?"
             )
             ok = False
+        elif v < floor[TOOTH_INDEX[tooth]]:
+            cls = TOOTH_CLASSES[TOOTH_CLASS[TOOTH_INDEX[tooth]]]
+            report(tooth, f"{name} {v} mm is below the smallest {cls} crown ({floor[TOOTH_INDEX[tooth]]:.1f} mm): "
+                          f"measure the crown's {what}; crowns this small never touch, so the collision "
+                          f"rules would not apply")  # fmt: skip
+            ok = False
         else:
             out[TOOTH_IDS.index(tooth)] = float(v)
     return out if ok else None
-
-
-def _collisions(
-    poses: np.ndarray, width: np.ndarray, depth: np.ndarray, absent: np.ndarray | None
-) -> list[tuple[int, int, float]]:
-    """Pairs of present crowns (neighbours, second neighbours, crowns facing each other across absent
-    teeth) interpenetrating beyond the tolerance."""
-    pen = all_pairs_penetration_mm(poses, width, depth)
-    pairs = PAIRS
-    if absent is not None:
-        pen = mask_pairs(pen[None], absent[None], ALL_PAIR_CROWNS)[0]
-        gaps = gap_pairs(absent)
-        pen = np.concatenate((pen, pair_penetration_mm(poses, width, depth, gaps)))
-        pairs = np.concatenate((PAIRS, gaps.T))
-    return [
-        (int(TOOTH_IDS[pairs[k, 0]]), int(TOOTH_IDS[pairs[k, 1]]), float(pen[k]))
-        for k in np.flatnonzero(pen > COLLISION_TOLERANCE_MM)
-    ]
 
 
 def case_of_record(record: Any) -> Checked:
@@ -440,6 +442,8 @@ def _checked(record: Any) -> tuple[Checked, dict | None]:
         if not ARCH_SPAN_MM[0] <= span <= ARCH_SPAN_MM[1]:
             report(None, f"the {name} arch spans {span:.1f} mm across (x), outside {ARCH_SPAN_MM[0]:.0f}-"
                          f"{ARCH_SPAN_MM[1]:.0f} mm: are the units mm?")  # fmt: skip
+    for tooth, message in layout_problems(initial, target, absent):
+        report(tooth, message)
     if problems:
         return Checked(None, cid, patient_id, problems, notes), None
     normed = (
@@ -447,12 +451,16 @@ def _checked(record: Any) -> tuple[Checked, dict | None]:
         if record.get("crown_width_mm") is None
         else ""
     )
-    for a, b, p in _collisions(initial, width, depth, absent):
+    for a, b, p in crown_collisions(initial, width, depth, absent):
         report(a, f"the initial crowns of {a} and {b} interpenetrate by {p:.2f} mm (tolerance "
                   f"{COLLISION_TOLERANCE_MM} mm): check the segmentation or the crown sizes{normed}")  # fmt: skip
-    for a, b, p in _collisions(target, width, depth, absent):
+    for a, b, p in crown_collisions(target, width, depth, absent):
         report(a, f"the target crowns of {a} and {b} interpenetrate by {p:.2f} mm at rest (tolerance "
                   f"{COLLISION_TOLERANCE_MM} mm): the setup breaks the collision rule{normed}")  # fmt: skip
+    for tooth, message in gap_problems(initial, target, width, absent):
+        report(tooth, message)
+    for tooth, message in bite_problems(initial, target, width, depth, absent):
+        report(tooth, message)
     trans = np.linalg.norm(target[:, 4:] - initial[:, 4:], axis=-1)
     rot = np.degrees(quaternion_angle(initial[:, :4], target[:, :4]))
     needed = np.ceil(np.maximum(trans / MAX_TRANSLATION_MM, rot / MAX_ROTATION_DEG) - 1e-9).astype(int)

@@ -67,6 +67,7 @@ from server.quaternion_utils import (
     quaternion_slerp,
     vector_norm,
 )
+from server.seed_ranges import TRAINING, TUNING
 
 TASK_IDS: tuple[str, ...] = ("task_easy", "task_medium", "task_hard")
 TASK_SEVERITY: dict[str, str] = {"task_easy": "mild", "task_medium": "moderate", "task_hard": "severe"}
@@ -86,10 +87,11 @@ SWEEP_SAMPLES: np.ndarray = np.arange(2, N_STAGES, 2) / N_STAGES
 """Progress values at which uniform staging's penetration is sampled: every other aligner (the clearance
 margin, SWEEP_CLEARANCE_MM below the tolerance, covers the aligners between)."""
 CASE_CACHE_SIZE: int = 4096
-TRAIN_SEED_START: int = 0
-"""Training prompts use seeds from here upwards."""
-HELDOUT_SEED_START: int = 1_000_000
-"""Evaluation and gates use seeds from here upwards, never seen in training."""
+TRAIN_SEED_START: int = TRAINING.start
+"""Training prompts use seeds from here upwards (:data:`server.seed_ranges.TRAINING`)."""
+HELDOUT_SEED_START: int = TUNING.start
+"""Held-out evaluation uses seeds from here upwards, never seen in training
+(:data:`server.seed_ranges.TUNING`; the gates draw theirs from :data:`server.seed_ranges.GATES`)."""
 
 
 IMPORTED_TASK = "imported"

@@ -15,7 +15,8 @@ Contract (Gymnasium-like, keyed by episode):
   ``commit_stage`` (= step), ``rollback_stage`` (at most 2 per episode; restores the
   previous stage and its violation counters).
 * Plans: ``score_plan`` / ``score_plans`` score whole treatment plans
-  (:mod:`server.treatment`), vectorised.
+  (:mod:`server.treatment`), vectorised, each read by :mod:`server.plan_text` (a value that is
+  not a plan scores -2).
 
 Observation (JSON-safe dict): ``episode_id, task_id, seed, force_decay, non_compliance,
 current_stage, stages_remaining, initial_config, current_config, target_config,
@@ -35,7 +36,6 @@ and leave the session unchanged.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
@@ -73,11 +73,12 @@ from server.episodes import (
     new_session,
 )
 from server.errors import InvalidActionError, StageConflictError
+from server.plan_text import not_a_plan_result, read_plan
 from server.pose_validation import check_strategy, validate_poses
 from server.quaternion_utils import quaternion_angle, vector_norm
 from server.reward_scaler import broken_rules
 from server.scoring import limit_ratio, pdl_stress_kpa, score_episodes
-from server.treatment import score_plans
+from server.treatment import score_plan_specs
 
 MAX_ROLLBACKS: int = 2
 MAX_REPORTED_PROBLEMS: int = 20
@@ -214,13 +215,19 @@ class StepwiseDentalEnvironment:
             return self._advance(session, arr, strategy, commit=False)
 
     def rollback_stage(self, episode_id: str, expected_stage: int | None = None) -> dict:
-        """Undo the last stage (and its violation counters); at most MAX_ROLLBACKS per episode.
-        ``expected_stage`` as for :meth:`step`."""
+        """Undo the last stage (and its violation counters); at most MAX_ROLLBACKS per episode, and
+        none once the episode is done. ``expected_stage`` as for :meth:`step`."""
         session = self.sessions.get(episode_id)
         with session.lock:
             _check_stage(session, expected_stage, "rollback")
             if session.stage == 0:
                 raise InvalidActionError("nothing to roll back: the episode is at stage 0")
+            if session.stage >= N_STAGES:
+                # the terminal reward has been paid and the breaches seen: undoing aligner 24 would
+                # let an episode be scored again, or its last breach be undone once known
+                raise InvalidActionError(
+                    "the episode is done (24 aligners worn): its terminal reward is final; call reset() for a new one"
+                )
             if session.rollbacks >= MAX_ROLLBACKS:
                 raise InvalidActionError(f"rollback limit reached ({MAX_ROLLBACKS} per episode)")
             session.step_rewards[session.stage] = 0.0
@@ -304,22 +311,28 @@ class StepwiseDentalEnvironment:
         force_decay: bool = False,
         non_compliance: bool = False,
     ) -> dict:
-        """Score one whole treatment plan (a dict, or its JSON text) for a case."""
+        """Score one whole treatment plan (the plan object, or a text holding it) for a case; see
+        :meth:`score_plans`."""
         return self.score_plans([plan], [(task_id, seed, force_decay, non_compliance)])[0]
 
     def score_plans(self, plans: Sequence[object], cases: Sequence[tuple]) -> list[dict]:
-        """Score many plans, one case ``(task_id, seed, force_decay[, non_compliance])`` each, vectorised."""
+        """Score many plans, one case ``(task_id, seed, force_decay[, non_compliance])`` each, vectorised.
+
+        Each plan is read by :func:`server.plan_text.read_plan` (a text as the training rewards read
+        a completion; a dict as the plan object itself). One that is not a plan (``None``, ``{}``,
+        prose, no usable tooth group, a repeated key) scores :func:`server.plan_text.not_a_plan_result`:
+        scaled reward -2, terminal 0, ``not_a_plan`` the reason (None in a plan's result).
+        Raises InvalidActionError for an unknown task or a bad seed."""
         if len(plans) != len(cases):
             raise InvalidActionError(f"got {len(plans)} plans for {len(cases)} cases: send one case per plan")
-        decoded = []
-        for p in plans:
-            if isinstance(p, (str, bytes)):
-                try:
-                    p = json.loads(p)
-                except (ValueError, RecursionError):
-                    p = None
-            decoded.append(p)
-        return score_plans(decoded, cases)
+        resolved = [c if isinstance(c, Case) else generate_case(*c) for c in cases]
+        readings = [read_plan(p) for p in plans]
+        todo = [i for i, r in enumerate(readings) if r.is_plan]
+        scored = score_plan_specs([readings[i].spec for i in todo], [resolved[i] for i in todo])
+        out = [not_a_plan_result(r) if not r.is_plan else None for r in readings]
+        for i, result in zip(todo, scored):
+            out[i] = {**result, "not_a_plan": None}
+        return out
 
     # --- internals ----------------------------------------------------------------
 
@@ -332,7 +345,12 @@ class StepwiseDentalEnvironment:
         # one vectorised pass over this stage's pose pairs (the PAIR_* rows)
         if not case.follows_plan:
             achieved = express_stage(
-                poses, session.planned[s - 1], prev_achieved, case.long_axis, case.force_decay
+                poses,
+                session.planned[s - 1],
+                prev_achieved,
+                case.long_axis,
+                case.force_decay,
+                earlier=session.planned[:s],
             )
             if case.wear is not None:
                 achieved = apply_wear(prev_achieved, achieved, case.wear[s - 1])

@@ -21,6 +21,14 @@
      (about 0.25-0.33 mm per 14 days of wear; rotation at the equivalent
      :data:`BIOLOGICAL_CAP_DEG`).
 
+  The designed step that sets the engagement counts only as far as it extends the aligner
+  series' reach: each aligner's distance from the first one, at its farthest so far
+  (:func:`reach_advances`; translation and rotation each). An interpolated plan moves every tooth
+  along one straight path, so each step extends the reach by itself and the engagement is the
+  step's; an aligner that takes a tooth back over ground already covered (a round trip, a jiggle
+  back and forth) engages nothing beyond its advance, so wobbling the aligners cannot keep
+  engaging the lag a steady series has left behind.
+
   Plans compensate as clinicians do: overcorrection (a group's ``overcorrection``,
   :mod:`server.plans`) plans each tooth beyond its target so that its expressed movement lands
   on it; an overshoot that is expressed costs accuracy.
@@ -71,6 +79,10 @@ Proffit, Contemporary Orthodontics)."""
 BIOLOGICAL_CAP_DEG: float = BIOLOGICAL_CAP_MM / MM_PER_DEG
 """Most rotation per aligner, at the mm-equivalent exchange rate of the per-stage limits."""
 
+ADVANCE_TOLERANCE: float = 1e-6
+"""A designed step within this (mm, or rad) of the reach it adds counts in full: floating-point
+noise of a straight path's distances from its first aligner, not a step back."""
+
 _TRANSLATION_RATE = EXPRESSION_TRANSLATION[TOOTH_CLASS] / SEAT_FACTOR
 _INTRUSION_RATE = EXPRESSION_INTRUSION[TOOTH_CLASS] / SEAT_FACTOR
 _EXTRUSION_RATE = EXPRESSION_EXTRUSION[TOOTH_CLASS] / SEAT_FACTOR
@@ -93,6 +105,30 @@ def engaged(gap: np.ndarray, step: np.ndarray) -> np.ndarray:
     return np.minimum(gap, SEAT_FACTOR * step)
 
 
+def reach_advances(planned: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """How far each aligner extends the series' reach, translation (mm) and rotation (rad),
+    (..., S - 1, 28) each, of a planned trajectory (..., S, 28, 7) whose first aligner is its origin.
+
+    The reach at aligner ``s`` is the largest distance from the first aligner of aligners 0..s; its
+    advance is its growth from aligner ``s - 1`` (0 for an aligner that stays within it). On a
+    straight path (an interpolated plan) the advance is the designed step.
+    """
+    poses = components(planned)  # (7, ..., S, 28)
+    reach = np.maximum.accumulate(np.array(pose_distances(poses, poses[..., :1, :])), axis=-2)
+    return tuple(np.diff(reach, axis=-2))
+
+
+def engaging_steps(
+    step_t: np.ndarray, step_r: np.ndarray, advance_t: np.ndarray, advance_r: np.ndarray
+) -> np.ndarray:
+    """(2, ...) the designed steps (mm, rad) that set the engagement: each step as far as it
+    advances the series' reach (:func:`reach_advances`), within ADVANCE_TOLERANCE; the step itself
+    on a straight path."""
+    return np.array(
+        (np.minimum(step_t, advance_t + ADVANCE_TOLERANCE), np.minimum(step_r, advance_r + ADVANCE_TOLERANCE))
+    )
+
+
 def _shrink(v: np.ndarray, length: np.ndarray, cap: np.ndarray | float) -> np.ndarray:
     """Vectors ``v`` (..., 3) of lengths ``length`` (...,) shortened to at most ``cap`` (...,) or a scalar."""
     return v * (np.minimum(length, cap) / np.maximum(length, 1e-30))[..., None]
@@ -106,6 +142,7 @@ def express_stage(
     force_decay: bool,
     step_t: np.ndarray | None = None,
     step_r: np.ndarray | None = None,
+    earlier: np.ndarray | None = None,
 ) -> np.ndarray:
     """Achieved poses after wearing one aligner (see the module docstring).
 
@@ -118,6 +155,9 @@ def express_stage(
             under force decay only.
         force_decay: express a share of the engaged activation (else all of it).
         step_t, step_r: (..., 28) the designed step (mm, rad) when already at hand.
+        earlier: (..., S, 28, 7) the aligners worn before this one, from stage 0 (the initial
+            poses) to ``planned_prev``: the step engages only as far as it advances their reach
+            (:func:`reach_advances`). None: the step engages in full (a series' first aligner).
     Returns:
         (..., 28, 7) achieved poses after the stage.
     """
@@ -125,12 +165,17 @@ def express_stage(
         step_t = vector_norm(planned[..., 4:] - planned_prev[..., 4:])
     if step_r is None:
         step_r = quaternion_angle(planned[..., :4], planned_prev[..., :4])
+    if earlier is None:
+        engage = np.array((step_t, step_r))
+    else:
+        advance_t, advance_r = reach_advances(np.concatenate((earlier, planned[..., None, :, :]), axis=-3))
+        engage = engaging_steps(step_t, step_r, advance_t[..., -1, :], advance_r[..., -1, :])
     return _express(
         planned,
         achieved,
         long_axis,
         force_decay,
-        SEAT_FACTOR * np.array((step_t, step_r)),
+        SEAT_FACTOR * engage,
         bool(
             force_decay
             and step_t.size
@@ -222,7 +267,7 @@ def simulate(
     steps_t, steps_r = designed_steps(planned) if steps is None else steps
     # what does not depend on the achieved poses, for every stage at once
     n = planned.shape[-3] - 1
-    engage = SEAT_FACTOR * np.array((steps_t, steps_r))  # (2, ..., 24, 28)
+    engage = SEAT_FACTOR * engaging_steps(steps_t, steps_r, *reach_advances(planned))  # (2, ..., 24, 28)
     cap_t = cap_r = np.zeros(n, dtype=bool)
     if force_decay and steps_t.size:  # each aligner's largest step over the batch and the teeth
         cap_t = _cap_binds(steps_t.reshape(-1, n, N_TEETH).max(axis=(0, 2)), BIOLOGICAL_CAP_MM)

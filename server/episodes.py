@@ -19,7 +19,7 @@ from server.dental_constants import (
     POSE_DIM,
 )
 from server.errors import UnknownEpisodeError
-from server.scoring import StageMeasures
+from server.scoring import StageMeasures, hard_rule_breaches
 
 MAX_FORGOTTEN_EPISODES: int = 4096
 """Closed, evicted or expired episode ids remembered (LRU), so a 404 can say which it was."""
@@ -65,9 +65,9 @@ class Session:
     last_used: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def stage_measures(self) -> StageMeasures:
-        """The StageMeasures of stages 1..24 as a batch of one (for server.scoring)."""
-        d = self.distances[None, 1:]
+    def stage_measures(self, stages: int = N_STAGES) -> StageMeasures:
+        """The StageMeasures of stages 1..``stages`` as a batch of one (for server.scoring)."""
+        d = self.distances[None, 1 : stages + 1]
         mismatch, moved = lag_pairs(self.case)
         mis = d[:, :, :, mismatch]
         ach = d[:, :, :, moved]
@@ -77,8 +77,18 @@ class Session:
             mis_t=mis[:, :, 0],
             mis_r=mis[:, :, 1],
             achieved_mm=np.hypot(ach[:, :, 0], MM_PER_DEG * ach[:, :, 1]),
-            penetration=self.penetration[None, 1:],
+            penetration=self.penetration[None, 1 : stages + 1],
         )
+
+    def running_breach(self) -> float:
+        """The hard-rule breach known at the current stage: the per-stage limit, PDL and collision
+        breaches (:func:`server.scoring.hard_rule_breaches`, in :mod:`server.reward_scaler`'s units)
+        of the aligners worn so far. It never falls as stages are added, and at stage 24 it is the
+        part of the episode's breach those rules make (the rest, judged on the whole trajectory,
+        only at its end)."""
+        if self.stage == 0:
+            return 0.0
+        return float(sum(v[0] for v in hard_rule_breaches(self.stage_measures(self.stage)).values()))
 
     def scratch(self) -> Session:
         """A throw-away copy for simulate_step (per-stage arrays copied)."""

@@ -1,9 +1,10 @@
-"""The Gymnasium face of the environment: ``gymnasium.make("OrthoRL/AlignerStaging-v0", ...)``.
+"""The Gymnasium face of the environment: ``gymnasium.make("OrthoRL/AlignerStaging-v1", ...)``.
 
 A thin adapter over :class:`server.dental_environment.StepwiseDentalEnvironment` (the same episode
 store, step and scoring the HTTP/WebSocket server and the TRL tools use): importing this module
-registers the id. Vector envs: ``gymnasium.make_vec("OrthoRL/AlignerStaging-v0", num_envs=N,
-vectorization_mode="sync")`` (or ``"async"``, one process per env).
+registers the id (and the previous ``-v0``, see the class's Version History). Vector envs:
+``gymnasium.make_vec("OrthoRL/AlignerStaging-v1", num_envs=N, vectorization_mode="sync")`` (or
+``"async"``, one process per env).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import N_STAGES, N_TEETH, POSE_DIM
 from server.dental_environment import StepwiseDentalEnvironment
+from server.reward_scaler import scale_rewards
 
-ENV_ID = "OrthoRL/AlignerStaging-v0"
+ENV_ID = "OrthoRL/AlignerStaging-v1"
+PREVIOUS_ENV_IDS = ("OrthoRL/AlignerStaging-v0",)
+"""Earlier versions' ids, registered to the current class (the Version History says what changed)."""
 REWARD_MODES = ("scaled", "shaped", "environment")
 """The episode reward's forms (:class:`AlignerStagingEnv`, its Rewards section)."""
 POSITION_BOUND_MM = 100.0
@@ -66,20 +70,32 @@ class AlignerStagingEnv(gym.Env):
 
     ## Rewards
 
-    ``reward_mode`` chooses; in the first two an episode's return is exactly its
+    ``reward_mode`` chooses; in the first two the undiscounted return is exactly the episode's
     ``scaled_reward`` (:mod:`server.reward_scaler`, [-2, 8]), the terminal reward an LLM planner is
-    trained and judged on, so every plan breaking a hard rule returns less than every safe plan,
-    doing nothing (0) included:
+    trained and judged on, and the ordering principle holds for every discount gamma in (0, 1]:
+    every plan breaking a hard rule has a discounted return below 0, what doing nothing returns,
+    and every safe plan returns gamma^23 x its ``scaled_reward`` (>= 0), so safe plans keep the
+    terminal reward's order (the oracle's plan and uniform SLERP included):
 
-    * ``"scaled"`` (default): 0 on each step, the ``scaled_reward`` on the 24th.
-    * ``"shaped"``: potential-based shaping (Ng, Harada and Russell, ICML 1999) with the running
-      accuracy as the potential: each step pays its gain in accuracy, and the 24th pays the
-      ``scaled_reward`` less the gains already paid. Dense, with the same return.
+    * ``"scaled"`` (default): 0 on each step, the ``scaled_reward`` on the 24th. Discounted, every
+      plan's return is gamma^23 x its ``scaled_reward``: the same order for any gamma.
+    * ``"shaped"``: dense. Potential-based shaping (Ng, Harada and Russell, ICML 1999) for the
+      discount ``gamma`` with the running accuracy as the potential Phi (0 at stage 0 and, as the
+      episode's end, after the 24th aligner): each step pays ``gamma * Phi(s') - Phi(s)``, which
+      sums to 0 over an episode under that discount, so it moves no return. On top, a hard-rule
+      breach is charged at the step it happens: the per-stage limit, PDL and collision breaches of
+      the aligners worn so far (:meth:`server.episodes.Session.running_breach`) as the step's fall
+      in ``scale(b)``, the scaled reward a plan with that breach gets (0 with none, at most -0.25
+      with any); the 24th pays the ``scaled_reward`` less what was charged (<= 0 when a rule is
+      broken; the rules judged on the whole trajectory -- crowns one apart, aligner shapes,
+      the bite, overshoot -- are charged there). Every term of a rule-breaker's return is <= 0 and
+      one is <= -0.25 x gamma^t, so its discounted return is below 0 for any gamma in (0, 1]. Set
+      ``gamma`` to your learner's discount: under another one the shaping terms no longer cancel.
     * ``"environment"``: the server's own per-step signal, ``step_reward`` (gain in accuracy minus
       0.05 x the share of teeth over the per-stage limits and 0.05 x the collision severity), and
       on the 24th the raw ``terminal_reward`` in [0, 1], as an OpenEnv or HTTP client sees them.
-      The raw score does not bound a rule-breaker below a safe plan: use it to compare with those
-      clients, not to train.
+      It guarantees no ordering, discounted or not (a rule-breaker that reaches the target early
+      out-earns doing nothing): use it to compare with those clients, not to train.
 
     ``info`` carries ``reward_breakdown``, ``violations``, ``step_reward`` and ``terminal_reward``
     (the environment's), and ``scaled_reward`` and ``broken_rules`` (the hard rules the plan
@@ -98,7 +114,22 @@ class AlignerStagingEnv(gym.Env):
     ## Arguments
 
     ``task_id`` (``task_easy``, ``task_medium``, ``task_hard``), ``force_decay`` (bool),
-    ``non_compliance`` (bool; the task's default when None), ``reward_mode`` (above).
+    ``non_compliance`` (bool; the task's default when None), ``reward_mode`` (above), ``gamma``
+    (float in (0, 1], default 1.0: the discount the ``"shaped"`` potential is built for; the other
+    modes ignore it).
+
+    ## Version History
+
+    * v1: ``"shaped"`` is potential-based for the discount ``gamma`` (a new argument) and charges a
+      hard-rule breach at the step it happens, so the ordering principle holds under discounting
+      (v0 paid the undiscounted accuracy gain and charged every breach at the 24th step: under
+      gamma = 0.95 every tooth moved in the first aligner returned more than doing nothing). The
+      stepwise path is judged as a path: premolar and molar cusps driven into their antagonists
+      break ``occlusal_collision`` at any stage, and smoothness pays a tooth only for the share of
+      its path that is net movement (:func:`server.scoring.path_efficiency`), so a tooth that
+      jiggles or goes out and back is not paid for it. ``OrthoRL/AlignerStaging-v0`` still makes
+      an env, this version's (v0's rewards are not kept: they broke the ordering).
+    * v0: initial release.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
@@ -109,13 +140,17 @@ class AlignerStagingEnv(gym.Env):
         force_decay: bool = False,
         non_compliance: bool | None = None,
         reward_mode: str = "scaled",
+        gamma: float = 1.0,
     ):
         if task_id not in TASK_IDS:
             raise ValueError(f"task_id must be one of {', '.join(TASK_IDS)}, got {task_id!r}")
         if reward_mode not in REWARD_MODES:
             raise ValueError(f"reward_mode must be one of {', '.join(REWARD_MODES)}, got {reward_mode!r}")
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0.0 < gamma <= 1.0:
+            raise ValueError(f"gamma must be a discount in (0, 1], got {gamma!r}")
         self.reward_mode = reward_mode
-        self._paid = 0.0
+        self.gamma = float(gamma)
+        self._potential = self._charged = 0.0
         self.task_id, self.force_decay = task_id, bool(force_decay)
         self.non_compliance = non_compliance
         self._store = StepwiseDentalEnvironment(max_sessions=2, ttl_seconds=1e9)
@@ -154,7 +189,7 @@ class AlignerStagingEnv(gym.Env):
             task_id=self.task_id, seed=int(case_seed), force_decay=self.force_decay, **kwargs
         )
         self._episode_id, self._strategy = obs["episode_id"], strategy
-        self._accuracy = self._paid = 0.0
+        self._potential = self._charged = 0.0
         return self._arrays(obs), self._info(obs)
 
     def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
@@ -171,15 +206,25 @@ class AlignerStagingEnv(gym.Env):
             reward = float(obs["step_reward"])
             if done:
                 reward += float(obs["terminal_reward"])
-        elif done:  # the return is the scaled reward: the last step pays what the others did not
-            reward = info["scaled_reward"] - self._paid
         elif self.reward_mode == "shaped":
-            accuracy = float(obs["reward_breakdown"]["accuracy"])
-            reward, self._accuracy = accuracy - self._accuracy, accuracy
-            self._paid += reward
+            reward = self._shaped_reward(obs, info, done)
         else:
-            reward = 0.0
+            reward = info["scaled_reward"] if done else 0.0
         return self._arrays(obs), reward, done, False, info
+
+    def _shaped_reward(self, obs: dict[str, Any], info: dict[str, Any], done: bool) -> float:
+        """One step's ``"shaped"`` reward (the class docstring's Rewards): the potential's
+        discounted change, the step's breach charge and, on the 24th, the terminal remainder."""
+        potential = 0.0 if done else float(obs["reward_breakdown"]["accuracy"])
+        shaping = self.gamma * potential - self._potential
+        breach = self._store.sessions.get(self._episode_id).running_breach()
+        charged = float(scale_rewards(np.zeros(1), np.array([breach]))[0])  # 0 with no breach
+        reward = shaping + (charged - self._charged)
+        self._potential, self._charged = potential, charged
+        if done:
+            remainder = info["scaled_reward"] - charged
+            reward += min(remainder, 0.0) if info["broken_rules"] else remainder
+        return reward
 
     def close(self) -> None:
         if self._episode_id is not None:
@@ -219,7 +264,8 @@ class AlignerStagingEnv(gym.Env):
         }
 
 
-if ENV_ID not in gym.registry:
-    gym.register(id=ENV_ID, entry_point="server.gym_env:AlignerStagingEnv")
+for _env_id in (ENV_ID, *PREVIOUS_ENV_IDS):
+    if _env_id not in gym.registry:
+        gym.register(id=_env_id, entry_point="server.gym_env:AlignerStagingEnv")
 
-__all__ = ["ENV_ID", "REWARD_MODES", "AlignerStagingEnv"]
+__all__ = ["ENV_ID", "PREVIOUS_ENV_IDS", "REWARD_MODES", "AlignerStagingEnv"]

@@ -167,9 +167,9 @@ def occlusal_clearance_mm(poses: np.ndarray, reference: np.ndarray) -> np.ndarra
     direction (from the midpoint of the ``reference`` arch's upper first molars to the upper crown),
     less their vertical overlap where they overlap: an upper incisor's lingual surface leans about 45
     degrees near the edge, so each mm of overbite takes a mm of overjet and the ideal 2.5 mm / 2.5 mm
-    bite is contact (0). Premolars and molars are not judged: when their cusps meet, the mandible
-    opens about its hinge rather than the crowns passing through each other, so a vertical change
-    there opens the bite instead of colliding (this model keeps the mandible fixed).
+    bite is contact (0). Premolars and molars are measured apart, vertically
+    (:func:`posterior_clearance_mm`): their cusps meet on the occlusal plane rather than sliding
+    past each other as the incisors do.
 
     Args:
         poses: (..., 28, 7) crown poses.
@@ -185,6 +185,38 @@ def occlusal_clearance_mm(poses: np.ndarray, reference: np.ndarray) -> np.ndarra
     horizontal = np.sum((upper[..., :2] - lower[..., :2]) * labial, axis=-1)
     overlap = np.maximum(lower[..., 2] - upper[..., 2], 0.0)
     return horizontal - overlap
+
+
+POSTERIOR_ANTAGONISTS = ANTAGONIST_PAIRS[3:].reshape(8, 2)  # (8, (upper, lower)): teeth 4-7
+
+
+def posterior_clearance_mm(poses: np.ndarray) -> np.ndarray:
+    """(..., 8) vertical clearance (mm) between each upper premolar and molar cusp tip and its
+    antagonist's: ``z(upper) - z(lower)``; 0 where the cusps meet on the occlusal plane (every
+    generated case's initial and target bite), negative where the lower cusp stands above the upper
+    one (the crowns pass through each other).
+
+    A tooth moved along its own path between its initial and target poses keeps the clearance
+    within the range its endpoints span (:func:`posterior_clearance_floor_mm`). A cusp driven off
+    that path into its antagonist is an occlusal interference: the mandible, kept fixed in this
+    model, could only close on it by hinging the rest of the bite open. Interpolated plans never
+    reach it; an aligner series of arbitrary shapes (the stepwise faces) can.
+
+    Args:
+        poses: (..., 28, 7) crown poses.
+    """
+    edge = occlusal_points_of(poses, POSTERIOR_ANTAGONISTS.T.ravel())[..., 2]  # (..., 16): uppers, lowers
+    return edge[..., :8] - edge[..., 8:]
+
+
+def posterior_clearance_floor_mm(initial: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """(..., 8) the tightest :func:`posterior_clearance_mm` of arches whose teeth each lie between
+    their ``initial`` and ``target`` poses (..., 28, 7): each upper cusp at the lower of its two
+    heights, each lower cusp at the higher. A plan that moves every tooth along its own path from
+    initial to target, in any order and at any speed, stays above it (up to the small arc a cusp
+    describes while its crown rotates)."""
+    ends = occlusal_points_of(np.stack((initial, target)), POSTERIOR_ANTAGONISTS.T.ravel())[..., 2]
+    return np.min(ends[..., :8], axis=0) - np.max(ends[..., 8:], axis=0)
 
 
 def rotation_errors_deg(poses: np.ndarray, target: np.ndarray) -> np.ndarray:

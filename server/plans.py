@@ -16,9 +16,9 @@ Plan semantics (the one statement of them; the prompt and README quote it):
   [0, 1], non-finite or non-numeric fractions and unknown priorities are ignored
   (a group with a bad fraction is ignored whole; a bad ``start_stage`` falls back to the
   priority) and counted in :class:`PlanFormat`; nothing here raises. A group is *usable*
-  when it sets at least one tooth; a plan with no usable group is not a plan (the
-  training rewards give it their minimum, :mod:`orthojob.rewards.rollouts`), while this module
-  still reads it as uniform SLERP for the baseline API.
+  when it sets at least one tooth; a plan with no usable group is not a plan (every face reads
+  plans through :mod:`server.plan_text` and scores it the minimum), while this module still
+  reads it as uniform SLERP for the internal baseline API (:func:`server.treatment.score_plans`).
 * ``overcorrection`` (optional, a number in [0, :data:`MAX_OVERCORRECTION`], default 0) plans
   the group's teeth beyond their targets, to ``1 + overcorrection`` times their movement, as
   clinicians overcorrect movements that under-express (extrusion, rotation of round teeth):

@@ -17,7 +17,7 @@ tooth or contact (:func:`server.scoring.score_episodes` measures them):
   apart beyond 0.11 mm: such an aligner cannot be made;
 * **occlusal collision** - the bite closing through the opposing crowns: an upper-lower clearance
   of the achieved or the planned arch tighter than both the initial and the target bite by more
-  than :data:`server.scoring.OCCLUSAL_TOLERANCE_MM` (:func:`server.scoring.arch_breaches`);
+  than :data:`server.contact_rules.OCCLUSAL_TOLERANCE_MM` (:func:`server.contact_rules.arch_breaches`);
 * **overshoot** - a tooth ending past its target by more than 25 % of its movement and 0.1
   mm-equivalent (:data:`server.scoring.OVERSHOOT_TOLERANCE_SHARE`): a malocclusion made, not treated.
 

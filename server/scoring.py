@@ -22,8 +22,15 @@ Components (ENVIRONMENT.md §5):
   out: every planned increment within the per-stage limits (with LIMIT_TOLERANCE) and the
   aligners reaching the target by the last stage (a plan-level check; not in the terminal).
 * ``smoothness`` - mean over moved teeth of ``mean(d)^2 / mean(d^2)`` over the 24
-  planned increments ``d`` (1 for constant speed through the treatment, k/24 for a
-  tooth moving in k stages, lower for uneven speed).
+  planned advances ``d`` (each increment as far as it extends the aligners' reach from the
+  initial poses, :func:`server.dynamics.reach_advances`: the increment itself on an interpolated
+  plan's straight path, 0 for a step back over ground already covered) (1 for constant speed
+  through the treatment, k/24 for a tooth moving in k stages, lower for uneven speed), times the
+  tooth's path efficiency
+  (:func:`path_efficiency`: its net planned movement over the path its aligners take, less a
+  share for every millimetre of detour, 1 on the straight path of an interpolated plan): a tooth
+  that reverses (a jiggle, a round trip) moves more than it needs and is not paid for the
+  evenness of its detours.
 * ``staging`` - ``(rho + 1) / 2`` with ``rho`` the *sequence concordance* in [-1, 1]
   between the declared strategy's staging order and the order in which the treated teeth
   actually move (:func:`server.movement_order.sequence_concordance`: by each tooth's movement centroid, the mean
@@ -32,7 +39,9 @@ Components (ENVIRONMENT.md §5):
 * ``strategy_multiplier`` - 1.2 optimal, 1.0 neutral, 0.6 wrong; a declared strategy
   the sequence contradicts (rho < -0.2) counts as wrong, and the optimal one is only
   paid 1.2 when the movement follows its sequence (rho >= 0.45: on average a lead of 1.1
-  aligners or more between consecutive levels).
+  aligners or more between consecutive levels). On a case with no tooth to treat (``treated_teeth``
+  0 in the diagnostics) there is nothing to stage: a declared strategy counts as none (staging 0.5,
+  multiplier 1.0), so no label is paid where nothing is done (:func:`strategy_terms`).
 * ``occlusion_course`` - occlusion over the course of treatment: the mean, over aligners
   4, 8, ..., 24 (:data:`OCCLUSION_CHECKPOINTS`), of the achieved arch's occlusion gain
   ``(occ_s - occ_0) / max(occ_target - occ_0, 0.02)``, clipped to [0, 1]. A plan that
@@ -65,18 +74,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.absent_teeth import antagonists_present, gap_pairs, mask_pairs
+from server.absent_teeth import mask_pairs
 from server.clinical_profiles import SEQUENCED_TEETH, STRATEGY_LEVELS, strategy_multiplier_class
 from server.collisions import (
     ALL_PAIR_CROWNS,
     COLLISION_TOLERANCE_MM,
-    SECOND_CROWNS,
     all_pairs_penetration_mm,
     collision_severity,
     contact_major,
-    pair_penetration_mm,
-    second_neighbour_penetration_mm,
 )
+from server.contact_rules import arch_breaches
 from server.dental_constants import (
     ADJACENT_PAIRS,
     ALIGNER_FORCE_N_PER_DEG,
@@ -91,10 +98,12 @@ from server.dental_constants import (
     PDL_OPTIMAL_KPA,
     ROOT_AREA_MM2,
 )
-from server.dynamics import designed_steps, engaged
+from server.dynamics import designed_steps, engaged, engaging_steps, reach_advances
 from server.movement_order import movement_centroid, sequence_concordance
 from server.movement_priors import CombinedPrior
-from server.occlusion import ANTERIOR_ANTAGONISTS, occlusal_clearance_mm, occlusion_composite
+from server.occlusion import (
+    occlusion_composite,
+)
 from server.quaternion_utils import components, pose_distances, quaternion_angle, vector_norm
 from server.reward_scaler import scale_rewards
 
@@ -137,9 +146,6 @@ past both it is the hard rule ``overshoot``: the plan drove the tooth well beyon
 prescribed, into a malocclusion of its own."""
 OVERSHOOT_TOLERANCE_SHARE: float = 0.25
 """Share of a tooth's movement it may overshoot before the hard rule (see OVERSHOOT_TOLERANCE_MM)."""
-OCCLUSAL_TOLERANCE_MM: float = COLLISION_TOLERANCE_MM
-"""How far an antagonist clearance (:func:`server.occlusion.occlusal_clearance_mm`) may fall below
-the smaller of its initial and target values before the bite closes through the opposing crowns."""
 _CHECKPOINTS = np.array(OCCLUSION_CHECKPOINTS)
 _SCHEDULE = _CHECKPOINTS / N_STAGES
 """(C,) the share of the treatment uniform staging has delivered at each occlusion checkpoint."""
@@ -278,74 +284,6 @@ def hard_rule_breaches(
     }
 
 
-def arch_breaches(
-    initial: np.ndarray,
-    target: np.ndarray,
-    width_mm: np.ndarray,
-    depth_mm: np.ndarray,
-    planned: np.ndarray,
-    achieved: np.ndarray,
-    second_penetration: np.ndarray | None = None,
-    absent: np.ndarray | None = None,
-) -> dict[str, np.ndarray]:
-    """The contact rules beyond neighbouring teeth, (B,) each (0 for a plan that breaks none).
-
-    * ``second_collision_breach``: crowns one apart (:data:`server.dental_constants.SECOND_NEIGHBOUR_PAIRS`),
-      and crowns facing each other across two or more absent teeth (:func:`server.absent_teeth.gap_pairs`),
-      of the achieved arch penetrating beyond COLLISION_TOLERANCE_MM, ``sum (pen - tol)+ / tol``.
-    * ``aligner_collision_breach``: the same for the aligner shapes (the planned poses), neighbours and
-      crowns one apart, on the rows whose aligners differ from the achieved teeth (force decay,
-      non-compliance: overcorrected shapes); where they coincide the teeth's own check covers them.
-      Interpenetrating tooth sockets cannot be thermoformed into one aligner.
-    * ``occlusal_breach``: the bite closing through the opposing crowns: an antagonist clearance
-      (:func:`server.occlusion.occlusal_clearance_mm`) of the achieved arch below the smaller of its
-      initial and target values by more than OCCLUSAL_TOLERANCE_MM, ``sum (excess) / tol``. Initial
-      and target are real bites; a path between them that is tighter than both (a Class II
-      retracted before its deep bite is opened) drives the incisors through each other. The aligner
-      shapes are not held to it: upper and lower aligners are two shells and the bite rests on
-      their plastic, so an overcorrected shape may pass the target bite.
-
-    Args: (B, 28, 7) initial and target, (B, 28) crown sizes, (B, 25, 28, 7) trajectories;
-    ``second_penetration`` (B, 24, 24) the achieved arch's, when at hand (:class:`StageMeasures`);
-    ``absent`` (B, 28) bool the absent teeth: their pairs and antagonists are not judged.
-    """
-    tol = COLLISION_TOLERANCE_MM
-    w, d = width_mm[:, None], depth_mm[:, None]
-    if second_penetration is None:
-        second_penetration = mask_pairs(
-            second_neighbour_penetration_mm(achieved[:, 1:], w, d), absent, SECOND_CROWNS
-        )
-    second = np.sum(np.maximum(second_penetration - tol, 0.0), axis=(-2, -1))
-    if absent is not None:  # crowns facing each other across two or more absent teeth
-        for b in np.flatnonzero(absent.any(axis=-1)):
-            gaps = gap_pairs(absent[b])
-            if gaps.shape[1]:
-                pen = pair_penetration_mm(achieved[b, 1:], width_mm[b], depth_mm[b], gaps)
-                second[b] += np.sum(np.maximum(pen - tol, 0.0))
-    aligner = np.zeros(initial.shape[0])
-    clear_ref = np.minimum(occlusal_clearance_mm(initial, target), occlusal_clearance_mm(target, target))
-    excess = (
-        clear_ref[:, None] - OCCLUSAL_TOLERANCE_MM - occlusal_clearance_mm(achieved[:, 1:], target[:, None])
-    )
-    if absent is not None:
-        excess = np.where(antagonists_present(absent, ANTERIOR_ANTAGONISTS)[:, None], excess, 0.0)
-    occlusal = np.sum(np.maximum(excess, 0.0), axis=(-2, -1))
-    if planned is not achieved:
-        differs = np.flatnonzero(np.any(planned[:, 1:] != achieved[:, 1:], axis=(1, 2, 3)))
-        if differs.size:
-            p = planned[differs, 1:]
-            pw, pd = w[differs], d[differs]
-            pen = all_pairs_penetration_mm(p, pw, pd)
-            if absent is not None:
-                pen = mask_pairs(pen, absent[differs], ALL_PAIR_CROWNS)
-            aligner[differs] = np.sum(np.maximum(pen - tol, 0.0), axis=(-2, -1))
-    return {
-        "second_collision_breach": second / tol,
-        "aligner_collision_breach": aligner / tol,
-        "occlusal_breach": occlusal / OCCLUSAL_TOLERANCE_MM,
-    }
-
-
 def all_breaches(
     initial: np.ndarray,
     target: np.ndarray,
@@ -357,7 +295,7 @@ def all_breaches(
     absent: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Every hard rule's breach (B,) of trajectories (what :func:`score_episodes` reports, without the
-    quality terms): :func:`hard_rule_breaches`, :func:`arch_breaches` and ``overshoot_breach``."""
+    quality terms): :func:`hard_rule_breaches`, :func:`server.contact_rules.arch_breaches` and ``overshoot_breach``."""
     m = stage_measures(planned, achieved, width_mm, depth_mm, absent=absent) if measures is None else measures
     out = hard_rule_breaches(m)
     out.update(
@@ -368,6 +306,35 @@ def all_breaches(
     )
     out["overshoot_breach"] = overshoot_breach(need, overshoot(need, delivered, error))
     return out
+
+
+PATH_DETOUR_EPS_MM: float = 1e-6
+"""A planned path longer than the net movement by no more than this (mm-equivalent) is straight:
+floating-point noise of an interpolated plan's increments, not a detour."""
+PATH_DETOUR_SCALE_MM: float = MAX_TRANSLATION_MM
+"""Detour (planned path beyond the net movement, mm-equivalent) at which a tooth's path efficiency
+reaches 0 whatever its net movement: a tooth whose aligners travel one per-stage limit more than it
+needs has no even staging to be paid for. The ratio alone charges a round trip by its share of the
+net movement, next to nothing on a tooth moving several millimetres."""
+
+
+def path_efficiency(net_mm: np.ndarray, inc_mm: np.ndarray) -> np.ndarray:
+    """(..., 28) each tooth's path efficiency, in [0, 1]: its net planned movement over the length
+    of its planned path, times ``1 - detour / PATH_DETOUR_SCALE_MM`` (clipped at 0) with ``detour``
+    the path beyond the net movement.
+
+    ``net_mm`` (..., 28): the mm-equivalent distance from the first to the last aligner;
+    ``inc_mm`` (..., S, 28): the mm-equivalent increments between consecutive aligners. An
+    interpolated plan moves each tooth along one straight path (translation on a line, rotation
+    about one axis, both at the same share per stage), so its path is its net movement: 1. A tooth
+    that reverses (jiggles, goes out and back) travels more than it moves: less than 1, and 0 for a
+    tooth moved and returned to where it started or one whose detour reaches PATH_DETOUR_SCALE_MM.
+    A tooth that never moves: 1.
+    """
+    path = inc_mm.sum(axis=-2)
+    detour = path - net_mm
+    ratio = net_mm / np.maximum(path, 1e-30) * np.clip(1.0 - detour / PATH_DETOUR_SCALE_MM, 0.0, 1.0)
+    return np.where(detour > PATH_DETOUR_EPS_MM, ratio, 1.0)
 
 
 def overshoot(need: np.ndarray, delivered: np.ndarray, error: np.ndarray) -> np.ndarray:
@@ -431,6 +398,43 @@ def start_stages(inc_mm: np.ndarray) -> np.ndarray:
     moving = inc_mm > INCREMENT_EPS_MM
     first = np.argmax(moving, axis=-2) + 1
     return np.where(moving.any(axis=-2), first, inc_mm.shape[-2] + 1)
+
+
+def strategy_terms(
+    profiles: list[str],
+    strategies: list[str | None],
+    secondary_profiles: list[str | None],
+    inc_mm: np.ndarray,
+    treated: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(staging, strategy_multiplier, sequence_concordance)``, (B,) each, of B plans' declared
+    strategies (see the module docstring).
+
+    Args:
+        profiles, secondary_profiles: the B cases' profiles (they set the optimal strategy).
+        strategies: the B declared strategies (None, or an unknown one: none declared).
+        inc_mm: (B, 24, 28) planned increments (mm-equivalent).
+        treated: (B, 28) the teeth each case needs moved.
+
+    A strategy counts only on a case with a tooth to treat: a case with nothing to move has nothing
+    to stage, so a strategy declared for it counts as none (staging 0.5, multiplier neutral) and no
+    label is paid where nothing is done; doing nothing there scores as a plan without a strategy.
+    """
+    stageable = treated.any(axis=-1)
+    declared = [s if s in STRATEGY_LEVELS and ok else None for s, ok in zip(strategies, stageable)]
+    levels = np.array([STRATEGY_LEVELS[s] if s else _NO_LEVELS for s in declared])
+    sequenced = np.array([SEQUENCED_TEETH[s] if s else _ALL_TEETH for s in declared])
+    rho = sequence_concordance(levels, movement_centroid(inc_mm), treated & sequenced)
+    has_strategy = np.array([s is not None for s in declared])
+    staging = np.where(has_strategy, (rho + 1.0) / 2.0, 0.5)
+    classes = [strategy_multiplier_class(p, s, q) for p, s, q in zip(profiles, declared, secondary_profiles)]
+    classes = [
+        "wrong"
+        if s is not None and r < STAGING_AGAINST_RHO
+        else ("neutral" if c == "optimal" and r < STAGING_FOLLOWS_RHO - RHO_ROUNDING else c)
+        for c, s, r in zip(classes, declared, rho)
+    ]
+    return staging, np.array([STRATEGY_MULTIPLIERS[c] for c in classes]), rho
 
 
 def score_episodes(
@@ -521,28 +525,21 @@ def score_episodes(
     )
     course = occlusion_course(occ, progress, need, treated)
 
-    mean_d = inc_mm.mean(axis=-2)
-    mean_d2 = (inc_mm**2).mean(axis=-2)
+    forward_t, forward_r = engaging_steps(inc_t, np.radians(inc_r), *reach_advances(planned))
+    forward = np.where(
+        (forward_t == inc_t) & (forward_r == np.radians(inc_r)),
+        inc_mm,
+        np.hypot(forward_t, MM_PER_DEG * np.degrees(forward_r)),
+    )  # (B, 24, 28) the increments as far as they advance: inc_mm on a straight path
+    mean_d = forward.mean(axis=-2)
+    mean_d2 = (forward**2).mean(axis=-2)
     tooth_smooth = np.clip(np.where(mean_d2 > 0, mean_d**2 / np.maximum(mean_d2, 1e-30), 1.0), 0.0, 1.0)
+    tooth_smooth = tooth_smooth * path_efficiency(planned_delivered, inc_mm)
     smoothness = _masked_mean(tooth_smooth, moved, 1.0)
 
     starts = start_stages(inc_mm)
-    declared = [s if s in STRATEGY_LEVELS else None for s in strategies]
-    levels = np.array([STRATEGY_LEVELS[s] if s else _NO_LEVELS for s in declared])
-    sequenced = np.array([SEQUENCED_TEETH[s] if s else _ALL_TEETH for s in declared])
-    rho = sequence_concordance(levels, movement_centroid(inc_mm), treated & sequenced)
-    has_strategy = np.array([s is not None for s in declared])
-    staging = np.where(has_strategy, (rho + 1.0) / 2.0, 0.5)
-
     secondary = secondary_profiles if secondary_profiles is not None else [None] * b
-    classes = [strategy_multiplier_class(p, s, q) for p, s, q in zip(profiles, declared, secondary)]
-    classes = [
-        "wrong"
-        if s is not None and r < STAGING_AGAINST_RHO
-        else ("neutral" if c == "optimal" and r < STAGING_FOLLOWS_RHO - RHO_ROUNDING else c)
-        for c, s, r in zip(classes, declared, rho)
-    ]
-    multiplier = np.array([STRATEGY_MULTIPLIERS[c] for c in classes])
+    staging, multiplier, rho = strategy_terms(profiles, strategies, secondary, inc_mm, treated)
 
     realism, anchorage, prior = (
         np.asarray(x, dtype=float).reshape(b)
@@ -576,6 +573,7 @@ def score_episodes(
         "colliding_contacts": (pen > COLLISION_TOLERANCE_MM).sum(axis=(-2, -1)),
         "pdl_over_critical": (stress > PDL_CRITICAL_KPA).sum(axis=(-2, -1)),
         "sequence_concordance": rho,
+        "treated_teeth": treated.sum(axis=-1).astype(float),
         "peak_pdl_kpa": np.where(judged, peak, 0.0).max(axis=-1),
         "overshoot_mm": over.max(axis=-1),
     }

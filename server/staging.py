@@ -66,7 +66,7 @@ def overcorrection_room(
     COLLISION_TOLERANCE_MM) when every tooth is overcorrected alike: the final aligner's shape, each
     tooth at ``1 + oc`` of its movement (:func:`server.plans.interpolate_poses`). A technician sees
     this on the overcorrected setup. It needs no plan; the oracle's collision relief
-    (:func:`server.oracle.relieve_aligner_collisions`) instead trims a given plan's overcorrection on
+    (:func:`server.setup_refinement.relieve_aligner_collisions`) instead trims a given plan's overcorrection on
     the simulator, and mostly ends within it (its neighbours are not always overcorrected alike).
 
     initial, target: (28, 7) poses; width_mm, depth_mm: (28,) crown sizes; ``absent`` (28,) bool:

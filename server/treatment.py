@@ -50,14 +50,15 @@ def _format(spec: PlanSpec, absent: np.ndarray | None) -> dict:
 
 def rollout_plans(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> tuple[np.ndarray, np.ndarray]:
     """Planned and achieved trajectories (B, 25, 28, 7) of plans on their cases."""
-    return _rollout(specs, cases)[:2]
+    return plan_rollout(specs, cases)[:2]
 
 
-def _rollout(
+def plan_rollout(
     specs: Sequence[PlanSpec], cases: Sequence[Case]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """:func:`rollout_plans`, with the rows whose teeth may lag the plan (B,) bool and, when some
-    do, the planned trajectories' designed steps (:func:`server.dynamics.designed_steps`)."""
+    do, the planned trajectories' designed steps (:func:`server.dynamics.designed_steps`): what
+    :func:`score_rollout` scores."""
     initial = np.stack([c.initial for c in cases])
     target = np.stack([c.target for c in cases])
     over = None
@@ -92,30 +93,34 @@ def score_plan_specs(specs: Sequence[PlanSpec], cases: Sequence[Case]) -> list[d
     out: list[dict] = []
     for lo in range(0, len(specs), BATCH_CHUNK):
         s_chunk, c_chunk = specs[lo : lo + BATCH_CHUNK], cases[lo : lo + BATCH_CHUNK]
-        planned, achieved, lagging, steps = _rollout(s_chunk, c_chunk)
-        width_mm = np.stack([c.crown_width_mm for c in c_chunk])
-        depth_mm = np.stack([c.crown_depth_mm for c in c_chunk])
-        absent = batch_absent(c_chunk)
-        validity = [
-            s.format.validity if c.absent is None else validity_on(s, c.absent)
-            for s, c in zip(s_chunk, c_chunk)
-        ]
-        scores = score_episodes(
-            initial=planned[:, 0],
-            target=np.stack([c.target for c in c_chunk]),
-            width_mm=width_mm,
-            depth_mm=depth_mm,
-            planned=planned,
-            achieved=achieved,
-            profiles=[c.profile for c in c_chunk],
-            secondary_profiles=[c.secondary_profile for c in c_chunk],
-            strategies=[s.strategy for s in s_chunk],
-            validity=np.array(validity),
-            measures=stage_measures(planned, achieved, width_mm, depth_mm, lagging, steps, absent),
-            absent=absent,
-        )
-        out.extend(plan_result(s, scores, i, c.absent) for i, (s, c) in enumerate(zip(s_chunk, c_chunk)))
+        out.extend(score_rollout(s_chunk, c_chunk, plan_rollout(s_chunk, c_chunk)))
     return out
+
+
+def score_rollout(specs: Sequence[PlanSpec], cases: Sequence[Case], rollout: tuple) -> list[dict]:
+    """:func:`score_plan_specs` of plans whose :func:`plan_rollout` is at hand (one batch, unchunked)."""
+    planned, achieved, lagging, steps = rollout
+    width_mm = np.stack([c.crown_width_mm for c in cases])
+    depth_mm = np.stack([c.crown_depth_mm for c in cases])
+    absent = batch_absent(cases)
+    validity = [
+        s.format.validity if c.absent is None else validity_on(s, c.absent) for s, c in zip(specs, cases)
+    ]
+    scores = score_episodes(
+        initial=planned[:, 0],
+        target=np.stack([c.target for c in cases]),
+        width_mm=width_mm,
+        depth_mm=depth_mm,
+        planned=planned,
+        achieved=achieved,
+        profiles=[c.profile for c in cases],
+        secondary_profiles=[c.secondary_profile for c in cases],
+        strategies=[s.strategy for s in specs],
+        validity=np.array(validity),
+        measures=stage_measures(planned, achieved, width_mm, depth_mm, lagging, steps, absent),
+        absent=absent,
+    )
+    return [plan_result(s, scores, i, c.absent) for i, (s, c) in enumerate(zip(specs, cases))]
 
 
 def score_plans(plans: Sequence[object], cases: Sequence[CaseKey | tuple | Case]) -> list[dict]:

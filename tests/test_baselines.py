@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.cases import TASK_IDS, generate_case
+from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 from server.dental_constants import TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
 from server.oracle import infer_profile, oracle_plan
 from server.treatment import score_plans
 
-HELD_OUT_SEEDS = range(1_000_000, 1_000_200)
+HELD_OUT_SEEDS = range(HELDOUT_SEED_START, HELDOUT_SEED_START + 200)
 CLEAR_MARGIN = 0.05
 LOW_SCORE = 0.2
 ORACLE_WIN_SHARE = 0.8

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.cases import TASK_IDS, TASK_SEVERITY, generate_case
+from server.cases import HELDOUT_SEED_START, TASK_IDS, TASK_SEVERITY, generate_case
 from server.clinical_profiles import CLASS_II_MM, OVERBITE_MM, OVERJET_MM, SPACING_MM
 from server.dental_constants import N_STAGES, TOOTH_IDS
 from server.dynamics import BIOLOGICAL_CAP_MM
@@ -100,7 +100,7 @@ def test_the_oracle_compensates_under_decay(task):
     for decay in (False, True):
         diffs = []
         for seed in range(20):
-            case = generate_case(task, 1_000_000 + seed, decay)
+            case = generate_case(task, HELDOUT_SEED_START + seed, decay)
             o, u = score_plans([plan_for_case(case), None], [case, case])
             diffs.append(o["scaled_reward"] - u["scaled_reward"])
         margins[decay] = float(np.mean(diffs))

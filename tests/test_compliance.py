@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.cases import generate_case
+from server.cases import HELDOUT_SEED_START, generate_case
 from server.compliance import MISSED_WEAR_FACTOR, PARTIAL_WEAR_FACTOR, compliance_schedule
 from server.dental_constants import N_STAGES, N_TEETH
 from server.dental_environment import StepwiseDentalEnvironment
@@ -16,7 +16,7 @@ from server.plans import interpolate_poses
 from server.treatment import score_plans
 
 UNIFORM = {"tooth_groups": [{"teeth": [], "fraction": 1 / 24, "priority": "high"}]}
-SEEDS = range(1_000_000, 1_000_040)
+SEEDS = range(HELDOUT_SEED_START, HELDOUT_SEED_START + 40)
 
 
 def slerp_poses(case) -> np.ndarray:

@@ -272,7 +272,7 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
         assert metrics["gate/scaled_reward_mean"].value == content["metrics"]["scaled_reward_mean"]
         assert model.tags["orthorl.gate_passed"] == str(content["passed"]).lower()
         start, n = content["evaluation"]["seed_start"], content["evaluation"]["n_seeds"]
-        heldout = f"heldout-task_easy-{start}-{start + n - 1}"
+        heldout = f"heldout-{'+'.join(content['evaluation']['task_ids'])}-{start}-{start + n - 1}"
         assert metrics["gate/hard_rule_share"].dataset_name == heldout
         inputs = {
             {t.key: t.value for t in i.tags}["mlflow.data.context"]: i.dataset

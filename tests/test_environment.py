@@ -38,6 +38,10 @@ OBSERVATION_KEYS = {
 }
 
 
+UNIFORM_SLERP = {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 1 / N_STAGES}]}
+"""Every tooth at an even pace through the 24 aligners: the plan ``planned_trajectory(None, ...)`` wears."""
+
+
 def planned_trajectory(plan, task: str, seed: int, force_decay: bool = False) -> np.ndarray:
     """The aligner shapes (25, 28, 7) a plan means for a case."""
     planned, _ = rollout_plans([normalize_plan(plan)], [generate_case(task, seed, force_decay)])
@@ -97,7 +101,7 @@ def test_stepping_uniform_slerp_gives_the_plan_score(env, task, force_decay):
         assert obs["current_stage"] == s and obs["stages_remaining"] == N_STAGES - s
         assert obs["done"] is (s == N_STAGES)
         json.dumps(obs, allow_nan=False)
-    plan = env.score_plan(None, task, seed, force_decay)
+    plan = env.score_plan(UNIFORM_SLERP, task, seed, force_decay)
     assert obs["terminal_reward"] == pytest.approx(plan["terminal_reward"], abs=1e-9)
     assert obs["reward_breakdown"] == pytest.approx(plan["reward_breakdown"], abs=1e-9)
     assert obs["violations"]["limits"] == 0
@@ -115,7 +119,7 @@ def test_a_declared_strategy_reaches_the_terminal_score(env):
     eid = env.reset("task_easy", 3)["episode_id"]
     env.step(eid, traj[1].tolist(), strategy="distal_first")
     obs = run_episode_from(env, eid, traj, 2)
-    plan = env.score_plan({"strategy": "distal_first"}, "task_easy", 3)
+    plan = env.score_plan({**UNIFORM_SLERP, "strategy": "distal_first"}, "task_easy", 3)
     assert obs["terminal_reward"] == pytest.approx(plan["terminal_reward"], abs=1e-9)
 
 
@@ -353,13 +357,17 @@ def test_rollback_is_limited_to_two(env):
         env.rollback_stage(eid)
 
 
-def test_rollback_after_done_reopens_the_last_stage(env):
+def test_rollback_after_done_is_refused_so_the_terminal_is_paid_once(env):
     traj = planned_trajectory(None, "task_easy", 4)
     eid = env.reset("task_easy", 4)["episode_id"]
     done = run_episode(env, eid, traj)
-    back = env.rollback_stage(eid)
-    assert back["done"] is False and back["terminal_reward"] is None and back["current_stage"] == N_STAGES - 1
-    assert env.step(eid, traj[-1].tolist())["terminal_reward"] == done["terminal_reward"]
+    assert done["done"] and done["terminal_reward"] is not None
+    # reopening aligner 24 would pay the terminal reward again (up to MAX_ROLLBACKS more times)
+    with pytest.raises(InvalidActionError, match="done"):
+        env.rollback_stage(eid)
+    assert env.state(eid) == done
+    with pytest.raises(InvalidActionError, match="done"):
+        env.step(eid, traj[-1].tolist())
 
 
 # --- episode ids and the store ----------------------------------------------------------------------------

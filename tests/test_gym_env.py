@@ -1,4 +1,4 @@
-"""The Gymnasium face (:mod:`server.gym_env`): ``gymnasium.make("OrthoRL/AlignerStaging-v0", ...)``
+"""The Gymnasium face (:mod:`server.gym_env`): ``gymnasium.make("OrthoRL/AlignerStaging-v1", ...)``
 passes Gymnasium's env checker; uniform SLERP and the oracle's plan played through the Gymnasium
 API score what the environment scores them (its stepwise episode, bit for bit, and its whole-plan
 scoring); the episode's return is the scaled reward the planners are judged on (a rule-breaker returns

@@ -35,6 +35,7 @@ from server.app import build_app
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
 from server.json_values import NonFiniteOutputError
+from server.reward_scaler import REWARD_MIN
 from server.serving.fast_path import EpisodeFastPath
 from server.serving.models import DentalAction
 from server.serving.serialization import ObservationEncoder, encode_json, observation_payload
@@ -316,6 +317,9 @@ def test_plan_scoring(http: httpx.Client) -> None:
         assert all(finite(v) for v in result["reward_breakdown"].values())
         assert isinstance(result["format"], dict)
         scores.append(result["terminal_reward"])
+        plan_sent = body["task_id"] == "task_medium"
+        assert (result["not_a_plan"] is None) is plan_sent, result  # the last two are not plans
+        assert (result["scaled_reward"] == REWARD_MIN) is not plan_sent, result
     assert scores[0] == scores[1]  # text and object forms of one plan score the same
     # a non-finite fraction inside a plan is ignored (counted by the format score), never a crash
     text = json.dumps({"plan": plan, "task_id": "task_medium", "seed": 4}).replace("0.08", "NaN")
@@ -427,7 +431,7 @@ def test_non_compliance_option(http: httpx.Client, uvicorn_server: str) -> None:
     assert new_episode(http, task_id="task_hard", seed=9)["non_compliance"] is False
     refused = http.post("/episodes", json={"task_id": "task_easy", "seed": 9, "non_compliance": True})
     assert refused.status_code == 422 and "task_hard" in refused.json()["detail"], refused.text
-    uniform = {"tooth_groups": [{"teeth": [], "fraction": 1 / 24, "priority": "high"}]}
+    uniform = {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 1 / 24, "priority": "high"}]}
     scored = [
         http.post(
             "/plans/score", json={"plan": uniform, "task_id": "task_hard", "seed": 9, "non_compliance": flag}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import Field, fields, replace
 
 import numpy as np
 import pytest
@@ -24,7 +24,7 @@ from orthojob.rewards.canaries import METRICS, episode_values
 from orthojob.rewards.parsing import find_plan
 from orthojob.rewards.reward_functions import reward_format, reward_terminal
 from orthojob.rewards.rollouts import DEFAULT_CACHE
-from server.cases import HELDOUT_SEED_START, TRAIN_SEED_START, generate_case
+from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START, generate_case
 from server.clinical_profiles import STRATEGIES
 from server.treatment import score_plans
 
@@ -510,23 +510,69 @@ def test_strategy_last_demos_are_the_same_plans_in_the_other_key_order():
     assert reward_format(texts, **cols) == pytest.approx([1.0] * 6)
 
 
+def _away_from_default(f: Field, default):
+    """A value of field ``f`` other than its ``default`` (a new kind of field fails here until it has one)."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 1
+    if isinstance(default, float):
+        return default + 1 / 3  # no short decimal: the flag has to carry every digit
+    if isinstance(default, str):
+        return (
+            next(c for c in f.metadata["choices"] if c != default)
+            if "choices" in f.metadata
+            else default + "-x"
+        )
+    if isinstance(default, dict):
+        return {level: 2 + k / 3 for k, level in enumerate(TASK_IDS)}
+    raise AssertionError(f"{f.name}: no value away from its default {default!r}")
+
+
+def test_the_chain_process_is_given_every_setting_of_the_run():
+    """make learn's chain's process (``chain_command``: flags from the metadata the parser is built from)
+    rebuilds the run's config whole, with ``chain_only`` set: every field set away from its default
+    (level weights included) comes back through the parser, and so do the defaults."""
+    from examples.learning import LearnConfig, build_parser, chain_command
+
+    defaults = LearnConfig()
+    away = LearnConfig(
+        **{f.name: _away_from_default(f, getattr(defaults, f.name)) for f in fields(LearnConfig)}
+    )
+    assert [f.name for f in fields(LearnConfig) if getattr(away, f.name) == getattr(defaults, f.name)] == []
+    for cfg in (away, defaults):
+        command = chain_command(cfg)
+        assert command[1:3] == ["-m", "examples.learning"]
+        assert LearnConfig(**vars(build_parser().parse_args(command[3:]))) == replace(cfg, chain_only=True)
+
+
 def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypatch, capsys):
-    """make learn's code path on a 1-layer model, a few steps each (both chains in one process): the
-    file has every cell, planner, curve and target, and an untrained model fails the targets (exit 1)."""
+    """make learn's code path on a 1-layer model, a few steps each, the chain (BC, RSFT, GRPO from BC) in
+    its own process as make learn starts it: the file has every cell, planner, curve and target, and an
+    untrained model fails the targets (exit 1)."""
     from examples import learning, learning_report
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as make learn: one thread a process
     argv = ["--out", str(tmp_path / "learn"), "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
             "--intermediate", "32", "--sft-examples", "8", "--sft-steps", "2", "--bc-examples", "12", "--bc-steps", "2",
             "--steps", "2", "--stage0-steps", "2", "--eval-every", "1", "--num-generations", "2", "--prompts-per-step", "1", "--num-prompts",
             "4", "--max-completion-length", "16", "--stage0-completion-length", "16", "--eval-max-new-tokens", "16", "--eval-seeds", "1",
-            "--rsft-prompts", "6", "--rsft-samples", "2", "--rsft-steps", "1", "--bc-ema", "0.5", "--no-parallel"]  # fmt: skip
+            "--rsft-prompts", "6", "--rsft-samples", "2", "--rsft-steps", "1", "--bc-ema", "0.5",
+            "--bc-level-weight", "task_hard=2"]  # fmt: skip
     assert learning.main(argv) == 1
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith("SOME TARGETS FAILED") and "| target | passed | value |" in printed
     report = json.loads((tmp_path / "learn" / "learning.json").read_text())
+    chain_log = (tmp_path / "learn" / "chain.log").read_text()
+    assert "chain_error" not in report, chain_log
+    # the chain ran in the process make learn starts, with every setting of the run
+    chain = json.loads((tmp_path / "learn" / "chain.json").read_text())
+    assert chain["config"] == {**report["config"], "chain_only": True} and report["config"]["parallel"]
+    assert "grpo_bc step 2: pooled" in chain_log
     assert report["cells"] == list(CELL_NAMES) and report["passed"] is False
     assert set(report["runs"]) == {"grpo_stage0", "grpo_bc"}
+    assert report["runs"]["grpo_bc"]["training"]["grpo_config"]["level_weights"] == {"task_hard": 2}
     for run in report["runs"].values():
         assert [e["step"] for e in run["evaluations"]] == [0, 1, 2]
         for e in run["evaluations"]:

@@ -10,7 +10,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orthojob.rewards import parsing
 from orthojob.rewards.parsing import (
     FORMAT_CHECKS,
     MAX_CANDIDATES,
@@ -23,6 +22,7 @@ from orthojob.rewards.parsing import (
     find_plan,
     format_checks,
 )
+from server import plan_text
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import TOOTH_IDS
 from server.plans import MAX_GROUPS, normalize_plan
@@ -259,8 +259,8 @@ def test_hostile_16k_text_is_read_in_linear_time(name: str, monkeypatch: pytest.
             read.append(end - idx)
             return value, end
 
-    monkeypatch.setattr(parsing, "_DECODER", Counting(parsing._DECODER))
-    monkeypatch.setattr(parsing, "_PLAIN_DECODER", Counting(parsing._PLAIN_DECODER))
+    monkeypatch.setattr(plan_text, "_DECODER", Counting(plan_text._DECODER))
+    monkeypatch.setattr(plan_text, "_PLAIN_DECODER", Counting(plan_text._PLAIN_DECODER))
     assert _timed_extract(text) is None
     assert len(read) <= MAX_CANDIDATES
     assert sum(read) <= MAX_DECODE_CHARS + MAX_COMPLETION_CHARS  # the last decode may overrun the budget
@@ -500,3 +500,14 @@ def test_format_checks_never_raise(plan: object) -> None:
     assert all(v in (0.0, 1.0) for k, v in checks.items() if k != "total")
     assert checks["total"] == pytest.approx(sum(checks[k] for k in FORMAT_CHECKS) / len(FORMAT_CHECKS))
     assert 0.0 <= checks["total"] <= 1.0
+
+
+def test_the_scan_is_the_servers_reader() -> None:
+    """One reader: the job's parsing re-exports :mod:`server.plan_text`'s scan, and what it finds
+    is a plan exactly when the reader says so."""
+    assert find_plan is plan_text.find_plan and MAX_COMPLETION_CHARS == plan_text.MAX_COMPLETION_CHARS
+    repeated = '{"tooth_groups": [{"teeth": [11], "fraction": 0.04}], "tooth_groups": []}'
+    assert find_plan(repeated) == ({"tooth_groups": []}, 1)  # the scan keeps JSON's last value
+    reading = plan_text.read_plan_text(repeated)
+    assert not reading.is_plan and '"tooth_groups"' in reading.reason
+    assert plan_text.read_plan_text(PLAN_TEXT).plan == PLAN

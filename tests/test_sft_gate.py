@@ -23,8 +23,10 @@ from orthojob.ops import gate_file
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.gate_file import GateError, GateThresholds, check_gate, gate_checks, read_gate, write_gate
 from orthojob.rewards.parsing import extract_plan, format_checks
+from orthojob.stages.gate import window_identity
 from orthojob.stages.sft import SFTJobConfig, demonstrations, run_sft
 from server.oracle import oracle_plan
+from server.seed_ranges import GATES, gate_window_start
 
 REPO = Path(__file__).resolve().parents[1]
 PASSING = {"parse_rate": 1.0, "format_reward": 0.95, "scaled_reward_mean": 6.5, "margin_over_slerp": 0.1,
@@ -304,7 +306,8 @@ def test_gate_cli_evaluates_and_records_a_failing_untrained_model(tiny_base, tmp
     content = json.loads((ckpt / gate_file.GATE_FILE).read_text())
     assert content["passed"] is False and content["stage"] == "bc_sft"
     m = content["metrics"]
-    assert m["n"] == 3 and m["parse_rate"] == 0.0 and m["scaled_reward_mean"] == -2.0  # no plan: the floor
+    assert m["n"] == 3 * 6  # 3 seeds in each level under both dynamics
+    assert m["parse_rate"] == 0.0 and m["scaled_reward_mean"] == -2.0  # no plan: the floor
     assert m["terminal_raw_mean"] == 0.0 and m["hard_rule_share"] == 0.0  # no plan breaks no rule
     # a random model rarely stops: most of its replies run to the token cap (which ones depends on
     # the vocabulary the tiny tokenizer was built on)
@@ -312,7 +315,10 @@ def test_gate_cli_evaluates_and_records_a_failing_untrained_model(tiny_base, tmp
     assert 0 < m["uniform_slerp_scaled_reward_mean"] < m["oracle_scaled_reward_mean"] <= 8
     assert m["margin_over_slerp"] == pytest.approx(-2.0 - m["uniform_slerp_scaled_reward_mean"])
     assert 0 < m["uniform_slerp_terminal_raw_mean"] < m["oracle_terminal_raw_mean"] <= 1  # kept, secondary
-    assert content["evaluation"]["n_seeds"] == 3 and content["evaluation"]["seed_start"] == 1_000_000
+    evaluation = content["evaluation"]  # the window drawn for this checkpoint, in the gates' range
+    window = evaluation["window"]
+    assert evaluation["n_seeds"] == 3 and window["n_cases"] == 3 * 6 and window["start"] in GATES
+    assert evaluation["seed_start"] == window["start"] == gate_window_start(window_identity(ckpt), 3)
     assert "FAILED" in capsys.readouterr().out
     with pytest.raises(GateError) as e:
         check_gate(ckpt)

@@ -383,7 +383,12 @@ def test_sft_and_its_gate_log_progress_lines_in_a_job(tiny_base, tmp_path, monke
     out = tmp_path / "o"
     run_sft(SFTJobConfig(model=str(tiny_base), out=str(out), steps=3, batch_size=2, examples=4, lora_r=0))
     gate.gate_report(
-        str(out), n_seeds=3, task_id="task_easy", max_new_tokens=8, batch_size=1, stage=gate_file.BC_SFT
+        str(out),
+        n_seeds=3,
+        max_new_tokens=8,
+        batch_size=1,
+        stage=gate_file.BC_SFT,
+        cells=[("task_easy", False)],
     )
     lines = capfd.readouterr().err.split("\n")
     sft = [x for x in lines if x.startswith("[sft] step ")]
@@ -463,7 +468,7 @@ def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch
         assert metrics["gate/scaled_reward_mean"].value == content["metrics"]["scaled_reward_mean"]
         assert model.tags["orthorl.gate_passed"] == "true" == run.data.tags["orthorl.gate_passed"]
         evaluation = content["evaluation"]
-        heldout = f"heldout-task_easy-{evaluation['seed_start']}-{evaluation['seed_start'] + 1}"
+        heldout = f"heldout-{'+'.join(evaluation['task_ids'])}-{evaluation['seed_start']}-{evaluation['seed_start'] + 1}"
         assert metrics["gate/scaled_reward_mean"].dataset_name == heldout
         inputs = {
             (i.dataset.name, {t.key: t.value for t in i.tags}["mlflow.data.context"]): i.dataset

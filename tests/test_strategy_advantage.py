@@ -19,7 +19,7 @@ from orthojob.rewards.strategy_advantage import (
     token_spans_mask,
     with_strategy,
 )
-from server.cases import CaseKey, generate_case
+from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES
 
 PLAN_GROUPS = [{"teeth": [11, 21], "fraction": 1.0, "priority": 1, "start_stage": 1}]
@@ -126,7 +126,7 @@ def test_trainer_hook_gives_the_strategy_tokens_the_centred_advantage(tokenizer)
     trainer = SimpleNamespace(processing_class=tokenizer, strategy_advantage_scale=2.0,
                               strategy_advantage="centred", _metrics={"train": defaultdict(list)})  # fmt: skip
     output = {"completion_ids": ids, "completion_mask": mask, "advantages": advantages}
-    cases = [CaseKey("task_easy", 1_000_000 + i, False) for i in range(4)]
+    cases = [CaseKey("task_easy", HELDOUT_SEED_START + i, False) for i in range(4)]
     RecordingGRPOTrainer._strategy_token_advantages(trainer, output, cases)
 
     token_adv = output["advantages"]
@@ -158,7 +158,7 @@ def test_counterfactual_hook_scores_the_plan_under_the_five_strategies_with_the_
     from server.treatment import score_plans
 
     cases, texts = [], []
-    for seed in range(1_000_000, 1_000_200):
+    for seed in range(HELDOUT_SEED_START, HELDOUT_SEED_START + 200):
         case = generate_case("task_easy", seed, False)
         wrong = next(s for s in STRATEGIES if strategy_multiplier_class(case.profile, s) == "wrong")
         if score_plans([json.loads(_plan(case.optimal_strategy))], [case])[0]["broken_rules"]:

@@ -145,7 +145,14 @@ def _gated_run(tmp_path, policy, stage: str, **limits) -> tuple[str, dict]:
     """The planner's gate (the stage's default thresholds, ``limits`` changed) evaluated on 16
     held-out task_easy seeds, written beside a checkpoint and logged with a model, as a stage does."""
     thresholds = gate_file.thresholds_for(stage).replace(**limits)
-    report = gate.gate_report("scripted", n_seeds=16, stage=stage, thresholds=thresholds, policy=policy)
+    report = gate.gate_report(
+        "scripted",
+        n_seeds=16,
+        stage=stage,
+        thresholds=thresholds,
+        policy=policy,
+        cells=[("task_easy", False)],
+    )
     ckpt = tmp_path / f"{policy.__name__}-{stage}-{len(limits)}"  # checkpoint-shaped: weights and config
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"model_type": "qwen2"}')

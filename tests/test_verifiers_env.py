@@ -106,6 +106,64 @@ def test_bad_taskset_arguments_are_refused():
         orthorl_aligner.load_environment(mode="tools", reward_weights={"terminal": 2.0})
 
 
+def task_config(task: dict, **taskset) -> vf.EnvConfig:
+    """The env config verifiers resolves from a config file or ``--env.taskset.task.*`` flags: the
+    task's fields given directly, not through :func:`orthorl_aligner.env_config`'s weights."""
+    return vf.resolve_env_config({"taskset": {"id": orthorl_aligner.TASKSET_ID, **taskset, "task": task}})
+
+
+@pytest.mark.parametrize(
+    ("task", "message"),
+    [
+        ({"rewards": {"reward_terminal": {"weight": -1.0}}}, "is negative"),
+        ({"rewards": {"reward_terminal": {"weight": 0.0}}}, "weigh without reward_terminal"),
+        ({"rewards": {"reward_format": {"weight": -0.5}}}, "is negative"),
+        ({"rewards": {n: {"weight": 0.0} for n in REWARD_FUNCS}}, "every reward weight is 0"),
+        ({"rewards": {"reward_agentic": {"weight": 1.0}}}, "reward_agentic weighs 1.0 without the tools"),
+        ({"rewards": {"speed": {"weight": 1.0}}}, "are not this task's"),
+        (
+            {"rewards": {"reward_terminal": {"fn": "tests.test_verifiers_env:NOT_A_PLAN"}}},
+            "set a weight only",
+        ),
+        ({"judges": [{"id": "decision", "name": "style"}]}, "judges style would add to the reward"),
+        ({"tools": True, "rewards": {"reward_agentic": {"weight": -1.0}}}, "give it a weight > 0"),
+        ({"tools": True, "rewards": {"reward_terminal": {"weight": 1.0}}}, "reward_terminal=1.0"),
+    ],
+)
+def test_weights_set_in_the_task_config_go_through_the_ordering_check(task, message):
+    """Per-reward weights given in the task config (``rewards.<name>.weight``), plugged reward
+    functions and weighted judges: each refused with a clear error, where they once bypassed the check
+    that ``reward_weights`` overrides go through; ``load_environment(task=...)`` reads the same."""
+    with pytest.raises(ValueError, match=message):
+        task_config(task, num_tasks=1)
+    mode = "tools" if task.get("tools") else "oneshot"
+    with pytest.raises(ValueError, match=message):
+        orthorl_aligner.load_environment(mode=mode, num_tasks=1, task=task)
+
+
+def test_weights_in_the_task_config_that_keep_the_ordering_are_used():
+    """Positive weights with the terminal weighing, a weight left unset (the default kept), and the
+    tools' reward alone with tools: accepted, and the tasks carry exactly those weights."""
+    config = task_config(
+        {"rewards": {"reward_terminal": {"weight": 3.0}, "reward_strategy": {"weight": 0.0},
+                     "reward_format": {"priority": 2}}},
+        num_tasks=1,
+    )  # fmt: skip
+    (task,) = vf.load_environment(config).taskset
+    weights = {name: r.weight for name, r in task.config.rewards.items()}
+    assert weights == {**dict.fromkeys(REWARD_FUNCS, 1.0), "reward_terminal": 3.0, "reward_strategy": 0.0,
+                       "reward_agentic": 0.0}  # fmt: skip
+    (tools,) = vf.load_environment(task_config({"tools": True}, num_tasks=1)).taskset
+    assert {n: r.weight for n, r in tools.config.rewards.items()} == {
+        **dict.fromkeys(REWARD_FUNCS, 0.0),
+        "reward_agentic": 1.0,
+    }
+    with pytest.raises(ValueError, match="not both"):
+        orthorl_aligner.load_environment(reward_weights={"terminal": 2.0}, task={"rewards": {"format": {}}})
+    with pytest.raises(ValueError, match="contradicts mode"):
+        orthorl_aligner.load_environment(task={"tools": True})
+
+
 def scripted_model(answers: dict[str, str], seen: list[dict], tool: str | None = None) -> FastAPI:
     """An OpenAI-compatible chat-completions endpoint answering ``answers[user prompt]``; with
     ``tool``, its first turn calls that tool with ``{"plan": answer}`` and its second (after the

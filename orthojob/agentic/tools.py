@@ -36,7 +36,6 @@ from orthojob.agentic.remote import RemoteStepwise
 from orthojob.agentic.traces import _BUDGET, _traced
 from orthojob.rewards.rollouts import NO_PLAN, score_texts
 from server.agent_tools import (
-    NO_USABLE_PLAN,
     TOOL_NAMES,
     StagingTools,
     ToolError,
@@ -122,7 +121,7 @@ class DentalToolEnv(StagingTools):
         ``reward_terminal`` gives the same text."""
         (rollout,) = score_texts([plan], [self._key])
         if rollout.error == NO_PLAN:
-            raise ToolError(NO_USABLE_PLAN)
+            raise ToolError(rollout.not_a_plan)
         if rollout.error:
             raise ToolError(f"the plan could not be scored: {rollout.error}")
         return {

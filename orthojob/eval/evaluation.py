@@ -17,7 +17,9 @@ optimal strategy) and the share of completions cut at ``max_new_tokens``.
 Every row leads with the headline metric, the scaled reward (:mod:`orthojob.eval.metrics`), and the
 hard-rule share; the raw terminal score (``terminal_raw``) follows as a secondary column.
 
-Seeds come from :data:`server.cases.HELDOUT_SEED_START` upwards, never used for training.
+Seeds come from :data:`server.cases.HELDOUT_SEED_START` upwards (the tuning range,
+:data:`server.seed_ranges.TUNING`), never used for training; the gates judge their own windows
+(:mod:`orthojob.stages.gate`).
 """
 
 from __future__ import annotations

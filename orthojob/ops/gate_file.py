@@ -5,7 +5,13 @@ The evaluation that fills it is :mod:`orthojob.stages.gate`. The file::
 
     {"passed": true | false, "stage": "bc_sft" | "grpo" | ..., "metrics": {...}, "thresholds": {...},
      "checks": {"parse_rate": true, ...}, "checkpoint_digest": "<sha256>", "digest_files": [...],
+     "evaluation": {"window": {"identity", "start", "n_per_cell", "n_cases", "cells"},
+                    "guarantee": {"n_cases", "breaks", "hard_rule_rate_ruled_out", ...}, ...},
      "created_at": "...", "format_version": 1}
+
+``evaluation.window`` is the run's window of cases (:func:`orthojob.stages.gate.gate_window`: the seeds
+from ``start`` in each cell); ``evaluation.guarantee`` the hard-rule rate the verdict rules out at 95 %
+confidence (:func:`orthojob.stages.gate.hard_rule_rate_bound`).
 
 ``passed`` is computed from the metrics and the thresholds (every check true), never set by hand.
 :func:`check_gate` is the pre-flight of ``orthojob train --from-checkpoint DIR``: it raises
@@ -263,8 +269,17 @@ def write_gate(
         "digest_files": [p.name for p in checkpoint_files(path)],
         "evaluation": {
             k: report[k]
-            for k in ("task_ids", "n_seeds", "seed_start", "force_decay", "max_new_tokens", "case_set")
-            if k in report
+            for k in (
+                "task_ids",
+                "n_seeds",
+                "seed_start",
+                "force_decay",
+                "window",
+                "max_new_tokens",
+                "case_set",
+                "guarantee",
+            )
+            if report.get(k) is not None
         },
         "samples": report.get("samples", []),
         "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -382,7 +397,8 @@ def _num(value, spec: str = ".3f") -> str:
 
 
 def format_gate(content: dict) -> str:
-    """A few lines: stage, verdict, every check with its metric and threshold, the headline metric and
+    """A few lines: stage, verdict, every check with its metric and threshold, the window and the
+    hard-rule rate the verdict rules out, the headline metric and
     the hard-rule share beside the baselines', the raw terminal score last (for reference)."""
     m = content["metrics"]
     lines = [f"gate {content.get('stage')}: {'PASSED' if content['passed'] else 'FAILED'}"]
@@ -393,6 +409,7 @@ def format_gate(content: dict) -> str:
         ok = content["checks"].get(metric)
         sign = "<=" if name.startswith("max_") else ">="
         lines.append(f"  {metric:<28} {_num(m.get(metric)):>8}  {sign} {limit:<6}  {'ok' if ok else 'FAIL'}")
+    lines.extend(_guarantee_lines(content.get("evaluation") or content))
     if SCALED_REWARD_MEAN in m:
         lines.append(
             f"  {SCALED_REWARD} {_num(m.get(SCALED_REWARD_MEAN))}  uniform SLERP "
@@ -405,3 +422,23 @@ def format_gate(content: dict) -> str:
             f"{_num(m.get(f'uniform_slerp_{mean_of(TERMINAL_RAW)}'))}, oracle {_num(m.get(f'oracle_{mean_of(TERMINAL_RAW)}'))})"
         )  # fmt: skip
     return "\n".join(lines)
+
+
+def _guarantee_lines(evaluation: dict) -> list[str]:
+    """The window a gate judged and the hard-rule rate its verdict rules out (none for a gate file
+    without them)."""
+    lines = []
+    window, g = evaluation.get("window"), evaluation.get("guarantee")
+    if window:
+        cells = ", ".join(f"{c['task_id']}{'+decay' if c['force_decay'] else ''}" for c in window["cells"])
+        lines.append(
+            f"  window: seeds {window['start']}..{window['start'] + window['n_per_cell'] - 1} in each of "
+            f"{len(window['cells'])} cells ({cells}): {window['n_cases']} cases, drawn for {window['identity'][:24]}"
+        )
+    if g:
+        lines.append(
+            f"  guarantee: {g['breaks']} rule-breaking plans in {g['n_cases']} cases rule out a hard-rule rate "
+            f"above {100 * g['hard_rule_rate_ruled_out']:.2f} % at {100 * g['confidence']:.0f} % confidence "
+            f"(no break in {g['n_cases']}: 1 - 0.05^(1/n) = {100 * g['rate_ruled_out_with_no_break']:.2f} %)"
+        )
+    return lines

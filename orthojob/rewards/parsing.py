@@ -1,156 +1,44 @@
 """Completion parsing: LLM text -> plan dict, and the five partial format checks. Nothing here raises.
 
-:func:`extract_plan` returns **the plan**: the first top-level JSON object in the completion
-that holds ``tooth_groups`` (the plan's defining key); when no object holds it, the
-first object (a JSON object that is not a plan: the rollouts give it no credit, but the format
-checks can say what it got right). A leading ``{"note": ...}`` therefore does not hide the plan
-that follows, and prose that quotes a strategy object is not a plan. :func:`find_plan` also
-counts the objects holding ``tooth_groups``: more than one is ambiguous and costs the
-``single_plan`` format check. The scan (not the span from the first ``{`` to the last ``}``,
-which breaks on ``{...} and then {...}``):
+What a plan is, and the scan that finds it in a text, are :mod:`server.plan_text`'s (every face
+of the environment reads plans there); this module re-exports its scan and adds the job's side:
 
-* Only the first :data:`MAX_COMPLETION_CHARS` characters are read (a plan is a few hundred).
-* Every ``{`` may start an object: the JSON decoder reads one from there (strings whole, braces and
-  escaped quotes inside strings do not count, and the object ends where its braces close). An
-  object that decodes is skipped whole, so the objects inside it are not candidates of their own;
-  it counts if it is nested at most :data:`MAX_JSON_DEPTH` levels deep (the object itself is
-  level 1). Non-finite numbers (``NaN``, ``Infinity``, ``-Infinity``, overflowing literals such as
-  ``1e999``, integers of more than 308 digits) are read as ``null``: no value, so a group whose
-  fraction is one is invalid on its own, like any other invalid value, and the rest of the plan
-  stands.
-* A ``{`` from which no object decodes is prose (``use {curly} braces``, ``Use { carefully``, a
-  brace before an unterminated quote): the scan goes on at the next ``{`` after it, so such prose
-  before the plan does not hide it. (Scanning brackets from a stray ``{`` instead cannot tell where
-  its "object" ends: it never closes, or it closes at the plan's last brace and swallows the plan.)
-  The exception is an object cut by the end of the text (the decoder runs out of text, or a string
-  never terminates): a truncated plan, whose complete inner groups are not objects of their own;
-  the scan ends there.
-* At most :data:`MAX_CANDIDATES` braces are tried per completion, and the decoder reads at most
-  :data:`MAX_DECODE_CHARS` characters over all of them (it stops at the first character that cannot
-  continue an object, so a brace in prose costs a few), however hostile the text: linear in the cap.
-* Anything else (no object, only unterminated objects, non-string input) gives ``None``.
-
-:func:`format_checks` scores a parsed plan with the seed's five partial checks, each 0 or 1,
-following the plan semantics of :mod:`server.plans` (booleans are not tooth ids, strings are
-not fractions), and ``total`` = their mean.
+* :func:`extract_plan` returns the object the scan found: the first top-level JSON object holding
+  ``tooth_groups`` (the plan's defining key), else the first object (a JSON object that is not a
+  plan: the rollouts give it no credit, but the format checks can say what it got right), else
+  None. :func:`find_plan` also counts the objects holding ``tooth_groups``: more than one is
+  ambiguous and costs the ``single_plan`` format check. Whether that object *is* a plan (a usable
+  group, no repeated key) is :func:`server.plan_text.read_plan_text`'s answer, which the rollouts
+  score by.
+* :func:`completion_text`: the text of a TRL completion (string, messages, parts, bytes).
+* :func:`format_checks` scores a parsed plan with the seed's five partial checks, each 0 or 1,
+  following the plan semantics of :mod:`server.plans` (booleans are not tooth ids, strings are
+  not fractions), and ``total`` = their mean.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from collections.abc import Mapping
 
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import N_STAGES, PRIORITY_START_STAGE, TOOTH_INDEX
+from server.plan_text import (
+    MAX_CANDIDATES,
+    MAX_COMPLETION_CHARS,
+    MAX_DECODE_CHARS,
+    MAX_JSON_DEPTH,
+    PLAN_KEY,
+    PlanReading,
+    find_plan,
+    read_plan_text,
+)
 from server.plans import MAX_GROUPS, MAX_OVERCORRECTION
 
-MAX_COMPLETION_CHARS: int = 16_384
-"""Characters of a completion scanned for a plan (a plan takes a few hundred; 512 tokens ~ 2,000);
-the rest is ignored."""
-MAX_JSON_DEPTH: int = 8
-"""Deepest nesting accepted in a plan object (a well-formed plan is 4 deep: object, list, object, list)."""
-MAX_CANDIDATES: int = 64
-"""Braces tried per completion as the start of an object (decoded or not) before giving up."""
-MAX_DECODE_CHARS: int = 4 * MAX_COMPLETION_CHARS
-"""Characters the JSON decoder may read per completion, over every brace it tries (a brace in prose
-costs the few characters up to where it fails, the plan its own length): the scan's hard bound."""
-
 FORMAT_CHECKS: tuple[str, ...] = ("parse", "shape", "teeth_ints", "fraction_ok", "strategy_ok", "single_plan")
-PLAN_KEY: str = "tooth_groups"
-"""The key that makes a JSON object a plan."""
-
-
-def _no_value(name: str) -> None:
-    return None  # NaN, Infinity, -Infinity
-
-
-def _finite_float(text: str) -> float | None:
-    value = float(text)
-    return value if math.isfinite(value) else None
-
-
-_FLOAT_MAX_DIGITS = 308
-
-
-def _float_sized_int(text: str) -> int | None:
-    if len(text.lstrip("-")) > _FLOAT_MAX_DIGITS:  # beyond any float: as non-finite as 1e999
-        return None
-    return int(text)
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_value, parse_float=_finite_float, parse_int=_float_sized_int)
-_PLAIN_DECODER = json.JSONDecoder()
-"""Python's own number parsing, for a text in which no number can be non-finite (see
-:data:`_NON_FINITE`): the same values as :data:`_DECODER` without its per-number Python calls."""
-_NON_FINITE = re.compile(r"NaN|Infinity|[0-9][eE]|[0-9]{309}")
-"""Where a non-finite number can hide: a NaN or Infinity literal, an exponent, or more than 308
-digits in a row (overflowing floats and integers beyond any float); texts without it decode the
-same with :data:`_PLAIN_DECODER`."""
-_CONTAINERS = frozenset((dict, list))
-_UNTERMINATED = "Unterminated string"
-"""How :class:`json.JSONDecodeError` begins for a string that runs to the end of the text (its
-``pos`` is then the string's opening quote, not the end)."""
-
-
-def _nested_within(value: dict | list, depth: int) -> bool:
-    """Whether the decoded JSON container ``value`` nests at most ``depth`` levels (itself is 1)."""
-    if depth < 1:
-        return False
-    children = value.values() if type(value) is dict else value
-    if _CONTAINERS.isdisjoint(map(type, children)):
-        return True
-    return all(_nested_within(c, depth - 1) for c in children if type(c) in _CONTAINERS)
-
-
-def _objects(text: str):
-    """The decodable top-level JSON objects of ``text``, in order (see the module docstring)."""
-    text = text[:MAX_COMPLETION_CHARS]
-    decoder = _DECODER if _NON_FINITE.search(text) else _PLAIN_DECODER
-    pos = 0
-    budget = MAX_DECODE_CHARS
-    for _ in range(MAX_CANDIDATES):
-        start = text.find("{", pos)
-        if start < 0 or budget <= 0:
-            return
-        try:
-            value, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError as exc:
-            if exc.pos >= len(text) or exc.msg.startswith(_UNTERMINATED):
-                return  # the object is cut by the end of the text: its inner objects are not plans
-            budget -= exc.pos - start
-            pos = start + 1  # no object starts at this brace: prose, try the next one
-            continue
-        except (ValueError, RecursionError):  # nesting beyond Python's recursion limit
-            budget -= len(text) - start  # read up to there (at most the rest of the text)
-            pos = start + 1
-            continue
-        budget -= end - start
-        if _nested_within(value, MAX_JSON_DEPTH):
-            yield value
-        pos = end
-
-
-def find_plan(text: str) -> tuple[dict | None, int]:
-    """``(plan, n)``: the plan (see the module docstring) and the number ``n`` of objects holding
-    ``tooth_groups``. ``(None, 0)`` when the text holds no JSON object. Never raises."""
-    if not isinstance(text, str) or not text:
-        return None, 0
-    first = plan = None
-    count = 0
-    for obj in _objects(text):
-        if first is None:
-            first = obj
-        if PLAN_KEY in obj:
-            count += 1
-            if plan is None:
-                plan = obj
-    return (plan if plan is not None else first), count
 
 
 def extract_plan(text: str) -> dict | None:
-    """The plan in ``text`` (see the module docstring), or None. Never raises."""
+    """The object :func:`find_plan` found in ``text`` (see the module docstring), or None. Never raises."""
     return find_plan(text)[0]
 
 
@@ -276,10 +164,13 @@ __all__ = [
     "FORMAT_CHECKS",
     "MAX_CANDIDATES",
     "MAX_COMPLETION_CHARS",
+    "MAX_DECODE_CHARS",
     "MAX_JSON_DEPTH",
     "PLAN_KEY",
+    "PlanReading",
     "completion_text",
     "extract_plan",
     "find_plan",
     "format_checks",
+    "read_plan_text",
 ]

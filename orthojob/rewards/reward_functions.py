@@ -28,7 +28,8 @@ reward_strategy   [0, 1]     diagnosis x sequence x delivery: ``d * (1 + rho) / 
                              with ``d`` 1 for the case's optimal strategy, 1/2 for a neutral
                              one, 0 for a wrong or missing one, ``rho`` the sequence concordance
                              of the movement with the declared strategy's order, and accuracy
-                             the share of the movement achieved
+                             the share of the movement achieved; 0 on a case with
+                             nothing to move (no sequence to stage)
 reward_format     [0, 1]     mean of the six format checks (:func:`orthojob.rewards.parsing.format_checks`)
                              and ``executable``: the share of treated teeth whose prescription
                              stays within the per-stage limits and reaches (or, overcorrected,
@@ -55,9 +56,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from orthojob.rewards.parsing import FORMAT_CHECKS, completion_text, find_plan, format_checks
+from orthojob.rewards.parsing import FORMAT_CHECKS, completion_text, format_checks, read_plan_text
 from orthojob.rewards.rollouts import DEFAULT_CACHE, Rollout
-from server.plans import normalize_plan
 from server.reward_scaler import REWARD_MAX, REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
 
@@ -167,16 +167,26 @@ def reward_strategy(completions: Sequence, **kwargs) -> list[float]:
         achieves: the credit grows with the treatment actually delivered, so a sequence that
         moves almost nothing earns almost nothing. Naming the optimal strategy while moving every
         tooth together to its target earns 0.5; following its sequence earns up to 1; a wrong,
-        missing or contradicted strategy, and a plan breaking a hard rule, earn 0.
+        missing or contradicted strategy, a plan breaking a hard rule, and any plan for a case with
+        no tooth to treat (diagnostics ``treated_teeth`` 0: nothing to stage), earn 0.
     """
     out = []
     for r in _rollouts(completions, kwargs, "reward_strategy"):
-        if _unsafe(r) or r.strategy is None:
-            out.append(0.0)
+        if _unsafe(r) or r.strategy is None or not r.diagnostics.get("treated_teeth"):
+            out.append(0.0)  # nothing declared, or nothing to stage: no label is paid
             continue
         credit = DIAGNOSIS_CREDIT.get(r.reward_breakdown.get("strategy_multiplier"), 0.0)
         out.append(_finite(credit * _part(r, "staging") * _part(r, "accuracy"), 0.0, 1.0))
     return out
+
+
+def _format_checks(r: Rollout) -> dict[str, float]:
+    """The rollout's :data:`FORMAT_CHECKS`; on a case with no tooth to treat (nothing to stage) the
+    strategy check passes whatever the plan declares, so a label is not what the format pays."""
+    checks = {k: float(r.format.get(k, 0.0)) for k in FORMAT_CHECKS}
+    if not r.diagnostics.get("treated_teeth"):
+        checks["strategy_ok"] = 1.0
+    return checks
 
 
 def reward_format(completions: Sequence, **kwargs) -> list[float]:
@@ -189,7 +199,8 @@ def reward_format(completions: Sequence, **kwargs) -> list[float]:
     Returns:
         One float per completion in [0, 1]: the mean of the checks of
         :func:`orthojob.rewards.parsing.format_checks` and the share of treated teeth whose
-        prescription stays within the per-stage limits and reaches the target. A completion that
+        prescription stays within the per-stage limits and reaches the target (on a case with no
+        tooth to treat the strategy check passes whatever is declared). A completion that
         is not a plan, or a plan breaking a hard rule, scores 0. Without the case columns nothing
         is simulated: only the six checks count (executable 0) and no safety is judged, so GRPO
         always passes the columns (:data:`REQUIRED_COLUMNS`).
@@ -199,19 +210,15 @@ def reward_format(completions: Sequence, **kwargs) -> list[float]:
         return [
             0.0
             if _unsafe(r)
-            else _finite(
-                (sum(r.format.get(k, 0.0) for k in FORMAT_CHECKS) + _part(r, "executable")) / parts, 0.0, 1.0
-            )
+            else _finite((sum(_format_checks(r).values()) + _part(r, "executable")) / parts, 0.0, 1.0)
             for r in _rollouts(completions, kwargs, "reward_format")
         ]
     out = []
     for c in completions:
-        plan, n = find_plan(completion_text(c))
-        usable = plan is not None and normalize_plan(plan).format.usable_groups > 0
+        reading = read_plan_text(completion_text(c))
+        checks = format_checks(reading.found, reading.plan_objects)
         out.append(
-            _finite(sum(format_checks(plan, n)[k] for k in FORMAT_CHECKS) / parts, 0.0, 1.0)
-            if usable
-            else 0.0
+            _finite(sum(checks[k] for k in FORMAT_CHECKS) / parts, 0.0, 1.0) if reading.is_plan else 0.0
         )
     return out
 

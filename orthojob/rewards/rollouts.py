@@ -1,18 +1,17 @@
 """Cached rollouts: one scored episode per (completion, case), shared by the rewards.
 
-TRL calls each reward function with the same batch of completions. The first call parses
-every completion once (:func:`orthojob.rewards.parsing.extract_plan`), normalises the plans
-(:func:`server.plans.normalize_plan`) and scores **all misses of the batch in one call** to
+TRL calls each reward function with the same batch of completions. The first call reads
+every completion once (:func:`server.plan_text.read_plan_text`, the reading every face of the
+environment uses) and scores **all plans of the batch's misses in one call** to
 :func:`server.treatment.score_plan_specs` (vectorised over plans, stages and teeth); the
 other rewards read the cached :class:`Rollout` objects.
 
-A completion with no usable tooth group is not a plan: no JSON object, an object without
-``tooth_groups`` (``{}``, ``{"strategy": "distal_first"}``, prose quoting one), or groups none of
-which sets a tooth (all fractions invalid, no valid tooth id). It is not scored and its rollout
-carries ``error`` = :data:`NO_PLAN`, so every reward gives it its minimum, as garbage. (The
-server reads such a plan as uniform SLERP, the baseline; paying SLERP's score to a completion
-that did not plan was the exploit.) The plan is the first object holding ``tooth_groups``
-(:func:`orthojob.rewards.parsing.find_plan`).
+A completion that is not a plan (no JSON object, no object holding ``tooth_groups``, a repeated
+key in the plan, or no usable tooth group: :mod:`server.plan_text`) is not scored: its rollout
+carries ``error`` = :data:`NO_PLAN` and ``not_a_plan`` the reader's reason, so every reward gives
+it its minimum, as garbage, and the environment's ``score_plan`` scores it
+:data:`server.reward_scaler.REWARD_MIN` too. (Only the internal baseline API,
+:func:`server.treatment.score_plans`, reads a value with no usable group as uniform SLERP.)
 
 Keys are ``(sha256 of the completion text, task_id, seed, force_decay, non_compliance)`` (the :class:`server.cases.CaseKey` order): a full digest, so
 two different completions never share an episode (the seed used 16 bits of ``hash()``).
@@ -30,18 +29,20 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from orthojob.rewards.parsing import FORMAT_CHECKS, completion_text, find_plan, format_checks
+from orthojob.rewards.parsing import FORMAT_CHECKS, completion_text, format_checks
 from server import treatment
 from server.cases import CaseKey, generate_case
-from server.plans import PlanSpec, normalize_plan
+from server.plan_text import PlanReading, read_plan, read_plan_text
+from server.plans import PlanSpec
 from server.reward_scaler import REWARD_MIN
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_ENTRIES: int = 4096
 """64 prompts x 64 generations, or many steps of a smaller batch."""
-NO_PLAN: str = "no usable tooth group in the completion"
-"""The error of a completion that holds no plan: it is not scored (no SLERP fallback credit)."""
+NO_PLAN: str = "the completion holds no plan"
+"""The error of a completion that holds no plan (:mod:`server.plan_text`; its reason is the
+rollout's ``not_a_plan``): it is not scored (no SLERP fallback credit)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class Rollout:
         error: None, or why the episode was not scored (NO_PLAN, or a failure); the rewards then
             give their minimum and the breakdown and diagnostics are empty.
         plan_format: the server's counts of usable and ignored plan parts (PlanFormat).
+        not_a_plan: None for a plan, else why the completion is not one
+            (:attr:`server.plan_text.PlanReading.reason`).
     """
 
     terminal_reward: float
@@ -72,6 +75,7 @@ class Rollout:
     strategy: str | None
     error: str | None = None
     plan_format: dict = field(default_factory=dict)
+    not_a_plan: str | None = None
 
 
 def completion_digest(text: str) -> str:
@@ -91,15 +95,15 @@ def _case_key(seed: object, task_id: object, force_decay: object, non_compliance
     return CaseKey(task_id, int(seed), bool(force_decay), bool(non_compliance))
 
 
-def _failed(plan: dict | None, fmt: dict, error: str) -> Rollout:
-    return Rollout(0.0, REWARD_MIN, (), {}, {}, fmt, plan, None, error)
+def _failed(plan: dict | None, fmt: dict, error: str, reason: str | None = None) -> Rollout:
+    return Rollout(0.0, REWARD_MIN, (), {}, {}, fmt, plan, None, error, not_a_plan=reason)
 
 
 def is_plan(plan: object) -> bool:
-    """What the rewards count as a plan: an object with at least one usable tooth group
-    (:func:`score_texts` gives anything else :data:`NO_PLAN`). :func:`server.treatment.score_plans`
-    alone reads a plan without one as uniform SLERP, the baseline API's reading."""
-    return isinstance(plan, dict) and normalize_plan(plan).format.usable_groups > 0
+    """What the rewards count as a plan, for an already-decoded value
+    (:func:`server.plan_text.read_plan`): an object holding ``tooth_groups`` with at least one
+    usable tooth group (:func:`score_texts` gives anything else :data:`NO_PLAN`)."""
+    return read_plan(plan).is_plan
 
 
 def score_texts(texts: Sequence[str], cases: Sequence[CaseKey]) -> list[Rollout]:
@@ -109,25 +113,22 @@ def score_texts(texts: Sequence[str], cases: Sequence[CaseKey]) -> list[Rollout]
     error); never raises because of a completion's content.
     """
     resolved = [generate_case(*CaseKey(*case)) for case in cases]
-    found = [find_plan(t) for t in texts]
-    plans = [p for p, _ in found]
-    formats = [format_checks(p, n) for p, n in found]
+    readings = []
+    for t in texts:
+        try:
+            readings.append(read_plan_text(t))
+        except Exception as exc:  # the reader promises never to raise; stay safe if it does
+            readings.append(PlanReading(None, f"plan not readable: {type(exc).__name__}: {exc}"[:200]))
+    plans = [r.found for r in readings]
+    formats = [format_checks(r.found, r.plan_objects) for r in readings]
     out: list[Rollout | None] = [None] * len(plans)
     todo: list[int] = []
     specs: list[PlanSpec] = []
-    for i, plan in enumerate(plans):
-        if plan is None:
-            out[i] = _failed(None, formats[i], NO_PLAN)
+    for i, reading in enumerate(readings):
+        if not reading.is_plan:
+            out[i] = _failed(plans[i], formats[i], NO_PLAN, reading.reason)
             continue
-        try:
-            spec = normalize_plan(plan)
-        except Exception as exc:  # normalize_plan promises never to raise; stay safe if it does
-            out[i] = _failed(plan, formats[i], f"plan not usable: {type(exc).__name__}: {exc}"[:200])
-            continue
-        if spec.format.usable_groups == 0:
-            out[i] = _failed(plan, formats[i], NO_PLAN)
-            continue
-        specs.append(spec)
+        specs.append(reading.spec)
         todo.append(i)
     cases_todo = [resolved[i] for i in todo]
     try:

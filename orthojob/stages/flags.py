@@ -10,6 +10,8 @@ A config field ``x_y`` is the flag ``--x-y``; its ``field(metadata=...)`` says t
 
 Every generated flag defaults to :data:`argparse.SUPPRESS`, so that a namespace holds only the
 flags given: :func:`given_values` then lets explicit flags override a preset's defaults.
+:func:`config_argv` is the way back: the flags that make such a parser rebuild a config (to start
+another process with the same settings).
 
 The argument types (:func:`positive_int`, :func:`non_negative_int`, :func:`task_list`, ...) live
 here too, so that a config module and the CLI share them without importing each other.
@@ -114,7 +116,7 @@ def add_config_arguments(
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         meta = f.metadata
-        if meta.get("cli", True) is False:
+        if not _has_flag(f):
             continue
         default = getattr(defaults, f.name)
         help_text = meta.get("help", "")
@@ -126,8 +128,9 @@ def add_config_arguments(
             kwargs["dest"] = meta["dest"]
         elif "flag" in meta:
             kwargs["dest"] = f.name
-        if hints.get(f.name) is bool and "action" not in meta:
-            kwargs["action"] = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
+        switch = _switch(f, hints)
+        if switch is not None:
+            kwargs["action"] = argparse.BooleanOptionalAction if switch == "negatable" else "store_true"
         else:
             if "action" in meta:
                 kwargs["action"] = meta["action"]
@@ -142,8 +145,59 @@ def add_config_arguments(
                 kwargs["choices"] = (
                     sorted(options) if not isinstance(options, (list, tuple)) else list(options)
                 )
-        parser.add_argument(meta.get("flag", f"--{f.name.replace('_', '-')}"), **kwargs)
+        parser.add_argument(_flag(f), **kwargs)
     return parser
+
+
+def _has_flag(f: dataclasses.Field) -> bool:
+    return f.metadata.get("cli", True) is not False
+
+
+def _flag(f: dataclasses.Field) -> str:
+    """A field's flag: ``x_y`` -> ``--x-y`` unless its metadata names another."""
+    return f.metadata.get("flag", f"--{f.name.replace('_', '-')}")
+
+
+def _switch(f: dataclasses.Field, hints: dict[str, Any]) -> str | None:
+    """``"negatable"`` (``--x / --no-x``) or ``"store_true"`` for a bool field without an action of its
+    own; None for a flag that takes a value."""
+    if hints.get(f.name) is not bool or "action" in f.metadata:
+        return None
+    return "negatable" if f.metadata.get("negatable") else "store_true"
+
+
+def config_argv(config: Any) -> list[str]:
+    """The flags that make a parser of :func:`add_config_arguments` (for ``type(config)``) rebuild
+    ``config``, written from the same field metadata the parser is built from.
+
+    A negatable switch is ``--x`` or ``--no-x``, a store-true switch ``--x`` when set; a field collected
+    from repeated ``NAME=VALUE`` flags (:class:`CollectPairs`) one ``--x=NAME=VALUE`` per entry; a list or
+    tuple a comma list (:func:`name_list`, :func:`task_list`); any other value ``--x=str(value)`` (a
+    float's ``str`` reads back exactly; ``=`` keeps a value starting with ``-`` a value). What no flag
+    can say (a field without a flag, None, a store-true switch off, an empty collection) is left out, so
+    the parser gives the field its default: where the value differs from the default, ValueError.
+    """
+    cls = type(config)
+    defaults = cls()
+    hints = typing.get_type_hints(cls)
+    argv: list[str] = []
+    for f in dataclasses.fields(cls):
+        value, flag, switch = getattr(config, f.name), _flag(f), _switch(f, hints)
+        empty = value is None or value is False or (isinstance(value, (dict, list, tuple)) and not value)
+        if not _has_flag(f) or (empty and switch != "negatable"):
+            if value != getattr(defaults, f.name):
+                raise ValueError(f"{cls.__name__}.{f.name}={value!r} has no flag that says it")
+        elif switch == "negatable":
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif switch == "store_true":
+            argv.append(flag)
+        elif f.metadata.get("action") is CollectPairs:
+            argv += [f"{flag}={name}={v}" for name, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            argv.append(f"{flag}={','.join(map(str, value))}")
+        else:
+            argv.append(f"{flag}={value}")
+    return argv
 
 
 def given_values(args: argparse.Namespace | dict, config_cls: type) -> dict[str, Any]:
@@ -156,6 +210,7 @@ def given_values(args: argparse.Namespace | dict, config_cls: type) -> dict[str,
 __all__ = [
     "CollectPairs",
     "add_config_arguments",
+    "config_argv",
     "finite_float",
     "given_values",
     "name_list",

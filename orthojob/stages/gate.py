@@ -1,8 +1,8 @@
 """Gates: a checkpoint's held-out evaluation, the verdict the gate file records.
 
 Every pipeline stage ends in a gate (ARCHITECTURE.md): :func:`gate_report` greedy-decodes a
-plan for each held-out case (seeds from :data:`server.cases.HELDOUT_SEED_START`), parses and scores it
-as the GRPO rewards do, and compares it with uniform SLERP and the oracle on the same cases;
+plan for each case of the run's window (:func:`gate_window`), parses and scores it as the GRPO rewards
+do, and compares it with uniform SLERP and the oracle on the same cases;
 :func:`run_gate` writes the verdict with :func:`orthojob.ops.gate_file.write_gate` (the file, its
 stage names, thresholds and the pre-flight check live there), and a gate file exists only where
 such an evaluation ran.
@@ -21,26 +21,50 @@ its tool calls. A ``min_*`` threshold is met by a metric at least as high, a ``m
 at most as high; one set to None is not checked (and is recorded as null). :class:`GateSettings` is
 one gate evaluation's settings (seeds, budget, thresholds), as the presets and the stage commands'
 ``--gate-*`` / ``--min-*`` / ``--max-*`` flags give them.
+
+**The window.** A gate judges cases nobody tuned on, drawn for the run: ``n_seeds`` consecutive seeds
+from :func:`server.seed_ranges.gate_window_start` of the run's identity, inside
+:data:`server.seed_ranges.GATES` (disjoint from the training, tuning, tests, audits and final ranges),
+in each of the gate's cells. The identity is the checkpoint's digest
+(:func:`weights_digest`: sha256 of the tensors a loader reads, not of files beside them or of how a
+config is written), so a checkpoint is always judged on the same cases, other weights on others, and no
+window is known before the weights it judges exist; a scripted policy or a folder without weights is
+named by its resolved path. New weights draw a new window: each attempt's window is in its gate file.
+A quality gate's cells are every task level under both dynamics (:data:`QUALITY_CELLS`; no stage trains
+on non-compliance, so no gate judges it); the format and tool-use gates' the stage's levels under its
+dynamics. The gate file records the window (identity, first seed, seeds per cell, cells).
+
+**What a verdict guarantees.** Zero rule-breaking plans in ``n`` cases rules out, at 95 % confidence, a
+hard-rule rate above ``1 - 0.05 ** (1 / n)`` (about ``-ln(0.05) / n``, i.e. ``3 / n``): 96 cases rule out
+3.1 %, 300 cases 1.0 %. With ``k`` breaks the bound is the one-sided Clopper-Pearson upper limit
+(:func:`hard_rule_rate_bound`). The report's ``guarantee`` holds both figures for its own ``n`` and ``k``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import logging
+import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from orthojob.data import case_sets
+from orthojob.data.prompts import CELLS
 from orthojob.eval.evaluation import BASELINES, episode_metrics, run_checkpoint
 from orthojob.eval.metrics import HARD_RULE_SHARE, SCALED_REWARD_MEAN, TERMINAL_RAW, mean_of
-from orthojob.modeling.models import load_for_inference
+from orthojob.modeling.models import ModelError, checkpoint_files, load_for_inference
 from orthojob.ops.gate_file import (
     BC_SFT,
     DEFAULT_THRESHOLDS,
+    QUALITY_STAGES,
     TOOL_SFT,
     GateThresholds,
     gate_checks,
@@ -49,7 +73,8 @@ from orthojob.ops.gate_file import (
 )
 from orthojob.stages.flags import add_config_arguments, given_values, positive_int
 from orthojob.stages.tool_sft import tool_gate_metrics
-from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey
+from server.cases import TASK_IDS, CaseKey
+from server.seed_ranges import gate_window_start
 from server.treatment import score_plans
 
 log = logging.getLogger(__name__)
@@ -57,7 +82,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GateSettings:
-    """One gate evaluation: held-out seeds per task, completion budget, batch, thresholds.
+    """One gate evaluation: seeds per cell of the run's window, completion budget, batch, thresholds.
 
     The stage commands (``orthojob format-sft``, ``bc-sft``, ``rsft``) take these as ``--gate-seeds``,
     ``--gate-max-new-tokens``, ``--gate-batch-size`` and the thresholds' ``--min-*`` flags
@@ -65,7 +90,8 @@ class GateSettings:
 
     n_seeds: int = field(
         default=50,
-        metadata={"help": "gate: held-out seeds per task", "flag": "--gate-seeds", "dest": "gate_n_seeds",
+        metadata={"help": "gate: seeds per cell (a quality gate's cells: every level under both dynamics)",
+                  "flag": "--gate-seeds", "dest": "gate_n_seeds",
                   "type": positive_int, "show_default": False},
     )  # fmt: skip
     max_new_tokens: int = field(
@@ -112,6 +138,146 @@ def gate_settings_from_args(args: argparse.Namespace | dict, base: GateSettings)
 
 
 # ---------------------------------------------------------------------------------------------
+# The window a gate judges, and what its verdict guarantees
+# ---------------------------------------------------------------------------------------------
+
+QUALITY_CELLS: tuple[tuple[str, bool], ...] = CELLS
+"""A quality gate's cells: every ``(task level, force decay)`` (:data:`orthojob.data.prompts.CELLS`)."""
+
+CONFIDENCE: float = 0.95
+"""The confidence of the hard-rule rate a verdict rules out (:func:`hard_rule_rate_bound`)."""
+
+
+@dataclass(frozen=True)
+class GateWindow:
+    """The cases one gate judges: ``n_per_cell`` consecutive seeds from ``start`` in each of ``cells``
+    (``(task_id, force_decay)``), drawn for the run named ``identity`` (:func:`gate_window`)."""
+
+    identity: str
+    start: int
+    n_per_cell: int
+    cells: tuple[tuple[str, bool], ...]
+
+    @property
+    def n_cases(self) -> int:
+        return self.n_per_cell * len(self.cells)
+
+    def keys(self) -> list[CaseKey]:
+        """The window's cases, cell by cell."""
+        return [CaseKey(t, self.start + i, bool(fd)) for t, fd in self.cells for i in range(self.n_per_cell)]
+
+    def to_dict(self) -> dict:
+        return {
+            "identity": self.identity,
+            "start": self.start,
+            "n_per_cell": self.n_per_cell,
+            "n_cases": self.n_cases,
+            "cells": [{"task_id": t, "force_decay": bool(fd)} for t, fd in self.cells],
+        }
+
+
+LOADED_WEIGHTS = re.compile(r"^(adapter_model|model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)$")
+"""The weight files a loader reads (transformers' and PEFT's names, sharded or not): only they name
+a gate's window, so a file no loader reads, or a config written another way, draws no new one."""
+
+
+def weights_digest(path: str | Path) -> str:
+    """sha256 over the weights a loader reads from the checkpoint folder ``path`` (:data:`LOADED_WEIGHTS`,
+    by name): each safetensors file's tensors (name, dtype, shape, bytes, by name; not its header's
+    free-form metadata), any other weight file's bytes. ModelError where there are none."""
+    files = [f for f in checkpoint_files(path) if LOADED_WEIGHTS.match(f.name)]
+    if not files:
+        raise ModelError(f"checkpoint folder {path} holds no weight file a loader reads")
+    h = hashlib.sha256()
+    for file in files:
+        h.update(file.name.encode() + b"\0")
+        if file.suffix == ".safetensors" and _hash_tensors(h, file):
+            continue
+        with file.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_tensors(h, file: Path) -> bool:
+    """Add ``file``'s tensors to ``h``; False (nothing added) where it is not a readable safetensors file."""
+    try:
+        import torch  # heavy: only where a gate judges real weights
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            for name in sorted(f.keys()):
+                t = f.get_tensor(name).contiguous()
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    except Exception:  # not safetensors (or an unreadable one): judged by its bytes
+        return False
+    return True
+
+
+def window_identity(path: str | Path) -> str:
+    """What names a gated run: ``weights:<sha256 of the weights a loader reads>`` (:func:`weights_digest`),
+    or, where ``path`` holds none (a scripted policy), ``path:<the resolved path>``. A window changes only
+    with the weights: retrained or altered weights are another candidate and draw another window, and
+    every gate file and MLflow gate run records the window it judged."""
+    try:
+        return f"weights:{weights_digest(path)}"
+    except (ModelError, OSError):
+        return f"path:{Path(path).resolve()}"
+
+
+def gate_cells(stage: str | None, tasks: Sequence[str], force_decay: bool) -> tuple[tuple[str, bool], ...]:
+    """The cells a gate of ``stage`` judges: :data:`QUALITY_CELLS` for a quality gate, else ``tasks``
+    under the stage's dynamics."""
+    if stage in QUALITY_STAGES:
+        return QUALITY_CELLS
+    return tuple((t, bool(force_decay)) for t in tasks)
+
+
+def gate_window(identity: str, n_per_cell: int, cells: Sequence[tuple[str, bool]]) -> GateWindow:
+    """The window of the run ``identity``: ``n_per_cell`` seeds from
+    :func:`server.seed_ranges.gate_window_start` in each cell."""
+    cells = tuple((t, bool(fd)) for t, fd in cells)
+    return GateWindow(identity, gate_window_start(identity, n_per_cell), int(n_per_cell), cells)
+
+
+def hard_rule_rate_bound(breaks: int, n: int, confidence: float = CONFIDENCE) -> float:
+    """The hard-rule rate that ``breaks`` rule-breaking plans in ``n`` cases rule out at ``confidence``:
+    the one-sided Clopper-Pearson upper limit, the rate ``p`` at which seeing at most ``breaks`` has
+    probability ``1 - confidence``. With no break it is ``1 - (1 - confidence) ** (1 / n)`` (about
+    ``-ln(1 - confidence) / n``: 3.1 % for 96 cases, 1.0 % for 300). Bisection on the binomial CDF."""
+    if n < 1:
+        raise ValueError(f"a bound needs at least one case, got n={n}")
+    if breaks >= n:
+        return 1.0
+    alpha = 1.0 - confidence
+    if breaks <= 0:
+        return 1.0 - alpha ** (1.0 / n)
+    j = np.arange(breaks + 1)
+    log_comb = math.lgamma(n + 1) - np.array([math.lgamma(k + 1) + math.lgamma(n - k + 1) for k in j])
+    lo, hi = breaks / n, 1.0
+    for _ in range(60):
+        p = (lo + hi) / 2
+        cdf = float(np.exp(log_comb + j * math.log(p) + (n - j) * math.log1p(-p)).sum())
+        lo, hi = (p, hi) if cdf > alpha else (lo, p)
+    return hi
+
+
+def guarantee(breaks: int, n: int, confidence: float = CONFIDENCE) -> dict:
+    """What a verdict on ``n`` cases with ``breaks`` rule-breaking plans guarantees
+    (:func:`hard_rule_rate_bound`): the rate it rules out, and the rate ``n`` cases rule out at best
+    (no break)."""
+    return {
+        "confidence": confidence,
+        "n_cases": int(n),
+        "breaks": int(breaks),
+        "hard_rule_rate_ruled_out": hard_rule_rate_bound(breaks, n, confidence),
+        "rate_ruled_out_with_no_break": hard_rule_rate_bound(0, n, confidence),
+        "formula": "one-sided Clopper-Pearson upper limit; no break: 1 - (1 - confidence) ** (1 / n)",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------
 
@@ -123,57 +289,55 @@ def _task_list(task_id: str | Sequence[str]) -> list[str]:
 
 
 def _checked_report(
-    path, stage, tasks, n_seeds, seed_start, force_decay, max_new_tokens, metrics, thresholds, samples
+    path, stage, tasks, window, force_decay, max_new_tokens, metrics, thresholds, samples, guarantees=None
 ) -> dict:
-    """A gate report: the evaluation's settings, its metrics checked against the stage's thresholds
-    (``thresholds`` or the stage's defaults), the verdict and a few sample completions."""
+    """A gate report: the evaluation's settings (its ``window``, None where it judged given cases), its
+    metrics checked against the stage's thresholds (``thresholds`` or the stage's defaults), the verdict,
+    what it guarantees (:func:`guarantee`) and a few sample completions."""
     limits = thresholds or thresholds_for(stage)
     checks = gate_checks(metrics, limits)
     return {
         "stage": stage,
         "checkpoint": str(path),
         "task_ids": tasks,
-        "n_seeds": n_seeds,
-        "seed_start": seed_start,
+        "n_seeds": window.n_per_cell if window else None,
+        "seed_start": window.start if window else None,
         "force_decay": bool(force_decay),
+        "window": window.to_dict() if window else None,
         "max_new_tokens": max_new_tokens,
         "metrics": metrics,
         "thresholds": limits.to_dict(),
         "checks": checks,
         "passed": bool(checks) and all(checks.values()),
+        "guarantee": guarantees,
         "samples": samples,
     }
 
 
 def _tool_gate_report(
-    path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_turns, seed_start, stage, thresholds,
-    model, tokenizer, keys=None,
+    path, force_decay, max_new_tokens, batch_size, max_turns, stage, thresholds, model, tokenizer,
+    keys, window,
 ) -> dict:  # fmt: skip
     """:func:`gate_report` of stage 1 (tool-use SFT): :func:`orthojob.stages.tool_sft.tool_gate_metrics` on the
-    held-out seeds (or on the cases ``keys``), checked against the stage's thresholds."""
+    cases ``keys`` (the run's ``window``, or a case set's held-out patients), checked against the stage's
+    thresholds."""
 
     t0 = time.perf_counter()
-    tasks = _task_list(task_id)
-    unknown = [t for t in tasks if t not in TASK_IDS]
-    if unknown and keys is None:
-        raise ValueError(f"unknown task ids {unknown}: use {TASK_IDS}")
     if model is None or tokenizer is None:
         model, tokenizer = load_for_inference(path)
-    if keys is not None:
-        rows = [{"seed": int(k.seed), "task_id": k.task_id, "force_decay": bool(k.force_decay)} for k in keys]
-        tasks = list(dict.fromkeys(k.task_id for k in keys))
-    else:
-        rows = [
-            {"seed": s, "task_id": t, "force_decay": bool(force_decay)}
-            for t in tasks
-            for s in range(seed_start, seed_start + n_seeds)
-        ]
+    rows = [{"seed": int(k.seed), "task_id": k.task_id, "force_decay": bool(k.force_decay)} for k in keys]
+    tasks = list(dict.fromkeys(k.task_id for k in keys))
     metrics, samples = tool_gate_metrics(model, tokenizer, rows, max_turns, max_new_tokens, batch_size)
     metrics["n"] = len(rows)
     metrics["eval_seconds"] = time.perf_counter() - t0
     return _checked_report(
-        path, stage, tasks, n_seeds, seed_start, force_decay, max_new_tokens, metrics, thresholds, samples
+        path, stage, tasks, window, force_decay, max_new_tokens, metrics, thresholds, samples
     )
+
+
+def cell_name(task_id: str, force_decay: bool) -> str:
+    """``task_hard/force_decay`` or ``task_hard/ideal``: a cell's key in the per-cell metrics."""
+    return f"{task_id}/{'force_decay' if force_decay else 'ideal'}"
 
 
 def gate_report(
@@ -183,7 +347,6 @@ def gate_report(
     force_decay: bool = False,
     max_new_tokens: int = 256,
     batch_size: int = 16,
-    seed_start: int = HELDOUT_SEED_START,
     stage: str | None = None,
     thresholds: GateThresholds | None = None,
     model=None,
@@ -192,41 +355,50 @@ def gate_report(
     policy=None,
     keys: Sequence[CaseKey] | None = None,
     case_set: dict | None = None,
+    identity: str | None = None,
+    cells: Sequence[tuple[str, bool]] | None = None,
 ) -> dict:
-    """Held-out gate evaluation of the checkpoint at ``path`` (or of an already loaded model, or of a
-    scripted ``policy``: observations -> completion texts, :data:`orthojob.eval.evaluation.Policy`).
+    """Gate evaluation of the checkpoint at ``path`` (or of an already loaded model, or of a scripted
+    ``policy``: observations -> completion texts, :data:`orthojob.eval.evaluation.Policy`) on the run's
+    window (module docstring): ``n_seeds`` seeds per cell, the cells :func:`gate_cells` gives for
+    ``stage`` (``cells``: these instead), the window drawn for ``identity`` (default
+    :func:`window_identity` of ``path``).
 
-    Returns the gate report ``{"stage", "checkpoint", "metrics", "thresholds", "checks", "passed",
-    "samples"}``; nothing is written (see :func:`write_gate`). ``metrics``: parse_rate,
-    format_reward (mean and ``format_checks``), the headline scaled_reward_mean/sd and, on the same
-    cases, uniform_slerp_scaled_reward_mean, oracle_scaled_reward_mean, margin_over_slerp,
+    Returns the gate report ``{"stage", "checkpoint", "window", "metrics", "thresholds", "checks",
+    "passed", "guarantee", "samples"}``; nothing is written (see :func:`write_gate`). ``metrics``:
+    parse_rate, format_reward (mean and ``format_checks``), the headline scaled_reward_mean/sd and, on
+    the same cases, uniform_slerp_scaled_reward_mean, oracle_scaled_reward_mean, margin_over_slerp,
     margin_over_oracle (scaled); hard_rule_share, uniform_slerp_hard_rule_share,
     oracle_hard_rule_share, hard_rule_share_over_oracle; strategy_accuracy (and the oracle's),
-    mean_completion_tokens, truncated_rate, per-task scaled reward means and hard-rule shares,
-    timings; terminal_raw_mean (secondary, the unscaled [0, 1] score, compared by nothing).
-    ``keys``: judge these cases (an imported case set's held-out patients) instead of seeds;
+    mean_completion_tokens, truncated_rate, per-task scaled reward means and hard-rule shares, per-cell
+    parse rates and hard-rule shares (the oracle's too), timings; terminal_raw_mean (secondary, the unscaled [0, 1] score, compared by nothing).
+    ``keys``: judge these cases (an imported case set's held-out patients) instead of a window;
     ``case_set`` (its source, split digest and counts) is then recorded in the report.
     """
+    window = None
+    if keys is None:
+        judged = tuple(cells) if cells is not None else gate_cells(stage, _task_list(task_id), force_decay)
+        unknown = sorted({t for t, _ in judged} - set(TASK_IDS))
+        if unknown:
+            raise ValueError(f"unknown task ids {unknown}: use {TASK_IDS}")
+        window = gate_window(identity or window_identity(path), n_seeds, judged)
+        keys = window.keys()
     if stage == TOOL_SFT:  # stage 1's gate: greedy agentic episodes through the tools
-        report = _tool_gate_report(path, n_seeds, task_id, force_decay, max_new_tokens, batch_size, max_tool_turns,
-                                   seed_start, stage, thresholds, model, tokenizer, keys)  # fmt: skip
+        report = _tool_gate_report(path, force_decay, max_new_tokens, batch_size, max_tool_turns,
+                                   stage, thresholds, model, tokenizer, keys, window)  # fmt: skip
         return report if case_set is None else {**report, "case_set": case_set}
 
     t0 = time.perf_counter()
-    tasks = _task_list(task_id)
     if policy is None and (model is None or tokenizer is None):
         model, tokenizer = load_for_inference(path)
-    ep = run_checkpoint(
-        model, tokenizer, tasks, n_seeds, seed_start, force_decay, max_new_tokens, batch_size, policy, keys
-    )
-    if keys is not None:
-        tasks = list(dict.fromkeys(ep.task_ids))
+    ep = run_checkpoint(model, tokenizer, [], 0, 0, force_decay, max_new_tokens, batch_size, policy, keys)
+    tasks = list(dict.fromkeys(ep.task_ids))
     metrics = episode_metrics(ep)
     metrics["generate_seconds"] = ep.generate_seconds
 
     # the baselines on the very same cases
     obs = ep.observations
-    cases = [CaseKey(o["task_id"], int(o["seed"]), bool(force_decay)) for o in obs]
+    cases = [CaseKey(o["task_id"], int(o["seed"]), bool(o["force_decay"])) for o in obs]
     baseline = {
         name: score_plans([BASELINES[name](o) for o in obs], cases) for name in ("uniform_slerp", "oracle")
     }
@@ -234,6 +406,9 @@ def gate_report(
     for name, results in baseline.items():
         metrics[f"{name}_{SCALED_REWARD_MEAN}"] = float(sum(r["scaled_reward"] for r in results) / len(obs))
         metrics[f"{name}_{HARD_RULE_SHARE}"] = float(sum(bool(r["broken_rules"]) for r in results) / len(obs))
+    by_cell: dict[str, list[int]] = {}
+    for i, c in enumerate(cases):
+        by_cell.setdefault(cell_name(c.task_id, c.force_decay), []).append(i)
     metrics.update(
         {
             "margin_over_slerp": mine - metrics[f"uniform_slerp_{SCALED_REWARD_MEAN}"],
@@ -251,6 +426,15 @@ def gate_report(
             ),
             f"per_task_{SCALED_REWARD_MEAN}": {t: _mean(ep, ep.select(t), "scaled_reward") for t in tasks},
             f"per_task_{HARD_RULE_SHARE}": {t: _mean(ep, ep.select(t), "broken_rules") for t in tasks},
+            "per_cell_parse_rate": {
+                k: float(np.mean([ep.rollouts[i].plan is not None for i in idx]))
+                for k, idx in by_cell.items()
+            },
+            f"per_cell_{HARD_RULE_SHARE}": {k: _mean(ep, idx, "broken_rules") for k, idx in by_cell.items()},
+            f"oracle_per_cell_{HARD_RULE_SHARE}": {
+                k: float(np.mean([bool(baseline["oracle"][i]["broken_rules"]) for i in idx]))
+                for k, idx in by_cell.items()
+            },
             "eval_seconds": time.perf_counter() - t0,
         }
     )
@@ -258,9 +442,9 @@ def gate_report(
         {"task_id": ep.task_ids[i], "seed": ep.seeds[i], "completion": ep.texts[i][:2000]}
         for i in range(min(3, len(ep.texts)))
     ]
-    report = _checked_report(
-        path, stage, tasks, n_seeds, seed_start, force_decay, max_new_tokens, metrics, thresholds, samples
-    )
+    breaks = sum(bool(r.broken_rules) for r in ep.rollouts)
+    report = _checked_report(path, stage, tasks, window, force_decay, max_new_tokens, metrics, thresholds,
+                             samples, guarantee(breaks, len(ep.rollouts)))  # fmt: skip
     return report if case_set is None else {**report, "case_set": case_set}
 
 

@@ -256,7 +256,7 @@ class GRPOJobConfig:
         },
     )
     gate_seeds: int = field(
-        default=50, metadata={"help": "held-out seeds of the GRPO gate", "type": positive_int}
+        default=50, metadata={"help": "GRPO gate: seeds per level and dynamics", "type": positive_int}
     )
     mode: str = field(
         default="oneshot",

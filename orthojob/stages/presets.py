@@ -23,9 +23,15 @@ grpo.mode=agentic``; a one-shot GRPO there is refused).
 format (``tiny_arch["prompt_format"]``, :data:`orthojob.data.prompts.PROMPT_FORMATS`: the case without the
 plan-format text, which the BC stage teaches), recorded in the model's ``config.json`` so every later
 stage prompts it the same way. Its GRPO stage is the one ``make run`` has always
-run (20 steps, prompts up to 1760 tokens, 256-token completions, 32 gate seeds), the one table
+run (20 steps, prompts up to 1760 tokens, 256-token completions), the one table
 ``orthojob train --preset tiny-cpu`` uses too. Its format
 and RSFT stages (not in the default chain) are set by analogy with its BC stage and not tuned.
+
+Gate sizes (:mod:`orthojob.stages.gate`: a quality gate judges ``n_seeds`` seeds in each of its six
+cells, every level under both dynamics, drawn for the run): tiny-cpu's quality gates judge
+:data:`TINY_GATE_SEEDS` per cell, 96 cases, which rule out a hard-rule rate above 3.1 % at 95 %
+confidence when none breaks one (what fits ``make run``'s ten minutes with two gates); qwen2.5-3b's judge
+:data:`GPU_GATE_SEEDS` per cell, 300 cases, which rule out 1.0 %.
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ folder ``<out>/<name>``, MLflow stage run, gate stage. The BC stage is ``bc_sft`
 FIRST_STAGES: tuple[str, ...] = ("format", "tool", "bc")
 """The stages that can start from the base model."""
 DEFAULT_STAGES: tuple[str, ...] = ("bc", "grpo")
+
+TINY_GATE_SEEDS = 16
+"""tiny-cpu's quality gates: seeds per cell (96 cases; no break rules out a hard-rule rate above 3.1 %)."""
+GPU_GATE_SEEDS = 50
+"""qwen2.5-3b's quality gates: seeds per cell (300 cases; no break rules out a hard-rule rate above 1.0 %)."""
 
 
 def stage_list(value: Any) -> tuple[str, ...]:
@@ -216,7 +227,7 @@ TINY_CPU = Preset(
     force_decay=False,
     sft=TINY_SFT,
     sft_gate=GateSettings(
-        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
+        n_seeds=TINY_GATE_SEEDS, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
     ),
     grpo=GRPOJobConfig(
         # the offline tiny model, fully fine-tuned on CPU: proves the loop, learns little
@@ -230,7 +241,7 @@ TINY_CPU = Preset(
         max_completion_length=256,
         max_seq_length=2048,
         gradient_checkpointing=False,
-        gate_seeds=32,
+        gate_seeds=TINY_GATE_SEEDS,
     ),
     grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS[GRPO]),
     evaluate=EvaluateSettings(n_seeds=32, baselines=True, max_new_tokens=256, batch_size=16),
@@ -258,7 +269,7 @@ TINY_CPU = Preset(
         logging_steps=10,
     ),
     rsft_gate=GateSettings(
-        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS[RSFT]
+        n_seeds=TINY_GATE_SEEDS, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS[RSFT]
     ),
 )
 
@@ -286,7 +297,7 @@ QWEN25_3B = Preset(
     force_decay=False,
     sft=QWEN25_3B_SFT,
     sft_gate=GateSettings(
-        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
+        n_seeds=GPU_GATE_SEEDS, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
     ),
     grpo=GRPOJobConfig(
         # the Unsloth Qwen2.5-3B GRPO recipe on one GPU (LoRA r 16, 8 completions per prompt) with what
@@ -308,7 +319,7 @@ QWEN25_3B = Preset(
         max_seq_length=2048,
         gradient_checkpointing=True,
         save_steps=60,
-        gate_seeds=50,
+        gate_seeds=GPU_GATE_SEEDS,
     ),
     grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS[GRPO]),
     evaluate=EvaluateSettings(n_seeds=200, baselines=True, max_new_tokens=512, batch_size=32),
@@ -338,7 +349,7 @@ QWEN25_3B = Preset(
         logging_steps=10,
     ),
     rsft_gate=GateSettings(
-        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[RSFT]
+        n_seeds=GPU_GATE_SEEDS, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[RSFT]
     ),
 )
 

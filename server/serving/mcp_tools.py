@@ -48,7 +48,7 @@ from server.dental_constants import TOOTH_IDS
 from server.dental_environment import StepwiseDentalEnvironment
 from server.errors import UnknownEpisodeError
 from server.serving.models import EpisodeResetRequest
-from server.serving.serialization import describe_validation_errors
+from server.serving.serialization import decode_request, describe_validation_errors
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +201,8 @@ class McpEndpoint:
     def handle_bytes(self, body: bytes) -> bytes | None:
         """The JSON answer to a request body (None for a notification)."""
         try:
-            request = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
+            request = decode_request(body)
+        except ValueError as exc:
             return _encode(error_response(None, PARSE_ERROR, f"parse error: the body is not JSON ({exc})"))
         return _encode(self.handle(request))
 

@@ -174,8 +174,10 @@ class ResetParams(EpisodeResetRequest):
 class PlanScoreRequest(BaseModel):
     """Body of ``POST /plans/score``: a whole treatment plan scored as one episode.
 
-    The plan is deliberately lax (an object or the model's raw text): malformed groups
-    are ignored and counted by the format score, never refused.
+    The plan is the plan object, or a text holding it (a model's raw completion), read as every
+    face reads a plan (:mod:`server.plan_text`): malformed groups are ignored and counted by the
+    format score; a body whose plan is not one (no object holding ``tooth_groups``, no usable
+    group, a repeated key) is answered 200 with scaled reward -2 and ``not_a_plan`` the reason.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -269,11 +271,16 @@ class CollisionReport(BaseModel):
 
 
 class PlanScore(BaseModel):
+    """Answer of ``POST /plans/score``: the plan's scores (empty breakdown, terminal 0 and
+    scaled -2 for a plan that is not one); ``not_a_plan``: None, or why the plan is not one."""
+
     model_config = ConfigDict(extra="allow")
 
     terminal_reward: OutFloat
+    scaled_reward: OutFloat
     reward_breakdown: dict[str, OutFloat]
     format: dict[str, Any]
+    not_a_plan: str | None = None
 
 
 class EpisodeClosed(BaseModel):

@@ -11,6 +11,7 @@ from starlette.routing import WebSocketRoute
 from server.cases import TASK_DESCRIPTIONS
 from server.dental_constants import N_STAGES, N_TEETH, TOOTH_IDS
 from server.dental_environment import TASK_IDS, StepwiseDentalEnvironment
+from server.plan_text import decode_marking_repeats
 from server.serving.fast_path import FastJSONRoute, JSONBytesResponse
 from server.serving.mcp_tools import McpEndpoint
 from server.serving.models import (
@@ -45,6 +46,17 @@ ExpectedStageQuery = Annotated[
     int | None,
     Query(ge=0, le=N_STAGES, description="the stage the episode must be at (else 409, not applied)"),
 ]
+
+
+def _plan_as_sent(body: bytes, plan: dict[str, Any]) -> Any:
+    """The ``plan`` object of a ``POST /plans/score`` body decoded again with its repeated keys
+    marked (:func:`server.plan_text.decode_marking_repeats`: the body parser keeps a repeated
+    key's last value silently); ``plan`` itself when the body does not decode so."""
+    try:
+        sent = decode_marking_repeats(body)
+    except (ValueError, RecursionError):
+        return plan
+    return sent["plan"] if isinstance(sent, dict) and isinstance(sent.get("plan"), dict) else plan
 
 
 def replace_mcp_routes(app: FastAPI, mcp: McpEndpoint) -> None:
@@ -246,10 +258,13 @@ def add_episode_routes(
         tags=["Plans"],
         summary="Score a whole treatment plan as one episode",
     )
-    async def score_plan(request: PlanScoreRequest) -> JSONBytesResponse:
+    async def score_plan(request: PlanScoreRequest, raw: Request) -> JSONBytesResponse:
+        plan = request.plan
+        if isinstance(plan, dict):  # the object as sent: one that repeats a key is not a plan
+            plan = _plan_as_sent(await raw.body(), plan)
         return respond(
             store.score_plan(
-                request.plan,
+                plan,
                 task_id=request.task_id,
                 seed=request.seed,
                 force_decay=request.force_decay,

@@ -38,6 +38,7 @@ import orjson
 
 from server.dental_constants import N_TEETH, TOOTH_IDS
 from server.json_values import json_value
+from server.plan_text import PLAN_KEY, decode_marking_repeats
 from server.pose_validation import POSE_FIELDS
 from server.serving.settings import ENV_VARIABLES, MAX_ERROR_CHARS
 
@@ -240,9 +241,9 @@ def decode_message(frame: str | bytes | None, max_bytes: int, binary: bool = Fal
             f"5 kB; the server sets the limit with {ENV_VARIABLES['max_message_bytes']})",
         )
     try:
-        message = orjson.loads(frame)
-    except orjson.JSONDecodeError:
-        try:  # the standard parser takes NaN/Infinity (refused, with their place, by the validation)
+        message = decode_request(frame)
+    except ValueError:
+        try:  # for the error's place in the text
             message = json.loads(frame)
         except RecursionError:
             raise MessageError("INVALID_JSON", f"message is nested too deeply: send {shape}") from None
@@ -272,6 +273,27 @@ def decode_message(frame: str | bytes | None, max_bytes: int, binary: bool = Fal
             f'{len(extra)} unknown message field(s) besides "type" and "data": send only those two',
         )
     return {"type": kind, "data": data}
+
+
+_PLAN_KEY_BYTES = PLAN_KEY.encode()
+
+
+def decode_request(body: bytes | str) -> Any:
+    """A WebSocket message or MCP request: orjson, else the standard parser (which takes
+    NaN/Infinity); a body that holds a plan (``"tooth_groups"``) is decoded by
+    :func:`server.plan_text.decode_marking_repeats`, so that a plan sent as an object with a repeated
+    key is refused as on every other face (orjson, like ``json.loads``, keeps the last value silently).
+    Raises ``ValueError`` for a body that is not JSON (``RecursionError`` is reported as one)."""
+    holds_plan = (_PLAN_KEY_BYTES if isinstance(body, (bytes, bytearray)) else PLAN_KEY) in body
+    try:
+        if holds_plan:
+            return decode_marking_repeats(body)
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return json.loads(body)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def decode_json_body(body: bytes) -> Any:
