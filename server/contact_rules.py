@@ -82,20 +82,8 @@ def arch_breaches(
                 pen = pair_penetration_mm(achieved[b, 1:], width_mm[b], depth_mm[b], gaps)
                 second[b] += np.sum(np.maximum(pen - tol, 0.0))
     aligner = np.zeros(initial.shape[0])
-    clear_ref = np.minimum(occlusal_clearance_mm(initial, target), occlusal_clearance_mm(target, target))
-    excess = (
-        clear_ref[:, None] - OCCLUSAL_TOLERANCE_MM - occlusal_clearance_mm(achieved[:, 1:], target[:, None])
-    )
-    posterior = (
-        posterior_clearance_floor_mm(initial, target)[:, None]
-        - OCCLUSAL_TOLERANCE_MM
-        - posterior_clearance_mm(achieved[:, 1:])
-    )  # (B, 24, 8)
-    if absent is not None:
-        excess = np.where(antagonists_present(absent, ANTERIOR_ANTAGONISTS)[:, None], excess, 0.0)
-        posterior = np.where(antagonists_present(absent, POSTERIOR_ANTAGONISTS)[:, None], posterior, 0.0)
-    occlusal = np.sum(np.maximum(excess, 0.0), axis=(-2, -1))
-    occlusal = occlusal + np.sum(np.maximum(posterior, 0.0), axis=(-2, -1))
+    front, back = occlusal_excess(initial, target, achieved, absent)
+    occlusal = np.sum(np.maximum(front, 0.0), axis=(-2, -1)) + np.sum(np.maximum(back, 0.0), axis=(-2, -1))
     if planned is not achieved:
         differs = np.flatnonzero(np.any(planned[:, 1:] != achieved[:, 1:], axis=(1, 2, 3)))
         if differs.size:
@@ -110,3 +98,27 @@ def arch_breaches(
         "aligner_collision_breach": aligner / tol,
         "occlusal_breach": occlusal / OCCLUSAL_TOLERANCE_MM,
     }
+
+
+def occlusal_excess(
+    initial: np.ndarray, target: np.ndarray, achieved: np.ndarray, absent: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """How far each antagonist pair's clearance at each aligner falls below its reference by more than
+    OCCLUSAL_TOLERANCE_MM (mm; positive is a breach): ``(front, back)``, (B, 24, A) over
+    :data:`server.occlusion.ANTERIOR_ANTAGONISTS` (reference: the smaller of the initial and target
+    clearances) and (B, 24, P) over :data:`server.occlusion.POSTERIOR_ANTAGONISTS` (reference: the
+    tightest bite their own paths pass through). ``initial``/``target`` (B, 28, 7), ``achieved``
+    (B, 25, 28, 7); pairs with an absent tooth (``absent`` (B, 28) bool) are 0."""
+    clear_ref = np.minimum(occlusal_clearance_mm(initial, target), occlusal_clearance_mm(target, target))
+    front = (
+        clear_ref[:, None] - OCCLUSAL_TOLERANCE_MM - occlusal_clearance_mm(achieved[:, 1:], target[:, None])
+    )
+    back = (
+        posterior_clearance_floor_mm(initial, target)[:, None]
+        - OCCLUSAL_TOLERANCE_MM
+        - posterior_clearance_mm(achieved[:, 1:])
+    )
+    if absent is not None:
+        front = np.where(antagonists_present(absent, ANTERIOR_ANTAGONISTS)[:, None], front, 0.0)
+        back = np.where(antagonists_present(absent, POSTERIOR_ANTAGONISTS)[:, None], back, 0.0)
+    return front, back

@@ -60,14 +60,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server.absent_teeth import antagonists_present, batch_absent, mask_pairs
+from server.absent_teeth import batch_absent, mask_pairs
 from server.cases import Case
 from server.collisions import (
     ALL_PAIR_CROWNS,
     COLLISION_TOLERANCE_MM,
     all_pairs_penetration_mm,
 )
-from server.contact_rules import OCCLUSAL_TOLERANCE_MM
+from server.contact_rules import OCCLUSAL_TOLERANCE_MM, occlusal_excess
 from server.dental_constants import (
     N_TEETH,
     PRIORITY_START_STAGE,
@@ -76,9 +76,6 @@ from server.dental_constants import (
 from server.occlusion import (
     ANTERIOR_ANTAGONISTS,
     POSTERIOR_ANTAGONISTS,
-    occlusal_clearance_mm,
-    posterior_clearance_floor_mm,
-    posterior_clearance_mm,
 )
 from server.plans import UNIFORM_FRACTION, PlanSpec, normalize_plan
 from server.reward_scaler import breach_total
@@ -227,18 +224,8 @@ def rollout_breaches(
     rows = np.arange(b)
     pen = mask_pairs(all_pairs_penetration_mm(achieved[:, 1:], w, d), absent, ALL_PAIR_CROWNS)
     spread("contact", rows, np.maximum(pen - tol, 0.0).sum(axis=1) / tol, ALL_PAIR_CROWNS)
-    clear_ref = np.minimum(occlusal_clearance_mm(initial, target), occlusal_clearance_mm(target, target))
-    front = (
-        clear_ref[:, None] - OCCLUSAL_TOLERANCE_MM - occlusal_clearance_mm(achieved[:, 1:], target[:, None])
-    )
-    back = (
-        posterior_clearance_floor_mm(initial, target)[:, None]
-        - OCCLUSAL_TOLERANCE_MM
-        - posterior_clearance_mm(achieved[:, 1:])
-    )
+    front, back = occlusal_excess(initial, target, achieved, absent)
     for excess, pairs in ((front, ANTERIOR_ANTAGONISTS), (back, POSTERIOR_ANTAGONISTS)):
-        if absent is not None:
-            excess = np.where(antagonists_present(absent, pairs)[:, None], excess, 0.0)
         spread("contact", rows, np.maximum(excess, 0.0).sum(axis=1) / OCCLUSAL_TOLERANCE_MM, pairs.T)
     differs = np.flatnonzero(np.any(planned[:, 1:] != achieved[:, 1:], axis=(1, 2, 3)))
     if differs.size:
