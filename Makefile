@@ -19,7 +19,7 @@ install: $(BIN)/.installed
 
 # one process: both cores for its torch threads (the 1 above is for make test's two workers)
 run: install
-	OMP_NUM_THREADS=2 $(BIN)/orthojob pipeline --preset tiny-cpu
+	OMP_NUM_THREADS=2 $(BIN)/orthojob pipeline --preset tiny-cpu --register
 
 lint: install
 	$(BIN)/ruff check .

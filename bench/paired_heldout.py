@@ -55,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         evals = report["runs"].setdefault(run, {"evaluations": [None, None]})["evaluations"]
         evals[index] = {"step": index, **evaluation}
         print(f"{name}: pooled scaled_reward {evaluation['pooled']['scaled_reward']['mean']:.3f}", flush=True)
-    rows = paired_differences(report)
+    rows = paired_differences(report, "tuning")
     print(f"\n{out}: {args.seeds} held-out seeds per cell\n")
     print(paired_table(rows))
     print()
-    print(markdown_tables(report))
+    print(markdown_tables(report, "tuning"))
     (out / "paired.json").write_text(json.dumps(rows, indent=1))
     return 0
 

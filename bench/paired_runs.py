@@ -21,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.learning_report import PLANNER_LABELS, paired_per_case, planners
+from examples.learning_report import PLANNER_LABELS, paired_per_case, planners, table_of
 
 PLANNERS: tuple[str, ...] = ("stage0", "grpo_stage0", "bc", "grpo_bc")
 
@@ -29,7 +29,8 @@ PLANNERS: tuple[str, ...] = ("stage0", "grpo_stage0", "bc", "grpo_bc")
 def paired_runs(report_a: dict, report_b: dict) -> list[dict]:
     """Per planner both reports evaluated case by case: ``{"planner", "levels": {level: ci}, "pooled": ci}``
     of the per-case differences A - B. A ValueError when the runs evaluated different numbers of cases."""
-    a, b = planners(report_a), planners(report_b)
+    table = table_of(report_a, report_b)
+    a, b = planners(report_a, table), planners(report_b, table)
     try:
         return [
             {

@@ -10,15 +10,21 @@ Per cell (three levels x both dynamics, and task_hard with non-compliance), on s
   scaled reward of the raw and of the executed plans;
 * **properties** (``--properties``): on the whole corpus (:func:`corpus`), the executed plan breaks no
   rule, a safe plan comes back bit for bit, the executed plan scores the same written as a plan dict,
-  and the anti-gaming invariant (:func:`check_properties`). Exit status 1 if any fails.
+  and the anti-gaming invariant (:func:`check_properties`); with ``--checkpoint``, the corpus also holds
+  ``--samples`` completions per case sampled at temperature 1 from a trained checkpoint
+  (:func:`checkpoint_samples`: those that read as a plan; the others are counted, not scored). Per cell:
+  the corpus plans, of which checkpoint samples, how many the engine changed (repaired + fallback), and
+  each property's failures; each failing plan is printed (cell, seed, corpus name, JSON). Exit status 1
+  if any fails.
 
     OMP_NUM_THREADS=1 python bench/staging_engine.py [--seeds 16] [--batch 256] [--properties]
-    OMP_NUM_THREADS=1 python bench/staging_engine.py --properties --seeds 1000   # the full run
+    OMP_NUM_THREADS=1 python bench/staging_engine.py --properties --seeds 1000 --checkpoint DIR [--samples 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -48,6 +54,10 @@ PROPERTY_CHUNK: int = 1024
 """Corpus plans checked per engine call (bounded memory on 1,000 seeds)."""
 RANDOM_PLANS: int = 3
 """Random plans per case in the corpus."""
+SAMPLE_CHUNK: int = 64
+"""Cases whose checkpoint samples are generated together (bounded memory on 1,000 seeds)."""
+SAMPLE_BATCH: int = 16
+"""Prompts per generation call (each with ``--samples`` sequences)."""
 
 
 def random_plan(case: Case, rng: np.random.Generator) -> dict:
@@ -143,26 +153,24 @@ def mixed_batch(
     return plans, batch_cases
 
 
-def check_properties(plans: list[dict], cases: list[Case]) -> dict[str, int]:
-    """Failures of each property over plans on their cases (0 everywhere when the engine holds):
+PROPERTIES: tuple[str, ...] = ("unsafe", "not_identical", "dict_mismatch", "gaming")
+"""The properties :func:`check_properties` counts failures of."""
 
-    * ``unsafe``: an executed plan that breaks a rule (or a record claiming safety it has not);
-    * ``not_identical``: a safe raw plan not returned as itself, or its record not ``unchanged``;
-    * ``dict_mismatch``: the executed plan written as a plan dict not reading back to its arrays;
-    * ``gaming``: a plan whose engine reward exceeds that of its executed plan written directly (as a
-      plan dict, scored afresh: it must come back unchanged), or a repaired plan's not strictly below it.
-    """
+
+def property_failures(plans: list[dict], cases: list[Case]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Which plans fail each property of :func:`check_properties` (name -> (n_plans,) bool), and the
+    engine's record status of each plan (``unchanged``, ``repaired`` or ``fallback``)."""
     specs = [normalize_plan(p) for p in plans]
     run = execute_plans(specs, cases)
-    fails = {"unsafe": 0, "not_identical": 0, "dict_mismatch": 0, "gaming": 0}
-    for spec, executed, record, result, raw, case in zip(
-        specs, run.specs, run.records, run.results, run.raw_results, cases
+    fails = {name: np.zeros(len(plans), bool) for name in PROPERTIES}
+    for k, (spec, executed, record, result, raw, case) in enumerate(
+        zip(specs, run.specs, run.records, run.results, run.raw_results, cases)
     ):
-        fails["unsafe"] += bool(result["broken_rules"]) or not record.safe
+        fails["unsafe"][k] = bool(result["broken_rules"]) or not record.safe
         if not raw["broken_rules"]:
-            fails["not_identical"] += executed is not spec or record.status != UNCHANGED
+            fails["not_identical"][k] = executed is not spec or record.status != UNCHANGED
         back = normalize_plan(spec_to_plan(executed, case.absent))
-        fails["dict_mismatch"] += not (
+        fails["dict_mismatch"][k] = not (
             np.array_equal(back.start, executed.start)
             and np.array_equal(back.fraction, executed.fraction)
             and np.array_equal(back.overcorrections(), executed.overcorrections())
@@ -176,8 +184,63 @@ def check_properties(plans: list[dict], cases: list[Case]) -> dict[str, int]:
         mine = engine_reward(run.raw_results[k], run.results[k], record)
         bad = again_record.status != UNCHANGED and record.safe
         bad |= mine > direct or (record.status == REPAIRED and not mine < direct)
-        fails["gaming"] += bool(bad)
-    return fails
+        fails["gaming"][k] = bool(bad)
+    return fails, [r.status for r in run.records]
+
+
+def check_properties(plans: list[dict], cases: list[Case]) -> dict[str, int]:
+    """Failures of each property over plans on their cases (0 everywhere when the engine holds):
+
+    * ``unsafe``: an executed plan that breaks a rule (or a record claiming safety it has not);
+    * ``not_identical``: a safe raw plan not returned as itself, or its record not ``unchanged``;
+    * ``dict_mismatch``: the executed plan written as a plan dict not reading back to its arrays;
+    * ``gaming``: a plan whose engine reward exceeds that of its executed plan written directly (as a
+      plan dict, scored afresh: it must come back unchanged), or a repaired plan's not strictly below it.
+    """
+    fails, _ = property_failures(plans, cases)
+    return {name: int(flags.sum()) for name, flags in fails.items()}
+
+
+def completion_plans(texts: list[str], samples: int) -> tuple[list[dict[str, dict]], int]:
+    """The corpus plans of a checkpoint's completions, prompt-major (``samples`` texts per case, as
+    :func:`orthojob.eval.evaluation.generate_completions` returns them): per case, the plan dict of each
+    completion that reads as a plan (:func:`server.plan_text.read_plan_text`), named ``sample_<k>``;
+    and how many completions were not plans (nothing for the engine to execute)."""
+    from server.plan_text import read_plan_text
+
+    per_case: list[dict[str, dict]] = []
+    not_plans = 0
+    for lo in range(0, len(texts), samples):
+        named = {}
+        for k, text in enumerate(texts[lo : lo + samples]):
+            reading = read_plan_text(text)
+            if reading.is_plan:
+                named[f"sample_{k}"] = reading.found
+            else:
+                not_plans += 1
+        per_case.append(named)
+    return per_case, not_plans
+
+
+def checkpoint_samples(
+    model, tokenizer, cases: list[Case], samples: int
+) -> tuple[list[dict[str, dict]], int]:
+    """:func:`completion_plans` of ``samples`` completions per case sampled at temperature 1 (up to 512
+    new tokens), generated :data:`SAMPLE_CHUNK` cases at a time."""
+    from orthojob.eval.evaluation import generate_completions
+    from server.dental_environment import initial_observation
+
+    per_case: list[dict[str, dict]] = []
+    not_plans = 0
+    for lo in range(0, len(cases), SAMPLE_CHUNK):
+        observations = [initial_observation(c) for c in cases[lo : lo + SAMPLE_CHUNK]]
+        texts, _, _ = generate_completions(
+            model, tokenizer, observations, max_new_tokens=512, batch_size=SAMPLE_BATCH, samples=samples
+        )
+        part, missed = completion_plans(texts, samples)
+        per_case += part
+        not_plans += missed
+    return per_case, not_plans
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,12 +249,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=256, help="plans in the timed batch per cell")
     parser.add_argument("--repeat", type=int, default=3, help="timings per measure (the best is kept)")
     parser.add_argument("--properties", action="store_true", help="check the properties on the corpus")
+    parser.add_argument("--checkpoint", help="a checkpoint folder whose samples join the property corpus")
+    parser.add_argument("--samples", type=int, default=2, help="completions sampled per case (--checkpoint)")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     bad = 0
+    failures: list[tuple] = []  # (task, decay, nc, seed, corpus name, property, plan)
+    model = tokenizer = None
+    if args.properties and args.checkpoint:
+        import torch
+
+        from orthojob.modeling.models import load_for_inference
+
+        model, tokenizer = load_for_inference(args.checkpoint)
     head = f"{'ratio':>5s} {'unch':>5s} {'rep':>5s} {'fall':>5s} {'raw':>5s} {'exec':>5s}"
     print(f"{'':22s} | planner batch ({args.batch} plans){'':12s}| adversarial batch")
-    print(f"{'task':12s} {'decay':>5s} {'nc':>3s} | {head} | {head}  properties (corpus plans: failures)")
+    props = "properties: corpus plans (checkpoint samples, not plans): changed repaired+fallback, failures"
+    print(f"{'task':12s} {'decay':>5s} {'nc':>3s} | {head} | {head}  {props}")
     for task, decay, nc in CELLS:
         cases = [generate_case(task, SEED_START + s, decay, nc) for s in range(args.seeds)]
         oracles = [plan_for_case(c) for c in cases]
@@ -214,20 +288,38 @@ def main(argv: list[str] | None = None) -> int:
             line += f" | {engine / plain:5.2f} " + " ".join(f"{s:5.3f}" for s in shares)
             line += f" {raw:5.2f} {executed:5.2f}"
         if args.properties:
-            corpus_plans, corpus_cases = [], []
-            for case, oracle in zip(cases, oracles):
-                for plan in corpus(case, rng, oracle).values():
+            sampled, not_plans = [{} for _ in cases], 0
+            if model is not None:
+                torch.manual_seed(0)
+                sampled, not_plans = checkpoint_samples(model, tokenizer, cases, args.samples)
+            corpus_plans, corpus_cases, labels = [], [], []
+            for s, (case, oracle, samples) in enumerate(zip(cases, oracles, sampled)):
+                for name, plan in {**corpus(case, rng, oracle), **samples}.items():
                     corpus_plans.append(plan)
                     corpus_cases.append(case)
-            fails = dict.fromkeys(("unsafe", "not_identical", "dict_mismatch", "gaming"), 0)
+                    labels.append((SEED_START + s, name))
+            fails = dict.fromkeys(PROPERTIES, 0)
+            changed = dict.fromkeys((REPAIRED, FALLBACK), 0)
+            changed_samples = 0
             for lo in range(0, len(corpus_plans), PROPERTY_CHUNK):
-                part = check_properties(
-                    corpus_plans[lo : lo + PROPERTY_CHUNK], corpus_cases[lo : lo + PROPERTY_CHUNK]
-                )
-                fails = {k: fails[k] + part[k] for k in fails}
+                chunk = slice(lo, lo + PROPERTY_CHUNK)
+                flags, status = property_failures(corpus_plans[chunk], corpus_cases[chunk])
+                for k, st in enumerate(status):
+                    if st != UNCHANGED:
+                        changed[st] += 1
+                        changed_samples += labels[lo + k][1].startswith("sample_")
+                for name, plan_flags in flags.items():
+                    fails[name] += int(plan_flags.sum())
+                    for k in np.flatnonzero(plan_flags):
+                        failures.append((task, decay, nc, *labels[lo + k], name, corpus_plans[lo + k]))
             bad += sum(fails.values())
-            line += f"  {len(corpus_plans)}: " + " ".join(f"{k}={v}" for k, v in fails.items())
+            n_samples = sum(len(named) for named in sampled)
+            line += f"  {len(corpus_plans)} ({n_samples} samples, {not_plans} not plans):"
+            line += f" changed {changed[REPAIRED]}+{changed[FALLBACK]} ({changed_samples} samples) "
+            line += " ".join(f"{k}={v}" for k, v in fails.items())
         print(line, flush=True)
+    for task, decay, nc, seed, name, prop, plan in failures:
+        print(f"FAIL {prop}: {task} decay={int(decay)} nc={int(nc)} seed={seed} {name} {json.dumps(plan)}")
     return 1 if bad else 0
 
 

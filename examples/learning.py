@@ -14,18 +14,23 @@ TRL's GRPOTrainer, the project's five reward functions) on prompts of every cell
 (:data:`orthojob.data.prompts.CELLS`: three task levels x ideal and force-decay dynamics, taking turns).
 
 Every planner (stage 0, BC, each GRPO run at its start, every ``eval_every`` steps and at its end)
-is evaluated greedily on ``eval_seeds`` held-out seeds (:data:`server.cases.HELDOUT_SEED_START`) of
-every cell, beside the oracle, uniform SLERP and doing nothing on the same cases: the headline
-metric, the scaled terminal reward (``scaled_reward``, :mod:`orthojob.eval.metrics`), strategy accuracy,
-parse rate and the clinical canaries that are NOT rewards (:data:`orthojob.rewards.canaries.CANARIES`; the
-degenerate plans also counted by form), each as mean and 95 % interval per cell (a t-interval), per
-level (both dynamics) and pooled over the six cells (stratified by cell:
-:func:`examples.learning_report.mean_ci`).
+is evaluated greedily, its plans executed by the staging engine (:mod:`server.staging_engine`: what
+ships), beside the oracle, uniform SLERP and doing nothing on the same cases (scored as they are):
+the headline metric, the executed plans' scaled terminal reward (``scaled_reward``,
+:mod:`orthojob.eval.metrics`), strategy accuracy, parse rate and the clinical canaries that are NOT
+rewards (:data:`orthojob.rewards.canaries.CANARIES`; the degenerate plans also counted by form), and
+the raw plans' figures beside them (:data:`examples.learning_eval.ENGINE_METRICS`: raw scaled reward,
+raw hard-rule share, repair, fallback and repaired-movement shares), each as mean and 95 % interval
+per cell (a t-interval), per level (both dynamics) and pooled over the six cells (stratified by cell:
+:func:`examples.learning_report.mean_ci`). The curves (every ``eval_every`` steps) use ``eval_seeds``
+seeds of each cell from the tuning range (:data:`server.seed_ranges.TUNING`, on which the defaults
+were chosen); the final table (each GRPO run's start and trained planner, the references) uses as
+many from the final range (:data:`server.seed_ranges.FINAL`, on which none was).
 
-:func:`targets` judges the run against the claims it is meant to support (GRPO after BC beats BC;
-the final planner beats uniform SLERP on every level and closes half the gap to the oracle; GRPO
-from stage 0 beats uniform SLERP on ``task_easy``; no hard rule, few degenerate plans; a stable
-curve). Each target has a pass/fail in ``<out>/learning.json``, which ``make learn`` prints last.
+:func:`targets` judges the run against the claims it is meant to support, on the final table (GRPO
+after BC beats BC; the final planner beats uniform SLERP on every level and closes 60 % of the gap to
+the oracle; GRPO from stage 0 beats uniform SLERP on ``task_easy``; no hard rule, few degenerate
+plans) and on the curves (stable; GRPO from BC's raw repair share falling). Each target has a pass/fail in ``<out>/learning.json``, which ``make learn`` prints last.
 Also written: ``<out>/comparison.md`` (per cell and pooled), ``<out>/learning.png`` and an MLflow run
 ``learn`` with ``heldout/<run>/<metric>`` per evaluated step.
 """
@@ -53,7 +58,7 @@ from examples.learning_config import (
     RSFT_PROMPT_SEED_START,
     LearnConfig,
 )
-from examples.learning_eval import evaluate_model, heldout_cases, reference_rows
+from examples.learning_eval import ENGINE_METRICS, evaluate_model, final_cases, heldout_cases, reference_rows
 from examples.learning_report import (
     CELL_NAMES,
     RUNS,
@@ -62,6 +67,7 @@ from examples.learning_report import (
     markdown_tables,
     paired_differences,
     paired_table,
+    planners,
     plot,
     targets,
     targets_table,
@@ -80,6 +86,7 @@ from orthojob.stages.rsft_config import RSFTConfig
 from orthojob.stages.sft import oracle_demonstrations, run_sft
 from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig
 from server.cases import TASK_IDS, CaseKey
+from server.seed_ranges import FINAL
 
 log = logging.getLogger("examples.learning")
 
@@ -291,6 +298,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
         mixed_cells=True,
         level_weights=dict(cfg.bc_level_weights if run == "grpo_bc" else cfg.stage0_level_weights),
         seed=cfg.seed,
+        objective=cfg.objective,
         num_prompts=cfg.num_prompts,
         prompt_seed_start=GRPO_PROMPT_SEED_START,
         beta=cfg.bc_beta if run == "grpo_bc" else cfg.beta,
@@ -314,11 +322,14 @@ def run_grpo(
     save: Callable[[], None],
     run: str = "grpo_stage0",
     deadline: float | None = None,
+    final_keys: Sequence[CaseKey] = (),
 ) -> dict:
     """GRPO from ``checkpoint`` through :func:`orthojob.stages.grpo_trainer.train` (the job's trainer), with
     an evaluation every ``eval_every`` steps, at the last step, and when ``deadline`` (a
     ``time.monotonic()`` value) stops training early; each evaluation is appended to ``evals`` and
-    ``save`` called. Returns timing, the reward functions' share of a step and TRL's logs."""
+    ``save`` called. Returns timing, the reward functions' share of a step, TRL's logs and, under
+    ``final_evaluation``, the trained planner's evaluation on ``final_keys`` (the final table's cases;
+    None without them)."""
     from transformers import TrainerCallback
 
     models.device_info()  # Unsloth (on a GPU) before TRL
@@ -365,6 +376,11 @@ def run_grpo(
 
     result = grpo_trainer.train(job, callbacks=[EvalAndTime()])
     trainer = result.trainer
+    final = (
+        evaluate_model(trainer.model, trainer.processing_class, final_keys, cfg.eval_max_new_tokens)
+        if final_keys
+        else None
+    )
     return {
         "grpo_seconds": clock["train_seconds"],
         "steps_done": trainer.state.global_step,
@@ -374,6 +390,7 @@ def run_grpo(
         "reward_share_of_step": result.reward_seconds / max(1e-9, trainer.step_seconds),
         "grpo_config": job.to_dict(),
         "log_history": trainer.state.log_history,
+        "final_evaluation": final,
     }
 
 
@@ -383,12 +400,18 @@ def _evaluate_checkpoint(checkpoint: Path, cases: Sequence[CaseKey], cfg: LearnC
 
 
 def _grpo_from(cfg, name, checkpoint, cases, record: dict, save, deadline) -> None:
-    """One GRPO run recorded in ``record[name]``: its start's evaluation (step 0), then training."""
+    """One GRPO run recorded in ``record[name]``: its start's evaluation on the curve's ``cases`` (step
+    0) and on the final range (``final.start``), then training, whose evaluations on ``cases`` make the
+    curve and whose trained planner is evaluated on the final range last (``final.end``)."""
     evals: list = []
-    record[name] = {"evaluations": evals}
+    keys = final_cases(cfg.eval_seeds)
+    record[name] = {"evaluations": evals, "final": {}}
     evals.append({"step": 0, **_evaluate_checkpoint(checkpoint, cases, cfg)})
+    record[name]["final"]["start"] = _evaluate_checkpoint(checkpoint, keys, cfg)
     save()
-    record[name]["training"] = run_grpo(cfg, checkpoint, cases, evals, save, name, deadline)
+    training = run_grpo(cfg, checkpoint, cases, evals, save, name, deadline, keys)
+    record[name]["final"]["end"] = training.pop("final_evaluation")
+    record[name]["training"] = training
     save()
 
 
@@ -407,6 +430,7 @@ def run_chain(cfg: LearnConfig, cases: Sequence[CaseKey], deadline: float | None
     save()
     if cfg.rsft_prompts:
         record["bc"]["evaluation"] = _evaluate_checkpoint(checkpoint, cases, cfg)
+        record["bc"]["final_evaluation"] = _evaluate_checkpoint(checkpoint, final_cases(cfg.eval_seeds), cfg)
         save()
         checkpoint, record["rsft"] = rsft(cfg, checkpoint)
         save()
@@ -440,17 +464,35 @@ def run(cfg: LearnConfig) -> dict:
 
 
 def _log_report(report: dict, out: Path) -> None:
-    """Evaluations as step metrics, the targets as 0/1 metrics and the files as artifacts."""
+    """Evaluations as step metrics (``heldout/<run>/<metric>``), the final table's planners pooled
+    (``final/<planner>/<metric>``), the targets as 0/1 metrics and the files as artifacts."""
     import mlflow
 
     for run_name in RUNS:
         for e in report.get("runs", {}).get(run_name, {}).get("evaluations", []):
-            tracking.log_metrics({f"heldout/{run_name}/{m}": e["pooled"][m]["mean"] for m in METRICS
-                                  if e["pooled"][m]["mean"] is not None}, step=e["step"])  # fmt: skip
+            tracking.log_metrics({f"heldout/{run_name}/{m}": e["pooled"][m]["mean"] for m in (*METRICS, *ENGINE_METRICS)
+                                  if e["pooled"].get(m, {}).get("mean") is not None}, step=e["step"])  # fmt: skip
+    for name, row in planners(report).items():  # the final table, executed and raw figures pooled
+        tracking.log_metrics({f"final/{name}/{m}": row["pooled"][m]["mean"] for m in (*METRICS, *ENGINE_METRICS)
+                              if row["pooled"].get(m, {}).get("mean") is not None})  # fmt: skip
     tracking.log_metrics({f"target/{t['name']}": float(t["passed"]) for t in report["targets"]})
     for name in ("learning.json", "learning.png", "comparison.md"):
         if (out / name).is_file():
             mlflow.log_artifact(str(out / name))
+
+
+def report_head(cfg: LearnConfig, cases: Sequence[CaseKey]) -> dict:
+    """A report's settings and references before any run: the oracle, uniform SLERP and doing nothing on
+    the curves' ``cases`` (``references``) and on the final range (``final_references``)."""
+    return {
+        "config": dataclasses.asdict(cfg),
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "cells": list(CELL_NAMES),
+        "references": reference_rows(cases),
+        "final_cases": {"first_seed": FINAL.start, "seeds_per_cell": cfg.eval_seeds},
+        "final_references": reference_rows(final_cases(cfg.eval_seeds)),
+        "runs": {},
+    }
 
 
 def _run(cfg: LearnConfig) -> dict:
@@ -466,13 +508,7 @@ def _run(cfg: LearnConfig) -> dict:
     if cfg.parallel and not cfg.stage0_only:
         with (out / "chain.log").open("w") as log_file:
             chain = subprocess.Popen(chain_command(cfg), stdout=log_file, stderr=subprocess.STDOUT)
-    report: dict = {
-        "config": dataclasses.asdict(cfg),
-        "threads": os.environ.get("OMP_NUM_THREADS"),
-        "cells": list(CELL_NAMES),
-        "references": reference_rows(cases),
-        "runs": {},
-    }
+    report = report_head(cfg, cases)
 
     def save() -> None:
         (out / "learning.json").write_text(json.dumps(report, indent=1, default=float))
@@ -509,6 +545,8 @@ def finish_report(report: dict, record: dict, out: Path, wall_seconds: float) ->
     (out / "learning.json").write_text(json.dumps(report, indent=1, default=float))
     text = (
         markdown_tables(report)
+        + "\n\n"
+        + markdown_tables(report, "tuning")
         + "\n\n"
         + curve_table(report)
         + "\n\n"

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from orthojob.data.format_demos import STAGINGS
 from orthojob.data.prompts import PROMPT_FORMATS
 from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
-from orthojob.stages.grpo_config import LEVEL_WEIGHT_FLAG, LR_SCHEDULERS
+from orthojob.stages.grpo_config import LEVEL_WEIGHT_FLAG, LR_SCHEDULERS, OBJECTIVES
 from server.cases import TRAIN_SEED_START
 
 GRPO_PROMPT_SEED_START = TRAIN_SEED_START + 50_000
@@ -198,6 +198,15 @@ class LearnConfig:
     stage0_level_weights: dict[str, float] = field(
         default_factory=dict,
         metadata=_level_weights("GRPO from stage 0", "--stage0-level-weight", "task_easy"),
+    )
+    objective: str = field(
+        default="raw",
+        metadata={
+            "help": "what GRPO's rewards judge (both runs): raw, the plan as written; engine, the plan the "
+            "staging engine executes, a repaired plan paying the repair's cost "
+            "(orthojob.rewards.rollouts.Rollout.objective)",
+            "choices": OBJECTIVES,
+        },
     )
     loss_type: str = "dapo"
     scale_rewards: str = "group"

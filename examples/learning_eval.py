@@ -13,7 +13,7 @@ from examples.learning_report import (
     mean_ci,
 )
 from orthojob.data.prompts import CELLS, build_messages, prompt_format_of, reset_observation
-from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN, generate_completions
+from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN, engine_metrics, generate_completions
 from orthojob.eval.metrics import SCALED_REWARD
 from orthojob.rewards.canaries import METRICS, episode_record, rollout_record
 from orthojob.rewards.parsing import read_plan_text
@@ -25,11 +25,23 @@ from server.oracle import plan_for_case
 from server.reward_scaler import REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
 from server.seed_ranges import FINAL, TUNING
+from server.staging_engine import ENGINE_VERSION
 from server.treatment import score_plans
 
 WAYS: tuple[str, ...] = ("as_written", "no_strategy", "optimal_named")
 """The three ways :func:`strategy_counterfactuals` scores a plan."""
 CLASS_OF_MULTIPLIER: dict[float, str] = {v: k for k, v in STRATEGY_MULTIPLIERS.items()}
+ENGINE_METRICS: tuple[str, ...] = (
+    "raw_scaled_reward_mean",
+    "raw_hard_rule_share",
+    "repair_share",
+    "fallback_share",
+    "repaired_movement_share",
+)
+"""The raw plans' figures beside the executed ones, per episode (:func:`orthojob.eval.evaluation.engine_metrics`
+of one rollout: the plan's scaled reward and hard-rule break as written, whether the staging engine
+changed it, replaced it by its fallback, and the share of its planned movement on the teeth it changed),
+summarised as :data:`METRICS` are. None for a reference planner, whose plans are scored as they are."""
 
 
 def strategy_counterfactuals(plans: Sequence[dict | None], keys: Sequence[CaseKey]) -> list[dict]:
@@ -61,9 +73,13 @@ def strategy_counterfactuals(plans: Sequence[dict | None], keys: Sequence[CaseKe
 
 
 def summarise(episodes: Sequence[dict[str, float]], strata: Sequence[str] | None = None) -> dict[str, dict]:
-    """Each metric of :data:`METRICS`: mean and 95 % CI over the episodes (stratified by ``strata``, one
-    label per episode, where given: :func:`examples.learning_report.mean_ci`)."""
-    return {m: mean_ci([e[m] for e in episodes], strata) for m in METRICS}
+    """Each metric of :data:`METRICS` and :data:`ENGINE_METRICS`: mean and 95 % CI over the episodes
+    (stratified by ``strata``, one label per episode, where given: :func:`examples.learning_report.mean_ci`;
+    an engine metric an episode lacks counts as missing)."""
+    return {
+        **{m: mean_ci([e[m] for e in episodes], strata) for m in METRICS},
+        **{m: mean_ci([e.get(m) for e in episodes], strata) for m in ENGINE_METRICS},
+    }
 
 
 CHECKS: tuple[str, ...] = ("as_written", "checked", "no_overcorrection", "first_safe_sample")
@@ -174,8 +190,9 @@ def grouped(cases: Sequence[CaseKey], episodes: Sequence[dict]) -> dict:
     per task level (both dynamics) and pooled over every case, the level and pooled intervals stratified
     by cell (:func:`examples.learning_report.mean_ci`): ``{"cells": {cell: summary},
     "levels": {level: summary}, "pooled": summary, "degenerate_forms": {cell: {form: count}},
-    "per_case": {cell: [scaled reward of each case, in the cases' order]}}`` (the per-case scores let two
-    planners be compared on the same cases: :func:`examples.learning_report.paired_differences`)."""
+    "per_case": {cell: [scaled reward of each case, in the cases' order]}, "seeds": {cell: [its seeds, in
+    that order]}}`` (the per-case scores let two planners be compared on the same cases:
+    :func:`examples.learning_report.paired_differences`)."""
     by_cell: dict[str, list] = {}
     by_level: dict[str, list] = {}
     level_cells: dict[str, list] = {}
@@ -192,11 +209,15 @@ def grouped(cases: Sequence[CaseKey], episodes: Sequence[dict]) -> dict:
         "pooled": summarise(episodes, [cell_name(c) for c in cases]),
         "degenerate_forms": {k: dict(v) for k, v in forms.items()},
         "per_case": {k: [round(float(e[SCALED_REWARD]), 4) for e in v] for k, v in by_cell.items()},
+        "seeds": {k: [c.seed for c in cases if cell_name(c) == k] for k in by_cell},
     }
 
 
 def reference_rows(cases: Sequence[CaseKey]) -> dict[str, dict]:
-    """The oracle, uniform SLERP and doing nothing on the held-out cases (:func:`grouped`)."""
+    """The oracle, uniform SLERP and doing nothing on the held-out cases (:func:`grouped`), their plans
+    scored as they are, without the staging engine (plans written to full precision by the project's own
+    code, not text a model wrote): the raw figures are the same as the scored ones, the repair figures
+    missing."""
 
     resolved = [generate_case(*c) for c in cases]
     planners: dict[str, Callable] = {
@@ -212,6 +233,8 @@ def reference_rows(cases: Sequence[CaseKey]) -> dict[str, dict]:
             episode_record({**r, "plan": p}, c, c.optimal_strategy)
             for r, p, c in zip(results, plans, resolved)
         ]
+        for e in episodes:
+            e |= {"raw_scaled_reward_mean": e[SCALED_REWARD], "raw_hard_rule_share": e["hard_rule"]}
         rows[name] = grouped(cases, episodes)
     return rows
 
@@ -290,8 +313,11 @@ def greedy_plans(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int
 
 
 def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: int) -> dict:
-    """Greedy plans of ``model`` for the held-out cases, scored as the rewards score them:
-    :func:`grouped` summaries, the strategy probe (pooled), tokens, truncation and timing."""
+    """Greedy plans of ``model`` for the held-out cases, each executed by the staging engine
+    (:func:`orthojob.rewards.rollouts.score_texts` with ``engine``): :func:`grouped` summaries of the
+    executed plans (what ships: :attr:`orthojob.rewards.rollouts.Rollout.shipped`) with the raw plans'
+    figures beside them (:data:`ENGINE_METRICS`), the engine's version, the strategy probe (pooled),
+    tokens, truncation and timing."""
 
     was_training = model.training
     model.eval()
@@ -300,10 +326,15 @@ def evaluate_model(model, tokenizer, cases: Sequence[CaseKey], max_new_tokens: i
     probs = strategy_distribution(model, tokenizer, cases, texts)
     if was_training:
         model.train()
-    rolls = score_texts(texts, list(cases))
+    rolls = score_texts(texts, list(cases), engine=True)
     resolved = [generate_case(*c) for c in cases]
-    summary = grouped(cases, [rollout_record(r, c) for r, c in zip(rolls, resolved)])
-    summary["strategies"] = dict(sorted(Counter(str(r.strategy) for r in rolls).items()))
+    episodes = [
+        {**rollout_record(r.shipped, c), **engine_metrics([r], ENGINE_VERSION)}
+        for r, c in zip(rolls, resolved)
+    ]
+    summary = grouped(cases, episodes)
+    summary["engine_version"] = ENGINE_VERSION
+    summary["strategies"] = dict(sorted(Counter(str(r.shipped.strategy) for r in rolls).items()))
     summary["strategy_conditioning"] = strategy_conditioning(probs, [c.optimal_strategy for c in resolved])
     summary["mean_tokens"] = float(np.mean(counts))
     summary["truncated"] = float(np.mean([not e for e in ended]))

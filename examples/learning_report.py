@@ -31,8 +31,11 @@ DEGENERATE_MAX = 0.1
 """Largest degenerate-plan share a final planner may have on any cell."""
 
 
-GAP_CLOSED_MIN = 0.5
-"""Share of the pooled gap from uniform SLERP to the oracle the final planner must close."""
+GAP_CLOSED_MIN = 0.6
+"""Share of the pooled gap from uniform SLERP to the oracle the final planner (its executed plans) must close."""
+
+TABLES: tuple[str, ...] = ("final", "tuning")
+"""The report's two tables (:func:`planners`): the final range's and the curves' (tuning range)."""
 
 
 def mean_ci(values: Sequence[float], strata: Sequence[str] | None = None) -> dict:
@@ -67,23 +70,40 @@ def mean_ci(values: Sequence[float], strata: Sequence[str] | None = None) -> dic
     return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
 
 
-def planners(report: dict) -> dict[str, dict]:
-    """The evaluated planners by name: ``stage0`` and ``bc`` (their GRPO runs' step 0), each GRPO
-    run's last evaluation, and the references; with RSFT between BC and GRPO, ``bc`` is BC's own
-    evaluation and ``rsft`` GRPO's start. A planner whose run is missing is left out."""
+def planners(report: dict, table: str = "final") -> dict[str, dict]:
+    """The evaluated planners by name: ``stage0`` and ``bc`` (their GRPO runs' starts), each GRPO run's
+    trained planner, and the references; with RSFT between BC and GRPO, ``bc`` is BC's own evaluation and
+    ``rsft`` GRPO's start. ``table``: ``"final"``, on the final range (each run's ``final`` start and end,
+    ``final_references``: the table the targets judge); ``"tuning"``, the curves' first and last
+    evaluations and the references on the tuning range. A planner whose run is missing is left out."""
+    if table not in TABLES:
+        raise ValueError(f"table must be one of {', '.join(TABLES)}, got {table!r}")
+    final = table == "final"
     rows: dict[str, dict] = {}
     for run, start in (("grpo_stage0", "stage0"), ("grpo_bc", "bc")):
-        evals = report.get("runs", {}).get(run, {}).get("evaluations") or []
+        record = report.get("runs", {}).get(run, {})
+        if final:
+            ends = record.get("final") or {}
+            rows |= {name: ends[k] for name, k in ((start, "start"), (run, "end")) if ends.get(k)}
+            continue
+        evals = record.get("evaluations") or []
         if evals:
             rows[start] = evals[0]
             if len(evals) > 1:
                 rows[run] = evals[-1]
-    bc_alone = (report.get("bc") or {}).get("evaluation")
+    bc_alone = (report.get("bc") or {}).get("final_evaluation" if final else "evaluation")
     if bc_alone is not None:  # RSFT between BC and GRPO: GRPO's start is RSFT's checkpoint
         if "bc" in rows:
             rows["rsft"] = rows["bc"]
         rows["bc"] = bc_alone
-    return {**rows, **report.get("references", {})}
+    return {**rows, **report.get("final_references" if final else "references", {})}
+
+
+def table_of(*reports: dict) -> str:
+    """``"final"`` where every report holds the final table (a run's ``final`` evaluations), else
+    ``"tuning"`` (a report written before the final range, or of checkpoints evaluated on the tuning range)."""
+    has_final = all(any(r.get("final") for r in rep.get("runs", {}).values()) for rep in reports)
+    return "final" if has_final else "tuning"
 
 
 def _mean(row: dict, where: str, key: str | None = None, metric: str = SCALED_REWARD) -> dict:
@@ -93,8 +113,11 @@ def _mean(row: dict, where: str, key: str | None = None, metric: str = SCALED_RE
 
 def targets(report: dict) -> list[dict]:
     """The experiment's targets, each ``{"name", "claim", "value", "passed"}`` (``passed`` False when
-    a planner it needs is missing). The final planner is GRPO from BC. "CIs apart": the lower 95 %
-    bound of one above the upper bound of the other; "no worse": not CIs apart the other way."""
+    a planner it needs is missing). The final planner is GRPO from BC, its plans executed by the staging
+    engine. Every comparison reads the final table (:func:`planners`: the executed plans' scaled reward
+    and canaries on the final range; the references as they are); ``<run>_stable`` and
+    ``grpo_bc_repair_share_falls`` read the curves. "CIs apart": the lower 95 % bound of one above the
+    upper bound of the other; "no worse": not CIs apart the other way."""
     p = planners(report)
     out: list[dict] = []
 
@@ -135,7 +158,7 @@ def targets(report: dict) -> list[dict]:
         closed = (final - slerp) / (oracle - slerp) if oracle != slerp else float("nan")
         return round(closed, 3), closed >= GAP_CLOSED_MIN
 
-    add("final_closes_half_the_gap", f"the final planner closes >= {GAP_CLOSED_MIN:.0%} of the pooled gap "
+    add("final_closes_the_gap", f"the final planner closes >= {GAP_CLOSED_MIN:.0%} of the pooled gap "
         "from uniform SLERP to the oracle", ("grpo_bc", "uniform_slerp", "oracle"), gap)  # fmt: skip
     add("grpo_stage0_beats_slerp_easy", "GRPO from stage 0 (no oracle data) beats uniform SLERP on task_easy, "
         "CIs apart", ("grpo_stage0", "uniform_slerp"),
@@ -169,6 +192,18 @@ def targets(report: dict) -> list[dict]:
 
         add(f"{run}_stable", f"{run}: no evaluation after the first third of training falls below its start's "
             "pooled mean", (run,), stable)  # fmt: skip
+
+    def repair_falls() -> tuple[object, bool]:
+        curve = {
+            e["step"]: e["pooled"].get("repair_share", {}).get("mean")
+            for e in report["runs"]["grpo_bc"]["evaluations"]
+        }
+        shares = list(curve.values())
+        known = len(shares) > 1 and None not in shares
+        return {step: None if v is None else round(v, 3) for step, v in curve.items()}, known and shares[-1] < shares[0]  # fmt: skip
+
+    add("grpo_bc_repair_share_falls", "GRPO from BC: the raw plans' pooled repair share at its last evaluation is "
+        "below its start's (the engine changes fewer of its plans)", ("grpo_bc",), repair_falls)  # fmt: skip
     return out
 
 
@@ -204,16 +239,17 @@ def paired_per_case(xs: dict[str, Sequence[float]], ys: dict[str, Sequence[float
     return {"levels": {lv: _stratified(ds) for lv, ds in diffs.items()}, "pooled": _stratified(pooled)}
 
 
-def paired_differences(report: dict) -> list[dict]:
-    """Each :data:`PAIRED_COMPARISONS` pair on the same held-out cases: the mean and 95 % interval of
-    the per-case difference in scaled reward (planner minus the other), per level and pooled
+def paired_differences(report: dict, table: str = "final") -> list[dict]:
+    """Each :data:`PAIRED_COMPARISONS` pair on the same cases of ``table`` (the final range unless told:
+    :func:`planners`): the mean and
+    95 % interval of the per-case difference in scaled reward (planner minus the other), per level and pooled
     (:func:`paired_per_case`), as ``{"planner", "against", "levels": {level: ci}, "pooled": ci}``.
     Pairing removes what the cases share (a force-decay case scores lower for every planner), so these
     intervals are narrower than the targets' unpaired "CIs apart"; they are reported beside the
     targets, which judge as the claims are written. Pairs without per-case scores (older reports) are
     left out."""
 
-    p = planners(report)
+    p = planners(report, table)
     return [
         {"planner": a, "against": b, **paired_per_case(p[a]["per_case"], p[b]["per_case"], f"{a} and {b}")}
         for a, b in PAIRED_COMPARISONS
@@ -226,7 +262,7 @@ def paired_table(rows: Sequence[dict]) -> str:
     if not rows:
         return ""
     levels = list(rows[0]["levels"])
-    lines = [f"Paired differences in {SCALED_REWARD} on the same held-out cases, mean [95 % CI]:", "",
+    lines = [f"Paired differences in {SCALED_REWARD} (executed plans) on the same cases, mean [95 % CI]:", "",
              "| planner | against | " + " | ".join([*levels, "pooled"]) + " |", "|---" * (len(levels) + 3) + "|"]  # fmt: skip
     for r in rows:
         cells = [_cell(r["levels"][lv]) for lv in levels] + [_cell(r["pooled"])]
@@ -256,13 +292,45 @@ def _cell(ci: dict, digits: int = 2) -> str:
     return f"{ci['mean']:.{digits}f}"
 
 
-def markdown_tables(report: dict) -> str:
-    """The scaled reward of every planner per cell, per level and pooled; the canaries per cell."""
-    p = planners(report)
+TABLE_TITLES: dict[str, str] = {
+    "final": "the final range (no default chosen on it)",
+    "tuning": "the tuning range (the curves' first and last evaluations)",
+}
+
+ENGINE_COLUMNS: tuple[tuple[str, str], ...] = (
+    (SCALED_REWARD, "executed " + SCALED_REWARD),
+    ("raw_scaled_reward_mean", "raw " + SCALED_REWARD),
+    ("hard_rule", "executed hard rule"),
+    ("raw_hard_rule_share", "raw hard rule"),
+    ("repair_share", "repair share"),
+    ("fallback_share", "fallback share"),
+    ("repaired_movement_share", "repaired movement"),
+)
+"""The executed-vs-raw table's columns (pooled): metric, heading."""
+
+
+def engine_table(report: dict, table: str = "final") -> str:
+    """Each planner's executed plans beside its raw plans, pooled (mean [95 % CI]): what the staging
+    engine changed. The references are scored as they are (no engine): their repair figures read "-"."""
+    p = planners(report, table)
+    names = [n for n in PLANNER_LABELS if n in p]
+    lines = [f"Executed (what ships) and raw plans on {TABLE_TITLES[table]}, pooled, mean [95 % CI]:", "",
+             "| planner | " + " | ".join(h for _, h in ENGINE_COLUMNS) + " |", "|---" * (len(ENGINE_COLUMNS) + 1) + "|"]  # fmt: skip
+    for n in names:
+        pooled = p[n]["pooled"]
+        lines.append(f"| {PLANNER_LABELS[n]} | " + " | ".join(_cell(pooled[m]) if m in pooled else "-" for m, _ in ENGINE_COLUMNS) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def markdown_tables(report: dict, table: str = "final") -> str:
+    """The executed plans' scaled reward of every planner per cell, per level and pooled, the raw plans'
+    beside them pooled (:func:`engine_table`); the canaries per cell (executed plans); on ``table``'s
+    cases (:func:`planners`)."""
+    p = planners(report, table)
     names = [n for n in PLANNER_LABELS if n in p]
     cells = list(p["oracle"]["cells"]) if "oracle" in p else []
     levels = list(p["oracle"]["levels"]) if "oracle" in p else []
-    lines = [f"{SCALED_REWARD} ({BANDS}), mean [95 % CI] over held-out seeds:", "",
+    lines = [f"Executed plans' {SCALED_REWARD} ({BANDS}) on {TABLE_TITLES[table]}, mean [95 % CI]:", "",
              "| planner | " + " | ".join([*cells, *levels, "pooled"]) + " |", "|---" * (len(cells) + len(levels) + 2) + "|"]  # fmt: skip
     for n in names:
         row = [_cell(p[n]["cells"][c][SCALED_REWARD]) for c in cells]
@@ -282,18 +350,25 @@ def markdown_tables(report: dict) -> str:
             )
             lines.append(f"| {PLANNER_LABELS[n]} | {c} | {_cell(s['strategy_accuracy'])} | {_cell(s['parse'])} | "
                          + " | ".join([*vals, degenerate]) + " |")  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + engine_table(report, table)
 
 
 def curve_table(report: dict) -> str:
-    """Each GRPO run's pooled evaluations by step."""
-    lines = ["| run | step | pooled " + SCALED_REWARD + " | strategy acc. | hard rule | degenerate | tokens |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    """Each GRPO run's pooled evaluations by step (tuning range): the executed plans' scaled reward,
+    strategy accuracy and degenerate share, the raw plans' scaled reward and hard-rule share, and the
+    repair share."""
+    missing = {"mean": None}
+    lines = ["| run | step | pooled " + SCALED_REWARD + " | raw " + SCALED_REWARD + " | strategy acc. | raw hard rule | repair share | degenerate | tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for run in RUNS:
         for e in report.get("runs", {}).get(run, {}).get("evaluations", []):
             q = e["pooled"]
-            lines.append(f"| {run} | {e['step']} | {_cell(q[SCALED_REWARD])} | {_cell(q['strategy_accuracy'])} | "
-                         f"{_cell(q['hard_rule'])} | {_cell(q['degenerate'])} | {e['mean_tokens']:.0f} |")  # fmt: skip
+            raw = [
+                _cell(q.get(m, missing))
+                for m in ("raw_scaled_reward_mean", "raw_hard_rule_share", "repair_share")
+            ]
+            lines.append(f"| {run} | {e['step']} | {_cell(q[SCALED_REWARD])} | {raw[0]} | {_cell(q['strategy_accuracy'])} | "
+                         f"{raw[1]} | {raw[2]} | {_cell(q['degenerate'])} | {e['mean_tokens']:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -56,9 +56,16 @@ from orthojob.ops.k8s import add_k8s_arguments
 from orthojob.ops.preemption import install_termination_handler
 from orthojob.ops.registry import DEFAULT_MODEL_NAME
 from orthojob.stages import gate
-from orthojob.stages.flags import add_config_arguments, finite_float, given_values, positive_int, task_list
+from orthojob.stages.flags import (
+    add_config_arguments,
+    add_engine_argument,
+    finite_float,
+    given_values,
+    positive_int,
+    task_list,
+)
 from orthojob.stages.grpo import add_train_arguments, run_train
-from orthojob.stages.pipeline import add_pipeline_arguments, run_pipeline_cli
+from orthojob.stages.pipeline_cli import add_pipeline_arguments, run_pipeline_cli
 from orthojob.stages.rsft import add_rsft_arguments, run_rsft_cli
 from orthojob.stages.sft import add_sft_arguments, run_sft_cli, run_sft_stage_cli
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
@@ -115,6 +122,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
             keys=keys,
+            engine=args.engine == "on",
         )
     else:
         report = evaluate_baselines(
@@ -207,6 +215,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         max_tool_turns=args.tool_turns,
         keys=keys,
         case_set=cases,
+        engine=args.engine == "on",
     )
     content = gate_file.write_gate(str(checkpoint), report)
     print(gate_file.format_gate(content))
@@ -315,7 +324,7 @@ def cmd_view(args: argparse.Namespace) -> int:
     except (viewer.PlanSourceError, InvalidActionError) as exc:
         print(f"orthojob view: {exc}", file=sys.stderr)
         return ExitCode.USAGE
-    path = viewer.write_viewer(args.out, case, plans)
+    path = viewer.write_viewer(args.out, case, plans, engine=args.engine == "on")
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {' vs '.join(name for name, _, _ in plans)}")
     return 0
 
@@ -367,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="task_hard's seeded missed/partial wear and lost attachment (baselines only)",
     )
     case_sets.add_case_set_arguments(ev, "judge")
+    add_engine_argument(ev)
     ev.add_argument("--out", help="also write the results as JSON here")
     ev.set_defaults(func=cmd_evaluate)
 
@@ -453,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-turns", type=positive_int, default=4, help="tool_sft: turns per episode (default 4)"
     )
     case_sets.add_case_set_arguments(ga, "gate")
+    add_engine_argument(ga)
     add_config_arguments(
         ga.add_argument_group(
             "thresholds (default: the stage's, orthojob/stages/gate.py DEFAULT_THRESHOLDS)"
@@ -536,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"default: {' and '.join(DEFAULT_VIEWED_PLANS)}",
     )
     vw.add_argument("--max-new-tokens", type=positive_int, default=512, help="checkpoint: completion budget")
+    add_engine_argument(vw)
     vw.add_argument("--out", default="view.html", help="the HTML file to write (default view.html)")
     vw.set_defaults(func=cmd_view)
 

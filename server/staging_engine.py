@@ -493,12 +493,18 @@ def _number(x) -> float | int:
 # --- rewards and plans ---------------------------------------------------------------------------
 
 
-def repair_cost(record: Repair) -> float:
+def repair_cost(record: Repair | dict) -> float:
     """The scaled-reward cost of a repair: 0 unchanged, else REPAIR_COST_BASE plus REPAIR_COST_CHANGED
-    times the share of the planned movement the repair changed."""
-    if record.status == UNCHANGED:
+    times the share of the planned movement the repair changed. ``record``: a :class:`Repair` or its
+    :meth:`Repair.as_dict`."""
+    status, changed = (
+        (record["status"], record["changed_share"])
+        if isinstance(record, dict)
+        else (record.status, record.changed_share)
+    )
+    if status == UNCHANGED:
         return 0.0
-    return REPAIR_COST_BASE + REPAIR_COST_CHANGED * record.changed_share
+    return REPAIR_COST_BASE + REPAIR_COST_CHANGED * changed
 
 
 def engine_reward(raw_result: dict, executed_result: dict, record: Repair) -> float:

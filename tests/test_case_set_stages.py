@@ -271,7 +271,7 @@ def test_a_case_set_that_cannot_be_used_stops_the_stage_before_any_model(
 
     for target in ("orthojob.modeling.models.load_policy", "orthojob.modeling.models.build_tiny",
                    "orthojob.stages.sft.run_sft", "orthojob.stages.rsft.run_rsft",
-                   "orthojob.stages.pipeline.run_pipeline"):  # fmt: skip
+                   "orthojob.stages.pipeline_cli.run_pipeline"):  # fmt: skip
         monkeypatch.setattr(target, never)
     flags = ["--out", str(tmp_path / "out")] + (["--lora-r", "0"] if command[0] != "pipeline" else [])
     good = patients_file(tmp_path / "good.jsonl")

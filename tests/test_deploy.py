@@ -1250,7 +1250,7 @@ def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None
             monkeypatch.delitem(sys.modules, "vllm")  # TRL's import checks want a real one or none
             check_vllm_server_wait(cfg)
     if args[0] == "pipeline":
-        from orthojob.stages.pipeline import run_pipeline_cli
+        from orthojob.stages.pipeline_cli import run_pipeline_cli
 
         parsed.show = True  # the --set values must name real preset keys
         assert run_pipeline_cli(parsed) == 0, capsys.readouterr().err

@@ -29,6 +29,7 @@ pytest.importorskip("boto3")
 from orthojob.ops import storage, tracking  # noqa: E402
 from orthojob.ops.exit_codes import ExitCode  # noqa: E402
 from orthojob.ops.process_group import PROCESS_GROUP_LEFT  # noqa: E402
+from server.staging_engine import ENGINE_VERSION  # noqa: E402
 from tests.services import free_port, mlflow_server, run_process_group, seaweedfs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -279,7 +280,7 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
             for i in client.get_run(run.info.run_id).inputs.dataset_inputs
         }
         assert inputs["evaluation"].name == heldout and inputs["evaluation"].digest
-        assert inputs["training"].name.startswith(f"{stage}-train-task_easy-")
+        assert inputs["training"].name.startswith(f"{stage}-train-task_easy")
         assert json.loads(inputs["training"].profile)["num_rows"] >= 1
         assert {i.model_id for i in client.get_run(run.info.run_id).inputs.model_inputs} >= {model.model_id}
         gated[stage] = model
@@ -296,6 +297,9 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
         assert client.get_registered_model("orthorl-e2e").aliases["champion"] == version.version
         # registered from the gated record, which the champion was picked from
         assert version.source == f"models:/{logged.model_id}" and version.tags["model_id"] == logged.model_id
+        # what is registered is the planner with the staging engine its gate judged with
+        assert version.tags["staging_engine"] == gate["metrics"]["engine"] == ENGINE_VERSION
+        assert logged.tags["orthorl.staging_engine"] == ENGINE_VERSION
     else:
         assert promoted.returncode == forced.returncode == ExitCode.BAD_GATE, promoted.stderr
         assert "not registered" in promoted.stderr
@@ -456,7 +460,7 @@ def _gated_checkpoint(tiny: Path, folder: Path, passed: bool) -> Path:
 
     shutil.copytree(tiny, folder)
     good = {"parse_rate": 1.0, "format_reward": 1.0, "margin_over_slerp": 0.1, "scaled_reward_mean": 7.0,
-            "hard_rule_share_over_oracle": 0.0}  # fmt: skip
+            "hard_rule_share_over_oracle": 0.0, "repair_share": 0.0}  # fmt: skip
     bad = {"parse_rate": 0.0, "format_reward": 0.0, "margin_over_slerp": -8.0, "scaled_reward_mean": -2.0,
            "hard_rule_share_over_oracle": 0.0}  # fmt: skip
     gate_file.write_gate(folder, good if passed else bad, stage="bc_sft")

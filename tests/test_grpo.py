@@ -159,6 +159,7 @@ def test_sft_gate_preflight_passes_and_fails_on_the_gate_file(no_model_load, tin
         "parse_rate": 1.0,
         "format_reward": 1.0,
         "hard_rule_share_over_oracle": 0.0,
+        "repair_share": 0.0,
     }  # an evaluation's metrics
     write_gate(checkpoint, good, stage="bc_sft")
     assert run_train(parse(["--test", "--from-checkpoint", str(checkpoint)])) == 0

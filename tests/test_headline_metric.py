@@ -12,7 +12,7 @@ from orthojob.data.prompts import plan_to_completion
 from orthojob.eval import metrics
 from orthojob.eval.evaluation import SUMMARY_KEYS, evaluate_planners, format_table
 from orthojob.ops import gate_file, registry
-from orthojob.stages import gate, pipeline
+from orthojob.stages import gate, pipeline_summary
 from server.oracle import oracle_plan
 
 OLD_NAMES = re.compile(r"^(?!.*terminal_raw).*terminal(_mean|_reward|_sd)?$")
@@ -34,7 +34,9 @@ def test_every_judgement_uses_the_one_name():
     assert metrics.SCALED_REWARD_MEAN == "scaled_reward_mean" == registry.COMPARISON_METRIC
     assert SUMMARY_KEYS[:3] == ("scaled_reward", "hard_rule_share", "terminal_raw")
     assert learning.METRICS[0] == "scaled_reward"
-    assert "scaled_reward_mean" in pipeline._GATE_VIEW and "hard_rule_share" in pipeline._GATE_VIEW
+    assert (
+        "scaled_reward_mean" in pipeline_summary.GATE_VIEW and "hard_rule_share" in pipeline_summary.GATE_VIEW
+    )
     for stage in gate_file.QUALITY_STAGES:
         assert (
             gate_file.DEFAULT_THRESHOLDS[stage].max_hard_rule_share_over_oracle
@@ -47,9 +49,15 @@ def test_every_judgement_uses_the_one_name():
 
 def test_the_gate_judges_by_the_scaled_reward_not_the_raw_score():
     """A planner above uniform SLERP on the raw score (what the gate compared before) but below it on
-    the scaled reward, breaking hard rules, fails the GRPO gate on both the margin and the bound."""
+    the scaled reward, breaking hard rules, fails the GRPO gate on both the margin and the bound (its raw
+    plans judged: ``--engine off``)."""
     report = gate.gate_report(
-        "scripted", n_seeds=8, stage=gate_file.GRPO, policy=_rushed, cells=[("task_easy", False)]
+        "scripted",
+        n_seeds=8,
+        stage=gate_file.GRPO,
+        policy=_rushed,
+        cells=[("task_easy", False)],
+        engine=False,
     )
     m = report["metrics"]
     assert m["terminal_raw_mean"] > m["uniform_slerp_terminal_raw_mean"]  # the raw comparison would pass
@@ -60,13 +68,14 @@ def test_the_gate_judges_by_the_scaled_reward_not_the_raw_score():
     assert m["hard_rule_share"] > m["oracle_hard_rule_share"] == 0.0
     assert report["passed"] is False
     assert report["checks"] == {"parse_rate": True, "format_reward": True, "margin_over_slerp": False,
-                                "hard_rule_share_over_oracle": False}  # fmt: skip
+                                "hard_rule_share_over_oracle": False, "repair_share": True}  # fmt: skip
     assert not [k for k in m if OLD_NAMES.match(k)], sorted(m)
     assert set(m["per_task_scaled_reward_mean"]) == set(m["per_task_hard_rule_share"]) == {"task_easy"}
     text = gate_file.format_gate(report).splitlines()
     assert text[0] == "gate grpo: FAILED"
     assert any(line.startswith("  hard_rule_share_over_oracle") and line.endswith("FAIL") for line in text)
-    assert text[-2].strip().startswith("scaled_reward ") and "terminal_raw" in text[-1]
+    assert text[-3].strip().startswith("scaled_reward ") and "terminal_raw" in text[-1]
+    assert text[-2].strip().startswith("staging engine off")
 
 
 def test_orthojob_evaluate_leads_with_the_scaled_reward():

@@ -30,9 +30,11 @@ from server.seed_ranges import GATES, gate_window_start
 
 REPO = Path(__file__).resolve().parents[1]
 PASSING = {"parse_rate": 1.0, "format_reward": 0.95, "scaled_reward_mean": 6.5, "margin_over_slerp": 0.1,
-           "hard_rule_share": 0.0, "oracle_hard_rule_share": 0.0, "hard_rule_share_over_oracle": 0.0}  # fmt: skip
+           "hard_rule_share": 0.0, "oracle_hard_rule_share": 0.0, "hard_rule_share_over_oracle": 0.0,
+           "repair_share": 0.1}  # fmt: skip
 FAILING = {"parse_rate": 0.2, "format_reward": 0.3, "scaled_reward_mean": -1.1, "margin_over_slerp": -7.5,
-           "hard_rule_share": 0.1, "oracle_hard_rule_share": 0.0, "hard_rule_share_over_oracle": 0.1}  # fmt: skip
+           "hard_rule_share": 0.1, "oracle_hard_rule_share": 0.0, "hard_rule_share_over_oracle": 0.1,
+           "repair_share": 0.6}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +148,7 @@ def test_gate_file_contents_and_digest(tmp_path):
     assert content["thresholds"] == {"min_parse_rate": 0.9, "min_format_reward": 0.8, "min_margin_over_slerp": 0.0,
                                      "min_margin_over_oracle": None, "max_hard_rule_share_over_oracle": None,
                                      "min_strategy_accuracy": None, "min_tool_call_rate": None,
-                                     "min_finished_rate": None}  # fmt: skip
+                                     "min_finished_rate": None, "max_repair_share": None}  # fmt: skip
     assert content["checks"] == {"parse_rate": True, "format_reward": True, "margin_over_slerp": True}
     assert content["checkpoint_digest"] == models.checkpoint_digest(ckpt)
     assert content["digest_files"] == ["config.json", "model.safetensors", "tokenizer.json"]
@@ -164,6 +166,7 @@ def test_a_failed_gate_never_says_passed(tmp_path):
         "parse_rate": False,
         "format_reward": False,
         "hard_rule_share_over_oracle": False,
+        "repair_share": False,
     }
     # NaN metrics fail, and no thresholds at all is no evidence of passing
     assert write_gate(ckpt, PASSING | {"parse_rate": float("nan")})["passed"] is False

@@ -111,7 +111,8 @@ def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monk
     (old_bc / "config.json").write_text("{}")
     (old_bc / "model.safetensors").write_bytes(b"weights")
     content = gate_file.write_gate(
-        old_bc, {"parse_rate": 1.0, "format_reward": 1.0, "hard_rule_share_over_oracle": 0.0}
+        old_bc,
+        {"parse_rate": 1.0, "format_reward": 1.0, "hard_rule_share_over_oracle": 0.0, "repair_share": 0.0},
     )
     assert content["stage"] == "bc_sft"
     assert command("format-sft", "--model", "tiny", "--lora-r", "0") == ExitCode.USAGE
@@ -349,7 +350,12 @@ def test_bc_sft_cli_gates_and_rsft_with_real_sampling_that_keeps_nothing(
     assert refused.value.exit_code == ExitCode.GATE_FAILED
     # RSFT on the (passed) gate of the same checkpoint, real sampling: the untrained model writes no
     # plan, nothing is kept, and the stage says what to change (exit 2)
-    passing = {"parse_rate": 1.0, "format_reward": 1.0, "hard_rule_share_over_oracle": 0.0}
+    passing = {
+        "parse_rate": 1.0,
+        "format_reward": 1.0,
+        "hard_rule_share_over_oracle": 0.0,
+        "repair_share": 0.0,
+    }
     gate_file.write_gate(bc, passing, stage="bc_sft")
     capsys.readouterr()
     argv = ["rsft", "--from-checkpoint", str(bc), "--out", str(tmp_path / "rsft"), "--lora-r", "0",
@@ -476,7 +482,7 @@ def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch
         }
         assert (heldout, "evaluation") in inputs
         (trained,) = [d for (n, context), d in inputs.items() if context == "training"]
-        assert trained.name.startswith(f"{name}-train-task_easy-")
+        assert trained.name.startswith(f"{name}-train-task_easy")
         rows = json.loads(trained.profile)["num_rows"]  # one per case: SFT's examples, GRPO's prompts
         assert rows == stages[name]["examples"] if "examples" in stages[name] else rows >= 1
 

@@ -4,6 +4,8 @@ bit, and a planner gains nothing by leaning on the engine. The 1,000-seeds-per-c
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -240,3 +242,29 @@ def test_a_staging_the_tooth_check_shows_breaking_is_not_scored_and_twins_are_sc
     assert tried[2].spec is twin and tried[2].result == direct[0] and tried[2].result is not tried[0].result
     assert direct[1]["broken_rules"] and tried[1].result is None and not tried[1].safe
     assert tried[1].breach > 0.0
+
+
+def test_the_bench_adds_a_checkpoints_sampled_plans_to_the_corpus_and_counts_the_rest(monkeypatch):
+    from orthojob.eval import evaluation
+
+    cases = [generate_case("task_medium", SEEDS + s, s % 2 == 1) for s in range(3)]
+    plans = [
+        {"tooth_groups": [{"teeth": c.present_ids[:4], "fraction": 0.05 * (k + 1)}]}
+        for k, c in enumerate(cases)
+    ]
+    # per case, two completions: a plan in prose, and a plan object cut off mid-way (not a plan)
+    cut = '{"tooth_groups": [{"teeth": [11], "fraction"'
+    texts = iter(t for p in plans for t in (f"Plan: {json.dumps(p)}", cut))
+    calls = []
+
+    def scripted(model, tokenizer, observations, max_new_tokens, batch_size, samples):
+        calls.append((len(observations), max_new_tokens, samples))
+        return [next(texts) for _ in range(len(observations) * samples)], [], []
+
+    monkeypatch.setattr(evaluation, "generate_completions", scripted)
+    monkeypatch.setattr(BENCH, "SAMPLE_CHUNK", 2)
+    per_case, not_plans = BENCH.checkpoint_samples(None, None, cases, samples=2)
+    assert calls == [(2, 512, 2), (1, 512, 2)]  # generated in chunks of cases
+    assert per_case == [{"sample_0": p} for p in plans] and not_plans == 3
+    corpus = [p for named in per_case for p in named.values()]
+    assert BENCH.check_properties(corpus, cases) == dict.fromkeys(BENCH.PROPERTIES, 0)

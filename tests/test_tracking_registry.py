@@ -21,6 +21,7 @@ from orthojob.ops.exit_codes import ExitCode  # noqa: E402
 from orthojob.stages import gate  # noqa: E402
 from server.dental_constants import TOOTH_IDS  # noqa: E402
 from server.oracle import oracle_plan  # noqa: E402
+from server.staging_engine import ENGINE_VERSION  # noqa: E402
 from tests.services import mlflow_server  # noqa: E402
 
 SECRET = "sk-test-0b1e8d2f9a"
@@ -141,9 +142,10 @@ def _one_case_in_one_aligner(obs: list[dict]) -> list[str]:
     return [plan_to_completion(everything), *_oracle(obs[1:])]
 
 
-def _gated_run(tmp_path, policy, stage: str, **limits) -> tuple[str, dict]:
+def _gated_run(tmp_path, policy, stage: str, engine: bool = True, **limits) -> tuple[str, dict]:
     """The planner's gate (the stage's default thresholds, ``limits`` changed) evaluated on 16
-    held-out task_easy seeds, written beside a checkpoint and logged with a model, as a stage does."""
+    held-out task_easy seeds, written beside a checkpoint and logged with a model, as a stage does;
+    ``engine``: its plans executed by the staging engine (False: judged as written)."""
     thresholds = gate_file.thresholds_for(stage).replace(**limits)
     report = gate.gate_report(
         "scripted",
@@ -152,8 +154,9 @@ def _gated_run(tmp_path, policy, stage: str, **limits) -> tuple[str, dict]:
         thresholds=thresholds,
         policy=policy,
         cells=[("task_easy", False)],
+        engine=engine,
     )
-    ckpt = tmp_path / f"{policy.__name__}-{stage}-{len(limits)}"  # checkpoint-shaped: weights and config
+    ckpt = tmp_path / f"{policy.__name__}-{stage}-{len(limits)}-{engine}"  # checkpoint-shaped
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"model_type": "qwen2"}')
     (ckpt / "model.safetensors").write_bytes(b"\x00weights\x01" * 100)
@@ -163,8 +166,9 @@ def _gated_run(tmp_path, policy, stage: str, **limits) -> tuple[str, dict]:
 
 @pytest.mark.parametrize("stage", [gate_file.BC_SFT, gate_file.GRPO, gate_file.RSFT])
 def test_a_rule_breaking_planner_fails_its_gate_and_stays_unregistered(tracked, tmp_path, stage):
+    """Its raw plans judged (``--engine off``); with the engine, the plan ships repaired (below)."""
     name = f"orthorl-breaker-{stage}"
-    run_id, content = _gated_run(tmp_path, _one_case_in_one_aligner, stage)
+    run_id, content = _gated_run(tmp_path, _one_case_in_one_aligner, stage, engine=False)
     m = content["metrics"]
     assert m["oracle_hard_rule_share"] == 0.0 and m["hard_rule_share"] == 1 / 16
     # it beats uniform SLERP on the headline metric and passes every other check: the bound fails it
@@ -172,7 +176,7 @@ def test_a_rule_breaking_planner_fails_its_gate_and_stays_unregistered(tracked, 
     assert content["passed"] is False
     assert {k for k, ok in content["checks"].items() if not ok} == {"hard_rule_share_over_oracle"}
     with pytest.raises(gate_file.GateError) as refused:  # no later stage starts from it
-        gate_file.check_gate(tmp_path / f"_one_case_in_one_aligner-{stage}-0")
+        gate_file.check_gate(tmp_path / f"_one_case_in_one_aligner-{stage}-0-False")
     assert refused.value.exit_code == ExitCode.GATE_FAILED
     with pytest.raises(registry.PromotionError) as err:
         registry.promote(run_id, name)
@@ -180,7 +184,7 @@ def test_a_rule_breaking_planner_fails_its_gate_and_stays_unregistered(tracked, 
     assert _versions(name) == []
     # its gate run with the bound loosened says passed; the promotion still bounds the share
     loose_id, loose = _gated_run(
-        tmp_path, _one_case_in_one_aligner, stage, max_hard_rule_share_over_oracle=0.1
+        tmp_path, _one_case_in_one_aligner, stage, engine=False, max_hard_rule_share_over_oracle=0.1
     )
     assert loose["passed"] is True
     with pytest.raises(registry.PromotionError, match="break a hard rule"):
@@ -197,6 +201,10 @@ def test_a_safe_planner_beating_slerp_passes_and_becomes_champion(tracked, tmp_p
     promoted = registry.promote(run_id, name)
     assert promoted.candidate and promoted.champion and promoted.score == m["scaled_reward_mean"]
     assert [v.version for v in _versions(name)] == [promoted.version]
+    # what was registered is the planner with the staging engine, and the version says which engine
+    assert m["engine"] == ENGINE_VERSION
+    version = mlflow.tracking.MlflowClient().get_model_version(name, promoted.version)
+    assert version.tags["staging_engine"] == ENGINE_VERSION
 
 
 def test_missing_and_bad_gate_are_refused(tracked, tmp_path):

@@ -43,6 +43,7 @@ from server.dental_constants import TOOTH_IDS
 from server.dental_environment import initial_observation
 from server.oracle import oracle_plan
 from server.plans import UNIFORM_FRACTION
+from server.staging_engine import ENGINE_VERSION, FALLBACK, UNCHANGED
 from server.treatment import score_plans
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,13 @@ class CheckpointEpisodes:
     optimal_strategies: list[str] = field(default_factory=list)
     generate_seconds: float = 0.0
     observations: list[dict] = field(default_factory=list)
+    engine: str | None = None
+    """The staging engine's version where the plans went through it (each rollout then carries its
+    ``repair`` record and its ``shipped`` plan), None where the raw plans were judged."""
+
+    def shipped(self, i: int):
+        """Episode ``i``'s judged rollout: the executed plan's with the engine, else the raw plan's."""
+        return self.rollouts[i].shipped if self.engine else self.rollouts[i]
 
     def select(self, task_id: str) -> list[int]:
         return [i for i, t in enumerate(self.task_ids) if t == task_id]
@@ -338,10 +346,12 @@ def run_checkpoint(
     batch_size: int = 16,
     policy: Policy | None = None,
     keys: Sequence[CaseKey] | None = None,
+    engine: bool = True,
 ) -> CheckpointEpisodes:
     """Generate and score a model's plans for ``n_seeds`` held-out cases of each task (or for
     ``keys``); with ``policy``, its completions instead of the model's (no tokens counted, none
-    truncated)."""
+    truncated). ``engine``: execute each plan through the staging engine (what ships is the planner
+    with the engine: :mod:`server.staging_engine`); False judges the raw plans."""
 
     cases = [
         c
@@ -365,22 +375,27 @@ def run_checkpoint(
         texts=texts,
         n_tokens=counts,
         terminated=ended,
-        rollouts=score_texts(texts, cases),
+        rollouts=score_texts(texts, cases, engine=engine),
         optimal_strategies=[generate_case(*c).optimal_strategy for c in cases],
         generate_seconds=seconds,
         observations=obs,
+        engine=ENGINE_VERSION if engine else None,
     )
 
 
 def episode_metrics(ep: CheckpointEpisodes, index: Sequence[int] | None = None) -> dict:
     """Parse rate, format score (mean and per check), the headline ``scaled_reward_mean`` / ``_sd``,
-    ``hard_rule_share``, strategy accuracy, lengths, and the secondary ``terminal_raw_mean``."""
+    ``hard_rule_share``, strategy accuracy, lengths, and the secondary ``terminal_raw_mean``.
+
+    The headline, the hard-rule share and the raw terminal score judge the plans that ship: with the
+    engine (``ep.engine``) the executed plans, beside the raw plans' figures (:func:`engine_metrics`)."""
 
     idx = list(range(len(ep.texts))) if index is None else list(index)
     if not idx:
         raise ValueError("no episodes to summarise")
     rolls = [ep.rollouts[i] for i in idx]
-    scaled = np.array([r.scaled_reward for r in rolls], dtype=float)
+    judged = [ep.shipped(i) for i in idx]
+    scaled = np.array([r.scaled_reward for r in judged], dtype=float)
     return {
         "n": len(idx),
         "parse_rate": float(np.mean([r.plan is not None for r in rolls])),
@@ -388,13 +403,38 @@ def episode_metrics(ep: CheckpointEpisodes, index: Sequence[int] | None = None) 
         "format_checks": {k: float(np.mean([r.format[k] for r in rolls])) for k in FORMAT_CHECKS},
         mean_of(SCALED_REWARD): float(scaled.mean()),
         f"{SCALED_REWARD}_sd": float(scaled.std(ddof=1)) if len(idx) > 1 else 0.0,
-        HARD_RULE_SHARE: float(np.mean([bool(r.broken_rules) for r in rolls])),
-        mean_of(TERMINAL_RAW): float(np.mean([r.terminal_reward for r in rolls])),
+        HARD_RULE_SHARE: float(np.mean([bool(r.broken_rules) for r in judged])),
+        mean_of(TERMINAL_RAW): float(np.mean([r.terminal_reward for r in judged])),
         "strategy_accuracy": float(
             np.mean([rolls[k].strategy == ep.optimal_strategies[i] for k, i in enumerate(idx)])
         ),
         "mean_completion_tokens": float(np.mean([ep.n_tokens[i] for i in idx])),
         "truncated_rate": float(np.mean([not ep.terminated[i] for i in idx])),
+        **engine_metrics(rolls, ep.engine),
+    }
+
+
+def engine_metrics(rollouts: Sequence, engine: str | None) -> dict:
+    """The raw plans beside the executed ones (:mod:`server.staging_engine`), over ``rollouts``:
+
+    * ``engine``: the engine's version, or ``off`` (the raw plans were judged);
+    * ``raw_scaled_reward_mean``, ``raw_hard_rule_share``: the planner's plans as written;
+    * ``repair_share``: the share of the cases whose plan the engine changed (repaired, or replaced by
+      its fallback; 0 with the engine off), ``fallback_share`` the share it replaced;
+    * ``repaired_movement_share``: the mean share of a plan's planned movement on the teeth the engine
+      changed (0 for a plan it left alone, or a completion that is not a plan): how much was repaired.
+    """
+    records = [r.repair for r in rollouts]
+    changed = [rec is not None and rec["status"] != UNCHANGED for rec in records]
+    return {
+        "engine": engine or "off",
+        f"raw_{mean_of(SCALED_REWARD)}": float(np.mean([r.scaled_reward for r in rollouts])),
+        f"raw_{HARD_RULE_SHARE}": float(np.mean([bool(r.broken_rules) for r in rollouts])),
+        "repair_share": float(np.mean(changed)),
+        "fallback_share": float(np.mean([rec is not None and rec["status"] == FALLBACK for rec in records])),
+        "repaired_movement_share": float(
+            np.mean([rec["changed_share"] if c else 0.0 for rec, c in zip(records, changed)])
+        ),
     }
 
 
@@ -402,12 +442,12 @@ def episode_summary(ep: CheckpointEpisodes, index: Sequence[int]) -> dict[str, d
     """:func:`summarize` of a checkpoint's episodes; a failed episode scores 0 on every component."""
     results = [
         {
-            "terminal_reward": ep.rollouts[i].terminal_reward,
-            "scaled_reward": ep.rollouts[i].scaled_reward,
-            "broken_rules": ep.rollouts[i].broken_rules,
-            "reward_breakdown": {k: ep.rollouts[i].reward_breakdown.get(k, 0.0) for k in SUMMARY_KEYS},
+            "terminal_reward": r.terminal_reward,
+            "scaled_reward": r.scaled_reward,
+            "broken_rules": r.broken_rules,
+            "reward_breakdown": {k: r.reward_breakdown.get(k, 0.0) for k in SUMMARY_KEYS},
         }
-        for i in index
+        for r in (ep.shipped(i) for i in index)
     ]
     return summarize(results)
 
@@ -424,9 +464,13 @@ def evaluate_checkpoint(
     name: str = "checkpoint",
     policy: Policy | None = None,
     keys: Sequence[CaseKey] | None = None,
+    engine: bool = True,
 ) -> dict:
     """A checkpoint (and, with ``baselines``, the three baselines) on the same held-out cases;
     ``policy``: a scripted policy's completions instead of the checkpoint's (``path`` is not loaded).
+    ``engine``: the checkpoint's row judges the plans the staging engine executes, and its
+    ``model_metrics`` hold the raw plans' figures beside them (:func:`engine_metrics`); False judges
+    the raw plans.
 
     Returns ``{task: {planner: summary}}`` like :func:`evaluate_baselines`; the checkpoint's summary
     also holds ``model_metrics`` (:func:`episode_metrics`).
@@ -436,7 +480,17 @@ def evaluate_checkpoint(
     if policy is None:
         model, tokenizer = load_for_inference(path)
     ep = run_checkpoint(
-        model, tokenizer, task_ids, n_seeds, seed_start, force_decay, max_new_tokens, batch_size, policy, keys
+        model,
+        tokenizer,
+        task_ids,
+        n_seeds,
+        seed_start,
+        force_decay,
+        max_new_tokens,
+        batch_size,
+        policy,
+        keys,
+        engine=engine,
     )
     log_checkpoint_viewers(ep, name)  # viewers of a few cases, when an MLflow run is active
     report = evaluate_baselines(task_ids, n_seeds, seed_start, force_decay, keys=keys) if baselines else {}

@@ -33,6 +33,10 @@ GATE_PASSED_TAG = "orthorl.gate_passed"
 """The gate's verdict (``true``/``false``), a tag of the stage run and of its gated LoggedModel."""
 GATE_STAGE_TAG = "orthorl.gate_stage"
 """The stage whose gate a LoggedModel carries (``bc_sft``, ``grpo``, ...)."""
+ENGINE_TAG = "staging_engine"
+"""The staging engine's version a gate judged the executed plans with (``off``: the raw plans were
+judged): a gate metric, a tag of the gated LoggedModel (``orthorl.staging_engine``) and of a registered
+model version (``staging_engine``). What ships is the planner with that engine."""
 GATE_METRIC_PREFIX = "gate/"
 """A gate's metrics on the run and on its LoggedModel: ``gate/<name>`` (e.g. ``gate/scaled_reward_mean``)."""
 EXCESS_METRIC = f"{HARD_RULE_SHARE}_over_oracle"

@@ -62,6 +62,10 @@ class PlanView:
         and PDL events.
     result: the plan's score (:func:`server.treatment.plan_result`: terminal and scaled reward,
         broken rules, reward breakdown, diagnostics) as GRPO's rewards and the evaluation score it.
+    engine: the staging engine's record of the plan (:meth:`server.staging_engine.Repair.as_dict`) where
+        the page shows what the engine did (:mod:`orthojob.eval.engine_view`); None otherwise.
+    written: on the view of a plan the engine executed in place of the written one, the written plan's
+        view; None otherwise.
     """
 
     name: str
@@ -79,6 +83,8 @@ class PlanView:
     violations: np.ndarray
     result: dict
     text: str | None = None
+    engine: dict | None = None
+    written: PlanView | None = None
 
     @property
     def strategy(self) -> str | None:

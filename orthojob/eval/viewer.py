@@ -14,7 +14,10 @@ What a clinician reviewing a proposed treatment, and an ML engineer reviewing a 
   limit and colliding contacts;
 * the plan's score as GRPO and the evaluation see it (terminal and scaled reward, broken hard
   rules, every component), and the case's diagnosis (the casts' measures; the case's profile and
-  optimal strategy, which the planner does not see; the oracle's reading of the setup).
+  optimal strategy, which the planner does not see; the oracle's reading of the setup);
+* with the staging engine (:mod:`orthojob.eval.engine_view`), a plan the engine changed as written
+  and as executed, side by side, what the engine changed per tooth, and on the executed plan's
+  staging chart the aligners at which a tooth's planned movement changed.
 
 Every number comes from the environment (``server``): the trajectories from
 :func:`server.treatment.rollout_plans` and from stepping :class:`server.dental_environment.
@@ -45,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from orthojob.eval import engine_view
 from orthojob.eval.plan_geometry import PlanView, _rounded, plan_view, prism_triangles, stage_data
 from orthojob.rewards.parsing import find_plan
 from server.cases import Case
@@ -80,11 +84,6 @@ BASELINE_PLANS: dict[str, dict] = {
     "do_nothing": {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 0.0}]},
 }
 """The fixed baselines (as :data:`orthojob.eval.evaluation.BASELINES`); ``oracle`` is computed per case."""
-
-
-# ---------------------------------------------------------------------------------------------
-# One plan on one case: arrays from the environment
-# ---------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,8 +228,10 @@ def arch_figure(view: PlanView, case: Case, data: dict) -> dict:
 
 def staging_figure(view: PlanView, zmax: float | None = None) -> dict:
     """Teeth x aligners: planned movement per aligner (mm-equivalent) with limit breaches (x),
-    PDL over critical (circles) and the teeth of colliding contacts (triangles) marked; a line at
-    the slider's stage (shape 0). ``zmax``: the colour scale's top (one for every plan of a page)."""
+    PDL over critical (circles) and the teeth of colliding contacts (triangles) marked, and on an
+    executed plan the aligners whose planned movement the staging engine changed (squares,
+    :func:`orthojob.eval.engine_view.changed_trace`); a line at the slider's stage (shape 0).
+    ``zmax``: the colour scale's top (one for every plan of a page)."""
     go = _go()
     stages = list(range(1, N_STAGES + 1))
     inc = view.increment_mm[1:].T  # (28, 24)
@@ -262,6 +263,9 @@ def staging_figure(view: PlanView, zmax: float | None = None) -> dict:
             marks(touched, "in a colliding contact", "triangle-up-open", "#6a3d9a", view.pdl_kpa, "kPa PDL"),
         ]
     )  # fmt: skip
+    changed = engine_view.changed_trace(view, TOOTH_LABELS)
+    if changed is not None:
+        fig.add_trace(changed)
     fig.update_layout(
         height=520,
         margin={"l": 40, "r": 10, "t": 30, "b": 40},
@@ -269,6 +273,7 @@ def staging_figure(view: PlanView, zmax: float | None = None) -> dict:
         xaxis={"title": {"text": "aligner"}, "dtick": 2},
         yaxis={"title": {"text": "tooth (FDI)"}, "type": "category", "autorange": "reversed"},
         legend={"orientation": "h", "y": -0.12},
+        showlegend=True,  # plotly hides a legend of one entry: the engine's layer may be the only one
         shapes=[_stage_line(0)],
     )
     return json.loads(fig.to_json())
@@ -402,6 +407,9 @@ td,th{border:1px solid #ddd;padding:2px 6px;text-align:left}
 .score td{text-align:right}
 .top{display:flex;gap:24px;flex-wrap:wrap;align-items:flex-start}
 pre{white-space:pre-wrap;font-size:11px;max-height:240px;overflow:auto;background:#f6f6f6}
+.engine{border:1px solid #00a0a0;border-radius:6px;padding:4px 8px;margin:8px 0}
+.engine h3{margin:2px 0}
+.engine-note{font-size:13px;margin:2px 0;color:#006868}
 """
 
 _SCRIPT = """
@@ -500,7 +508,7 @@ def render_html(case: Case, views: Sequence[PlanView], title: str | None = None)
         panels.append(
             f"<div class='plan'><h2>{html.escape(view.name)}: strategy {html.escape(str(view.strategy))}, "
             f"terminal {r['terminal_reward']:.4f}, scaled {r['scaled_reward']:.4f}, broken rules: "
-            f"{html.escape(rules)}</h2>"
+            f"{html.escape(rules)}</h2>{engine_view.panel_note(view)}"
             f"<div class='status' id='status-{i}'></div><div id='arch-{i}'></div>"
             f"<div id='staging-{i}'></div><div id='reward-{i}'></div>"
             f"<details><summary>plan JSON</summary><pre>{html.escape(json.dumps(view.plan, indent=1))}</pre>"
@@ -538,7 +546,8 @@ def render_html(case: Case, views: Sequence[PlanView], title: str | None = None)
         f"<label><input type='checkbox' id='ghost' {'checked' if ghost else 'disabled'}> aligner (planned) shape"
         f"{'' if ghost else ' (the teeth follow the aligners: ideal dynamics, full wear)'}</label></div>"
         f"<div class='top'>{_diagnosis_html(case)}<div><h3>Plan scores</h3>{_score_table(views)}</div></div>"
-        f"<div class='grid'>{''.join(panels)}</div>"
+        + "".join(engine_view.changes_html(v, i) for i, v in enumerate(views))
+        + f"<div class='grid'>{''.join(panels)}</div>"
         f"<script type='application/json' id='viewer-data'>{_script_json(payload)}</script>"
         f"<script type='application/json' id='figure-data'>{_script_json(figures)}</script>"
         f"<script type='text/javascript'>{_SCRIPT}</script></body></html>"
@@ -551,10 +560,25 @@ def _script_json(value: object) -> str:
 
 
 def write_viewer(
-    path: str | Path, case: Case, plans: Sequence[tuple[str, dict, str | None]], title: str | None = None
+    path: str | Path,
+    case: Case,
+    plans: Sequence[tuple[str, dict, str | None] | PlanView],
+    title: str | None = None,
+    engine: bool = False,
 ) -> Path:
-    """Write the viewer of ``plans`` ``(name, plan, completion text or None)`` on ``case`` to ``path``."""
-    views = [plan_view(case, plan, name, text) for name, plan, text in plans]
+    """Write the viewer of ``plans`` on ``case`` to ``path``: each ``(name, plan, completion text or
+    None)`` or an already computed view. ``engine``: run the ``(name, plan, text)`` plans through the
+    staging engine and show a plan it changes as written and as executed
+    (:func:`orthojob.eval.engine_view.executed_views`)."""
+    views = []
+    for item in plans:
+        if isinstance(item, PlanView):
+            views.append(item)
+        else:
+            name, plan, text = item
+            views += (
+                engine_view.executed_views(case, [item]) if engine else [plan_view(case, plan, name, text)]
+            )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_html(case, views, title), encoding="utf-8")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from orthojob.eval.engine_view import rollout_views
+from orthojob.eval.plan_geometry import PlanView
 from orthojob.eval.viewer import (
     BASELINE_PLANS,
     EVALUATION_VIEWER_CASES,
@@ -38,10 +40,11 @@ def _active_mlflow():
 
 
 def log_viewer(
-    case: Case, plans: Sequence[tuple[str, dict, str | None]], artifact_path: str, file_name: str
+    case: Case, plans: Sequence[tuple[str, dict, str | None] | PlanView], artifact_path: str, file_name: str
 ) -> Path | None:
-    """Write a viewer and log it to the active MLflow run under ``artifact_path``; None (nothing
-    written) when no run is active. A failure is logged and never stops the caller."""
+    """Write a viewer (:func:`orthojob.eval.viewer.write_viewer` of ``plans``) and log it to the active
+    MLflow run under ``artifact_path``; None (nothing written) when no run is active. A failure is logged
+    and never stops the caller."""
     mlflow = _active_mlflow()
     if mlflow is None:
         return None
@@ -67,8 +70,11 @@ def reference_plans(case: Case) -> list[tuple[str, dict, None]]:
 def log_checkpoint_viewers(episodes, name: str, per_task: int = EVALUATION_VIEWER_CASES) -> list[Path]:
     """Viewers of a checkpoint's evaluation (:class:`orthojob.eval.evaluation.CheckpointEpisodes`): for the
     first ``per_task`` held-out cases of each task, the checkpoint's greedy plan against the oracle's
-    and uniform SLERP's, under ``viewers/evaluate/<name>/``. A completion without a plan is shown
-    by the references only, its text in the title. Nothing when no MLflow run is active."""
+    and uniform SLERP's, under ``viewers/evaluate/<name>/``. Where the evaluation ran the plans through the
+    staging engine and it changed the plan, the plan as written and the plan it executed (both from the
+    episode's rollout, :func:`orthojob.eval.engine_view.rollout_views`) are shown beside the references;
+    a plan it executed as written is shown once, saying so. A completion without a plan is shown by the
+    references only. Nothing when no MLflow run is active."""
     if _active_mlflow() is None:
         return []
     logged = []
@@ -76,7 +82,11 @@ def log_checkpoint_viewers(episodes, name: str, per_task: int = EVALUATION_VIEWE
         for i in episodes.select(task_id)[:per_task]:
             case = generate_case(task_id, episodes.seeds[i], episodes.force_decay)
             rollout = episodes.rollouts[i]
-            mine = [(name, rollout.plan, episodes.texts[i])] if rollout.error is None else []
+            try:
+                mine = rollout_views(case, name, rollout, episodes.texts[i]) if rollout.error is None else []
+            except Exception as exc:  # a picture never fails a job
+                log.warning("viewer of %s on %s seed %d not drawn: %s", name, task_id, case.seed, exc)
+                continue
             path = log_viewer(
                 case, mine + reference_plans(case), f"{VIEWER_ARTIFACT_DIR}/evaluate/{name}",
                 f"{task_id}_seed{case.seed}.html",

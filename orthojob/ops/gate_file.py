@@ -102,6 +102,9 @@ class GateThresholds:
         max_hard_rule_share_over_oracle: share of the cases whose plan breaks a hard rule minus the
             oracle's share on the same cases (0: no worse than the oracle).
         min_strategy_accuracy: share of plans declaring the case's optimal strategy.
+        max_repair_share: share of the cases whose plan the staging engine changed (repaired, or replaced
+            by its fallback; :mod:`server.staging_engine`): a planner the engine must rewrite for most
+            cases does not pass on the engine's quality. 0 with the engine off.
         min_tool_call_rate: (tool_sft) share of agentic episodes whose first turn is a parseable call
             of a known tool.
         min_finished_rate: (tool_sft) share of agentic episodes that finish (a plan submitted, or 24
@@ -129,6 +132,11 @@ class GateThresholds:
     min_strategy_accuracy: float | None = field(
         default=None, metadata={"help": "gate: share declaring the case's optimal strategy"}
     )
+    max_repair_share: float | None = field(
+        default=None,
+        metadata={"help": "gate: at most this share of plans changed by the staging engine",
+                  "show_default": False},
+    )  # fmt: skip
     min_tool_call_rate: float | None = field(
         default=None,
         metadata={"help": "gate (tool_sft): share of episodes whose first turn is a parseable tool call"},
@@ -160,6 +168,13 @@ HARD_RULE_BOUND: float = 0.0
 """The quality gates' default ``max_hard_rule_share_over_oracle``: no more rule-breaking plans than
 the oracle's on the same held-out cases (none where the oracle breaks none)."""
 
+REPAIR_BOUND: float = 0.5
+"""The quality gates' default ``max_repair_share``: the staging engine may change at most half of the
+plans. With the engine, every executed plan is safe by construction, so the hard-rule bound alone no
+longer tells a planner from the engine; this bound says that most of what ships is the planner's own
+plan as written, and a planner the engine must rewrite for most cases (or replace by its fallback)
+fails, however good the engine's rewrites score."""
+
 
 DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
     FORMAT_SFT: GateThresholds(min_parse_rate=0.9, min_format_reward=0.8),
@@ -167,20 +182,28 @@ DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
         min_parse_rate=None, min_format_reward=None, min_tool_call_rate=0.9, min_finished_rate=0.8
     ),
     BC_SFT: GateThresholds(
-        min_parse_rate=0.9, min_format_reward=0.8, max_hard_rule_share_over_oracle=HARD_RULE_BOUND
+        min_parse_rate=0.9,
+        min_format_reward=0.8,
+        max_hard_rule_share_over_oracle=HARD_RULE_BOUND,
+        max_repair_share=REPAIR_BOUND,
     ),
     GRPO: GateThresholds(
         min_parse_rate=0.9,
         min_format_reward=0.8,
         min_margin_over_slerp=0.0,
         max_hard_rule_share_over_oracle=HARD_RULE_BOUND,
+        max_repair_share=REPAIR_BOUND,
     ),
     RSFT: GateThresholds(
-        min_parse_rate=0.9, min_format_reward=0.8, max_hard_rule_share_over_oracle=HARD_RULE_BOUND
+        min_parse_rate=0.9,
+        min_format_reward=0.8,
+        max_hard_rule_share_over_oracle=HARD_RULE_BOUND,
+        max_repair_share=REPAIR_BOUND,
     ),
 }
 """Per stage: the format gate after format SFT, the tool-call gate after tool-use SFT, and the quality
-gates (format and the hard-rule bound) after BC and RSFT, plus the margin over uniform SLERP after GRPO."""
+gates (format, the hard-rule bound on the plans that ship and the repair bound) after BC and RSFT, plus the
+margin over uniform SLERP after GRPO."""
 
 
 QUALITY_STAGES: tuple[str, ...] = (BC_SFT, GRPO, RSFT)
@@ -194,6 +217,7 @@ _METRIC_OF: dict[str, str] = {
     "min_margin_over_oracle": "margin_over_oracle",
     "max_hard_rule_share_over_oracle": "hard_rule_share_over_oracle",
     "min_strategy_accuracy": "strategy_accuracy",
+    "max_repair_share": "repair_share",
     "min_tool_call_rate": "tool_call_rate",
     "min_finished_rate": "finished_rate",
 }
@@ -417,6 +441,16 @@ def format_gate(content: dict) -> str:
             f"  |  {HARD_RULE_SHARE} {_num(m.get(HARD_RULE_SHARE))}  oracle {_num(m.get(f'oracle_{HARD_RULE_SHARE}'))}"
             f"  |  strategy accuracy {_num(m.get('strategy_accuracy'))} (oracle {_num(m.get('oracle_strategy_accuracy'))})"
         )  # fmt: skip
+        if m.get("engine") not in (None, "off"):
+            lines.append(
+                f"  staging engine v{m['engine']}: the figures above judge the executed plans; the raw plans: "
+                f"{SCALED_REWARD} {_num(m.get(f'raw_{SCALED_REWARD_MEAN}'))}, {HARD_RULE_SHARE} "
+                f"{_num(m.get(f'raw_{HARD_RULE_SHARE}'))}; repaired {_num(m.get('repair_share'))} of the plans "
+                f"(fallback {_num(m.get('fallback_share'))}), {_num(m.get('repaired_movement_share'))} of the "
+                "planned movement"
+            )
+        elif m.get("engine") == "off":
+            lines.append("  staging engine off: the figures above judge the raw plans")
         lines.append(
             f"  ({TERMINAL_RAW}, unscaled, for reference: {_num(m.get(mean_of(TERMINAL_RAW)))}, uniform SLERP "
             f"{_num(m.get(f'uniform_slerp_{mean_of(TERMINAL_RAW)}'))}, oracle {_num(m.get(f'oracle_{mean_of(TERMINAL_RAW)}'))})"

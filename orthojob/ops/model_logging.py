@@ -17,6 +17,7 @@ from typing import Any
 
 from orthojob.data.prompts import TRAIN_SEED_START
 from orthojob.eval.metrics import (
+    ENGINE_TAG,
     EXCESS_METRIC,
     GATE_METRIC_PREFIX,
     GATE_PASSED_TAG,
@@ -256,7 +257,8 @@ def record_gate(
     """Put a gate on the active run and on its LoggedModel ``model_id``: the run gets the gate file
     (from ``folder``), the metrics ``gate/<name>`` and the tag ``orthorl.gate_passed``; the LoggedModel
     gets the numeric metrics (``gate/<name>``, linked to ``dataset``, the held-out cases) and the tags
-    ``orthorl.gate_passed`` and ``orthorl.gate_stage``, so ``mlflow.search_logged_models`` finds gated
+    ``orthorl.gate_passed``, ``orthorl.gate_stage`` and ``orthorl.staging_engine`` (the engine's version
+    the gate judged with, or ``off``; the run gets it too), so ``mlflow.search_logged_models`` finds gated
     checkpoints by them (what :mod:`orthojob.ops.registry` promotes from). A model without an id (no
     LoggedModel) gets nothing."""
     import mlflow
@@ -270,6 +272,8 @@ def record_gate(
     if folder is not None and gate_path(folder).is_file():
         mlflow.log_artifact(str(gate_path(folder)))
     mlflow.set_tag(GATE_PASSED_TAG, passed)
+    if values.get("engine"):  # what the gate judged: the plans the staging engine executes, or raw ones
+        mlflow.set_tag(f"orthorl.{ENGINE_TAG}", str(values["engine"]))
     if model_id is None:
         return
     metrics = {
@@ -282,4 +286,6 @@ def record_gate(
     tags = {GATE_PASSED_TAG: passed}
     if content.get("stage"):
         tags[GATE_STAGE_TAG] = str(content["stage"])
+    if values.get("engine"):
+        tags[f"orthorl.{ENGINE_TAG}"] = str(values["engine"])
     mlflow.set_logged_model_tags(model_id, tags)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orthojob.eval.metrics import (
+    ENGINE_TAG,
     EXCESS_METRIC,
     GATE_METRIC_PREFIX,
     GATE_PASSED_TAG,
@@ -104,8 +105,9 @@ def read_run_gate(run_id: str) -> dict:
             ) from exc
     if not isinstance(passed, bool):
         raise PromotionError(ExitCode.BAD_GATE, f"run {run_id}'s {GATE_FILE}: 'passed' must be true or false")
+    engine = gate["metrics"].get("engine", "off")  # a gate file from before the engine judged raw plans
     return {"passed": passed, "score": values[COMPARISON_METRIC], HARD_RULE_SHARE: values[HARD_RULE_SHARE],
-            ORACLE_SHARE: values[ORACLE_SHARE]}  # fmt: skip
+            ORACLE_SHARE: values[ORACLE_SHARE], ENGINE_TAG: str(engine)}  # fmt: skip
 
 
 def refusal(gate: dict, max_hard_rule_share_over_oracle: float | None = HARD_RULE_BOUND) -> str | None:
@@ -164,6 +166,7 @@ def run_record(run_id: str) -> tuple[object, dict]:
         "score": metrics[GATE_METRIC_PREFIX + COMPARISON_METRIC],
     }
     gate |= {k: metrics[GATE_METRIC_PREFIX + k] for k in (HARD_RULE_SHARE, ORACLE_SHARE)}
+    gate[ENGINE_TAG] = record.tags.get(f"orthorl.{ENGINE_TAG}", "off")  # a model gated before the engine: raw
     return record, gate
 
 
@@ -243,6 +246,7 @@ def promote(
         "run_id": run_id,
         "model_id": record.model_id,
         "stage": record.tags.get(GATE_STAGE_TAG) or run.data.tags.get("orthorl.stage", "unknown"),
+        ENGINE_TAG: gate[ENGINE_TAG],
     }.items():
         client.set_model_version_tag(model_name, v, key, value)
     client.set_registered_model_alias(model_name, "candidate", v)

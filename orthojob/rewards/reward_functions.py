@@ -62,7 +62,7 @@ from server.reward_scaler import REWARD_MAX, REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
 
 REQUIRED_COLUMNS: tuple[str, ...] = ("seed", "task_id", "force_decay")
-OPTIONAL_COLUMNS: tuple[str, ...] = ("non_compliance",)
+OPTIONAL_COLUMNS: tuple[str, ...] = ("non_compliance", "engine")
 """Columns read when a dataset row carries them (missing: False)."""
 DIAGNOSIS_CREDIT: dict[float, float] = {
     STRATEGY_MULTIPLIERS["optimal"]: 1.0,
@@ -90,10 +90,21 @@ def _column(name: str, kwargs: dict, n: int, caller: str) -> Sequence:
 
 
 def _rollouts(completions: Sequence, kwargs: dict, caller: str) -> list[Rollout]:
+    """The rollouts the rewards judge: the plans as written, or, where the rows' ``engine`` column is
+    true, what the objective with the staging engine in the loop judges (:attr:`Rollout.objective`)."""
     n = len(completions)
     seeds, tasks, decays = (_column(c, kwargs, n, caller) for c in REQUIRED_COLUMNS)
     worn = _column("non_compliance", kwargs, n, caller) if kwargs.get("non_compliance") is not None else None
-    return DEFAULT_CACHE.get_many(list(completions), seeds, tasks, decays, worn)
+    engine = False
+    if kwargs.get("engine") is not None:
+        column = {bool(v) for v in _column("engine", kwargs, n, caller)}
+        if len(column) > 1:
+            raise ValueError(
+                f"{caller}: column 'engine' must be the same for the whole batch, got both values"
+            )
+        engine = column.pop()
+    rolls = DEFAULT_CACHE.get_many(list(completions), seeds, tasks, decays, worn, engine=engine)
+    return [r.objective for r in rolls] if engine else rolls
 
 
 def _unsafe(r: Rollout) -> bool:

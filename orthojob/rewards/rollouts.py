@@ -13,7 +13,7 @@ it its minimum, as garbage, and the environment's ``score_plan`` scores it
 :data:`server.reward_scaler.REWARD_MIN` too. (Only the internal baseline API,
 :func:`server.treatment.score_plans`, reads a value with no usable group as uniform SLERP.)
 
-Keys are ``(sha256 of the completion text, task_id, seed, force_decay, non_compliance)`` (the :class:`server.cases.CaseKey` order): a full digest, so
+Keys are ``(sha256 of the completion text, task_id, seed, force_decay, non_compliance, engine)`` (the :class:`server.cases.CaseKey` order, then whether the staging engine judged it): a full digest, so
 two different completions never share an episode (the seed used 16 bits of ``hash()``).
 The cache is an LRU bounded by ``max_entries`` and safe to share between threads.
 """
@@ -25,7 +25,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from server.cases import CaseKey, generate_case
 from server.plan_text import PlanReading, read_plan, read_plan_text
 from server.plans import PlanSpec
 from server.reward_scaler import REWARD_MIN
+from server.staging_engine import REPAIRED, UNCHANGED, execute_plans, repair_cost, spec_to_plan
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,13 @@ class Rollout:
         plan_format: the server's counts of usable and ignored plan parts (PlanFormat).
         not_a_plan: None for a plan, else why the completion is not one
             (:attr:`server.plan_text.PlanReading.reason`).
+        repair: with the staging engine on (:func:`score_texts`), its record of this plan
+            (:meth:`server.staging_engine.Repair.as_dict`: ``status`` unchanged, repaired or fallback,
+            the rules the raw plan broke, the changes per tooth, the share of movement changed); None
+            with the engine off or for a completion that is not a plan.
+        executed: with the engine on, the rollout of the plan the engine executed where it changed the
+            plan (its ``plan`` the executed plan dict, its ``format`` the completion's); None where the
+            plan was executed as written (see :attr:`shipped`).
     """
 
     terminal_reward: float
@@ -76,6 +84,31 @@ class Rollout:
     error: str | None = None
     plan_format: dict = field(default_factory=dict)
     not_a_plan: str | None = None
+    repair: dict | None = None
+    executed: Rollout | None = None
+
+    @property
+    def shipped(self) -> Rollout:
+        """The rollout of the plan that is carried out: the engine's executed plan where it changed the
+        plan, else this one."""
+        return self.executed if self.executed is not None else self
+
+    @property
+    def objective(self) -> Rollout:
+        """What GRPO's objective judges with the engine in the loop (a prompt row's ``engine`` column,
+        :mod:`orthojob.rewards.reward_functions`): where the engine repaired the plan, the executed plan's
+        rollout with its scaled reward less the repair's cost (:func:`server.staging_engine.repair_cost`),
+        strictly below what the executed plan earns written directly; else this one (a plan executed as
+        written; a plan the fallback replaced keeps its raw, failing-band score; a completion that is not
+        a plan)."""
+        if self.executed is None or self.repair is None or self.repair["status"] != REPAIRED:
+            return self
+        return replace(self.executed, scaled_reward=self.executed.scaled_reward - repair_cost(self.repair))
+
+    @property
+    def changed(self) -> bool:
+        """Whether the engine changed the plan (repaired it, or replaced it by its fallback)."""
+        return self.repair is not None and self.repair["status"] != UNCHANGED
 
 
 def completion_digest(text: str) -> str:
@@ -106,8 +139,13 @@ def is_plan(plan: object) -> bool:
     return read_plan(plan).is_plan
 
 
-def score_texts(texts: Sequence[str], cases: Sequence[CaseKey]) -> list[Rollout]:
+def score_texts(texts: Sequence[str], cases: Sequence[CaseKey], engine: bool = False) -> list[Rollout]:
     """Rollouts of completion texts on cases (:class:`server.cases.CaseKey`): one batched server call.
+
+    ``engine``: also execute every plan through the staging engine
+    (:func:`server.staging_engine.execute_plans`, given the raw results, so a plan it leaves unchanged
+    costs nothing more): each plan's rollout then carries the engine's ``repair`` record and, where the
+    engine changed the plan, the ``executed`` plan's rollout. The raw rollout is scored as without it.
 
     Raises the environment's InvalidActionError for an unknown task id or a bad seed (a dataset
     error); never raises because of a completion's content.
@@ -160,7 +198,37 @@ def score_texts(texts: Sequence[str], cases: Sequence[CaseKey]) -> list[Rollout]
             error=None,
             plan_format=res.get("format") or asdict(spec.format),
         )
+    if engine:
+        _execute(out, todo, specs, cases_todo, results)
     return out
+
+
+def _execute(out: list, todo: list[int], specs: list[PlanSpec], cases: list, results: list[dict]) -> None:
+    """Attach the staging engine's record, and the executed plan's rollout where it changed the plan, to
+    the rollouts ``out[todo]`` of ``specs`` on ``cases`` (their raw ``results``); a plan whose scoring
+    failed is left as it is."""
+    keep = [k for k, res in enumerate(results) if "error" not in res]
+    if not keep:
+        return
+    run = execute_plans([specs[k] for k in keep], [cases[k] for k in keep], [results[k] for k in keep])
+    for k, spec, record, res in zip(keep, run.specs, run.records, run.results):
+        i, raw = todo[k], out[todo[k]]
+        record = record.as_dict()
+        executed = None
+        if record["status"] != UNCHANGED:
+            executed = replace(
+                raw,
+                terminal_reward=res["terminal_reward"],
+                scaled_reward=res["scaled_reward"],
+                broken_rules=tuple(res["broken_rules"]),
+                reward_breakdown=res["reward_breakdown"],
+                diagnostics=res["diagnostics"],
+                plan=spec_to_plan(spec, cases[k].absent),
+                strategy=res["strategy"],
+                plan_format=res.get("format") or asdict(spec.format),
+                repair=record,
+            )
+        out[i] = replace(raw, repair=record, executed=executed)
 
 
 class RolloutCache:
@@ -200,11 +268,13 @@ class RolloutCache:
         task_ids: Sequence[object],
         force_decays: Sequence[object],
         non_compliances: Sequence[object] | None = None,
+        engine: bool = False,
     ) -> list[Rollout]:
         """One rollout per completion (str or conversational), scoring every miss in one batched call.
 
         ``non_compliances``: the optional column (None: every case fully compliant). Duplicate keys
-        within a batch are scored once (the repeats count as hits).
+        within a batch are scored once (the repeats count as hits). ``engine``: rollouts that carry the
+        staging engine's record (:func:`score_texts`), cached apart from those without.
         """
         n = len(completions)
         worn = [False] * n if non_compliances is None else non_compliances
@@ -219,7 +289,7 @@ class RolloutCache:
                 raise ValueError(f"column {name!r} has {len(column)} values for {n} completions")
         texts = [completion_text(c) for c in completions]
         cases = [_case_key(s, t, d, w) for s, t, d, w in zip(seeds, task_ids, force_decays, worn)]
-        keys = [(completion_digest(text), *case) for text, case in zip(texts, cases)]
+        keys = [(completion_digest(text), *case, bool(engine)) for text, case in zip(texts, cases)]
         found: dict[tuple, Rollout] = {}
         todo: dict[tuple, int] = {}
         with self._lock:
@@ -236,7 +306,7 @@ class RolloutCache:
             self.hits += n - len(todo)
         if todo:
             idx = list(todo.values())
-            fresh = score_texts([texts[i] for i in idx], [cases[i] for i in idx])
+            fresh = score_texts([texts[i] for i in idx], [cases[i] for i in idx], engine=engine)
             with self._lock:
                 for key, rollout in zip(todo, fresh):
                     found[key] = rollout

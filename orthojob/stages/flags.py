@@ -28,6 +28,33 @@ from typing import Any
 
 from server.cases import TASK_IDS
 
+ENGINE_CHOICES: tuple[str, ...] = ("on", "off")
+"""``--engine``: judge the plans the staging engine executes (``on``, what ships) or the raw plans."""
+
+
+def engine_field(**metadata: Any) -> Any:
+    """The ``engine`` setting of a gate, a GRPO gate or an evaluation (:data:`ENGINE_CHOICES`)."""
+    return dataclasses.field(
+        default="on",
+        metadata={
+            "help": "on: judge the plans the staging engine executes (server/staging_engine.py), beside the "
+            "raw plans' figures; off: judge the raw plans",
+            "choices": ENGINE_CHOICES,
+            **metadata,
+        },
+    )
+
+
+def add_engine_argument(parser: argparse.ArgumentParser) -> None:
+    """``--engine on|off`` (default on) of a command that judges plans (:func:`engine_field`)."""
+    parser.add_argument(
+        "--engine",
+        choices=ENGINE_CHOICES,
+        default="on",
+        help="on: judge the plans the staging engine executes (server/staging_engine.py), beside the raw "
+        "plans' figures; off: judge the raw plans (default on)",
+    )
+
 
 def positive_int(value: str) -> int:
     n = int(value)
@@ -208,9 +235,12 @@ def given_values(args: argparse.Namespace | dict, config_cls: type) -> dict[str,
 
 
 __all__ = [
+    "ENGINE_CHOICES",
     "CollectPairs",
     "add_config_arguments",
+    "add_engine_argument",
     "config_argv",
+    "engine_field",
     "finite_float",
     "given_values",
     "name_list",

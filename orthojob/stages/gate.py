@@ -71,7 +71,7 @@ from orthojob.ops.gate_file import (
     thresholds_for,
     write_gate,
 )
-from orthojob.stages.flags import add_config_arguments, given_values, positive_int
+from orthojob.stages.flags import add_config_arguments, engine_field, given_values, positive_int
 from orthojob.stages.tool_sft import tool_gate_metrics
 from server.cases import TASK_IDS, CaseKey
 from server.seed_ranges import gate_window_start
@@ -109,6 +109,7 @@ class GateSettings:
         metadata={"help": "gate (tool_sft): assistant turns per agentic episode", "flag": "--gate-tool-turns",
                   "dest": "gate_tool_turns", "type": positive_int, "show_default": False},
     )  # fmt: skip
+    engine: str = engine_field(flag="--engine", dest="gate_engine")
     thresholds: GateThresholds = field(
         default_factory=lambda: DEFAULT_THRESHOLDS[BC_SFT], metadata={"cli": False}
     )
@@ -357,6 +358,7 @@ def gate_report(
     case_set: dict | None = None,
     identity: str | None = None,
     cells: Sequence[tuple[str, bool]] | None = None,
+    engine: bool = True,
 ) -> dict:
     """Gate evaluation of the checkpoint at ``path`` (or of an already loaded model, or of a scripted
     ``policy``: observations -> completion texts, :data:`orthojob.eval.evaluation.Policy`) on the run's
@@ -374,6 +376,12 @@ def gate_report(
     parse rates and hard-rule shares (the oracle's too), timings; terminal_raw_mean (secondary, the unscaled [0, 1] score, compared by nothing).
     ``keys``: judge these cases (an imported case set's held-out patients) instead of a window;
     ``case_set`` (its source, split digest and counts) is then recorded in the report.
+
+    ``engine`` (default): the plans are executed through the staging engine and the headline, the
+    hard-rule share and the guarantee judge the executed plans, what ships; the raw plans' figures
+    (``raw_*``, ``repair_share``, ``fallback_share``, ``repaired_movement_share``,
+    :func:`orthojob.eval.evaluation.engine_metrics`) stand beside them, and ``max_repair_share`` bounds
+    how many plans the engine may change. False judges the raw plans (``engine`` ``off``).
     """
     window = None
     if keys is None:
@@ -391,7 +399,9 @@ def gate_report(
     t0 = time.perf_counter()
     if policy is None and (model is None or tokenizer is None):
         model, tokenizer = load_for_inference(path)
-    ep = run_checkpoint(model, tokenizer, [], 0, 0, force_decay, max_new_tokens, batch_size, policy, keys)
+    ep = run_checkpoint(
+        model, tokenizer, [], 0, 0, force_decay, max_new_tokens, batch_size, policy, keys, engine=engine
+    )
     tasks = list(dict.fromkeys(ep.task_ids))
     metrics = episode_metrics(ep)
     metrics["generate_seconds"] = ep.generate_seconds
@@ -431,6 +441,13 @@ def gate_report(
                 for k, idx in by_cell.items()
             },
             f"per_cell_{HARD_RULE_SHARE}": {k: _mean(ep, idx, "broken_rules") for k, idx in by_cell.items()},
+            f"per_cell_raw_{HARD_RULE_SHARE}": {
+                k: float(np.mean([bool(ep.rollouts[i].broken_rules) for i in idx]))
+                for k, idx in by_cell.items()
+            },
+            "per_cell_repair_share": {
+                k: float(np.mean([ep.rollouts[i].changed for i in idx])) for k, idx in by_cell.items()
+            },
             f"oracle_per_cell_{HARD_RULE_SHARE}": {
                 k: float(np.mean([bool(baseline["oracle"][i]["broken_rules"]) for i in idx]))
                 for k, idx in by_cell.items()
@@ -442,7 +459,7 @@ def gate_report(
         {"task_id": ep.task_ids[i], "seed": ep.seeds[i], "completion": ep.texts[i][:2000]}
         for i in range(min(3, len(ep.texts)))
     ]
-    breaks = sum(bool(r.broken_rules) for r in ep.rollouts)
+    breaks = sum(bool(ep.shipped(i).broken_rules) for i in range(len(ep.rollouts)))
     report = _checked_report(path, stage, tasks, window, force_decay, max_new_tokens, metrics, thresholds,
                              samples, guarantee(breaks, len(ep.rollouts)))  # fmt: skip
     return report if case_set is None else {**report, "case_set": case_set}
@@ -474,6 +491,7 @@ def run_gate(
         max_tool_turns=settings.tool_turns,
         keys=keys,
         case_set=case_set,
+        engine=settings.engine == "on",
     )
     return write_gate(path, report)
 
@@ -481,7 +499,7 @@ def run_gate(
 def _mean(ep, index: list[int], field_name: str) -> float:
     """Mean over the episodes ``index`` of a rollout field (a list of broken rules counts as 0 / 1)."""
     return float(sum(float(bool(v) if isinstance(v, tuple) else v) for v in
-                     (getattr(ep.rollouts[i], field_name) for i in index)) / len(index))  # fmt: skip
+                     (getattr(ep.shipped(i), field_name) for i in index)) / len(index))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

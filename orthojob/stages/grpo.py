@@ -163,6 +163,7 @@ def run_grpo_gate(
         thresholds=thresholds,
         keys=keys,
         case_set=case_set,
+        engine=config.engine == "on",
     )
     content = write_gate(str(checkpoint), report)
     print(format_gate(content))

@@ -31,6 +31,7 @@ from orthojob.rewards.reward_functions import RewardFunc, active_reward_funcs, r
 from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
 from orthojob.stages.flags import (
     CollectPairs,
+    engine_field,
     finite_float,
     name_list,
     name_weight,
@@ -40,6 +41,8 @@ from orthojob.stages.flags import (
 from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START
 
 VLLM_MODES: tuple[str, ...] = ("colocate", "server")
+OBJECTIVES: tuple[str, ...] = ("raw", "engine")
+"""What GRPO's rewards judge: the plan as written, or the plan the staging engine executes."""
 LOSS_TYPES: tuple[str, ...] = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")
 """TRL's GRPO loss formulations that need no other setting (``GRPOConfig.loss_type``; TRL 1.15 and 1.16 default
 to ``dapo``; clip ratios are logged for all but ``cispo``, which logs ``cispo_clip_ratio``)."""
@@ -195,6 +198,15 @@ class GRPOJobConfig:
             "choices": SCALE_REWARDS,
         },
     )
+    objective: str = field(
+        default="raw",
+        metadata={
+            "help": "raw: the rewards judge the plan as written; engine: the staging engine in the loop, the "
+            "rewards judge the plan it executes, a repaired plan paying the repair's cost "
+            "(orthojob.rewards.rollouts.Rollout.objective)",
+            "choices": OBJECTIVES,
+        },
+    )
     strategy_advantage: str = field(
         default="sequence",
         metadata={
@@ -258,6 +270,7 @@ class GRPOJobConfig:
     gate_seeds: int = field(
         default=50, metadata={"help": "GRPO gate: seeds per level and dynamics", "type": positive_int}
     )
+    engine: str = engine_field()
     mode: str = field(
         default="oneshot",
         metadata={
@@ -357,6 +370,10 @@ class GRPOJobConfig:
         ):
             raise ConfigError(
                 f"--env-url needs --mode agentic and an http(s):// URL, got {self.env_url!r} ({self.mode})"
+            )
+        if self.mode == "agentic" and self.objective != "raw":
+            raise ConfigError(
+                "--objective engine is for --mode oneshot (the agentic reward is the environment's)"
             )
         if self.mode == "agentic" and (self.rewards is not None or self.reward_weights):
             raise ConfigError(

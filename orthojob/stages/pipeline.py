@@ -59,7 +59,6 @@ are MLflow metrics ``scaled_reward_mean/<planner>`` and ``hard_rule_share/<plann
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -79,8 +78,8 @@ from orthojob.ops.records import json_value
 from orthojob.stages import gate
 from orthojob.stages.gate import GateSettings
 from orthojob.stages.grpo import run_grpo
-from orthojob.stages.grpo_config import TRAIN_LOG_FILE, ConfigError
-from orthojob.stages.pipeline_summary import format_summary
+from orthojob.stages.grpo_config import TRAIN_LOG_FILE
+from orthojob.stages.pipeline_summary import format_summary, gate_view
 from orthojob.stages.presets import PIPELINE_STAGES, PRESETS, Preset, apply_overrides
 from orthojob.stages.rsft import RSFTError, log_rsft, run_rsft
 from orthojob.stages.sft import TRAINING_CASES, log_stage, run_sft
@@ -125,25 +124,10 @@ def _grpo_rewards(train_log: Path) -> dict:
     }
 
 
-_GATE_VIEW: tuple[str, ...] = (
-    "parse_rate", "format_reward", SCALED_REWARD_MEAN, f"uniform_slerp_{SCALED_REWARD_MEAN}",
-    f"oracle_{SCALED_REWARD_MEAN}", "margin_over_slerp", HARD_RULE_SHARE, f"oracle_{HARD_RULE_SHARE}",
-    f"{HARD_RULE_SHARE}_over_oracle", "strategy_accuracy", "truncated_rate", "mean_completion_tokens", "eval_seconds",
-    "tool_call_rate", "finished_rate", "valid_call_rate", "reward_mean",
-)  # fmt: skip
-"""The gate metrics a stage's row of the summary shows."""
-
-
 def _entry(result: dict) -> dict:
     """A training stage's summary entry: its result without the list of cases it trained on (logged
     with its model in MLflow)."""
     return {k: v for k, v in result.items() if k != TRAINING_CASES}
-
-
-def _gate_view(content: dict) -> dict:
-    keys = _GATE_VIEW
-    m = content.get("metrics", {})
-    return {"passed": content.get("passed"), "checks": content.get("checks")} | {k: m.get(k) for k in keys}
 
 
 def _preset(preset: str | Preset, overrides: dict[str, Any] | None) -> Preset:
@@ -240,8 +224,9 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         base = gate.gate_report(
             model, n_seeds=g.n_seeds, task_id=cfg.task_id, force_decay=cfg.force_decay,
             max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, stage="base", thresholds=g.thresholds,
+            engine=g.engine == "on",
         )  # fmt: skip
-        stages["base"] = {"seconds": time.perf_counter() - t, **_gate_view(base)}
+        stages["base"] = {"seconds": time.perf_counter() - t, **gate_view(base)}
         save()
 
     def finished(name: str, folder: Path, identity: dict) -> dict | None:
@@ -271,7 +256,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
             raise _RefusedError(int(exc.exit_code)) from exc
         print(f"[pipeline] {name}: already trained and gated at {where} (resumed, not trained again)")
         stages[name] = {"seconds": 0.0, **earlier.get(name, {}), "resumed_from": where}
-        gate_entry = earlier.get(f"gate_{name}") or {"seconds": 0.0, **_gate_view(content)}
+        gate_entry = earlier.get(f"gate_{name}") or {"seconds": 0.0, **gate_view(content)}
         stages[f"gate_{name}"] = {**gate_entry, "resumed": True}
         save()
         return content
@@ -285,7 +270,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         t = time.perf_counter()
         tracking.log_params({params_key: dataclasses.asdict(settings)})
         content = gate.run_gate(folder, name, settings, cfg.task_id, cfg.force_decay, config)
-        stages[f"gate_{name}"] = {"seconds": time.perf_counter() - t, **_gate_view(content)}
+        stages[f"gate_{name}"] = {"seconds": time.perf_counter() - t, **gate_view(content)}
         log_stage(result, content, folder)
         print(gate_file.format_gate(content))
         publish(name, folder)
@@ -349,7 +334,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
             code = ExitCode.OK if content["passed"] else ExitCode.GRPO_GATE_FAILED
             stages["grpo"] = {"seconds": 0.0, "exit_code": int(code), **earlier.get("grpo", {})}
             stages["grpo"]["resumed_from"] = target
-            stages["gate_grpo"] = {"seconds": None, **_gate_view(content), "resumed": True}
+            stages["gate_grpo"] = {"seconds": None, **gate_view(content), "resumed": True}
             save()
             return bool(content["passed"]), int(code)
         grpo_dir.mkdir(parents=True, exist_ok=True)
@@ -370,7 +355,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
             stages["grpo"]["error"] = f"orthojob train exited {rc}"
             return False, int(rc or ExitCode.FAILURE)
         content = gate_file.read_gate(grpo_dir)  # as the GRPO stage wrote (and published and logged) it
-        stages["gate_grpo"] = {"seconds": content["metrics"].get("eval_seconds"), **_gate_view(content)}
+        stages["gate_grpo"] = {"seconds": content["metrics"].get("eval_seconds"), **gate_view(content)}
         return bool(content["passed"]), int(rc)
 
     def rsft_stage(previous: Path) -> tuple[bool, int]:
@@ -440,7 +425,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
     with tracking.stage_run("evaluate", params={"evaluate": dataclasses.asdict(e)}):
         tasks = [cfg.task_id]
         kw = {"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "max_new_tokens": e.max_new_tokens,
-              "batch_size": e.batch_size}  # fmt: skip
+              "batch_size": e.batch_size, "engine": e.engine == "on"}  # fmt: skip
         newest_first = [(name, folder) for name, folder, _ in reversed(trained)]
         on_set = [c for c in (cfg.grpo, cfg.sft, cfg.rsft, cfg.format_sft, cfg.tool_sft) if c.cases]
         cases = on_set[0].cases if on_set else None
@@ -501,98 +486,4 @@ def _earlier_stages(out_uri: str | None, out: Path) -> dict:
         return {}
 
 
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _assignment(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected SECTION.KEY=VALUE (e.g. sft.steps=100), got {text!r}")
-    return key.strip(), _value(value.strip())
-
-
-def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-cpu", help="(default tiny-cpu)")
-    parser.add_argument("--out", default="./runs/pipeline", help="output folder (default ./runs/pipeline)")
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="base model of every stage: hub id, folder or s3:// URI (the same as --set model=...; "
-        "default: the preset's)",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        type=_assignment,
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one preset value (JSON), e.g. --set sft.steps=100 --set grpo.steps=2 "
-        "--set stages=format,bc,grpo,rsft (repeatable)",
-    )
-    parser.add_argument(
-        "--overrides",
-        dest="overrides_list",
-        default="",
-        metavar="K=V[,K=V...]",
-        help="the same as --set, comma-separated in one value (for MLproject -P overrides=...); '' = none",
-    )
-    parser.add_argument(
-        "--cases",
-        default=None,
-        help="a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): every training stage (format, tool, bc, "
-        "grpo, rsft) trains on its training patients, their gates and the evaluation judge its held-out ones "
-        "(= --set SECTION.cases=... for sft, format_sft, tool_sft, grpo and rsft)",
-    )
-    parser.add_argument("--show", action="store_true", help="print the preset (after --set) as JSON and exit")
-    return parser
-
-
-def run_pipeline_cli(args: argparse.Namespace) -> int:
-    try:
-        listed = [_assignment(item) for item in args.overrides_list.split(",") if item.strip()]
-    except argparse.ArgumentTypeError as exc:
-        print(f"orthojob pipeline: --overrides: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
-    overrides = dict(args.overrides) | dict(listed)
-    if args.model:
-        if overrides.get("model", args.model) != args.model:
-            print(
-                f"orthojob pipeline: --model {args.model} and --set model={overrides['model']} disagree",
-                file=sys.stderr,
-            )
-            return ExitCode.USAGE
-        overrides["model"] = args.model
-    for section in CASE_SECTIONS if args.cases else ():
-        overrides.setdefault(f"{section}.cases", args.cases)
-    try:
-        cfg = apply_overrides(PRESETS[args.preset], overrides)
-    except KeyError as exc:
-        print(f"orthojob pipeline: {exc.args[0]}", file=sys.stderr)
-        return ExitCode.USAGE
-    except (ConfigError, TypeError, ValueError) as exc:
-        print(f"orthojob pipeline: --set: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
-    if args.show:
-        print(json.dumps(cfg.to_dict(), indent=2))
-        return 0
-    sets = {(c.cases, c.heldout_share) for c in (getattr(cfg, name) for name in CASE_SECTIONS) if c.cases}
-    for source, share in sorted(sets):  # before any model is built: a bad set fails at once, exit 2
-        if case_sets.check_case_set(source, share, cfg.force_decay, "pipeline"):
-            return ExitCode.USAGE
-    summary = run_pipeline(args.preset, args.out, overrides)
-    local = work_dirs.local_work_dir(args.out) if storage.is_s3_uri(args.out) else Path(args.out)
-    print(f"wrote {local / SUMMARY_FILE} (and the pipeline run's artifact {SUMMARY_FILE})")
-    return int(summary["exit_code"])
-
-
-__all__ = [
-    "add_pipeline_arguments",
-    "format_summary",
-    "run_pipeline",
-    "run_pipeline_cli",
-]
+__all__ = ["format_summary", "run_pipeline"]

@@ -7,6 +7,24 @@ from typing import Any
 from orthojob.eval.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD_MEAN
 from orthojob.stages.presets import DEFAULT_STAGES, PIPELINE_STAGES
 
+GATE_VIEW: tuple[str, ...] = (
+    "parse_rate", "format_reward", SCALED_REWARD_MEAN, f"uniform_slerp_{SCALED_REWARD_MEAN}",
+    f"oracle_{SCALED_REWARD_MEAN}", "margin_over_slerp", HARD_RULE_SHARE, f"oracle_{HARD_RULE_SHARE}",
+    f"{HARD_RULE_SHARE}_over_oracle", "strategy_accuracy", "truncated_rate", "mean_completion_tokens", "eval_seconds",
+    "tool_call_rate", "finished_rate", "valid_call_rate", "reward_mean",
+    "engine", f"raw_{SCALED_REWARD_MEAN}", f"raw_{HARD_RULE_SHARE}", "repair_share", "fallback_share",
+    "repaired_movement_share",
+)  # fmt: skip
+"""The gate metrics a stage's row of the summary shows."""
+
+
+def gate_view(content: dict) -> dict:
+    """A gate file's entry in the summary: its verdict, checks and :data:`GATE_VIEW` metrics."""
+    m = content.get("metrics", {})
+    return {"passed": content.get("passed"), "checks": content.get("checks")} | {
+        k: m.get(k) for k in GATE_VIEW
+    }
+
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
     return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
@@ -78,6 +96,8 @@ def format_summary(summary: dict) -> str:
                     f"oracle {_fmt(g.get(f'oracle_{SCALED_REWARD_MEAN}'))}), hard rules {_fmt(g.get(HARD_RULE_SHARE))} "
                     f"(oracle {_fmt(g.get(f'oracle_{HARD_RULE_SHARE}'))}), strategy acc {_fmt(g['strategy_accuracy'])}"
                 )  # fmt: skip
+                if g.get("engine") not in (None, "off"):
+                    lines.append(f"{'':<24}  {engine_line(g)}")
     if "evaluate" in s:
         x = s["evaluate"]
         terms = ", ".join(
@@ -85,4 +105,17 @@ def format_summary(summary: dict) -> str:
             for p, v in x[SCALED_REWARD_MEAN].items()
         )
         lines.append(f"{'evaluate':<15}{_fmt(x['seconds'], '9.1f')}  scaled_reward (hard rules): {terms}")
+        for p, m in (x.get("model_metrics") or {}).items():
+            if m.get("engine") not in (None, "off"):
+                lines.append(f"{'':<24}  {p}: {engine_line(m)}")
     return "\n".join(lines)
+
+
+def engine_line(m: dict) -> str:
+    """The executed plans' figures beside the raw plans' (:func:`orthojob.eval.evaluation.engine_metrics`)."""
+    return (
+        f"engine v{m['engine']}: executed scaled_reward {_fmt(m.get(SCALED_REWARD_MEAN))}, hard rules "
+        f"{_fmt(m.get(HARD_RULE_SHARE))} | raw plans: scaled_reward {_fmt(m.get(f'raw_{SCALED_REWARD_MEAN}'))}, "
+        f"hard rules {_fmt(m.get(f'raw_{HARD_RULE_SHARE}'))}, repaired {_fmt(m.get('repair_share'))} of plans "
+        f"(fallback {_fmt(m.get('fallback_share'))}), {_fmt(m.get('repaired_movement_share'))} of the movement"
+    )

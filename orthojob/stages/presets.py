@@ -22,8 +22,9 @@ grpo.mode=agentic``; a one-shot GRPO there is refused).
 ``tiny-cpu``: offline, CPU, 2 cores, < 10 min. Its tiny model is built for the ``compact`` prompt
 format (``tiny_arch["prompt_format"]``, :data:`orthojob.data.prompts.PROMPT_FORMATS`: the case without the
 plan-format text, which the BC stage teaches), recorded in the model's ``config.json`` so every later
-stage prompts it the same way. Its GRPO stage is the one ``make run`` has always
-run (20 steps, prompts up to 1760 tokens, 256-token completions), the one table
+stage prompts it the same way. Its BC stage learns every level under both dynamics (the cells its
+gate judges); its GRPO stage (20 steps, prompts up to 1760 tokens, 512-token completions: the oracle's
+plans under force decay run to about 550 of the tiny tokenizer's tokens) is the one table
 ``orthojob train --preset tiny-cpu`` uses too. Its format
 and RSFT stages (not in the default chain) are set by analogy with its BC stage and not tuned.
 
@@ -50,6 +51,7 @@ from orthojob.ops.gate_file import (
     TOOL_SFT,
     GateThresholds,
 )
+from orthojob.stages.flags import ENGINE_CHOICES
 from orthojob.stages.gate import GateSettings
 from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.stages.rsft_config import RSFTConfig
@@ -107,6 +109,9 @@ class EvaluateSettings:
     baselines: bool = True
     max_new_tokens: int = 512
     batch_size: int = 32
+    engine: str = "on"
+    """Judge the plans the staging engine executes (``on``) or the raw plans (``off``): the preset's
+    ``engine``."""
 
 
 @dataclass(frozen=True)
@@ -143,16 +148,28 @@ class Preset:
     )
     rsft: RSFTConfig = field(default_factory=RSFTConfig)
     rsft_gate: GateSettings = field(default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS[RSFT]))
+    engine: str = "on"
+    """Every gate and the evaluation judge the plans the staging engine executes (``on``: what ships,
+    beside the raw plans' figures) or the raw plans (``off``); ``orthojob pipeline --engine``."""
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINE_CHOICES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {self.engine!r}")
         # the shared values, copied into the stage configs (one source of truth: the preset's)
         shared = {"model": self.model, "force_decay": self.force_decay, "tiny_arch": dict(self.tiny_arch)}
         if self.tool_sft is None:
             object.__setattr__(self, "tool_sft", _tool_stage(self.sft))
         for name in ("sft", "format_sft", "tool_sft", "rsft"):
             object.__setattr__(self, name, dataclasses.replace(getattr(self, name), **shared))
+        for name in ("sft_gate", "format_gate", "tool_sft_gate", "rsft_gate", "evaluate"):
+            object.__setattr__(self, name, dataclasses.replace(getattr(self, name), engine=self.engine))
         grpo = dataclasses.replace(
-            self.grpo, model=self.model, task_id=self.task_id, force_decay=self.force_decay, preset=self.name
+            self.grpo,
+            model=self.model,
+            task_id=self.task_id,
+            force_decay=self.force_decay,
+            preset=self.name,
+            engine=self.engine,
         )
         object.__setattr__(self, "grpo", grpo)
         object.__setattr__(self, "stages", stage_list(self.stages))
@@ -186,12 +203,12 @@ def _format_stage(bc: SFTJobConfig) -> FormatSFTConfig:
 
 TINY_SFT = SFTJobConfig(
     model=TINY_MODEL,
-    task_ids=["task_easy"],
+    # every level under both dynamics: the cells a quality gate judges
+    task_ids=["task_easy", "task_medium", "task_hard"],
+    both_dynamics=True,
     examples=2400,
-    # 4/3 epochs of the compact-prompt demonstrations. Held-out greedy parse rate, 2026-12-01 (64
-    # seeds; 32 where the gate failed): 0.969 here; 600 steps 1.000 but half as long again; 600 at
-    # batch 6 0.969; 600 at batch 4 0.94-0.97 over three seeds, 0.875 at 900; lr 3e-3 or 8e-3 0.75-0.78
-    steps=400,
+    # 2 epochs of the compact-prompt demonstrations (docs/stages.md: the tiny BC's gate, measured)
+    steps=600,
     batch_size=8,
     grad_accum=1,
     lr=5e-3,
@@ -227,10 +244,11 @@ TINY_CPU = Preset(
     force_decay=False,
     sft=TINY_SFT,
     sft_gate=GateSettings(
-        n_seeds=TINY_GATE_SEEDS, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
+        n_seeds=TINY_GATE_SEEDS, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
     ),
     grpo=GRPOJobConfig(
-        # the offline tiny model, fully fine-tuned on CPU: proves the loop, learns little
+        # the offline tiny model, fully fine-tuned on CPU: proves the loop, learns little. 512-token
+        # completions: the oracle's plans under force decay run to about 550 of its tokens
         steps=20,
         num_generations=4,
         batch_size=4,
@@ -238,13 +256,13 @@ TINY_CPU = Preset(
         lr=1e-4,
         lora_r=0,
         max_prompt_length=1760,
-        max_completion_length=256,
-        max_seq_length=2048,
+        max_completion_length=512,
+        max_seq_length=2272,
         gradient_checkpointing=False,
         gate_seeds=TINY_GATE_SEEDS,
     ),
     grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS[GRPO]),
-    evaluate=EvaluateSettings(n_seeds=32, baselines=True, max_new_tokens=256, batch_size=16),
+    evaluate=EvaluateSettings(n_seeds=32, baselines=True, max_new_tokens=512, batch_size=16),
     stages=DEFAULT_STAGES,
     format_sft=_format_stage(TINY_SFT),
     format_gate=GateSettings(
@@ -257,7 +275,7 @@ TINY_CPU = Preset(
         prompts=32,
         samples_per_prompt=4,
         temperature=1.0,
-        max_new_tokens=256,
+        max_new_tokens=512,
         sample_batch_size=8,
         steps=40,
         batch_size=4,
@@ -269,7 +287,7 @@ TINY_CPU = Preset(
         logging_steps=10,
     ),
     rsft_gate=GateSettings(
-        n_seeds=TINY_GATE_SEEDS, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS[RSFT]
+        n_seeds=TINY_GATE_SEEDS, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[RSFT]
     ),
 )
 
@@ -356,7 +374,8 @@ QWEN25_3B = Preset(
 PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, QWEN25_3B)}
 """Every preset by name."""
 
-_SHARED = ("model", "task_id", "force_decay", "tiny_arch", "base_eval", "description")
+_SHARED = ("model", "task_id", "force_decay", "tiny_arch", "base_eval", "description", "engine")
+_GATE_SECTIONS = ("sft_gate", "format_gate", "tool_sft_gate", "rsft_gate", "evaluate")
 _FREE_KEYS = ("tiny_arch", "reward_weights")
 """Dict-valued settings whose keys ``--set`` may add (others must exist already)."""
 
@@ -406,7 +425,7 @@ def apply_overrides(preset: Preset, overrides: dict[str, Any] | None) -> Preset:
     for dotted, value in (overrides or {}).items():
         path = dotted.split(".")
         if (
-            path[0] in ("sft", "format_sft", "tool_sft", "rsft", "grpo")
+            path[0] in ("sft", "format_sft", "tool_sft", "rsft", "grpo", *_GATE_SECTIONS)
             and len(path) > 1
             and path[1] in _SHARED
         ):

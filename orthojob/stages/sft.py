@@ -9,7 +9,7 @@ The seed's stages that TRL's SFTTrainer trains, each its own command, MLflow sta
 * **stage 2, BC SFT** (``orthojob bc-sft``, :class:`~orthojob.stages.sft_config.SFTJobConfig`, gate stage
   ``bc_sft``): the environment's rule-based oracle
   (:func:`server.oracle.oracle_plan`) on training seeds, only plans the environment judges safe
-  (:func:`demonstrations`; the number filtered out is logged and recorded). Its gate is a quality gate:
+  (:func:`orthojob.data.oracle_demos.demonstrations`; the number filtered out is logged and recorded). Its gate is a quality gate:
   the format, and a held-out hard-rule share no higher than the oracle's (:mod:`orthojob.stages.gate`).
   ``orthojob sft`` is the same training without the gate (``orthojob gate`` then writes it).
 * **stage 4, RSFT** (``orthojob rsft``, :mod:`orthojob.stages.rsft`): a checkpoint's own samples that the
@@ -51,12 +51,11 @@ from typing import Any
 from orthojob.agentic.chat_template import prepare_tokenizer
 from orthojob.data import case_sets
 from orthojob.data.format_demos import case_set_format_demonstrations, demo_stats, format_demonstrations
+from orthojob.data.oracle_demos import demonstrations, oracle_demonstrations
 from orthojob.data.prompts import (
-    TRAIN_SEED_START,
     build_messages,
     plan_to_completion,
     prompt_format_of,
-    reset_observation,
 )
 from orthojob.data.robust_plans import robust_plan
 from orthojob.modeling import models
@@ -83,7 +82,7 @@ from orthojob.stages.tool_sft import (
     conversation_dataset,
     tool_demonstrations,
 )
-from server.cases import CaseKey, generate_case
+from server.cases import generate_case
 from server.dental_environment import initial_observation
 from server.oracle import oracle_plan
 from server.treatment import score_plans
@@ -108,78 +107,6 @@ GATE_SECTIONS: dict[str, tuple[str, str]] = {
     "rsft": ("rsft_gate", gate_file.RSFT),
 }
 """Per section: the preset's gate settings and the gate's stage name (:data:`orthojob.ops.gate_file.STAGES`)."""
-
-
-def demonstrations(n: int, task_ids: Sequence[str], force_decay: bool = False) -> list[dict]:
-    """``n`` BC examples ``{"prompt": messages, "completion": [assistant message], "seed", "task_id"}``
-    (:func:`oracle_demonstrations` without its counts)."""
-    return oracle_demonstrations(n, task_ids, force_decay)[0]
-
-
-def oracle_demonstrations(
-    n: int,
-    task_ids: Sequence[str],
-    force_decay: bool = False,
-    prompt_format: str = "full",
-    robust: bool = False,
-    max_groups: int | None = None,
-    unnamed_uniform: bool = False,
-    oc_noise: float = 0.0,
-    uniform_room: bool = False,
-    room_oc: bool = False,
-) -> tuple[list[dict], dict]:
-    """``n`` BC examples, and their counts ``{"source", "examples", "filtered_hard_rule"}``.
-
-    Seeds run from TRAIN_SEED_START within each task; tasks take turns (``n`` split evenly). Only
-    plans the environment judges safe are kept (no hard rule broken, :mod:`server.reward_scaler`):
-    a case whose oracle plan breaks one is skipped and the next seed taken; the number skipped is
-    logged and returned. ``robust``: each plan is :func:`orthojob.data.robust_plans.robust_plan`'s
-    choice (the counts then say how often each candidate was chosen, ``robust_choices``), of at most
-    ``max_groups`` groups where that is given, its uniform plans without a strategy where naming one
-    earns nothing with ``unnamed_uniform``, judged with the overcorrections also written off by
-    ``oc_noise`` (absolute) where given, and with uniform staging overcorrected within the room among
-    the candidates with ``uniform_room``, and the plain candidates overcorrected within half the room with
-    ``room_oc``.
-    """
-    tasks = list(task_ids)
-    choices: dict[str, int] = {}
-    per_task = [n // len(tasks) + (1 if k < n % len(tasks) else 0) for k in range(len(tasks))]
-    by_task = []
-    filtered = 0
-    for task_id, count in zip(tasks, per_task):
-        rows = []
-        seed = TRAIN_SEED_START
-        while len(rows) < count:
-            obs = reset_observation(seed, task_id, force_decay)
-            plan = oracle_plan(obs)
-            key = CaseKey(task_id, seed, force_decay)
-            if score_plans([plan], [key])[0]["broken_rules"]:
-                filtered += 1
-            else:
-                if robust:
-                    plan, chosen = robust_plan(
-                        plan, key, generate_case(*key).present_ids, max_groups, unnamed_uniform,
-                        oc_noise=oc_noise, uniform_room=uniform_room, room_oc=room_oc,
-                    )  # fmt: skip
-                    choices[chosen] = choices.get(chosen, 0) + 1
-                rows.append(
-                    {
-                        "prompt": build_messages(obs, prompt_format),
-                        "completion": [{"role": "assistant", "content": plan_to_completion(plan)}],
-                        "seed": seed,
-                        "task_id": task_id,
-                    }
-                )
-            seed += 1
-        by_task.append(rows)
-    log.info(
-        "SFT demonstrations: %d safe oracle plans kept, %d that break a hard rule filtered out", n, filtered
-    )
-    out = []
-    for k in range(max(per_task, default=0)):
-        out.extend(rows[k] for rows in by_task if k < len(rows))
-    info = {"source": "oracle", "examples": len(out), "filtered_hard_rule": filtered}
-    return out, ({**info, "robust_choices": choices} if robust else info)
 
 
 def case_set_demonstrations(
@@ -221,7 +148,12 @@ def demonstration_rows(config: SFTJobConfig, prompt_format: str = "full") -> tup
         return case_set_demonstrations(loaded, config.examples, prompt_format, config.robust_demos)
     if config.demos == "oracle":
         return oracle_demonstrations(
-            config.examples, config.task_ids, config.force_decay, prompt_format, robust=config.robust_demos
+            config.examples,
+            config.task_ids,
+            config.force_decay,
+            prompt_format,
+            robust=config.robust_demos,
+            both_dynamics=config.both_dynamics,
         )
     demo_seed = getattr(config, "demo_seed", 0)
     if config.demos == "format":

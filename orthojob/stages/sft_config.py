@@ -28,7 +28,7 @@ from server.cases import TASK_IDS
 SFT_LOG_FILE = "sft_log.json"
 SFT_CONFIG_FILE = "sft_config.json"
 DEMO_SOURCES: dict[str, str] = {
-    "oracle": "the oracle's plans the environment judges safe (stage 2, BC; orthojob.stages.sft.demonstrations)",
+    "oracle": "the oracle's plans the environment judges safe (stage 2, BC; orthojob.data.oracle_demos.demonstrations)",
     "format": "valid plans with random strategies and random feasible groups, no clinical choice "
     "(stage 0; orthojob.data.format_demos)",
     "tool": "the oracle's episodes through the agentic tools: inspect, check collisions, submit its plan "
@@ -89,6 +89,13 @@ class SFTJobConfig:
         },
     )
     force_decay: bool = field(default=False, metadata={"help": "demonstrations for force-decay cases"})
+    both_dynamics: bool = field(
+        default=False,
+        metadata={
+            "help": "demonstrations under both dynamics (ideal and force decay, taking turns), the cells a "
+            "quality gate judges; --force-decay then unused"
+        },
+    )
     cases: str | None = cases_field(
         "BC on the oracle's plans for its "
         "training patients, the gate on its held-out ones (task_id then unused)"
@@ -174,6 +181,7 @@ class FormatSFTConfig(SFTJobConfig):
     out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="format", metadata={"help": "demonstration source", "cli": False})
     robust_demos: bool = bc_only_field(False)
+    both_dynamics: bool = bc_only_field(False)
     cases: str | None = cases_field(
         "format demonstrations on its "
         "training patients' cases (taking turns up to --examples), the gate on its held-out ones "
@@ -227,6 +235,7 @@ class ToolSFTConfig(SFTJobConfig):
     out: str = field(default="./checkpoints/sft1", metadata={"help": "output folder or s3:// URI"})
     demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})
     robust_demos: bool = bc_only_field(False)
+    both_dynamics: bool = bc_only_field(False)
     cases: str | None = cases_field(
         "the oracle's tool conversations "
         "on its training patients' cases (each once, at most --examples), the tool-use gate's episodes on "
