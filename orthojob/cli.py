@@ -59,6 +59,7 @@ from orthojob.stages import gate
 from orthojob.stages.flags import (
     add_config_arguments,
     add_engine_argument,
+    engine_on,
     finite_float,
     given_values,
     positive_int,
@@ -122,7 +123,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
             keys=keys,
-            engine=args.engine == "on",
+            engine=engine_on(args.engine),
         )
     else:
         report = evaluate_baselines(
@@ -215,7 +216,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         max_tool_turns=args.tool_turns,
         keys=keys,
         case_set=cases,
-        engine=args.engine == "on",
+        engine=engine_on(args.engine),
     )
     content = gate_file.write_gate(str(checkpoint), report)
     print(gate_file.format_gate(content))
@@ -324,7 +325,7 @@ def cmd_view(args: argparse.Namespace) -> int:
     except (viewer.PlanSourceError, InvalidActionError) as exc:
         print(f"orthojob view: {exc}", file=sys.stderr)
         return ExitCode.USAGE
-    path = viewer.write_viewer(args.out, case, plans, engine=args.engine == "on")
+    path = viewer.write_viewer(args.out, case, plans, engine=engine_on(args.engine))
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {' vs '.join(name for name, _, _ in plans)}")
     return 0
 

@@ -32,6 +32,11 @@ ENGINE_CHOICES: tuple[str, ...] = ("on", "off")
 """``--engine``: judge the plans the staging engine executes (``on``, what ships) or the raw plans."""
 
 
+def engine_on(value: str) -> bool:
+    """Whether an ``engine`` setting (:data:`ENGINE_CHOICES`) puts the staging engine in."""
+    return value == "on"
+
+
 def engine_field(**metadata: Any) -> Any:
     """The ``engine`` setting of a gate, a GRPO gate or an evaluation (:data:`ENGINE_CHOICES`)."""
     return dataclasses.field(
@@ -241,6 +246,7 @@ __all__ = [
     "add_engine_argument",
     "config_argv",
     "engine_field",
+    "engine_on",
     "finite_float",
     "given_values",
     "name_list",

@@ -71,7 +71,7 @@ from orthojob.ops.gate_file import (
     thresholds_for,
     write_gate,
 )
-from orthojob.stages.flags import add_config_arguments, engine_field, given_values, positive_int
+from orthojob.stages.flags import add_config_arguments, engine_field, engine_on, given_values, positive_int
 from orthojob.stages.tool_sft import tool_gate_metrics
 from server.cases import TASK_IDS, CaseKey
 from server.seed_ranges import gate_window_start
@@ -491,7 +491,7 @@ def run_gate(
         max_tool_turns=settings.tool_turns,
         keys=keys,
         case_set=case_set,
-        engine=settings.engine == "on",
+        engine=engine_on(settings.engine),
     )
     return write_gate(path, report)
 

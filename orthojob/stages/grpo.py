@@ -50,7 +50,7 @@ from orthojob.ops.gate_file import GateError, GateThresholds, check_gate, format
 from orthojob.ops.preemption import PreemptionGuard
 from orthojob.ops.run_identity import RunIdentityError
 from orthojob.rewards.reward_functions import REWARD_FUNCS, RewardFunc
-from orthojob.stages.flags import add_config_arguments, given_values
+from orthojob.stages.flags import add_config_arguments, engine_on, given_values
 from orthojob.stages.gate import gate_report
 from orthojob.stages.grpo_config import COMPLETIONS_FILE, ConfigError, GRPOJobConfig, validate, world_size
 from orthojob.stages.presets import PRESETS
@@ -163,7 +163,7 @@ def run_grpo_gate(
         thresholds=thresholds,
         keys=keys,
         case_set=case_set,
-        engine=config.engine == "on",
+        engine=engine_on(config.engine),
     )
     content = write_gate(str(checkpoint), report)
     print(format_gate(content))

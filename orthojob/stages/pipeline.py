@@ -76,6 +76,7 @@ from orthojob.ops import gate_file, run_identity, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.records import json_value
 from orthojob.stages import gate
+from orthojob.stages.flags import engine_on
 from orthojob.stages.gate import GateSettings
 from orthojob.stages.grpo import run_grpo
 from orthojob.stages.grpo_config import TRAIN_LOG_FILE
@@ -224,7 +225,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         base = gate.gate_report(
             model, n_seeds=g.n_seeds, task_id=cfg.task_id, force_decay=cfg.force_decay,
             max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, stage="base", thresholds=g.thresholds,
-            engine=g.engine == "on",
+            engine=engine_on(g.engine),
         )  # fmt: skip
         stages["base"] = {"seconds": time.perf_counter() - t, **gate_view(base)}
         save()
@@ -425,7 +426,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
     with tracking.stage_run("evaluate", params={"evaluate": dataclasses.asdict(e)}):
         tasks = [cfg.task_id]
         kw = {"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "max_new_tokens": e.max_new_tokens,
-              "batch_size": e.batch_size, "engine": e.engine == "on"}  # fmt: skip
+              "batch_size": e.batch_size, "engine": engine_on(e.engine)}  # fmt: skip
         newest_first = [(name, folder) for name, folder, _ in reversed(trained)]
         on_set = [c for c in (cfg.grpo, cfg.sft, cfg.rsft, cfg.format_sft, cfg.tool_sft) if c.cases]
         cases = on_set[0].cases if on_set else None

@@ -93,6 +93,10 @@ def stage_list(value: Any) -> tuple[str, ...]:
     return stages
 
 
+_GATE_SECTIONS = ("sft_gate", "format_gate", "tool_sft_gate", "rsft_gate", "evaluate")
+"""A preset's gate and evaluation settings: each takes the preset's ``engine``."""
+
+
 @dataclass(frozen=True)
 class GRPOGateSettings:
     """GRPO's own gate: its thresholds. Its held-out seeds and completion budget are the GRPO
@@ -161,7 +165,7 @@ class Preset:
             object.__setattr__(self, "tool_sft", _tool_stage(self.sft))
         for name in ("sft", "format_sft", "tool_sft", "rsft"):
             object.__setattr__(self, name, dataclasses.replace(getattr(self, name), **shared))
-        for name in ("sft_gate", "format_gate", "tool_sft_gate", "rsft_gate", "evaluate"):
+        for name in _GATE_SECTIONS:
             object.__setattr__(self, name, dataclasses.replace(getattr(self, name), engine=self.engine))
         grpo = dataclasses.replace(
             self.grpo,
@@ -375,7 +379,6 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, QWEN25_3B)}
 """Every preset by name."""
 
 _SHARED = ("model", "task_id", "force_decay", "tiny_arch", "base_eval", "description", "engine")
-_GATE_SECTIONS = ("sft_gate", "format_gate", "tool_sft_gate", "rsft_gate", "evaluate")
 _FREE_KEYS = ("tiny_arch", "reward_weights")
 """Dict-valued settings whose keys ``--set`` may add (others must exist already)."""
 
