@@ -7,7 +7,8 @@ Run from the repository root (single process, one BLAS thread)::
 
 For every task level and ``--seeds`` held-out seeds (dynamics alternate between ideal and force
 decay) and every objective (the five TRL rewards summed at the default weights, at ``make learn``'s
-weights, and the scaled terminal alone): :func:`orthojob.rewards.plan_search.search_case` hill-climbs from
+weights, and with the staging engine in the loop (``sum_engine``: GRPO's ``--objective engine``; the hard
+rules are still judged on the plan as written), and the scaled terminal alone): :func:`orthojob.rewards.plan_search.search_case` hill-climbs from
 uniform SLERP, from the oracle's plan and from a random plan, ``--rounds`` rounds of 48 proposals
 each, and :func:`orthojob.rewards.plan_search.population_search` evolves per-tooth plans (start, duration,
 overcorrection) for ``--generations`` generations, once from the oracle, SLERP and random plans and
@@ -41,6 +42,7 @@ STARTS: tuple[str, ...] = ("slerp", "oracle", "random", "population", "exploits"
 OBJECTIVES: dict[str, tuple[dict | None, str]] = {
     "sum": (None, "sum"),
     "sum_learn": ({"reward_strategy": LearnConfig().strategy_weight}, "sum"),
+    "sum_engine": (None, "sum_engine"),
     "terminal": (None, "terminal"),
 }
 """Objective name -> (reward weights, target) of :func:`orthojob.rewards.plan_search.objective`."""

@@ -173,3 +173,16 @@ def test_grpo_with_the_engine_in_the_loop_pays_a_repair_less_than_the_safe_plan_
     assert raw[0] < in_loop[0] < in_loop[1]
     with pytest.raises(ValueError, match="engine"):
         funcs[0](texts, **columns, engine=[True, False])
+
+
+def test_the_plan_search_attacks_the_sum_with_the_engine_in_the_loop():
+    from orthojob.rewards.plan_search import objective
+    from server.staging_engine import execute_plan_dicts
+
+    case = generate_case("task_easy", SEEDS + 2, True)
+    breaking = {"tooth_groups": [{"teeth": case.present_ids, "fraction": 1.0}]}
+    executed, _ = execute_plan_dicts([breaking], [case])
+    in_loop, written = objective(case, [breaking, executed[0]], target="sum_engine")
+    raw, _ = objective(case, [breaking, executed[0]], target="sum")
+    assert written[0] < 0 <= written[1]  # the terminal column judges the plans as written
+    assert raw[0] < in_loop[0] < in_loop[1] == raw[1]

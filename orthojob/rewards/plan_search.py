@@ -94,7 +94,9 @@ def objective(
 
     ``target="sum"``: the sum of the five rewards weighted by ``weights`` (reward name -> weight,
     :data:`orthojob.rewards.reward_functions.DEFAULT_REWARD_WEIGHTS` where absent; checked as the trainer checks them,
-    :func:`orthojob.rewards.reward_functions.check_ordering`); ``"terminal"``: the scaled terminal alone."""
+    :func:`orthojob.rewards.reward_functions.check_ordering`); ``"sum_engine"``: the same sum with the staging
+    engine in the loop (GRPO's ``--objective engine``: the rows' ``engine`` column); ``"terminal"``: the
+    scaled terminal alone (the returned terminal is always the plan's own, as written)."""
     completions = [plan_to_completion(p) for p in plans]
     n = len(plans)
     cols = {
@@ -103,12 +105,18 @@ def objective(
         "force_decay": [case.force_decay] * n,
         "non_compliance": [case.non_compliance] * n,
     }
+    if target == "sum_engine":
+        cols["engine"] = [True] * n
     values = {name: np.asarray(f(completions, **cols)) for name, f in REWARD_FUNCS.items()}
     if target == "terminal":
         return values["reward_terminal"], values["reward_terminal"]
     w = {**DEFAULT_REWARD_WEIGHTS, **(weights or {})}
     check_ordering(w)
-    return sum(w[k] * v for k, v in values.items()), values["reward_terminal"]
+    terminal = values["reward_terminal"]
+    if target == "sum_engine":  # the plan as written, for the bench's hard-rule and terminal columns
+        del cols["engine"]
+        terminal = np.asarray(REWARD_FUNCS["reward_terminal"](completions, **cols))
+    return sum(w[k] * v for k, v in values.items()), terminal
 
 
 def degenerate_form(case: Case, plan: dict) -> str | None:
