@@ -163,7 +163,9 @@ class LearnConfig:
     # GRPO (both runs)
     steps: int = field(
         default=200,
-        metadata={"help": "GRPO's steps from BC (on two cores the time limit ends it first, at 120-140)"},
+        metadata={
+            "help": "GRPO's steps from BC (on two cores the time limit can end it first; bench/grpo_step.py times a step)"
+        },
     )
     stage0_steps: int = field(
         default=180,

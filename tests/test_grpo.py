@@ -481,3 +481,23 @@ def test_a_bad_case_set_is_refused_before_any_model_load(no_model_load, tmp_path
     assert "--cases" in err and "patient_id must be a non-empty string" in err
     assert run_train(parse(["--skip-sft-gate", "--cases", str(bad), "--mode", "agentic"])) == ExitCode.USAGE
     assert "--mode oneshot" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sampler", ["shared-prefix", "generate"])
+def test_grpo_samples_with_the_configured_sampler(tiny_model, tmp_path, monkeypatch, sampler):
+    from orthojob.modeling import sampling
+
+    calls = []
+    real = sampling.sample_completions
+
+    def counted(model, prompt_ids, **kwargs):
+        calls.append(len(prompt_ids))
+        return real(model, prompt_ids, **kwargs)
+
+    monkeypatch.setattr(sampling, "sample_completions", counted)
+    config = _tiny_config(tiny_model, tmp_path / "grpo", steps=1, sampler=sampler)
+    result = grpo_trainer.train(config)
+    assert calls == ([config.batch_size] if sampler == "shared-prefix" else [])
+    records = [json.loads(line) for line in (Path(config.out) / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == config.batch_size
+    assert [row["step"] for row in result.trainer.state.log_history if "reward" in row] == [1]

@@ -42,6 +42,7 @@ from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START
 
 VLLM_MODES: tuple[str, ...] = ("colocate", "server")
 OBJECTIVES: tuple[str, ...] = ("raw", "engine")
+SAMPLERS: tuple[str, ...] = ("shared-prefix", "generate")
 """What GRPO's rewards judge: the plan as written, or the plan the staging engine executes."""
 LOSS_TYPES: tuple[str, ...] = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")
 """TRL's GRPO loss formulations that need no other setting (``GRPOConfig.loss_type``; TRL 1.15 and 1.16 default
@@ -205,6 +206,17 @@ class GRPOJobConfig:
             "rewards judge the plan it executes, a repaired plan paying the repair's cost "
             "(orthojob.rewards.rollouts.Rollout.objective)",
             "choices": OBJECTIVES,
+        },
+    )
+    sampler: str = field(
+        default="shared-prefix",
+        metadata={
+            "help": "how completions are sampled without vLLM: shared-prefix runs each prompt through the "
+            "model once for its group and drops a completion from the batch at its end "
+            "(orthojob.modeling.sampling); generate is transformers' generate, as TRL calls it. The same "
+            "sampling distribution; shared-prefix covers temperature, top-k and top-p and hands any other "
+            "setting to generate",
+            "choices": SAMPLERS,
         },
     )
     strategy_advantage: str = field(

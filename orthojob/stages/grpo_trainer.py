@@ -48,6 +48,8 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
+from trl.models import unwrap_model_for_generation
 
 from orthojob.agentic.chat_template import prepare_tokenizer
 from orthojob.agentic.prompts import agentic_rows, full_prompt
@@ -56,7 +58,7 @@ from orthojob.agentic.tools import DentalToolEnv, RemoteToolEnvFactory
 from orthojob.data import case_sets
 from orthojob.data.prompts import mixed_prompt_rows, prompt_format_of, prompt_rows
 from orthojob.eval.viewer_logging import grpo_viewer_callback
-from orthojob.modeling import models
+from orthojob.modeling import models, sampling
 from orthojob.ops import progress, tracking
 from orthojob.ops.checkpoints import checkpoint_sync_callback
 from orthojob.ops.process_group import end_process_group
@@ -150,6 +152,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
     strategy_advantage: str = "sequence"  # orthojob.rewards.strategy_advantage.STRATEGY_ADVANTAGES
     strategy_advantage_scale: float = 1.0
     strategy_lr_scale: float = 1.0  # GRPOJobConfig.strategy_lr_scale; set before train() builds the optimizer
+    sampler: str = "generate"  # GRPOJobConfig.sampler
     _record_warned = False
 
     def __init__(self, model, reward_funcs, *args, **kwargs):
@@ -219,6 +222,29 @@ class RecordingGRPOTrainer(GRPOTrainer):
                 self.reward_seconds += time.perf_counter() - t0
 
         return timed
+
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):
+        """TRL's generation, or (:attr:`sampler` ``shared-prefix``, no vLLM, no images, settings it covers)
+        :func:`orthojob.modeling.sampling.sample_completions`: the same distribution, TRL's profiling name."""
+        plain = self.sampler != "shared-prefix" or self.use_vllm or self.use_transformers_continuous_batching
+        if plain or images or multimodal_fields or not sampling.covers(self.generation_kwargs):
+            args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            return super()._generate_single_turn(*args)
+        args = self.args
+        unwrapped = unwrap_model_for_generation(
+            self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
+            generation_kwargs=self.generation_kwargs, gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+        )  # fmt: skip
+        gathered = self._dist.summon_full_params(self.model_wrapped, recurse=False)
+        with profiling_context(self, "transformers.generate"), unwrapped as model, gathered:
+            ids = sampling.sample_completions(
+                model, prompt_ids, max_new_tokens=self.max_completion_length, eos_token_ids=self.eos_token_ids,
+                pad_token_id=self._tokenizer.pad_token_id, temperature=self.temperature, top_k=self.top_k,
+                top_p=self.top_p,
+            )  # fmt: skip
+        return ids, None
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -601,6 +627,7 @@ def train(
     trainer.strategy_advantage = config.strategy_advantage
     trainer.strategy_advantage_scale = config.strategy_advantage_scale
     trainer.strategy_lr_scale = config.strategy_lr_scale
+    trainer.sampler = config.sampler
     try:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:  # the environments' server sessions (--env-url): TRL never closes its pooled environments
