@@ -9,8 +9,10 @@ vocabulary, so every sampled id decodes. A random model never emits EOS: every c
 
 Each configuration runs in its own process: a few GRPO steps of the project's training setup
 (``orthojob.stages.grpo_config.build_grpo_args`` for the ``qwen2.5-3b`` preset: LoRA r 16, bf16, gradient
-checkpointing; the real prompts; the five project rewards), once with transformers generation and
-once with vLLM colocated (skipped, with the reason, when vLLM does not import). Printed per run:
+checkpointing; the real prompts; the five project rewards), once with transformers' ``generate`` (TRL's
+eager path), once with the project's shared-prefix sampler (:mod:`orthojob.modeling.sampling`, the
+trainer's default without vLLM) and once with vLLM colocated (skipped, with the reason, when vLLM does
+not import). Printed per run:
 
 * step time (s): mean of the steps after the first (the first includes warm-up), and the first;
 * generation tokens/s: completion tokens / time in TRL's ``_generate_single_turn`` (with vLLM this
@@ -140,6 +142,7 @@ def run_one(args: argparse.Namespace) -> dict:
 
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     use_vllm = args.run_one == "vllm"
+    sampler = "shared-prefix" if args.run_one == "shared-prefix" else "generate"
     model_dir = Path(args.work) / "model"
     config = config_from_args(
         {
@@ -155,6 +158,7 @@ def run_one(args: argparse.Namespace) -> dict:
             "use_vllm": use_vllm,
             "vllm_mode": "colocate",
             "vllm_gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+            "sampler": sampler,
         }
     )
     devices = {"cuda": cuda, "bf16": bool(cuda and torch.cuda.is_bf16_supported())}
@@ -172,7 +176,7 @@ def run_one(args: argparse.Namespace) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
     peft_config = lora_config(args.lora_r) if args.lora_r else None
 
-    from trl import GRPOTrainer
+    from orthojob.stages.grpo_trainer import RecordingGRPOTrainer
 
     gen = {"seconds": 0.0, "tokens": 0, "calls": 0}
 
@@ -180,7 +184,7 @@ def run_one(args: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize()
 
-    class TimedGRPOTrainer(GRPOTrainer):
+    class TimedGRPOTrainer(RecordingGRPOTrainer):
         def _generate_single_turn(self, *a, **kw):
             sync()
             t0 = time.perf_counter()
@@ -212,6 +216,7 @@ def run_one(args: argparse.Namespace) -> dict:
         peft_config=peft_config,
         callbacks=[StepTimer()],
     )
+    trainer.sampler = config.sampler
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
@@ -277,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", help="scratch folder (default: a temporary one, removed)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: check the script only")
-    parser.add_argument("--run-one", choices=("transformers", "vllm"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--run-one", choices=("transformers", "shared-prefix", "vllm"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
 
     if args.run_one:
@@ -295,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--batch-size ({args.batch_size}) must be a multiple of --num-generations ({args.num_generations})"
         )
         return 2
-    runs = ["transformers"]
+    runs = ["transformers", "shared-prefix"]
     vllm_note = None
     if args.vllm != "off" and not args.cpu_smoke:
         try:
