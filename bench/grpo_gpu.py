@@ -18,12 +18,17 @@ not import). Printed per run:
 * generation tokens/s: completion tokens / time in TRL's ``_generate_single_turn`` (with vLLM this
   includes pushing the updated weights to vLLM);
 * peak memory (GiB): ``torch.cuda.max_memory_allocated`` (vLLM's colocated KV cache included), and
-  the device's used memory at the end.
+  the device's used memory at the end;
+* MFU: an estimate of the model-FLOPs utilisation (:func:`mfu`).
+
+``--batch-sizes`` repeats the runs for several completions a step; ``--deadline`` skips the runs that
+would start with under a minute of it left (printed as skipped).
 
 Without a GPU it says so and exits 0.
 
-    python bench/grpo_gpu.py [--steps 4] [--batch-size 8] [--num-generations 8]
+    python bench/grpo_gpu.py [--steps 4] [--batch-size 8 | --batch-sizes 8,32,64] [--num-generations 8]
                              [--max-completion-length 256] [--vllm auto|on|off] [--lora-r 16]
+                             [--deadline SECONDS]
 
 ``--cpu-smoke`` runs the same code path with a tiny model on CPU (checks the script, measures nothing).
 """
@@ -174,6 +179,7 @@ def run_one(args: argparse.Namespace) -> dict:
     if use_vllm:
         grpo_args.vllm_max_model_length = prompt_tokens + args.max_completion_length + 64
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
     peft_config = lora_config(args.lora_r) if args.lora_r else None
 
     from orthojob.stages.grpo_trainer import RecordingGRPOTrainer
@@ -234,7 +240,9 @@ def run_one(args: argparse.Namespace) -> dict:
         "step_s": sum(later) / len(later) if later else None,
         "gen_tokens_per_s": gen["tokens"] / gen["seconds"] if gen["seconds"] else None,
         "gen_tokens": gen["tokens"],
+        "params": n_params,
     }
+    result["mfu"] = mfu(result, torch.cuda.get_device_name() if cuda else "cpu")
     if cuda:
         free, total = torch.cuda.mem_get_info()
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -265,14 +273,38 @@ def _child(args: argparse.Namespace, run: str) -> dict:
     return result
 
 
+PEAK_BF16_FLOPS: dict[str, float] = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+"""Dense bf16 peak of a device (FLOP/s) by a part of its name: NVIDIA's data sheets (SXM parts)."""
+
+
+def mfu(result: dict, device: str) -> float | None:
+    """Model-FLOPs utilisation of a step, an estimate: 2 N FLOPs a generated token, and 8 N a token of
+    every sequence for training (the loss's forward 2 N, the reference's forward 2 N, the backward 4 N;
+    checkpointing's recompute and attention not counted), over the step time and the device's bf16
+    peak. ``None`` on a device not in :data:`PEAK_BF16_FLOPS` or without timings."""
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in device), None)
+    calls = max(result["steps"] - 1, 1)
+    if peak is None or not result.get("step_s"):
+        return None
+    n = result["params"]
+    gen_per_step = result["gen_tokens"] / calls
+    mean_completion = gen_per_step / result["completions_per_step"]
+    seq_tokens = result["completions_per_step"] * (result["prompt_tokens"] + mean_completion)
+    return (2 * n * gen_per_step + 8 * n * seq_tokens) / (result["step_s"] * peak)
+
+
 def _fmt(x, spec: str) -> str:
-    return "n/a" if x is None else format(x, spec)
+    return format("n/a", ">" + spec.split(".")[0]) if x is None else format(x, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=8, help="completions per step")
+    parser.add_argument("--batch-sizes", help="several completions-per-step, comma-separated (e.g. 8,32,64)")
+    parser.add_argument(
+        "--deadline", type=int, default=0, help="seconds for all runs; later runs are skipped"
+    )
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=256)
     parser.add_argument("--lora-r", type=int, default=16, help="0 = full fine-tuning")
@@ -297,9 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and not args.cpu_smoke:
         print("bench/grpo_gpu.py: no CUDA GPU here (torch.cuda.is_available() is False); nothing to measure.")
         return 0
-    if args.batch_size % args.num_generations:
+    sizes_per_step = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else [args.batch_size]
+    if any(b % args.num_generations for b in sizes_per_step):
         print(
-            f"--batch-size ({args.batch_size}) must be a multiple of --num-generations ({args.num_generations})"
+            f"each batch size ({sizes_per_step}) must be a multiple of --num-generations ({args.num_generations})"
         )
         return 2
     runs = ["transformers", "shared-prefix"]
@@ -325,26 +358,38 @@ def main(argv: list[str] | None = None) -> int:
                 f"[bench] {torch.cuda.get_device_name()}, bf16 {torch.cuda.is_bf16_supported()}", flush=True
             )
         build_model(Path(args.work), sizes, cuda and not args.cpu_smoke)
-        results = [_child(args, run) for run in runs]
+        start, limit, results = time.perf_counter(), args.timeout, []
+        for batch in sizes_per_step:
+            for run in runs:
+                left = args.deadline - (time.perf_counter() - start) if args.deadline else limit
+                if left < 60:
+                    results.append(
+                        {"run": run, "completions_per_step": batch, "error": "skipped: --deadline"}
+                    )
+                    continue
+                args.batch_size, args.timeout = batch, int(min(limit, left))
+                results.append({"completions_per_step": batch} | _child(args, run))
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
     print()
     print(f"GRPO, {'tiny model on CPU (smoke)' if args.cpu_smoke else 'Qwen2.5-3B architecture, random weights'}: "
-          f"{args.batch_size} completions/step ({args.num_generations} per prompt), "
+          f"{','.join(map(str, sizes_per_step))} completions/step ({args.num_generations} per prompt), "
           f"{args.max_completion_length} completion tokens, LoRA r {args.lora_r or 'none (full)'}")  # fmt: skip
     print(
-        f"{'generation':<14} {'step s':>8} {'1st step s':>11} {'gen tok/s':>10} {'peak GiB':>9} {'used GiB':>9}"
+        f"{'completions':>11} {'generation':<14} {'step s':>8} {'1st step s':>11} {'gen tok/s':>10} "
+        f"{'MFU %':>6} {'peak GiB':>9} {'used GiB':>9}"
     )
     for r in results:
         if "error" in r:
-            print(f"{r['run']:<14} failed: {r['error']}")
+            print(f"{r['completions_per_step']:>11} {r['run']:<14} failed: {r['error']}")
             continue
         print(
-            f"{r['run']:<14} {_fmt(r['step_s'], '8.2f')} {_fmt(r['first_step_s'], '11.2f')} "
-            f"{_fmt(r['gen_tokens_per_s'], '10.0f')} {_fmt(r.get('peak_allocated_gib'), '9.1f')} "
-            f"{_fmt(r.get('device_used_gib'), '9.1f')}"
+            f"{r['completions_per_step']:>11} {r['run']:<14} {_fmt(r['step_s'], '8.2f')} "
+            f"{_fmt(r['first_step_s'], '11.2f')} {_fmt(r['gen_tokens_per_s'], '10.0f')} "
+            f"{_fmt(r['mfu'] * 100 if r.get('mfu') else None, '6.1f')} "
+            f"{_fmt(r.get('peak_allocated_gib'), '9.1f')} {_fmt(r.get('device_used_gib'), '9.1f')}"
         )
     if vllm_note:
         print(vllm_note)
