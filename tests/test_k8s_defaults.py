@@ -171,7 +171,9 @@ def in_cluster_tracking_uris(docs: list[dict], multinode: list[dict]) -> dict[st
 
 def deployment_server_command(docs: list[dict], port: int, work: Path) -> tuple[list[str], dict[str, str]]:
     """The MLflow Deployment's command and environment as the kubelet runs them, on 127.0.0.1:port
-    with its database and artifact store in ``work`` (everything else as shipped)."""
+    with its database and artifact store in ``work`` (everything else as shipped; ``mlflow`` found on
+    ``PATH`` in this interpreter's folder)."""
+    import os
     import re
     import sys
 
@@ -187,8 +189,8 @@ def deployment_server_command(docs: list[dict], port: int, work: Path) -> tuple[
         "--host=127.0.0.1" if a.startswith("--host=") else f"--port={port}" if a.startswith("--port=") else a
         for a in argv
     ]
-    assert argv[0] == "mlflow"
-    argv[0] = str(Path(sys.executable).parent / "mlflow")
+    assert argv[:2] == ["sh", "-c"] and "exec mlflow server" in argv[2]
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     return argv, env
 
 
@@ -255,6 +257,34 @@ def test_mlflow_server_answers_every_in_cluster_client(tmp_path):
     assert {h: s for h, s in refused.items() if h != "localhost:5000"} == dict.fromkeys(
         [h for h in hosts if h != "localhost:5000"], 403
     )
+
+
+def test_mlflow_server_refuses_to_start_without_an_artifact_destination(tmp_path):
+    """The Deployment's command with the shipped ConfigMap's empty MLFLOW_ARTIFACTS_DESTINATION exits
+    64 at once, saying which key to set; with a destination it execs ``mlflow server`` with the
+    Deployment's arguments (here a stand-in ``mlflow`` that prints them)."""
+    import os
+    import subprocess
+
+    docs = render(tmp_path)
+    assert find(docs, "ConfigMap", "orthorl-mlflow-server")["data"]["MLFLOW_ARTIFACTS_DESTINATION"] == ""
+    argv, env = deployment_server_command(docs, 5000, tmp_path)
+    stand_in = tmp_path / "bin"
+    stand_in.mkdir()
+    (stand_in / "mlflow").write_text('#!/bin/sh\necho "mlflow $*"\n')
+    (stand_in / "mlflow").chmod(0o755)
+    base = {"PATH": f"{stand_in}{os.pathsep}{os.environ['PATH']}"}
+
+    empty = subprocess.run(argv, env=env | base | {"MLFLOW_ARTIFACTS_DESTINATION": ""},
+                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert empty.returncode == 64
+    assert "MLFLOW_ARTIFACTS_DESTINATION is empty" in empty.stderr and "orthorl-mlflow-server" in empty.stderr
+    assert empty.stdout == ""
+
+    started = subprocess.run(argv, env=env | base, capture_output=True, text=True, timeout=30)
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.startswith("mlflow server --host=127.0.0.1 --port=5000")
+    assert f"--artifacts-destination={tmp_path / 'artifacts'}" in started.stdout
 
 
 def test_trainjob_tracks_to_the_shipped_mlflow_server(tmp_path):
