@@ -306,11 +306,21 @@ def test_dockerfile_structure():
     assert instrs[1] == ("FROM", "${BASE_IMAGE}")
     copies = [(i, a) for i, (k, a) in enumerate(instrs) if k == "COPY"]
     lock_at = next(i for i, a in copies if "requirements/gpu.lock" in a)
-    install_at = next(i for i, (k, a) in enumerate(instrs) if k == "RUN" and "--require-hashes" in a)
+    install_at = next(i for i, (k, a) in enumerate(instrs) if k == "RUN" and "gpu.lock" in a)
     code_at = min(i for i, a in copies if a.split()[0] in ("server", "orthojob", "pyproject.toml"))
     assert lock_at < install_at < code_at, "dependencies must be installed in a layer before the code"
+    commands = [c.strip() for c in instrs[install_at][1].split("&&")]
+    pip_pin = next(i for i, c in enumerate(commands) if "pip.lock" in c and c.startswith("pip install"))
+    lock_install = next(i for i, c in enumerate(commands) if "gpu.lock" in c and c.startswith("pip install"))
+    # pip itself first, pinned by hash, so the lock's install does not depend on the base's pip
+    assert pip_pin < lock_install and "--require-hashes" in commands[pip_pin]
+    pinned = (ROOT / "requirements" / "pip.lock").read_text()
+    assert re.search(r"^pip==[\d.]+ \\\n\s+--hash=sha256:[0-9a-f]{64}$", pinned, re.MULTILINE)
     # the lock is closed: no --no-deps, the same hash-checked install as python_env.yaml's
-    assert "--only-binary=:all:" in instrs[install_at][1] and "--no-deps" not in instrs[install_at][1]
+    assert "--require-hashes" in commands[lock_install] and "--only-binary=:all:" in commands[lock_install]
+    assert "--no-deps" not in commands[lock_install]
+    # no `# syntax=` line: BuildKit would pull a frontend image for it
+    assert not (ROOT / "Dockerfile").read_text().startswith("# syntax")
     user = [a for k, a in instrs if k == "USER"]
     assert user and re.fullmatch(r"\d+(:\d+)?", user[-1]) and not user[-1].startswith("0")
     assert kinds.index("USER") < kinds.index("ENTRYPOINT")
