@@ -104,3 +104,29 @@ def test_a_lock_missing_a_declared_dependency_fails_the_install(tmp_path):
     proc = dry_run(mlflow_requirements_file(tmp_path, "\n".join(lines) + "\n"))
     assert proc.returncode != 0
     assert "torchaudio" in proc.stderr and "hash" in proc.stderr.lower(), proc.stderr[-2000:]
+
+
+def test_mlflow_run_starts_as_the_readme_writes_it(tmp_path):
+    """The README's `mlflow run` lines name ``--env-manager local`` after installing the lock (the
+    default manager, virtualenv, needs pyenv to build Python; uv finds the project's uv.lock, the
+    environment server's, and syncs that instead of python_env.yaml), and that path starts: ``mlflow
+    run . -e env --env-manager local`` runs the project's environment check in this interpreter."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    readme = (ROOT / "README.md").read_text()
+    documented = re.findall(r"^\S*mlflow run \. .*$", readme, re.MULTILINE)
+    assert documented and all("--env-manager local" in line for line in documented), documented
+    assert re.search(r"pip install --require-hashes -r requirements/gpu\.lock", readme)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    mlflow = str(Path(sys.executable).parent / "mlflow")
+    proc = subprocess.run([mlflow, "run", str(ROOT), "-e", "env", "--env-manager", "local"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"python {sys.version.split()[0]}" in proc.stdout and "mlflow " in proc.stdout, out[-3000:]
+    assert "succeeded" in proc.stderr  # MLflow's own "Run (ID '...') succeeded."
