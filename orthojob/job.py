@@ -195,8 +195,10 @@ def preflight(p: Plan, env: Mapping[str, str], say: Callable[[str], object] = pr
     """Probe the output prefix and MLflow (module docstring); 0, or the exit code (message printed)."""
     try:
         say(f"[job] probe: {storage.probe_output(p.out)}")
-        tracking.configure()
+        experiment_id = tracking.configure()
         say(f"[job] probe: MLflow at {tracking.redact(tracking.tracking_uri())} answers")
+        if tracking.tracking_uri().startswith(("http://", "https://")):
+            say(f"[job] probe: {tracking.probe_artifacts(experiment_id)}")
         run_id = _given(env.get("MLFLOW_RUN_ID"))
         if run_id:
             import mlflow

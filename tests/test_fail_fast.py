@@ -354,3 +354,47 @@ def test_the_output_prefix_is_required(capsys):
     code = job.main(["--preset", "tiny-cpu"], env={}, cli=lambda argv: pytest.fail(str(argv)))
     assert code == ExitCode.USAGE
     assert "output prefix is required" in capsys.readouterr().err
+
+
+def test_a_tracking_server_that_cannot_store_artifacts_stops_the_job_before_training(
+    tmp_path, monkeypatch, capsys
+):
+    """A real `mlflow server` with an empty artifact destination answers /health and the experiment
+    probe, and fails every upload: the preflight's artifact probe ends the job with 33 (never retried)
+    within its deadline, saying what to set; a server that stores artifacts passes, and the probe
+    leaves no artifact and only a deleted run behind."""
+    import time
+
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    from orthojob import job
+    from orthojob.ops import tracking
+    from tests.services import mlflow_server
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(tracking.DEADLINE_ENV, "20")
+    p = job.plan(job.build_parser().parse_args(["--preset", "tiny-cpu", "--out", str(tmp_path / "o")]), {})
+    with mlflow_server(tmp_path / "empty", artifacts_destination="") as server:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+        t0 = time.monotonic()
+        assert job.preflight(p, {}) == ExitCode.TRACKING_DENIED
+        seconds = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert "cannot store artifacts" in err and "MLFLOW_ARTIFACTS_DESTINATION" in err, err
+    assert seconds < 60, f"{seconds:.1f} s"
+    assert ExitCode.TRACKING_DENIED in fail_fast_codes()
+
+    store = tmp_path / "artifacts"
+    with mlflow_server(tmp_path / "ok", artifacts_destination=str(store)) as server:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+        assert job.preflight(p, {}) == 0
+        out = capsys.readouterr().out
+        assert "an artifact logged and deleted" in out, out
+        client = MlflowClient(server.uri)
+        experiment = client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT)
+        probes = client.search_runs([experiment.experiment_id], run_view_type=ViewType.ALL)
+        assert [(r.info.run_name, r.info.lifecycle_stage) for r in probes] == [
+            (tracking.ARTIFACT_PROBE_RUN, "deleted")
+        ]
+    assert not list(store.rglob(tracking.ARTIFACT_PROBE_FILE)), "the probe's artifact is deleted"

@@ -73,7 +73,8 @@ _MEANINGS: dict[ExitCode, tuple[str, str]] = {
         "fail",
     ),
     ExitCode.TRACKING_DENIED: (
-        "MLflow refused the job (bad credentials, no permission, or MLFLOW_RUN_ID not on this server)",
+        "MLflow refused the job (bad credentials, no permission, MLFLOW_RUN_ID not on this server, "
+        "or a server that cannot store artifacts)",
         "fail",
     ),
     ExitCode.KILLED: ("killed (out of memory, or evicted)", "retry"),

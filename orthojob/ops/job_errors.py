@@ -8,7 +8,7 @@ import sys
 
 from orthojob.ops import storage
 from orthojob.ops.exit_codes import ExitCode
-from orthojob.ops.tracking import TrackingError, redact
+from orthojob.ops.tracking import ArtifactStoreError, TrackingError, redact
 
 TRACKING_REFUSALS = ("UNAUTHENTICATED", "PERMISSION_DENIED", "error code 401", "error code 403")
 """How an MLflow refusal reads (error codes of MlflowException, or the HTTP status in its text)."""
@@ -28,6 +28,8 @@ def job_error_code(exc: BaseException) -> int:
     """The exit code of a storage or tracking failure: refused (32, 33: never retried, the message
     says what to fix) or unreachable (30, 31: retried)."""
 
+    if isinstance(exc, ArtifactStoreError):
+        return ExitCode.TRACKING_DENIED
     if isinstance(exc, TrackingError):
         return ExitCode.TRACKING_DENIED if tracking_refused(exc) else ExitCode.TRACKING
     return ExitCode.STORAGE_DENIED if isinstance(exc, storage.StorageAccessError) else ExitCode.STORAGE

@@ -12,6 +12,8 @@
   (``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``_TIMEOUT`` / ``_BACKOFF_*``) sized to a deadline,
   ``ORTHORL_TRACKING_DEADLINE_S`` (default 45 s), and a watchdog that holds the whole probe
   (DNS included) to that deadline; :class:`TrackingError` then becomes exit 31.
+* :func:`probe_artifacts` logs and deletes a tiny artifact through a tracking server, so a server
+  that cannot store artifacts stops the job before training (:class:`ArtifactStoreError`, exit 33).
 * Params are flattened, truncated to MLflow's limit and scrubbed of secret values
   (S3 keys, MLflow credentials) — secrets never reach params, tags, metrics or logs.
 * :class:`MlflowMetricsCallback` forwards the trainer's logs (TRL's
@@ -237,6 +239,74 @@ def configure(experiment: str | None = None) -> str:
             f"({type(exc).__name__}: {redact(str(exc))[:300]}). {hint}"
         ) from exc
     return outcome["id"]
+
+
+class ArtifactStoreError(TrackingError):
+    """The tracking server answers but cannot store an artifact (exit 33: never retried, the message
+    says what to fix on the server)."""
+
+
+ARTIFACT_PROBE_RUN = "orthorl-artifact-probe"
+ARTIFACT_PROBE_FILE = "orthorl-artifact-probe.txt"
+
+
+def probe_artifacts(experiment_id: str) -> str:
+    """Log a tiny artifact through the tracking server and delete it, in a run of its own (deleted
+    after), within :func:`deadline_s`: what every stage's upload will need. A server that answers but
+    cannot store artifacts (an empty ``--artifacts-destination``, no keys or endpoint for its bucket)
+    otherwise fails only after a stage has trained. Returns what was checked; raises
+    :class:`ArtifactStoreError`. Only for an ``http(s)`` tracking URI (a local store writes files)."""
+    import tempfile
+
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+    from mlflow.tracking import MlflowClient
+
+    uri = tracking_uri()
+    deadline = deadline_s()
+    client = MlflowClient()
+    outcome: dict[str, Any] = {}
+
+    def probe() -> None:
+        run = client.create_run(
+            experiment_id, run_name=ARTIFACT_PROBE_RUN, tags={"orthorl.probe": "artifacts"}
+        )
+        outcome["run"] = run.info.run_id
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                marker = Path(tmp) / ARTIFACT_PROBE_FILE
+                marker.write_text("written by the job's start-up probe, then deleted\n")
+                client.log_artifact(run.info.run_id, str(marker))
+            listed = [f.path for f in client.list_artifacts(run.info.run_id)]
+            if ARTIFACT_PROBE_FILE not in listed:
+                raise RuntimeError(f"the uploaded artifact is not listed (found {listed})")
+            get_artifact_repository(run.info.artifact_uri).delete_artifacts(ARTIFACT_PROBE_FILE)
+            outcome["ok"] = run.info.artifact_uri
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            with contextlib.suppress(Exception):
+                client.delete_run(run.info.run_id)
+
+    with _env(probe_http_settings(deadline)):
+        worker = threading.Thread(target=probe, name="mlflow-artifact-probe", daemon=True)
+        worker.start()
+        worker.join(deadline)
+    fix = (
+        "The tracking server answers but cannot store artifacts: give it an artifact destination "
+        "(MLFLOW_ARTIFACTS_DESTINATION, e.g. s3://BUCKET/mlflow, in the ConfigMap orthorl-mlflow-server) "
+        "and the keys and, for an S3-compatible store, MLFLOW_S3_ENDPOINT_URL in the Secret "
+        "orthorl-mlflow-server (docs/deploy.md)."
+    )
+    if "ok" in outcome:
+        return f"an artifact logged and deleted through {redact(uri)} ({outcome['ok']})"
+    if worker.is_alive():
+        raise ArtifactStoreError(
+            f"MLflow at {redact(uri)}: an artifact upload did not finish within {deadline:.0f} s. {fix}"
+        )
+    exc = outcome.get("error")
+    raise ArtifactStoreError(
+        f"MLflow at {redact(uri)} refused an artifact upload ({type(exc).__name__}: {redact(str(exc))[:300]}). {fix}"
+    ) from exc
 
 
 @contextlib.contextmanager
