@@ -398,3 +398,59 @@ def test_a_tracking_server_that_cannot_store_artifacts_stops_the_job_before_trai
             (tracking.ARTIFACT_PROBE_RUN, "deleted")
         ]
     assert not list(store.rglob(tracking.ARTIFACT_PROBE_FILE)), "the probe's artifact is deleted"
+
+
+def test_the_job_waits_a_bounded_time_for_a_tracking_server_that_is_still_starting(tmp_path, monkeypatch):
+    """wait_for_server polls /health: a server that comes up after the job started is waited for; one
+    that never does ends the wait at its bound with TrackingError (exit 31, retried), saying where to
+    look; configure() waits only when ORTHORL_TRACKING_WAIT_S is set, which the Job's ConfigMap does."""
+    import http.server
+    import threading
+    import time
+
+    import yaml
+
+    from orthojob.ops import tracking
+    from orthojob.ops.job_errors import job_error_code
+    from tests.services import free_port
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    starts = threading.Timer(1.5, server.serve_forever)
+    starts.start()
+    try:
+        waited = tracking.wait_for_server(uri, 20, say=lambda _: None, poll_s=0.2)
+    finally:
+        server.shutdown()
+        starts.cancel()
+        server.server_close()
+    assert 1.0 < waited < 10
+
+    t0 = time.monotonic()
+    with pytest.raises(tracking.TrackingError, match="did not answer /health within 2 s") as refused:
+        tracking.wait_for_server(f"http://127.0.0.1:{free_port()}", 2, say=lambda _: None, poll_s=0.2)
+    assert time.monotonic() - t0 < 10
+    assert job_error_code(refused.value) == ExitCode.TRACKING
+    assert "ORTHORL_TRACKING_WAIT_S" in str(refused.value)
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv(tracking.WAIT_ENV, "1")
+    with pytest.raises(tracking.TrackingError, match="did not answer /health within 1 s"):
+        tracking.configure()
+    monkeypatch.setenv(tracking.WAIT_ENV, "-1")
+    with pytest.raises(tracking.TrackingError, match="must be >= 0"):
+        tracking.configure()
+
+    root = Path(__file__).resolve().parents[1]
+    docs = list(yaml.safe_load_all((root / "k8s" / "grpo-job.yaml").read_text()))
+    config = next(d for d in docs if d and d["kind"] == "ConfigMap")["data"]
+    assert float(config[tracking.WAIT_ENV]) > float(config[tracking.DEADLINE_ENV])

@@ -11,7 +11,9 @@
 * Fail fast: :func:`configure` probes the server once with MLflow's own HTTP retries
   (``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``_TIMEOUT`` / ``_BACKOFF_*``) sized to a deadline,
   ``ORTHORL_TRACKING_DEADLINE_S`` (default 45 s), and a watchdog that holds the whole probe
-  (DNS included) to that deadline; :class:`TrackingError` then becomes exit 31.
+  (DNS included) to that deadline; :class:`TrackingError` then becomes exit 31. Before it, with
+  ``ORTHORL_TRACKING_WAIT_S`` set (the Job sets it), it waits that long for the server's ``/health``
+  (:func:`wait_for_server`: a server still scheduling or starting).
 * :func:`probe_artifacts` logs and deletes a tiny artifact through a tracking server, so a server
   that cannot store artifacts stops the job before training (:class:`ArtifactStoreError`, exit 33).
 * Params are flattened, truncated to MLflow's limit and scrubbed of secret values
@@ -63,6 +65,9 @@ SECRET_ENV_VARS: tuple[str, ...] = (
 )
 PARAM_VALUE_LIMIT = 6000
 DEADLINE_ENV = "ORTHORL_TRACKING_DEADLINE_S"
+WAIT_ENV = "ORTHORL_TRACKING_WAIT_S"
+"""Seconds the job waits for a tracking server's ``/health`` before its probe (0, the default: no
+wait); the Job sets it, since its MLflow server may still be scheduling or starting."""
 DEFAULT_DEADLINE_S = 45.0  # + process start-up (imports): exit 31 well inside a minute
 PROBE_RETRIES = 3  # MLflow's retries for the start-up probe: 4 attempts, back-off 0, 2, 4 s
 _METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-. /:]")
@@ -171,6 +176,51 @@ def probe_http_settings(deadline: float) -> dict[str, str]:
     }
 
 
+def wait_s() -> float:
+    """:data:`WAIT_ENV`'s seconds (0 when unset)."""
+    raw = os.environ.get(WAIT_ENV, "")
+    try:
+        value = float(raw) if raw.strip() else 0.0
+    except ValueError as exc:
+        raise TrackingError(f"{WAIT_ENV}={raw!r} is not a number of seconds") from exc
+    if value < 0:
+        raise TrackingError(f"{WAIT_ENV} must be >= 0, got {raw!r}")
+    return value
+
+
+def wait_for_server(uri: str, seconds: float, say=print, poll_s: float = 2.0) -> float:
+    """Poll ``uri``'s ``/health`` until it answers 200 or ``seconds`` pass; returns the seconds
+    waited. Raises :class:`TrackingError` (exit 31, retried by the Job) when it never answers."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    url = uri.rstrip("/") + "/health"
+    start = time.monotonic()
+    said = start
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=min(5.0, max(seconds, 1.0))) as answer:
+                if answer.status == 200:
+                    return time.monotonic() - start
+                problem = f"HTTP {answer.status}"
+        except (OSError, urllib.error.HTTPError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        now = time.monotonic()
+        if now - start >= seconds:
+            raise TrackingError(
+                f"MLflow at {redact(uri)} did not answer /health within {seconds:.0f} s ({redact(problem)}). "
+                f"Is the server scheduled and running (kubectl -n orthorl get pods -l "
+                f"app.kubernetes.io/component=mlflow)? {WAIT_ENV} sets the wait."
+            )
+        if now - said >= 30:
+            say(
+                f"[job] waiting for MLflow at {redact(uri)}: {now - start:.0f} s of {seconds:.0f} ({redact(problem)})"
+            )
+            said = now
+        time.sleep(min(poll_s, max(0.0, seconds - (now - start))))
+
+
 @contextlib.contextmanager
 def _env(values: Mapping[str, str]) -> Iterator[None]:
     """Set environment variables that are not already set by the user; restore afterwards."""
@@ -214,6 +264,8 @@ def configure(experiment: str | None = None) -> str:
     if not uri.startswith(("http://", "https://")):  # a local store: nothing to wait for
         return _experiment_id(name, uri)
     deadline = deadline_s()
+    if wait_s() > 0:
+        wait_for_server(uri, wait_s())
     outcome: dict[str, Any] = {}
 
     def probe() -> None:
