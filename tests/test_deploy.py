@@ -220,11 +220,11 @@ def render_output(tmp_path_factory) -> Path:
 
 
 def enable_knobs(k8s_copy: Path) -> None:
-    """In a copy of k8s/: the component gpu-node-selector, the Kueue label and the image-pull Secret
+    """In a copy of k8s/: the components gpu-node-selector and mlflow-on-gpu-nodes, the Kueue label and the image-pull Secret
     enabled as k8s/kustomization.yaml's comments say, and STEPS patched to 42."""
     path = k8s_copy / "kustomization.yaml"
     kz = yaml.safe_load(path.read_text())
-    kz["components"].append("gpu-node-selector")
+    kz["components"] += ["gpu-node-selector", "mlflow-on-gpu-nodes"]
     ops = yaml.safe_load(kz["patches"][0]["patch"])
     next(op for op in ops if op["path"] == "/data/STEPS")["value"] = "42"
     kz["patches"][0]["patch"] = yaml.safe_dump(ops)
@@ -685,6 +685,35 @@ def test_node_selector_and_queue_knobs(tmp_path):
         "cloud.google.com/gke-accelerator": "nvidia-h100-80gb"
     }
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-q"
+
+
+def test_the_mlflow_server_can_run_on_a_cluster_of_tainted_gpu_nodes(tmp_path):
+    """By default the server tolerates nothing (it stays off GPU nodes where a CPU pool exists); the
+    component k8s/mlflow-on-gpu-nodes, commented in k8s/kustomization.yaml, lets it onto nodes tainted
+    nvidia.com/gpu:NoSchedule, as the Job itself is, without asking for a GPU."""
+    text = (K8S / "kustomization.yaml").read_text()
+    assert "  # - mlflow-on-gpu-nodes\n" in text
+    default = kustomize(K8S)
+    assert default.returncode == 0, default.stderr
+    (server,) = [d for d in yaml.safe_load_all(default.stdout) if d and d["kind"] == "Deployment"
+                 and d["metadata"]["name"] == "orthorl-mlflow"]  # fmt: skip
+    assert "tolerations" not in server["spec"]["template"]["spec"]
+    work = tmp_path / "k8s"
+    shutil.copytree(K8S, work)
+    set_image(work)
+    kz = yaml.safe_load((work / "kustomization.yaml").read_text())
+    kz["components"].append("mlflow-on-gpu-nodes")
+    (work / "kustomization.yaml").write_text(yaml.safe_dump(kz, sort_keys=False))
+    proc = kustomize(work)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    server = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "orthorl-mlflow")
+    pod = server["spec"]["template"]["spec"]
+    gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    assert gpu_taint in pod["tolerations"]
+    assert all("nvidia.com/gpu" not in c["resources"].get("limits", {}) for c in pod["containers"])
+    job = one(docs, "Job")
+    assert any(t.get("key") == "nvidia.com/gpu" for t in job["spec"]["template"]["spec"]["tolerations"])
 
 
 def test_model_cache_choices(kustomize_output, multinode_output, cache_variants):
