@@ -130,3 +130,28 @@ def test_mlflow_run_starts_as_the_readme_writes_it(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert f"python {sys.version.split()[0]}" in proc.stdout and "mlflow " in proc.stdout, out[-3000:]
     assert "succeeded" in proc.stderr  # MLflow's own "Run (ID '...') succeeded."
+
+
+def test_the_workstation_install_pulls_no_training_stack(tmp_path):
+    """`pip install -e '.[cluster]'` (docs/deploy.md, the workstation) resolves for Linux x86_64
+    without torch, CUDA or the rest of the training stack, and has the Kubernetes client that
+    `orthojob k8s submit|status|logs` import."""
+    import subprocess
+
+    assert "pip install -e '.[cluster]'" in (ROOT / "docs" / "deploy.md").read_text()
+    proc = subprocess.run(
+        [uv(), "pip", "compile", str(ROOT / "pyproject.toml"), "--extra", "cluster", "--python-platform",
+         check_lock.PLATFORM, "--python-version", check_lock.PYTHON, "--no-header", "--quiet"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )  # fmt: skip
+    if check_lock.unreachable(proc):
+        pytest.skip(f"the package index is not reachable from here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {line.split("==")[0].strip().lower() for line in proc.stdout.splitlines() if "==" in line}
+    assert {"kubernetes", "pyyaml", "numpy"} <= names
+    heavy = {
+        n
+        for n in names
+        if n in {"torch", "transformers", "trl", "vllm", "mlflow", "triton"} or n.startswith("nvidia-")
+    }
+    assert not heavy, sorted(heavy)
