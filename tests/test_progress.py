@@ -132,3 +132,46 @@ def test_the_cli_turns_the_libraries_own_bars_off_in_a_jobs_log(mode, enabled):
     out = subprocess.run([sys.executable, "-c", _LIBRARY_BARS], capture_output=True, text=True, env=env,
                          cwd=REPO, timeout=120, check=True)  # fmt: skip
     assert out.stdout.strip().splitlines()[-1] == enabled
+
+
+def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[int, str]:
+    """``argv`` run on a pseudo-terminal 120 columns wide; its exit code and everything it wrote."""
+    env = {k: v for k, v in _child_env().items() if not k.startswith("MLFLOW_")}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{cwd / 'mlflow.db'}"
+    pid, fd = pty.fork()
+    if pid == 0:
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+        os.chdir(cwd)
+        os.execve(argv[0], argv, env)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("command", "steps"),
+    [
+        (["bc-sft", "--preset", "tiny-cpu", "--steps", "3", "--examples", "8"], 3),
+        (["train", "--preset", "tiny-cpu", "--steps", "2", "--skip-sft-gate", "--max-completion-length", "32",
+          "--gate-seeds", "2"], 2),
+    ],
+    ids=["sft", "grpo"],
+)  # fmt: skip
+def test_sft_grpo_and_their_gates_draw_bars_with_an_eta_on_a_terminal(tmp_path, command, steps):
+    """The stage commands on a pseudo-terminal: the trainer's bar over its steps (redrawn in place,
+    with the time left) and the gate's evaluation bar over its prompts; no log-mode lines there."""
+    orthojob = str(Path(sys.executable).parent / "orthojob")
+    code, text = _on_a_terminal([orthojob, *command, "--out", str(tmp_path / "out")], tmp_path)
+    assert code in (0, 3, 12), text[-3000:]  # passed, or a gate failed (a few steps learn nothing)
+    frames = [f for line in text.split("\n") for f in line.split("\r")]
+    assert any(f"| {steps}/{steps} [" in f and "<" in f for f in frames), text[-3000:]
+    assert any(f.startswith("generate:") and "prompt" in f and "<" in f for f in frames), text[-3000:]
+    assert "[sft] step" not in text and "[grpo] step" not in text and "[generate] prompt" not in text
