@@ -68,19 +68,22 @@ def _prompt_ids(job, tokenizer, prompt_format: str, first_seed: int, prompts: in
     return ids
 
 
-def _generate(model, tokenizer, prompt_ids, eos, max_new_tokens, temperature, do_sample=True):
-    """TRL's regular generation path: a left-padded batch through ``generate``, cut after the first EOS."""
+def generate_like_trl(model, prompt_ids, eos, max_new_tokens, pad_token_id, **settings) -> list[list[int]]:
+    """TRL's regular generation path: a left-padded batch through ``generate`` with ``settings``
+    (``transformers.GenerationConfig`` fields), each row cut after its first EOS token."""
     import torch
     from transformers import GenerationConfig
 
     width = max(map(len, prompt_ids))
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_p=1.0, top_k=0,
-        pad_token_id=pad, eos_token_id=eos, disable_compile=True,
-    )  # fmt: skip
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos,
+        disable_compile=True,
+        **settings,
+    )
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     completions = []
@@ -127,7 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )  # fmt: skip
 
     def plain(prompt_ids, do_sample=True):
-        return _generate(model, tokenizer, prompt_ids, eos, budget, job.temperature, do_sample)
+        return generate_like_trl(
+            model, prompt_ids, eos, budget, tokenizer.pad_token_id,
+            do_sample=do_sample, temperature=job.temperature, top_p=1.0, top_k=0,
+        )  # fmt: skip
 
     samplers = {"generate": plain, "shared-prefix": shared}
     seconds: dict[str, list[float]] = {name: [] for name in samplers}

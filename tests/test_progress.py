@@ -91,21 +91,7 @@ def test_a_pipe_gets_lines_and_a_terminal_gets_a_bar():
     assert piped.stderr.splitlines()[0].startswith("[generate] prompt 1/5 (20%)")
     assert piped.stderr.splitlines()[-1].startswith("[generate] prompt 5/5 (100%)")
     # a terminal: tqdm's bar, redrawn in place, with the count of the total
-    pid, fd = pty.fork()
-    if pid == 0:  # the child, on the pty, sized as a terminal window (a bar fits its width)
-        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-        os.execve(sys.executable, [sys.executable, "-c", _CHILD], _child_env())
-    out = b""
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.waitpid(pid, 0)
-    text = out.decode(errors="replace")
+    _, text = _on_a_terminal([sys.executable, "-c", _CHILD], REPO)
     assert "\r" in text and "5/5" in text and "generate" in text and "<" in text  # the ETA
     assert "[generate]" not in text
 

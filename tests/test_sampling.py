@@ -6,7 +6,7 @@ import collections
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (
 )
 
 from orthojob.modeling import sampling
+from tests.bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +29,10 @@ def _prompts(vocab: int, lengths=(7, 19, 12, 30), repeats: int = 3) -> list[list
 
 
 def _generate(model, prompt_ids, eos, max_new_tokens, **settings) -> list[list[int]]:
-    """transformers' generate as TRL's GRPO calls it: left-padded batch, cut after the first EOS."""
-    width = max(map(len, prompt_ids))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_ids])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-    config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=eos, **settings)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    completions = []
-    for row in out[:, width:].tolist():
-        ends = [i for i, t in enumerate(row) if t in eos]
-        completions.append(row[: ends[0] + 1] if ends else row)
-    return completions
+    """transformers' generate as TRL's GRPO calls it (bench/sampling_speed.py's, pad token 0)."""
+    return load_bench("sampling_speed").generate_like_trl(
+        model, prompt_ids, eos, max_new_tokens, 0, **settings
+    )
 
 
 def _sample(model, prompt_ids, eos, max_new_tokens, **settings) -> list[list[int]]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -44,14 +43,6 @@ __all__ = ["ATTENTION", "covers", "processed_logits", "sample_completions"]
 
 ATTENTION = "orthorl_shared_prefix"
 """The attention implementation's registered name, set on the model only while it samples."""
-
-
-@dataclass
-class _Groups:
-    """The decode batch's rows by prompt: ``(u, start, end)``, rows ``[start, end)`` continue distinct
-    prompt ``u`` (rows are kept sorted by prompt, so each prompt's rows are one slice)."""
-
-    bounds: list[tuple[int, int, int]]  # (prompt, start, end), non-empty slices only
 
 
 class _SharedPrefixLayer(DynamicLayer):
@@ -126,7 +117,7 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=
         .reshape(kv_heads, rows * share, dim)
     )
     scores = q.new_empty(kv_heads, rows * share, width + key.shape[2])
-    for prompt, start, end in groups.bounds:
+    for prompt, start, end in groups:
         torch.matmul(
             q[:, start * share : end * share], layer.prefix_keys[prompt].transpose(-1, -2),
             out=scores[:, start * share : end * share, :width],
@@ -137,7 +128,7 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out = torch.matmul(probs[..., width:].reshape(kv_heads, rows, share, -1).transpose(0, 1), value)
     out = out.transpose(0, 1).reshape(kv_heads, rows * share, dim)
-    for prompt, start, end in groups.bounds:
+    for prompt, start, end in groups:
         rows_of_prompt = slice(start * share, end * share)
         out[:, rows_of_prompt] += torch.matmul(probs[:, rows_of_prompt, :width], layer.prefix_values[prompt])
     return out.view(kv_heads, rows, share, dim).permute(1, 0, 2, 3).reshape(rows, 1, heads, dim), None
@@ -216,14 +207,15 @@ def _next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_
     return torch.searchsorted(cumulative, u).squeeze(1).clamp(max=logits.shape[-1] - 1)
 
 
-def _bounds(prompt_of_row: torch.Tensor) -> _Groups:
-    counts = torch.bincount(prompt_of_row).tolist()
+def _bounds(prompt_of_row: torch.Tensor) -> list[tuple[int, int, int]]:
+    """The decode batch's rows by prompt: ``(u, start, end)``, rows ``[start, end)`` continue distinct
+    prompt ``u`` (rows stay sorted by prompt, so each prompt's rows are one slice; empty ones left out)."""
     bounds, start = [], 0
-    for prompt, n in enumerate(counts):
+    for prompt, n in enumerate(torch.bincount(prompt_of_row).tolist()):
         if n:
             bounds.append((prompt, start, start + n))
             start += n
-    return _Groups(bounds)
+    return bounds
 
 
 @torch.no_grad()

@@ -46,7 +46,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +192,6 @@ def wait_for_server(uri: str, seconds: float, say=print, poll_s: float = 2.0) ->
     """Poll ``uri``'s ``/health`` until it answers 200 or ``seconds`` pass; returns the seconds
     waited. Raises :class:`TrackingError` (exit 31, retried by the Job) when it never answers."""
     import time
-    import urllib.error
     import urllib.request
 
     url = uri.rstrip("/") + "/health"
@@ -204,7 +203,7 @@ def wait_for_server(uri: str, seconds: float, say=print, poll_s: float = 2.0) ->
                 if answer.status == 200:
                     return time.monotonic() - start
                 problem = f"HTTP {answer.status}"
-        except (OSError, urllib.error.HTTPError) as exc:
+        except OSError as exc:  # URLError and HTTPError are OSErrors
             problem = f"{type(exc).__name__}: {exc}"
         now = time.monotonic()
         if now - start >= seconds:
@@ -245,6 +244,25 @@ def _experiment_id(name: str, uri: str) -> str:
     return mlflow.create_experiment(name, artifact_location=location)
 
 
+def _bounded(call: Callable[[], Any], deadline: float, name: str) -> tuple[str, Any]:
+    """``call()`` in a watchdog thread with MLflow's probe retries (:func:`probe_http_settings`),
+    held to ``deadline`` seconds, DNS included: ``("ok", value)``, ``("error", exception)`` or
+    ``("timeout", None)`` (the thread is a daemon and is left behind)."""
+    outcome: list[tuple[str, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append(("ok", call()))
+        except BaseException as exc:
+            outcome.append(("error", exc))
+
+    with _env(probe_http_settings(deadline)):
+        worker = threading.Thread(target=run, name=name, daemon=True)
+        worker.start()
+        worker.join(deadline)
+    return outcome[0] if outcome else ("timeout", None)
+
+
 def configure(experiment: str | None = None) -> str:
     """Point MLflow at the tracking server and select the experiment; returns its id.
 
@@ -266,31 +284,20 @@ def configure(experiment: str | None = None) -> str:
     deadline = deadline_s()
     if wait_s() > 0:
         wait_for_server(uri, wait_s())
-    outcome: dict[str, Any] = {}
-
-    def probe() -> None:
-        try:
-            outcome["id"] = _experiment_id(name, uri)
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    with _env(probe_http_settings(deadline)):
-        worker = threading.Thread(target=probe, name="mlflow-probe", daemon=True)
-        worker.start()
-        worker.join(deadline)
+    status, value = _bounded(lambda: _experiment_id(name, uri), deadline, "mlflow-probe")
     hint = (
         f"Start the server or fix MLFLOW_TRACKING_URI; unset it to use the embedded sqlite store "
         f"({DEADLINE_ENV} sets the deadline)."
     )
-    if worker.is_alive():
+    if status == "timeout":
         raise TrackingError(f"MLflow at {redact(uri)} did not answer within {deadline:.0f} s. {hint}")
-    if "error" in outcome:
-        exc = outcome["error"]
+    if status == "error":
+        exc = value
         raise TrackingError(
             f"MLflow at {redact(uri)} is unreachable or refused the request within {deadline:.0f} s "
             f"({type(exc).__name__}: {redact(str(exc))[:300]}). {hint}"
         ) from exc
-    return outcome["id"]
+    return value
 
 
 class ArtifactStoreError(TrackingError):
@@ -316,13 +323,11 @@ def probe_artifacts(experiment_id: str) -> str:
     uri = tracking_uri()
     deadline = deadline_s()
     client = MlflowClient()
-    outcome: dict[str, Any] = {}
 
-    def probe() -> None:
+    def probe() -> str:
         run = client.create_run(
             experiment_id, run_name=ARTIFACT_PROBE_RUN, tags={"orthorl.probe": "artifacts"}
         )
-        outcome["run"] = run.info.run_id
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 marker = Path(tmp) / ARTIFACT_PROBE_FILE
@@ -332,30 +337,25 @@ def probe_artifacts(experiment_id: str) -> str:
             if ARTIFACT_PROBE_FILE not in listed:
                 raise RuntimeError(f"the uploaded artifact is not listed (found {listed})")
             get_artifact_repository(run.info.artifact_uri).delete_artifacts(ARTIFACT_PROBE_FILE)
-            outcome["ok"] = run.info.artifact_uri
-        except BaseException as exc:
-            outcome["error"] = exc
+            return run.info.artifact_uri
         finally:
             with contextlib.suppress(Exception):
                 client.delete_run(run.info.run_id)
 
-    with _env(probe_http_settings(deadline)):
-        worker = threading.Thread(target=probe, name="mlflow-artifact-probe", daemon=True)
-        worker.start()
-        worker.join(deadline)
+    status, value = _bounded(probe, deadline, "mlflow-artifact-probe")
     fix = (
         "The tracking server answers but cannot store artifacts: give it an artifact destination "
         "(MLFLOW_ARTIFACTS_DESTINATION, e.g. s3://BUCKET/mlflow, in the ConfigMap orthorl-mlflow-server) "
         "and the keys and, for an S3-compatible store, MLFLOW_S3_ENDPOINT_URL in the Secret "
         "orthorl-mlflow-server (docs/deploy.md)."
     )
-    if "ok" in outcome:
-        return f"an artifact logged and deleted through {redact(uri)} ({outcome['ok']})"
-    if worker.is_alive():
+    if status == "ok":
+        return f"an artifact logged and deleted through {redact(uri)} ({value})"
+    if status == "timeout":
         raise ArtifactStoreError(
             f"MLflow at {redact(uri)}: an artifact upload did not finish within {deadline:.0f} s. {fix}"
         )
-    exc = outcome.get("error")
+    exc = value
     raise ArtifactStoreError(
         f"MLflow at {redact(uri)} refused an artifact upload ({type(exc).__name__}: {redact(str(exc))[:300]}). {fix}"
     ) from exc

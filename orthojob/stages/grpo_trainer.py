@@ -230,12 +230,12 @@ class RecordingGRPOTrainer(GRPOTrainer):
         :func:`orthojob.modeling.sampling.sample_completions`: the same distribution, TRL's profiling name."""
         plain = self.sampler != "shared-prefix" or self.use_vllm or self.use_transformers_continuous_batching
         if plain or images or multimodal_fields or not sampling.covers(self.generation_kwargs):
-            args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-            return super()._generate_single_turn(*args)
-        args = self.args
+            turn = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            return super()._generate_single_turn(*turn)
         unwrapped = unwrap_model_for_generation(
-            self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
-            generation_kwargs=self.generation_kwargs, gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+            self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+            generation_kwargs=self.generation_kwargs,
+            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
         )  # fmt: skip
         gathered = self._dist.summon_full_params(self.model_wrapped, recurse=False)
         with profiling_context(self, "transformers.generate"), unwrapped as model, gathered:
