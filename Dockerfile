@@ -1,8 +1,9 @@
 # OrthoRL training image: CUDA 13 runtime, CPython 3.12, the locked GPU stack, `orthojob` as
 # entrypoint, a non-root user. Build and push (see docs/deploy.md):
 #   docker build --platform linux/amd64 --build-arg GIT_COMMIT="$(git rev-parse HEAD)" -t REGISTRY/orthorl/train:TAG .
-# The lock is for Linux x86_64 (hence --platform on other hosts). Measured with a stand-in base: about
-# 4.3 GB downloaded, about 20 GB of disk at the peak of the build, a 10.7 GB image plus the CUDA base.
+# The lock is for Linux x86_64 (hence --platform on other hosts). Measured with a stand-in base
+# (`make image-check` prints these): about 4.7 GB downloaded, about 21 GB of disk at the peak of the
+# build, a 10.9 GB image plus the CUDA base.
 # No `# syntax=` line: BuildKit would pull a frontend image for it, and the legacy builder needs none.
 # No secret enters any layer: credentials come at run time from the Kubernetes Secret.
 #
@@ -34,11 +35,13 @@ RUN apt-get update \
     && python3.12 -m venv /opt/venv
 
 # Dependencies before the code: this layer changes only with the lock. Every wheel is pinned and
-# hash-checked, dependencies included (the lock is closed: the same install as python_env.yaml's,
-# tests/test_mlproject_install.py); --only-binary because the lock is resolved with --no-build.
+# hash-checked, dependencies included (the lock is closed, scripts/check_lock.py); --no-deps because
+# the lock leaves out on purpose what cannot load beside its torch (xformers, which Unsloth declares;
+# pyproject's [tool.uv] overrides) and pip would fetch it; --only-binary because the lock is
+# resolved with --no-build.
 COPY requirements/pip.lock requirements/gpu.lock /tmp/
 RUN pip install --require-hashes --only-binary=:all: --no-deps -r /tmp/pip.lock \
-    && pip install --require-hashes --only-binary=:all: -r /tmp/gpu.lock \
+    && pip install --require-hashes --only-binary=:all: --no-deps -r /tmp/gpu.lock \
     && rm /tmp/pip.lock /tmp/gpu.lock
 
 # The non-root user; writable places for a read-only root filesystem (k8s mounts volumes there: /cache is the model-cache PVC).

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export OMP_NUM_THREADS := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: install run test lint bench learn chromium
+.PHONY: install run test lint bench learn chromium image-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -40,4 +40,9 @@ bench: install
 # the learning experiment: format stage 0 then GRPO (one process), BC then GRPO (a second), one
 # thread each on the two cores; held-out curves, the comparison and the targets in runs/learn/
 learn: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m examples.learning --out runs/learn
+	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.learning --out runs/learn
+
+# build the training image (stand-in base where no registry answers) and check it offline, read-only,
+# as UID 10001; not part of `make test`: docker, ~20 GB of disk, ~10 minutes (docs/deploy.md)
+image-check:
+	$(BIN)/python scripts/image_check.py $(IMAGE_CHECK_ARGS)

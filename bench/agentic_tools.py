@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 
 from orthojob.agentic.tools import DentalToolEnv, plan_stages
-from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
+from orthojob.core.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from server.agent_tools import TOOL_NAMES
 from server.cases import TASK_IDS
 from server.oracle import oracle_plan

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from orthojob.lifecycle.gate_file import BC_SFT
 from orthojob.modeling.models import build_tiny
-from orthojob.ops.gate_file import BC_SFT
 from orthojob.stages import gate
 from orthojob.stages.presets import PRESETS
 

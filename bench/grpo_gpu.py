@@ -9,10 +9,11 @@ vocabulary, so every sampled id decodes. A random model never emits EOS: every c
 
 Each configuration runs in its own process: a few GRPO steps of the project's training setup
 (``orthojob.stages.grpo_config.build_grpo_args`` for the ``qwen2.5-3b`` preset: LoRA r 16, bf16, gradient
-checkpointing; the real prompts; the five project rewards), once with transformers' ``generate`` (TRL's
-eager path), once with the project's shared-prefix sampler (:mod:`orthojob.modeling.sampling`, the
-trainer's default without vLLM) and once with vLLM colocated (skipped, with the reason, when vLLM does
-not import). Printed per run:
+checkpointing; the real prompts; the five project rewards; the job's trainer, built by
+``orthojob.stages.grpo_trainer.RecordingGRPOTrainer.from_config``, which records every completion as a
+run does), once with transformers' ``generate`` (TRL's eager path), once with the project's
+shared-prefix sampler (:mod:`orthojob.modeling.sampling`, the trainer's default without vLLM) and once
+with vLLM colocated (skipped, with the reason, when vLLM does not import). Printed per run:
 
 * step time (s): mean of the steps after the first (the first includes warm-up), and the first;
 * generation tokens/s: completion tokens / time in TRL's ``_generate_single_turn`` (with vLLM this
@@ -78,7 +79,7 @@ RESULT_TAG = "BENCH_RESULT "
 
 def build_tokenizer(work: Path, vocab_size: int) -> Path:
     """The tiny tokenizer (trained on real prompts) padded with unused entries to ``vocab_size``."""
-    from orthojob.data.prompts import prompt_rows
+    from orthojob.core.prompts import prompt_rows
     from orthojob.modeling.tiny_model import build_tiny_model
 
     rows = prompt_rows(4, 0, "task_medium", False) + prompt_rows(2, 0, "task_hard", True)
@@ -140,7 +141,7 @@ def run_one(args: argparse.Namespace) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from orthojob.data.prompts import prompt_rows
+    from orthojob.core.prompts import prompt_rows
     from orthojob.modeling.adapters import lora_config
     from orthojob.stages.grpo import config_from_args
     from orthojob.stages.grpo_config import build_grpo_args
@@ -213,7 +214,8 @@ def run_one(args: argparse.Namespace) -> dict:
             sync()
             step_times.append(time.perf_counter() - self.t0)
 
-    trainer = TimedGRPOTrainer(
+    trainer = TimedGRPOTrainer.from_config(
+        config,
         model=model,
         reward_funcs=funcs,
         args=grpo_args,
@@ -222,7 +224,6 @@ def run_one(args: argparse.Namespace) -> dict:
         peft_config=peft_config,
         callbacks=[StepTimer()],
     )
-    trainer.sampler = config.sampler
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()

@@ -4,8 +4,8 @@ Runs real GRPO steps through the project's trainer (:func:`orthojob.stages.grpo_
 GRPOTrainer as :class:`~orthojob.stages.grpo_trainer.RecordingGRPOTrainer`, the five project rewards) for
 
 * ``learn``: ``make learn``'s GRPO from BC, its config built by
-  :func:`examples.learning.grpo_job_config` (run ``grpo_bc``) from :class:`examples.learning_config.LearnConfig`'s
-  defaults, on :func:`examples.learning.base_model`'s model (``--checkpoint DIR``: a trained one, such as
+  :func:`experiments.learning.experiment.grpo_job_config` (run ``grpo_bc``) from :class:`experiments.learning.config.LearnConfig`'s
+  defaults, on :func:`experiments.learning.experiment.base_model`'s model (``--checkpoint DIR``: a trained one, such as
   ``runs/learn/bc``);
 * ``tiny``: ``make run``'s GRPO, the ``tiny-cpu`` preset's ``grpo`` section
   (:data:`orthojob.stages.presets.PRESETS`), on the preset's tiny model built as the pipeline builds it
@@ -340,10 +340,10 @@ def instrumented(clock: Clock) -> Iterator[None]:
 
 
 def learn_job(work: Path, checkpoint: str | None, steps: int):
-    """``make learn``'s GRPO from BC (:func:`examples.learning.grpo_job_config`, run ``grpo_bc``) and
+    """``make learn``'s GRPO from BC (:func:`experiments.learning.experiment.grpo_job_config`, run ``grpo_bc``) and
     a line describing it."""
-    from examples.learning import base_model, grpo_job_config
-    from examples.learning_config import LearnConfig
+    from experiments.learning.config import LearnConfig
+    from experiments.learning.experiment import base_model, grpo_job_config
 
     cfg = LearnConfig(out=str(work / "learn"))
     start = Path(checkpoint) if checkpoint else base_model(cfg)
@@ -351,7 +351,7 @@ def learn_job(work: Path, checkpoint: str | None, steps: int):
     what = (
         f"checkpoint {checkpoint}" if checkpoint else "the untrained base model (make learn starts from BC)"
     )
-    return job, f"make learn's GRPO from BC (examples.learning.grpo_job_config), from {what}"
+    return job, f"make learn's GRPO from BC (experiments.learning.experiment.grpo_job_config), from {what}"
 
 
 def tiny_job(work: Path, checkpoint: str | None, steps: int):

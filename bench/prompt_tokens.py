@@ -1,6 +1,6 @@
 """How long each prompt format is, and how much of the case it shows.
 
-Per prompt format (:data:`orthojob.data.prompts.PROMPT_FORMATS`) and task level, over ``--seeds``
+Per prompt format (:data:`orthojob.core.prompts.PROMPT_FORMATS`) and task level, over ``--seeds``
 training cases per (level x force decay) cell: the prompt's tokens with the chat template and the
 system prompt (mean, min, max), and the teeth the prompt lists among those that move (a displacement
 or rotation that rounds to at least 0.01 mm or 0.1 deg): their mean count and the share of cases
@@ -18,7 +18,7 @@ import tempfile
 
 import numpy as np
 
-from orthojob.data.prompts import PROMPT_FORMATS, build_messages, reset_observation
+from orthojob.core.prompts import PROMPT_FORMATS, build_messages, reset_observation
 from server.absent_teeth import SUMMARY_KEY as ABSENT_KEY
 from server.cases import TASK_IDS, TRAIN_SEED_START
 from server.dental_constants import TOOTH_IDS

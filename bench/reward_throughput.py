@@ -31,9 +31,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orthojob.data.prompts import plan_to_completion, reset_observation
+from orthojob.core.parsing import extract_plan
+from orthojob.core.prompts import plan_to_completion, reset_observation
 from orthojob.rewards import reward_functions, rollouts
-from orthojob.rewards.parsing import extract_plan
 from server import treatment
 from server.cases import generate_case
 from server.clinical_profiles import STRATEGIES

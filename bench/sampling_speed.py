@@ -1,7 +1,7 @@
 """Sampling a GRPO step's completions: transformers' ``generate`` (as TRL calls it) against the
 shared-prefix sampler (:func:`orthojob.modeling.sampling.sample_completions`), interleaved on one core.
 
-For ``make learn``'s GRPO from BC (:func:`examples.learning.grpo_job_config`, run ``grpo_bc``:
+For ``make learn``'s GRPO from BC (:func:`experiments.learning.experiment.grpo_job_config`, run ``grpo_bc``:
 ``prompts_per_step`` training prompts x ``num_generations`` completions, its completion budget and
 temperature) and ``make run``'s (the ``tiny-cpu`` preset's grpo section), each round samples one step's
 batch with both samplers, the order alternating from round to round, on the same prompts (a new set of
@@ -36,8 +36,8 @@ if str(REPO) not in sys.path:
 def _job(preset: str, work: Path, checkpoint: str | None):
     """The GRPO job config of ``preset`` and the model folder it samples from."""
     if preset == "learn":
-        from examples.learning import base_model, grpo_job_config
-        from examples.learning_config import LearnConfig
+        from experiments.learning.config import LearnConfig
+        from experiments.learning.experiment import base_model, grpo_job_config
 
         cfg = LearnConfig(out=str(work / "learn"))
         start = Path(checkpoint) if checkpoint else base_model(cfg)
@@ -55,7 +55,7 @@ def _job(preset: str, work: Path, checkpoint: str | None):
 
 
 def _prompt_ids(job, tokenizer, prompt_format: str, first_seed: int, prompts: int) -> list[list[int]]:
-    from orthojob.data.prompts import mixed_prompt_rows, prompt_rows
+    from orthojob.core.prompts import mixed_prompt_rows, prompt_rows
 
     if job.mixed_cells:
         rows = mixed_prompt_rows(prompts, first_seed, prompt_format, job.level_weights)
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from orthojob.data.prompts import prompt_format_of
+    from orthojob.core.prompts import prompt_format_of
     from orthojob.modeling.sampling import sample_completions
 
     torch.set_num_threads(1)

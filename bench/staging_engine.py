@@ -89,9 +89,9 @@ def rounded(plan: dict, decimals: int = 2) -> dict:
 
 def corpus(case: Case, rng: np.random.Generator, oracle: dict | None = None) -> dict[str, dict]:
     """The plans the properties are checked on, by name: random plans; every exploit of
-    :func:`orthojob.rewards.plan_search.exploit_plans`; the oracle's plan at 2 decimals; everything in one
+    :func:`experiments.audits.plan_search.exploit_plans`; the oracle's plan at 2 decimals; everything in one
     aligner; the oracle's largest group at three times its speed; every tooth frozen but one."""
-    from orthojob.rewards import plan_search
+    from experiments.audits import plan_search
 
     oracle = plan_for_case(case) if oracle is None else oracle
     with mock.patch.object(plan_search, "plan_for_case", lambda c: oracle):  # computed once above

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from orthojob.data import case_sets
 from orthojob.data.case_sets import add_cases_arguments
+from orthojob.deploy.k8s import add_k8s_arguments
 from orthojob.eval import viewer, viewer_logging
 from orthojob.eval.evaluation import (
     evaluate_baselines,
@@ -48,13 +49,13 @@ from orthojob.eval.evaluation import (
     format_table,
     generate_completions,
 )
+from orthojob.lifecycle import gate_file, registry
+from orthojob.lifecycle.registry import DEFAULT_MODEL_NAME
 from orthojob.modeling import base_models
 from orthojob.modeling.models import build_tiny, load_for_inference, tiny_corpus
-from orthojob.ops import gate_file, job_errors, progress, registry, storage, tracking, work_dirs
+from orthojob.ops import job_errors, progress, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode, epilog
-from orthojob.ops.k8s import add_k8s_arguments
 from orthojob.ops.preemption import install_termination_handler
-from orthojob.ops.registry import DEFAULT_MODEL_NAME
 from orthojob.stages import gate
 from orthojob.stages.flags import (
     add_config_arguments,
@@ -467,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_argument(ga)
     add_config_arguments(
         ga.add_argument_group(
-            "thresholds (default: the stage's, orthojob/stages/gate.py DEFAULT_THRESHOLDS)"
+            "thresholds (default: the stage's, orthojob/lifecycle/gate_file.py DEFAULT_THRESHOLDS)"
         ),
         gate_file.GateThresholds,
     )
@@ -580,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cases_arguments(sub)  # cases validate|export (orthojob/data/case_sets.py)
 
-    add_k8s_arguments(sub)  # k8s render|submit|logs|status (orthojob/ops/k8s.py)
+    add_k8s_arguments(sub)  # k8s render|submit|logs|status (orthojob/deploy/k8s.py)
     return parser
 
 

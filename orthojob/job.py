@@ -61,11 +61,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orthojob.cli import main as cli_main
+from orthojob.lifecycle.registry import DEFAULT_MODEL_NAME
 from orthojob.ops import storage, tracking
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.job_errors import report_job_error
 from orthojob.ops.preemption import install_termination_handler
-from orthojob.ops.registry import DEFAULT_MODEL_NAME
 from orthojob.ops.storage import StorageError
 from orthojob.ops.tracking import TrackingError
 from orthojob.ops.work_dirs import local_work_dir

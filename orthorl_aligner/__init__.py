@@ -3,7 +3,7 @@
 verifiers resolves a taskset id to the installed module of that name (``orthorl-aligner`` ->
 ``orthorl_aligner``) and takes the ``Taskset`` subclass it exports in ``__all__``. Each task is one
 case (``task_id``, ``seed``, ``force_decay``) with the one-shot prompt the GRPO job trains on
-(:func:`orthojob.data.prompts.build_messages`); its rewards are the job's five TRL reward functions
+(:func:`orthojob.core.prompts.build_messages`); its rewards are the job's five TRL reward functions
 (:data:`orthojob.rewards.reward_functions.REWARD_FUNCS`) applied to the trace's reply, weighted as GRPO weights
 them (:func:`orthojob.rewards.reward_functions.reward_weights`), so a trace's ``reward`` is the weighted sum TRL
 computes for the same completion. No scoring here: the functions are the job's.
@@ -33,7 +33,7 @@ from pydantic import Field, model_validator
 from verifiers.v1.configs.task import RewardFunctionConfig
 
 from orthojob.agentic.prompts import agentic_rows, full_prompt
-from orthojob.data.prompts import TRAIN_SEED_START, build_messages, reset_observation
+from orthojob.core.prompts import TRAIN_SEED_START, build_messages, reset_observation
 from orthojob.rewards.reward_functions import DEFAULT_REWARD_WEIGHTS, REWARD_FUNCS, reward_weights
 from orthorl_aligner.tools import EpisodeState, StagingToolset
 from server.cases import TASK_IDS

@@ -15,7 +15,7 @@ from typing import Any
 import verifiers.v1 as vf
 
 from orthojob.agentic.tools import DentalToolEnv
-from server.agent_tools import StagingTools
+from server.agent_tools import TOOL_NAMES, StagingTools
 
 
 class EpisodeState(vf.State):
@@ -72,14 +72,7 @@ class StagingToolset(vf.Toolset[vf.ToolsetConfig, EpisodeState]):
         return self._after(self._env.submit_plan(plan))
 
 
-for _name in (
-    "inspect_tooth",
-    "simulate_stage",
-    "check_collisions",
-    "commit_stage",
-    "rollback_stage",
-    "submit_plan",
-):
+for _name in TOOL_NAMES:
     getattr(StagingToolset, _name).__doc__ = _doc(_name)
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ satisfy pyproject are kept, and compares the resolved pins with the committed on
 checks that every requirement in pyproject (base dependencies and the ``gpu`` extra) is pinned in
 the lock at a version its specifier admits, and that every pin carries hashes.
 
-Two checks are about the image's stack rather than pyproject:
+Three checks are about the image's stack rather than pyproject:
 
 * **TRL's vLLM range.** The locked vLLM must lie inside the range the locked TRL declares for its
   ``vllm`` extra (TRL's server mode and colocate mode are only tested there). The range is read
@@ -21,7 +21,13 @@ Two checks are about the image's stack rather than pyproject:
   MLflow's virtualenv manager installs ``python_env.yaml`` with (``-r requirements/gpu.lock``,
   no ``--no-deps``), switches to hash-checking mode at the first hash and then refuses any
   requirement without one. :func:`install_dry_run` runs that install as uv's dry run with
-  ``--require-hashes`` for the image's platform; the Dockerfile installs the same way.
+  ``--require-hashes`` for the image's platform. One exception, explicit: the packages of
+  :func:`not_installed` (xformers), which a locked package declares but pyproject's
+  ``[tool.uv] override-dependencies`` leave out; pip would fetch them, so the lock is installed
+  with ``--no-deps`` (Dockerfile, README), ``pip check`` in the image reports just them, and
+  MLflow's virtualenv manager, which has no ``--no-deps``, stops at them (docs/deploy.md).
+* **Every pin loads beside the locked torch** (:func:`unloadable_pins`): an xformers wheel built
+  for another torch or CUDA is refused.
 
 Exit status: 0 in sync; 1 drift (the message says what differs and how to fix it);
 2 uv missing or the resolution failed.
@@ -51,6 +57,24 @@ PYTHON = "3.12"
 WRITE_COMMAND = "python scripts/check_lock.py --write"
 
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._\-]*)(?:\[[^\]]*\])?==([^\s\\;]+)")
+
+
+def not_installed(pyproject_text: str | None = None) -> dict[str, str]:
+    """``{canonical name: the override line}`` of the packages the lock leaves out on purpose.
+
+    They are pyproject's ``[tool.uv] override-dependencies`` entries whose marker is false on every
+    platform (``sys_platform == 'never'``): a dependency declared by a locked package that uv drops
+    from the resolution. pip does not read uv's overrides, so every pip install of the lock uses
+    ``--no-deps`` (the lock holds every other dependency) and ``pip check`` in the image reports
+    these, and only these, as missing (scripts/image_check.py)."""
+    data = tomllib.loads(PYPROJECT.read_text() if pyproject_text is None else pyproject_text)
+    overrides = data.get("tool", {}).get("uv", {}).get("override-dependencies", [])
+    left_out = {}
+    for line in overrides:
+        req = Requirement(line)
+        if req.marker is not None and "never" in str(req.marker) and not req.marker.evaluate():
+            left_out[canonicalize_name(req.name)] = line
+    return left_out
 
 
 def uv_binary() -> str | None:
@@ -169,26 +193,64 @@ def trl_vllm_problem(uv: str, pins: dict[str, str]) -> str | None:
     )
 
 
+XFORMERS_BUILT_FOR = {"0.0.35": ("2.10", 12)}
+"""``{xformers version: (torch major.minor, CUDA major)}`` its Linux x86_64 wheel was built against,
+from the wheel's ``xformers/cpp_lib.json`` (0.0.35: ``"torch": "2.10.0+cu128"``, ``"cuda": 1208``;
+its ``_C.so`` needs ``libcudart.so.12``). xformers publishes one wheel per release, built for one
+torch; beside any other torch its C++/CUDA extension does not load."""
+
+
+def unloadable_pins(pins: dict[str, str]) -> list[str]:
+    """Pins whose wheel cannot load beside the locked torch (and CUDA runtime), with why.
+
+    The CUDA major of the locked torch is that of the locked ``nvidia-cuda-runtime`` wheel (torch's
+    CUDA 13 wheels depend on it; the CUDA 12 ones on ``nvidia-cuda-runtime-cu12``)."""
+    xformers, torch = pins.get("xformers"), pins.get("torch")
+    if xformers is None or torch is None:
+        return []
+    built = XFORMERS_BUILT_FOR.get(xformers)
+    if built is None:
+        return [f"xformers=={xformers}: the torch its wheel was built for is not known here; read "
+                "xformers/cpp_lib.json in the wheel and add it to XFORMERS_BUILT_FOR"]  # fmt: skip
+    torch_minor = ".".join(torch.split("+")[0].split(".")[:2])
+    cuda = 13 if "nvidia-cuda-runtime" in pins else 12 if "nvidia-cuda-runtime-cu12" in pins else None
+    if torch_minor == built[0] and cuda in (None, built[1]):
+        return []
+    return [
+        f"xformers=={xformers} is built for torch {built[0]} with CUDA {built[1]} and cannot load beside the "
+        f"locked torch=={torch}" + (f" (CUDA {cuda})" if cuda else "") + ": pin an xformers built for that "
+        "torch, or leave it out (pyproject's [tool.uv] override-dependencies, a never-true marker)"
+    ]
+
+
 UNREACHABLE = ("failed to fetch", "dns error", "connection refused", "could not connect", "timed out",
                "network is unreachable", "error sending request", "failed to download")  # fmt: skip
 """Phrases of a uv error that mean the package index was not reachable (not a lock problem)."""
 
 
 def install_dry_run(
-    uv: str, requirements: Path, python: str = PYTHON, timeout: float = 180
+    uv: str, requirements: Path, python: str = PYTHON, timeout: float = 180, exempt: bool = True
 ) -> subprocess.CompletedProcess:
     """``uv pip install --dry-run --require-hashes -r REQUIREMENTS`` for Linux x86_64 / CPython
-    ``python``, in a throwaway virtual environment: the install that ``python_env.yaml`` (pip in
-    hash-checking mode) and the Dockerfile perform, without installing anything.
+    ``python``, in a throwaway virtual environment, without installing anything: pip's
+    hash-checking install of the lock with every declared dependency resolved.
 
-    Exit 0: every requirement, transitive ones included, has a pin with a trusted hash."""
+    uv reads no project configuration here (``--no-config``: pip does not read uv's overrides);
+    with ``exempt`` the packages of :func:`not_installed` are left out explicitly, which is what the
+    ``--no-deps`` installs of the lock (Dockerfile, README) amount to.
+    Exit 0: every other requirement, transitive ones included, has a pin with a trusted hash."""
     with tempfile.TemporaryDirectory(prefix="lock-install-") as tmp:
         venv = Path(tmp) / "venv"
         made = subprocess.run([uv, "venv", "--quiet", str(venv)], capture_output=True, text=True, timeout=60)
         if made.returncode != 0:
             return made
-        cmd = [uv, "pip", "install", "--dry-run", "--require-hashes", "--only-binary", ":all:",
+        cmd = [uv, "pip", "install", "--dry-run", "--no-config", "--require-hashes", "--only-binary", ":all:",
                "--python-platform", PLATFORM, "--python-version", python, "-r", str(requirements)]  # fmt: skip
+        left_out = not_installed() if exempt else {}
+        if left_out:
+            overrides = Path(tmp) / "not-installed.txt"
+            overrides.write_text("".join(f"{line}\n" for line in left_out.values()))
+            cmd += ["--override", str(overrides)]
         env = {**os.environ, "VIRTUAL_ENV": str(venv)}
         return subprocess.run(
             cmd, capture_output=True, text=True, cwd=requirements.parent, env=env, timeout=timeout
@@ -248,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     if drift:
         problems.append("the committed lock does not match what pyproject resolves to:\n" + "\n".join(drift))
     problems += requirement_problems(locked)
+    problems += unloadable_pins(locked)
     problem = trl_vllm_problem(uv, locked)
     if problem:
         problems.append(problem)
@@ -260,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     if unhashed:
         problems.append("pins without --hash: " + ", ".join(unhashed))
+    left_out = not_installed()
+    pinned_anyway = sorted(left_out.keys() & locked.keys())
+    if pinned_anyway:
+        problems.append(
+            f"{', '.join(pinned_anyway)}: left out by pyproject's overrides but pinned in the lock"
+        )
     if problems:
         print(f"check_lock: {LOCK.relative_to(ROOT)} is out of date:", file=sys.stderr)
         for p in problems:
@@ -270,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         f"check_lock: {LOCK.relative_to(ROOT)} in sync: {len(locked)} pins, all hashed, "
         f"wheels for {PLATFORM} / CPython {PYTHON}; vllm=={locked.get('vllm')} inside the range of "
         f"trl=={locked.get('trl')}; closed: installs with --require-hashes"
+        + (
+            f" (left out on purpose: {', '.join(sorted(left_out))}; install with --no-deps)"
+            if left_out
+            else ""
+        )
     )
     return 0
 

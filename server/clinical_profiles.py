@@ -3,7 +3,7 @@
 A profile turns the ideal arch into an initial configuration by per-tooth
 displacements: a translation in the patient frame (mm) and a rotation vector in
 the crown's local frame (torque about x, tip about y, rotation about z; rad).
-Magnitudes by severity follow the clinical ranges of ENVIRONMENT.md §2
+Magnitudes by severity follow the clinical ranges of docs/environment.md, "Cases"
 (Little's irregularity index 1-3 / 4-6 / 7-9 mm; overbite 4-6 mm in deep bite).
 
 Each strategy is a staging order: ``STRATEGY_LEVELS[s][i]`` is the order in which
@@ -30,7 +30,7 @@ STRATEGIES: tuple[str, ...] = (
     "intrusion_first",
     "expansion_first",
 )
-"""The five strategy names a plan may declare (the seed's prompt)."""
+"""The five strategy names a plan may declare (those of the project's original specification's prompt)."""
 
 PROFILES: tuple[str, ...] = ("crowding", "class_ii", "protrusion_spacing", "deep_bite", "mild_irregularity")
 

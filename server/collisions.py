@@ -20,7 +20,7 @@ from server.quaternion_utils import stack_components, vector_norm
 COLLISION_TOLERANCE_MM: float = 0.11
 """Penetration up to this is interproximal contact, not a collision (model resolution). Calibrated
 so that uniform SLERP breaks no rule on 1,000 held-out seeds per level under both dynamics: under
-force decay its lagging teeth touch by up to 0.103 mm on task_hard (``bench/baselines.py``)."""
+force decay its lagging teeth touch by up to 0.103 mm on task_hard (``experiments/audits/baselines.py``)."""
 PENETRATION_SCALE_MM: float = 1.0
 """Penetration summed over one stage's contacts that makes that stage fully colliding."""
 

@@ -1,4 +1,4 @@
-"""Patient non-compliance: an option of ``task_hard`` (ENVIRONMENT.md §4).
+"""Patient non-compliance: an option of ``task_hard`` (docs/environment.md, "Cases").
 
 A compliance schedule is a ``(24, 28)`` array of wear factors in [0, 1]: the share of each
 stage's movement a tooth makes (1 = the aligner worn as prescribed), applied after the

@@ -32,8 +32,8 @@ from server.quaternion_utils import (
 
 MOVEMENT_TYPES: tuple[str, ...] = ("translation", "intrusion", "extrusion", "rotation", "tip_torque")
 MIN_MM: float = 0.5
-"""Smallest translation component (mm) a tooth must need for it to count (extrusion > 0.5 mm, as the
-issue's measurement)."""
+"""Smallest translation component (mm) a tooth must need for it to count (a tooth needing less than 0.5 mm
+of extrusion is left out of the extrusion share)."""
 MIN_DEG: float = 5.0
 """Smallest rotation component (deg) a tooth must need for it to count."""
 _INTRUSION_SIGN = np.where(IS_UPPER, 1.0, -1.0)

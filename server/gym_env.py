@@ -120,8 +120,12 @@ class AlignerStagingEnv(gym.Env):
 
     ## Version History
 
-    * v1: ``"shaped"`` is potential-based for the discount ``gamma`` (a new argument) and charges a
-      hard-rule breach at the step it happens, so the ordering principle holds under discounting
+    Versions of the env id (:data:`ENV_ID`; the earlier ones in :data:`PREVIOUS_ENV_IDS`), as
+    CHANGELOG.md records them:
+
+    * v1, ``OrthoRL/AlignerStaging-v1``: ``"shaped"`` is potential-based for the discount ``gamma``
+      (a new argument) and charges a hard-rule breach at the step it happens, so the ordering
+      principle holds under discounting
       (v0 paid the undiscounted accuracy gain and charged every breach at the 24th step: under
       gamma = 0.95 every tooth moved in the first aligner returned more than doing nothing). The
       stepwise path is judged as a path: premolar and molar cusps driven into their antagonists
@@ -129,7 +133,11 @@ class AlignerStagingEnv(gym.Env):
       its path that is net movement (:func:`server.scoring.path_efficiency`), so a tooth that
       jiggles or goes out and back is not paid for it. ``OrthoRL/AlignerStaging-v0`` still makes
       an env, this version's (v0's rewards are not kept: they broke the ordering).
-    * v0: initial release.
+    * v0, ``OrthoRL/AlignerStaging-v0``: the first id. Its episode reward was first the environment's
+      step rewards plus the raw terminal score (today's ``"environment"``), under which moving everything
+      in one aligner out-earned doing nothing; then the scaled reward, with ``reward_mode``
+      (``"scaled"``, the default, ``"shaped"`` paying the accuracy gained each stage, ``"environment"``)
+      and ``scaled_reward`` and ``broken_rules`` in ``info``.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}

@@ -47,7 +47,7 @@ face: what a client or a model sends goes through :func:`read_plan` first.
 
 :func:`find_plan` is the scan's raw answer (the plan object, or the first object when none holds
 ``tooth_groups``, and how many hold it), which the format checks of
-:mod:`orthojob.rewards.parsing` grade.
+:mod:`orthojob.core.parsing` grade.
 """
 
 from __future__ import annotations

@@ -42,9 +42,10 @@ penetration ``pen`` beyond the tolerance ``tol`` (crowns, aligner shapes, antago
 overshoot beyond its tolerance over 0.1 mm. A group of failing plans therefore still has
 an advantage to climb (fewer, smaller breaches), and its top lies below the safe band.
 
-This supersedes the seed's ``10 * raw - 2`` with overrides (-1.0 for collision_free < 0.9,
--0.5 for pdl_feasibility < 0.5), under which compressed plans that broke the limits, moving
-every tooth in one aligner, and stress judged on the mean over teeth out-earned safe staging.
+The plainer scale of the project's original specification, ``10 * raw - 2`` with overrides (-1.0
+for collision_free < 0.9, -0.5 for pdl_feasibility < 0.5), lets compressed plans that break the
+limits, moving every tooth in one aligner, and stress judged on the mean over teeth out-earn safe
+staging; this scale ranks every such plan below doing nothing.
 """
 
 from __future__ import annotations

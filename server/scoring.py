@@ -4,7 +4,7 @@ Pure, vectorised over a batch of B episodes. Inputs are the planned (aligner)
 trajectory and the achieved one, each ``(B, 25, 28, 7)`` (stage 0 = initial), and
 the cases' arrays. Every component is in [0, 1] except ``strategy_multiplier``.
 
-Components (ENVIRONMENT.md §5):
+Components (docs/environment.md, "Scoring"):
 
 * ``accuracy`` - share of the required movement achieved: ``1 - sum_i e_i / sum_i e0_i``
   with ``e`` the final and ``e0`` the initial mm-equivalent distance of each tooth to

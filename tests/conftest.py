@@ -87,7 +87,7 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """The tiny Qwen2 model, its tokenizer also trained on real prompts (shorter prompts)."""
-    from orthojob.data.prompts import TRAIN_SEED_START, prompt_rows
+    from orthojob.core.prompts import TRAIN_SEED_START, prompt_rows
     from orthojob.modeling.tiny_model import build_tiny_model
 
     rows = prompt_rows(4, TRAIN_SEED_START, "task_easy", False) + prompt_rows(2, 0, "task_hard", True)

@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from orthojob.core.parsing import completion_text  # noqa: E402
 from orthojob.ops.process_group import process_group_threads  # noqa: E402
 from orthojob.rewards import reward_functions  # noqa: E402
-from orthojob.rewards.parsing import completion_text  # noqa: E402
 from orthojob.stages.grpo import config_from_args, train_and_gate  # noqa: E402
 from orthojob.stages.grpo_config import validate  # noqa: E402
 from orthojob.stages.grpo_trainer import trainable_digest  # noqa: E402

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from orthojob.agentic.tools import DentalToolEnv
-from orthojob.data.prompts import build_prompt
+from orthojob.core.prompts import build_prompt
 from orthojob.rewards.reward_functions import reward_format
 from orthojob.rewards.rollouts import score_texts
 from server.absent_teeth import NO_CONTACT_MM, placeholder_poses

@@ -21,7 +21,7 @@ from transformers.utils import get_json_schema
 from orthojob.agentic.prompts import agentic_rows, full_prompt
 from orthojob.agentic.reward import reward_agentic
 from orthojob.agentic.tools import DentalToolEnv, plan_stages
-from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
+from orthojob.core.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from orthojob.ops.run_identity import config_digest
 from orthojob.rewards.reward_functions import reward_terminal
 from orthojob.rewards.rollouts import DEFAULT_CACHE

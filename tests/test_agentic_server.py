@@ -11,7 +11,7 @@ import pytest
 
 from orthojob.agentic.remote import check_server_capacity
 from orthojob.agentic.tools import DentalToolEnv
-from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
+from orthojob.core.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from server.app import create_app
 from server.oracle import oracle_plan
 from server.serving.settings import ServerSettings

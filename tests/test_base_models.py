@@ -221,8 +221,9 @@ def test_an_adapter_from_a_hub_staged_base_resolves_everywhere(
     this project's loader refuses a prefix staged again with other files."""
     import torch
 
+    from orthojob.lifecycle import model_logging
     from orthojob.modeling import adapters, models
-    from orthojob.ops import model_logging, tracking
+    from orthojob.ops import tracking
 
     monkeypatch.setenv(base_models.CACHE_ENV, str(tmp_path / "cache"))
     model, tok = models.load_policy(HUB_BASE, lora_r=4)

@@ -1,4 +1,4 @@
-"""Required ordering on held-out seeds (ENVIRONMENT.md §5): oracle > uniform SLERP > do-nothing,
+"""Required ordering on held-out seeds (docs/environment.md, "Scoring"): oracle > uniform SLERP > do-nothing,
 with a clear oracle margin on medium and hard; do-nothing and all-NaN plans score low."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from orthojob.data.prompts import build_prompt, plan_to_completion
+from orthojob.core.prompts import build_prompt, plan_to_completion
 from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
 from orthojob.rewards.reward_functions import REWARD_FUNCS
 from orthojob.rewards.rollouts import DEFAULT_CACHE
@@ -50,7 +50,7 @@ clean ones' did not; CHANGELOG.md); the cases and rewards digests are unchanged 
 
 
 def observation_of(task_id: str, seed: int, force_decay: bool) -> dict:
-    from orthojob.data.prompts import reset_observation
+    from orthojob.core.prompts import reset_observation
 
     return reset_observation(seed, task_id, force_decay)
 

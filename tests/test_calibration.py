@@ -1,4 +1,4 @@
-"""Clinical calibration (the calibration issue): force decay expresses what aligners really achieve
+"""Clinical calibration: force decay expresses what aligners really achieve
 (Kravitz 2009), plans can compensate by overcorrection, and the malocclusions are as severe as their
 names, each range with its source in server/clinical_profiles.py."""
 

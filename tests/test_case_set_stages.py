@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from orthojob.cli import main as cli_main
+from orthojob.core.prompts import build_messages, plan_to_completion
 from orthojob.data import case_sets
-from orthojob.data.prompts import build_messages, plan_to_completion
 from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
+from orthojob.lifecycle import gate_file
 from orthojob.modeling import models
-from orthojob.ops import gate_file
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.stages import rsft
 from orthojob.stages.rsft_config import RSFT_SAMPLES_FILE, RSFTConfig

@@ -1,4 +1,4 @@
-"""Cases: determinism across processes, penetration-free, feasible, ideal targets (ENVIRONMENT.md §2)."""
+"""Cases: determinism across processes, penetration-free, feasible, ideal targets (docs/environment.md, "Cases")."""
 
 from __future__ import annotations
 

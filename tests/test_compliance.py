@@ -1,4 +1,4 @@
-"""Non-compliance, the task_hard option of ENVIRONMENT.md §4: seeded with the case, never
+"""Non-compliance, the task_hard option (docs/environment.md, "Cases"): seeded with the case, never
 re-rolled by a rollback, the same in the stepwise and the plan paths, and visible in the
 achieved poses and the insertion forces."""
 

@@ -201,8 +201,8 @@ def agentic_output(k8s_with_image, tmp_path_factory) -> Path:
 
 
 def orthojob_render(overrides: Any = None, folder: Path = K8S) -> Any:
-    """`orthojob k8s render` (orthojob.ops.k8s_manifests.render) of ``folder``; it runs `kubectl kustomize`."""
-    from orthojob.ops.k8s_manifests import render
+    """`orthojob k8s render` (orthojob.deploy.k8s_manifests.render) of ``folder``; it runs `kubectl kustomize`."""
+    from orthojob.deploy.k8s_manifests import render
 
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed (`orthojob k8s render` runs `kubectl kustomize`)")
@@ -211,7 +211,7 @@ def orthojob_render(overrides: Any = None, folder: Path = K8S) -> Any:
 
 @pytest.fixture(scope="module")
 def render_output(tmp_path_factory) -> Path:
-    from orthojob.ops.k8s_manifests import Overrides
+    from orthojob.deploy.k8s_manifests import Overrides
 
     rendered = orthojob_render(Overrides(image=TEST_IMAGE, steps=50, name_suffix="t1"))
     out = tmp_path_factory.mktemp("render") / "orthojob-k8s-render.yaml"
@@ -244,7 +244,7 @@ def enable_knobs(k8s_copy: Path) -> None:
 @pytest.fixture(scope="module")
 def render_patched_output(tmp_path_factory) -> Path:
     """`orthojob k8s render --kustomize COPY` of a copy of k8s/ with the knobs of :func:`enable_knobs`."""
-    from orthojob.ops.k8s_manifests import Overrides
+    from orthojob.deploy.k8s_manifests import Overrides
 
     work = tmp_path_factory.mktemp("k8s-knobs") / "k8s"
     shutil.copytree(K8S, work)
@@ -316,9 +316,14 @@ def test_dockerfile_structure():
     assert pip_pin < lock_install and "--require-hashes" in commands[pip_pin]
     pinned = (ROOT / "requirements" / "pip.lock").read_text()
     assert re.search(r"^pip==[\d.]+ \\\n\s+--hash=sha256:[0-9a-f]{64}$", pinned, re.MULTILINE)
-    # the lock is closed: no --no-deps, the same hash-checked install as python_env.yaml's
+    # the lock is closed but for what pyproject's uv overrides leave out (scripts/check_lock.py), which
+    # pip would fetch: --no-deps exactly when something is left out
     assert "--require-hashes" in commands[lock_install] and "--only-binary=:all:" in commands[lock_install]
-    assert "--no-deps" not in commands[lock_install]
+    spec = importlib.util.spec_from_file_location("check_lock", ROOT / "scripts" / "check_lock.py")
+    check_lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_lock)
+    left_out = check_lock.not_installed()
+    assert ("--no-deps" in commands[lock_install]) == bool(left_out)
     # no `# syntax=` line: BuildKit would pull a frontend image for it
     assert not (ROOT / "Dockerfile").read_text().startswith("# syntax")
     user = [a for k, a in instrs if k == "USER"]
@@ -494,7 +499,7 @@ def test_an_unset_image_cannot_be_deployed(tmp_path):
     kustomization (kubectl apply -k, image not yet set) carry an empty image, which the API server
     refuses for the Job and the vLLM Deployment; the TrainJob's runtime cannot start it either.
     `orthojob k8s render` refuses without --image."""
-    from orthojob.ops.k8s_manifests import K8sError, render
+    from orthojob.deploy.k8s_manifests import K8sError, render
 
     for manifest in (K8S / "grpo-job.yaml", VLLM, ENV_SERVER):
         assert api_image_errors(load_all(manifest)), f"{manifest} would deploy an image unset"
@@ -586,7 +591,7 @@ def test_kustomization_overrides_image_digest_and_params(tmp_path):
 def test_render_is_the_kustomize_output(kustomize_output):
     """`orthojob k8s render` with only the image given is `kubectl kustomize k8s/` with that image
     set in k8s/image: the same objects, in the same order, every component (MLflow) included."""
-    from orthojob.ops.k8s_manifests import Overrides
+    from orthojob.deploy.k8s_manifests import Overrides
 
     assert orthojob_render(Overrides(image=TEST_IMAGE)).objects == load_all(kustomize_output)
 
@@ -594,7 +599,7 @@ def test_render_is_the_kustomize_output(kustomize_output):
 def test_render_applies_the_kustomization_patches(render_patched_output, tmp_path, capsys):
     """A component and patches enabled in the kustomization (a copy of k8s/) reach
     `orthojob k8s render --kustomize COPY`; the per-submission flags apply on top of them."""
-    from orthojob.ops import k8s
+    from orthojob.deploy import k8s
 
     docs = load_all(render_patched_output)
     job = one(docs, "Job")
@@ -622,7 +627,7 @@ def test_render_applies_the_kustomization_patches(render_patched_output, tmp_pat
 def test_render_errors_say_what_to_fix(tmp_path, monkeypatch, capsys):
     """No kubectl, no kustomization directory, a broken kustomization: exit 2 and what to fix, no
     traceback; a bad flag is refused before kubectl runs."""
-    from orthojob.ops import k8s
+    from orthojob.deploy import k8s
 
     parser = cli_parser()
 
@@ -721,7 +726,7 @@ def test_model_cache_choices(kustomize_output, multinode_output, cache_variants)
     claims. k8s/model-cache/emptydir makes it per-pod scratch (ephemeral-storage limit raised to
     match, claims dropped), and `orthojob k8s render --model-cache emptydir` renders the same;
     k8s/model-cache/shared gives the TrainJob's node pods one ReadWriteMany claim."""
-    from orthojob.ops.k8s_manifests import Overrides
+    from orthojob.deploy.k8s_manifests import Overrides
 
     def volumes(pod: dict) -> dict[str, dict]:
         return {v["name"]: v for v in pod["volumes"]}
@@ -802,7 +807,7 @@ def test_grpo_job_contract():
     }
     fail = next(r for r in rules if r["action"] == "FailJob")
     assert fail["onExitCodes"]["containerName"] == c["name"] and fail["onExitCodes"]["operator"] == "In"
-    from orthojob.ops.k8s import FAIL_FAST_CODES
+    from orthojob.deploy.k8s import FAIL_FAST_CODES
 
     assert sorted(fail["onExitCodes"]["values"]) == sorted(FAIL_FAST_CODES)
     assert {2, 3, 10, 11, 12, 13, 14, 20, 21, 22} <= set(FAIL_FAST_CODES)
@@ -1046,9 +1051,9 @@ def test_trainjob_launch_matches_its_resources_and_config():
     doc = one(load_all(TRAINJOB), "TrainJob")
     t = doc["spec"]["trainer"]
     argv = expand(t["command"] + t["args"], pet_env(doc))
-    # accelerate launch under orthojob.ops.launch: the workers' fail-fast codes are the container's
-    assert argv[:5] == ["python", "-m", "orthojob.ops.launch", "accelerate", "launch"]
-    from orthojob.ops import launch as launcher
+    # accelerate launch under orthojob.deploy.launch: the workers' fail-fast codes are the container's
+    assert argv[:5] == ["python", "-m", "orthojob.deploy.launch", "accelerate", "launch"]
+    from orthojob.deploy import launch as launcher
 
     run_launcher, launcher_args = launcher.launcher_for(argv[3:])
     assert run_launcher is launcher._run_accelerate and launcher_args == argv[5:]
@@ -1252,10 +1257,10 @@ def test_command_line_parses_with_the_real_cli(where, argv, capsys, monkeypatch)
 def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None:
     """``argv`` parses with the real CLI (through ``python -m orthojob.job``'s parser and chain when
     it is the Job's command), and the chain's GRPO config passes its pre-flight checks."""
-    if "examples.learning" in argv:  # make learn's module: its own flags
-        from examples import learning
+    if "experiments.learning" in argv:  # make learn's module: its own flags
+        from experiments.learning import experiment as learning
 
-        learning.build_parser().parse_args(argv[argv.index("examples.learning") + 1 :])
+        learning.build_parser().parse_args(argv[argv.index("experiments.learning") + 1 :])
         return
     if argv == ["python", "scripts/env_report.py"]:  # the env check: no flags (it runs in the tests)
         assert (ROOT / argv[1]).is_file()
@@ -1327,7 +1332,7 @@ def test_render_runs_the_whole_chain_into_a_per_job_prefix():
     then promote -> alias candidate) below OUTPUT_URI/<job name>-<uid[:8]>. Two Jobs never share a
     prefix; a retried pod (same Job) does. CHECKPOINT_URI set: GRPO from that checkpoint."""
     from orthojob import job
-    from orthojob.ops.k8s_manifests import Overrides
+    from orthojob.deploy.k8s_manifests import Overrides
 
     uid_a, uid_b = "5f0c1a2b-0000-4000-8000-000000000001", "9e8d7c6b-0000-4000-8000-000000000002"
     r = orthojob_render(Overrides(image=TEST_IMAGE, name_suffix="a1", output_uri="s3://team-bucket/orthorl"))
@@ -1740,7 +1745,7 @@ class Recorder:
 
 def recording_apis(responder=None):
     client = pytest.importorskip("kubernetes.client")
-    from orthojob.ops.k8s import Apis
+    from orthojob.deploy.k8s import Apis
 
     cfg = client.Configuration()
     cfg.host = "https://cluster.test"
@@ -1797,8 +1802,8 @@ def test_render_then_submit_request_bodies_field_by_field():
     """What submit sends is `kubectl kustomize k8s/` (the image unset there) with the overrides:
     shared objects moved to the namespace only, the Job and its ConfigMap changed where the
     overrides say and nowhere else."""
-    from orthojob.ops.k8s import submit
-    from orthojob.ops.k8s_manifests import CONFIG_KEYS, Overrides
+    from orthojob.deploy.k8s import submit
+    from orthojob.deploy.k8s_manifests import CONFIG_KEYS, Overrides
 
     manifest = list(yaml.safe_load_all(kustomize(K8S).stdout))
     m_cm, m_job = (
@@ -1866,7 +1871,7 @@ def test_render_then_submit_request_bodies_field_by_field():
 
 
 def _key(path: str) -> str:
-    from orthojob.ops.k8s_manifests import CONFIG_KEYS
+    from orthojob.deploy.k8s_manifests import CONFIG_KEYS
 
     return next(k for k, v in CONFIG_KEYS.items() if v == path.split("/")[-1])
 
@@ -1875,8 +1880,8 @@ def _key(path: str) -> str:
 def test_submit_leaves_existing_shared_objects_alone(status, reason):
     """409 (it exists) and 403 (a multi-tenant namespace where an admin made them) on the shared
     ServiceAccount, model-cache claim and NetworkPolicy are fine: submit goes on with the ConfigMap and the Job."""
-    from orthojob.ops.k8s import submit
-    from orthojob.ops.k8s_manifests import Overrides
+    from orthojob.deploy.k8s import submit
+    from orthojob.deploy.k8s_manifests import Overrides
 
     rendered = orthojob_render(Overrides(image=TEST_IMAGE))
     job_cm = rendered.config_map["metadata"]["name"]
@@ -1898,8 +1903,8 @@ def test_submit_leaves_existing_shared_objects_alone(status, reason):
 
 
 def test_submit_still_fails_on_a_forbidden_job():
-    from orthojob.ops.k8s import submit
-    from orthojob.ops.k8s_manifests import Overrides
+    from orthojob.deploy.k8s import submit
+    from orthojob.deploy.k8s_manifests import Overrides
 
     def refuse(method, url, body):
         if url.endswith("/jobs"):
@@ -1913,7 +1918,7 @@ def test_submit_still_fails_on_a_forbidden_job():
 
 
 def test_render_rejects_bad_overrides():
-    from orthojob.ops.k8s_manifests import K8sError, Overrides, render
+    from orthojob.deploy.k8s_manifests import K8sError, Overrides, render
 
     for bad in (
         Overrides(steps=0),
@@ -1931,7 +1936,7 @@ def test_cli_render_and_submit_through_the_parser(capsys):
     parser = cli_parser()
     if "k8s" not in subcommands(parser):
         pytest.skip("`orthojob k8s` is not wired into the CLI yet")
-    from orthojob.ops import k8s
+    from orthojob.deploy import k8s
 
     args = parser.parse_args(
         ["k8s", "render", "--steps", "7", "--image", "reg.test/x:1", "--name-suffix", "abc"]
@@ -1959,7 +1964,7 @@ def test_cli_render_and_submit_through_the_parser(capsys):
 
 
 def test_logs_and_status_through_the_client():
-    from orthojob.ops.k8s import follow_logs, job_status, status_exit_code
+    from orthojob.deploy.k8s import follow_logs, job_status, status_exit_code
 
     run_id = "0123456789abcdef0123456789abcdef"
     log = (
@@ -2097,7 +2102,7 @@ def test_cli_reports_api_errors(capsys):
     parser = cli_parser()
     if "k8s" not in subcommands(parser):
         pytest.skip("`orthojob k8s` is not wired into the CLI yet")
-    from orthojob.ops import k8s
+    from orthojob.deploy import k8s
 
     def forbidden(method, url, body):
         if url.endswith("/jobs"):
@@ -2120,7 +2125,7 @@ def test_an_unreachable_api_server_fails_clearly_and_every_request_has_a_timeout
     not a traceback; and no request waits forever (the client's default has no timeout)."""
     from urllib3.exceptions import MaxRetryError, NewConnectionError
 
-    from orthojob.ops import k8s
+    from orthojob.deploy import k8s
 
     parser = cli_parser()
 
@@ -2144,8 +2149,8 @@ def test_an_unreachable_api_server_fails_clearly_and_every_request_has_a_timeout
 def test_exit_code_table_everywhere_matches_the_enum():
     """docs/deploy.md's table, every podFailurePolicy (the Jobs', the TrainJob runtime's) and
     `k8s status` derive from ExitCode."""
+    from orthojob.deploy.k8s import EXIT_MEANINGS
     from orthojob.ops.exit_codes import ExitCode, fail_fast_codes
-    from orthojob.ops.k8s import EXIT_MEANINGS
 
     table = {}
     for line in (ROOT / "docs" / "deploy.md").read_text().splitlines():
@@ -2211,7 +2216,7 @@ def test_k8s_render_from_an_installed_wheel(tmp_path):
     # dev venv's site-packages, put after the wheel's own on the path
     site = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "yaml").exists())
     env["PYTHONPATH"] = str(site)
-    where = run([str(py), "-c", "import orthojob.ops.k8s as k; print(k.__file__)"], cwd=elsewhere, env=env)
+    where = run([str(py), "-c", "import orthojob.deploy.k8s as k; print(k.__file__)"], cwd=elsewhere, env=env)
     assert str(venv) in where.stdout, where.stdout + where.stderr
     render_cmd = [str(venv / "bin" / "orthojob"), "k8s", "render", "--image", TEST_IMAGE, "--steps", "7"]
     proc = run(render_cmd, cwd=elsewhere, env=env, timeout=120)

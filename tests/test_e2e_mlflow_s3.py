@@ -51,6 +51,7 @@ PIPELINE_OVERRIDES = {
     "grpo_gate.thresholds.min_parse_rate": 0.0,  # evaluated, opened: 2 steps do not reach it
     "grpo_gate.thresholds.min_format_reward": 0.0,
     "grpo_gate.thresholds.min_margin_over_slerp": -10.0,
+    "grpo_gate.thresholds.max_p_no_better_than_slerp": None,
     "grpo.lora_r": 4,  # an adapter: what the registry holds for real models
     "evaluate.n_seeds": 2,
     "evaluate.max_new_tokens": 48,
@@ -160,7 +161,7 @@ def pipeline_run(services, tmp_path_factory):
     env = {**os.environ, **job_env(s3, server, tmp / "work")}
     env.pop("MLFLOW_RUN_ID", None)
     bin_dir = str(Path(sys.executable).parent)
-    overrides = ",".join(f"{k}={v}" for k, v in PIPELINE_OVERRIDES.items())
+    overrides = ",".join(f"{k}={json.dumps(v)}" for k, v in PIPELINE_OVERRIDES.items())
     mlflow_bin = shutil.which("mlflow", path=bin_dir) or shutil.which("mlflow")
     assert mlflow_bin, "the mlflow package is installed but its `mlflow` command is not"
     t = time.perf_counter()
@@ -456,7 +457,7 @@ def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(services, env,
 def _gated_checkpoint(tiny: Path, folder: Path, passed: bool) -> Path:
     import shutil
 
-    from orthojob.ops import gate_file
+    from orthojob.lifecycle import gate_file
 
     shutil.copytree(tiny, folder)
     good = {"parse_rate": 1.0, "format_reward": 1.0, "margin_over_slerp": 0.1, "scaled_reward_mean": 7.0,
@@ -619,7 +620,7 @@ def test_s3_outage_during_upload(services, env, tiny, tmp_path, monkeypatch, cap
     half-made: no manifest (so no reader uses the folder), no gate file in the run, nothing promoted."""
     import argparse
 
-    from orthojob.ops import registry
+    from orthojob.lifecycle import registry
     from orthojob.stages import grpo
 
     s3, server = services

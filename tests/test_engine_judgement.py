@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from orthojob.data.prompts import plan_to_completion
+from orthojob.core.prompts import plan_to_completion
 from orthojob.eval.evaluation import evaluate_checkpoint
-from orthojob.ops import gate_file
+from orthojob.lifecycle import gate_file
 from orthojob.rewards.rollouts import score_texts
 from orthojob.stages import gate
 from orthojob.stages.pipeline_summary import format_summary
@@ -102,8 +102,9 @@ def test_the_gate_file_and_the_summary_print_both(near_oracle, tmp_path):
             "gate_grpo": {"seconds": 1.0, "passed": True, **view, **on["metrics"]},
         },
     }
-    line = format_summary(summary).splitlines()[-1]
+    *_, margin, line = format_summary(summary).splitlines()
     assert f"engine v{ENGINE_VERSION}: executed scaled_reward" in line and "raw plans" in line
+    assert margin.strip().startswith("above SLERP on the same cases by") and "95 % lower bound" in margin
 
 
 def test_rollouts_carry_the_engines_record_and_keep_the_raw_score():
@@ -176,7 +177,7 @@ def test_grpo_with_the_engine_in_the_loop_pays_a_repair_less_than_the_safe_plan_
 
 
 def test_the_plan_search_attacks_the_sum_with_the_engine_in_the_loop():
-    from orthojob.rewards.plan_search import objective
+    from experiments.audits.plan_search import objective
     from server.staging_engine import execute_plan_dicts
 
     case = generate_case("task_easy", SEEDS + 2, True)

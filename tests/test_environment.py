@@ -1,4 +1,4 @@
-"""The stepwise environment and its session store (ENVIRONMENT.md §3, §6, §7)."""
+"""The stepwise environment and its session store (docs/environment.md, "Python API" and "The server")."""
 
 from __future__ import annotations
 

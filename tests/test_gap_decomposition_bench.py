@@ -1,16 +1,16 @@
-"""bench/gap_decomposition.py: the overcorrecting share and the room counterfactual on hand-made plans."""
+"""experiments/learning/gap_decomposition.py: the overcorrecting share and the room counterfactual on hand-made plans."""
 
 from __future__ import annotations
 
+from experiments.learning import gap_decomposition as gap_decomposition_script
 from orthojob.data.robust_plans import within_room
 from server.cases import HELDOUT_SEED_START, CaseKey, generate_case
 from server.staging import overcorrection_room
 from server.treatment import score_plans
-from tests.bench_scripts import load_bench
 
 
 def test_room_counterfactual_scores_the_plans_that_hold_back_with_and_without_the_room():
-    bench = load_bench("gap_decomposition")
+    bench = gap_decomposition_script
     keys = [CaseKey("task_easy", HELDOUT_SEED_START + i, fd) for fd in (False, True) for i in range(3)]
     plain = [
         {"tooth_groups": [{"teeth": list(generate_case(*k).present_ids), "fraction": 0.0417}]} for k in keys

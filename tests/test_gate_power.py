@@ -12,8 +12,8 @@ from functools import lru_cache
 
 import pytest
 
-from orthojob.data.prompts import plan_to_completion
-from orthojob.ops import gate_file
+from orthojob.core.prompts import plan_to_completion
+from orthojob.lifecycle import gate_file
 from orthojob.stages import gate, presets
 from server.cases import CaseKey
 from server.dental_constants import TOOTH_IDS

@@ -1,4 +1,4 @@
-"""Geometry: quaternion algebra, the ideal arch, adjacent-crown penetration (ENVIRONMENT.md §1, §2, §5)."""
+"""Geometry: quaternion algebra, the ideal arch, adjacent-crown penetration (docs/environment.md, "Conventions", "Cases" and "Scoring")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""bench/group_signal.py: how much learning signal GRPO's groups carry, read from completions.jsonl."""
+"""experiments/learning/group_signal.py: how much learning signal GRPO's groups carry, read from completions.jsonl."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from tests.bench_scripts import load_bench
+from experiments.learning import group_signal as group_signal_script
 
 
 def _bench():
-    return load_bench("group_signal")
+    return group_signal_script
 
 
 def _group(step, seed, task, completions, terminals, advantages):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from orthojob.data.prompts import plan_to_completion, reset_observation
+from orthojob.core.prompts import plan_to_completion, reset_observation
 from orthojob.eval.analysis import analyze, plan_metrics
 from orthojob.modeling.models import device_info
 from orthojob.ops.exit_codes import ExitCode
@@ -59,7 +59,7 @@ def test_level_weights_flag_reaches_the_config_and_is_checked():
         config_from_args(parse(["--mixed-cells", "--level-weight", "hard=2"]))
 
 
-def test_seed_flags_and_preset_overrides():
+def test_train_flags_and_preset_overrides():
     args = parse(["--preset", "tiny-cpu", "--steps", "3", "--force-decay", "--reward-weight", "format=2"])
     config = config_from_args(args)
     assert config.steps == 3  # explicit flag beats the preset
@@ -68,18 +68,18 @@ def test_seed_flags_and_preset_overrides():
     assert config_from_args(parse([])) == GRPOJobConfig()
     qwen = config_from_args(parse(["--preset", "qwen2.5-3b"]))
     assert qwen.lora_r == 16 and qwen.num_generations == 8
-    seed_flags = ["--model", "m", "--steps", "1", "--num-generations", "2", "--batch-size", "2", "--lr", "1e-5",
+    flags = ["--model", "m", "--steps", "1", "--num-generations", "2", "--batch-size", "2", "--lr", "1e-5",
                   "--lora-r", "8", "--max-prompt-length", "10", "--max-completion-length", "10",
                   "--max-seq-length", "20", "--out", "o", "--task-id", "task_hard", "--force-decay", "--use-vllm",
                   "--from-checkpoint", "c", "--skip-sft-gate", "--test", "--analyze"]  # fmt: skip
-    config = config_from_args(parse(seed_flags))
+    config = config_from_args(parse(flags))
     assert (config.model, config.steps, config.lora_r, config.task_id) == ("m", 1, 8, "task_hard")
     assert config.use_vllm and config.skip_sft_gate and config.test and config.analyze
     for preset in PRESETS:
         validate(config_from_args({"preset": preset}), n_processes=1, cuda=False)
 
 
-def test_seed_batch_arithmetic_is_refused_before_any_model_load(no_model_load, capsys):
+def test_unsplittable_batch_is_refused_before_any_model_load(no_model_load, capsys):
     rc = run_train(parse(["--batch-size", "2", "--num-generations", "4", "--skip-sft-gate"]))
     err = capsys.readouterr().err
     assert rc == ExitCode.USAGE
@@ -139,7 +139,7 @@ def test_smoke_runs_every_reward_on_real_plans_without_a_model(no_model_load, ca
 
 
 def test_missing_sft_gate_refuses_to_start(no_model_load, tmp_path, capsys):
-    from orthojob.ops.gate_file import GateError, check_gate
+    from orthojob.lifecycle.gate_file import GateError, check_gate
 
     with pytest.raises(GateError) as info:
         check_gate(str(tmp_path))
@@ -151,7 +151,7 @@ def test_missing_sft_gate_refuses_to_start(no_model_load, tmp_path, capsys):
 def test_sft_gate_preflight_passes_and_fails_on_the_gate_file(no_model_load, tiny_model, tmp_path, capsys):
     import shutil
 
-    from orthojob.ops.gate_file import write_gate
+    from orthojob.lifecycle.gate_file import write_gate
 
     checkpoint = tmp_path / "bc_sft"
     shutil.copytree(tiny_model, checkpoint)
@@ -281,7 +281,7 @@ def test_grpo_trainer_calls_the_five_rewards(tiny_model, tmp_path):
     assert json.loads((out / "train_log.json").read_text())[0]["step"] == 1
     assert (out / "config.json").exists() or (out / "adapter_config.json").exists()
     # The GRPO gate: written by the held-out evaluation of the saved checkpoint, passed computed.
-    from orthojob.ops.gate_file import GATE_FILE, gate_checks
+    from orthojob.lifecycle.gate_file import GATE_FILE, gate_checks
 
     gate = json.loads((out / GATE_FILE).read_text())
     assert gate["stage"] == "grpo" and gate["evaluation"]["n_seeds"] == config.gate_seeds
@@ -360,9 +360,10 @@ def test_mlflow_run_gets_the_completion_table_and_the_grpo_diagnostics(tiny_mode
 
 
 def test_learning_grpo_runs_through_the_job_trainer(tiny_model, tmp_path):
-    """examples.learning's GRPO stage: the job's trainer, the evaluation callback every step, the reward
+    """experiments.learning.experiment's GRPO stage: the job's trainer, the evaluation callback every step, the reward
     time share, prompts of every cell and a constant learning rate."""
-    from examples import learning, learning_eval
+    from experiments.learning import evaluation as learning_eval
+    from experiments.learning import experiment as learning
 
     cfg = learning.LearnConfig(out=str(tmp_path), steps=2, stage0_steps=2, num_generations=2, prompts_per_step=1, num_prompts=2,
                                max_completion_length=24, eval_every=1, eval_seeds=1, lr=1e-3)  # fmt: skip
@@ -466,7 +467,7 @@ def test_grpo_trains_on_a_case_sets_training_patients_and_gates_on_its_heldout_o
     assert {k.seed for k in loaded.heldout}.isdisjoint(train_seeds)
     rows = loaded.rows("train")
     assert [r["case_id"] for r in rows] == [loaded.validation.case_ids[k] for k in loaded.split.train]
-    from orthojob.ops.gate_file import GATE_FILE
+    from orthojob.lifecycle.gate_file import GATE_FILE
 
     gate = json.loads((tmp_path / "grpo" / GATE_FILE).read_text())
     assert gate["evaluation"]["task_ids"] == ["imported"] and gate["metrics"]["n"] == 2

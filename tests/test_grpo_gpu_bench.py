@@ -20,6 +20,9 @@ def test_the_gpu_recipe_runs_both_samplers_on_a_tiny_model(tmp_path, capsys):
     for r in results:
         assert r["steps"] == 2 and r["completions_per_step"] == 4
         assert r["gen_tokens"] > 0 and r["gen_tokens_per_s"] > 0 and r["step_s"] > 0
+        # built by the job's own RecordingGRPOTrainer.from_config, it recorded every completion as a run does
+        recorded = (tmp_path / f"out-{r['run']}" / "completions.jsonl").read_text().splitlines()
+        assert len(recorded) == 2 * 4
 
 
 def test_mfu_is_model_flops_over_the_devices_peak():

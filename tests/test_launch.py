@@ -1,4 +1,4 @@
-"""`python -m orthojob.ops.launch`: the TrainJob's launcher exits with the workers' fail-fast code.
+"""`python -m orthojob.deploy.launch`: the TrainJob's launcher exits with the workers' fail-fast code.
 
 Real launches on CPU (gloo, two workers): torchrun and `accelerate launch` with the TrainJob's own
 accelerate config; a rank's exit code in :func:`orthojob.ops.exit_codes.fail_fast_codes` becomes the
@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("torch.distributed.run")
 
-from orthojob.ops import launch
+from orthojob.deploy import launch
 from orthojob.ops.exit_codes import fail_fast_codes
 from tests.services import free_port, run_process_group
 
@@ -79,7 +79,7 @@ def torchrun(script: Path) -> list[str]:
 
 
 def wrapped(argv: list[str]) -> list[str]:
-    return [sys.executable, "-m", "orthojob.ops.launch", *argv]
+    return [sys.executable, "-m", "orthojob.deploy.launch", *argv]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_torchrun_worker_code_is_the_launchers(worker, codes, want):
         env(WORKER_CODES=codes),
         ROOT,
         timeout=120,
-        what="orthojob.ops.launch torchrun",
+        what="orthojob.deploy.launch torchrun",
     )
     assert proc.returncode == want, proc.stderr[-3000:]
     if want == 32:

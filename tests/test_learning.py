@@ -11,7 +11,7 @@ from dataclasses import Field, fields, replace
 import numpy as np
 import pytest
 
-from examples.learning_eval import (
+from experiments.learning.evaluation import (
     ENGINE_METRICS,
     final_cases,
     heldout_cases,
@@ -19,7 +19,8 @@ from examples.learning_eval import (
     reference_rows,
     strategy_counterfactuals,
 )
-from examples.learning_report import CELL_NAMES
+from experiments.learning.report import CELL_NAMES
+from orthojob.core.parsing import find_plan
 from orthojob.data.format_demos import (
     demo_stats,
     format_demonstrations,
@@ -28,7 +29,6 @@ from orthojob.data.format_demos import (
     sequenced_format_plan,
 )
 from orthojob.rewards.canaries import METRICS, episode_values
-from orthojob.rewards.parsing import find_plan
 from orthojob.rewards.reward_functions import reward_format, reward_terminal
 from orthojob.rewards.rollouts import DEFAULT_CACHE
 from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START, generate_case
@@ -206,7 +206,7 @@ def test_safety_counterfactuals_say_what_the_rule_breaks_cost():
     shapes collide) is scored as written, checked (uniform SLERP in its place), without its
     overcorrection (uniform SLERP's staging here) and by the first safe sampled plan; a safe plan is
     the same every way; a completion that is not a plan is the minimum and counts as broken."""
-    from examples.learning_eval import safety_counterfactuals, uniform_strategy_signal
+    from experiments.learning.evaluation import safety_counterfactuals, uniform_strategy_signal
     from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN
     from server.treatment import score_plans
 
@@ -347,7 +347,7 @@ def _report(
 def test_targets_pass_only_when_every_claim_holds():
     """The pass/fail logic of make learn's self-check: a run that meets every target passes; each way
     of missing one fails that target."""
-    from examples.learning_report import markdown_tables, targets, targets_table
+    from experiments.learning.report import markdown_tables, targets, targets_table
 
     good = targets(_report())
     assert [t["name"] for t in good] == [
@@ -401,8 +401,8 @@ def test_paired_differences_compare_the_same_cases():
     every case differs by 0.3 with a narrow interval even where the cases themselves spread widely
     (force decay scores lower for everybody); different case counts are refused; a report without
     per-case scores leaves the pair out."""
-    from examples.learning_eval import grouped
-    from examples.learning_report import paired_differences, paired_table
+    from experiments.learning.evaluation import grouped
+    from experiments.learning.report import paired_differences, paired_table
 
     cases = heldout_cases(8)
     rng = np.random.default_rng(0)
@@ -438,7 +438,7 @@ def test_paired_differences_compare_the_same_cases():
 
 def test_learning_grpo_settings_reach_trls_config(tmp_path):
     """run_grpo trains through the job's trainer: its GRPOJobConfig gives TRL the experiment's settings."""
-    from examples.learning import GRPO_PROMPT_SEED_START, LearnConfig, grpo_job_config
+    from experiments.learning.experiment import GRPO_PROMPT_SEED_START, LearnConfig, grpo_job_config
     from orthojob.stages.grpo_config import build_grpo_args, validate
 
     cfg = LearnConfig(out=str(tmp_path))
@@ -507,7 +507,7 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
 
 
 def test_strategy_conditioning_tells_a_case_blind_policy_from_one_that_reads_the_case():
-    from examples.learning_eval import strategy_conditioning
+    from experiments.learning.evaluation import strategy_conditioning
 
     optimal = list(STRATEGIES) * 4
     blind = np.tile([0.6, 0.1, 0.1, 0.1, 0.1], (len(optimal), 1))
@@ -532,8 +532,8 @@ def tiny_model(tmp_path_factory):
 def test_strategy_probe_reads_the_policy_where_its_plan_names_the_strategy(tiny_model):
     """On the tiny model: the probe finds the strategy key in either key order, gives a distribution
     over the five per case, and NaN for a text that names no strategy."""
-    from examples.learning_eval import strategy_distribution
-    from orthojob.data.prompts import plan_to_completion
+    from experiments.learning.evaluation import strategy_distribution
+    from orthojob.core.prompts import plan_to_completion
     from orthojob.modeling import models
 
     model, tokenizer = models.load_policy(str(tiny_model), lora_r=0, max_seq_length=2048)
@@ -578,7 +578,7 @@ def test_the_chain_process_is_given_every_setting_of_the_run():
     """make learn's chain's process (``chain_command``: flags from the metadata the parser is built from)
     rebuilds the run's config whole, with ``chain_only`` set: every field set away from its default
     (level weights included) comes back through the parser, and so do the defaults."""
-    from examples.learning import LearnConfig, build_parser, chain_command
+    from experiments.learning.experiment import LearnConfig, build_parser, chain_command
 
     defaults = LearnConfig()
     away = LearnConfig(
@@ -587,7 +587,7 @@ def test_the_chain_process_is_given_every_setting_of_the_run():
     assert [f.name for f in fields(LearnConfig) if getattr(away, f.name) == getattr(defaults, f.name)] == []
     for cfg in (away, defaults):
         command = chain_command(cfg)
-        assert command[1:3] == ["-m", "examples.learning"]
+        assert command[1:3] == ["-m", "experiments.learning"]
         assert LearnConfig(**vars(build_parser().parse_args(command[3:]))) == replace(cfg, chain_only=True)
 
 
@@ -595,7 +595,8 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
     """make learn's code path on a 1-layer model, a few steps each, the chain (BC, RSFT, GRPO from BC) in
     its own process as make learn starts it: the file has every cell, planner, curve and target, and an
     untrained model fails the targets (exit 1)."""
-    from examples import learning, learning_report
+    from experiments.learning import experiment as learning
+    from experiments.learning import report as learning_report
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as make learn: one thread a process
@@ -684,7 +685,7 @@ def test_stage0_only_runs_no_chain_and_its_targets_read_missing(tmp_path, monkey
     """``--stage0-only``: stage 0 and GRPO from it, no chain process and no chain; the chain's targets
     fail as missing, GRPO from stage 0's are judged (a curve level with its start is stable: the check
     compares the means unrounded)."""
-    from examples import learning
+    from experiments.learning import experiment as learning
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
 
@@ -720,13 +721,12 @@ def test_stage0_only_runs_no_chain_and_its_targets_read_missing(tmp_path, monkey
 
 
 def test_the_two_halves_run_apart_combine_into_the_report_make_learn_writes(tmp_path, monkeypatch, capsys):
-    """bench/combine_halves.py: a ``--stage0-only`` run and a ``--chain-only`` run joined give the targets
+    """experiments/learning/combine_halves.py: a ``--stage0-only`` run and a ``--chain-only`` run joined give the targets
     ``make learn`` gives with the same halves in one run; halves of different seeds or cases, and an
     output folder that is one of them or already holds a report, are refused (exit 2) saying why."""
-    from examples import learning
-    from tests.bench_scripts import load_bench
+    from experiments.learning import chain_report, combine_halves
+    from experiments.learning import experiment as learning
 
-    combine_halves = load_bench("combine_halves")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
 
     def fake_grpo(cfg, name, checkpoint, cases, record, save, deadline):
@@ -772,9 +772,9 @@ def test_the_two_halves_run_apart_combine_into_the_report_make_learn_writes(tmp_
     by_name = {t["name"]: t for t in joined["targets"]}
     assert by_name["grpo_bc_beats_bc"]["passed"] and not by_name["grpo_stage0_beats_slerp_easy"]["passed"]
     assert (tmp_path / "joined" / "comparison.md").is_file()
-    # a chain run on its own gets its report with the references (bench/chain_report.py): GRPO from BC
+    # a chain run on its own gets its report with the references (experiments/learning/chain_report.py): GRPO from BC
     # reaching the oracle closes the whole gap, its raw plans beside the executed ones
-    assert load_bench("chain_report").main([str(tmp_path / "chain")]) == 0
+    assert chain_report.main([str(tmp_path / "chain")]) == 0
     printed = capsys.readouterr().out
     assert "| GRPO from BC raw | GRPO from BC repair share | gap closed |" in printed
     assert printed.rstrip().endswith(" | 1.0 |") and "| raw |" in printed
@@ -795,7 +795,7 @@ def test_the_two_halves_run_apart_combine_into_the_report_make_learn_writes(tmp_
 
 def test_learning_refuses_a_grpo_setting_before_any_stage(tmp_path, capsys):
     """A GRPO setting that cannot train ends the run with exit 2 before stage 0 or BC spends a minute."""
-    from examples.learning import main
+    from experiments.learning.experiment import main
 
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
@@ -815,7 +815,7 @@ def test_weight_average_is_an_exponential_moving_average_swapped_in_for_evaluati
     weights; evaluation sees the average and training gets its own weights back; decay 0 does nothing."""
     import torch
 
-    from examples.weight_average import WeightAverage
+    from experiments.learning.weight_average import WeightAverage
 
     model = torch.nn.Linear(2, 1, bias=False)
     frozen = torch.nn.Linear(2, 1, bias=False)

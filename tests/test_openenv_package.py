@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from websockets.sync.client import connect as ws_connect
 
 from orthojob.agentic.tools import DentalToolEnv
-from orthojob.data.prompts import TRAIN_SEED_START
+from orthojob.core.prompts import TRAIN_SEED_START
 from server.agent_tools import TOOL_NAMES, StagingTools
 from server.app import build_app
 from server.cases import TASK_IDS

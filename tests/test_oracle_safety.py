@@ -1,19 +1,19 @@
 """A safe oracle and a safe baseline: the oracle's plan (and, with full wear, uniform SLERP's) breaks
 no hard rule, and the oracle's scores at least uniform SLERP's, on every seed, at every level, under ideal dynamics and force decay, and with
-non-compliance on task_hard (:mod:`orthojob.eval.oracle_audit`).
+non-compliance on task_hard (:mod:`experiments.audits.oracle_audit`).
 
 Within CI's time: all 1,000 seeds per level where the teeth follow the plan (ideal dynamics, full
 wear), the first 250 where the dynamics are simulated (4x the cost a case). The full 1,000 seeds
-of every combination: ``python bench/oracle_safety.py`` (figures in the README). With non-compliance
+of every combination: ``python experiments/audits/oracle_safety.py`` (figures in the README). With non-compliance
 also the seeds on which the oracle once broke a rule and a window of the tests' seed range, and the
 oracle's last resort (:func:`server.oracle_fallback.safe_fallback`) where uniform SLERP breaks a rule; the
-1,000-seed shares on fresh seeds: ``python bench/oracle_noncompliance.py``."""
+1,000-seed shares on fresh seeds: ``python experiments/audits/oracle_noncompliance.py``."""
 
 from __future__ import annotations
 
 import pytest
 
-from orthojob.eval.oracle_audit import COMBOS, audit, summary
+from experiments.audits.oracle_audit import COMBOS, audit, summary
 from server.cases import generate_case
 from server.clinical_profiles import optimal_strategy
 from server.oracle import infer_profiles, plan_for_case, uniform_staging
@@ -46,14 +46,14 @@ def test_the_oracle_and_slerp_break_no_hard_rule_and_the_oracle_beats_slerp(outc
     assert not s["below_slerp"], s["below_slerp"][:10]
     # uniform SLERP ignores the wear it is given: only with full wear is it a safe baseline (with
     # non-compliance about 1 plan in 4 breaks a rule under ideal dynamics, 1 in 9 under force decay:
-    # bench/oracle_noncompliance.py)
+    # experiments/audits/oracle_noncompliance.py)
     if not combo[2]:
         assert not s["slerp_broken"], s["slerp_broken"][:10]
 
 
 # task_hard with non-compliance: seeds on which the oracle once broke a rule (a lost attachment late in
 # treatment under ideal dynamics, or over the middle aligners under force decay), then a window of the
-# tests' range; the 1,000-seed shares: bench/oracle_noncompliance.py
+# tests' range; the 1,000-seed shares: experiments/audits/oracle_noncompliance.py
 REGRESSION_SEEDS: dict[bool, tuple[int, ...]] = {
     False: (1000022, 1000146, 3000296, 3000375, 3000485, 3000644, 3000840),
     True: (1000176, 3000215),

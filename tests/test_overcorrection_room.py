@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from orthojob.data.prompts import build_prompt, reset_observation
+from orthojob.core.prompts import build_prompt, reset_observation
 from server.case_records import case_of_record, record_of_case, register_case
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 from server.collisions import COLLISION_TOLERANCE_MM, all_pairs_penetration_mm

@@ -1,4 +1,4 @@
-"""bench/paired_runs.py: two learning runs' planners compared on the same held-out cases."""
+"""experiments/learning/paired_runs.py: two learning runs' planners compared on the same held-out cases."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from tests.bench_scripts import load_bench
+from experiments.learning import paired_runs as paired_runs_script
 
 
 def _bench():
-    return load_bench("paired_runs")
+    return paired_runs_script
 
 
 def _report(bc: dict, grpo_bc: dict) -> dict:

@@ -1,4 +1,4 @@
-"""Tests of orthojob.rewards.parsing: the first balanced JSON object, caps, hostile input, format checks."""
+"""Tests of orthojob.core.parsing: the first balanced JSON object, caps, hostile input, format checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orthojob.rewards.parsing import (
+from orthojob.core.parsing import (
     FORMAT_CHECKS,
     MAX_CANDIDATES,
     MAX_COMPLETION_CHARS,
@@ -74,7 +74,7 @@ def _timed_extract(text: object) -> dict | None:
         (
             '{"a": 1} and then {"b": 2}',
             {"a": 1},
-        ),  # no plan: the first object (the seed took {..} to the last })
+        ),  # no plan: the first object (not the span from the first { to the last })
         ('{"note": "draft"} ' + json.dumps(PLAN), PLAN),  # the plan is the object holding tooth_groups
         ('{"tooth_groups": [1]} {"tooth_groups": [2]}', {"tooth_groups": [1]}),  # several: the first
         ('{"s": "}{"} {"b": 2}', {"s": "}{"}),  # braces inside strings do not count

@@ -14,10 +14,10 @@ import pytest
 
 from orthojob.cli import build_parser
 from orthojob.cli import main as cli_main
-from orthojob.data.prompts import prompt_format_of
-from orthojob.ops import gate_file
+from orthojob.core.prompts import prompt_format_of
+from orthojob.lifecycle import gate_file
+from orthojob.lifecycle.registry import DEFAULT_MODEL_NAME
 from orthojob.ops.exit_codes import ExitCode
-from orthojob.ops.registry import DEFAULT_MODEL_NAME
 from orthojob.stages.grpo import config_from_args
 from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.stages.pipeline import SUMMARY_FILE
@@ -43,6 +43,7 @@ SMALL = {
     "evaluate.n_seeds": 6,
     # a threshold the caller asks for: the GRPO stage's one gate file must carry it
     "grpo_gate.thresholds.min_margin_over_slerp": -5.0,
+    "grpo_gate.thresholds.max_p_no_better_than_slerp": None,
 }
 
 

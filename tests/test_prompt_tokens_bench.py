@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from orthojob.data.prompts import reset_observation
+from orthojob.core.prompts import reset_observation
 from tests.bench_scripts import load_bench
 
 

@@ -1,4 +1,4 @@
-"""Tests of orthojob.data.prompts: content drawn from the observation and the server's constants, rows, SFT text."""
+"""Tests of orthojob.core.prompts: content drawn from the observation and the server's constants, rows, SFT text."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from orthojob.data import prompts
-from orthojob.data.prompts import (
+from orthojob.core import prompts
+from orthojob.core.parsing import extract_plan, format_checks
+from orthojob.core.prompts import (
     HELDOUT_SEED_START,
     PLAN_SEMANTICS,
     SYSTEM_PROMPT,
@@ -21,7 +22,6 @@ from orthojob.data.prompts import (
     prompt_rows,
     reset_observation,
 )
-from orthojob.rewards.parsing import extract_plan, format_checks
 from server.cases import TASK_IDS
 from server.clinical_profiles import STRATEGIES
 from server.dental_constants import (

@@ -40,6 +40,7 @@ FAST = {
     "grpo_gate.thresholds.min_parse_rate": 0.0,
     "grpo_gate.thresholds.min_format_reward": 0.0,
     "grpo_gate.thresholds.min_margin_over_slerp": -100.0,
+    "grpo_gate.thresholds.max_p_no_better_than_slerp": None,
     "evaluate.n_seeds": 1,
     "evaluate.max_new_tokens": 48,
     "evaluate.baselines": False,

@@ -1,15 +1,16 @@
-"""The reward judges clinical quality (the reward-fidelity issue): no plan that breaks a hard rule
+"""The reward judges clinical quality: no plan that breaks a hard rule
 out-earns one that keeps them, per-stage limits bind, strategy is judged by sequence, the oracle
 is safe, and every reward carries a within-group signal in the clinical direction.
 
-The plans are the exact ones the issue measured on main (figures there are the old scale)."""
+The plans are exploits a reward that judges outcomes loosely would pay: the oracle's staging sped
+up, teeth moved all at once, nothing moved, and one slow group declaring the Class II strategy."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from orthojob.data.prompts import plan_to_completion
+from orthojob.core.prompts import plan_to_completion
 from orthojob.eval.reward_signal import (
     MIN_GROUP_STD,
     MIN_INFORMATIVE_SHARE,
@@ -30,7 +31,8 @@ ONE_GROUP = {
     "strategy": "distal_first",
     "tooth_groups": [{"teeth": [11, 12, 21, 22, 31, 32, 41, 42], "fraction": 0.0556, "priority": "medium"}],
 }
-"""The issue's one-group plan: beat the oracle on 31 of 31 Class II cases on main."""
+"""The incisors as one slow group under ``distal_first``, Class II's optimal strategy, with no
+sequence: it claims the strategy's multiplier without staging the buccal segments first."""
 NOTHING = {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 0.0}]}
 ALL_AT_ONCE = {"tooth_groups": [{"teeth": list(TOOTH_IDS), "fraction": 1.0}]}
 SEEDS = range(50)
@@ -83,7 +85,7 @@ def _scaled(row: dict, name: str) -> float:
 # --- the ordering principle ---------------------------------------------------------------------------
 
 
-def test_the_issue_plans_on_task_medium_seed_0():
+def test_the_exploit_plans_on_task_medium_seed_0():
     """A safe plan that barely moves beats colliding, over-limit and everything-at-once plans."""
     case = generate_case("task_medium", 0)
     oracle = plan_for_case(case)

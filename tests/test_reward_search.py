@@ -1,4 +1,4 @@
-"""An optimiser finds nothing dishonest (fast version of bench/reward_search.py): hill climbing the
+"""An optimiser finds nothing dishonest (fast version of experiments/audits/reward_search.py): hill climbing the
 summed five TRL rewards from uniform SLERP, the oracle's plan and a random plan, and a population
 search seeded with the plans an optimiser was seen to exploit; any plan found above the oracle breaks
 no hard rule and is not a degenerate form, and every exploit that breaks a rule sums below doing
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orthojob.rewards.plan_search import (
+from experiments.audits.plan_search import (
     degenerate_form,
     exploit_plans,
     objective,
@@ -54,8 +54,8 @@ def test_population_search_on_the_weighted_sum_finds_nothing_dishonest(task):
     """The per-tooth population search (start, duration, overcorrection of each tooth) on the sum at
     the weights make learn trains with, under both dynamics: any plan found above the oracle breaks no
     hard rule and is not a degenerate form."""
-    from examples.learning import LearnConfig
-    from orthojob.rewards.plan_search import population_search
+    from experiments.audits.plan_search import population_search
+    from experiments.learning.experiment import LearnConfig
 
     rng = np.random.default_rng(1)
     weights = {"reward_strategy": LearnConfig().strategy_weight}
@@ -76,7 +76,7 @@ def test_a_search_from_the_exploits_finds_only_honest_plans_above_the_oracle(tas
     only plans that break no rule and are not degenerate above the oracle. Under force decay it does
     find plans above the oracle (the oracle's hand rules are weakest there), so the check is not
     empty."""
-    from examples.learning import LearnConfig
+    from experiments.learning.experiment import LearnConfig
     from server.plans import normalize_plan
     from server.treatment import score_plan_specs
 

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orthojob.data.prompts import plan_to_completion
+from orthojob.core.parsing import completion_text, extract_plan
+from orthojob.core.prompts import plan_to_completion
 from orthojob.rewards import rollouts
-from orthojob.rewards.parsing import completion_text, extract_plan
 from orthojob.rewards.reward_functions import (
     DEFAULT_REWARD_WEIGHTS,
     REWARD_FUNCS,
@@ -208,7 +208,7 @@ def test_no_plan_scores_below_an_invalid_plan() -> None:
     assert garbage == -2.0 and bad == -2.0 < slerp
 
 
-# The exact non-plans of the reward-fidelity issue: each scored 5.97 (uniform SLERP's reward) on main.
+# Texts that are not plans, which a lenient reader of JSON would score as uniform SLERP.
 NOT_PLANS = [
     "{}",
     '{"strategy": "distal_first"}',
@@ -530,7 +530,7 @@ def test_reward_weights() -> None:
         reward_weights(funcs, {"bogus": 1.0})
 
 
-def test_seed_aliases() -> None:
+def test_original_reward_names_are_aliases() -> None:
     assert accuracy_reward_func is reward_terminal
     assert occlusion_reward_func is reward_occlusion
     assert compliance_reward_func is reward_format

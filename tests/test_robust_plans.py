@@ -96,8 +96,8 @@ def test_max_groups_leaves_out_longer_candidates_and_stays_safe():
 
 
 def test_learning_bc_demonstrations_carry_the_group_limit_and_unnamed_uniform():
-    from examples.learning import bc_demonstrations
-    from examples.learning_config import LearnConfig
+    from experiments.learning.config import LearnConfig
+    from experiments.learning.experiment import bc_demonstrations
 
     cfg = LearnConfig(bc_examples=6, bc_max_groups=3, bc_unnamed_uniform=True)
     rows, info = bc_demonstrations(cfg, "compact")
@@ -171,8 +171,8 @@ def test_oc_noise_prefers_candidates_that_overcorrect_less():
 
 
 def test_learning_bc_demonstrations_carry_the_oc_noise_and_uniform_room():
-    from examples.learning import bc_demonstrations
-    from examples.learning_config import LearnConfig
+    from experiments.learning.config import LearnConfig
+    from experiments.learning.experiment import bc_demonstrations
 
     cfg = LearnConfig(bc_examples=4, bc_oc_noise=0.1, bc_uniform_room=True, bc_room_oc=True)
     rows, info = bc_demonstrations(cfg, "terse")

@@ -1,4 +1,4 @@
-"""bench/rsft_samples.py: what a planner's own samples reach per cell, read from the RSFT samples file."""
+"""experiments/learning/rsft_samples.py: what a planner's own samples reach per cell, read from the RSFT samples file."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from tests.bench_scripts import load_bench
+from experiments.learning import rsft_samples as rsft_samples_script
 
 
 def _bench():
-    return load_bench("rsft_samples")
+    return rsft_samples_script
 
 
 def _row(prompt, sample, scaled, dropped, rules=(), task="task_hard", force_decay=False, slerp=6.0):

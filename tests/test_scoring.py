@@ -1,4 +1,4 @@
-"""Scoring and plan semantics (ENVIRONMENT.md §3, §5): every component responds to the plan,
+"""Scoring and plan semantics (docs/environment.md, "Plans" and "Scoring"): every component responds to the plan,
 plans mean what the prompt says, garbage never beats a structured plan, calibrations hold."""
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def plan_variation(env) -> dict[tuple[str, int], list[dict]]:
 
 @pytest.mark.parametrize("name", [c for c in COMPONENTS if c != "collision_free"])
 def test_every_component_responds_to_the_plan(plan_variation, name):
-    """ENVIRONMENT.md §5: a component constant across plans for a fixed case is a defect.
+    """A component constant across plans for a fixed case is a defect.
 
     collision_free is tested below: in the plan format every tooth moves on its own
     straight path between a penetration-free initial and target, so plans can only
@@ -268,7 +268,7 @@ def test_collision_free_responds_to_plans_on_crowding(env):
 
 
 def test_components_are_in_range(plan_variation):
-    """ENVIRONMENT.md §5: every score in [0, 1] (the multiplier in {0.6, 1.0, 1.2})."""
+    """Every score in [0, 1] (the multiplier in {0.6, 1.0, 1.2})."""
     out_of_range = []
     for case, results in plan_variation.items():
         for k, r in enumerate(results):

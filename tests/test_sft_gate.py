@@ -17,13 +17,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orthojob.cli import main as cli_main
-from orthojob.data.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
+from orthojob.core.parsing import extract_plan, format_checks
+from orthojob.core.prompts import TRAIN_SEED_START, build_messages, plan_to_completion, reset_observation
+from orthojob.lifecycle import gate_file
+from orthojob.lifecycle.gate_file import (
+    GateError,
+    GateThresholds,
+    check_gate,
+    gate_checks,
+    read_gate,
+    write_gate,
+)
 from orthojob.modeling import models
-from orthojob.ops import gate_file
 from orthojob.ops.exit_codes import ExitCode
-from orthojob.ops.gate_file import GateError, GateThresholds, check_gate, gate_checks, read_gate, write_gate
-from orthojob.rewards.parsing import extract_plan, format_checks
 from orthojob.stages.gate import window_identity
+from orthojob.stages.presets import PRESETS, apply_overrides
 from orthojob.stages.sft import SFTJobConfig, demonstrations, run_sft
 from server.oracle import oracle_plan
 from server.seed_ranges import GATES, gate_window_start
@@ -146,7 +154,7 @@ def test_gate_file_contents_and_digest(tmp_path):
     assert content["passed"] is True and content["stage"] == "grpo"
     assert content["metrics"] == PASSING
     assert content["thresholds"] == {"min_parse_rate": 0.9, "min_format_reward": 0.8, "min_margin_over_slerp": 0.0,
-                                     "min_margin_over_oracle": None, "max_hard_rule_share_over_oracle": None,
+                                     "max_p_no_better_than_slerp": None, "min_margin_over_oracle": None, "max_hard_rule_share_over_oracle": None,
                                      "min_strategy_accuracy": None, "min_tool_call_rate": None,
                                      "min_finished_rate": None, "max_repair_share": None}  # fmt: skip
     assert content["checks"] == {"parse_rate": True, "format_reward": True, "margin_over_slerp": True}
@@ -371,3 +379,17 @@ def test_gate_cli_judges_a_case_sets_heldout_patients(tiny_base, tmp_path, capsy
     split = case_sets.split_by_patient(case_sets.validate(str(source)))
     assert case_set["split_digest"] == split.digest
     assert "heldout 2 cases of 2 patients" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["None", "0.5", True, [0.5]])
+def test_a_threshold_that_is_not_a_number_is_refused_before_any_stage_trains(value):
+    """Every way a threshold arrives goes through the dataclass: a preset override, a replace, a
+    gate file's thresholds. A string (e.g. ``None`` where JSON's ``null`` was meant) is refused there,
+    naming the threshold, not by the gate comparing it after training."""
+    with pytest.raises(ValueError, match="threshold min_parse_rate must be a number or null"):
+        GateThresholds(min_parse_rate=value)
+    with pytest.raises(ValueError, match="must be a number or null"):
+        GateThresholds().replace(min_parse_rate=value)
+    with pytest.raises(ValueError, match="must be a number or null"):
+        apply_overrides(PRESETS["tiny-cpu"], {"grpo_gate.thresholds.min_parse_rate": value})
+    assert apply_overrides(PRESETS["tiny-cpu"], {"grpo_gate.thresholds.min_parse_rate": None})

@@ -1,4 +1,4 @@
-"""The seed's stages as stage commands: format SFT (stage 0), BC SFT (stage 2) and RSFT
+"""The training stages as stage commands: format SFT (stage 0), BC SFT (stage 2) and RSFT
 (stage 4), each with its CLI, MLflow stage run and gate file; GRPO's pre-flight accepting a format
 gate; the pipeline preset choosing the stages; RSFT's keep rule, on real environment scores."""
 
@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from orthojob.cli import build_parser
 from orthojob.cli import main as cli_main
-from orthojob.data.prompts import plan_to_completion
+from orthojob.core.prompts import plan_to_completion
 from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
+from orthojob.lifecycle import gate_file
 from orthojob.modeling import models
-from orthojob.ops import gate_file
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.stages import gate, rsft
 from orthojob.stages.grpo_config import ConfigError
@@ -61,8 +61,8 @@ def stage_runs(stage: str) -> list:
 # --- configs, presets ----------------------------------------------------------------------------
 
 
-def test_stage_names_and_default_folders_follow_the_seed():
-    # one list of stage names (gate_file.STAGES), in the seed's order; the pipeline's stages are those names
+def test_stage_names_and_default_folders_follow_training_order():
+    # one list of stage names (gate_file.STAGES), in training order; the pipeline's stages are those names
     assert gate_file.STAGES == ("format_sft", "tool_sft", "bc_sft", "grpo", "rsft")
     assert list(PIPELINE_STAGES.values()) == list(gate_file.STAGES)
     assert set(gate_file.DEFAULT_THRESHOLDS) == set(gate_file.STAGES)
@@ -148,8 +148,8 @@ def test_stage_configs_flags_and_presets():
         FormatSFTConfig(demos="oracle")
     # the stages a pipeline runs: --set stages=..., checked
     assert apply_overrides(PRESETS["tiny-cpu"], {"stages": "format,grpo"}).stages == ("format", "grpo")
-    seed_chain = apply_overrides(PRESETS["tiny-cpu"], {"stages": ["format", "bc", "grpo", "rsft"]})
-    assert [PIPELINE_STAGES[s] for s in seed_chain.stages] == ["format_sft", "bc_sft", "grpo", "rsft"]
+    full_chain = apply_overrides(PRESETS["tiny-cpu"], {"stages": ["format", "bc", "grpo", "rsft"]})
+    assert [PIPELINE_STAGES[s] for s in full_chain.stages] == ["format_sft", "bc_sft", "grpo", "rsft"]
     for bad in ("grpo", "format,format", "format,dpo", ""):
         with pytest.raises(ConfigError):
             apply_overrides(PRESETS["tiny-cpu"], {"stages": bad})
@@ -253,7 +253,7 @@ def test_rsft_keeps_the_environments_best_safe_sample_per_prompt(monkeypatch):
 
 
 def candidate_texts_of(row: dict) -> str:
-    from orthojob.data.prompts import reset_observation
+    from orthojob.core.prompts import reset_observation
 
     return candidate_texts(reset_observation(row["seed"], row["task_id"], False))[3]
 
@@ -406,7 +406,7 @@ def test_sft_and_its_gate_log_progress_lines_in_a_job(tiny_base, tmp_path, monke
     assert not any("\r" in x for x in sft + generate)
 
 
-def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch, capsys):
+def test_pipeline_preset_chooses_the_full_chain(tiny_base, tmp_path, monkeypatch, capsys):
     """format -> BC -> GRPO -> RSFT from one preset: each stage starts from the previous gated
     checkpoint, has its MLflow run and gate file; the evaluation has a row per checkpoint."""
     from orthojob.stages.pipeline import SUMMARY_FILE, run_pipeline
@@ -429,7 +429,12 @@ def test_pipeline_preset_chooses_the_seed_chain(tiny_base, tmp_path, monkeypatch
         "grpo.steps": 1,
         "grpo.max_completion_length": 16,
         "grpo.gate_seeds": 2,
-        "grpo_gate.thresholds": {"min_parse_rate": 0, "min_format_reward": 0, "min_margin_over_slerp": -10},
+        "grpo_gate.thresholds": {
+            "min_parse_rate": 0,
+            "min_format_reward": 0,
+            "min_margin_over_slerp": -10,
+            "max_p_no_better_than_slerp": None,
+        },
         "rsft.prompts": 1,
         "rsft.samples_per_prompt": 6,
         "rsft.steps": 1,

@@ -151,7 +151,7 @@ WOBBLE_SEEDS = (3_600_000, 3_600_001)
 @pytest.mark.parametrize("force_decay", (False, True))
 def test_wobbled_aligners_earn_less_than_the_clean_path(task_id, force_decay):
     """The oracle's aligners nudged 0.005-0.02 mm sideways on every odd aligner (and back on the even
-    ones) end where the clean path ends and break no rule; under force decay each nudge used to
+    ones) end where the clean path ends and break no rule; under force decay a nudge must not
     engage the lag the steady series leaves behind. They earn less than the clean path, and their
     smoothness is lower: the detours are charged, their evenness is not paid."""
     store = StepwiseDentalEnvironment(max_sessions=2)

@@ -12,9 +12,9 @@ import re
 import pytest
 
 from orthojob.cli import main as cli_main
-from orthojob.data.prompts import PROMPT_FORMAT_KEY, TRAIN_SEED_START, plan_to_completion
+from orthojob.core.prompts import PROMPT_FORMAT_KEY, TRAIN_SEED_START, plan_to_completion
+from orthojob.lifecycle import gate_file
 from orthojob.modeling import models
-from orthojob.ops import gate_file
 from orthojob.rewards.reward_functions import reward_terminal
 from orthojob.rewards.rollouts import DEFAULT_CACHE
 from orthojob.stages.presets import PRESETS

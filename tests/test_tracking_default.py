@@ -10,8 +10,8 @@ import pytest
 
 mlflow = pytest.importorskip("mlflow")
 
+from orthojob.lifecycle import registry  # noqa: E402
 from orthojob.modeling.models import build_tiny  # noqa: E402
-from orthojob.ops import registry  # noqa: E402
 from orthojob.ops.exit_codes import ExitCode  # noqa: E402
 from orthojob.stages import grpo  # noqa: E402
 

@@ -10,13 +10,9 @@ import pytest
 
 mlflow = pytest.importorskip("mlflow")
 
-from orthojob.data.prompts import plan_to_completion  # noqa: E402
-from orthojob.ops import (  # noqa: E402
-    gate_file,
-    model_logging,
-    registry,
-    tracking,
-)
+from orthojob.core.prompts import plan_to_completion  # noqa: E402
+from orthojob.lifecycle import gate_file, model_logging, registry  # noqa: E402
+from orthojob.ops import tracking  # noqa: E402
 from orthojob.ops.exit_codes import ExitCode  # noqa: E402
 from orthojob.stages import gate  # noqa: E402
 from server.dental_constants import TOOTH_IDS  # noqa: E402
@@ -54,7 +50,7 @@ def _logged_run(
     tmp_path, passed: bool, score: float, share: float = 0.0, gate_file: dict | None = None
 ) -> str:
     """A run holding a small pyfunc model as a LoggedModel carrying its gate, recorded as a training
-    stage records it (:func:`orthojob.ops.model_logging.record_gate`: gate file, run metrics, the model's gate
+    stage records it (:func:`orthojob.lifecycle.model_logging.record_gate`: gate file, run metrics, the model's gate
     metrics and verdict tag): ``gate_file``, or one with the headline ``score`` and hard-rule
     ``share`` (the oracle's 0)."""
 
@@ -168,7 +164,10 @@ def _gated_run(tmp_path, policy, stage: str, engine: bool = True, **limits) -> t
 def test_a_rule_breaking_planner_fails_its_gate_and_stays_unregistered(tracked, tmp_path, stage):
     """Its raw plans judged (``--engine off``); with the engine, the plan ships repaired (below)."""
     name = f"orthorl-breaker-{stage}"
-    run_id, content = _gated_run(tmp_path, _one_case_in_one_aligner, stage, engine=False)
+    # its one ruined case also makes the margin over SLERP no more than noise, which GRPO's gate checks
+    # too (max_p_no_better_than_slerp); this test is about the hard-rule bound, so that check is off
+    noise = {"max_p_no_better_than_slerp": None}
+    run_id, content = _gated_run(tmp_path, _one_case_in_one_aligner, stage, engine=False, **noise)
     m = content["metrics"]
     assert m["oracle_hard_rule_share"] == 0.0 and m["hard_rule_share"] == 1 / 16
     # it beats uniform SLERP on the headline metric and passes every other check: the bound fails it
@@ -176,7 +175,7 @@ def test_a_rule_breaking_planner_fails_its_gate_and_stays_unregistered(tracked, 
     assert content["passed"] is False
     assert {k for k, ok in content["checks"].items() if not ok} == {"hard_rule_share_over_oracle"}
     with pytest.raises(gate_file.GateError) as refused:  # no later stage starts from it
-        gate_file.check_gate(tmp_path / f"_one_case_in_one_aligner-{stage}-0-False")
+        gate_file.check_gate(tmp_path / f"_one_case_in_one_aligner-{stage}-1-False")
     assert refused.value.exit_code == ExitCode.GATE_FAILED
     with pytest.raises(registry.PromotionError) as err:
         registry.promote(run_id, name)
@@ -184,7 +183,7 @@ def test_a_rule_breaking_planner_fails_its_gate_and_stays_unregistered(tracked, 
     assert _versions(name) == []
     # its gate run with the bound loosened says passed; the promotion still bounds the share
     loose_id, loose = _gated_run(
-        tmp_path, _one_case_in_one_aligner, stage, engine=False, max_hard_rule_share_over_oracle=0.1
+        tmp_path, _one_case_in_one_aligner, stage, engine=False, max_hard_rule_share_over_oracle=0.1, **noise
     )
     assert loose["passed"] is True
     with pytest.raises(registry.PromotionError, match="break a hard rule"):

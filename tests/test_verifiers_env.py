@@ -24,7 +24,7 @@ from verifiers.v1.state import state_cls
 from verifiers.v1.trace import TraceTask
 
 import orthorl_aligner
-from orthojob.data.prompts import build_messages, plan_to_completion, reset_observation
+from orthojob.core.prompts import build_messages, plan_to_completion, reset_observation
 from orthojob.rewards.reward_functions import REWARD_FUNCS, reward_weights
 from server.dental_constants import TOOTH_IDS
 from server.oracle import oracle_plan

@@ -1,12 +1,12 @@
 """The agentic prompt: the system and user messages before the case, and one dataset row per case.
 
-``reset`` appends the case (:func:`orthojob.data.prompts.case_description`) to the last user
+``reset`` appends the case (:func:`orthojob.core.prompts.case_description`) to the last user
 message; :func:`full_prompt` is that whole prompt, as the tool-use SFT data and the gates render it.
 """
 
 from __future__ import annotations
 
-from orthojob.data.prompts import PLAN_SEMANTICS, case_description, reset_observation
+from orthojob.core.prompts import PLAN_SEMANTICS, case_description, reset_observation
 from server.cases import HELDOUT_SEED_START, TASK_IDS
 from server.dental_constants import (
     MAX_ROTATION_DEG,
@@ -49,7 +49,7 @@ def agentic_messages() -> list[dict]:
 
 def agentic_rows(n: int, seed_start: int, task_id: str, force_decay: bool) -> list[dict]:
     """``n`` dataset rows ``{"prompt", "seed", "task_id", "force_decay"}`` (seeds from seed_start,
-    below the held-out seeds), as :func:`orthojob.data.prompts.prompt_rows` without the case in the prompt."""
+    below the held-out seeds), as :func:`orthojob.core.prompts.prompt_rows` without the case in the prompt."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
     if seed_start + n > HELDOUT_SEED_START:
@@ -66,7 +66,7 @@ def agentic_rows(n: int, seed_start: int, task_id: str, force_decay: bool) -> li
 
 def full_prompt(row: dict) -> list[dict]:
     """The messages the policy sees for a row: the row's prompt with the case appended to the last
-    user message, as TRL does with the text ``reset`` returns (used to measure prompt lengths)."""
+    user message, as TRL does with the text ``reset`` returns (what the prompt-length measurement reads)."""
     obs = reset_observation(int(row["seed"]), row["task_id"], bool(row["force_decay"]))
     messages = [dict(m) for m in row["prompt"]]
     messages[-1]["content"] += _case_text(obs)

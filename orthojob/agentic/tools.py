@@ -3,7 +3,7 @@
 TRL 1.16's GRPOTrainer (``environment_factory=DentalToolEnv``) makes one :class:`DentalToolEnv`
 per rollout (pooled and reused), calls ``reset(**row)`` with the dataset row (columns ``seed``,
 ``task_id``, ``force_decay``; ``prompt`` is ignored) and appends the text it returns, the case
-(:func:`orthojob.data.prompts.case_description`), to the last user message. Every public method is a
+(:func:`orthojob.core.prompts.case_description`), to the last user message. Every public method is a
 tool: TRL derives its JSON schema from the signature and the Google-style docstring
 (``transformers.utils.get_json_schema``), parses the model's ``<tool_call>`` JSON, calls the method
 and feeds the returned text back as a ``tool`` message, up to ``max_tool_calling_iterations``
@@ -76,7 +76,7 @@ class DentalToolEnv(StagingTools):
         self, seed: int | None = None, task_id: str = "task_easy", force_decay: bool = False, **kwargs
     ) -> str:
         """Start the episode of a dataset row (``seed``, ``task_id``, ``force_decay``; other
-        columns ignored) and return the case as text (:func:`orthojob.data.prompts.case_description`).
+        columns ignored) and return the case as text (:func:`orthojob.core.prompts.case_description`).
         ``task_id`` ``"imported"`` names a case of a case set loaded in this process
         (:func:`orthojob.data.case_sets.load_case_set`).
 

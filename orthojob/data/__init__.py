@@ -1,1 +1,1 @@
-"""What the stages train on: cases (generated or imported), prompts and demonstrations."""
+"""What the stages train on: cases (generated or imported) and demonstrations."""

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from orthojob.data.prompts import key_prompt_rows
+from orthojob.core.prompts import key_prompt_rows
 from orthojob.ops import storage, tracking
 from orthojob.ops.exit_codes import ExitCode, epilog
 from server.case_files import Validation, validate_file
@@ -137,7 +137,7 @@ class LoadedCaseSet:
         return [self.validation.case_ids[k] for k in index]
 
     def rows(self, side: str, prompt_format: str = "full") -> list[dict]:
-        """Dataset rows of one side's cases (:func:`orthojob.data.prompts.key_prompt_rows`), each with
+        """Dataset rows of one side's cases (:func:`orthojob.core.prompts.key_prompt_rows`), each with
         its ``case_id``, which TRL passes to the rewards with the key's columns."""
         keys = self.train if side == "train" else self.heldout
         return key_prompt_rows(keys, self.case_ids(side), prompt_format)

@@ -1,6 +1,6 @@
 """Stage-0 (format SFT) demonstrations that carry no clinical choice.
 
-Each demonstration is the policy's own prompt (:func:`orthojob.data.prompts.build_messages`) and, as the
+Each demonstration is the policy's own prompt (:func:`orthojob.core.prompts.build_messages`) and, as the
 completion, a *valid, executable* plan whose choices are random:
 
 * ``strategy``: drawn uniformly from :data:`server.clinical_profiles.STRATEGIES`, independently of
@@ -49,7 +49,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from orthojob.data.prompts import TRAIN_SEED_START, build_messages, plan_to_completion
+from orthojob.core.prompts import TRAIN_SEED_START, build_messages, plan_to_completion
 from server.cases import Case, CaseKey, generate_case
 from server.clinical_profiles import SEQUENCED_TEETH, STRATEGIES, STRATEGY_LEVELS
 from server.dental_constants import (
@@ -174,7 +174,7 @@ def format_demonstrations(
 ) -> list[dict]:
     """``n`` SFT rows ``{"prompt", "completion", "seed", "task_id", "force_decay", "plan"}`` on training
     seeds from ``seed_start`` (tasks take turns), each with a random format plan (``seed`` seeds the
-    random choices, not the cases), prompts in ``prompt_format`` (:data:`orthojob.data.prompts.PROMPT_FORMATS`); ``strategy_last`` writes
+    random choices, not the cases), prompts in ``prompt_format`` (:data:`orthojob.core.prompts.PROMPT_FORMATS`); ``strategy_last`` writes
     the strategy after the tooth groups; ``safe`` redraws plans that break a hard rule
     (:func:`redraw_unsafe`); ``staging`` is one of :data:`STAGINGS`."""
     rng = random.Random(seed)

@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
-from orthojob.data.prompts import build_messages, plan_to_completion, reset_observation
+from orthojob.core.prompts import build_messages, plan_to_completion, reset_observation
 from orthojob.data.robust_plans import robust_plan
 from server.cases import TRAIN_SEED_START, CaseKey, generate_case
 from server.oracle import oracle_plan

@@ -4,7 +4,7 @@ The oracle's plans sit on a knife edge: neighbouring crowns are in contact, and 
 their movement to a few thousandths of a fraction. A small model that imitates them writes the
 numbers a little off, and a little off is a collision: on 72 held-out cases (the three levels,
 both dynamics), the oracle's plans with every fraction rounded to two decimals break a hard rule on
-7, with ±5 % noise on each fraction on 9 % of the draws (``bench/plan_sensitivity.py``).
+7, with ±5 % noise on each fraction on 9 % of the draws (``experiments/audits/plan_sensitivity.py``).
 
 :func:`robust_plan` picks, among the oracle's plan, the same plan with its fractions rounded to
 :data:`ROUNDED_DECIMALS` decimals, and uniform staging under the oracle's strategy, the candidate
@@ -68,7 +68,7 @@ ROOM_SHARE: float = 0.5
 """With ``room_oc``, the share of its teeth's smallest overcorrection room a group is overcorrected by
 (rounded down to the quantum). Half: on the greedy force-decay plans that do not overcorrect of GRPO
 from the overcorrection-noise BC (seed 0), the whole room broke a hard rule on 2-25 % of them per level
-and half of it on 0-17 % (``bench/gap_decomposition.py --room-share``)."""
+and half of it on 0-17 % (``experiments/learning/gap_decomposition.py --room-share``)."""
 ROOM_SUFFIX: str = "+room"
 """The name of a ``room_oc`` candidate: the candidate's name and this."""
 UNNAMED: str = "uniform_unnamed"

@@ -1,1 +1,1 @@
-"""Judging planners: held-out evaluation, the headline metric, analysis, plots and the viewer."""
+"""Judging planners: held-out evaluation, analysis, plots, the viewer and the reward-signal study."""

@@ -7,12 +7,13 @@ plans in them, replays each on its case (:func:`server.treatment.rollout_plans`,
 rewards used) and compares four metrics between the **first 20 %** and the **last 20 %** of the
 logged steps (by distinct step number; with a single step both windows are that step).
 
-Only completions that hold a JSON object (:func:`orthojob.rewards.parsing.extract_plan`) count: a
+Only completions that hold a JSON object (:func:`orthojob.core.parsing.extract_plan`) count: a
 completion without one says nothing about what the policy plans (the simulator would run it as
 uniform SLERP). Each metric is computed per plan and averaged over the window's plans where it is
 defined; ``n`` columns say over how many.
 
-Definitions (the seed's four metrics, made precise for this environment):
+Definitions (the four emergent-behaviour metrics the project's original specification names, made
+precise for this environment):
 
 ``staging_correlation``
     Spearman's rho, per plan, between each tooth's **declared priority rank** (``high`` 0,
@@ -48,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orthojob.rewards.parsing import completion_text, extract_plan
+from orthojob.core.parsing import completion_text, extract_plan
 from server.cases import CaseKey, generate_case
 from server.dental_constants import (
     IS_MOLAR,

@@ -1,20 +1,20 @@
 """Held-out evaluation: baselines and checkpoints on unseen seeds.
 
-Baselines (ENVIRONMENT.md §5):
+Baselines (docs/environment.md, "Scoring"):
 * ``oracle`` - the rule-based clinical stager (:mod:`server.oracle`), the upper baseline;
 * ``uniform_slerp`` - every tooth moves 1/24 of its way per stage from stage 1;
 * ``do_nothing`` - every fraction 0.
 
 A checkpoint (:func:`evaluate_checkpoint`, ``orthojob evaluate --checkpoint DIR``) writes one plan
 per held-out case by greedy decoding of the same prompt the policy trains on
-(:func:`orthojob.data.prompts.build_messages`); each completion is parsed and scored exactly as the GRPO
+(:func:`orthojob.core.prompts.build_messages`); each completion is parsed and scored exactly as the GRPO
 rewards score it (:func:`orthojob.rewards.rollouts.score_texts`): a completion without a JSON plan is a
 failed episode: it scores -2 on the scaled reward (the bottom of its scale) and 0 on the raw terminal
 score and on every component. Its row adds the parse rate, the mean format score
-(:func:`orthojob.rewards.parsing.format_checks`), the strategy accuracy (declared strategy == the case's
+(:func:`orthojob.core.parsing.format_checks`), the strategy accuracy (declared strategy == the case's
 optimal strategy) and the share of completions cut at ``max_new_tokens``.
 
-Every row leads with the headline metric, the scaled reward (:mod:`orthojob.eval.metrics`), and the
+Every row leads with the headline metric, the scaled reward (:mod:`orthojob.core.metrics`), and the
 hard-rule share; the raw terminal score (``terminal_raw``) follows as a secondary column.
 
 Seeds come from :data:`server.cases.HELDOUT_SEED_START` upwards (the tuning range,
@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orthojob.data.prompts import build_messages, prompt_format_of
-from orthojob.eval.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD, TERMINAL_RAW, mean_of
+from orthojob.core.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD, TERMINAL_RAW, mean_of
+from orthojob.core.parsing import FORMAT_CHECKS
+from orthojob.core.prompts import build_messages, prompt_format_of
 from orthojob.eval.viewer_logging import log_checkpoint_viewers
 from orthojob.modeling.models import load_for_inference
 from orthojob.ops.progress import progress
-from orthojob.rewards.parsing import FORMAT_CHECKS
 from orthojob.rewards.rollouts import score_texts
 from server.cases import HELDOUT_SEED_START, TASK_IDS, CaseKey, generate_case
 from server.dental_constants import TOOTH_IDS

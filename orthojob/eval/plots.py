@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orthojob.data.prompts import reset_observation
+from orthojob.core.prompts import reset_observation
 from server.cases import generate_case
 from server.oracle import oracle_plan
 from server.plans import normalize_plan, planned_progress

@@ -12,7 +12,7 @@ reports per reward:
 * ``rank_corr`` - the mean Spearman correlation with ``reward_terminal`` within groups (a reward
   that is a copy of the terminal adds nothing; one that opposes it everywhere is suspect).
 
-``orthojob train --test`` prints the report for a few prompts, ``bench/reward_signal.py`` for
+``orthojob train --test`` prints the report for a few prompts, ``experiments/audits/reward_signal.py`` for
 many; ``tests/test_reward_signal.py`` asserts the thresholds.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import spearmanr
 
-from orthojob.data.prompts import plan_to_completion
+from orthojob.core.prompts import plan_to_completion
 from orthojob.rewards.reward_functions import REWARD_FUNCS
 from server.cases import Case, CaseKey, generate_case
 from server.clinical_profiles import STRATEGIES

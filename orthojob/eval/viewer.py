@@ -48,9 +48,9 @@ from pathlib import Path
 
 import numpy as np
 
+from orthojob.core.parsing import find_plan
 from orthojob.eval import engine_view
 from orthojob.eval.plan_geometry import PlanView, _rounded, plan_view, prism_triangles, stage_data
-from orthojob.rewards.parsing import find_plan
 from server.cases import Case
 from server.collisions import COLLISION_TOLERANCE_MM
 from server.dental_constants import (
@@ -143,7 +143,7 @@ def resolve_plan(
 
 def plan_of_text(name: str, text: str, where: str) -> tuple[str, dict, str]:
     """``(name, plan, text)`` of a completion, its plan parsed as the rewards parse it
-    (:func:`orthojob.rewards.parsing.find_plan`); :class:`PlanSourceError` naming ``where`` when it holds none."""
+    (:func:`orthojob.core.parsing.find_plan`); :class:`PlanSourceError` naming ``where`` when it holds none."""
     plan = find_plan(text)[0]
     if plan is None or "tooth_groups" not in plan:
         raise PlanSourceError(

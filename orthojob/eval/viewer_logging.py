@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from orthojob.core.parsing import find_plan
 from orthojob.eval.engine_view import rollout_views
 from orthojob.eval.plan_geometry import PlanView
 from orthojob.eval.viewer import (
@@ -22,7 +23,6 @@ from orthojob.eval.viewer import (
     VIEWER_ARTIFACT_DIR,
     write_viewer,
 )
-from orthojob.rewards.parsing import find_plan
 from orthojob.rewards.rollouts import score_texts
 from server.cases import Case, CaseKey, generate_case
 from server.dental_environment import initial_observation

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orthojob.data.prompts import (
+from orthojob.core.prompts import (
     SYSTEM_PROMPT,
     TRAIN_SEED_START,
     check_prompt_format,
@@ -382,7 +382,7 @@ def build_tiny(
 
     ``arch``: :func:`orthojob.modeling.tiny_model.build_tiny_model` keywords (``hidden_size``, ``layers``,
     ``vocab_size``, ``max_position_embeddings``, ``seed``, ...). ``prompt_format``: the prompt format
-    the model is trained and evaluated with (:data:`orthojob.data.prompts.PROMPT_FORMATS`, recorded in its
+    the model is trained and evaluated with (:data:`orthojob.core.prompts.PROMPT_FORMATS`, recorded in its
     ``config.json``). ``corpus``: the tokenizer's training texts (default :func:`tiny_corpus`).
     """
     from orthojob.modeling.tiny_model import build_tiny_model  # torch at import: orthojob --help stays light

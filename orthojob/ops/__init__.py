@@ -1,1 +1,1 @@
-"""Running as a job: storage, tracking, the registry, identity, preemption, exit codes, Kubernetes."""
+"""Running as a job: storage, tracking, progress, identity, checkpoints, preemption, exit codes."""

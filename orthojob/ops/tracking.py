@@ -27,7 +27,7 @@
   of its own; here params are the stage run's (flattened, redacted) and only the metrics come per step.
 * :func:`log_table_rows` appends rows to an MLflow table of the active run (GRPO's completions).
 * A planner is judged in MLflow by one headline metric, the scaled terminal reward, under the names
-  of :mod:`orthojob.eval.metrics`: ``gate/scaled_reward_mean`` and ``gate/hard_rule_share`` (with
+  of :mod:`orthojob.core.metrics`: ``gate/scaled_reward_mean`` and ``gate/hard_rule_share`` (with
   ``gate/hard_rule_share_over_oracle``, the bound every quality gate checks) in a gate's run, the
   pipeline evaluation's ``scaled_reward_mean/<planner>`` and ``hard_rule_share/<planner>``, the
   learning experiment's ``heldout/scaled_reward``; per GRPO step it is TRL's

@@ -1,1 +1,1 @@
-"""Text to plan to scores: parsing, cached rollouts, the five GRPO rewards and their canaries."""
+"""Plan to scores: the cached rollouts, the five GRPO rewards, their advantage and canaries."""

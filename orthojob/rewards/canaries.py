@@ -1,11 +1,11 @@
 """Per-episode metrics of one plan, shared by the learning experiment and GRPO's completion table.
 
 :func:`episode_record` turns one scored plan into what an RL researcher checks beside the reward:
-the scaled terminal reward (``scaled_reward``, the headline metric of :mod:`orthojob.eval.metrics`), whether
+the scaled terminal reward (``scaled_reward``, the headline metric of :mod:`orthojob.core.metrics`), whether
 the strategy is the case's optimal one, whether it parsed,
 and the clinical **canaries that are not reward functions** (:data:`CANARIES`): per-stage limit
 violations, colliding contacts, peak PDL stress (kPa), whether a hard rule broke, and whether the
-plan is degenerate (:func:`orthojob.rewards.plan_search.degenerate_form`: does nothing, moves everything at
+plan is degenerate (:func:`degenerate_form`: does nothing, moves everything at
 once, or puts every treated tooth in one group). The values come from the server's scoring
 (``diagnostics``, ``broken_rules``), which the rollout cache already holds for every completion.
 
@@ -16,10 +16,14 @@ averages with confidence intervals; :func:`rollout_record` does the same for a c
 
 from __future__ import annotations
 
-from orthojob.eval.metrics import SCALED_REWARD
-from orthojob.rewards.plan_search import degenerate_form
+import numpy as np
+
+from orthojob.core.metrics import SCALED_REWARD
 from server.cases import Case
+from server.dental_constants import MM_PER_DEG, N_STAGES
+from server.plans import normalize_plan
 from server.reward_scaler import REWARD_MIN
+from server.scoring import MOVEMENT_EPS_MM
 
 CANARIES: tuple[str, ...] = (
     "limit_violations",
@@ -31,6 +35,26 @@ CANARIES: tuple[str, ...] = (
 """Clinical canaries reported beside the reward; none of them is a reward function."""
 METRICS: tuple[str, ...] = (SCALED_REWARD, "strategy_accuracy", "parse", *CANARIES)
 """The numeric per-episode metrics (:func:`episode_values`)."""
+
+
+ALL_AT_ONCE_STAGES: int = 2
+"""A plan that moves every treated tooth fully within this many aligners moves it all at once."""
+
+
+def degenerate_form(case: Case, plan: dict) -> str | None:
+    """``"nothing"``, ``"all_at_once"``, ``"one_group"`` or None for a plan on a case."""
+    spec = normalize_plan(plan)
+    treated = np.hypot(case.need[0], MM_PER_DEG * case.need[1]) > MOVEMENT_EPS_MM
+    if not treated.any():
+        return None
+    f, s = spec.fraction[treated], spec.start[treated]
+    if np.all(f <= 0.0):
+        return "nothing"
+    if np.all(f >= 1.0 / ALL_AT_ONCE_STAGES):
+        return "all_at_once"
+    if np.unique(np.stack((f, s)), axis=1).shape[1] == 1 and not np.isclose(f[0], 1.0 / N_STAGES, atol=1e-3):
+        return "one_group"
+    return None
 
 
 def episode_record(result: dict | None, case: Case, optimal: str) -> dict:

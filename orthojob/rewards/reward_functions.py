@@ -3,7 +3,7 @@
 Every function takes the batch's completions (strings, or conversational
 ``[{"role": "assistant", "content": ...}]`` lists) and the dataset's per-prompt columns, which
 TRL passes as lists repeated per generation: ``seed``, ``task_id``, ``force_decay`` (rows built
-by :func:`orthojob.data.prompts.prompt_rows` carry all three). Other TRL keywords (``prompts``,
+by :func:`orthojob.core.prompts.prompt_rows` carry all three). Other TRL keywords (``prompts``,
 ``completion_ids``, ``trainer_state``, ``log_metric`` ...) are accepted and ignored. A missing
 or misaligned column raises ValueError naming it; nothing is defaulted silently.
 
@@ -13,7 +13,7 @@ All five read one cached rollout per (completion, seed, task_id, force_decay[, n
 case with that compliance schedule.
 None of them raises because of a completion's content, and every value is finite. Each judges
 a different clinical question, so each carries its own within-group signal
-(``bench/reward_signal.py`` measures it):
+(``experiments/audits/reward_signal.py`` measures it):
 
 ================  =========  ==============================================================
 name              range      value
@@ -30,7 +30,7 @@ reward_strategy   [0, 1]     diagnosis x sequence x delivery: ``d * (1 + rho) / 
                              of the movement with the declared strategy's order, and accuracy
                              the share of the movement achieved; 0 on a case with
                              nothing to move (no sequence to stage)
-reward_format     [0, 1]     mean of the six format checks (:func:`orthojob.rewards.parsing.format_checks`)
+reward_format     [0, 1]     mean of the six format checks (:func:`orthojob.core.parsing.format_checks`)
                              and ``executable``: the share of treated teeth whose prescription
                              stays within the per-stage limits and reaches (or, overcorrected,
                              passes) the target
@@ -46,7 +46,8 @@ the terminal. :func:`reward_weights` refuses the weights under which this would 
 negative weight, or auxiliaries without a positive terminal weight).
 
 A completion that is not a plan (no usable tooth group, :data:`orthojob.rewards.rollouts.NO_PLAN`) or
-could not be scored gets each reward's minimum. The seed's names are kept as aliases
+could not be scored gets each reward's minimum. The reward names of the project's original
+specification are kept as aliases
 (``accuracy_reward_func`` = reward_terminal, ``occlusion_reward_func``,
 ``compliance_reward_func`` = reward_format, ``staging_reward_func`` = reward_strategy).
 """
@@ -56,7 +57,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from orthojob.rewards.parsing import FORMAT_CHECKS, completion_text, format_checks, read_plan_text
+from orthojob.core.parsing import FORMAT_CHECKS, completion_text, format_checks, read_plan_text
 from orthojob.rewards.rollouts import DEFAULT_CACHE, Rollout
 from server.reward_scaler import REWARD_MAX, REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
@@ -80,7 +81,7 @@ def _column(name: str, kwargs: dict, n: int, caller: str) -> Sequence:
         raise ValueError(
             f"{caller} needs the dataset column {name!r} (one value per prompt; TRL passes dataset columns "
             f"to reward functions): add {name!r} to the training dataset rows, as "
-            "orthojob.data.prompts.prompt_rows does (columns seed, task_id, force_decay)"
+            "orthojob.core.prompts.prompt_rows does (columns seed, task_id, force_decay)"
         )
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         values = [values] * n  # a scalar column value: one for the whole batch
@@ -209,7 +210,7 @@ def reward_format(completions: Sequence, **kwargs) -> list[float]:
 
     Returns:
         One float per completion in [0, 1]: the mean of the checks of
-        :func:`orthojob.rewards.parsing.format_checks` and the share of treated teeth whose
+        :func:`orthojob.core.parsing.format_checks` and the share of treated teeth whose
         prescription stays within the per-stage limits and reaches the target (on a case with no
         tooth to treat the strategy check passes whatever is declared). A completion that
         is not a plan, or a plan breaking a hard rule, scores 0. Without the case columns nothing
@@ -262,9 +263,10 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
 """The five rewards, in the order they are registered with GRPOTrainer."""
 
 DEFAULT_REWARD_WEIGHTS: dict[str, float] = dict.fromkeys(REWARD_FUNCS, 1.0)
-"""TRL's default (the seed's): every reward weighs 1 (terminal's [-2, 8] range dominates the sum)."""
+"""TRL's default, which the project's original specification trains with: every reward weighs 1
+(terminal's [-2, 8] range dominates the sum)."""
 
-# The seed's names (kept so its callers keep working).
+# The original specification's reward names (kept so scripts written against them keep working).
 accuracy_reward_func = reward_terminal
 occlusion_reward_func = reward_occlusion
 compliance_reward_func = reward_format
@@ -298,7 +300,7 @@ def _canonical(name: object) -> str:
 def active_reward_funcs(names: Sequence[str] | None = None) -> list[RewardFunc]:
     """The reward functions to register with GRPOTrainer: all five by default, else ``names`` in order.
 
-    Names may be canonical (``reward_terminal``), short (``terminal``) or the seed's aliases;
+    Names may be canonical (``reward_terminal``), short (``terminal``) or another alias (:data:`ALIASES`);
     repeats are dropped. Unknown names raise ValueError.
     """
     if names is None:

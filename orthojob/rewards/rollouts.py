@@ -14,7 +14,7 @@ it its minimum, as garbage, and the environment's ``score_plan`` scores it
 :func:`server.treatment.score_plans`, reads a value with no usable group as uniform SLERP.)
 
 Keys are ``(sha256 of the completion text, task_id, seed, force_decay, non_compliance, engine)`` (the :class:`server.cases.CaseKey` order, then whether the staging engine judged it): a full digest, so
-two different completions never share an episode (the seed used 16 bits of ``hash()``).
+two different completions never share an episode.
 The cache is an LRU bounded by ``max_entries`` and safe to share between threads.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from orthojob.rewards.parsing import FORMAT_CHECKS, completion_text, format_checks
+from orthojob.core.parsing import FORMAT_CHECKS, completion_text, format_checks
 from server import treatment
 from server.cases import CaseKey, generate_case
 from server.plan_text import PlanReading, read_plan, read_plan_text
@@ -56,7 +56,7 @@ class Rollout:
         broken_rules: the hard clinical rules the plan breaks (empty for a safe plan).
         reward_breakdown: every scoring component by name (``collision_free``, ``movement_prior``, ...).
         diagnostics: counts and extremes of the episode (limit violations, peak PDL kPa, ...).
-        format: :func:`orthojob.rewards.parsing.format_checks` of the parsed plan.
+        format: :func:`orthojob.core.parsing.format_checks` of the parsed plan.
         plan: the parsed plan, or None when the completion held no JSON object.
         strategy: the plan's strategy if it is a known one, else None.
         error: None, or why the episode was not scored (NO_PLAN, or a failure); the rewards then

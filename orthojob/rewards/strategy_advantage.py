@@ -6,7 +6,7 @@ then has two parts: a *marginal* one (a strategy that scores above its group on 
 pushed up for every case) and a *conditional* one (which strategy wins on which case). The
 marginal part is the larger while the policy is case-blind -- stage 0's format demonstrations
 carry random strategies, so it is -- and GRPO spends its samples collapsing one strategy
-distribution shared by every case (docs/learning_experiment.md, runs B-H: ``anterior_first``
+distribution shared by every case (experiments/learning/NOTEBOOK.md, runs B-H: ``anterior_first``
 for all 48 held-out cases, ``case dependence`` flat).
 
 ``centred`` removes the marginal part from the strategy tokens only. Each strategy-naming
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from orthojob.rewards.parsing import extract_plan
+from orthojob.core.parsing import extract_plan
 from server.clinical_profiles import STRATEGIES
 
 STRATEGY_ADVANTAGES: tuple[str, ...] = ("sequence", "centred", "counterfactual")
@@ -40,7 +40,7 @@ the same way."""
 
 STRATEGY_KEY = '"strategy": "'
 """What a plan writes before its strategy's name (the canonical JSON of
-:func:`orthojob.data.prompts.plan_to_completion`)."""
+:func:`orthojob.core.prompts.plan_to_completion`)."""
 
 _STRATEGY_VALUE = re.compile(r'"strategy"\s*:\s*"([A-Za-z_]+)"')
 

@@ -1,13 +1,13 @@
 """Gates: a checkpoint's held-out evaluation, the verdict the gate file records.
 
-Every pipeline stage ends in a gate (ARCHITECTURE.md): :func:`gate_report` greedy-decodes a
+Every pipeline stage ends in a gate (docs/stages.md): :func:`gate_report` greedy-decodes a
 plan for each case of the run's window (:func:`gate_window`), parses and scores it as the GRPO rewards
 do, and compares it with uniform SLERP and the oracle on the same cases;
-:func:`run_gate` writes the verdict with :func:`orthojob.ops.gate_file.write_gate` (the file, its
+:func:`run_gate` writes the verdict with :func:`orthojob.lifecycle.gate_file.write_gate` (the file, its
 stage names, thresholds and the pre-flight check live there), and a gate file exists only where
 such an evaluation ran.
 
-The metrics a gate judges by are :mod:`orthojob.eval.metrics`': the headline ``scaled_reward_mean`` (the
+The metrics a gate judges by are :mod:`orthojob.core.metrics`': the headline ``scaled_reward_mean`` (the
 scaled terminal reward GRPO is paid, bands in :mod:`server.reward_scaler`) and ``hard_rule_share``;
 the raw terminal score (``terminal_raw_mean``) is recorded for reference and compared by nothing.
 
@@ -15,8 +15,9 @@ Thresholds (:class:`GateThresholds`, defaults per stage in :data:`DEFAULT_THRESH
 a stage that writes clinical plans (BC, GRPO, RSFT: the quality gates) checks parse rate >= 0.9, mean
 format score >= 0.8 and a **held-out hard-rule share no higher than the oracle's on the same cases**
 (``max_hard_rule_share_over_oracle`` = 0: none when the oracle breaks none); the GRPO gate also asks
-for a mean scaled reward no lower than uniform SLERP's on the same cases (``min_margin_over_slerp``
-= 0). Format SFT's gate (random clinical choices by design) checks the format only, tool-use SFT's
+for a mean scaled reward above uniform SLERP's on the same cases beyond the cases' noise
+(``min_margin_over_slerp`` = 0 and ``max_p_no_better_than_slerp`` = 0.05, :func:`paired_margin`: a
+planner that writes uniform SLERP ties it on every case and fails). Format SFT's gate (random clinical choices by design) checks the format only, tool-use SFT's
 its tool calls. A ``min_*`` threshold is met by a metric at least as high, a ``max_*`` one by a metric
 at most as high; one set to None is not checked (and is recorded as null). :class:`GateSettings` is
 one gate evaluation's settings (seeds, budget, thresholds), as the presets and the stage commands'
@@ -55,13 +56,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.stats import t as student_t
 
+from orthojob.core.metrics import HARD_RULE_SHARE, SCALED_REWARD_MEAN, TERMINAL_RAW, mean_of
+from orthojob.core.prompts import CELLS
 from orthojob.data import case_sets
-from orthojob.data.prompts import CELLS
 from orthojob.eval.evaluation import BASELINES, episode_metrics, run_checkpoint
-from orthojob.eval.metrics import HARD_RULE_SHARE, SCALED_REWARD_MEAN, TERMINAL_RAW, mean_of
-from orthojob.modeling.models import ModelError, checkpoint_files, load_for_inference
-from orthojob.ops.gate_file import (
+from orthojob.lifecycle.gate_file import (
     BC_SFT,
     DEFAULT_THRESHOLDS,
     QUALITY_STAGES,
@@ -71,6 +72,7 @@ from orthojob.ops.gate_file import (
     thresholds_for,
     write_gate,
 )
+from orthojob.modeling.models import ModelError, checkpoint_files, load_for_inference
 from orthojob.stages.flags import add_config_arguments, engine_field, engine_on, given_values, positive_int
 from orthojob.stages.tool_sft import tool_gate_metrics
 from server.cases import TASK_IDS, CaseKey
@@ -143,7 +145,7 @@ def gate_settings_from_args(args: argparse.Namespace | dict, base: GateSettings)
 # ---------------------------------------------------------------------------------------------
 
 QUALITY_CELLS: tuple[tuple[str, bool], ...] = CELLS
-"""A quality gate's cells: every ``(task level, force decay)`` (:data:`orthojob.data.prompts.CELLS`)."""
+"""A quality gate's cells: every ``(task level, force decay)`` (:data:`orthojob.core.prompts.CELLS`)."""
 
 CONFIDENCE: float = 0.95
 """The confidence of the hard-rule rate a verdict rules out (:func:`hard_rule_rate_bound`)."""
@@ -275,6 +277,34 @@ def guarantee(breaks: int, n: int, confidence: float = CONFIDENCE) -> dict:
         "hard_rule_rate_ruled_out": hard_rule_rate_bound(breaks, n, confidence),
         "rate_ruled_out_with_no_break": hard_rule_rate_bound(0, n, confidence),
         "formula": "one-sided Clopper-Pearson upper limit; no break: 1 - (1 - confidence) ** (1 / n)",
+    }
+
+
+TIE_TOLERANCE: float = 1e-9
+"""Paired differences of a smaller magnitude (scaled reward) count as exact ties: a plan that scores
+as uniform SLERP's must not win on floating-point noise."""
+
+
+def paired_margin(mine: Sequence[float], base: Sequence[float], confidence: float = CONFIDENCE) -> dict:
+    """How far ``mine`` lies above ``base`` on the same cases (both shape ``(n,)``, scaled reward).
+
+    Returns ``{"lower": the one-sided ``confidence`` lower bound of the mean paired difference,
+    "p": the one-sided paired t-test's p-value for "no higher than base"}`` (Student's t with n - 1
+    degrees of freedom). Where every difference is the same (no spread), the difference is known
+    exactly: p is 0 if it is positive and 1 otherwise, so a planner that ties ``base`` on every case
+    never passes; with fewer than two cases nothing can be concluded (p = 1)."""
+    d = np.asarray(mine, dtype=float) - np.asarray(base, dtype=float)
+    d = np.where(np.abs(d) < TIE_TOLERANCE, 0.0, d)
+    n = d.size
+    if n < 2:
+        return {"lower": float(d.mean()) if n else 0.0, "p": 1.0}
+    mean, sd = float(d.mean()), float(d.std(ddof=1))
+    if sd < TIE_TOLERANCE:
+        return {"lower": mean, "p": 0.0 if mean > 0 else 1.0}
+    se = sd / math.sqrt(n)
+    return {
+        "lower": mean - float(student_t.ppf(confidence, n - 1)) * se,
+        "p": float(student_t.sf(mean / se, n - 1)),
     }
 
 
@@ -419,9 +449,15 @@ def gate_report(
     by_cell: dict[str, list[int]] = {}
     for i, c in enumerate(cases):
         by_cell.setdefault(cell_name(c.task_id, c.force_decay), []).append(i)
+    above_slerp = paired_margin(
+        [ep.shipped(i).scaled_reward for i in range(len(obs))],
+        [r["scaled_reward"] for r in baseline["uniform_slerp"]],
+    )
     metrics.update(
         {
             "margin_over_slerp": mine - metrics[f"uniform_slerp_{SCALED_REWARD_MEAN}"],
+            "margin_over_slerp_lower": above_slerp["lower"],
+            "p_no_better_than_slerp": above_slerp["p"],
             "margin_over_oracle": mine - metrics[f"oracle_{SCALED_REWARD_MEAN}"],
             f"{HARD_RULE_SHARE}_over_oracle": metrics[HARD_RULE_SHARE] - metrics[f"oracle_{HARD_RULE_SHARE}"],
             "oracle_strategy_accuracy": float(

@@ -10,12 +10,12 @@ Three modules hold the stage, as in TRL:
 :func:`run_train` is ``orthojob train``'s body: flags -> config (the preset's values from
 :data:`orthojob.stages.presets.PRESETS`, then the flags given), ``--analyze`` (emergent-behaviour table,
 :mod:`orthojob.eval.analysis`), then :func:`run_grpo`. :func:`run_grpo` takes a config object (the
-pipeline calls it directly): validation before any model loads (exit 2), ``--test`` (the seed's
-smoke: prompts and every reward on real plans, no model), the SFT gate pre-flight
-(:func:`orthojob.ops.gate_file.check_gate`, its exit code on refusal), then training inside the stage's
+pipeline calls it directly): validation before any model loads (exit 2), ``--test`` (a
+smoke check: prompts and every reward on real plans, no model), the SFT gate pre-flight
+(:func:`orthojob.lifecycle.gate_file.check_gate`, its exit code on refusal), then training inside the stage's
 MLflow run with S3 in and out and resume. After training, :func:`run_grpo_gate` evaluates the
 saved checkpoint on held-out seeds and writes its gate file once, with the thresholds the caller
-passed (default :data:`orthojob.ops.gate_file.DEFAULT_THRESHOLDS` ``["grpo"]``).
+passed (default :data:`orthojob.lifecycle.gate_file.DEFAULT_THRESHOLDS` ``["grpo"]``).
 
 Data parallel: ``torchrun --nproc_per_node N -m orthojob.cli train ...``. A resumed run resumes on
 every rank from the same checkpoint (with ``--out s3://...`` the first rank of each node downloads
@@ -38,15 +38,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from orthojob.core.prompts import TRAIN_SEED_START, plan_to_completion, prompt_cases
 from orthojob.data import case_sets
-from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, prompt_cases
 from orthojob.eval.analysis import analyze
 from orthojob.eval.evaluation import DO_NOTHING_PLAN, UNIFORM_SLERP_PLAN
 from orthojob.eval.reward_signal import format_report, signal_groups, signal_report
+from orthojob.lifecycle import model_logging
+from orthojob.lifecycle.gate_file import GateError, GateThresholds, check_gate, format_gate, write_gate
 from orthojob.modeling.models import adapter_base, device_info, is_adapter
-from orthojob.ops import checkpoints, job_errors, model_logging, storage, tracking, work_dirs
+from orthojob.ops import checkpoints, job_errors, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode
-from orthojob.ops.gate_file import GateError, GateThresholds, check_gate, format_gate, write_gate
 from orthojob.ops.preemption import PreemptionGuard
 from orthojob.ops.run_identity import RunIdentityError
 from orthojob.rewards.reward_functions import REWARD_FUNCS, RewardFunc
@@ -76,7 +77,7 @@ def config_from_args(args: argparse.Namespace | dict) -> GRPOJobConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# --test: the seed's smoke, without a model
+# --test: a smoke check, without a model
 # ---------------------------------------------------------------------------------------------
 
 

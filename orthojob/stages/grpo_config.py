@@ -14,7 +14,6 @@ Change a config with :func:`dataclasses.replace` (which checks again); it is nev
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -23,8 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orthojob.agentic.reward import reward_agentic
-from orthojob.data.prompts import cell_turns
-from orthojob.modeling.models import TINY_MODEL
+from orthojob.core.prompts import cell_turns
 from orthojob.ops import progress
 from orthojob.ops.run_identity import POLICIES
 from orthojob.rewards.reward_functions import RewardFunc, active_reward_funcs, reward_weights
@@ -32,12 +30,12 @@ from orthojob.rewards.strategy_advantage import STRATEGY_ADVANTAGES
 from orthojob.stages.flags import (
     CollectPairs,
     engine_field,
-    finite_float,
     name_list,
     name_weight,
     non_negative_int,
     positive_int,
 )
+from orthojob.stages.training_config import ConfigError, TrainingConfig, cases_field, output_field
 from server.cases import HELDOUT_SEED_START, TASK_IDS, TRAIN_SEED_START
 
 VLLM_MODES: tuple[str, ...] = ("colocate", "server")
@@ -62,44 +60,32 @@ COMPLETIONS_TABLE = "completions.json"
 """The stage run's MLflow table (``mlflow.log_table``) of training completions, rows added every step."""
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot train; the message names the flags to change."""
-
-
 LEVEL_WEIGHT_FLAG: dict[str, Any] = {"type": name_weight, "action": CollectPairs, "metavar": "LEVEL=W"}
 """A repeatable ``LEVEL=W`` flag collected into a dict of task level -> turns per round of a mixed prompt
-set (:func:`orthojob.data.prompts.cell_turns`): this config's ``level_weights`` and the learning
+set (:func:`orthojob.core.prompts.cell_turns`): this config's ``level_weights`` and the learning
 experiment's."""
 
 
 @dataclass(frozen=True)
-class GRPOJobConfig:
-    """Every ``orthojob train`` flag (field ``x_y`` is flag ``--x-y``); defaults are the seed's.
+class GRPOJobConfig(TrainingConfig):
+    """Every ``orthojob train`` flag (field ``x_y`` is flag ``--x-y``): the shared training fields
+    (:class:`~orthojob.stages.training_config.TrainingConfig`) and GRPO's own.
 
-    The seed's ``--batch-size 2`` with ``--num-generations 4`` cannot train (TRL needs the
-    generation batch divisible by the group size), so the default batch is 4.
+    The defaults follow the project's original specification where it set one, except the batch: 4
+    completions per device and step, not its 2, so that a prompt's group of ``num_generations`` (4)
+    completions fits in one generation batch, which TRL requires (:func:`validate`).
     """
 
     preset: str | None = field(
         default=None,
         metadata={"help": "named defaults (orthojob/stages/presets.py); explicit flags override them"},
     )
-    model: str = field(
-        default="Qwen/Qwen2.5-3B-Instruct",
-        metadata={
-            "help": f"base model: hub id, folder or s3:// URI (fetched once, cached), or '{TINY_MODEL}'"
-        },
-    )
     steps: int = field(default=300, metadata={"help": "GRPO optimizer steps", "type": positive_int})
     num_generations: int = field(default=4, metadata={"help": "completions per prompt", "type": positive_int})
     batch_size: int = field(
         default=4, metadata={"help": "completions per device per step", "type": positive_int}
     )
-    grad_accum: int = field(default=1, metadata={"help": "gradient accumulation steps", "type": positive_int})
     lr: float = field(default=5e-6, metadata={"help": "learning rate"})
-    lora_r: int = field(
-        default=16, metadata={"help": "LoRA rank; 0 = full fine-tuning", "type": non_negative_int}
-    )
     max_prompt_length: int = field(
         default=1536, metadata={"help": "longest prompt in tokens", "type": positive_int}
     )
@@ -109,7 +95,7 @@ class GRPOJobConfig:
     max_seq_length: int = field(
         default=2048, metadata={"help": "prompt + completion budget", "type": positive_int}
     )
-    out: str = field(default="./checkpoints/grpo", metadata={"help": "output folder or s3:// URI"})
+    out: str = output_field("./checkpoints/grpo")
     task_id: str = field(default="task_easy", metadata={"help": "the training task", "choices": TASK_IDS})
     force_decay: bool = field(default=False, metadata={"help": "pharmacokinetic force decay during training"})
     mixed_cells: bool = field(
@@ -128,19 +114,9 @@ class GRPOJobConfig:
             "flag": "--level-weight",
         },
     )
-    cases: str | None = field(
-        default=None,
-        metadata={
-            "help": "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): train on its training patients "
-            "and gate on its held-out ones (task_id, mixed_cells and prompt_seed_start then unused)"
-        },
-    )
-    heldout_share: float = field(
-        default=0.2,
-        metadata={
-            "help": "with --cases: share of the patients held out where the records give no split",
-            "type": finite_float,
-        },
+    cases: str | None = cases_field(
+        "train on its training patients and gate on its held-out ones (task_id, mixed_cells and "
+        "prompt_seed_start then unused)"
     )
     use_vllm: bool = field(default=False, metadata={"help": "generate with vLLM (GPU only)"})
     vllm_mode: str = field(
@@ -175,7 +151,6 @@ class GRPOJobConfig:
     analyze: bool = field(
         default=False, metadata={"help": "emergent-behaviour metrics of <out>/completions.jsonl"}
     )
-    seed: int = field(default=0, metadata={"help": "training seed", "show_default": True})
     num_prompts: int = field(
         default=0,
         metadata={
@@ -308,11 +283,9 @@ class GRPOJobConfig:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in (
-            "steps",
             "num_generations",
-            "batch_size",
-            "grad_accum",
             "max_completion_length",
             "max_prompt_length",
             "max_seq_length",
@@ -332,8 +305,6 @@ class GRPOJobConfig:
                 f"--max-prompt-length ({self.max_prompt_length}) + --max-completion-length "
                 f"({self.max_completion_length}) exceeds --max-seq-length ({self.max_seq_length})"
             )
-        if self.lora_r < 0:
-            raise ConfigError(f"--lora-r must be >= 0 (0 = full fine-tuning), got {self.lora_r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.strategy_advantage_scale) and self.strategy_advantage_scale > 0):
@@ -396,8 +367,6 @@ class GRPOJobConfig:
             raise ConfigError(
                 "--cases trains --mode oneshot on the set's own cases: drop --mode agentic / --mixed-cells"
             )
-        if not 0.0 <= self.heldout_share <= 1.0:
-            raise ConfigError(f"--heldout-share must lie in [0, 1], got {self.heldout_share}")
         if self.level_weights:
             if not self.mixed_cells:
                 raise ConfigError(
@@ -436,9 +405,6 @@ class GRPOJobConfig:
         if self.mode == "agentic":
             return [1.0]
         return reward_weights(self.reward_funcs, self.reward_weights)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def world_size() -> int:

@@ -55,8 +55,9 @@ from orthojob.agentic.chat_template import prepare_tokenizer
 from orthojob.agentic.prompts import agentic_rows, full_prompt
 from orthojob.agentic.remote import check_server_capacity
 from orthojob.agentic.tools import DentalToolEnv, RemoteToolEnvFactory
+from orthojob.core.parsing import completion_text
+from orthojob.core.prompts import mixed_prompt_rows, prompt_format_of, prompt_rows
 from orthojob.data import case_sets
-from orthojob.data.prompts import mixed_prompt_rows, prompt_format_of, prompt_rows
 from orthojob.eval.viewer_logging import grpo_viewer_callback
 from orthojob.modeling import models, sampling
 from orthojob.ops import progress, tracking
@@ -65,7 +66,6 @@ from orthojob.ops.process_group import end_process_group
 from orthojob.ops.records import json_value
 from orthojob.rewards.canaries import rollout_record
 from orthojob.rewards.diagnostics import env_diagnostics
-from orthojob.rewards.parsing import completion_text
 from orthojob.rewards.reward_functions import RewardFunc
 from orthojob.rewards.rollouts import DEFAULT_CACHE
 from orthojob.rewards.strategy_advantage import strategy_token_advantages, strategy_token_ids
@@ -143,9 +143,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
     """
 
     record_completions: bool = False  # set on every rank: the gather below is collective
-    agentic: bool = (
-        False  # tool rollouts (orthojob.agentic.tools): no one-shot table rows or env/* diagnostics
-    )
+    agentic: bool = False  # tool rollouts (orthojob.agentic.tools): no one-shot table rows or env/* metrics
     completions_path: Path | None = None  # set on rank 0 only
     table_rows: int = 0  # rows per logging step for the MLflow table (rank 0); 0 = no table
     table_file: str = COMPLETIONS_TABLE
@@ -165,6 +163,18 @@ class RecordingGRPOTrainer(GRPOTrainer):
             reward_funcs = self._timed(reward_funcs)
         super().__init__(model, reward_funcs, *args, **kwargs)
         self.callback_handler.callbacks.insert(0, _RewardClock(self))
+
+    @classmethod
+    def from_config(cls, config: GRPOJobConfig, is_main: bool = True, **kwargs: Any) -> RecordingGRPOTrainer:
+        """The job's trainer, ``cls(**kwargs)`` set as ``config`` says; rank 0 (``is_main``) records."""
+        trainer = cls(**kwargs)
+        progress.attach(trainer, "grpo")
+        trainer.agentic, trainer.record_completions = config.mode == "agentic", True
+        trainer.completions_path = Path(config.out) / COMPLETIONS_FILE if is_main else None
+        trainer.table_rows = config.completions_table_rows if is_main else 0
+        for name in ("strategy_advantage", "strategy_advantage_scale", "strategy_lr_scale", "sampler"):
+            setattr(trainer, name, getattr(config, name))  # the config's settings of the same names
+        return trainer
 
     def create_optimizer(self):
         """TRL's optimizer; with :attr:`strategy_lr_scale` != 1 the rows of the output layer that
@@ -535,9 +545,8 @@ def train(
     devices = models.device_info()
     n_processes = world_size()
     out = Path(config.out)
-    grpo_args, funcs = build_grpo_args(
-        config, devices, n_processes, reward_funcs
-    )  # initialises torch.distributed
+    # initialises torch.distributed
+    grpo_args, funcs = build_grpo_args(config, devices, n_processes, reward_funcs)
     state = grpo_args.distributed_state
     is_main = state.is_main_process
     if is_main:
@@ -608,26 +617,18 @@ def train(
         )
 
     timer = StepTimer()
-    trainer = RecordingGRPOTrainer(
+    viewed = None if agentic else out / COMPLETIONS_FILE
+    trainer = RecordingGRPOTrainer.from_config(
+        config,
+        is_main,
         model=model,
         reward_funcs=funcs,
         args=grpo_args,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
-        callbacks=_callbacks(
-            timer, is_main, sync_to, identity, callbacks, None if agentic else out / COMPLETIONS_FILE
-        ),
+        callbacks=_callbacks(timer, is_main, sync_to, identity, callbacks, viewed),
         **extra,
     )
-    progress.attach(trainer, "grpo")
-    trainer.agentic = agentic
-    trainer.record_completions = True
-    trainer.completions_path = out / COMPLETIONS_FILE if is_main else None
-    trainer.table_rows = config.completions_table_rows if is_main else 0
-    trainer.strategy_advantage = config.strategy_advantage
-    trainer.strategy_advantage_scale = config.strategy_advantage_scale
-    trainer.strategy_lr_scale = config.strategy_lr_scale
-    trainer.sampler = config.sampler
     try:
         trainer.train(resume_from_checkpoint=resume_from)
     finally:  # the environments' server sessions (--env-url): TRL never closes its pooled environments

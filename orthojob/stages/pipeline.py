@@ -12,7 +12,7 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
    starting from the previous one's gated checkpoint, each in ``<out>/<name>`` with its gate file and
    its own MLflow stage run, which holds the training, the gate (summary entry ``gate_<name>``) and
    the gated checkpoint as an MLflow LoggedModel with its gate metrics, verdict and datasets
-   (:func:`orthojob.ops.model_logging.log_gated_checkpoint`, what promotion searches):
+   (:func:`orthojob.lifecycle.model_logging.log_gated_checkpoint`, what promotion searches):
 
    * ``format`` -> ``format_sft``: stage 0, format SFT on demonstrations that carry no clinical
      choice (:func:`orthojob.stages.sft.run_sft`), then ``gate_format_sft`` (format only);
@@ -48,7 +48,7 @@ when RSFT kept no sample; otherwise the failing stage's exit code (GRPO refusing
 the pipeline at once). The summary reports GRPO's mean reward per step, strategy accuracy, RSFT's
 kept counts and every gate metric as measured, whether they rise or not. Every planner is judged
 there by the headline metric, the mean scaled terminal reward (``scaled_reward_mean``, bands in
-:mod:`server.reward_scaler`), beside its hard-rule share (:mod:`orthojob.eval.metrics`); the evaluation's
+:mod:`server.reward_scaler`), beside its hard-rule share (:mod:`orthojob.core.metrics`); the evaluation's
 are MLflow metrics ``scaled_reward_mean/<planner>`` and ``hard_rule_share/<planner>``.
 
 :data:`orthojob.stages.presets.PRESETS` holds every hyper-parameter, as config objects. ``overrides``
@@ -68,11 +68,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orthojob.core.metrics import HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_MEAN
 from orthojob.data import case_sets
 from orthojob.eval.evaluation import evaluate_checkpoint, format_table
-from orthojob.eval.metrics import HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_MEAN
+from orthojob.lifecycle import gate_file
 from orthojob.modeling.models import TINY_MODEL, build_tiny
-from orthojob.ops import gate_file, run_identity, storage, tracking, work_dirs
+from orthojob.ops import run_identity, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.records import json_value
 from orthojob.stages import gate

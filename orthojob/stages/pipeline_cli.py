@@ -1,7 +1,7 @@
 """``orthojob pipeline``'s command line: its flags (:func:`add_pipeline_arguments`) and the command
 (:func:`run_pipeline_cli`): the preset with ``--set`` / ``--overrides`` applied, run by
 :func:`orthojob.stages.pipeline.run_pipeline`; with ``--register``, a chain whose every gate passed has
-GRPO's gated model registered (:func:`orthojob.ops.registry.run_promote`: alias ``candidate``), as the
+GRPO's gated model registered (:func:`orthojob.lifecycle.registry.run_promote`: alias ``candidate``), as the
 Kubernetes Job does (:mod:`orthojob.job`)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from orthojob.data import case_sets
-from orthojob.ops import registry, storage, work_dirs
+from orthojob.lifecycle import registry
+from orthojob.lifecycle.registry import DEFAULT_MODEL_NAME
+from orthojob.ops import storage, work_dirs
 from orthojob.ops.exit_codes import ExitCode
-from orthojob.ops.registry import DEFAULT_MODEL_NAME
 from orthojob.stages.flags import ENGINE_CHOICES
 from orthojob.stages.grpo_config import ConfigError
 from orthojob.stages.pipeline import CASE_SECTIONS, SUMMARY_FILE, run_pipeline

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from orthojob.eval.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD_MEAN
+from orthojob.core.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD_MEAN
 from orthojob.stages.presets import DEFAULT_STAGES, PIPELINE_STAGES
 
 GATE_VIEW: tuple[str, ...] = (
     "parse_rate", "format_reward", SCALED_REWARD_MEAN, f"uniform_slerp_{SCALED_REWARD_MEAN}",
-    f"oracle_{SCALED_REWARD_MEAN}", "margin_over_slerp", HARD_RULE_SHARE, f"oracle_{HARD_RULE_SHARE}",
+    f"oracle_{SCALED_REWARD_MEAN}", "margin_over_slerp", "margin_over_slerp_lower", "p_no_better_than_slerp", HARD_RULE_SHARE, f"oracle_{HARD_RULE_SHARE}",
     f"{HARD_RULE_SHARE}_over_oracle", "strategy_accuracy", "truncated_rate", "mean_completion_tokens", "eval_seconds",
     "tool_call_rate", "finished_rate", "valid_call_rate", "reward_mean",
     "engine", f"raw_{SCALED_REWARD_MEAN}", f"raw_{HARD_RULE_SHARE}", "repair_share", "fallback_share",
@@ -96,6 +96,11 @@ def format_summary(summary: dict) -> str:
                     f"oracle {_fmt(g.get(f'oracle_{SCALED_REWARD_MEAN}'))}), hard rules {_fmt(g.get(HARD_RULE_SHARE))} "
                     f"(oracle {_fmt(g.get(f'oracle_{HARD_RULE_SHARE}'))}), strategy acc {_fmt(g['strategy_accuracy'])}"
                 )  # fmt: skip
+                if g.get("p_no_better_than_slerp") is not None:
+                    lines.append(
+                        f"{'':<24}  above SLERP on the same cases by {_fmt(g.get('margin_over_slerp'))} (95 % lower "
+                        f"bound {_fmt(g.get('margin_over_slerp_lower'))}, p {_fmt(g['p_no_better_than_slerp'], '.2g')})"
+                    )
                 if g.get("engine") not in (None, "off"):
                     lines.append(f"{'':<24}  {engine_line(g)}")
     if "evaluate" in s:

@@ -9,8 +9,8 @@ it). Explicit flags override a preset's values (``orthojob train``), and so does
 The values a stage shares with the others (``model``, ``task_id``, ``force_decay``, ``tiny_arch``)
 are set once on the :class:`Preset` and copied into the stage configs when it is built.
 
-``stages`` chooses the pipeline's training stages, in order, from :data:`PIPELINE_STAGES` (the
-seed's numbering): ``format`` (stage 0, format SFT), ``tool`` (stage 1, tool-use SFT), ``bc``
+``stages`` chooses the pipeline's training stages, in order, from :data:`PIPELINE_STAGES` (numbered
+as in docs/stages.md): ``format`` (stage 0, format SFT), ``tool`` (stage 1, tool-use SFT), ``bc``
 (stage 2, behaviour cloning of the oracle), ``grpo`` (stage 3), ``rsft`` (stage 4, rejection
 fine-tuning). Each stage starts from the previous stage's gated checkpoint; the first must be an SFT
 stage that starts from the base model (``format``, ``tool`` or ``bc``). Both presets keep
@@ -20,7 +20,7 @@ agentic mode, the tool calls stage 1 teaches (``--set stages=format,tool,grpo --
 grpo.mode=agentic``; a one-shot GRPO there is refused).
 
 ``tiny-cpu``: offline, CPU, 2 cores, < 10 min. Its tiny model is built for the ``compact`` prompt
-format (``tiny_arch["prompt_format"]``, :data:`orthojob.data.prompts.PROMPT_FORMATS`: the case without the
+format (``tiny_arch["prompt_format"]``, :data:`orthojob.core.prompts.PROMPT_FORMATS`: the case without the
 plan-format text, which the BC stage teaches), recorded in the model's ``config.json`` so every later
 stage prompts it the same way. Its BC stage learns every level under both dynamics (the cells its
 gate judges); its GRPO stage (20 steps, prompts up to 1760 tokens, 512-token completions: the oracle's
@@ -41,8 +41,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from orthojob.modeling.models import TINY_MODEL
-from orthojob.ops.gate_file import (
+from orthojob.lifecycle.gate_file import (
     BC_SFT,
     DEFAULT_THRESHOLDS,
     FORMAT_SFT,
@@ -51,11 +50,13 @@ from orthojob.ops.gate_file import (
     TOOL_SFT,
     GateThresholds,
 )
+from orthojob.modeling.models import TINY_MODEL
 from orthojob.stages.flags import ENGINE_CHOICES
 from orthojob.stages.gate import GateSettings
 from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.stages.rsft_config import RSFTConfig
 from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig, ToolSFTConfig
+from server.cases import TASK_IDS
 
 PIPELINE_STAGES: dict[str, str] = {
     "format": FORMAT_SFT,
@@ -64,7 +65,7 @@ PIPELINE_STAGES: dict[str, str] = {
     "grpo": GRPO,
     "rsft": RSFT,
 }
-"""A pipeline stage -> its name (:data:`orthojob.ops.gate_file.STAGES`, where the names are defined): output
+"""A pipeline stage -> its name (:data:`orthojob.lifecycle.gate_file.STAGES`, where the names are defined): output
 folder ``<out>/<name>``, MLflow stage run, gate stage. The BC stage is ``bc_sft``."""
 FIRST_STAGES: tuple[str, ...] = ("format", "tool", "bc")
 """The stages that can start from the base model."""
@@ -205,26 +206,62 @@ def _format_stage(bc: SFTJobConfig) -> FormatSFTConfig:
     return FormatSFTConfig(**shared)
 
 
-TINY_SFT = SFTJobConfig(
-    model=TINY_MODEL,
-    # every level under both dynamics: the cells a quality gate judges
-    task_ids=["task_easy", "task_medium", "task_hard"],
-    both_dynamics=True,
-    examples=2400,
-    # 2 epochs of the compact-prompt demonstrations (docs/stages.md: the tiny BC's gate, measured)
-    steps=600,
-    batch_size=8,
-    grad_accum=1,
-    lr=5e-3,
-    lr_scheduler="cosine",
-    warmup_steps=10,
-    lora_r=0,
-    max_length=2048,
-    gradient_checkpointing=False,
-    logging_steps=20,
-)
+def _quality_gate(stage: str, n_seeds: int, **budget: int) -> GateSettings:
+    """A gate of ``stage`` judging ``n_seeds`` seeds per cell with ``stage``'s thresholds
+    (:data:`DEFAULT_THRESHOLDS`): 512-token completions in batches of 16 unless ``budget`` says otherwise."""
+    return GateSettings(
+        n_seeds=n_seeds,
+        **{"max_new_tokens": 512, "batch_size": 16, **budget},
+        thresholds=DEFAULT_THRESHOLDS[stage],
+    )
 
-TINY_CPU = Preset(
+
+def _preset(
+    *,
+    gate_seeds: int,
+    sft: dict[str, Any],
+    grpo: dict[str, Any],
+    rsft: dict[str, Any],
+    format_gate: dict[str, Any],
+    evaluate: dict[str, Any],
+    **shared: Any,
+) -> Preset:
+    """A preset: the values every preset shares, with one preset's differences laid over them.
+
+    ``sft``, ``grpo`` and ``rsft``: the keywords of the BC, GRPO and RSFT configs that differ from
+    the shared ones below; ``format_gate`` and ``evaluate``: those of the format gate and the final
+    evaluation. ``gate_seeds``: seeds per cell of every quality gate (BC, RSFT and GRPO's own);
+    ``shared``: the :class:`Preset` fields (``name``, ``description``, ``model``, ``tiny_arch``).
+    Every preset trains on ``task_easy`` without force decay, runs :data:`DEFAULT_STAGES`, and trains
+    its format stage as its BC stage (:func:`_format_stage`); its tool stage likewise (:func:`_tool_stage`).
+    """
+    bc = SFTJobConfig(**{"task_ids": list(TASK_IDS), "lr_scheduler": "cosine", "max_length": 2048, **sft})
+    return Preset(
+        task_id="task_easy",
+        force_decay=False,
+        stages=DEFAULT_STAGES,
+        sft=bc,
+        sft_gate=_quality_gate(BC_SFT, gate_seeds),
+        format_sft=_format_stage(bc),
+        format_gate=_quality_gate(FORMAT_SFT, **format_gate),
+        grpo=GRPOJobConfig(**{"grad_accum": 1, "max_completion_length": 512, **grpo}, gate_seeds=gate_seeds),
+        grpo_gate=GRPOGateSettings(),
+        rsft=RSFTConfig(
+            **{
+                "temperature": 1.0,
+                "max_new_tokens": 512,
+                "sample_batch_size": 8,
+                "max_length": 2048,
+                **rsft,
+            }
+        ),
+        rsft_gate=_quality_gate(RSFT, gate_seeds),
+        evaluate=EvaluateSettings(**{"baselines": True, "max_new_tokens": 512, **evaluate}),
+        **shared,
+    )
+
+
+TINY_CPU = _preset(
     name="tiny-cpu",
     description=(
         "offline, CPU, 2 cores, < 10 min: a ~0.2M-parameter Qwen2 built here, fully fine-tuned "
@@ -240,139 +277,108 @@ TINY_CPU = Preset(
         "vocab_size": 1024,
         "max_position_embeddings": 2048,
         "seed": 0,
-        # the case without the plan-format text (orthojob.data.prompts): a held-out prompt is ~893 tokens
+        # the case without the plan-format text (orthojob.core.prompts): a held-out prompt is ~893 tokens
         # instead of ~1,709, and an SFT example trains ~2.5x faster
         "prompt_format": "compact",
     },
-    task_id="task_easy",
-    force_decay=False,
-    sft=TINY_SFT,
-    sft_gate=GateSettings(
-        n_seeds=TINY_GATE_SEEDS, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
-    ),
-    grpo=GRPOJobConfig(
+    gate_seeds=TINY_GATE_SEEDS,
+    sft={
+        # every level under both dynamics: the cells a quality gate judges
+        "both_dynamics": True,
+        "examples": 2400,
+        # 2 epochs of the compact-prompt demonstrations (docs/stages.md: the tiny BC's gate, measured)
+        "steps": 600,
+        "batch_size": 8,
+        "grad_accum": 1,
+        "lr": 5e-3,
+        "warmup_steps": 10,
+        "lora_r": 0,
+        "gradient_checkpointing": False,
+        "logging_steps": 20,
+    },
+    grpo={
         # the offline tiny model, fully fine-tuned on CPU: proves the loop, learns little. 512-token
         # completions: the oracle's plans under force decay run to about 550 of its tokens
-        steps=20,
-        num_generations=4,
-        batch_size=4,
-        grad_accum=1,
-        lr=1e-4,
-        lora_r=0,
-        max_prompt_length=1760,
-        max_completion_length=512,
-        max_seq_length=2272,
-        gradient_checkpointing=False,
-        gate_seeds=TINY_GATE_SEEDS,
-    ),
-    grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS[GRPO]),
-    evaluate=EvaluateSettings(n_seeds=32, baselines=True, max_new_tokens=512, batch_size=16),
-    stages=DEFAULT_STAGES,
-    format_sft=_format_stage(TINY_SFT),
-    format_gate=GateSettings(
-        n_seeds=32, max_new_tokens=256, batch_size=16, thresholds=DEFAULT_THRESHOLDS[FORMAT_SFT]
-    ),
-    rsft=RSFTConfig(
+        "steps": 20,
+        "num_generations": 4,
+        "batch_size": 4,
+        "lr": 1e-4,
+        "lora_r": 0,
+        "max_prompt_length": 1760,
+        "max_seq_length": 2272,
+        "gradient_checkpointing": False,
+    },
+    format_gate={"n_seeds": 32, "max_new_tokens": 256},
+    rsft={
         # best of 4 samples on 32 training prompts, then a short fine-tune at a fifth of SFT's rate
-        model=TINY_MODEL,
-        task_ids=["task_easy"],
-        prompts=32,
-        samples_per_prompt=4,
-        temperature=1.0,
-        max_new_tokens=512,
-        sample_batch_size=8,
-        steps=40,
-        batch_size=4,
-        lr=1e-3,
-        lr_scheduler="constant",
-        warmup_steps=0,
-        lora_r=0,
-        max_length=2048,
-        logging_steps=10,
-    ),
-    rsft_gate=GateSettings(
-        n_seeds=TINY_GATE_SEEDS, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[RSFT]
-    ),
+        "task_ids": ["task_easy"],
+        "prompts": 32,
+        "samples_per_prompt": 4,
+        "steps": 40,
+        "batch_size": 4,
+        "lr": 1e-3,
+        "lr_scheduler": "constant",
+        "warmup_steps": 0,
+        "lora_r": 0,
+        "logging_steps": 10,
+    },
+    evaluate={"n_seeds": 32, "batch_size": 16},
 )
 
-QWEN25_3B_SFT = SFTJobConfig(
-    task_ids=["task_easy", "task_medium", "task_hard"],
-    examples=3000,
-    steps=375,
-    batch_size=4,
-    grad_accum=2,
-    lr=2e-4,
-    lr_scheduler="cosine",
-    warmup_steps=20,
-    lora_r=16,
-    lora_alpha=32,
-    max_length=2048,
-    gradient_checkpointing=True,
-    logging_steps=10,
-)
-
-QWEN25_3B = Preset(
+QWEN25_3B = _preset(
     name="qwen2.5-3b",
     description="one GPU: Qwen2.5-3B-Instruct, LoRA r 16 (Unsloth 4-bit when it imports), SFT then GRPO",
     model="Qwen/Qwen2.5-3B-Instruct",
-    task_id="task_easy",
-    force_decay=False,
-    sft=QWEN25_3B_SFT,
-    sft_gate=GateSettings(
-        n_seeds=GPU_GATE_SEEDS, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[BC_SFT]
-    ),
-    grpo=GRPOJobConfig(
+    gate_seeds=GPU_GATE_SEEDS,
+    sft={
+        "examples": 3000,
+        "steps": 375,
+        "batch_size": 4,
+        "grad_accum": 2,
+        "lr": 2e-4,
+        "warmup_steps": 20,
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "gradient_checkpointing": True,
+        "logging_steps": 10,
+    },
+    grpo={
         # the Unsloth Qwen2.5-3B GRPO recipe on one GPU (LoRA r 16, 8 completions per prompt) with what
         # made the CPU learning experiment learn that holds in both modes: a KL anchor (beta 0.1) to the
         # previous stage and temperature 0.8. The experiment's prompts of every cell (mixed_cells) and
         # counterfactual strategy advantage are one-shot only, and the preset also serves
-        # --mode agentic: one-shot runs add them with --set (docs/learning_experiment.md). Not carried
+        # --mode agentic: one-shot runs add them with --set (experiments/learning/NOTEBOOK.md). Not carried
         # over: the strategy rows' faster learning rate needs a trainable lm_head, which LoRA freezes
-        beta=0.1,
-        temperature=0.8,
-        steps=300,
-        num_generations=8,
-        batch_size=8,
-        grad_accum=1,
-        lr=5e-6,
-        lora_r=16,
-        max_prompt_length=1536,
-        max_completion_length=512,
-        max_seq_length=2048,
-        gradient_checkpointing=True,
-        save_steps=60,
-        gate_seeds=GPU_GATE_SEEDS,
-    ),
-    grpo_gate=GRPOGateSettings(DEFAULT_THRESHOLDS[GRPO]),
-    evaluate=EvaluateSettings(n_seeds=200, baselines=True, max_new_tokens=512, batch_size=32),
-    stages=DEFAULT_STAGES,
-    format_sft=_format_stage(QWEN25_3B_SFT),
-    format_gate=GateSettings(
-        n_seeds=50, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[FORMAT_SFT]
-    ),
-    rsft=RSFTConfig(
+        "beta": 0.1,
+        "temperature": 0.8,
+        "steps": 300,
+        "num_generations": 8,
+        "batch_size": 8,
+        "lr": 5e-6,
+        "lora_r": 16,
+        "max_prompt_length": 1536,
+        "max_seq_length": 2048,
+        "gradient_checkpointing": True,
+        "save_steps": 60,
+    },
+    format_gate={"n_seeds": 50},
+    rsft={
         # continues the previous stage's LoRA adapter: best of 8 on 512 training prompts
-        task_ids=["task_easy", "task_medium", "task_hard"],
-        prompts=512,
-        samples_per_prompt=8,
-        temperature=1.0,
-        max_new_tokens=512,
-        sample_batch_size=8,
-        steps=200,
-        batch_size=4,
-        grad_accum=2,
-        lr=5e-5,
-        lr_scheduler="cosine",
-        warmup_steps=10,
-        lora_r=16,
-        lora_alpha=32,
-        max_length=2048,
-        gradient_checkpointing=True,
-        logging_steps=10,
-    ),
-    rsft_gate=GateSettings(
-        n_seeds=GPU_GATE_SEEDS, max_new_tokens=512, batch_size=16, thresholds=DEFAULT_THRESHOLDS[RSFT]
-    ),
+        "task_ids": list(TASK_IDS),
+        "prompts": 512,
+        "samples_per_prompt": 8,
+        "steps": 200,
+        "batch_size": 4,
+        "grad_accum": 2,
+        "lr": 5e-5,
+        "lr_scheduler": "cosine",
+        "warmup_steps": 10,
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "gradient_checkpointing": True,
+        "logging_steps": 10,
+    },
+    evaluate={"n_seeds": 200, "batch_size": 32},
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, QWEN25_3B)}

@@ -1,7 +1,7 @@
 """Stage 4, rejection fine-tuning (RSFT): ``orthojob rsft --from-checkpoint DIR --out DIR``.
 
 1. **Pre-flight**: ``--from-checkpoint`` must carry a passed gate of any earlier stage (format SFT,
-   BC, GRPO or RSFT; :func:`orthojob.ops.gate_file.check_gate`), whose digest still matches.
+   BC, GRPO or RSFT; :func:`orthojob.lifecycle.gate_file.check_gate`), whose digest still matches.
 2. **Sample**: for each of ``prompts`` training prompts (seeds from ``prompt_seed_start``, tasks
    taking turns, never held-out seeds; with ``cases``, a case set's training patients' cases, each
    once, :func:`prompt_keys`) the checkpoint samples ``samples_per_prompt`` (k) completions
@@ -40,11 +40,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from orthojob.core.prompts import build_messages, prompt_format_of, reset_observation
 from orthojob.data import case_sets
-from orthojob.data.prompts import build_messages, prompt_format_of, reset_observation
 from orthojob.eval.evaluation import UNIFORM_SLERP_PLAN, generate_completions
+from orthojob.lifecycle import gate_file
 from orthojob.modeling import models
-from orthojob.ops import gate_file, storage, tracking
+from orthojob.ops import storage, tracking
 from orthojob.ops.exit_codes import ExitCode
 from orthojob.rewards.rollouts import score_texts
 from orthojob.stages import gate
@@ -257,7 +258,7 @@ def training_rows(samples: Sequence[dict], force_decay: bool, prompt_format: str
 
 def run_rsft(config: RSFTConfig) -> dict:
     """Steps 1-5 of the module docstring except the gate, on local folders; returns the SFT summary
-    with ``rsft`` (the counts) and ``sample_seconds``. Raises :class:`orthojob.ops.gate_file.GateError` when
+    with ``rsft`` (the counts) and ``sample_seconds``. Raises :class:`orthojob.lifecycle.gate_file.GateError` when
     the pre-flight refuses, :class:`RSFTError` when nothing is kept."""
     if not config.from_checkpoint:
         raise ConfigError("orthojob rsft needs --from-checkpoint (the gated checkpoint to sample from)")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orthojob.data.prompts import TRAIN_SEED_START
+from orthojob.core.prompts import TRAIN_SEED_START
 from orthojob.stages.flags import positive_int
-from orthojob.stages.grpo_config import ConfigError
-from orthojob.stages.sft_config import SFTJobConfig, bc_only_field, cases_field
+from orthojob.stages.sft_config import SFTJobConfig, bc_only_field
+from orthojob.stages.training_config import ConfigError, cases_field, output_field
 
 RSFT_SAMPLES_FILE = "rsft_samples.jsonl"
 """Every sampled completion with its prompt, scores and whether it was kept (in ``--out``)."""
@@ -23,7 +23,7 @@ RSFT_SAMPLES_FILE = "rsft_samples.jsonl"
 class RSFTConfig(SFTJobConfig):
     """Every ``orthojob rsft`` flag (field ``x_y`` is flag ``--x-y``)."""
 
-    out: str = field(default="./checkpoints/rsft", metadata={"help": "output folder or s3:// URI"})
+    out: str = output_field("./checkpoints/rsft")
     from_checkpoint: str | None = field(
         default=None,
         metadata={

@@ -1,6 +1,6 @@
 """The SFT stages, one training routine (:func:`run_sft`) for three demonstration sources.
 
-The seed's stages that TRL's SFTTrainer trains, each its own command, MLflow stage run and gate:
+The chain's stages that TRL's SFTTrainer trains, each its own command, MLflow stage run and gate:
 
 * **stage 0, format SFT** (``orthojob format-sft``, :class:`~orthojob.stages.sft_config.FormatSFTConfig`,
   gate stage ``format_sft``): demonstrations that carry no clinical choice
@@ -21,9 +21,9 @@ training patients instead of generated seeds (:func:`demonstration_rows`; RSFT's
 :func:`orthojob.stages.rsft.prompt_keys`) and its gate judges the held-out ones; the stage command
 checks the set before any model loads (a bad set: exit 2, every problem named).
 
-Each example is the policy's own prompt (:func:`orthojob.data.prompts.build_messages`, conversational)
-and, as the completion, a plan as canonical JSON (:func:`orthojob.data.prompts.plan_to_completion`), on
-*training* seeds (from :data:`orthojob.data.prompts.TRAIN_SEED_START`). TRL's SFTTrainer trains on the
+Each example is the policy's own prompt (:func:`orthojob.core.prompts.build_messages`, conversational)
+and, as the completion, a plan as canonical JSON (:func:`orthojob.core.prompts.plan_to_completion`), on
+*training* seeds (from :data:`orthojob.core.prompts.TRAIN_SEED_START`). TRL's SFTTrainer trains on the
 completion only (prompt tokens are masked).
 
 Models (:func:`orthojob.modeling.models.load_policy`): LoRA on real models (Unsloth 4-bit on a GPU when it
@@ -49,20 +49,21 @@ from pathlib import Path
 from typing import Any
 
 from orthojob.agentic.chat_template import prepare_tokenizer
-from orthojob.data import case_sets
-from orthojob.data.format_demos import case_set_format_demonstrations, demo_stats, format_demonstrations
-from orthojob.data.oracle_demos import demonstrations, oracle_demonstrations
-from orthojob.data.prompts import (
+from orthojob.core.prompts import (
     build_messages,
     plan_to_completion,
     prompt_format_of,
 )
+from orthojob.data import case_sets
+from orthojob.data.format_demos import case_set_format_demonstrations, demo_stats, format_demonstrations
+from orthojob.data.oracle_demos import demonstrations, oracle_demonstrations
 from orthojob.data.robust_plans import robust_plan
+from orthojob.lifecycle import gate_file, model_logging
+from orthojob.lifecycle.gate_file import DEFAULT_THRESHOLDS
 from orthojob.modeling import models
 from orthojob.modeling.models import TINY_MODEL, ensure_tiny
-from orthojob.ops import gate_file, model_logging, progress, storage, tracking, work_dirs
+from orthojob.ops import progress, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode
-from orthojob.ops.gate_file import DEFAULT_THRESHOLDS
 from orthojob.stages import gate
 from orthojob.stages.flags import add_config_arguments, given_values
 from orthojob.stages.gate import GateSettings, add_gate_arguments, gate_settings_from_args
@@ -90,7 +91,7 @@ from server.treatment import score_plans
 log = logging.getLogger(__name__)
 
 TRAINING_CASES = "training_cases"
-"""The summary's key for the cases a stage trained on (:func:`orthojob.ops.model_logging.training_cases`)."""
+"""The summary's key for the cases a stage trained on (:func:`orthojob.lifecycle.model_logging.training_cases`)."""
 
 
 SECTIONS: dict[str, type[SFTJobConfig]] = {
@@ -106,7 +107,7 @@ GATE_SECTIONS: dict[str, tuple[str, str]] = {
     "sft": ("sft_gate", gate_file.BC_SFT),
     "rsft": ("rsft_gate", gate_file.RSFT),
 }
-"""Per section: the preset's gate settings and the gate's stage name (:data:`orthojob.ops.gate_file.STAGES`)."""
+"""Per section: the preset's gate settings and the gate's stage name (:data:`orthojob.lifecycle.gate_file.STAGES`)."""
 
 
 def case_set_demonstrations(
@@ -399,7 +400,7 @@ def localize(config: SFTJobConfig, say: Callable[[str], Any]) -> SFTJobConfig:
 def log_stage(summary: dict, content: dict | None, out: str | Path, prefix: str = "") -> None:
     """Into the active MLflow stage run (if any): the training summary's numbers, the demonstrations'
     counts (``demos/*``); with the gate's ``content``, the checkpoint at ``out`` as a gated LoggedModel
-    (:func:`orthojob.ops.model_logging.log_gated_checkpoint`: the gate's metrics ``gate/*``, file and verdict tag
+    (:func:`orthojob.lifecycle.model_logging.log_gated_checkpoint`: the gate's metrics ``gate/*``, file and verdict tag
     on the run and the model, the training and held-out cases as its datasets)."""
     mlflow = sys.modules.get("mlflow")  # imported by the stage run, when there is one
     if mlflow is None or mlflow.active_run() is None:

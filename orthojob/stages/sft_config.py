@@ -7,22 +7,21 @@ generated from the fields (:func:`orthojob.stages.flags.add_config_arguments`), 
 ``__post_init__`` (a bad value raises :class:`ConfigError` naming the flag). ``demos`` names where
 :func:`orthojob.stages.sft.run_sft` takes its demonstrations (:data:`DEMO_SOURCES`).
 
-Default output folders, as the seed numbers them (``train_grpo.py``): ``./checkpoints/sft0`` (stage 0,
-format SFT), ``./checkpoints/sft1`` (stage 1, tool-use SFT), ``./checkpoints/sft2`` (stage 2, BC SFT);
-GRPO's is ``./checkpoints/grpo``, RSFT's ``./checkpoints/rsft``. The pipeline names its stage folders after the gate stages instead
-(``<out>/format_sft``, ``<out>/tool_sft``, ``<out>/bc_sft``, ...; :data:`orthojob.ops.gate_file.STAGES`).
+Default output folders: ``./checkpoints/sft<N>`` for SFT stage N as docs/stages.md numbers the stages
+(``sft0`` format SFT, ``sft1`` tool-use SFT, ``sft2`` BC SFT); GRPO's is ``./checkpoints/grpo``, RSFT's
+``./checkpoints/rsft``. The pipeline names its stage folders after the gate stages instead
+(``<out>/format_sft``, ``<out>/tool_sft``, ``<out>/bc_sft``, ...; :data:`orthojob.lifecycle.gate_file.STAGES`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from orthojob.data.format_demos import STAGINGS
 from orthojob.modeling.models import TINY_MODEL
-from orthojob.stages.flags import finite_float, non_negative_int, positive_int, task_list
-from orthojob.stages.grpo_config import ConfigError
+from orthojob.stages.flags import non_negative_int, positive_int, task_list
+from orthojob.stages.training_config import ConfigError, TrainingConfig, cases_field, output_field
 from server.cases import TASK_IDS
 
 SFT_LOG_FILE = "sft_log.json"
@@ -38,23 +37,15 @@ DEMO_SOURCES: dict[str, str] = {
 """Where an SFT stage's demonstrations come from (``demos``)."""
 
 
-CASE_SET_HELP = "a case set (.jsonl, .parquet or s3:// URI, docs/cases.md): "
-"""How every stage's ``--cases`` help begins; each stage adds what it does with the set."""
-
-
-def cases_field(uses: str):
-    """A stage's ``cases`` field (None: generated cases), its help CASE_SET_HELP then ``uses``."""
-    return field(default=None, metadata={"help": CASE_SET_HELP + uses})
-
-
 def bc_only_field(default):
     """A BC setting that a stage inheriting SFTJobConfig keeps at ``default`` and hides from its CLI."""
     return field(default=default, metadata={"help": "BC only (not this stage)", "cli": False})
 
 
 @dataclass(frozen=True)
-class SFTJobConfig:
-    """Every ``orthojob bc-sft`` / ``orthojob sft`` flag (field ``x_y`` is flag ``--x-y``): stage 2, BC.
+class SFTJobConfig(TrainingConfig):
+    """Every ``orthojob bc-sft`` / ``orthojob sft`` flag (field ``x_y`` is flag ``--x-y``): stage 2, BC;
+    the shared training fields are :class:`~orthojob.stages.training_config.TrainingConfig`'s.
 
     ``model``: hub id or folder, or ``"tiny"`` (build the offline tiny model into ``<out>/base-model``
     with ``tiny_arch``); ``from_checkpoint``: an earlier stage's output to continue instead (its full
@@ -65,17 +56,7 @@ class SFTJobConfig:
     records the split's digest (``demos.split_digest`` of the summary, the gate file's ``case_set``).
     """
 
-    model: str = field(
-        default="Qwen/Qwen2.5-3B-Instruct",
-        metadata={
-            "help": f"base model: hub id, folder or s3:// URI (fetched once, cached), or '{TINY_MODEL}'"
-        },
-    )
-    out: str = field(default="./checkpoints/sft2", metadata={"help": "output folder or s3:// URI"})
-    from_checkpoint: str | None = field(
-        default=None,
-        metadata={"help": "continue an earlier stage's checkpoint (folder or s3:// URI) instead of --model"},
-    )
+    out: str = output_field("./checkpoints/sft2")
     demos: str = field(
         default="oracle", metadata={"help": "demonstration source (DEMO_SOURCES)", "cli": False}
     )
@@ -100,13 +81,6 @@ class SFTJobConfig:
         "BC on the oracle's plans for its "
         "training patients, the gate on its held-out ones (task_id then unused)"
     )
-    heldout_share: float = field(
-        default=0.2,
-        metadata={
-            "help": "with --cases: share of the patients held out where the records give no split",
-            "type": finite_float,
-        },
-    )
     examples: int = field(default=2000, metadata={"help": "oracle demonstrations", "type": positive_int})
     robust_demos: bool = field(
         default=False,
@@ -120,21 +94,16 @@ class SFTJobConfig:
     batch_size: int = field(
         default=4, metadata={"help": "examples per device per step", "type": positive_int}
     )
-    grad_accum: int = field(default=1, metadata={"help": "gradient accumulation steps", "type": positive_int})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
     lr_scheduler: str = field(default="cosine", metadata={"help": "transformers scheduler name"})
     warmup_steps: int = field(default=10, metadata={"help": "warm-up steps", "type": non_negative_int})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "cli": False})
-    lora_r: int = field(
-        default=16, metadata={"help": "LoRA rank; 0 = full fine-tuning", "type": non_negative_int}
-    )
     lora_alpha: int | None = field(
         default=None, metadata={"help": "LoRA alpha (default 2 x rank)", "type": positive_int}
     )
     max_length: int = field(
         default=2048, metadata={"help": "longest example in tokens", "type": positive_int}
     )
-    seed: int = field(default=0, metadata={"help": "training seed", "show_default": True})
     gradient_checkpointing: bool = field(
         default=False, metadata={"help": "gradient checkpointing", "cli": False}
     )
@@ -148,28 +117,22 @@ class SFTJobConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("examples", "steps", "batch_size", "grad_accum", "max_length", "logging_steps"):
+        super().__post_init__()
+        for name in ("examples", "max_length", "logging_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if self.lora_r < 0 or self.warmup_steps < 0:
-            raise ConfigError(
-                f"--lora-r and --warmup-steps must be >= 0, got {self.lora_r}, {self.warmup_steps}"
-            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if not self.task_ids or any(t not in TASK_IDS for t in self.task_ids):
             raise ConfigError(f"--task-id must be 'all' or a comma list of {TASK_IDS}, got {self.task_ids!r}")
         if self.demos not in DEMO_SOURCES:
             raise ConfigError(f"demos must be one of {sorted(DEMO_SOURCES)}, got {self.demos!r}")
-        if not 0.0 <= self.heldout_share <= 1.0:
-            raise ConfigError(f"--heldout-share must lie in [0, 1], got {self.heldout_share}")
         if self.model == TINY_MODEL and self.lora_r > 0 and not self.from_checkpoint:
             raise ConfigError(
                 "--model tiny needs --lora-r 0 (full fine-tuning): LoRA on a randomly initialised "
                 "base never learns the plan format"
             )
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -178,7 +141,7 @@ class FormatSFTConfig(SFTJobConfig):
     choice (:func:`orthojob.data.format_demos.format_demonstrations`: a uniformly random strategy, random
     feasible groups), so the policy learns the plan format and starts at chance strategy accuracy."""
 
-    out: str = field(default="./checkpoints/sft0", metadata={"help": "output folder or s3:// URI"})
+    out: str = output_field("./checkpoints/sft0")
     demos: str = field(default="format", metadata={"help": "demonstration source", "cli": False})
     robust_demos: bool = bc_only_field(False)
     both_dynamics: bool = bc_only_field(False)
@@ -232,7 +195,7 @@ class ToolSFTConfig(SFTJobConfig):
     oracle's plan), with the tool-calling chat template (:func:`orthojob.agentic.chat_template.prepare_tokenizer`).
     Its gate runs greedy agentic episodes (:func:`orthojob.stages.tool_sft.tool_gate_metrics`)."""
 
-    out: str = field(default="./checkpoints/sft1", metadata={"help": "output folder or s3:// URI"})
+    out: str = output_field("./checkpoints/sft1")
     demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})
     robust_demos: bool = bc_only_field(False)
     both_dynamics: bool = bc_only_field(False)

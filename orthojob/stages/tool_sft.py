@@ -44,7 +44,7 @@ import numpy as np
 from orthojob.agentic.chat_template import prepare_tokenizer
 from orthojob.agentic.prompts import agentic_messages, agentic_rows, full_prompt
 from orthojob.agentic.tools import DentalToolEnv
-from orthojob.data.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
+from orthojob.core.prompts import TRAIN_SEED_START, plan_to_completion, reset_observation
 from orthojob.modeling.models import build_tiny, tiny_corpus
 from server.agent_tools import TOOL_NAMES
 from server.cases import CaseKey

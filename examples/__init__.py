@@ -1,1 +1,0 @@
-"""Experiments run on the product package; nothing in it imports them."""
