@@ -23,9 +23,9 @@ from orthojob.stages.presets import PRESETS
 def main() -> None:
     tiny = PRESETS["tiny-cpu"]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds-per-cell", type=int, default=tiny.sft_gate.n_seeds)
-    parser.add_argument("--max-new-tokens", type=int, default=tiny.sft_gate.max_new_tokens)
-    parser.add_argument("--batch-size", type=int, default=tiny.sft_gate.batch_size)
+    parser.add_argument("--seeds-per-cell", type=int, default=tiny.bc_sft_gate.n_seeds)
+    parser.add_argument("--max-new-tokens", type=int, default=tiny.bc_sft_gate.max_new_tokens)
+    parser.add_argument("--batch-size", type=int, default=tiny.bc_sft_gate.batch_size)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny(Path(tmp) / "tiny", ["task_easy"], tiny.force_decay, **tiny.tiny_arch)

@@ -363,7 +363,7 @@ def tiny_job(work: Path, checkpoint: str | None, steps: int):
     preset = STAGE_PRESETS["tiny-cpu"]
     folder = work / "tiny" / "tiny-model"
     if not (folder / "config.json").is_file():
-        tasks = sorted({preset.task_id, *preset.sft.task_ids})
+        tasks = sorted({preset.task_id, *preset.bc_sft.task_ids})
         models.build_tiny(folder, tasks, preset.force_decay, **preset.tiny_arch)
     job = dataclasses.replace(
         preset.grpo,

@@ -49,7 +49,7 @@ def _job(preset: str, work: Path, checkpoint: str | None):
     folder = Path(checkpoint) if checkpoint else work / "tiny" / "tiny-model"
     if not checkpoint and not (folder / "config.json").is_file():
         models.build_tiny(
-            folder, sorted({tiny.task_id, *tiny.sft.task_ids}), tiny.force_decay, **tiny.tiny_arch
+            folder, sorted({tiny.task_id, *tiny.bc_sft.task_ids}), tiny.force_decay, **tiny.tiny_arch
         )
     return dataclasses.replace(tiny.grpo, model=str(folder)), folder
 

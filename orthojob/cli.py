@@ -3,9 +3,8 @@
 orthojob pipeline --preset tiny-cpu      # tiny-model -> the preset's stages (default: bc_sft, grpo), each gated -> evaluate
 orthojob format-sft --out DIR            # stage 0: format SFT on demonstrations without clinical choice, + format gate
 orthojob tool-sft --out DIR              # stage 1: tool-use SFT on the oracle's tool conversations, + tool-call gate
-orthojob bc-sft --out DIR                # stage 2: BC SFT on the oracle's safe plans, + gate (stage bc_sft)
-orthojob sft --out DIR                   # stage 2 without its gate (orthojob gate writes it)
-orthojob train --from-checkpoint DIR     # stage 3: GRPO (refuses without a passed, matching gate of an earlier stage)
+orthojob bc-sft --out DIR [--no-gate]    # stage 2: BC SFT on the oracle's safe plans, + gate (stage bc_sft)
+orthojob grpo --from-checkpoint DIR      # stage 3: GRPO (refuses without a passed, matching gate of an earlier stage)
 orthojob rsft --from-checkpoint DIR --out DIR   # stage 4: rejection fine-tuning (best of k samples), + gate
 orthojob gate --checkpoint DIR           # held-out gate evaluation -> DIR/gate_passed.json
 orthojob gate --check DIR                # only the pre-flight check (exit 10-13 on refusal)
@@ -16,16 +15,20 @@ orthojob tiny-model --out DIR            # a tiny offline Qwen2-architecture mod
 orthojob model stage SRC s3://b/p        # copy base weights (hub id, folder, 'tiny') to S3 with a manifest
 orthojob model fetch REF [--link PATH]   # fetch a base model into the cache (an init container's step)
 
+The stage commands are generated from :data:`orthojob.stages.stage_table.STAGE_TABLE` (a stage's command is
+its key with ``-`` for ``_``); ``orthojob train`` (now ``grpo``) and ``orthojob sft`` (now ``bc-sft
+--no-gate``) still run, with a deprecation message, for one more release.
+
 Every DIR may be an ``s3://bucket/prefix`` URI: inputs are downloaded and verified against their
 manifest, outputs (--out of every stage, a gated s3:// checkpoint) are published with a new manifest. A
 storage failure exits 30. ``--model`` of every stage takes a hub id, a folder or an ``s3://`` URI
 (:mod:`orthojob.modeling.base_models`: fetched once into the model cache, verified; an adapter records the
 URI as its base).
 
-Gate refusals (orthojob train's pre-flight, orthojob gate --check) exit with: 10 gate file missing,
+Gate refusals (orthojob grpo's pre-flight, orthojob gate --check) exit with: 10 gate file missing,
 11 gate file unreadable or inconsistent, 12 gate says failed, 13 checkpoint changed since its gate
 (digest mismatch). orthojob gate, format-sft, bc-sft and rsft exit 12 too when the checkpoint they
-evaluated fails its gate; orthojob train and pipeline exit 3 when GRPO's own gate fails; rsft exits 2
+evaluated fails its gate; orthojob grpo and pipeline exit 3 when GRPO's own gate fails; rsft exits 2
 when no sample met its keep rule. Every code: orthojob/ops/exit_codes.py.
 """
 
@@ -36,7 +39,7 @@ import json
 import logging
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from orthojob.data import case_sets
@@ -69,20 +72,17 @@ from orthojob.stages.flags import (
 from orthojob.stages.grpo import add_train_arguments, run_train
 from orthojob.stages.pipeline_cli import add_pipeline_arguments, run_pipeline_cli
 from orthojob.stages.rsft import add_rsft_arguments, run_rsft_cli
-from orthojob.stages.sft import add_sft_arguments, run_sft_cli, run_sft_stage_cli
+from orthojob.stages.sft import add_sft_arguments, run_sft_stage_cli
+from orthojob.stages.stage_table import COMMANDS, OLD_COMMANDS, Stage, deprecated
 from server.cases import HELDOUT_SEED_START, TASK_IDS, generate_case
 from server.errors import InvalidActionError
 
 TRACKED_STAGES: dict[str, str] = {
-    "sft": gate_file.BC_SFT,
-    "format-sft": gate_file.FORMAT_SFT,
-    "tool-sft": gate_file.TOOL_SFT,
-    "bc-sft": gate_file.BC_SFT,
-    "rsft": gate_file.RSFT,
+    **{command: s.key for command, s in COMMANDS.items() if s.trainer != "grpo"},
     "gate": "gate",
     "evaluate": "evaluate",
 }
-"""Stand-alone stage commands that get an MLflow run of their own (train opens its own; the
+"""Stand-alone stage commands that get an MLflow run of their own (grpo opens its own; the
 pipeline nests these stages under its parent run)."""
 
 
@@ -159,24 +159,44 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sft(args: argparse.Namespace) -> int:
-    return run_sft_cli(args)
+def stage_command(stage: Stage, old: str | None = None) -> Callable[[argparse.Namespace], int]:
+    """The command of ``stage`` (its table row's trainer); ``old``: a deprecated name of it, which
+    says so on stderr first."""
+
+    def run(args: argparse.Namespace) -> int:
+        if old is not None:
+            deprecated("command", old, OLD_COMMANDS[old])
+        if stage.trainer == "grpo":
+            return run_train(
+                argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in _NOT_FLAGS})
+            )
+        if stage.trainer == "rsft":
+            return run_rsft_cli(args)
+        return run_sft_stage_cli(args, stage.key, old or stage.command)
+
+    return run
 
 
-def cmd_format_sft(args: argparse.Namespace) -> int:
-    return run_sft_stage_cli(args, "format_sft", "format-sft")
+_NOT_FLAGS = ("func", "command", "verbose")
 
 
-def cmd_tool_sft(args: argparse.Namespace) -> int:
-    return run_sft_stage_cli(args, "tool_sft", "tool-sft")
-
-
-def cmd_bc_sft(args: argparse.Namespace) -> int:
-    return run_sft_stage_cli(args, "sft", "bc-sft")
-
-
-def cmd_rsft(args: argparse.Namespace) -> int:
-    return run_rsft_cli(args)
+def _add_stage_parser(sub: argparse._SubParsersAction, stage: Stage, old: str | None = None) -> None:
+    """One stage command (or a deprecated name of it): its flags, generated from its config class."""
+    name, help_ = old or stage.command, f"stage {stage.number}: {stage.summary}"
+    if old is not None:
+        help_ = f"deprecated: use orthojob {OLD_COMMANDS[old]}"
+    parser = sub.add_parser(name, help=help_, epilog=epilog(*stage.exit_codes))
+    if stage.trainer == "grpo":
+        add_train_arguments(parser)
+    elif stage.trainer == "rsft":
+        add_rsft_arguments(parser)
+    else:
+        add_sft_arguments(parser, stage.key, with_gate=True)
+        parser.add_argument(
+            "--no-gate", action="store_true", help="train without the gate (orthojob gate writes it later)"
+        )
+        parser.set_defaults(no_gate=old is not None)
+    parser.set_defaults(func=stage_command(stage, old))
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -237,11 +257,6 @@ def _input_folder(path_or_uri: str, command: str, must_exist: bool = True) -> Pa
         print(f"orthojob {command}: checkpoint folder {path_or_uri} does not exist", file=sys.stderr)
         return None
     return Path(path_or_uri)
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "verbose")}
-    return run_train(argparse.Namespace(**values))
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
@@ -383,55 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_evaluate)
 
     refusals = "; ".join(f"{int(code)} {code.meaning}" for code in gate_file.PREFLIGHT_REFUSALS)
-    stage_codes = epilog(
-        ExitCode.OK, ExitCode.USAGE, ExitCode.GATE_FAILED, ExitCode.STORAGE, ExitCode.TRACKING
-    )
-    fs = sub.add_parser(
-        "format-sft",
-        help="stage 0: format SFT on demonstrations that carry no clinical choice, then its format gate",
-        epilog=stage_codes,
-    )
-    add_sft_arguments(fs, "format_sft", with_gate=True)
-    fs.set_defaults(func=cmd_format_sft)
-
-    ts = sub.add_parser(
-        "tool-sft",
-        help="stage 1: tool-use SFT on the oracle's tool conversations, then its tool-call gate",
-        epilog=stage_codes,
-    )
-    add_sft_arguments(ts, "tool_sft", with_gate=True)
-    ts.set_defaults(func=cmd_tool_sft)
-
-    bc = sub.add_parser(
-        "bc-sft",
-        help=f"stage 2: BC SFT on the oracle's safe plans, then its gate (stage {gate_file.BC_SFT})",
-        epilog=stage_codes,
-    )
-    add_sft_arguments(bc, "sft", with_gate=True)
-    bc.set_defaults(func=cmd_bc_sft)
-
-    sf = sub.add_parser(
-        "sft", help=f"stage 2 (BC) without its gate: orthojob gate --stage {gate_file.BC_SFT} writes it"
-    )
-    add_sft_arguments(sf)
-    sf.set_defaults(func=cmd_sft)
-
-    rs = sub.add_parser(
-        "rsft",
-        help="stage 4: rejection fine-tuning (sample k per prompt, keep the env's best, fine-tune), then its gate",
-        epilog=epilog(
-            ExitCode.OK,
-            ExitCode.USAGE,
-            ExitCode.GATE_MISSING,
-            ExitCode.GATE_UNREADABLE,
-            ExitCode.GATE_FAILED,
-            ExitCode.GATE_DIGEST_MISMATCH,
-            ExitCode.STORAGE,
-            ExitCode.TRACKING,
-        ),
-    )
-    add_rsft_arguments(rs)
-    rs.set_defaults(func=cmd_rsft)
+    for command, stage in COMMANDS.items():
+        _add_stage_parser(sub, stage, command if command in OLD_COMMANDS else None)
 
     ga = sub.add_parser(
         "gate",
@@ -473,27 +441,6 @@ def build_parser() -> argparse.ArgumentParser:
         gate_file.GateThresholds,
     )
     ga.set_defaults(func=cmd_gate)
-
-    # orthojob train: GRPO (flags generated from orthojob/stages/grpo_config.py)
-    tr = sub.add_parser(
-        "train",
-        help="GRPO training (stage 3); refuses without a passed gate of an earlier stage",
-        epilog=epilog(
-            ExitCode.OK,
-            ExitCode.USAGE,
-            ExitCode.GRPO_GATE_FAILED,
-            ExitCode.GATE_MISSING,
-            ExitCode.GATE_UNREADABLE,
-            ExitCode.GATE_FAILED,
-            ExitCode.GATE_DIGEST_MISMATCH,
-            ExitCode.RUN_MISMATCH,
-            ExitCode.STORAGE,
-            ExitCode.TRACKING,
-            ExitCode.TERMINATED,
-        ),
-    )
-    add_train_arguments(tr)
-    tr.set_defaults(func=cmd_train)
 
     pl = sub.add_parser(
         "pipeline", help="tiny-model -> the preset's stages (default bc_sft, grpo), each gated -> evaluate"

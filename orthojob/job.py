@@ -9,7 +9,7 @@ What runs (each step through the ``orthojob`` CLI, in this process):
    preset says so, the preset's SFT stages (by default BC SFT, stage 2) and their gates, GRPO,
    GRPO's gate, evaluation), with ``--set grpo.steps=N --set task_id=T [--set model=M]``; the GRPO
    run's id comes from the pipeline's summary. With ``--from-checkpoint`` (an already gated SFT
-   checkpoint): ``orthojob train --from-checkpoint URI --out OUT/grpo`` (its pre-flight checks the
+   checkpoint): ``orthojob grpo --from-checkpoint URI --out OUT/grpo`` (its pre-flight checks the
    gate file; its own GRPO gate runs at the end);
 2. when the chain passed its gates (exit 0): ``orthojob promote --run-id RUN``: the adapter is
    registered, alias ``candidate`` (``champion`` only when it beats the current one). Under a
@@ -24,7 +24,7 @@ its checkpoints; a new Job (re-applied, or submitted again) never shares one. Se
 
 Agentic GRPO (``--mode agentic``; k8s/agentic/): the GRPO stage runs ``--mode agentic``, with
 ``--env-url URL`` its tools on the environment server at URL (``python -m server.app``) instead of
-in process: ``--mode agentic --env-url URL`` on ``train``, ``--set grpo.mode=agentic --set
+in process: ``--mode agentic --env-url URL`` on ``grpo``, ``--set grpo.mode=agentic --set
 grpo.env_url=URL`` on ``pipeline``. The other stages do not use the server.
 
 Base weights (``--model``, the ConfigMap's ``MODEL``): a hub id, an ``s3://bucket/prefix`` staged
@@ -141,7 +141,7 @@ def plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     if checkpoint and _given(args.stages):  # the agentic component sets STAGES for its whole chain
         notes.append(f"--stages {_given(args.stages)} ignored: --from-checkpoint starts at GRPO")
     if checkpoint:
-        chain = ["train", "--preset", args.preset, "--steps", str(args.steps), "--task-id", args.task_id]
+        chain = ["grpo", "--preset", args.preset, "--steps", str(args.steps), "--task-id", args.task_id]
         chain += ["--from-checkpoint", checkpoint, "--out", f"{out}/grpo"]
         if _given(args.model):
             chain += ["--model", args.model]
@@ -181,7 +181,7 @@ def cuda_available() -> bool:
 
 
 def grpo_run_id(p: Plan) -> str | None:
-    """The GRPO stage's MLflow run: from the pipeline's summary, or the last run of ``train``."""
+    """The GRPO stage's MLflow run: from the pipeline's summary, or the last run of ``grpo``."""
     if p.chain[0] == "pipeline":
         local = local_work_dir(p.out) if storage.is_s3_uri(p.out) else Path(p.out)
         summary = local / "pipeline_summary.json"
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stages",
         default="",
-        help="the training stages, comma-separated, e.g. format,tool,grpo ('' = the preset's; full chain only)",
+        help="the training stages, comma-separated, e.g. format_sft,tool_sft,grpo ('' = the preset's; full chain only)",
     )
     p.add_argument("--out", default="", help="the exact output prefix (default: --out-base/--run-name)")
     p.add_argument("--out-base", default="", help="where per-run prefixes go (the ConfigMap's OUTPUT_URI)")

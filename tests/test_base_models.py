@@ -8,7 +8,7 @@
   from the model hub it names the hub id (and commit) as ``base_model_name_or_path``, which PEFT
   (``PeftConfig``, ``AutoPeftModelForCausalLM``) and MLflow's transformers loader resolve on another
   machine without S3, and keeps the URI and the staged files' digest beside it; a base staged from a
-  plain folder is recorded as the URI. ``orthojob sft`` and ``orthojob train`` take ``--model
+  plain folder is recorded as the URI. ``orthojob bc-sft`` and ``orthojob grpo`` take ``--model
   s3://...``, and a fresh process with an empty model cache resolves the adapter's base from S3 again
   (``train --from-checkpoint``, then ``evaluate``), not from the hub, and refuses a prefix staged
   again with other files.
@@ -146,7 +146,7 @@ def test_fetch_verifies_caches_and_refuses_what_is_not_a_model(staged, s3_env, t
     for uri, message in cases.items():
         assert main(["model", "fetch", uri]) == ExitCode.STORAGE == 30
         assert message in capsys.readouterr().err
-    assert main(["train", "--model", f"s3://{BUCKET}/models/nothing", "--steps", "1", "--lora-r", "0",
+    assert main(["grpo", "--model", f"s3://{BUCKET}/models/nothing", "--steps", "1", "--lora-r", "0",
                  "--skip-sft-gate", "--out", str(tmp_path / "grpo")]) == 30  # fmt: skip
     assert "is empty or does not exist" in capsys.readouterr().err
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
@@ -358,16 +358,16 @@ def test_adapters_from_an_s3_base_resolve_in_a_fresh_pod(hub_staged, s3_env, tmp
 
     sft_uri, grpo_uri = f"s3://{BUCKET}/runs/sft-s3", f"s3://{BUCKET}/runs/grpo-s3"
     a = pod("a")
-    out = _orthojob(["sft", "--model", HUB_BASE, "--lora-r", "4", "--steps", "2", "--examples", "4",
+    out = _orthojob(["bc-sft", "--no-gate", "--model", HUB_BASE, "--lora-r", "4", "--steps", "2", "--examples", "4",
                      "--batch-size", "2", "--task-id", "task_easy", "--out", sft_uri], a, tmp_path / "a", "sft")  # fmt: skip
     assert "fetching base model" in out.stdout
     assert _adapter_base(sft_uri) == (HUB_ID, HUB_BASE, COMMIT), "the hub id and the URI, not the pod's cache"
 
     b = pod("b")  # 2 GRPO steps on a random model: its own gate may fail (exit 3)
-    _orthojob(["train", "--model", HUB_BASE, "--from-checkpoint", sft_uri, "--skip-sft-gate", "--steps", "2",
+    _orthojob(["grpo", "--model", HUB_BASE, "--from-checkpoint", sft_uri, "--skip-sft-gate", "--steps", "2",
                "--lora-r", "4", "--num-generations", "2", "--batch-size", "2", "--max-prompt-length", "1760",
                "--max-completion-length", "16", "--max-seq-length", "2048", "--gate-seeds", "1",
-               "--no-gradient-checkpointing", "--out", grpo_uri], b, tmp_path / "b", "train",
+               "--no-gradient-checkpointing", "--out", grpo_uri], b, tmp_path / "b", "grpo",
               ok=(0, ExitCode.GRPO_GATE_FAILED))  # fmt: skip
     assert (Path(b[base_models.CACHE_ENV]) / BUCKET / "models" / "tiny-from-hub" / "config.json").is_file()
     assert _adapter_base(grpo_uri) == (HUB_ID, HUB_BASE, COMMIT)

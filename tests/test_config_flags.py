@@ -70,7 +70,7 @@ def test_a_value_no_flag_can_say_is_refused_unless_it_is_the_default():
 
 
 def test_the_training_job_config_comes_back_through_its_own_parser():
-    """``orthojob train``'s parser (preset names as choices) rebuilds its config from config_argv."""
+    """``orthojob grpo``'s parser (preset names as choices) rebuilds its config from config_argv."""
     from orthojob.stages.grpo import add_train_arguments, config_from_args
     from orthojob.stages.grpo_config import GRPOJobConfig
 

@@ -49,6 +49,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from orthojob.ops.exit_codes import ExitCode  # noqa: E402
+from orthojob.stages.stage_table import STAGE_TABLE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -1282,7 +1283,7 @@ def check_command_line(where: str, argv: list[str], capsys, monkeypatch) -> None
             f"{where}: `orthojob {shlex.join(args)}` does not parse (exit {exc.code}):\n{capsys.readouterr().err}"
         )
     assert parsed.command == args[0]
-    if args[0] == "train" and importlib.util.find_spec("orthojob.stages.grpo") is not None:
+    if args[0] == "grpo" and importlib.util.find_spec("orthojob.stages.grpo") is not None:
         # and the job's own pre-flight accepts it on its target: CUDA, the TrainJob's world size,
         # vLLM importable (it is in the image; a stand-in module here)
         grpo = pytest.importorskip("orthojob.stages.grpo")
@@ -1369,7 +1370,7 @@ def test_render_runs_the_whole_chain_into_a_per_job_prefix():
     argv = job_argv(r.job, r.config_map, uid_a)
     plan = job.plan(job.build_parser().parse_args(argv[3:]), {"K8S_JOB_NAME": "x", "K8S_JOB_UID": uid_a})
     assert plan.out == "s3://orthorl/runs/exp-7"
-    assert plan.chain[0] == "train"
+    assert plan.chain[0] == "grpo"
     assert plan.chain[plan.chain.index("--from-checkpoint") + 1] == "s3://b/bc_sft"
     assert plan.chain[plan.chain.index("--out") + 1] == "s3://orthorl/runs/exp-7/grpo"
     assert plan.chain[plan.chain.index("--steps") + 1] == "120"
@@ -1416,7 +1417,7 @@ def test_job_promotes_on_rank_0_only(tmp_path, monkeypatch):
     monkeypatch.setattr(job, "preflight", lambda *a, **k: 0)
     monkeypatch.setattr(job, "grpo_run_id", lambda p: "r" * 32)
     argv = ["--preset", "qwen2.5-3b", "--out", str(tmp_path / "run"), "--from-checkpoint", "s3://b/sft"]
-    for rank, want in (("3", ["train"]), ("0", ["train", "promote"]), ("", ["train", "promote"])):
+    for rank, want in (("3", ["grpo"]), ("0", ["grpo", "promote"]), ("", ["grpo", "promote"])):
         calls: list[list[str]] = []
         assert job.main(argv, env={"RANK": rank}, cli=lambda a, calls=calls: calls.append(a) or 0) == 0
         assert [c[0] for c in calls] == want, rank
@@ -1441,7 +1442,7 @@ def selects(selector: dict, labels: dict) -> bool:
 
 def agentic_chains(docs: list[dict], capsys, monkeypatch) -> dict[str, int]:
     """The agentic Job's command line, as the kubelet runs it, for the whole chain (CHECKPOINT_URI
-    empty: `orthojob pipeline`) and from a checkpoint (`orthojob train`): each parses with the real
+    empty: `orthojob pipeline`) and from a checkpoint (`orthojob grpo`): each parses with the real
     CLI, runs GRPO in agentic mode against ENV_URL, and passes its pre-flight. Returns the
     generation batch of each (one process: the Job's command is no distributed launcher)."""
     from orthojob.stages.grpo_config import generation_batch
@@ -1462,7 +1463,7 @@ def agentic_chains(docs: list[dict], capsys, monkeypatch) -> dict[str, int]:
             assert not checkpoint
             config = apply_overrides(PRESETS[parsed.preset], dict(parsed.overrides)).grpo
         else:
-            assert chain[0] == "train" and checkpoint
+            assert chain[0] == "grpo" and checkpoint
             config = pytest.importorskip("orthojob.stages.grpo").config_from_args(parsed)
         assert config.mode == "agentic" and config.env_url == url, chain
         batches[chain[0]] = generation_batch(config, 1)
@@ -1494,7 +1495,7 @@ def test_agentic_component_runs_the_job_against_the_env_server(
     del grpo_args[-4:]
     assert agentic_job == base_job
     # the ConfigMap: the server's URL, and the stages agentic GRPO starts from (format, tool-use SFT)
-    assert cm["data"]["STAGES"] == "format,tool,grpo"
+    assert cm["data"]["STAGES"] == "format_sft,tool_sft,grpo"
     assert {k: v for k, v in cm["data"].items() if k not in ("ENV_URL", "STAGES")} == {
         k: v for k, v in one(base, "ConfigMap")["data"].items() if k != "STAGES"
     }
@@ -1534,7 +1535,7 @@ def test_agentic_component_runs_the_job_against_the_env_server(
     env = {e["name"]: e["value"] for e in server["env"]}
     settings = ServerSettings.from_env(env)
     batches = agentic_chains(docs, capsys, monkeypatch)
-    assert set(batches) == {"pipeline", "train"}
+    assert set(batches) == {"pipeline", "grpo"}
     for how, batch in batches.items():
         assert settings.max_sessions >= 2 * batch, f"{how}: {settings.max_sessions} sessions < 2 x {batch}"
     assert settings.max_episodes >= settings.max_sessions
@@ -1656,8 +1657,8 @@ def test_job_mode_flags_pass_into_the_chain(capsys):
 def test_every_entry_point_is_in_both_mlprojects():
     root = yaml.safe_load((ROOT / "MLproject").read_text())
     k8s = yaml.safe_load((ROOT / "mlflow-k8s" / "MLproject").read_text())
-    stages = {"format_sft", "tool_sft", "bc_sft", "rsft"}
-    wanted = {"main", "sft", "gate", "evaluate", "promote", "pipeline"} | stages
+    stages = set(STAGE_TABLE)  # one entry point per stage key, running its command
+    wanted = {"main", "sft", "gate", "evaluate", "promote", "pipeline"} | stages  # sft: deprecated alias
     # root only: the CPU learning experiment and the check of the env built for the project
     assert set(root["entry_points"]) == wanted | {"learn", "env"} and set(k8s["entry_points"]) == wanted
     for project in (root, k8s):  # each stage entry runs its own CLI subcommand

@@ -4,7 +4,7 @@ artifacts proxied into ``s3://orthorl/mlflow``).
 * the tiny pipeline with ``--out s3://...``: GRPO pulls the gated SFT checkpoint from S3 and pushes its
   result there; read back through MlflowClient and boto3 (params, per-reward metric histories, the
   adapter and gate file in the bucket, the logged model loading back), then ``orthojob promote``;
-* resume: ``orthojob train --out s3://...`` stopped by SIGTERM after a checkpoint, restarted, continues;
+* resume: ``orthojob grpo --out s3://...`` stopped by SIGTERM after a checkpoint, restarted, continues;
 * faults: MLflow down, wrong S3 keys, an S3 outage during upload, missing / unparseable / failed gates;
 * secrets (S3 keys, MLflow password) never appear in params, tags, artifacts or output.
 """
@@ -38,13 +38,13 @@ MLFLOW_PASSWORD = "mlflow-pw-e2e-5c1a9d"
 IMAGE_DIGEST = "sha256:0123456789abcdef"
 REWARDS = ("reward_terminal", "reward_occlusion", "reward_strategy", "reward_format", "reward_anchorage")
 PIPELINE_OVERRIDES = {
-    "sft.steps": 30,
-    "sft.examples": 60,
-    "sft.logging_steps": 10,
-    "sft_gate.n_seeds": 4,
-    "sft_gate.max_new_tokens": 64,
-    "sft_gate.thresholds.min_parse_rate": 0.0,  # a 30-step SFT does not learn the format: let GRPO run
-    "sft_gate.thresholds.min_format_reward": 0.0,
+    "bc_sft.steps": 30,
+    "bc_sft.examples": 60,
+    "bc_sft.logging_steps": 10,
+    "bc_sft_gate.n_seeds": 4,
+    "bc_sft_gate.max_new_tokens": 64,
+    "bc_sft_gate.thresholds.min_parse_rate": 0.0,  # a 30-step SFT does not learn the format: let GRPO run
+    "bc_sft_gate.thresholds.min_format_reward": 0.0,
     "grpo.steps": 2,
     "grpo.max_completion_length": 48,
     "grpo.gate_seeds": 2,
@@ -207,7 +207,7 @@ def test_pipeline_with_s3_and_mlflow_server(services, pipeline_run, env, tmp_pat
     assert p["grpo.steps"] == "2" and p["lora.r"] == "4" and p["env.task_id"] == "task_easy"
     assert p["image_digest"] == IMAGE_DIGEST and p["git_commit"]
     assert grpo.data.tags["image_digest"] == IMAGE_DIGEST
-    assert children["bc_sft"].data.params["sft.steps"] == "30"
+    assert children["bc_sft"].data.params["bc_sft.steps"] == "30"
 
     # per-step metric histories: one point per step for each reward, plus environment diagnostics
     run_id = grpo.info.run_id
@@ -335,7 +335,7 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def train_args(tiny: Path, out: str, steps: int = 2, *extra: str) -> list[str]:
-    return ["train", "--preset", "tiny-cpu", "--model", str(tiny), "--steps", str(steps),
+    return ["grpo", "--preset", "tiny-cpu", "--model", str(tiny), "--steps", str(steps),
             "--max-completion-length", "64", "--gate-seeds", "2", "--out", out, *extra]  # fmt: skip
 
 
@@ -510,10 +510,10 @@ def test_corrupt_s3_checkpoint_is_refused(services, env, tiny, tmp_path):
 
 
 def test_standalone_stages_read_and_write_s3(services, env, tiny, tmp_path):
-    """sft --out, gate --checkpoint / --check and evaluate --checkpoint take s3:// URIs."""
+    """bc-sft --no-gate --out, gate --checkpoint / --check and evaluate --checkpoint take s3:// URIs."""
     s3, _ = services
     uri = f"s3://{BUCKET}/solo/bc_sft"
-    sft = orthojob(["sft", "--model", str(tiny), "--lora-r", "0", "--steps", "2", "--examples", "8",
+    sft = orthojob(["bc-sft", "--no-gate", "--model", str(tiny), "--lora-r", "0", "--steps", "2", "--examples", "8",
                     "--out", uri], env)  # fmt: skip
     assert sft.returncode == 0, sft.stdout[-2000:] + sft.stderr[-2000:]
     published = keys_under(s3, "solo/bc_sft/")

@@ -118,7 +118,7 @@ def test_the_oracle_passes_and_the_oracle_at_3_decimals_fails_at_the_gpu_presets
     of run-0, run-1, ... whose task_hard force-decay cases hold a plan the 3-decimal oracle breaks a
     rule on (at 2.7 % a 50-case cell holds none with probability 0.25)."""
     n = presets.PRESETS["qwen2.5-3b"].grpo.gate_seeds
-    assert n == presets.PRESETS["qwen2.5-3b"].sft_gate.n_seeds == presets.GPU_GATE_SEEDS
+    assert n == presets.PRESETS["qwen2.5-3b"].bc_sft_gate.n_seeds == presets.GPU_GATE_SEEDS
     exact = gate.gate_report("o", n_seeds=n, stage=gate_file.GRPO, policy=oracle, identity="run-4")
     assert exact["passed"] is True and exact["metrics"]["hard_rule_share"] == 0.0
     g = exact["guarantee"]
@@ -176,9 +176,9 @@ def test_the_rate_ruled_out_is_the_binomial_bound(breaks, n):
 def test_the_presets_gate_sizes_rule_out_what_they_say():
     tiny, gpu = presets.PRESETS["tiny-cpu"], presets.PRESETS["qwen2.5-3b"]
     cells = len(gate.QUALITY_CELLS)
-    assert tiny.sft_gate.n_seeds * cells == tiny.grpo.gate_seeds * cells == 96
+    assert tiny.bc_sft_gate.n_seeds * cells == tiny.grpo.gate_seeds * cells == 96
     assert 0.03 < gate.hard_rule_rate_bound(0, 96) < 0.032
-    assert gpu.sft_gate.n_seeds * cells == gpu.rsft_gate.n_seeds * cells == 300
+    assert gpu.bc_sft_gate.n_seeds * cells == gpu.rsft_gate.n_seeds * cells == 300
     assert gate.hard_rule_rate_bound(0, 300) < 0.01
 
 

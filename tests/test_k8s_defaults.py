@@ -97,13 +97,13 @@ def test_agentic_component_trains_format_tool_then_grpo(tmp_path, capsys):
 
     docs = render(tmp_path, enable=("agentic",))
     cm = find(docs, "ConfigMap", "orthorl-grpo-config")["data"]
-    assert cm["STAGES"] == "format,tool,grpo"
+    assert cm["STAGES"] == "format_sft,tool_sft,grpo"
     container = find(docs, "Job", "orthorl-grpo")["spec"]["template"]["spec"]["containers"][0]
     values = {**cm, "OUTPUT_URI": "s3://bucket/runs"}
     argv = [a.replace("$(", "{").replace(")", "}").format(**values) for a in container["args"]]
     job.main([*argv, "--dry-run"], env={"K8S_JOB_NAME": "j", "K8S_JOB_UID": "u" * 8})
     chain = json.loads(capsys.readouterr().out)["chain"]
-    assert "stages=format,tool,grpo" in chain and "grpo.mode=agentic" in chain
+    assert "stages=format_sft,tool_sft,grpo" in chain and "grpo.mode=agentic" in chain
 
 
 def test_mlflow_server_component(tmp_path):
@@ -342,7 +342,7 @@ def test_the_shipped_trainjob_refuses_without_a_checkpoint(tmp_path, capsys):
     values["CHECKPOINT_URI"] = "s3://bucket/runs/sft-1/bc_sft"
     plan = job.plan(job.build_parser().parse_args(trainjob_job_argv(multinode, values)), env)
     assert (
-        plan.chain[0] == "train"
+        plan.chain[0] == "grpo"
         and "--vllm-server-url" in plan.chain
         and "--vllm-server-timeout" in plan.chain
     )

@@ -30,11 +30,11 @@ SMALL = {
     # a third of make run's SFT; its gate on 4 seeds in each of six cells, opened: a short BC is not
     # make run's planner (the quality bounds' own tests: tests/test_engine_judgement.py,
     # tests/test_tracking_registry.py, tests/test_headline_metric.py)
-    "sft.steps": 200,
-    "sft_gate.n_seeds": 4,
-    "sft_gate.thresholds.min_parse_rate": 0.0,
-    "sft_gate.thresholds.min_format_reward": 0.0,
-    "sft_gate.thresholds.max_repair_share": None,
+    "bc_sft.steps": 200,
+    "bc_sft_gate.n_seeds": 4,
+    "bc_sft_gate.thresholds.min_parse_rate": 0.0,
+    "bc_sft_gate.thresholds.min_format_reward": 0.0,
+    "bc_sft_gate.thresholds.max_repair_share": None,
     "grpo.steps": 2,
     "grpo.gate_seeds": 2,
     "grpo_gate.thresholds.min_parse_rate": 0.0,
@@ -66,7 +66,7 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
         assert prompt_format_of(out / folder) == expected_format, folder
 
     # BC SFT (stage 2) trains and its gate judges the executed plans beside the raw ones
-    assert stages["bc_sft"]["steps"] == SMALL["sft.steps"]
+    assert stages["bc_sft"]["steps"] == SMALL["bc_sft.steps"]
     assert stages["bc_sft"]["final_loss"] < stages["bc_sft"]["first_loss"]
     sft_gate = stages["gate_bc_sft"]
     assert sft_gate["passed"] is True and sft_gate["engine"] == ENGINE_VERSION
@@ -74,7 +74,7 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     assert sft_gate["hard_rule_share"] == 0.0 and sft_gate["oracle_hard_rule_share"] == 0.0
     assert 0.0 <= sft_gate["raw_hard_rule_share"] == sft_gate["repair_share"] <= 1.0  # each one repaired
     assert sft_gate["checks"]["hard_rule_share_over_oracle"] is True
-    assert preset.sft_gate.thresholds.max_repair_share == gate_file.REPAIR_BOUND  # make run's own bounds it
+    assert preset.bc_sft_gate.thresholds.max_repair_share == gate_file.REPAIR_BOUND  # make run's bounds it
     gate_file.check_gate(out / "bc_sft")  # the file GRPO's pre-flight accepted
 
     # GRPO ran its steps, its rewards are reported as measured, and its own gate was evaluated
@@ -115,13 +115,13 @@ def test_tiny_cpu_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
 def test_presets_hold_a_config_object_per_stage():
     for name, preset in PRESETS.items():
         assert isinstance(preset, Preset) and preset.name == name
-        assert isinstance(preset.sft, SFTJobConfig) and isinstance(preset.grpo, GRPOJobConfig)
+        assert isinstance(preset.bc_sft, SFTJobConfig) and isinstance(preset.grpo, GRPOJobConfig)
         # the shared values are the preset's, in every stage
-        assert preset.sft.model == preset.grpo.model == preset.model
+        assert preset.bc_sft.model == preset.grpo.model == preset.model
         assert preset.grpo.task_id == preset.task_id and preset.grpo.preset == name
-        assert preset.sft.force_decay == preset.grpo.force_decay == preset.force_decay
-    assert PRESETS["tiny-cpu"].sft.lora_r == 0  # LoRA on a random base never learns the format
-    assert PRESETS["qwen2.5-3b"].sft.lora_r > 0 and PRESETS["qwen2.5-3b"].grpo.lora_r > 0
+        assert preset.bc_sft.force_decay == preset.grpo.force_decay == preset.force_decay
+    assert PRESETS["tiny-cpu"].bc_sft.lora_r == 0  # LoRA on a random base never learns the format
+    assert PRESETS["qwen2.5-3b"].bc_sft.lora_r > 0 and PRESETS["qwen2.5-3b"].grpo.lora_r > 0
     assert apply_overrides(PRESETS["tiny-cpu"], {"grpo.steps": 3}).grpo.steps == 3
     assert PRESETS["tiny-cpu"].grpo.steps != 3  # the preset itself is untouched
     with pytest.raises(KeyError):
@@ -138,25 +138,25 @@ def test_pipeline_presets_set_rewards_weights_and_vllm_mode():
     )  # fmt: skip
     assert cfg.grpo.rewards == ["format", "terminal"] and cfg.grpo.weights == [2.0, 1.0]
     assert cfg.grpo.use_vllm and cfg.grpo.vllm_mode == "server"
-    assert cfg.grpo.force_decay and cfg.sft.force_decay  # a shared value reaches every stage
+    assert cfg.grpo.force_decay and cfg.bc_sft.force_decay  # a shared value reaches every stage
     assert cfg.grpo_gate.thresholds.min_parse_rate == 0.5
     assert cfg.grpo_gate.thresholds.min_margin_over_slerp == 0.0  # the others kept
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_a_preset_means_the_same_run_under_train_sft_and_pipeline(name):
-    """``orthojob train --preset P`` and ``orthojob pipeline --preset P`` train GRPO with the same
+def test_a_preset_means_the_same_run_under_grpo_bc_sft_and_pipeline(name):
+    """``orthojob grpo --preset P`` and ``orthojob pipeline --preset P`` train GRPO with the same
     config; the pipeline only points it at its SFT checkpoint and its output folder."""
     parser = build_parser()
-    train = config_from_args(parser.parse_args(["train", "--preset", name]))
+    train = config_from_args(parser.parse_args(["grpo", "--preset", name]))
     pipeline = PRESETS[name].grpo  # what the pipeline runs, before from_checkpoint/out/model path
     assert train == pipeline
-    sft = sft_config_from_args(parser.parse_args(["sft", "--preset", name]))
-    assert sft == PRESETS[name].sft
+    sft = sft_config_from_args(parser.parse_args(["bc-sft", "--preset", name]))
+    assert sft == PRESETS[name].bc_sft
 
 
 def test_tiny_cpu_grpo_is_the_make_run_recipe():
-    """The values ``make run`` has always used, in the one table ``train --preset tiny-cpu`` reads too."""
+    """The values ``make run`` has always used, in the one table ``grpo --preset tiny-cpu`` reads too."""
     g = PRESETS["tiny-cpu"].grpo
     assert (g.steps, g.max_prompt_length, g.max_completion_length, g.gate_seeds) == (20, 1760, 512, 16)
 
@@ -166,10 +166,10 @@ def test_pipeline_cli_show_and_bad_override(capsys):
     assert json.loads(capsys.readouterr().out)["grpo"]["steps"] == 5
     assert cli_main(["pipeline", "--show", "--set", "nope.x=1"]) == 2
     capsys.readouterr()
-    # --model, as sft and train have it (docs/deploy.md, step 3b): the base of every stage
+    # --model, as bc-sft and grpo have it (docs/deploy.md, step 3b): the base of every stage
     assert cli_main(["pipeline", "--show", "--model", "s3://b/models/tiny"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["model"] == shown["sft"]["model"] == shown["grpo"]["model"] == "s3://b/models/tiny"
+    assert shown["model"] == shown["bc_sft"]["model"] == shown["grpo"]["model"] == "s3://b/models/tiny"
     assert cli_main(["pipeline", "--show", "--model", "a/b", "--set", "model=c/d"]) == 2
 
 
@@ -178,7 +178,7 @@ def test_pipeline_cases_sets_every_training_stage_on_the_case_set(capsys):
     tests/test_stages.py, tests/test_case_set_stages.py)."""
     assert cli_main(["pipeline", "--show", "--cases", "s3://b/patients.jsonl"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    for section in ("format_sft", "tool_sft", "sft", "grpo", "rsft"):
+    for section in ("format_sft", "tool_sft", "bc_sft", "grpo", "rsft"):
         assert shown[section]["cases"] == "s3://b/patients.jsonl", section
     assert cli_main(["pipeline", "--show", "--cases", "a.jsonl", "--set", "grpo.heldout_share=0.3"]) == 0
     assert json.loads(capsys.readouterr().out)["grpo"]["heldout_share"] == 0.3

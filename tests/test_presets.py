@@ -58,4 +58,4 @@ def test_flatten_sees_a_changed_value_deep_in_a_section():
 def test_presets_share_one_gate_size_per_preset():
     """A preset's quality gates (BC, RSFT, GRPO's own) judge the same seeds per cell."""
     for preset in PRESETS.values():
-        assert preset.sft_gate.n_seeds == preset.rsft_gate.n_seeds == preset.grpo.gate_seeds
+        assert preset.bc_sft_gate.n_seeds == preset.rsft_gate.n_seeds == preset.grpo.gate_seeds

@@ -146,7 +146,7 @@ def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[int, str]:
     ("command", "steps"),
     [
         (["bc-sft", "--preset", "tiny-cpu", "--steps", "3", "--examples", "8"], 3),
-        (["train", "--preset", "tiny-cpu", "--steps", "2", "--skip-sft-gate", "--max-completion-length", "32",
+        (["grpo", "--preset", "tiny-cpu", "--steps", "2", "--skip-sft-gate", "--max-completion-length", "32",
           "--gate-seeds", "2"], 2),
     ],
     ids=["sft", "grpo"],

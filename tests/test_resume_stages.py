@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = "s3://orthorl/runs/resume-test"
 FAST = {
     "base_eval": False,
-    "sft.examples": 16,
-    "sft.steps": 4,
-    "sft_gate.n_seeds": 2,
-    "sft_gate.max_new_tokens": 48,
-    "sft_gate.thresholds.min_parse_rate": 0.0,
-    "sft_gate.thresholds.min_format_reward": 0.0,
+    "bc_sft.examples": 16,
+    "bc_sft.steps": 4,
+    "bc_sft_gate.n_seeds": 2,
+    "bc_sft_gate.max_new_tokens": 48,
+    "bc_sft_gate.thresholds.min_parse_rate": 0.0,
+    "bc_sft_gate.thresholds.min_format_reward": 0.0,
     "grpo.steps": 1,
     "grpo.num_generations": 2,
     "grpo.batch_size": 2,
@@ -140,7 +140,7 @@ def test_a_retried_pod_resumes_after_bc_and_never_trains_it_again(s3_env, tmp_pa
 
     # another config under the same run name: refused, never trained over
     monkeypatch.setenv("ORTHORL_WORK_DIR", str(tmp_path / "pod4"))
-    other = pipeline.run_pipeline("tiny-cpu", RUN, {**FAST, "sft.steps": 5})
+    other = pipeline.run_pipeline("tiny-cpu", RUN, {**FAST, "bc_sft.steps": 5})
     assert other["exit_code"] == ExitCode.RUN_MISMATCH
     assert (
         "sft" not in other["stages"].get("grpo", {}) and "steps: 4 -> 5" in other["stages"]["bc_sft"]["error"]

@@ -1,7 +1,7 @@
 """Run identity: a checkpoint records its config's digest; another config refuses to resume it
 (exit 14), unless told to start fresh or to continue.
 
-Preemption through the real job (a real SIGTERM to ``orthojob train`` on CPU, the checkpoint saved
+Preemption through the real job (a real SIGTERM to ``orthojob grpo`` on CPU, the checkpoint saved
 and synced to SeaweedFS, the MLflow run ended KILLED on a real mlflow server, exit 143, the retried
 pod resuming) is ``tests/test_e2e_mlflow_s3.py::test_resume_after_sigterm``; the CLI's refusal of
 another config is ``tests/test_grpo.py::test_a_checkpoint_of_another_config_is_refused_before_any_model_load``."""

@@ -258,13 +258,13 @@ def _prepare(tmp_path: Path, case: str) -> Path:
         ("missing", 10, "orthojob gate --checkpoint"),
         ("unparseable", 11, "orthojob gate --checkpoint"),
         ("edited", 11, "edited"),
-        ("failed", 12, "orthojob sft"),
+        ("failed", 12, "orthojob bc-sft"),
         ("changed", 13, "orthojob gate --checkpoint"),
     ],
 )
 def test_grpo_preflight_refusal_exit_codes_via_cli(tmp_path, case, code, hint):
     ckpt = _prepare(tmp_path, case)
-    proc = run_cli("train", "--from-checkpoint", str(ckpt), "--test")
+    proc = run_cli("grpo", "--from-checkpoint", str(ckpt), "--test")
     assert proc.returncode == code, proc.stderr
     assert hint in proc.stderr and str(ckpt) in proc.stderr
     assert "TEST OK" not in proc.stdout  # refused before anything ran
@@ -274,7 +274,7 @@ def test_grpo_preflight_refusal_exit_codes_via_cli(tmp_path, case, code, hint):
 
 def test_grpo_preflight_accepts_a_passed_matching_gate_via_cli(tmp_path):
     ckpt = _prepare(tmp_path, "passed")
-    proc = run_cli("train", "--from-checkpoint", str(ckpt), "--test")
+    proc = run_cli("grpo", "--from-checkpoint", str(ckpt), "--test")
     assert proc.returncode == 0, proc.stderr
     assert "SFT gate" in proc.stdout and "passed" in proc.stdout and "TEST OK" in proc.stdout
     assert run_cli("gate", "--check", str(ckpt)).returncode == 0
@@ -291,7 +291,7 @@ def test_a_gate_file_of_an_unknown_stage_is_refused_naming_the_stages(tmp_path):
             check(ckpt)
         assert e.value.exit_code == ExitCode.GATE_UNREADABLE
         assert "'sft0' is not a stage" in e.value.message and "bc_sft" in e.value.message
-    proc = run_cli("train", "--from-checkpoint", str(ckpt), "--test")
+    proc = run_cli("grpo", "--from-checkpoint", str(ckpt), "--test")
     assert proc.returncode == ExitCode.GATE_UNREADABLE and "bc_sft" in proc.stderr
     with pytest.raises(ValueError, match="unknown gate stage 'sft0'"):
         write_gate(ckpt, PASSING, stage="sft0")

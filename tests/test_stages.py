@@ -64,20 +64,19 @@ def stage_runs(stage: str) -> list:
 def test_stage_names_and_default_folders_follow_training_order():
     # one list of stage names (gate_file.STAGES), in training order; the pipeline's stages are those names
     assert gate_file.STAGES == ("format_sft", "tool_sft", "bc_sft", "grpo", "rsft")
-    assert list(PIPELINE_STAGES.values()) == list(gate_file.STAGES)
+    assert PIPELINE_STAGES == gate_file.STAGES
     assert set(gate_file.DEFAULT_THRESHOLDS) == set(gate_file.STAGES)
-    # the stand-alone commands' default --out: checkpoints/sft0 (format), sft1 (tool-use), sft2 (BC)
+    # the stand-alone commands' default --out: ./checkpoints/<key>
     parser = build_parser()
     outs = {
         command: config_from_args(parser.parse_args([command]), section).out
-        for command, section in (("format-sft", "format_sft"), ("tool-sft", "tool_sft"), ("bc-sft", "sft"),
-                                 ("sft", "sft"), ("rsft", "rsft"))
+        for command, section in (("format-sft", "format_sft"), ("tool-sft", "tool_sft"), ("bc-sft", "bc_sft"),
+                                 ("rsft", "rsft"))
     }  # fmt: skip
     assert outs == {
-        "format-sft": "./checkpoints/sft0",
-        "tool-sft": "./checkpoints/sft1",
-        "bc-sft": "./checkpoints/sft2",
-        "sft": "./checkpoints/sft2",
+        "format-sft": "./checkpoints/format_sft",
+        "tool-sft": "./checkpoints/tool_sft",
+        "bc-sft": "./checkpoints/bc_sft",
         "rsft": "./checkpoints/rsft",
     }
 
@@ -87,7 +86,7 @@ class _TrainedError(Exception):
 
 
 def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monkeypatch, capsys):
-    """./checkpoints/sft0 is format SFT's default folder: format-sft without --out refuses a BC
+    """./checkpoints/format_sft is format SFT's default folder: format-sft without --out refuses a BC
     checkpoint there (ungated, or with its bc_sft gate file); --out overrides."""
     import orthojob.stages.sft
 
@@ -101,12 +100,12 @@ def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monk
 
     monkeypatch.setattr(orthojob.stages.sft, "run_sft", trained)
     monkeypatch.chdir(tmp_path)
-    old_bc = tmp_path / "checkpoints" / "sft0"
+    old_bc = tmp_path / "checkpoints" / "format_sft"
     old_bc.mkdir(parents=True)
-    (old_bc / "sft_config.json").write_text(json.dumps({"demos": "oracle"}))  # an earlier orthojob sft
+    (old_bc / "sft_config.json").write_text(json.dumps({"demos": "oracle"}))  # an earlier bc-sft --no-gate
     assert command("format-sft", "--model", "tiny", "--lora-r", "0") == ExitCode.USAGE
     err = capsys.readouterr().err
-    assert "./checkpoints/sft0" in err and "oracle demonstrations" in err and "--out" in err
+    assert "./checkpoints/format_sft" in err and "oracle demonstrations" in err and "--out" in err
     # a bc-sft gate file there names its stage
     (old_bc / "config.json").write_text("{}")
     (old_bc / "model.safetensors").write_bytes(b"weights")
@@ -117,11 +116,11 @@ def test_a_default_out_never_overwrites_another_stages_checkpoint(tmp_path, monk
     assert content["stage"] == "bc_sft"
     assert command("format-sft", "--model", "tiny", "--lora-r", "0") == ExitCode.USAGE
     assert "stage bc_sft" in capsys.readouterr().err
-    with pytest.raises(_TrainedError, match="checkpoints/sft0"):  # asked for by name: overwritten
-        command("format-sft", "--model", "tiny", "--lora-r", "0", "--out", "./checkpoints/sft0")
-    # a stage's own folder is no other stage's: BC retrains into ./checkpoints/sft2 over its gate
-    shutil.copytree(old_bc, tmp_path / "checkpoints" / "sft2")
-    with pytest.raises(_TrainedError, match="checkpoints/sft2"):
+    with pytest.raises(_TrainedError, match="checkpoints/format_sft"):  # asked for by name: overwritten
+        command("format-sft", "--model", "tiny", "--lora-r", "0", "--out", "./checkpoints/format_sft")
+    # a stage's own folder is no other stage's: BC retrains into ./checkpoints/bc_sft over its gate
+    shutil.copytree(old_bc, tmp_path / "checkpoints" / "bc_sft")
+    with pytest.raises(_TrainedError, match="checkpoints/bc_sft"):
         command("bc-sft", "--model", "tiny", "--lora-r", "0")
 
 
@@ -132,25 +131,26 @@ def test_stage_configs_flags_and_presets():
     )
     assert isinstance(fmt, FormatSFTConfig) and fmt.demos == "format" and fmt.demo_seed == 3
     assert fmt.steps == PRESETS["tiny-cpu"].format_sft.steps
-    bc = config_from_args(parser.parse_args(["bc-sft", "--preset", "tiny-cpu"]), "sft")
-    assert type(bc) is SFTJobConfig and bc == PRESETS["tiny-cpu"].sft and bc.demos == "oracle"
+    bc = config_from_args(parser.parse_args(["bc-sft", "--preset", "tiny-cpu"]), "bc_sft")
+    assert type(bc) is SFTJobConfig and bc == PRESETS["tiny-cpu"].bc_sft and bc.demos == "oracle"
     r = config_from_args(
         parser.parse_args(["rsft", "--preset", "tiny-cpu", "--samples-per-prompt", "6"]), "rsft"
     )
     assert isinstance(r, RSFTConfig) and r.samples_per_prompt == 6 and r.demos == "rsft"
-    assert set(SECTIONS) == {"format_sft", "tool_sft", "sft", "rsft"}
+    assert set(SECTIONS) == {"format_sft", "tool_sft", "bc_sft", "rsft"}
     for name, preset in PRESETS.items():  # the shared values reach the new stages too
         assert preset.format_sft.model == preset.rsft.model == preset.model, name
-        assert preset.stages == ("bc", "grpo")  # make run's chain, unchanged
+        assert preset.stages == ("bc_sft", "grpo")  # make run's chain, unchanged
     with pytest.raises(ConfigError):
         RSFTConfig(samples_per_prompt=2, keep_per_prompt=3)
     with pytest.raises(ConfigError):
         FormatSFTConfig(demos="oracle")
     # the stages a pipeline runs: --set stages=..., checked
-    assert apply_overrides(PRESETS["tiny-cpu"], {"stages": "format,grpo"}).stages == ("format", "grpo")
-    full_chain = apply_overrides(PRESETS["tiny-cpu"], {"stages": ["format", "bc", "grpo", "rsft"]})
-    assert [PIPELINE_STAGES[s] for s in full_chain.stages] == ["format_sft", "bc_sft", "grpo", "rsft"]
-    for bad in ("grpo", "format,format", "format,dpo", ""):
+    tiny = PRESETS["tiny-cpu"]
+    assert apply_overrides(tiny, {"stages": "format_sft,grpo"}).stages == ("format_sft", "grpo")
+    full_chain = apply_overrides(tiny, {"stages": ["format_sft", "bc_sft", "grpo", "rsft"]})
+    assert full_chain.stages == ("format_sft", "bc_sft", "grpo", "rsft")
+    for bad in ("grpo", "format_sft,format_sft", "format_sft,dpo", ""):
         with pytest.raises(ConfigError):
             apply_overrides(PRESETS["tiny-cpu"], {"stages": bad})
     assert cli_main(["pipeline", "--show", "--set", "stages=rsft,grpo"]) == ExitCode.USAGE
@@ -161,17 +161,18 @@ def test_a_chain_with_tool_use_sft_trains_grpo_in_agentic_mode():
     tool_sft gate: tests/test_tool_sft.py); tool-use SFT may start the chain; a one-shot GRPO after it
     is refused, whatever order the overrides come in."""
     tiny = PRESETS["tiny-cpu"]
-    agentic = {"stages": "format,tool,grpo", "grpo.mode": "agentic"}
+    agentic = {"stages": "format_sft,tool_sft,grpo", "grpo.mode": "agentic"}
     for overrides in (agentic, dict(reversed(agentic.items()))):
         chain = apply_overrides(tiny, overrides)
-        assert [PIPELINE_STAGES[s] for s in chain.stages] == ["format_sft", "tool_sft", "grpo"]
+        assert chain.stages == ("format_sft", "tool_sft", "grpo")
         assert chain.grpo.mode == "agentic" and chain.tool_sft.demos == "tool"
-    assert apply_overrides(tiny, {"stages": "tool,bc"}).stages == ("tool", "bc")  # no GRPO: no mode needed
-    assert tiny.tool_sft.max_length == 8192 and tiny.tool_sft.steps == tiny.sft.steps
-    for stages in ("format,tool,grpo", "tool,grpo,rsft"):
+    no_grpo = ("tool_sft", "bc_sft")  # no GRPO: no mode needed
+    assert apply_overrides(tiny, {"stages": ",".join(no_grpo)}).stages == no_grpo
+    assert tiny.tool_sft.max_length == 8192 and tiny.tool_sft.steps == tiny.bc_sft.steps
+    for stages in ("format_sft,tool_sft,grpo", "tool_sft,grpo,rsft"):
         with pytest.raises(ConfigError, match=r"grpo\.mode=agentic"):
             apply_overrides(tiny, {"stages": stages})
-    shown = ["pipeline", "--show", "--set", "stages=format,tool,grpo"]
+    shown = ["pipeline", "--show", "--set", "stages=format_sft,tool_sft,grpo"]
     assert cli_main(shown) == ExitCode.USAGE
     assert cli_main([*shown, "--set", "grpo.mode=agentic"]) == 0
     with pytest.raises(KeyError, match="for the whole preset"):
@@ -304,7 +305,7 @@ def test_format_sft_gate_grpo_preflight_and_rsft_cli(tiny_base, tmp_path, monkey
 
     # GRPO's pre-flight accepts the format stage's gate
     capsys.readouterr()
-    assert cli_main(["train", "--from-checkpoint", str(fmt), "--test"]) == 0
+    assert cli_main(["grpo", "--from-checkpoint", str(fmt), "--test"]) == 0
     assert "passed (stage format_sft)" in capsys.readouterr().out
 
     # stage 4: RSFT from the format checkpoint; sampling replaced by known completions, scored for real
@@ -421,11 +422,11 @@ def test_pipeline_preset_chooses_the_full_chain(tiny_base, tmp_path, monkeypatch
         "thresholds.min_format_reward": 0,
     }
     overrides = {
-        "stages": "format,bc,grpo,rsft",
+        "stages": "format_sft,bc_sft,grpo,rsft",
         "model": str(tiny_base),  # built once for this module: the pipeline builds none
         "base_eval": False,
-        **{f"{s}.{k}": v for s in ("format_sft", "sft") for k, v in small.items()},
-        **{f"{g}.{k}": v for g in ("format_gate", "sft_gate", "rsft_gate") for k, v in gate_small.items()},
+        **{f"{s}.{k}": v for s in ("format_sft", "bc_sft") for k, v in small.items()},
+        **{f"{s}_gate.{k}": v for s in ("format_sft", "bc_sft", "rsft") for k, v in gate_small.items()},
         "grpo.steps": 1,
         "grpo.max_completion_length": 16,
         "grpo.gate_seeds": 2,

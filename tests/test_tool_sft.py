@@ -146,7 +146,7 @@ def test_tool_sft_cli_gate_mlflow_and_grpo_preflight(tiny_tool_base, tmp_path, m
     assert run.data.tags["orthorl.gate_passed"] == "true" and "gate/tool_call_rate" in run.data.metrics
     # GRPO's pre-flight accepts the tool-use stage's gate
     capsys.readouterr()
-    assert cli_main(["train", "--from-checkpoint", str(out), "--test"]) == 0
+    assert cli_main(["grpo", "--from-checkpoint", str(out), "--test"]) == 0
     assert "passed (stage tool_sft)" in capsys.readouterr().out
     # with the default thresholds two steps do not teach tool calls: the gate fails (exit 12)
     rc = cli_main(["gate", "--checkpoint", str(out), "--stage", "tool_sft", "--seeds", "1", "--max-new-tokens", "8",
@@ -155,14 +155,14 @@ def test_tool_sft_cli_gate_mlflow_and_grpo_preflight(tiny_tool_base, tmp_path, m
 
 
 def test_pipeline_runs_tool_use_sft_from_a_presets_chain(tmp_path, monkeypatch, capsys):
-    """``stages=tool``: the pipeline builds the tiny model with a tokenizer that knows the tool
+    """``stages=tool_sft``: the pipeline builds the tiny model with a tokenizer that knows the tool
     conversations, trains stage 1 on the assistant's turns, gates it (MLflow runs, gate file); GRPO's
     agentic pre-flight accepts the checkpoint. (GRPO's agentic training: tests/test_agentic.py.)"""
     from orthojob.stages.pipeline import run_pipeline
 
     monkeypatch.chdir(tmp_path)
     overrides = {
-        "stages": "tool",
+        "stages": "tool_sft",
         "base_eval": False,
         **{f"tool_sft.{k}": v for k, v in {"steps": 1, "examples": 2, "batch_size": 1}.items()},
         **{f"tool_sft_gate.{k}": v for k, v in {"n_seeds": 1, "max_new_tokens": 8, "tool_turns": 1}.items()},
@@ -188,5 +188,5 @@ def test_pipeline_runs_tool_use_sft_from_a_presets_chain(tmp_path, monkeypatch, 
     assert stages["gate_tool_sft"]["tool_call_rate"] == content["metrics"]["tool_call_rate"]
     assert "gate_tool_sft" in capsys.readouterr().out  # the summary table's line
     capsys.readouterr()
-    rc = cli_main(["train", "--from-checkpoint", str(out / "tool_sft"), "--mode", "agentic", "--test"])
+    rc = cli_main(["grpo", "--from-checkpoint", str(out / "tool_sft"), "--mode", "agentic", "--test"])
     assert rc == 0 and "passed (stage tool_sft)" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Emergent-behaviour analysis of GRPO completions (``orthojob train --analyze``): early vs late.
+"""Emergent-behaviour analysis of GRPO completions (``orthojob grpo --analyze``): early vs late.
 
 Training writes one JSON line per completion to ``<out>/completions.jsonl``
 (``RecordingGRPOTrainer``, built by :func:`orthojob.stages.grpo._make_trainer_class`): ``step``, ``seed``,

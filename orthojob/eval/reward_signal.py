@@ -12,7 +12,7 @@ reports per reward:
 * ``rank_corr`` - the mean Spearman correlation with ``reward_terminal`` within groups (a reward
   that is a copy of the terminal adds nothing; one that opposes it everywhere is suspect).
 
-``orthojob train --test`` prints the report for a few prompts, ``experiments/audits/reward_signal.py`` for
+``orthojob grpo --test`` prints the report for a few prompts, ``experiments/audits/reward_signal.py`` for
 many; ``tests/test_reward_signal.py`` asserts the thresholds.
 """
 
@@ -132,7 +132,7 @@ def signal_report(groups: Sequence[GroupRewards]) -> dict[str, dict[str, float]]
 
 
 def format_report(report: dict[str, dict[str, float]], n_groups: int, group_size: int) -> str:
-    """The report as a table (what ``orthojob train --test`` and the benchmark print)."""
+    """The report as a table (what ``orthojob grpo --test`` and the benchmark print)."""
     lines = [
         f"reward signal over {n_groups} groups of {group_size} plausible plans "
         f"(informative: within-group std above the reward's threshold)",

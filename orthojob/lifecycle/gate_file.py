@@ -14,7 +14,7 @@ from ``start`` in each cell); ``evaluation.guarantee`` the hard-rule rate the ve
 confidence (:func:`orthojob.stages.gate.hard_rule_rate_bound`).
 
 ``passed`` is computed from the metrics and the thresholds (every check true), never set by hand.
-:func:`check_gate` is the pre-flight of ``orthojob train --from-checkpoint DIR``: it raises
+:func:`check_gate` is the pre-flight of ``orthojob grpo --from-checkpoint DIR``: it raises
 :class:`GateError` with a distinct exit code (10 missing, 11 unreadable or edited, 12 failed, 13 the
 weights changed since the gate) and a message that says how to fix it.
 """
@@ -341,7 +341,7 @@ def read_gate(checkpoint: str | Path) -> dict:
     stage that is not one of :data:`STAGES`)."""
     target = gate_path(checkpoint)
     redo = (
-        f"Re-run the gate: orthojob gate --checkpoint {checkpoint} --stage {BC_SFT} (after orthojob sft --out "
+        f"Re-run the gate: orthojob gate --checkpoint {checkpoint} --stage {BC_SFT} (after orthojob bc-sft --no-gate --out "
         f"{checkpoint})."
     )
     if not target.is_file():
@@ -349,7 +349,7 @@ def read_gate(checkpoint: str | Path) -> dict:
         raise GateError(
             ExitCode.GATE_MISSING,
             f"gate file {target} missing{where}: this checkpoint was never evaluated. Train it with "
-            f"orthojob sft --out {checkpoint}, then evaluate it with orthojob gate --checkpoint {checkpoint} "
+            f"orthojob bc-sft --no-gate --out {checkpoint}, then evaluate it with orthojob gate --checkpoint {checkpoint} "
             "(or run orthojob pipeline). --skip-sft-gate bypasses the check (NOT recommended).",
         )
     try:
@@ -418,7 +418,7 @@ def check_gate(checkpoint: str | Path, accept: Sequence[str] | None = STAGES) ->
         raise GateError(
             ExitCode.GATE_FAILED,
             f"checkpoint {checkpoint} failed its {content.get('stage')} gate ({shown or 'no checks'}; thresholds "
-            f"{content['thresholds']}). Train it further (orthojob sft with more --steps / --examples, or a higher "
+            f"{content['thresholds']}). Train it further (orthojob bc-sft with more --steps / --examples, or a higher "
             f"--lr), then re-run orthojob gate --checkpoint {checkpoint}.",
         )
     try:

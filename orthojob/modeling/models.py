@@ -330,7 +330,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
         raise ModelError(
             f"checkpoint folder {folder} holds no weight files ({', '.join(WEIGHT_SUFFIXES)}): "
-            "is this the output folder of orthojob sft / train?"
+            "is this the output folder of orthojob bc-sft / grpo?"
         )
     return files
 

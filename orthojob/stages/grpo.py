@@ -1,4 +1,4 @@
-"""The GRPO stage as a job (pipeline stage 3): ``orthojob train``.
+"""The GRPO stage as a job (pipeline stage 3): ``orthojob grpo``.
 
 Three modules hold the stage, as in TRL:
 
@@ -7,7 +7,7 @@ Three modules hold the stage, as in TRL:
 * :mod:`orthojob.stages.grpo_trainer`: the GRPOTrainer subclass and the training loop;
 * this module: the job around them, which the CLI and the pipeline call.
 
-:func:`run_train` is ``orthojob train``'s body: flags -> config (the preset's values from
+:func:`run_train` is ``orthojob grpo``'s body: flags -> config (the preset's values from
 :data:`orthojob.stages.presets.PRESETS`, then the flags given), ``--analyze`` (emergent-behaviour table,
 :mod:`orthojob.eval.analysis`), then :func:`run_grpo`. :func:`run_grpo` takes a config object (the
 pipeline calls it directly): validation before any model loads (exit 2), ``--test`` (a
@@ -60,7 +60,7 @@ from server.oracle import oracle_plan
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Every ``orthojob train`` flag, generated from :class:`GRPOJobConfig`. Unset flags stay absent
+    """Every ``orthojob grpo`` flag, generated from :class:`GRPOJobConfig`. Unset flags stay absent
     from the namespace, so that :func:`config_from_args` can tell a preset's value from a flag's."""
     return add_config_arguments(parser, GRPOJobConfig, choices={"preset": sorted(PRESETS)})
 
@@ -204,17 +204,17 @@ def train_and_gate(
 
 
 def run_train(args: argparse.Namespace | dict) -> int:
-    """``orthojob train``: returns the process exit code (see the module docstring)."""
+    """``orthojob grpo``: returns the process exit code (see the module docstring)."""
     try:
         config = config_from_args(args)
     except (ConfigError, TypeError) as exc:
-        print(f"orthojob train: {exc}", file=sys.stderr)
+        print(f"orthojob grpo: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     if config.analyze:
         path = Path(config.out) / COMPLETIONS_FILE
         if not path.exists():
             print(
-                f"orthojob train --analyze: {path} not found (train with --out {config.out} first)",
+                f"orthojob grpo --analyze: {path} not found (train with --out {config.out} first)",
                 file=sys.stderr,
             )
             return ExitCode.USAGE
@@ -226,7 +226,7 @@ def run_train(args: argparse.Namespace | dict) -> int:
 def run_grpo(
     config: GRPOJobConfig, given: dict | None = None, gate_thresholds: GateThresholds | None = None
 ) -> int:
-    """The GRPO stage of a config object (``orthojob train`` and the pipeline): the exit code.
+    """The GRPO stage of a config object (``orthojob grpo`` and the pipeline): the exit code.
 
     ``given``: the flags as given (recorded as the run's ``cli`` params); ``gate_thresholds``: the
     GRPO gate's (default: the stage's defaults), recorded in the one gate file the stage writes.
@@ -234,13 +234,13 @@ def run_grpo(
     try:
         validate(config)
     except ConfigError as exc:
-        print(f"orthojob train: {exc}", file=sys.stderr)
+        print(f"orthojob grpo: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     if config.cases is not None:  # before any model loads: a bad case set fails at once, every problem named
         try:
             case_sets.load_case_set(config.cases, config.heldout_share, config.force_decay)
         except (case_sets.CaseSetError, FileNotFoundError, ValueError) as exc:
-            print(f"orthojob train: --cases {config.cases}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+            print(f"orthojob grpo: --cases {config.cases}: {getattr(exc, 'message', exc)}", file=sys.stderr)
             return ExitCode.USAGE
 
     main_rank = int(os.environ.get("RANK", "0")) == 0
@@ -266,7 +266,7 @@ def run_grpo(
     try:
         return _tracked_train(given or {}, config, main_rank, say, gate_thresholds)
     except (tracking.TrackingError, storage.StorageError) as exc:
-        return job_errors.report_job_error("train", exc)
+        return job_errors.report_job_error("grpo", exc)
 
 
 def _check_sft_gate(config: GRPOJobConfig, say: Callable[..., Any]) -> int | None:
@@ -275,7 +275,7 @@ def _check_sft_gate(config: GRPOJobConfig, say: Callable[..., Any]) -> int | Non
         try:  # the gate of any earlier stage (format SFT, BC, RSFT, GRPO) is accepted
             content = check_gate(config.from_checkpoint)
         except GateError as exc:
-            print(f"orthojob train: {exc.message}", file=sys.stderr)
+            print(f"orthojob grpo: {exc.message}", file=sys.stderr)
             return exc.exit_code
         say(f"[grpo] SFT gate of {config.from_checkpoint}: passed (stage {content.get('stage')})")
     elif config.skip_sft_gate:
@@ -351,7 +351,7 @@ def _tracked_train(
                 out_uri, Path(config.out), config=identity, on_foreign=config.on_foreign_checkpoint
             )
         except RunIdentityError as exc:
-            print(f"orthojob train: {exc}", file=sys.stderr)
+            print(f"orthojob grpo: {exc}", file=sys.stderr)
             _tag("orthorl.refused", f"run identity exit {exc.exit_code}")
             return exc.exit_code
         resume_from = None
@@ -370,7 +370,7 @@ def _tracked_train(
                 guard=guard,
             )
         except ConfigError as exc:
-            print(f"orthojob train: {exc}", file=sys.stderr)
+            print(f"orthojob grpo: {exc}", file=sys.stderr)
             return ExitCode.USAGE
         guard.exit_if_requested()  # SIGTERM: checkpoint saved and synced; run KILLED; exit 143
         if result.gate_passed is None:  # not rank 0; from here on this is the main rank

@@ -1,4 +1,4 @@
-"""The GRPO stage's configuration: :class:`GRPOJobConfig`, every ``orthojob train`` flag.
+"""The GRPO stage's configuration: :class:`GRPOJobConfig`, every ``orthojob grpo`` flag.
 
 Modelled on TRL's ``trl/trainer/grpo_config.py``: one frozen dataclass, help text in each field's
 metadata, flags generated from the fields (:func:`orthojob.stages.flags.add_config_arguments`), and the
@@ -68,7 +68,7 @@ experiment's."""
 
 @dataclass(frozen=True)
 class GRPOJobConfig(TrainingConfig):
-    """Every ``orthojob train`` flag (field ``x_y`` is flag ``--x-y``): the shared training fields
+    """Every ``orthojob grpo`` flag (field ``x_y`` is flag ``--x-y``): the shared training fields
     (:class:`~orthojob.stages.training_config.TrainingConfig`) and GRPO's own.
 
     The defaults follow the project's original specification where it set one, except the batch: 4

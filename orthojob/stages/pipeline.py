@@ -20,7 +20,7 @@ Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
      the assistant's turns), then ``gate_tool_sft`` (greedy agentic episodes: tool calls, finished);
    * ``bc`` -> ``bc_sft``: stage 2, BC SFT on the oracle's safe plans, then ``gate_bc_sft``;
    * ``grpo`` -> ``grpo``: stage 3, the preset's GRPO config object with ``from_checkpoint`` = the
-     previous stage, run by :func:`orthojob.stages.grpo.run_grpo` (what ``orthojob train`` runs; its
+     previous stage, run by :func:`orthojob.stages.grpo.run_grpo` (what ``orthojob grpo`` runs; its
      pre-flight accepts the gate of any earlier stage), which writes its own gate (``gate_grpo``)
      with the preset's ``grpo_gate`` thresholds;
    * ``rsft`` -> ``rsft``: stage 4, rejection fine-tuning of the previous checkpoint
@@ -53,8 +53,8 @@ are MLflow metrics ``scaled_reward_mean/<planner>`` and ``hard_rule_share/<plann
 
 :data:`orthojob.stages.presets.PRESETS` holds every hyper-parameter, as config objects. ``overrides``
 (CLI ``--set section.key=value``, value parsed as JSON) change single values, e.g.
-``{"sft.steps": 100, "grpo.steps": 2, "grpo.rewards": ["format"], "grpo.use_vllm": true,
-"stages": "format,grpo"}``.
+``{"bc_sft.steps": 100, "grpo.steps": 2, "grpo.rewards": ["format"], "grpo.use_vllm": true,
+"stages": "format_sft,grpo"}``.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ from orthojob.core.metrics import HARD_RULE_SHARE, SCALED_REWARD, SCALED_REWARD_
 from orthojob.data import case_sets
 from orthojob.eval.evaluation import evaluate_checkpoint, format_table
 from orthojob.lifecycle import gate_file
+from orthojob.lifecycle.gate_file import BC_SFT, FORMAT_SFT, GRPO, RSFT, TOOL_SFT
 from orthojob.modeling.models import TINY_MODEL, build_tiny
 from orthojob.ops import run_identity, storage, tracking, work_dirs
 from orthojob.ops.exit_codes import ExitCode
@@ -82,15 +83,16 @@ from orthojob.stages.gate import GateSettings
 from orthojob.stages.grpo import run_grpo
 from orthojob.stages.grpo_config import TRAIN_LOG_FILE
 from orthojob.stages.pipeline_summary import format_summary, gate_view
-from orthojob.stages.presets import PIPELINE_STAGES, PRESETS, Preset, apply_overrides
+from orthojob.stages.presets import FIRST_STAGES, PRESETS, Preset, apply_overrides
 from orthojob.stages.rsft import RSFTError, log_rsft, run_rsft
 from orthojob.stages.sft import TRAINING_CASES, log_stage, run_sft
+from orthojob.stages.stage_table import SFT_SECTIONS, STAGE_TABLE
 from orthojob.stages.tool_sft import build_tiny_tool_model
 
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "pipeline_summary.json"
-CASE_SECTIONS: tuple[str, ...] = ("sft", "format_sft", "tool_sft", "grpo", "rsft")
+CASE_SECTIONS: tuple[str, ...] = (BC_SFT, FORMAT_SFT, TOOL_SFT, GRPO, RSFT)
 """The preset sections whose ``cases`` ``--cases`` sets: every training stage's."""
 EVALUATION_FILE = "evaluation.json"
 
@@ -172,7 +174,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         "preset": cfg.name,
         "overrides": overrides or {},
         "config": cfg.to_dict(),
-        "chain": [PIPELINE_STAGES[step] for step in cfg.stages],
+        "chain": list(cfg.stages),
         "stages": {},
     }
     stages = summary["stages"]
@@ -199,11 +201,11 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
 
     # 1. tiny model
     model = cfg.model
-    sections = {"format": cfg.format_sft, "tool": cfg.tool_sft, "bc": cfg.sft, "rsft": cfg.rsft}
+    sections = {key: getattr(cfg, key) for key in SFT_SECTIONS}
     if model == TINY_MODEL:
         t = time.perf_counter()
         tasks = sorted({cfg.task_id, *(t for s in cfg.stages if s in sections for t in sections[s].task_ids)})
-        build = build_tiny_tool_model if "tool" in cfg.stages else build_tiny
+        build = build_tiny_tool_model if TOOL_SFT in cfg.stages else build_tiny
         recipe = {"builder": build.__name__, "tasks": tasks, "force_decay": cfg.force_decay, **cfg.tiny_arch}
         folder = out / "tiny-model"
         where = f"{out_uri}/tiny-model" if out_uri else str(folder)
@@ -222,7 +224,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
     # 1b. the base model's held-out parse rate and format, before any training (no gate file)
     if cfg.base_eval:
         t = time.perf_counter()
-        g = cfg.sft_gate
+        g = cfg.bc_sft_gate
         base = gate.gate_report(
             model, n_seeds=g.n_seeds, task_id=cfg.task_id, force_decay=cfg.force_decay,
             max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, stage="base", thresholds=g.thresholds,
@@ -281,12 +283,9 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
 
     def sft_stage(step: str, previous: Path | None) -> bool:
         """Stage 0 (format), 1 (tool-use) or 2 (BC): train, then gate."""
-        name = PIPELINE_STAGES[step]
-        key, settings, gate_key = {
-            "format": ("format_sft", cfg.format_gate, "format_gate"),
-            "tool": ("tool_sft", cfg.tool_sft_gate, "tool_sft_gate"),
-            "bc": ("sft", cfg.sft_gate, "sft_gate"),
-        }[step]
+        name = key = step
+        gate_key = STAGE_TABLE[step].gate_section
+        settings = getattr(cfg, gate_key)
         folder = out / name
         t = time.perf_counter()
         config = dataclasses.replace(
@@ -354,7 +353,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         }
         save()
         if rc not in (0, ExitCode.GRPO_GATE_FAILED) or not gate_file.gate_path(grpo_dir).is_file():
-            stages["grpo"]["error"] = f"orthojob train exited {rc}"
+            stages["grpo"]["error"] = f"orthojob grpo exited {rc}"
             return False, int(rc or ExitCode.FAILURE)
         content = gate_file.read_gate(grpo_dir)  # as the GRPO stage wrote (and published and logged) it
         stages["gate_grpo"] = {"seconds": content["metrics"].get("eval_seconds"), **gate_view(content)}
@@ -394,14 +393,14 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
     code = 0
     try:  # a stage refusing what an earlier attempt left (another config) ends the chain at once
         for step in cfg.stages:
-            name = PIPELINE_STAGES[step]
+            name = step
             if code:
                 stages[name] = {
                     "skipped": f"an earlier gate or stage failed (exit {code}): {name} refuses its checkpoint"
                 }
                 continue
             previous = trained[-1] if trained else None
-            if step in ("format", "tool", "bc"):
+            if step in FIRST_STAGES:
                 passed = sft_stage(step, previous[1] if previous else None)
                 trained.append((name, out / name, passed))
                 code = 0 if passed else ExitCode.GATE_FAILED
@@ -429,7 +428,7 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
         kw = {"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "max_new_tokens": e.max_new_tokens,
               "batch_size": e.batch_size, "engine": engine_on(e.engine)}  # fmt: skip
         newest_first = [(name, folder) for name, folder, _ in reversed(trained)]
-        on_set = [c for c in (cfg.grpo, cfg.sft, cfg.rsft, cfg.format_sft, cfg.tool_sft) if c.cases]
+        on_set = [c for c in (cfg.grpo, cfg.bc_sft, cfg.rsft, cfg.format_sft, cfg.tool_sft) if c.cases]
         cases = on_set[0].cases if on_set else None
         if cases:  # the set's held-out patients, as the gates judged them
             kw["keys"], _ = case_sets.heldout_cases(cases, on_set[0].heldout_share, cfg.force_decay)

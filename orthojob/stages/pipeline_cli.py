@@ -54,7 +54,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="override one preset value (JSON), e.g. --set sft.steps=100 --set grpo.steps=2 "
-        "--set stages=format,bc,grpo,rsft (repeatable)",
+        "--set stages=format_sft,bc_sft,grpo,rsft (repeatable)",
     )
     parser.add_argument(
         "--overrides",

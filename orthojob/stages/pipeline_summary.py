@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from orthojob.core.metrics import BANDS, HARD_RULE_SHARE, SCALED_REWARD_MEAN
-from orthojob.stages.presets import DEFAULT_STAGES, PIPELINE_STAGES
+from orthojob.stages.presets import DEFAULT_STAGES
 
 GATE_VIEW: tuple[str, ...] = (
     "parse_rate", "format_reward", SCALED_REWARD_MEAN, f"uniform_slerp_{SCALED_REWARD_MEAN}",
@@ -46,7 +46,7 @@ def format_summary(summary: dict) -> str:
             f"{'base':<15}{_fmt(x['seconds'], '9.1f')}  before training: parse {_fmt(x['parse_rate'])}, format "
             f"{_fmt(x['format_reward'])}, scaled_reward {_fmt(x.get(SCALED_REWARD_MEAN))}"
         )
-    for name in summary.get("chain") or [PIPELINE_STAGES[step] for step in DEFAULT_STAGES]:
+    for name in summary.get("chain") or DEFAULT_STAGES:
         x = s.get(name)
         if x is None:
             continue

@@ -1,23 +1,23 @@
 """The one preset table: a preset name -> the config objects of every stage.
 
-``orthojob train --preset P`` takes ``PRESETS[P].grpo``, ``orthojob sft --preset P`` takes
-``PRESETS[P].sft``, and ``orthojob pipeline --preset P`` runs every stage with the same objects,
+``orthojob grpo --preset P`` takes ``PRESETS[P].grpo``, ``orthojob bc-sft --preset P`` takes
+``PRESETS[P].bc_sft``, and ``orthojob pipeline --preset P`` runs every stage with the same objects,
 so a preset means the same run whichever command starts it (``tests/test_pipeline.py`` checks
-it). Explicit flags override a preset's values (``orthojob train``), and so does the pipeline's
+it). Explicit flags override a preset's values (``orthojob grpo``), and so does the pipeline's
 ``--set section.key=value`` (:func:`apply_overrides`).
 
 The values a stage shares with the others (``model``, ``task_id``, ``force_decay``, ``tiny_arch``)
 are set once on the :class:`Preset` and copied into the stage configs when it is built.
 
-``stages`` chooses the pipeline's training stages, in order, from :data:`PIPELINE_STAGES` (numbered
-as in docs/stages.md): ``format`` (stage 0, format SFT), ``tool`` (stage 1, tool-use SFT), ``bc``
-(stage 2, behaviour cloning of the oracle), ``grpo`` (stage 3), ``rsft`` (stage 4, rejection
-fine-tuning). Each stage starts from the previous stage's gated checkpoint; the first must be an SFT
-stage that starts from the base model (``format``, ``tool`` or ``bc``). Both presets keep
-``("bc", "grpo")``, the chain ``make run`` has always run; ``--set stages=format,grpo`` or
-``--set stages=format,bc,grpo,rsft`` selects others. A chain with ``tool`` and ``grpo`` trains GRPO in
-agentic mode, the tool calls stage 1 teaches (``--set stages=format,tool,grpo --set
-grpo.mode=agentic``; a one-shot GRPO there is refused).
+``stages`` chooses the pipeline's training stages, in order, from :data:`PIPELINE_STAGES` (the keys of
+:data:`orthojob.stages.stage_table.STAGE_TABLE`, numbered as in docs/stages.md): ``format_sft`` (stage 0,
+format SFT), ``tool_sft`` (stage 1, tool-use SFT), ``bc_sft`` (stage 2, behaviour cloning of the oracle),
+``grpo`` (stage 3), ``rsft`` (stage 4, rejection fine-tuning). Each stage starts from the previous stage's
+gated checkpoint; the first must be an SFT stage that starts from the base model (``format_sft``,
+``tool_sft`` or ``bc_sft``). Both presets keep ``("bc_sft", "grpo")``, the chain ``make run`` has always
+run; ``--set stages=format_sft,grpo`` or ``--set stages=format_sft,bc_sft,grpo,rsft`` selects others. A
+chain with ``tool_sft`` and ``grpo`` trains GRPO in agentic mode, the tool calls stage 1 teaches (``--set
+stages=format_sft,tool_sft,grpo --set grpo.mode=agentic``; a one-shot GRPO there is refused).
 
 ``tiny-cpu``: offline, CPU, 2 cores, < 10 min. Its tiny model is built for the ``compact`` prompt
 format (``tiny_arch["prompt_format"]``, :data:`orthojob.core.prompts.PROMPT_FORMATS`: the case without the
@@ -25,7 +25,7 @@ plan-format text, which the BC stage teaches), recorded in the model's ``config.
 stage prompts it the same way. Its BC stage learns every level under both dynamics (the cells its
 gate judges); its GRPO stage (20 steps, prompts up to 1760 tokens, 512-token completions: the oracle's
 plans under force decay run to about 550 of the tiny tokenizer's tokens) is the one table
-``orthojob train --preset tiny-cpu`` uses too. Its format
+``orthojob grpo --preset tiny-cpu`` uses too. Its format
 and RSFT stages (not in the default chain) are set by analogy with its BC stage and not tuned.
 
 Gate sizes (:mod:`orthojob.stages.gate`: a quality gate judges ``n_seeds`` seeds in each of its six
@@ -56,20 +56,21 @@ from orthojob.stages.gate import GateSettings
 from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig
 from orthojob.stages.rsft_config import RSFTConfig
 from orthojob.stages.sft_config import FormatSFTConfig, SFTJobConfig, ToolSFTConfig
+from orthojob.stages.stage_table import (
+    OLD_PIPELINE_NAMES,
+    OLD_SECTIONS,
+    SFT_SECTIONS,
+    STAGE_TABLE,
+    current_name,
+)
 from server.cases import TASK_IDS
 
-PIPELINE_STAGES: dict[str, str] = {
-    "format": FORMAT_SFT,
-    "tool": TOOL_SFT,
-    "bc": BC_SFT,
-    "grpo": GRPO,
-    "rsft": RSFT,
-}
-"""A pipeline stage -> its name (:data:`orthojob.lifecycle.gate_file.STAGES`, where the names are defined): output
-folder ``<out>/<name>``, MLflow stage run, gate stage. The BC stage is ``bc_sft``."""
-FIRST_STAGES: tuple[str, ...] = ("format", "tool", "bc")
+PIPELINE_STAGES: tuple[str, ...] = tuple(STAGE_TABLE)
+"""The pipeline's stages: their keys (:data:`orthojob.stages.stage_table.STAGE_TABLE`), each also its output
+folder ``<out>/<key>``, MLflow stage run and gate stage."""
+FIRST_STAGES: tuple[str, ...] = tuple(s.key for s in STAGE_TABLE.values() if s.first)
 """The stages that can start from the base model."""
-DEFAULT_STAGES: tuple[str, ...] = ("bc", "grpo")
+DEFAULT_STAGES: tuple[str, ...] = (BC_SFT, GRPO)
 
 TINY_GATE_SEEDS = 16
 """tiny-cpu's quality gates: seeds per cell (96 cases; no break rules out a hard-rule rate above 3.1 %)."""
@@ -81,7 +82,7 @@ def stage_list(value: Any) -> tuple[str, ...]:
     """``stages`` as a tuple, checked: a comma string or a list of :data:`PIPELINE_STAGES`, no stage
     twice, the first one of :data:`FIRST_STAGES`. Raises :class:`ConfigError`."""
     items = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value or ())
-    stages = tuple(v for v in items if v)
+    stages = tuple(current_name(v, OLD_PIPELINE_NAMES, "stage name") for v in items if v)
     unknown = [v for v in stages if v not in PIPELINE_STAGES]
     if unknown or not stages:
         raise ConfigError(f"stages must be a comma list of {', '.join(PIPELINE_STAGES)}, got {value!r}")
@@ -94,7 +95,7 @@ def stage_list(value: Any) -> tuple[str, ...]:
     return stages
 
 
-_GATE_SECTIONS = ("sft_gate", "format_gate", "tool_sft_gate", "rsft_gate", "evaluate")
+_GATE_SECTIONS = (*(STAGE_TABLE[k].gate_section for k in SFT_SECTIONS), "evaluate")
 """A preset's gate and evaluation settings: each takes the preset's ``engine``."""
 
 
@@ -123,9 +124,10 @@ class EvaluateSettings:
 class Preset:
     """Every hyper-parameter of one run: the shared values and one config object per stage.
 
-    ``sft``/``sft_gate``: stage 2, BC (the pipeline's ``bc_sft``); ``format_sft``/``format_gate``:
-    stage 0; ``tool_sft``/``tool_sft_gate``: stage 1 (by default trained as the BC stage is);
-    ``rsft``/``rsft_gate``: stage 4. ``grpo_gate``: the thresholds of GRPO's own gate, passed
+    One section per stage of :data:`orthojob.stages.stage_table.STAGE_TABLE` (its key) and one for its gate
+    (``<key>_gate``): ``format_sft``/``format_sft_gate`` stage 0; ``tool_sft``/``tool_sft_gate`` stage 1 (by
+    default trained as the BC stage is); ``bc_sft``/``bc_sft_gate`` stage 2, BC; ``rsft``/``rsft_gate``:
+    stage 4. ``grpo_gate``: the thresholds of GRPO's own gate, passed
     into the GRPO stage, which writes its gate file once with them. ``stages``: which of them the
     pipeline runs (module docstring).
     """
@@ -135,8 +137,8 @@ class Preset:
     model: str
     task_id: str
     force_decay: bool
-    sft: SFTJobConfig
-    sft_gate: GateSettings
+    bc_sft: SFTJobConfig
+    bc_sft_gate: GateSettings
     grpo: GRPOJobConfig
     grpo_gate: GRPOGateSettings
     evaluate: EvaluateSettings
@@ -144,7 +146,7 @@ class Preset:
     base_eval: bool = True
     stages: tuple[str, ...] = DEFAULT_STAGES
     format_sft: FormatSFTConfig = field(default_factory=FormatSFTConfig)
-    format_gate: GateSettings = field(
+    format_sft_gate: GateSettings = field(
         default_factory=lambda: GateSettings(thresholds=DEFAULT_THRESHOLDS[FORMAT_SFT])
     )
     tool_sft: ToolSFTConfig | None = None  # None: trained as the BC stage is (_tool_stage)
@@ -163,8 +165,8 @@ class Preset:
         # the shared values, copied into the stage configs (one source of truth: the preset's)
         shared = {"model": self.model, "force_decay": self.force_decay, "tiny_arch": dict(self.tiny_arch)}
         if self.tool_sft is None:
-            object.__setattr__(self, "tool_sft", _tool_stage(self.sft))
-        for name in ("sft", "format_sft", "tool_sft", "rsft"):
+            object.__setattr__(self, "tool_sft", _tool_stage(self.bc_sft))
+        for name in SFT_SECTIONS:
             object.__setattr__(self, name, dataclasses.replace(getattr(self, name), **shared))
         for name in _GATE_SECTIONS:
             object.__setattr__(self, name, dataclasses.replace(getattr(self, name), engine=self.engine))
@@ -240,10 +242,10 @@ def _preset(
         task_id="task_easy",
         force_decay=False,
         stages=DEFAULT_STAGES,
-        sft=bc,
-        sft_gate=_quality_gate(BC_SFT, gate_seeds),
+        bc_sft=bc,
+        bc_sft_gate=_quality_gate(BC_SFT, gate_seeds),
         format_sft=_format_stage(bc),
-        format_gate=_quality_gate(FORMAT_SFT, **format_gate),
+        format_sft_gate=_quality_gate(FORMAT_SFT, **format_gate),
         grpo=GRPOJobConfig(**{"grad_accum": 1, "max_completion_length": 512, **grpo}, gate_seeds=gate_seeds),
         grpo_gate=GRPOGateSettings(),
         rsft=RSFTConfig(
@@ -417,27 +419,26 @@ def _replace(obj: Any, path: list[str], value: Any, dotted: str) -> Any:
 def check_chain(preset: Preset) -> Preset:
     """``preset``, when its stages fit together: a chain with ``tool`` (stage 1) and ``grpo`` needs
     GRPO's agentic mode, whose tool calls stage 1 teaches. Raises :class:`ConfigError`."""
-    if "tool" in preset.stages and "grpo" in preset.stages and preset.grpo.mode != "agentic":
+    if TOOL_SFT in preset.stages and GRPO in preset.stages and preset.grpo.mode != "agentic":
         raise ConfigError(
             f"stages {','.join(preset.stages)}: tool-use SFT teaches the tool calls of GRPO's agentic mode; "
-            f"set grpo.mode=agentic (got {preset.grpo.mode!r}), or leave tool out"
+            f"set grpo.mode=agentic (got {preset.grpo.mode!r}), or leave tool_sft out"
         )
     return preset
 
 
 def apply_overrides(preset: Preset, overrides: dict[str, Any] | None) -> Preset:
-    """``preset`` with dotted settings replaced (``{"grpo.steps": 3, "sft_gate.thresholds.min_parse_rate":
-    0.5, "grpo.reward_weights.format": 2}``); the preset itself is untouched. Unknown keys raise
+    """``preset`` with dotted settings replaced (``{"grpo.steps": 3, "bc_sft_gate.thresholds.min_parse_rate":
+    0.5, "grpo.reward_weights.format": 2}``); the preset itself is untouched. A deprecated section
+    (:data:`orthojob.stages.stage_table.OLD_SECTIONS`) is taken as its new name, with a message on stderr.
+    Unknown keys raise
     KeyError; a value a config refuses, or a chain whose stages do not fit together
     (:func:`check_chain`, checked once every value is set), raises
     :class:`orthojob.stages.grpo_config.ConfigError`."""
     for dotted, value in (overrides or {}).items():
         path = dotted.split(".")
-        if (
-            path[0] in ("sft", "format_sft", "tool_sft", "rsft", "grpo", *_GATE_SECTIONS)
-            and len(path) > 1
-            and path[1] in _SHARED
-        ):
+        path[0] = current_name(path[0], OLD_SECTIONS, "preset section") if len(path) > 1 else path[0]
+        if path[0] in (*STAGE_TABLE, *_GATE_SECTIONS) and len(path) > 1 and path[1] in _SHARED:
             raise KeyError(f"{dotted!r}: set {path[1]!r} for the whole preset (--set {path[1]}=...)")
         preset = _replace(preset, path, value, dotted)
     return check_chain(preset)

@@ -11,7 +11,7 @@ The chain's stages that TRL's SFTTrainer trains, each its own command, MLflow st
   (:func:`server.oracle.oracle_plan`) on training seeds, only plans the environment judges safe
   (:func:`orthojob.data.oracle_demos.demonstrations`; the number filtered out is logged and recorded). Its gate is a quality gate:
   the format, and a held-out hard-rule share no higher than the oracle's (:mod:`orthojob.stages.gate`).
-  ``orthojob sft`` is the same training without the gate (``orthojob gate`` then writes it).
+  ``orthojob bc-sft --no-gate`` is the same training without the gate (``orthojob gate`` then writes it).
 * **stage 4, RSFT** (``orthojob rsft``, :mod:`orthojob.stages.rsft`): a checkpoint's own samples that the
   environment scored best; :mod:`orthojob.stages.rsft` samples and keeps them, then calls :func:`run_sft`
   with the kept rows.
@@ -59,7 +59,7 @@ from orthojob.data.format_demos import case_set_format_demonstrations, demo_stat
 from orthojob.data.oracle_demos import demonstrations, oracle_demonstrations
 from orthojob.data.robust_plans import robust_plan
 from orthojob.lifecycle import gate_file, model_logging
-from orthojob.lifecycle.gate_file import DEFAULT_THRESHOLDS
+from orthojob.lifecycle.gate_file import BC_SFT, DEFAULT_THRESHOLDS, FORMAT_SFT
 from orthojob.modeling import models
 from orthojob.modeling.models import TINY_MODEL, ensure_tiny
 from orthojob.ops import progress, storage, tracking, work_dirs
@@ -68,15 +68,14 @@ from orthojob.stages import gate
 from orthojob.stages.flags import add_config_arguments, given_values
 from orthojob.stages.gate import GateSettings, add_gate_arguments, gate_settings_from_args
 from orthojob.stages.presets import PRESETS
-from orthojob.stages.rsft_config import RSFTConfig
 from orthojob.stages.sft_config import (
     SFT_CONFIG_FILE,
     SFT_LOG_FILE,
     ConfigError,
     FormatSFTConfig,
     SFTJobConfig,
-    ToolSFTConfig,
 )
+from orthojob.stages.stage_table import SFT_SECTIONS, STAGE_TABLE
 from orthojob.stages.tool_sft import (
     build_tiny_tool_model,
     case_set_tool_demonstrations,
@@ -94,20 +93,9 @@ TRAINING_CASES = "training_cases"
 """The summary's key for the cases a stage trained on (:func:`orthojob.lifecycle.model_logging.training_cases`)."""
 
 
-SECTIONS: dict[str, type[SFTJobConfig]] = {
-    "format_sft": FormatSFTConfig,
-    "tool_sft": ToolSFTConfig,
-    "sft": SFTJobConfig,
-    "rsft": RSFTConfig,
-}
-"""A preset's SFT-stage sections (:class:`orthojob.stages.presets.Preset`) and their config classes."""
-GATE_SECTIONS: dict[str, tuple[str, str]] = {
-    "format_sft": ("format_gate", gate_file.FORMAT_SFT),
-    "tool_sft": ("tool_sft_gate", gate_file.TOOL_SFT),
-    "sft": ("sft_gate", gate_file.BC_SFT),
-    "rsft": ("rsft_gate", gate_file.RSFT),
-}
-"""Per section: the preset's gate settings and the gate's stage name (:data:`orthojob.lifecycle.gate_file.STAGES`)."""
+SECTIONS: dict[str, type[SFTJobConfig]] = SFT_SECTIONS
+"""A preset's SFT-stage sections (:class:`orthojob.stages.presets.Preset`, the stages' keys) and their config
+classes (:data:`orthojob.stages.stage_table.STAGE_TABLE`)."""
 
 
 def case_set_demonstrations(
@@ -337,12 +325,12 @@ def run_sft(config: SFTJobConfig, rows: Sequence[dict] | None = None, demo_info:
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI: orthojob sft (BC, no gate), format-sft, bc-sft (and rsft, orthojob/stages/rsft.py)
+# CLI: format-sft, tool-sft, bc-sft (and rsft, orthojob/stages/rsft.py)
 # ---------------------------------------------------------------------------------------------
 
 
 def add_sft_arguments(
-    parser: argparse.ArgumentParser, section: str = "sft", with_gate: bool = False
+    parser: argparse.ArgumentParser, section: str = BC_SFT, with_gate: bool = False
 ) -> argparse.ArgumentParser:
     """A SFT stage command's flags, generated from its config class (:data:`SECTIONS`), ``--preset``,
     and with ``with_gate`` the gate's (:func:`orthojob.stages.gate.add_gate_arguments`)."""
@@ -365,7 +353,7 @@ def _preset_name(args: argparse.Namespace | dict) -> str | None:
     return preset
 
 
-def config_from_args(args: argparse.Namespace | dict, section: str = "sft") -> SFTJobConfig:
+def config_from_args(args: argparse.Namespace | dict, section: str = BC_SFT) -> SFTJobConfig:
     """Dataclass defaults < the preset's config of ``section`` < the flags given."""
     cls = SECTIONS[section]
     given = given_values(args, cls)
@@ -376,11 +364,13 @@ def config_from_args(args: argparse.Namespace | dict, section: str = "sft") -> S
 
 
 def gate_settings_for(args: argparse.Namespace | dict, section: str) -> tuple[str, GateSettings]:
-    """The gate's stage name and settings: the stage's defaults < the preset's < the flags given."""
-    key, stage = GATE_SECTIONS[section]
+    """The gate's stage name (the section: a stage's key) and settings: the stage's defaults < the
+    preset's < the flags given."""
     preset = _preset_name(args)
-    base = getattr(PRESETS[preset], key) if preset else GateSettings(thresholds=DEFAULT_THRESHOLDS[stage])
-    return stage, gate_settings_from_args(args, base)
+    gate_section = STAGE_TABLE[section].gate_section
+    default = GateSettings(thresholds=DEFAULT_THRESHOLDS[section])
+    base = getattr(PRESETS[preset], gate_section) if preset else default
+    return section, gate_settings_from_args(args, base)
 
 
 def localize(config: SFTJobConfig, say: Callable[[str], Any]) -> SFTJobConfig:
@@ -432,7 +422,7 @@ def _other_stage_at_default_out(args: argparse.Namespace, section: str, config: 
     folder = Path(config.out)
     try:
         stage = gate_file.read_gate(folder).get("stage")
-        return f"stage {stage}" if stage != GATE_SECTIONS[section][1] else None
+        return f"stage {stage}" if stage != section else None
     except gate_file.GateError:
         pass  # no readable gate file: what trained it, if anything did
     try:
@@ -444,12 +434,13 @@ def _other_stage_at_default_out(args: argparse.Namespace, section: str, config: 
 
 def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gated: bool = True) -> int:
     """``orthojob format-sft`` / ``bc-sft``: train, gate, publish; 0 when the gate passed, 12 when it
-    failed, 2 on a bad configuration. ``gated=False`` is ``orthojob sft`` (stage 2 without its gate):
-    0 on success.
+    failed, 2 on a bad configuration. ``gated=False`` or ``--no-gate`` trains without the gate
+    (``orthojob gate`` writes it later): 0 on success.
 
     An ``s3://`` ``--model`` stays a URI (:func:`localize`): the adapter records it as its base."""
     try:
         config = config_from_args(args, section)
+        gated = gated and not getattr(args, "no_gate", False)
         stage, settings = gate_settings_for(args, section) if gated else (None, None)
     except (TypeError, ValueError) as exc:
         print(f"orthojob {command}: {exc}", file=sys.stderr)
@@ -464,7 +455,7 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
     if other:
         print(
             f"orthojob {command}: the default --out {config.out} holds another stage's checkpoint ({other}; format "
-            f"SFT's default folder is ./checkpoints/sft0, BC's ./checkpoints/sft2). Pass --out: another folder, "
+            f"SFT's default folder is {STAGE_TABLE[FORMAT_SFT].out}, BC's {STAGE_TABLE[BC_SFT].out}). Pass --out: another folder, "
             f"or --out {config.out} to overwrite it.",
             file=sys.stderr,
         )
@@ -487,19 +478,14 @@ def run_sft_stage_cli(args: argparse.Namespace, section: str, command: str, gate
     )
     if not gated:
         print(
-            f"[{command}] next: orthojob gate --checkpoint {destination} --stage {gate_file.BC_SFT} (or run orthojob bc-sft, which gates)"
+            f"[{command}] next: orthojob gate --checkpoint {destination} --stage {section} "
+            f"(or run orthojob {STAGE_TABLE[section].command} without --no-gate)"
         )
         return 0
     return 0 if content["passed"] else ExitCode.GATE_FAILED
 
 
-def run_sft_cli(args: argparse.Namespace) -> int:
-    """``orthojob sft`` (stage 2, BC, without the gate): 0 on success, 2 on a bad configuration."""
-    return run_sft_stage_cli(args, "sft", "sft", gated=False)
-
-
 __all__ = [
-    "GATE_SECTIONS",
     "SECTIONS",
     "SFT_CONFIG_FILE",
     "SFT_LOG_FILE",
@@ -515,7 +501,6 @@ __all__ = [
     "oracle_demonstrations",
     "resolve_model",
     "run_sft",
-    "run_sft_cli",
     "run_sft_stage_cli",
     "sft_trainer",
     "token_counts",

@@ -7,10 +7,9 @@ generated from the fields (:func:`orthojob.stages.flags.add_config_arguments`), 
 ``__post_init__`` (a bad value raises :class:`ConfigError` naming the flag). ``demos`` names where
 :func:`orthojob.stages.sft.run_sft` takes its demonstrations (:data:`DEMO_SOURCES`).
 
-Default output folders: ``./checkpoints/sft<N>`` for SFT stage N as docs/stages.md numbers the stages
-(``sft0`` format SFT, ``sft1`` tool-use SFT, ``sft2`` BC SFT); GRPO's is ``./checkpoints/grpo``, RSFT's
-``./checkpoints/rsft``. The pipeline names its stage folders after the gate stages instead
-(``<out>/format_sft``, ``<out>/tool_sft``, ``<out>/bc_sft``, ...; :data:`orthojob.lifecycle.gate_file.STAGES`).
+Default output folders: ``./checkpoints/<key>``, the stage's key (:data:`orthojob.stages.stage_table.STAGE_TABLE`:
+``format_sft``, ``tool_sft``, ``bc_sft``; GRPO's ``grpo``, RSFT's ``rsft``), as the pipeline's stage folders
+``<out>/<key>`` are.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ def bc_only_field(default):
 
 @dataclass(frozen=True)
 class SFTJobConfig(TrainingConfig):
-    """Every ``orthojob bc-sft`` / ``orthojob sft`` flag (field ``x_y`` is flag ``--x-y``): stage 2, BC;
+    """Every ``orthojob bc-sft`` flag (field ``x_y`` is flag ``--x-y``): stage 2, BC;
     the shared training fields are :class:`~orthojob.stages.training_config.TrainingConfig`'s.
 
     ``model``: hub id or folder, or ``"tiny"`` (build the offline tiny model into ``<out>/base-model``
@@ -56,7 +55,7 @@ class SFTJobConfig(TrainingConfig):
     records the split's digest (``demos.split_digest`` of the summary, the gate file's ``case_set``).
     """
 
-    out: str = output_field("./checkpoints/sft2")
+    out: str = output_field("./checkpoints/bc_sft")
     demos: str = field(
         default="oracle", metadata={"help": "demonstration source (DEMO_SOURCES)", "cli": False}
     )
@@ -141,7 +140,7 @@ class FormatSFTConfig(SFTJobConfig):
     choice (:func:`orthojob.data.format_demos.format_demonstrations`: a uniformly random strategy, random
     feasible groups), so the policy learns the plan format and starts at chance strategy accuracy."""
 
-    out: str = output_field("./checkpoints/sft0")
+    out: str = output_field("./checkpoints/format_sft")
     demos: str = field(default="format", metadata={"help": "demonstration source", "cli": False})
     robust_demos: bool = bc_only_field(False)
     both_dynamics: bool = bc_only_field(False)
@@ -195,7 +194,7 @@ class ToolSFTConfig(SFTJobConfig):
     oracle's plan), with the tool-calling chat template (:func:`orthojob.agentic.chat_template.prepare_tokenizer`).
     Its gate runs greedy agentic episodes (:func:`orthojob.stages.tool_sft.tool_gate_metrics`)."""
 
-    out: str = output_field("./checkpoints/sft1")
+    out: str = output_field("./checkpoints/tool_sft")
     demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})
     robust_demos: bool = bc_only_field(False)
     both_dynamics: bool = bc_only_field(False)

@@ -1,6 +1,6 @@
 """What every training stage's configuration shares: :class:`TrainingConfig`.
 
-:class:`~orthojob.stages.grpo_config.GRPOJobConfig` (``orthojob train``) and
+:class:`~orthojob.stages.grpo_config.GRPOJobConfig` (``orthojob grpo``) and
 :class:`~orthojob.stages.sft_config.SFTJobConfig` (and so the format, tool-use and RSFT configs) extend
 it, as TRL's ``GRPOConfig`` and ``SFTConfig`` extend ``transformers.TrainingArguments``: the base model,
 the output folder, the checkpoint to continue, the optimizer's steps, batch and learning rate, LoRA's
