@@ -39,6 +39,27 @@ def _isolated_mlflow(tmp_path_factory):
         os.environ.pop("ORTHORL_MODEL_CACHE", None)
 
 
+@pytest.fixture(autouse=True)
+def _tracking_uri_restored():
+    """Every test leaves MLflow's tracking URI as it found it: ``mlflow.set_tracking_uri`` also writes
+    ``MLFLOW_TRACKING_URI`` into the environment, so a test that points MLflow at its own server
+    would otherwise send every later test of its worker to that server after it has stopped."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if os.environ.get("MLFLOW_TRACKING_URI") == before:
+        return
+    try:
+        import mlflow
+    except ImportError:
+        mlflow = None
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    elif mlflow is not None:
+        mlflow.set_tracking_uri(before)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A real SeaweedFS S3 endpoint for one test module (tests/services.py)."""
