@@ -493,10 +493,15 @@ def _number(x) -> float | int:
 # --- rewards and plans ---------------------------------------------------------------------------
 
 
-def repair_cost(record: Repair | dict) -> float:
-    """The scaled-reward cost of a repair: 0 unchanged, else REPAIR_COST_BASE plus REPAIR_COST_CHANGED
-    times the share of the planned movement the repair changed. ``record``: a :class:`Repair` or its
-    :meth:`Repair.as_dict`."""
+def repair_cost(record: Repair | dict, scale: float = 1.0) -> float:
+    """The scaled-reward cost of a repair: 0 unchanged, else ``scale`` times (REPAIR_COST_BASE plus
+    REPAIR_COST_CHANGED times the share of the planned movement the repair changed). ``record``: a
+    :class:`Repair` or its :meth:`Repair.as_dict`; ``scale`` > 0 (a training objective's choice: any
+    positive cost keeps a repaired plan below the executed plan written directly)."""
+    if not scale > 0:
+        raise ValueError(
+            f"the repair cost's scale must be > 0 (got {scale!r}): at 0 leaning on the engine is free"
+        )
     status, changed = (
         (record["status"], record["changed_share"])
         if isinstance(record, dict)
@@ -504,7 +509,7 @@ def repair_cost(record: Repair | dict) -> float:
     )
     if status == UNCHANGED:
         return 0.0
-    return REPAIR_COST_BASE + REPAIR_COST_CHANGED * changed
+    return scale * (REPAIR_COST_BASE + REPAIR_COST_CHANGED * changed)
 
 
 def engine_reward(raw_result: dict, executed_result: dict, record: Repair) -> float:

@@ -176,6 +176,44 @@ def test_grpo_with_the_engine_in_the_loop_pays_a_repair_less_than_the_safe_plan_
         funcs[0](texts, **columns, engine=[True, False])
 
 
+def test_a_smaller_repair_cost_still_pays_a_repair_less_than_the_safe_plan_written_directly():
+    from orthojob.rewards.reward_functions import reward_terminal
+    from server.staging_engine import REPAIR_COST_BASE, execute_plan_dicts, repair_cost
+
+    case = generate_case("task_medium", SEEDS + 1, True)
+    breaking = {"tooth_groups": [{"teeth": case.present_ids, "fraction": 1.0}]}
+    executed, run = execute_plan_dicts([breaking], [case])
+    texts = [plan_to_completion(p) for p in (breaking, executed[0])]
+    columns = {"seed": [case.seed] * 2, "task_id": [case.task_id] * 2, "force_decay": [True] * 2}
+    record = run.records[0]
+    assert (
+        repair_cost(record, 0.05) == pytest.approx(0.05 * repair_cost(record))
+        and repair_cost(record) > REPAIR_COST_BASE
+    )
+    paid = {}
+    for scale in (1.0, 0.25, 0.05):
+        paid[scale] = reward_terminal(texts, **columns, engine=[True] * 2, repair_cost_scale=[scale] * 2)
+        assert paid[scale][0] < paid[scale][1]  # leaning on the engine never pays, at any positive cost
+    assert paid[1.0][0] < paid[0.25][0] < paid[0.05][0] and paid[1.0][1] == paid[0.05][1]
+    # a cost of 0 would make leaning on the engine free: refused, by the engine and by the config
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="> 0"):
+            reward_terminal(texts, **columns, engine=[True] * 2, repair_cost_scale=[bad] * 2)
+        with pytest.raises(ValueError, match="> 0"):
+            repair_cost(record, bad)
+    with pytest.raises(ValueError, match="repair_cost_scale"):
+        reward_terminal(texts, **columns, engine=[True] * 2, repair_cost_scale=[1.0, 0.5])
+
+
+def test_the_job_config_refuses_a_repair_cost_that_is_not_positive():
+    from orthojob.stages.grpo_config import ConfigError, GRPOJobConfig
+
+    for bad in (0, -0.5, float("nan"), True, "0.1"):
+        with pytest.raises(ConfigError, match="--repair-cost-scale"):
+            GRPOJobConfig(objective="engine", repair_cost_scale=bad)
+    assert GRPOJobConfig(objective="engine", repair_cost_scale=0.25).repair_cost_scale == 0.25
+
+
 def test_the_plan_search_attacks_the_sum_with_the_engine_in_the_loop():
     from experiments.audits.plan_search import objective
     from server.staging_engine import execute_plan_dicts

@@ -495,12 +495,15 @@ def test_learning_grpo_settings_reach_trls_config(tmp_path):
         job.num_prompts == 1200
         and job.prompt_seed_start == GRPO_PROMPT_SEED_START == TRAIN_SEED_START + 50_000
     )
-    # the objective reaches both runs' job config (raw unless asked)
-    assert job.objective == from_bc.objective == "raw"
-    engine = replace(cfg, objective="engine")
-    assert {grpo_job_config(engine, tmp_path / "x", run).objective for run in ("grpo_bc", "grpo_stage0")} == {
-        "engine"
-    }
+    # the objective and its repair-cost scale reach both runs' job config (the engine's, at 0.25, unless asked)
+    assert (
+        (job.objective, job.repair_cost_scale)
+        == (from_bc.objective, from_bc.repair_cost_scale)
+        == ("engine", 0.25)
+    )
+    raw = replace(cfg, objective="raw", repair_cost_scale=0.5)
+    jobs = [grpo_job_config(raw, tmp_path / "x", run) for run in ("grpo_bc", "grpo_stage0")]
+    assert {(j.objective, j.repair_cost_scale) for j in jobs} == {("raw", 0.5)}
     # the schedule flag reaches TRL
     decaying = grpo_job_config(replace(cfg, lr_scheduler="linear"), tmp_path / "stage0")
     assert build_grpo_args(decaying, {"cuda": False, "bf16": False}, 1)[0].lr_scheduler_type == "linear"
@@ -605,7 +608,7 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
             "--steps", "2", "--stage0-steps", "2", "--eval-every", "1", "--num-generations", "2", "--prompts-per-step", "1", "--num-prompts",
             "4", "--max-completion-length", "16", "--stage0-completion-length", "16", "--eval-max-new-tokens", "16", "--eval-seeds", "1",
             "--rsft-prompts", "6", "--rsft-samples", "2", "--rsft-steps", "1", "--bc-ema", "0.5",
-            "--bc-level-weight", "task_hard=2", "--objective", "engine"]  # fmt: skip
+            "--bc-level-weight", "task_hard=2", "--objective", "engine", "--repair-cost-scale", "0.5"]  # fmt: skip
     assert learning.main(argv) == 1
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith("SOME TARGETS FAILED") and "| target | passed | value |" in printed
@@ -619,9 +622,10 @@ def test_the_experiment_runs_end_to_end_on_a_one_layer_model(tmp_path, monkeypat
     assert report["cells"] == list(CELL_NAMES) and report["passed"] is False
     assert set(report["runs"]) == {"grpo_stage0", "grpo_bc"}
     assert report["runs"]["grpo_bc"]["training"]["grpo_config"]["level_weights"] == {"task_hard": 2}
-    # --objective engine reached both GRPO runs, the chain's process included
-    assert {run["training"]["grpo_config"]["objective"] for run in report["runs"].values()} == {"engine"}
-    assert chain["config"]["objective"] == "engine"
+    # --objective engine and its cost scale reached both GRPO runs, the chain's process included
+    configs = [run["training"]["grpo_config"] for run in report["runs"].values()]
+    assert {(c["objective"], c["repair_cost_scale"]) for c in configs} == {("engine", 0.5)}
+    assert (chain["config"]["objective"], chain["config"]["repair_cost_scale"]) == ("engine", 0.5)
     # the curves on the tuning range; each run's start and trained planner, and the references, on the
     # final range; every model evaluation with the engine's executed and raw figures
     assert report["final_cases"] == {"first_seed": FINAL.start, "seeds_per_cell": 1}

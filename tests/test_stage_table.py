@@ -109,3 +109,46 @@ def test_the_old_sft_command_runs_bc_sft_without_its_gate_with_a_deprecation_mes
     assert ran == [(gate_file.BC_SFT, True), (gate_file.BC_SFT, True), (gate_file.BC_SFT, False)]
     err = capsys.readouterr().err
     assert err.count(DEPRECATED) == 1 and f"command 'sft' {DEPRECATED} 'bc-sft --no-gate'" in err
+
+
+@pytest.mark.parametrize("key", ["bc_sft", "grpo", "rsft"])
+def test_every_stage_resumes_the_same_way_passed_or_failed(key, tiny_model, tmp_path, capsys):
+    """The pipeline's resume (:meth:`orthojob.stages.pipeline._Chain.finished`) is one decision for every
+    stage, GRPO included: an intact gate file with this config's run identity is kept, passed or failed
+    (the chain then ends with that gate's exit code); a changed checkpoint is trained again; another
+    config's output is refused with exit 14."""
+    import shutil
+
+    from orthojob.ops import run_identity
+    from orthojob.ops.exit_codes import ExitCode
+    from orthojob.stages.pipeline import _Chain, _Outcome, _RefusedError
+
+    chain = _Chain(PRESETS["tiny-cpu"], tmp_path / "run", None)
+    stage = STAGE_TABLE[key]
+    previous = None if key == "bc_sft" else _Outcome("bc_sft", chain.out / "bc_sft", True)
+    folder = chain.out / key
+    _, identity = chain.stage_config(stage, folder, previous)
+    assert chain.finished(stage, folder, identity) is None  # nothing there yet: train it
+    shutil.copytree(tiny_model, folder)
+    metrics = {"parse_rate": 0.0, "format_reward": 0.0, "hard_rule_share_over_oracle": 0.0}
+    gate_file.write_gate(folder, metrics, stage=key)  # a failed gate
+    run_identity.write_identity(folder, identity)
+    content = chain.finished(stage, folder, identity)
+    assert content is not None and content["passed"] is False
+    assert chain.stages[key]["resumed_from"] == str(folder) and chain.stages[f"gate_{key}"]["resumed"] is True
+    assert stage.gate_failed_code == (ExitCode.GRPO_GATE_FAILED if key == "grpo" else ExitCode.GATE_FAILED)
+    # the outcome the loop gets: the gate's exit code, without training
+    calls = []
+    chain.train_sft = chain.train_grpo = chain.train_rsft = lambda *a: calls.append(a)
+    outcome = chain.run_stage(stage, previous)
+    assert (outcome.passed, outcome.code, calls) == (False, stage.gate_failed_code, [])
+    # a checkpoint changed since its gate: trained again
+    (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
+    assert chain.finished(stage, folder, identity) is None
+    assert "is not reused" in capsys.readouterr().out
+    # another config under the same run: refused, never trained over
+    gate_file.write_gate(folder, metrics, stage=key)
+    other = {**identity, "gate": {"changed": True}}
+    with pytest.raises(_RefusedError) as refused:
+        chain.finished(stage, folder, other)
+    assert refused.value.code == ExitCode.RUN_MISMATCH and "error" in chain.stages[key]

@@ -1,6 +1,6 @@
 """The staging engine (server.staging_engine): executed plans break no rule, safe plans come back bit for
 bit, and a planner gains nothing by leaning on the engine. The 1,000-seeds-per-cell run is
-``bench/staging_engine.py --properties --seeds 1000``."""
+``python -m experiments.audits.engine_properties --seeds 1000``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from experiments.audits import engine_properties as audit
 from server import staging_engine, staging_repairs
 from server.cases import generate_case
 from server.dental_constants import N_STAGES, TOOTH_IDS
@@ -25,9 +26,7 @@ from server.staging_engine import (
 )
 from server.staging_repairs import safe_speeds
 from server.treatment import score_plan_specs
-from tests.bench_scripts import load_bench
 
-BENCH = load_bench("staging_engine")
 SEEDS = 3_000_000
 ORACLE_SEEDS = 3
 """Cases per cell with the whole corpus (the oracle's plan and every exploit: ~0.1 s of oracle a case)."""
@@ -35,19 +34,19 @@ CHEAP_SEEDS = 30
 """Cases per cell with the plans that need no oracle (random, one aligner, all frozen but one)."""
 
 
-@pytest.mark.parametrize("cell", BENCH.CELLS, ids=lambda c: f"{c[0]}-decay{int(c[1])}-nc{int(c[2])}")
+@pytest.mark.parametrize("cell", audit.CELLS, ids=lambda c: f"{c[0]}-decay{int(c[1])}-nc{int(c[2])}")
 def test_executed_plans_break_no_rule_and_safe_plans_come_back(cell):
-    rng = np.random.default_rng(BENCH.CELLS.index(cell))
+    rng = np.random.default_rng(audit.CELLS.index(cell))
     plans, cases = [], []
     for s in range(CHEAP_SEEDS):
         case = generate_case(cell[0], SEEDS + s, cell[1], cell[2])
         if s < ORACLE_SEEDS:
-            named = BENCH.corpus(case, rng)
+            named = audit.corpus(case, rng)
         else:
             present = case.present_ids
             one = present[int(rng.integers(len(present)))]
             named = {
-                "random": BENCH.random_plan(case, rng),
+                "random": audit.random_plan(case, rng),
                 "one_aligner": {"tooth_groups": [{"teeth": present, "fraction": 1.0}]},
                 "frozen_but_one": {
                     "tooth_groups": [
@@ -59,7 +58,7 @@ def test_executed_plans_break_no_rule_and_safe_plans_come_back(cell):
             }
         plans += list(named.values())
         cases += [case] * len(named)
-    fails = BENCH.check_properties(plans, cases)
+    fails = audit.check_properties(plans, cases)
     assert fails == {"unsafe": 0, "not_identical": 0, "dict_mismatch": 0, "gaming": 0}
     run = execute_plans([normalize_plan(p) for p in plans], cases)
     status = [r.status for r in run.records]
@@ -143,7 +142,7 @@ def test_the_executed_plan_keeps_the_planners_groups_where_it_can():
 def test_the_engine_is_deterministic():
     case = generate_case("task_hard", SEEDS + 4, False, True)
     rng = np.random.default_rng(7)
-    plans = [BENCH.random_plan(case, rng) for _ in range(6)]
+    plans = [audit.random_plan(case, rng) for _ in range(6)]
     a = execute_plan_dicts(plans, [case] * 6)
     b = execute_plan_dicts(plans, [case] * 6)
     assert a[0] == b[0]
@@ -185,9 +184,9 @@ def test_a_case_with_absent_teeth_gets_executed_plans_that_leave_them_out():
 
     case = case_of_record(drifted_case("task_medium", SEEDS)).case
     rng = np.random.default_rng(3)
-    plans = [BENCH.random_plan(case, rng) for _ in range(6)]
+    plans = [audit.random_plan(case, rng) for _ in range(6)]
     plans += [{"tooth_groups": [{"teeth": case.present_ids, "fraction": 1.0}]}]
-    assert BENCH.check_properties(plans, [case] * len(plans)) == {
+    assert audit.check_properties(plans, [case] * len(plans)) == {
         "unsafe": 0,
         "not_identical": 0,
         "dict_mismatch": 0,
@@ -262,9 +261,9 @@ def test_the_bench_adds_a_checkpoints_sampled_plans_to_the_corpus_and_counts_the
         return [next(texts) for _ in range(len(observations) * samples)], [], []
 
     monkeypatch.setattr(evaluation, "generate_completions", scripted)
-    monkeypatch.setattr(BENCH, "SAMPLE_CHUNK", 2)
-    per_case, not_plans = BENCH.checkpoint_samples(None, None, cases, samples=2)
+    monkeypatch.setattr(audit, "SAMPLE_CHUNK", 2)
+    per_case, not_plans = audit.checkpoint_samples(None, None, cases, samples=2)
     assert calls == [(2, 512, 2), (1, 512, 2)]  # generated in chunks of cases
     assert per_case == [{"sample_0": p} for p in plans] and not_plans == 3
     corpus = [p for named in per_case for p in named.values()]
-    assert BENCH.check_properties(corpus, cases) == dict.fromkeys(BENCH.PROPERTIES, 0)
+    assert audit.check_properties(corpus, cases) == dict.fromkeys(audit.PROPERTIES, 0)

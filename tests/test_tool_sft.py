@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from orthojob.agentic.episodes import parse_tool_call
 from orthojob.cli import main as cli_main
 from orthojob.core.prompts import PROMPT_FORMAT_KEY, TRAIN_SEED_START, plan_to_completion
 from orthojob.lifecycle import gate_file
@@ -21,7 +22,6 @@ from orthojob.stages.presets import PRESETS
 from orthojob.stages.tool_sft import (
     DONE_MESSAGE,
     oracle_tool_trace,
-    parse_tool_call,
     render_rows,
     tool_demonstrations,
 )

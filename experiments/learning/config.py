@@ -202,12 +202,21 @@ class LearnConfig:
         metadata=_level_weights("GRPO from stage 0", "--stage0-level-weight", "task_easy"),
     )
     objective: str = field(
-        default="raw",
+        default="engine",
         metadata={
-            "help": "what GRPO's rewards judge (both runs): raw, the plan as written; engine, the plan the "
-            "staging engine executes, a repaired plan paying the repair's cost "
-            "(orthojob.rewards.rollouts.Rollout.objective)",
+            "help": "what GRPO's rewards judge (both runs): engine, the plan the staging engine executes, a "
+            "repaired plan paying the repair's cost (orthojob.rewards.rollouts.Rollout.objective_at); raw, the "
+            "plan as written (GRPO from BC then writes safer plans that move less, and its executed plans "
+            "fall below BC's: experiments/learning/NOTEBOOK.md)",
             "choices": OBJECTIVES,
+        },
+    )
+    repair_cost_scale: float = field(
+        default=0.25,
+        metadata={
+            "help": "with --objective engine, the repair cost's multiplier (> 0; 1: the engine's own, under "
+            "which GRPO from BC moves less and its executed plans fall; 0.05-0.5 raise them, chosen on the "
+            "tuning range: experiments/learning/NOTEBOOK.md)"
         },
     )
     loss_type: str = "dapo"

@@ -303,6 +303,7 @@ def grpo_job_config(cfg: LearnConfig, checkpoint: Path, run: str = "grpo_stage0"
         level_weights=dict(cfg.bc_level_weights if run == "grpo_bc" else cfg.stage0_level_weights),
         seed=cfg.seed,
         objective=cfg.objective,
+        repair_cost_scale=cfg.repair_cost_scale,
         num_prompts=cfg.num_prompts,
         prompt_seed_start=GRPO_PROMPT_SEED_START,
         beta=cfg.bc_beta if run == "grpo_bc" else cfg.beta,

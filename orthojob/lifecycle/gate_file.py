@@ -392,11 +392,14 @@ def read_gate(checkpoint: str | Path) -> dict:
     return content
 
 
-def check_gate(checkpoint: str | Path, accept: Sequence[str] | None = STAGES) -> dict:
+def check_gate(
+    checkpoint: str | Path, accept: Sequence[str] | None = STAGES, passed_only: bool = True
+) -> dict:
     """The pre-flight of a stage that starts from a checkpoint (GRPO, RSFT): the gate file's content
     when ``checkpoint`` has a passed gate of a stage in ``accept`` (None: any) whose digest still
     matches; else raise :class:`GateError` (exit codes 10-13, see the module docstring; a gate of a
-    stage not in ``accept`` is 11)."""
+    stage not in ``accept`` is 11). ``passed_only`` False: a failed gate is returned too (the
+    pipeline's resume: the gate is intact, whatever its verdict)."""
 
     content = read_gate(checkpoint)
     if accept is not None and content.get("stage") not in accept:
@@ -406,7 +409,7 @@ def check_gate(checkpoint: str | Path, accept: Sequence[str] | None = STAGES) ->
             f"starts from ({', '.join(accept)}). Gate the checkpoint as one: orthojob gate --checkpoint "
             f"{checkpoint} --stage {accept[0]}.",
         )
-    if not content["passed"]:
+    if passed_only and not content["passed"]:
         failed = [k for k, ok in (content.get("checks") or {}).items() if not ok]
         metrics = content["metrics"]
         shown = ", ".join(

@@ -63,8 +63,8 @@ from server.reward_scaler import REWARD_MAX, REWARD_MIN
 from server.scoring import STRATEGY_MULTIPLIERS
 
 REQUIRED_COLUMNS: tuple[str, ...] = ("seed", "task_id", "force_decay")
-OPTIONAL_COLUMNS: tuple[str, ...] = ("non_compliance", "engine")
-"""Columns read when a dataset row carries them (missing: False)."""
+OPTIONAL_COLUMNS: tuple[str, ...] = ("non_compliance", "engine", "repair_cost_scale")
+"""Columns read when a dataset row carries them (missing: False; ``repair_cost_scale`` missing: 1)."""
 DIAGNOSIS_CREDIT: dict[float, float] = {
     STRATEGY_MULTIPLIERS["optimal"]: 1.0,
     STRATEGY_MULTIPLIERS["neutral"]: 0.5,
@@ -96,16 +96,24 @@ def _rollouts(completions: Sequence, kwargs: dict, caller: str) -> list[Rollout]
     n = len(completions)
     seeds, tasks, decays = (_column(c, kwargs, n, caller) for c in REQUIRED_COLUMNS)
     worn = _column("non_compliance", kwargs, n, caller) if kwargs.get("non_compliance") is not None else None
-    engine = False
-    if kwargs.get("engine") is not None:
-        column = {bool(v) for v in _column("engine", kwargs, n, caller)}
-        if len(column) > 1:
-            raise ValueError(
-                f"{caller}: column 'engine' must be the same for the whole batch, got both values"
-            )
-        engine = column.pop()
+    engine = bool(_batch_value("engine", kwargs, n, caller, False))
+    scale = float(_batch_value("repair_cost_scale", kwargs, n, caller, 1.0))
+    if engine and not scale > 0:
+        raise ValueError(f"{caller}: column 'repair_cost_scale' must be > 0 (got {scale!r})")
     rolls = DEFAULT_CACHE.get_many(list(completions), seeds, tasks, decays, worn, engine=engine)
-    return [r.objective for r in rolls] if engine else rolls
+    return [r.objective_at(scale) for r in rolls] if engine else rolls
+
+
+def _batch_value(name: str, kwargs: dict, n: int, caller: str, default: object) -> object:
+    """The one value an optional column holds for the whole batch (``default`` where it is absent)."""
+    if kwargs.get(name) is None:
+        return default
+    column = set(_column(name, kwargs, n, caller))
+    if len(column) > 1:
+        raise ValueError(
+            f"{caller}: column {name!r} must be the same for the whole batch, got {sorted(column)}"
+        )
+    return column.pop()
 
 
 def _unsafe(r: Rollout) -> bool:

@@ -95,15 +95,21 @@ class Rollout:
 
     @property
     def objective(self) -> Rollout:
+        """What GRPO's objective judges with the engine in the loop at the engine's own repair cost:
+        :meth:`objective_at` 1."""
+        return self.objective_at(1.0)
+
+    def objective_at(self, cost_scale: float) -> Rollout:
         """What GRPO's objective judges with the engine in the loop (a prompt row's ``engine`` column,
         :mod:`orthojob.rewards.reward_functions`): where the engine repaired the plan, the executed plan's
-        rollout with its scaled reward less the repair's cost (:func:`server.staging_engine.repair_cost`),
-        strictly below what the executed plan earns written directly; else this one (a plan executed as
-        written; a plan the fallback replaced keeps its raw, failing-band score; a completion that is not
-        a plan)."""
+        rollout with its scaled reward less the repair's cost (:func:`server.staging_engine.repair_cost`
+        at ``cost_scale`` > 0), strictly below what the executed plan earns written directly; else this
+        one (a plan executed as written; a plan the fallback replaced keeps its raw, failing-band score;
+        a completion that is not a plan)."""
         if self.executed is None or self.repair is None or self.repair["status"] != REPAIRED:
             return self
-        return replace(self.executed, scaled_reward=self.executed.scaled_reward - repair_cost(self.repair))
+        cost = repair_cost(self.repair, cost_scale)
+        return replace(self.executed, scaled_reward=self.executed.scaled_reward - cost)
 
     @property
     def changed(self) -> bool:

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import t as student_t
 
+from orthojob.agentic.episodes import tool_gate_metrics
 from orthojob.core.metrics import HARD_RULE_SHARE, SCALED_REWARD_MEAN, TERMINAL_RAW, mean_of
 from orthojob.core.prompts import CELLS
 from orthojob.data import case_sets
@@ -74,7 +75,6 @@ from orthojob.lifecycle.gate_file import (
 )
 from orthojob.modeling.models import ModelError, checkpoint_files, load_for_inference
 from orthojob.stages.flags import add_config_arguments, engine_field, engine_on, given_values, positive_int
-from orthojob.stages.tool_sft import tool_gate_metrics
 from server.cases import TASK_IDS, CaseKey
 from server.seed_ranges import gate_window_start
 from server.treatment import score_plans
@@ -349,7 +349,7 @@ def _tool_gate_report(
     path, force_decay, max_new_tokens, batch_size, max_turns, stage, thresholds, model, tokenizer,
     keys, window,
 ) -> dict:  # fmt: skip
-    """:func:`gate_report` of stage 1 (tool-use SFT): :func:`orthojob.stages.tool_sft.tool_gate_metrics` on the
+    """:func:`gate_report` of stage 1 (tool-use SFT): :func:`orthojob.agentic.episodes.tool_gate_metrics` on the
     cases ``keys`` (the run's ``window``, or a case set's held-out patients), checked against the stage's
     thresholds."""
 

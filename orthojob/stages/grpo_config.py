@@ -183,6 +183,14 @@ class GRPOJobConfig(TrainingConfig):
             "choices": OBJECTIVES,
         },
     )
+    repair_cost_scale: float = field(
+        default=1.0,
+        metadata={
+            "help": "with --objective engine, the repair cost's multiplier (> 0): 1 is the engine's own "
+            "cost (server.staging_engine.repair_cost); smaller leaves more of the ranking to the executed "
+            "plan's quality"
+        },
+    )
     sampler: str = field(
         default="shared-prefix",
         metadata={
@@ -353,6 +361,14 @@ class GRPOJobConfig(TrainingConfig):
         ):
             raise ConfigError(
                 f"--env-url needs --mode agentic and an http(s):// URL, got {self.env_url!r} ({self.mode})"
+            )
+        if (
+            isinstance(self.repair_cost_scale, bool)
+            or not isinstance(self.repair_cost_scale, (int, float))
+            or not (0 < self.repair_cost_scale < float("inf"))
+        ):
+            raise ConfigError(
+                f"--repair-cost-scale must be a number > 0 (at 0 leaning on the engine is free), got {self.repair_cost_scale!r}"
             )
         if self.mode == "agentic" and self.objective != "raw":
             raise ConfigError(

@@ -608,7 +608,7 @@ def train(
             n_prompts, config.prompt_seed_start, config.task_id, config.force_decay, prompt_format_of(model)
         )
     if config.objective == "engine":  # the rewards read the column (orthojob.rewards.reward_functions)
-        rows = [{**row, "engine": True} for row in rows]
+        rows = [{**row, "engine": True, "repair_cost_scale": config.repair_cost_scale} for row in rows]
     longest = max(_prompt_lengths(tokenizer, rows, tools))
     if longest > config.max_prompt_length:
         raise ConfigError(

@@ -3,41 +3,40 @@
 Stages (each timed, each recorded in ``<out>/pipeline_summary.json``):
 
 1. ``tiny-model`` (only when the preset's model is ``"tiny"``): the offline tiny Qwen2 model, its
-   tokenizer trained on the project's prompts (:func:`orthojob.modeling.models.build_tiny`; with ``tool`` in
-   the chain also on tool conversations, with 8192 positions,
+   tokenizer trained on the project's prompts (:func:`orthojob.modeling.models.build_tiny`; with ``tool_sft``
+   in the chain also on tool conversations, with 8192 positions,
    :func:`orthojob.stages.tool_sft.build_tiny_tool_model`); then ``base``
    (``base_eval``): the untrained model's held-out parse rate, format and scaled reward, for
    comparison (no gate file);
-2. the preset's training ``stages`` (:data:`orthojob.stages.presets.PIPELINE_STAGES`), in order, each
-   starting from the previous one's gated checkpoint, each in ``<out>/<name>`` with its gate file and
-   its own MLflow stage run, which holds the training, the gate (summary entry ``gate_<name>``) and
-   the gated checkpoint as an MLflow LoggedModel with its gate metrics, verdict and datasets
-   (:func:`orthojob.lifecycle.model_logging.log_gated_checkpoint`, what promotion searches):
+2. the preset's training ``stages``, in order: one loop over :data:`orthojob.stages.stage_table.STAGE_TABLE`
+   (:meth:`_Chain.run_stage`), each stage starting from the previous one's gated checkpoint, in
+   ``<out>/<key>`` with its gate file and its own MLflow stage run ``<key>``, which holds the training,
+   the gate (summary entry ``gate_<key>``, thresholds from the preset's ``<key>_gate`` section) and the
+   gated checkpoint as an MLflow LoggedModel with its gate metrics, verdict and datasets
+   (:func:`orthojob.lifecycle.model_logging.log_gated_checkpoint`, what promotion searches). The stage's
+   ``trainer`` picks how it trains:
 
-   * ``format`` -> ``format_sft``: stage 0, format SFT on demonstrations that carry no clinical
-     choice (:func:`orthojob.stages.sft.run_sft`), then ``gate_format_sft`` (format only);
-   * ``tool`` -> ``tool_sft``: stage 1, tool-use SFT on the oracle's tool conversations (the loss on
-     the assistant's turns), then ``gate_tool_sft`` (greedy agentic episodes: tool calls, finished);
-   * ``bc`` -> ``bc_sft``: stage 2, BC SFT on the oracle's safe plans, then ``gate_bc_sft``;
-   * ``grpo`` -> ``grpo``: stage 3, the preset's GRPO config object with ``from_checkpoint`` = the
-     previous stage, run by :func:`orthojob.stages.grpo.run_grpo` (what ``orthojob grpo`` runs; its
-     pre-flight accepts the gate of any earlier stage), which writes its own gate (``gate_grpo``)
-     with the preset's ``grpo_gate`` thresholds;
-   * ``rsft`` -> ``rsft``: stage 4, rejection fine-tuning of the previous checkpoint
-     (:func:`orthojob.stages.rsft.run_rsft`), then ``gate_rsft``.
+   * ``sft`` (``format_sft``, ``tool_sft``, ``bc_sft``: stages 0-2): TRL's SFTTrainer
+     (:func:`orthojob.stages.sft.run_sft`), then the gate (:func:`orthojob.stages.gate.run_gate`);
+   * ``grpo`` (stage 3): the GRPO job, what ``orthojob grpo`` runs (:func:`orthojob.stages.grpo.run_grpo`;
+     its pre-flight accepts the gate of any earlier stage), which gates its saved checkpoint with the same
+     gate module before it publishes it (the TrainJob runs that job alone on a cluster);
+   * ``rsft`` (stage 4): rejection fine-tuning (:func:`orthojob.stages.rsft.run_rsft`), then the gate.
 
-   The default (both presets): ``bc, grpo``, the chain ``make run`` has always run;
+   The default (both presets): ``bc_sft, grpo``, the chain ``make run`` has always run;
 3. ``evaluate``: every trained checkpoint (newest first) and the baselines on held-out seeds ->
    ``<out>/evaluation.json``.
 
-Resume: a run given the same ``out`` again (a retried pod, or a Job re-applied with the same run
-name) starts at the first unfinished stage. A training stage whose checkpoint is already published
-under ``out`` with a *passed* gate whose digest still matches, and whose ``run_identity.json`` is
-this config's (:mod:`orthojob.ops.run_identity`; another config is exit 14), is not trained again: it is
-downloaded (digests checked) and recorded ``resumed_from`` in the summary, its earlier entries
-carried over from the summary published beside it (``<out>/pipeline_summary.json``). GRPO is
-finished when its output carries its gate file; otherwise ``run_grpo`` resumes its newest
-``checkpoint-N``. The tiny model is rebuilt (seconds, deterministic), the evaluation runs again.
+Resume, the same for every stage (:meth:`_Chain.finished`): a run given the same ``out`` again (a
+retried pod, or a Job re-applied with the same run name) starts at the first unfinished stage. A
+training stage whose checkpoint is already published under ``out`` with its gate file, whose digest
+still matches, and whose ``run_identity.json`` is this config's (:mod:`orthojob.ops.run_identity`;
+another config is exit 14), is not trained again: it is downloaded (digests checked) and recorded
+``resumed_from`` in the summary, its earlier entries carried over from the summary published beside
+it (``<out>/pipeline_summary.json``). A gate that failed is kept as it is (this config would be
+judged the same again): the chain stops there with that gate's exit code. An unfinished GRPO
+resumes its newest ``checkpoint-N`` (:func:`orthojob.stages.grpo.run_grpo`). The tiny model is
+reused when its recipe is recorded, the evaluation runs again.
 
 A failed gate stops the chain: the later training stages are skipped (each would refuse the
 checkpoint), recorded as such. The evaluation runs when at least one stage passed its gate.
@@ -79,14 +78,13 @@ from orthojob.ops.exit_codes import ExitCode
 from orthojob.ops.records import json_value
 from orthojob.stages import gate
 from orthojob.stages.flags import engine_on
-from orthojob.stages.gate import GateSettings
 from orthojob.stages.grpo import run_grpo
 from orthojob.stages.grpo_config import TRAIN_LOG_FILE
 from orthojob.stages.pipeline_summary import format_summary, gate_view
-from orthojob.stages.presets import FIRST_STAGES, PRESETS, Preset, apply_overrides
+from orthojob.stages.presets import PRESETS, Preset, apply_overrides
 from orthojob.stages.rsft import RSFTError, log_rsft, run_rsft
 from orthojob.stages.sft import TRAINING_CASES, log_stage, run_sft
-from orthojob.stages.stage_table import SFT_SECTIONS, STAGE_TABLE
+from orthojob.stages.stage_table import SFT_SECTIONS, STAGE_TABLE, Stage
 from orthojob.stages.tool_sft import build_tiny_tool_model
 
 log = logging.getLogger(__name__)
@@ -161,90 +159,188 @@ def run_pipeline(preset: str | Preset, out: str | Path, overrides: dict[str, Any
     return summary
 
 
+@dataclasses.dataclass
+class _Outcome:
+    """What a training stage left: its folder, whether its gate passed, and the exit code it ends the
+    chain with (0 while the chain goes on; ``fatal``: stop at once, without the evaluation)."""
+
+    key: str
+    folder: Path
+    passed: bool
+    code: int = 0
+    trained: bool = True
+    """False where the stage left no checkpoint (RSFT keeping no sample)."""
+    fatal: bool = False
+
+
 def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None = None) -> dict:
-    import mlflow  # heavy: see run_pipeline
+    chain = _Chain(cfg, out, overrides)
+    chain.base_model()
+    trained: list[_Outcome] = []
+    code = 0
+    try:  # a stage refusing what an earlier attempt left (another config) ends the chain at once
+        for key in cfg.stages:
+            if code:
+                chain.stages[key] = {
+                    "skipped": f"an earlier gate or stage failed (exit {code}): {key} refuses its checkpoint"
+                }
+                continue
+            outcome = chain.run_stage(STAGE_TABLE[key], trained[-1] if trained else None)
+            if outcome.fatal:
+                return chain.finish(outcome.code)
+            if outcome.trained:
+                trained.append(outcome)
+            code = outcome.code
+    except _RefusedError as refused:
+        return chain.finish(refused.code)
+    if any(o.passed for o in trained):
+        chain.evaluate(trained)
+    return chain.finish(code)
 
-    out_uri = str(out).rstrip("/") if storage.is_s3_uri(out) else None
-    if out_uri:
-        out = work_dirs.local_work_dir(out_uri)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    summary: dict[str, Any] = {
-        "preset": cfg.name,
-        "overrides": overrides or {},
-        "config": cfg.to_dict(),
-        "chain": list(cfg.stages),
-        "stages": {},
-    }
-    stages = summary["stages"]
-    earlier = _earlier_stages(out_uri, out)  # what an earlier attempt at this run recorded
 
-    def save() -> None:
-        summary["wall_seconds"] = time.perf_counter() - t_start
-        text = json.dumps(summary, indent=2, default=str)
-        (out / SUMMARY_FILE).write_text(text)
-        if out_uri:  # beside the published stages: a retried pod carries over what they recorded
-            storage.write_text(f"{out_uri}/{SUMMARY_FILE}", text)
+class _Chain:
+    """One pipeline run's state (its summary, output and model) and its steps: the base model, each
+    training stage (:meth:`run_stage`: resumed or trained, then gated), the evaluation."""
 
-    def finish(code: int) -> dict:
-        summary["exit_code"] = int(code)
-        save()
-        print(format_summary(summary))
-        return summary
+    def __init__(self, cfg: Preset, out: str | Path, overrides: dict[str, Any] | None) -> None:
+        self.cfg = cfg
+        self.out_uri = str(out).rstrip("/") if storage.is_s3_uri(out) else None
+        self.out = Path(work_dirs.local_work_dir(self.out_uri) if self.out_uri else out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.t_start = time.perf_counter()
+        self.summary: dict[str, Any] = {
+            "preset": cfg.name,
+            "overrides": overrides or {},
+            "config": cfg.to_dict(),
+            "chain": list(cfg.stages),
+            "stages": {},
+        }
+        self.stages: dict[str, Any] = self.summary["stages"]
+        self.earlier = _earlier_stages(self.out_uri, self.out)  # what an earlier attempt at this run recorded
+        self.model = cfg.model
 
-    def publish(name: str, folder: Path) -> str:
+    # --- the run's record --------------------------------------------------------------------
+
+    def save(self) -> None:
+        self.summary["wall_seconds"] = time.perf_counter() - self.t_start
+        text = json.dumps(self.summary, indent=2, default=str)
+        (self.out / SUMMARY_FILE).write_text(text)
+        if self.out_uri:  # beside the published stages: a retried pod carries over what they recorded
+            storage.write_text(f"{self.out_uri}/{SUMMARY_FILE}", text)
+
+    def finish(self, code: int) -> dict:
+        self.summary["exit_code"] = int(code)
+        self.save()
+        print(format_summary(self.summary))
+        return self.summary
+
+    def where(self, name: str) -> str:
+        """Where stage ``name``'s result lives: ``<out>/<name>`` (an ``s3://`` URI or the local folder)."""
+        return f"{self.out_uri}/{name}" if self.out_uri else str(self.out / name)
+
+    def publish(self, name: str, folder: Path) -> str:
         """A stage's checkpoint where the next stage reads it: ``<out>/<name>`` (published to S3)."""
-        if not out_uri:
+        if not self.out_uri:
             return str(folder)
-        return storage.publish(folder, f"{out_uri}/{name}")
+        return storage.publish(folder, f"{self.out_uri}/{name}")
 
-    # 1. tiny model
-    model = cfg.model
-    sections = {key: getattr(cfg, key) for key in SFT_SECTIONS}
-    if model == TINY_MODEL:
-        t = time.perf_counter()
-        tasks = sorted({cfg.task_id, *(t for s in cfg.stages if s in sections for t in sections[s].task_ids)})
-        build = build_tiny_tool_model if TOOL_SFT in cfg.stages else build_tiny
-        recipe = {"builder": build.__name__, "tasks": tasks, "force_decay": cfg.force_decay, **cfg.tiny_arch}
-        folder = out / "tiny-model"
-        where = f"{out_uri}/tiny-model" if out_uri else str(folder)
-        if out_uri and storage.read_manifest(where) is not None:  # an earlier attempt's: same bytes
-            storage.download_dir(where, folder)
-        recorded = run_identity.read_identity(folder) if (folder / "config.json").is_file() else None
-        reused = recorded is not None and recorded["config_digest"] == run_identity.config_digest(recipe)
-        if not reused:
-            build(folder, tasks, cfg.force_decay, **cfg.tiny_arch)
-            run_identity.write_identity(folder, recipe)
-            publish("tiny-model", folder)  # the chain's base, kept with the run for a retried pod
-        model = str(folder)
-        stages["tiny-model"] = {"seconds": time.perf_counter() - t, "path": model, "reused": reused}
-        save()
+    # --- 1. the base model ---------------------------------------------------------------------
 
-    # 1b. the base model's held-out parse rate and format, before any training (no gate file)
-    if cfg.base_eval:
-        t = time.perf_counter()
-        g = cfg.bc_sft_gate
-        base = gate.gate_report(
-            model, n_seeds=g.n_seeds, task_id=cfg.task_id, force_decay=cfg.force_decay,
-            max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, stage="base", thresholds=g.thresholds,
-            engine=engine_on(g.engine),
-        )  # fmt: skip
-        stages["base"] = {"seconds": time.perf_counter() - t, **gate_view(base)}
-        save()
+    def base_model(self) -> None:
+        """The tiny model when the preset names it (rebuilt, or reused when its recipe is recorded), then
+        the base model's held-out figures (``base_eval``)."""
+        cfg = self.cfg
+        sections = {key: getattr(cfg, key) for key in SFT_SECTIONS}
+        if cfg.model == TINY_MODEL:
+            t = time.perf_counter()
+            tasks = sorted(
+                {cfg.task_id, *(t for s in cfg.stages if s in sections for t in sections[s].task_ids)}
+            )
+            build = build_tiny_tool_model if TOOL_SFT in cfg.stages else build_tiny
+            recipe = {
+                "builder": build.__name__,
+                "tasks": tasks,
+                "force_decay": cfg.force_decay,
+                **cfg.tiny_arch,
+            }
+            folder = self.out / "tiny-model"
+            where = self.where("tiny-model")
+            if self.out_uri and storage.read_manifest(where) is not None:  # an earlier attempt's: same bytes
+                storage.download_dir(where, folder)
+            recorded = run_identity.read_identity(folder) if (folder / "config.json").is_file() else None
+            reused = recorded is not None and recorded["config_digest"] == run_identity.config_digest(recipe)
+            if not reused:
+                build(folder, tasks, cfg.force_decay, **cfg.tiny_arch)
+                run_identity.write_identity(folder, recipe)
+                self.publish("tiny-model", folder)  # the chain's base, kept with the run for a retried pod
+            self.model = str(folder)
+            self.stages["tiny-model"] = {
+                "seconds": time.perf_counter() - t,
+                "path": self.model,
+                "reused": reused,
+            }
+            self.save()
+        if cfg.base_eval:  # the untrained model's parse rate and format, for comparison (no gate file)
+            t = time.perf_counter()
+            g = cfg.bc_sft_gate
+            base = gate.gate_report(
+                self.model, n_seeds=g.n_seeds, task_id=cfg.task_id, force_decay=cfg.force_decay,
+                max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, stage="base", thresholds=g.thresholds,
+                engine=engine_on(g.engine),
+            )  # fmt: skip
+            self.stages["base"] = {"seconds": time.perf_counter() - t, **gate_view(base)}
+            self.save()
 
-    def finished(name: str, folder: Path, identity: dict) -> dict | None:
-        """The gate of ``name`` when an earlier attempt trained, gated (passed) and published it
-        under ``out`` with this config: then it is not trained again (module docstring)."""
-        where = f"{out_uri}/{name}" if out_uri else str(folder)
-        if out_uri:
+    # --- 2. a training stage -------------------------------------------------------------------
+
+    def run_stage(self, stage: Stage, previous: _Outcome | None) -> _Outcome:
+        """``stage`` from ``previous``'s gated checkpoint (None: from the base model): resumed where an
+        earlier attempt at this run trained and gated it with this config (:meth:`finished`), else
+        trained and gated by its trainer's step."""
+        folder = self.out / stage.key
+        train = {"sft": self.train_sft, "grpo": self.train_grpo, "rsft": self.train_rsft}[stage.trainer]
+        config, identity = self.stage_config(stage, folder, previous)
+        content = self.finished(stage, folder, identity)
+        if content is not None:
+            passed = bool(content["passed"])
+            return _Outcome(stage.key, folder, passed, 0 if passed else stage.gate_failed_code)
+        return train(stage, folder, config, identity, previous)
+
+    def stage_config(self, stage: Stage, folder: Path, previous: _Outcome | None) -> tuple[Any, dict]:
+        """The stage's config for this run (the preset's section, this run's model, output and start),
+        and its identity: what makes a checkpoint this run's (its config with the preset's model
+        reference, not the pod-local tiny-model folder, the stage it starts from by name, its gate)."""
+        section = getattr(self.cfg, stage.section)
+        if stage.trainer == "grpo":  # GRPO reads and writes ``<out>/<key>`` itself (S3 in and out)
+            source = self.where(previous.key) if previous else None
+            config = dataclasses.replace(
+                section, model=self.model, from_checkpoint=source, out=self.where(stage.key)
+            )
+            ident = dataclasses.replace(config, model=self.cfg.model, out=stage.key)
+        else:
+            start = str(previous.folder) if previous else None
+            config = dataclasses.replace(section, model=self.model, out=str(folder), from_checkpoint=start)
+            ident = dataclasses.replace(config, model=self.cfg.model)
+        ident = dataclasses.replace(ident, from_checkpoint=previous.key if previous else None)
+        settings = getattr(self.cfg, stage.gate_section)
+        gate_identity = (
+            settings.thresholds.to_dict() if stage.trainer == "grpo" else dataclasses.asdict(settings)
+        )
+        return config, {**ident.to_dict(), "gate": gate_identity}
+
+    def finished(self, stage: Stage, folder: Path, identity: dict) -> dict | None:
+        """The gate of ``stage`` when an earlier attempt trained, gated and published it under ``out``
+        with this config (its gate file intact, passed or failed: this config would be judged the same
+        again): then it is not trained again (module docstring)."""
+        name, where = stage.key, self.where(stage.key)
+        if self.out_uri:
             if storage.read_manifest(where) is None:
                 return None
             storage.download_dir(where, folder)  # digests checked against its manifest
         elif not gate_file.gate_path(folder).is_file():
             return None
         try:
-            content = gate_file.check_gate(folder, accept=None)
+            content = gate_file.check_gate(folder, accept=None, passed_only=False)
         except gate_file.GateError as exc:
             print(f"[pipeline] {name} at {where} is not reused ({exc.message[:200]}): training it again")
             return None
@@ -256,216 +352,155 @@ def _run_pipeline(cfg: Preset, out: str | Path, overrides: dict[str, Any] | None
                 return None
         except run_identity.RunIdentityError as exc:  # another config wrote it: exit 14, never retried
             print(f"orthojob pipeline: {exc}", file=sys.stderr)
-            stages[name] = {"seconds": 0.0, "error": str(exc), "exit_code": int(exc.exit_code)}
+            self.stages[name] = {"seconds": 0.0, "error": str(exc), "exit_code": int(exc.exit_code)}
             raise _RefusedError(int(exc.exit_code)) from exc
         print(f"[pipeline] {name}: already trained and gated at {where} (resumed, not trained again)")
-        stages[name] = {"seconds": 0.0, **earlier.get(name, {}), "resumed_from": where}
-        gate_entry = earlier.get(f"gate_{name}") or {"seconds": 0.0, **gate_view(content)}
-        stages[f"gate_{name}"] = {**gate_entry, "resumed": True}
-        save()
+        self.stages[name] = {"seconds": 0.0, **self.earlier.get(name, {}), "resumed_from": where}
+        gate_entry = self.earlier.get(f"gate_{name}") or {"seconds": 0.0, **gate_view(content)}
+        self.stages[f"gate_{name}"] = {**gate_entry, "resumed": True}
+        self.save()
         return content
 
-    def gate_stage(
-        name: str, folder: Path, settings: GateSettings, params_key: str, result: dict, config: Any
-    ) -> bool:
-        """Evaluate a SFT stage's checkpoint and write its gate file, in the stage's run (active), where
-        the checkpoint becomes a gated LoggedModel (:func:`orthojob.stages.sft.log_stage`); publish both.
+    def gate(self, stage: Stage, folder: Path, result: dict, config: Any) -> _Outcome:
+        """Evaluate a stage's checkpoint and write its gate file, in the stage's run (active), where the
+        checkpoint becomes a gated LoggedModel (:func:`orthojob.stages.sft.log_stage`); publish both.
         A stage ``config`` with a case set is gated on its held-out patients."""
         t = time.perf_counter()
-        tracking.log_params({params_key: dataclasses.asdict(settings)})
-        content = gate.run_gate(folder, name, settings, cfg.task_id, cfg.force_decay, config)
-        stages[f"gate_{name}"] = {"seconds": time.perf_counter() - t, **gate_view(content)}
+        settings = getattr(self.cfg, stage.gate_section)
+        tracking.log_params({stage.gate_section: dataclasses.asdict(settings)})
+        content = gate.run_gate(folder, stage.key, settings, self.cfg.task_id, self.cfg.force_decay, config)
+        self.stages[f"gate_{stage.key}"] = {"seconds": time.perf_counter() - t, **gate_view(content)}
         log_stage(result, content, folder)
         print(gate_file.format_gate(content))
-        publish(name, folder)
-        save()
-        return bool(content["passed"])
+        self.publish(stage.key, folder)
+        self.save()
+        passed = bool(content["passed"])
+        return _Outcome(stage.key, folder, passed, 0 if passed else stage.gate_failed_code)
 
-    def sft_stage(step: str, previous: Path | None) -> bool:
-        """Stage 0 (format), 1 (tool-use) or 2 (BC): train, then gate."""
-        name = key = step
-        gate_key = STAGE_TABLE[step].gate_section
-        settings = getattr(cfg, gate_key)
-        folder = out / name
+    def stage_params(self, stage: Stage, config: Any) -> dict:
+        return {stage.section: config.to_dict(), "model": self.model, "force_decay": self.cfg.force_decay}
+
+    def train_sft(self, stage: Stage, folder: Path, config: Any, identity: dict, previous) -> _Outcome:
+        """Stage 0 (format), 1 (tool-use) or 2 (BC): TRL's SFTTrainer, then the gate."""
         t = time.perf_counter()
-        config = dataclasses.replace(
-            sections[step], model=model, out=str(folder), from_checkpoint=str(previous) if previous else None
-        )
-        identity = stage_identity(config, settings, previous)
-        done = finished(name, folder, identity)
-        if done is not None:
-            return bool(done["passed"])
-        with tracking.stage_run(
-            name, params={key: config.to_dict(), "model": model, "force_decay": cfg.force_decay}
-        ):
+        with tracking.stage_run(stage.key, params=self.stage_params(stage, config)):
             result = run_sft(config)
             run_identity.write_identity(folder, identity)  # published with the checkpoint and its gate
-            stages[name] = {"seconds": time.perf_counter() - t, **_entry(result)}
-            save()
-            return gate_stage(name, folder, settings, gate_key, result, config)
+            self.stages[stage.key] = {"seconds": time.perf_counter() - t, **_entry(result)}
+            self.save()
+            return self.gate(stage, folder, result, config)
 
-    def stage_identity(config: Any, settings: GateSettings, previous: Path | None) -> dict:
-        """What makes a stage's checkpoint this run's: its config with the preset's model reference
-        (not the pod-local tiny-model folder), the stage it starts from by name, and its gate."""
-        ident = dataclasses.replace(
-            config, model=cfg.model, from_checkpoint=previous.name if previous else None
-        )
-        return {**ident.to_dict(), "gate": dataclasses.asdict(settings)}
-
-    def grpo_stage(previous: tuple[str, Path]) -> tuple[bool, int]:
-        """Stage 3, which writes its own gate file: (gate passed, exit code of run_grpo)."""
-        grpo_dir = out / "grpo"
+    def train_rsft(self, stage: Stage, folder: Path, config: Any, identity: dict, previous) -> _Outcome:
+        """Stage 4: sample, keep, fine-tune, then the gate; RSFT keeping no sample ends the chain."""
         t = time.perf_counter()
-        source = f"{out_uri}/{previous[0]}" if out_uri else str(previous[1])  # published by its gate stage
-        target = f"{out_uri}/grpo" if out_uri else str(grpo_dir)
-        grpo = dataclasses.replace(cfg.grpo, model=model, from_checkpoint=source, out=target)
-        identity = {
-            **dataclasses.replace(grpo, model=cfg.model, from_checkpoint=previous[0], out="grpo").to_dict(),
-            "gate": cfg.grpo_gate.thresholds.to_dict(),
-        }
-        if out_uri and storage.read_manifest(target) is not None:  # published: trained and gated
-            storage.download_dir(target, grpo_dir)
-        if (
-            gate_file.gate_path(grpo_dir).is_file()
-            and run_identity.read_identity(grpo_dir) is not None
-            and run_identity.check_resume(grpo_dir, identity, where=target)
-        ):
-            content = gate_file.read_gate(grpo_dir)
-            print(f"[pipeline] grpo: already trained and gated at {target} (resumed, not trained again)")
-            code = ExitCode.OK if content["passed"] else ExitCode.GRPO_GATE_FAILED
-            stages["grpo"] = {"seconds": 0.0, "exit_code": int(code), **earlier.get("grpo", {})}
-            stages["grpo"]["resumed_from"] = target
-            stages["gate_grpo"] = {"seconds": None, **gate_view(content), "resumed": True}
-            save()
-            return bool(content["passed"]), int(code)
-        grpo_dir.mkdir(parents=True, exist_ok=True)
-        run_identity.write_identity(grpo_dir, identity)  # published with GRPO's output and its gate
-        before = tracking.last_stage_run("grpo")
-        rc = run_grpo(grpo, given=grpo.to_dict(), gate_thresholds=cfg.grpo_gate.thresholds)
-        grpo_run = tracking.last_stage_run("grpo")  # the child run: last_active_run() is the pipeline's
-        stages["grpo"] = {
-            "seconds": time.perf_counter() - t,
-            "exit_code": int(rc),
-            "mlflow_run_id": grpo_run if grpo_run != before else None,
-            "out": target,
-            "from_checkpoint": source,
-            **_grpo_rewards(grpo_dir / TRAIN_LOG_FILE),
-        }
-        save()
-        if rc not in (0, ExitCode.GRPO_GATE_FAILED) or not gate_file.gate_path(grpo_dir).is_file():
-            stages["grpo"]["error"] = f"orthojob grpo exited {rc}"
-            return False, int(rc or ExitCode.FAILURE)
-        content = gate_file.read_gate(grpo_dir)  # as the GRPO stage wrote (and published and logged) it
-        stages["gate_grpo"] = {"seconds": content["metrics"].get("eval_seconds"), **gate_view(content)}
-        return bool(content["passed"]), int(rc)
-
-    def rsft_stage(previous: Path) -> tuple[bool, int]:
-        """Stage 4: sample, keep, fine-tune, then gate. (gate passed, 0) or (False, exit code)."""
-        folder = out / "rsft"
-        t = time.perf_counter()
-        config = dataclasses.replace(cfg.rsft, model=model, out=str(folder), from_checkpoint=str(previous))
-        identity = stage_identity(config, cfg.rsft_gate, previous)
-        done = finished("rsft", folder, identity)
-        if done is not None:
-            return bool(done["passed"]), 0
-        with tracking.stage_run(
-            "rsft", params={"rsft": config.to_dict(), "model": model, "force_decay": cfg.force_decay}
-        ):
+        with tracking.stage_run(stage.key, params=self.stage_params(stage, config)):
             try:
                 result = run_rsft(config)
             except (RSFTError, gate_file.GateError) as exc:
-                stages["rsft"] = {
+                self.stages[stage.key] = {
                     "seconds": time.perf_counter() - t,
                     "error": exc.message,
                     "exit_code": exc.exit_code,
                 }
+                import mlflow  # imported by the stage run already
+
                 mlflow.set_tag("orthorl.refused", exc.message[:250])
-                save()
-                return False, int(exc.exit_code)
+                self.save()
+                return _Outcome(stage.key, folder, False, int(exc.exit_code), trained=False)
             log_rsft(result, folder)
             run_identity.write_identity(folder, identity)
-            stages["rsft"] = {"seconds": time.perf_counter() - t, **_entry(result)}
-            save()
-            return gate_stage("rsft", folder, cfg.rsft_gate, "rsft_gate", result, config), 0
+            self.stages[stage.key] = {"seconds": time.perf_counter() - t, **_entry(result)}
+            self.save()
+            return self.gate(stage, folder, result, config)
 
-    # 2. the training stages, each from the previous gated checkpoint
-    trained: list[tuple[str, Path, bool]] = []  # (name, folder, gate passed)
-    code = 0
-    try:  # a stage refusing what an earlier attempt left (another config) ends the chain at once
-        for step in cfg.stages:
-            name = step
-            if code:
-                stages[name] = {
-                    "skipped": f"an earlier gate or stage failed (exit {code}): {name} refuses its checkpoint"
-                }
-                continue
-            previous = trained[-1] if trained else None
-            if step in FIRST_STAGES:
-                passed = sft_stage(step, previous[1] if previous else None)
-                trained.append((name, out / name, passed))
-                code = 0 if passed else ExitCode.GATE_FAILED
-            elif step == "grpo":
-                passed, rc = grpo_stage((previous[0], previous[1]))
-                if rc not in (0, ExitCode.GRPO_GATE_FAILED):
-                    return finish(rc)
-                trained.append((name, out / name, passed))
-                code = 0 if passed else ExitCode.GRPO_GATE_FAILED
-            else:
-                passed, rc = rsft_stage(previous[1])
-                if rc == 0:
-                    trained.append((name, out / name, passed))
-                code = rc or (0 if passed else ExitCode.GATE_FAILED)
-    except _RefusedError as refused:
-        return finish(refused.code)
-    if not any(passed for _, _, passed in trained):
-        return finish(code)
-
-    # 3. evaluate every trained checkpoint (newest first) and the baselines
-    t = time.perf_counter()
-    e = cfg.evaluate
-    with tracking.stage_run("evaluate", params={"evaluate": dataclasses.asdict(e)}):
-        tasks = [cfg.task_id]
-        kw = {"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "max_new_tokens": e.max_new_tokens,
-              "batch_size": e.batch_size, "engine": engine_on(e.engine)}  # fmt: skip
-        newest_first = [(name, folder) for name, folder, _ in reversed(trained)]
-        on_set = [c for c in (cfg.grpo, cfg.bc_sft, cfg.rsft, cfg.format_sft, cfg.tool_sft) if c.cases]
-        cases = on_set[0].cases if on_set else None
-        if cases:  # the set's held-out patients, as the gates judged them
-            kw["keys"], _ = case_sets.heldout_cases(cases, on_set[0].heldout_share, cfg.force_decay)
-            tasks = list(dict.fromkeys(k.task_id for k in kw["keys"]))
-        first_name, first_folder = newest_first[0]
-        report = evaluate_checkpoint(str(first_folder), tasks, baselines=e.baselines, name=first_name, **kw)
-        rows = {task: {first_name: report[task].pop(first_name)} for task in tasks}
-        for name, folder in newest_first[1:]:
-            other = evaluate_checkpoint(str(folder), tasks, baselines=False, name=name, **kw)
-            for task in tasks:
-                rows[task][name] = other[task][name]
-        for task in tasks:
-            rows[task].update(report[task])  # the baselines after the checkpoints
-        report = rows
-        (out / EVALUATION_FILE).write_text(
-            json.dumps({"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "results": report}, indent=2)
-        )
-        table = format_table(report, len(kw["keys"]) if cases else e.n_seeds, cfg.force_decay, source=cases)
-        print(table)
-        stages["evaluate"] = {
+    def train_grpo(self, stage: Stage, folder: Path, config: Any, identity: dict, previous) -> _Outcome:
+        """Stage 3: the GRPO job (:func:`orthojob.stages.grpo.run_grpo`, what ``orthojob grpo`` runs),
+        which gates its checkpoint itself with the preset's gate thresholds, in its own stage run, before
+        it publishes it: the TrainJob runs that job alone on a cluster, so the gate is part of it. A
+        refusal or crash stops the chain at once."""
+        t = time.perf_counter()
+        folder.mkdir(parents=True, exist_ok=True)
+        run_identity.write_identity(folder, identity)  # published with GRPO's output and its gate
+        before = tracking.last_stage_run(stage.key)
+        thresholds = getattr(self.cfg, stage.gate_section).thresholds
+        rc = run_grpo(config, given=config.to_dict(), gate_thresholds=thresholds)
+        grpo_run = tracking.last_stage_run(stage.key)  # the child run: last_active_run() is the pipeline's
+        self.stages[stage.key] = {
             "seconds": time.perf_counter() - t,
-            "file": str(out / EVALUATION_FILE),
-            SCALED_REWARD_MEAN: {p: s[SCALED_REWARD]["mean"] for p, s in report[tasks[0]].items()},
-            HARD_RULE_SHARE: {p: s[HARD_RULE_SHARE]["mean"] for p, s in report[tasks[0]].items()},
-            "model_metrics": {
-                p: s["model_metrics"] for p, s in report[tasks[0]].items() if "model_metrics" in s
-            },
+            "exit_code": int(rc),
+            "mlflow_run_id": grpo_run if grpo_run != before else None,
+            "out": config.out,
+            "from_checkpoint": config.from_checkpoint,
+            **_grpo_rewards(folder / TRAIN_LOG_FILE),
         }
-        tracking.log_metrics(
-            {
-                f"{key}/{p}": v
-                for key in (SCALED_REWARD_MEAN, HARD_RULE_SHARE)
-                for p, v in stages["evaluate"][key].items()
+        self.save()
+        if rc not in (0, stage.gate_failed_code) or not gate_file.gate_path(folder).is_file():
+            self.stages[stage.key]["error"] = f"orthojob {stage.command} exited {rc}"
+            return _Outcome(stage.key, folder, False, int(rc or ExitCode.FAILURE), fatal=True)
+        content = gate_file.read_gate(folder)  # as the GRPO job wrote (and published and logged) it
+        self.stages[f"gate_{stage.key}"] = {
+            "seconds": content["metrics"].get("eval_seconds"),
+            **gate_view(content),
+        }
+        passed = bool(content["passed"])
+        return _Outcome(stage.key, folder, passed, 0 if passed else stage.gate_failed_code)
+
+    # --- 3. the evaluation ---------------------------------------------------------------------
+
+    def evaluate(self, trained: list[_Outcome]) -> None:
+        """Every trained checkpoint (newest first) and the baselines on held-out seeds (or the case set's
+        held-out patients, as the gates judged them) -> ``<out>/evaluation.json``."""
+        import mlflow  # heavy: see run_pipeline
+
+        cfg, t = self.cfg, time.perf_counter()
+        e = cfg.evaluate
+        with tracking.stage_run("evaluate", params={"evaluate": dataclasses.asdict(e)}):
+            tasks = [cfg.task_id]
+            kw = {"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "max_new_tokens": e.max_new_tokens,
+                  "batch_size": e.batch_size, "engine": engine_on(e.engine)}  # fmt: skip
+            newest_first = [(o.key, o.folder) for o in reversed(trained)]
+            on_set = [c for c in (cfg.grpo, cfg.bc_sft, cfg.rsft, cfg.format_sft, cfg.tool_sft) if c.cases]
+            cases = on_set[0].cases if on_set else None
+            if cases:
+                kw["keys"], _ = case_sets.heldout_cases(cases, on_set[0].heldout_share, cfg.force_decay)
+                tasks = list(dict.fromkeys(k.task_id for k in kw["keys"]))
+            first_name, first_folder = newest_first[0]
+            report = evaluate_checkpoint(
+                str(first_folder), tasks, baselines=e.baselines, name=first_name, **kw
+            )
+            rows = {task: {first_name: report[task].pop(first_name)} for task in tasks}
+            for name, folder in newest_first[1:]:
+                other = evaluate_checkpoint(str(folder), tasks, baselines=False, name=name, **kw)
+                for task in tasks:
+                    rows[task][name] = other[task][name]
+            for task in tasks:
+                rows[task].update(report[task])  # the baselines after the checkpoints
+            report = rows
+            path = self.out / EVALUATION_FILE
+            path.write_text(
+                json.dumps(
+                    {"n_seeds": e.n_seeds, "force_decay": cfg.force_decay, "results": report}, indent=2
+                )
+            )
+            print(
+                format_table(report, len(kw["keys"]) if cases else e.n_seeds, cfg.force_decay, source=cases)
+            )
+            first = report[tasks[0]]
+            self.stages["evaluate"] = {
+                "seconds": time.perf_counter() - t,
+                "file": str(path),
+                SCALED_REWARD_MEAN: {p: s[SCALED_REWARD]["mean"] for p, s in first.items()},
+                HARD_RULE_SHARE: {p: s[HARD_RULE_SHARE]["mean"] for p, s in first.items()},
+                "model_metrics": {p: s["model_metrics"] for p, s in first.items() if "model_metrics" in s},
             }
-        )
-        mlflow.log_artifact(str(out / EVALUATION_FILE))
-    return finish(code)
+            tracking.log_metrics(
+                {
+                    f"{key}/{p}": v
+                    for key in (SCALED_REWARD_MEAN, HARD_RULE_SHARE)
+                    for p, v in self.stages["evaluate"][key].items()
+                }
+            )
+            mlflow.log_artifact(str(path))
 
 
 class _RefusedError(Exception):

@@ -192,7 +192,7 @@ class ToolSFTConfig(SFTJobConfig):
     """Every ``orthojob tool-sft`` flag: stage 1, tool-use SFT on the oracle's tool conversations
     (:func:`orthojob.stages.tool_sft.tool_demonstrations`: inspect a tooth or two, check collisions, submit the
     oracle's plan), with the tool-calling chat template (:func:`orthojob.agentic.chat_template.prepare_tokenizer`).
-    Its gate runs greedy agentic episodes (:func:`orthojob.stages.tool_sft.tool_gate_metrics`)."""
+    Its gate runs greedy agentic episodes (:func:`orthojob.agentic.episodes.tool_gate_metrics`)."""
 
     out: str = output_field("./checkpoints/tool_sft")
     demos: str = field(default="tool", metadata={"help": "demonstration source", "cli": False})

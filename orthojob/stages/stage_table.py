@@ -57,6 +57,12 @@ class Stage:
         return f"{self.key}_gate"
 
     @property
+    def gate_failed_code(self) -> ExitCode:
+        """The exit code of a chain this stage's failed gate ends: 3 for GRPO (training finished, its
+        quality gate failed), else 12."""
+        return ExitCode.GRPO_GATE_FAILED if self.trainer == "grpo" else ExitCode.GATE_FAILED
+
+    @property
     def out(self) -> str:
         """The stage command's default output folder."""
         return f"{CHECKPOINTS}/{self.key}"
