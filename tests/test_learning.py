@@ -11,6 +11,7 @@ from dataclasses import Field, fields, replace
 import numpy as np
 import pytest
 
+from experiments.learning.config import LearnConfig
 from experiments.learning.evaluation import (
     ENGINE_METRICS,
     final_cases,
@@ -781,7 +782,7 @@ def test_the_two_halves_run_apart_combine_into_the_report_make_learn_writes(tmp_
     assert chain_report.main([str(tmp_path / "chain")]) == 0
     printed = capsys.readouterr().out
     assert "| GRPO from BC raw | GRPO from BC repair share | gap closed |" in printed
-    assert printed.rstrip().endswith(" | 1.0 |") and "| raw |" in printed
+    assert printed.rstrip().endswith(" | 1.0 |") and f"| {LearnConfig.objective} |" in printed
     assert (tmp_path / "chain" / "chain_report" / "comparison.md").is_file()
 
     chain_file = tmp_path / "chain" / "chain.json"

@@ -57,9 +57,17 @@ def _depth(value: object) -> int:
 
 
 def _timed_extract(text: object) -> dict | None:
-    t = time.perf_counter()
-    out = extract_plan(text)
-    assert time.perf_counter() - t < PARSE_BOUND_S
+    """``extract_plan(text)``, its fastest of three runs within :data:`PARSE_BOUND_S` (a parse is about
+    2 ms alone; the fastest run keeps a busy machine's scheduling out of the bound, an uncapped scan
+    is slow every time)."""
+    seconds = []
+    for _ in range(3):
+        t = time.perf_counter()
+        out = extract_plan(text)
+        seconds.append(time.perf_counter() - t)
+        if seconds[-1] < PARSE_BOUND_S:
+            break
+    assert min(seconds) < PARSE_BOUND_S, seconds
     return out
 
 
